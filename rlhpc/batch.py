@@ -1,0 +1,52 @@
+"""The data a rollout hands to training: token ids, rollout logprobs, rewards, advantages."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class RolloutBatch:
+    """``n_prompts * group_size`` samples; the samples of one prompt are adjacent."""
+
+    prompt_ids: list[list[int]]
+    response_ids: list[list[int]]
+    rollout_logprobs: list[list[float]]  # engine logprob of each response token
+    rewards: torch.Tensor  # [N] float32
+    advantages: torch.Tensor  # [N] float32, per sample (broadcast over its tokens)
+    group_size: int
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids)
+
+    def shard(self, rank: int, world_size: int) -> RolloutBatch:
+        """Contiguous slice for data-parallel rank ``rank`` (sizes differ by at most one)."""
+        n = len(self)
+        start, stop = rank * n // world_size, (rank + 1) * n // world_size
+        return RolloutBatch(
+            prompt_ids=self.prompt_ids[start:stop],
+            response_ids=self.response_ids[start:stop],
+            rollout_logprobs=self.rollout_logprobs[start:stop],
+            rewards=self.rewards[start:stop],
+            advantages=self.advantages[start:stop],
+            group_size=self.group_size,
+        )
+
+    def to_padded(self, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Right-padded ``input_ids``, ``attention_mask`` [N, L] and ``loss_mask`` [N, L-1].
+
+        ``loss_mask[i, t]`` is 1 where token t+1 of row i is a response token, i.e. where the
+        logits at position t predict a response token.
+        """
+        seqs = [p + r for p, r in zip(self.prompt_ids, self.response_ids)]
+        width = max(len(s) for s in seqs)
+        input_ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+        attention = torch.zeros((len(seqs), width), dtype=torch.long)
+        loss_mask = torch.zeros((len(seqs), width - 1), dtype=torch.float32)
+        for i, (p, s) in enumerate(zip(self.prompt_ids, seqs)):
+            input_ids[i, : len(s)] = torch.tensor(s)
+            attention[i, : len(s)] = 1
+            loss_mask[i, len(p) - 1 : len(s) - 1] = 1.0
+        return input_ids, attention, loss_mask

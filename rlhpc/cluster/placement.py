@@ -1,0 +1,74 @@
+"""Reserve the job's GPUs as one Ray placement group and learn where each bundle landed.
+
+Ray's bundle index says nothing about node or GPU, so every bundle is probed for its
+(node IP, GPU id) and slots are assigned in numeric (IP octets, GPU id) order.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+from dataclasses import dataclass
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from rlhpc.errors import RlhpcError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Placement:
+    pg: PlacementGroup
+    bundle_of_slot: list[int]  # slot k -> placement-group bundle index
+    location_of_slot: list[tuple[str, int]]  # slot k -> (node IP, GPU id)
+
+    def strategy(self, slot: int) -> PlacementGroupSchedulingStrategy:
+        """Scheduling strategy that pins a Ray actor to the bundle of ``slot``."""
+        return PlacementGroupSchedulingStrategy(
+            placement_group=self.pg, placement_group_bundle_index=self.bundle_of_slot[slot]
+        )
+
+    def remove(self) -> None:
+        remove_placement_group(self.pg)
+
+
+def sort_key(location: tuple[str, int]) -> tuple[int, int]:
+    """Numeric order: 10.0.0.9 before 10.0.0.10 (string order gets that wrong)."""
+    ip, gpu = location
+    return int(ipaddress.ip_address(ip)), int(gpu)
+
+
+@ray.remote(num_cpus=0.01, num_gpus=0.01)
+class _Probe:
+    def where(self) -> tuple[str, int]:
+        gpu_ids = ray.get_gpu_ids()
+        return ray.util.get_node_ip_address(), int(gpu_ids[0]) if gpu_ids else -1
+
+
+def create_placement(num_slots: int, timeout_s: float = 120.0) -> Placement:
+    pg = placement_group([{"GPU": 1, "CPU": 1}] * num_slots, strategy="PACK")
+    ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
+    if not ready:
+        res = ray.cluster_resources()
+        remove_placement_group(pg)
+        raise RlhpcError(
+            f"Ray could not reserve {num_slots} GPUs within {timeout_s:.0f}s "
+            f"(cluster has GPU={res.get('GPU', 0)}, CPU={res.get('CPU', 0)})",
+            "check that every node joined Ray with its GPUs, or shrink the layout",
+        )
+    probes = [
+        _Probe.options(
+            scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i)
+        ).remote()
+        for i in range(num_slots)
+    ]
+    locations = ray.get([p.where.remote() for p in probes])
+    for p in probes:
+        ray.kill(p)
+    order = sorted(range(num_slots), key=lambda i: sort_key(locations[i]))
+    placement = Placement(pg, order, [locations[i] for i in order])
+    log.info("placement: %s", ", ".join(f"slot{k}={ip}:gpu{g}" for k, (ip, g) in enumerate(placement.location_of_slot)))
+    return placement

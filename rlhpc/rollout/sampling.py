@@ -1,0 +1,101 @@
+"""Batched autoregressive sampling with a KV cache and one RNG per sample.
+
+One ``torch.Generator`` per sample (seeded by SGLang's ``sampling_seed``) makes a sample's
+tokens independent of which other requests share its batch, so reruns are reproducible.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Sample:
+    output_ids: list[int]
+    output_logprobs: list[float]
+    finish_reason: str  # "stop" (eos) | "length"
+
+
+def _top_p_filter(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    keep = sorted_probs.cumsum(dim=-1) - sorted_probs < top_p[:, None]
+    sorted_probs = sorted_probs * keep
+    return torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+
+
+@torch.no_grad()
+def sample(
+    model: torch.nn.Module,
+    prompts: list[list[int]],
+    max_new_tokens: list[int],
+    temperature: list[float],
+    top_p: list[float],
+    seeds: list[int | None],
+    eos_id: int,
+    pad_id: int,
+) -> list[Sample]:
+    """Generate for a batch of prompts. Temperature 0 means greedy.
+
+    Logprobs are those of the sampled token under the unmodified (temperature 1) softmax, as
+    SGLang reports them by default.
+    """
+    device = next(model.parameters()).device
+    batch = len(prompts)
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((batch, width), pad_id, dtype=torch.long, device=device)
+    attn = torch.zeros((batch, width), dtype=torch.long, device=device)
+    for i, p in enumerate(prompts):  # left padding keeps every row's last token aligned
+        input_ids[i, width - len(p) :] = torch.tensor(p, device=device)
+        attn[i, width - len(p) :] = 1
+    gens = []
+    for s in seeds:
+        g = torch.Generator(device=device)
+        g.manual_seed(s if s is not None else int(torch.randint(0, 2**62, ()).item()))
+        gens.append(g)
+    temps = torch.tensor(temperature, dtype=torch.float32, device=device)
+    tops = torch.tensor(top_p, dtype=torch.float32, device=device)
+    limits = torch.tensor(max_new_tokens, device=device)
+
+    outs: list[list[int]] = [[] for _ in range(batch)]
+    lps: list[list[float]] = [[] for _ in range(batch)]
+    done = torch.zeros(batch, dtype=torch.bool, device=device)
+    finish = ["length"] * batch
+    position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
+    # transformers >= 5 names the KV cache argument ``cache``; older releases ``past_key_values``.
+    cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    past = None
+    step_ids, step_pos = input_ids, position_ids
+    for _ in range(int(limits.max().item())):
+        out = model(input_ids=step_ids, attention_mask=attn, position_ids=step_pos, use_cache=True, **{cache_kw: past})
+        past = out[cache_kw]
+        logits = out.logits[:, -1, :].float()
+        logprobs = torch.log_softmax(logits, dim=-1)
+        greedy = temps <= 0
+        probs = torch.softmax(logits / temps.clamp(min=1e-5)[:, None], dim=-1)
+        probs = _top_p_filter(probs, tops)
+        next_ids = torch.empty(batch, dtype=torch.long, device=device)
+        for i in range(batch):
+            if greedy[i]:
+                next_ids[i] = logits[i].argmax()
+            else:
+                next_ids[i] = torch.multinomial(probs[i], 1, generator=gens[i])[0]
+        for i in range(batch):
+            if done[i]:
+                continue
+            tok = int(next_ids[i])
+            outs[i].append(tok)
+            lps[i].append(float(logprobs[i, tok]))
+            if tok == eos_id:
+                done[i], finish[i] = True, "stop"
+            elif len(outs[i]) >= limits[i]:
+                done[i] = True
+        if bool(done.all()):
+            break
+        next_ids = torch.where(done, torch.full_like(next_ids, pad_id), next_ids)
+        attn = torch.cat([attn, (~done).long()[:, None]], dim=1)
+        step_ids = next_ids[:, None]
+        step_pos = step_pos[:, -1:] + 1
+    return [Sample(outs[i], lps[i], finish[i]) for i in range(batch)]
