@@ -34,9 +34,8 @@ def _digit_sum_data(count: int, rng: random.Random) -> list[dict]:
 
 
 def _digit_sum_reward(prompt: str, response: str, answer: str) -> float:
-    # Shaped so a random policy sees signal: 0.2 for a clean one-token answer, 0.8 for the right digit.
-    clean = 0.2 if len(response) == len(answer) and response.isdigit() else 0.0
-    return clean + (0.8 if response[: len(answer)] == answer else 0.0)
+    # Anything after the digit is ignored: a random policy then hits 1 in ~48, enough to learn from.
+    return 1.0 if response.startswith(answer) else 0.0
 
 
 def _reverse_data(count: int, rng: random.Random) -> list[dict]:

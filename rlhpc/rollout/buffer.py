@@ -1,0 +1,76 @@
+"""Prompt order across epochs: a pure function of (seed, rollout id).
+
+Rollout ``i`` takes rows ``[k*B, (k+1)*B)`` of epoch ``i // per_epoch``'s permutation, so the
+data position never drifts from the model checkpoint: resuming at rollout ``i`` needs only
+``i``. ``state_dict`` records what the order depends on, to refuse a resume on changed data.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+
+from rlhpc.errors import ConfigError
+
+
+class DataBuffer:
+    def __init__(self, rows: list[dict], rollout_batch_size: int, seed: int):
+        if len(rows) < rollout_batch_size:
+            raise ConfigError(
+                f"the training data has {len(rows)} prompts, fewer than rollout.rollout_batch_size = {rollout_batch_size}",
+                "add data (data.num_train / data.train_file) or lower rollout.rollout_batch_size",
+            )
+        self.rows = rows
+        self.batch_size = rollout_batch_size
+        self.seed = seed
+        self.num_rollout_per_epoch = len(rows) // rollout_batch_size  # a partial last batch is dropped
+        self._order_cache: tuple[int, list[int]] | None = None
+
+    def _order(self, epoch: int) -> list[int]:
+        if self._order_cache is None or self._order_cache[0] != epoch:
+            order = list(range(len(self.rows)))
+            random.Random(f"{self.seed}:{epoch}").shuffle(order)
+            self._order_cache = (epoch, order)
+        return self._order_cache[1]
+
+    def position(self, rollout_id: int) -> tuple[int, int]:
+        """(epoch, first row index within that epoch's order) of rollout ``rollout_id``."""
+        epoch, k = divmod(rollout_id, self.num_rollout_per_epoch)
+        return epoch, k * self.batch_size
+
+    def batch(self, rollout_id: int) -> list[dict]:
+        epoch, start = self.position(rollout_id)
+        order = self._order(epoch)
+        return [self.rows[i] for i in order[start : start + self.batch_size]]
+
+    def is_epoch_end(self, rollout_id: int) -> bool:
+        return (rollout_id + 1) % self.num_rollout_per_epoch == 0
+
+    def fingerprint(self) -> str:
+        return hashlib.sha256(json.dumps(self.rows, sort_keys=True).encode()).hexdigest()[:16]
+
+    def state_dict(self, next_rollout_id: int) -> dict:
+        epoch, start = self.position(next_rollout_id)
+        return {
+            "next_rollout_id": next_rollout_id,
+            "epoch": epoch,
+            "offset": start,
+            "seed": self.seed,
+            "batch_size": self.batch_size,
+            "data_fingerprint": self.fingerprint(),
+        }
+
+    def check_resume(self, state: dict) -> None:
+        """Refuse to resume when the data or its order changed since the checkpoint."""
+        for key, now in (
+            ("seed", self.seed),
+            ("batch_size", self.batch_size),
+            ("data_fingerprint", self.fingerprint()),
+        ):
+            if state.get(key) != now:
+                raise ConfigError(
+                    f"the checkpoint's data {key} is {state.get(key)!r} but this run's is {now!r}: "
+                    "resuming would replay or skip prompts",
+                    "resume with the data and rollout settings the run started with, or start a new --run-dir",
+                )
