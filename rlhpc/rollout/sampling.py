@@ -7,6 +7,7 @@ tokens independent of which other requests share its batch, so reruns are reprod
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import torch
@@ -16,7 +17,7 @@ import torch
 class Sample:
     output_ids: list[int]
     output_logprobs: list[float]
-    finish_reason: str  # "stop" (eos) | "length"
+    finish_reason: str  # "stop" (eos or a stop token: the last output id) | "length" | "abort"
 
 
 def _top_p_filter(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -36,11 +37,18 @@ def sample(
     seeds: list[int | None],
     eos_id: int,
     pad_id: int,
+    *,
+    stop_ids: list[Collection[int]] | None = None,
+    step_hook: Callable[[], bool] | None = None,
 ) -> list[Sample]:
     """Generate for a batch of prompts. Temperature 0 means greedy.
 
     Logprobs are those of the sampled token under the unmodified (temperature 1) softmax, as
     SGLang reports them by default.
+
+    ``stop_ids[i]``, when given, replaces ``{eos_id}`` as row i's set of stopping tokens (SGLang's
+    ``stop_token_ids`` / ``ignore_eos``). ``step_hook`` runs before every forward pass; it may
+    block (an engine pausing mid-batch) and returning True ends all unfinished rows as "abort".
     """
     device = next(model.parameters()).device
     batch = len(prompts)
@@ -59,9 +67,11 @@ def sample(
     tops = torch.tensor(top_p, dtype=torch.float32, device=device)
     limits = torch.tensor(max_new_tokens, device=device)
 
+    stops = [set(s) for s in stop_ids] if stop_ids is not None else [{eos_id}] * batch
+
     outs: list[list[int]] = [[] for _ in range(batch)]
     lps: list[list[float]] = [[] for _ in range(batch)]
-    done = torch.zeros(batch, dtype=torch.bool, device=device)
+    done = limits <= 0  # max_new_tokens=0 rows produce nothing, even beside longer rows
     finish = ["length"] * batch
     position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
     # transformers >= 5 names the KV cache argument ``cache``; older releases ``past_key_values``.
@@ -69,6 +79,9 @@ def sample(
     past = None
     step_ids, step_pos = input_ids, position_ids
     for _ in range(int(limits.max().item())):
+        if step_hook is not None and step_hook():
+            finish = [f if bool(done[i]) else "abort" for i, f in enumerate(finish)]
+            break
         out = model(input_ids=step_ids, attention_mask=attn, position_ids=step_pos, use_cache=True, **{cache_kw: past})
         past = out[cache_kw]
         logits = out.logits[:, -1, :].float()
@@ -88,7 +101,7 @@ def sample(
             tok = int(next_ids[i])
             outs[i].append(tok)
             lps[i].append(float(logprobs[i, tok]))
-            if tok == eos_id:
+            if tok in stops[i]:
                 done[i], finish[i] = True, "stop"
             elif len(outs[i]) >= limits[i]:
                 done[i] = True
