@@ -1,0 +1,1 @@
+"""Training side: ``ActorGroup`` (driver-side fan-out) over ``TrainWorker`` ranks."""

@@ -1,0 +1,126 @@
+"""Driver-side handle on the training ranks: one ``TrainWorker`` per actor slot, calls fanned out.
+
+Every method waits for all ranks. If a rank fails, the first failure is raised at once as
+``ActorRankError`` naming the rank (the surviving ranks may be stuck in a collective; the
+driver is expected to ``shutdown()`` the group).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import ray
+
+from rlhpc.actor.worker import TrainWorker
+from rlhpc.batch import RolloutBatch
+from rlhpc.cluster.placement import Placement
+from rlhpc.config import Config
+from rlhpc.errors import RlhpcError
+
+log = logging.getLogger(__name__)
+
+# Colocated: the actor takes this share of its slot's GPU and the engine(s) the rest.
+COLOCATE_GPU_FRACTION = 0.4
+# A bundle is {"GPU": 1, "CPU": 1}; a fractional CPU leaves room for an engine or helper beside it.
+WORKER_NUM_CPUS = 0.4
+
+
+class ActorRankError(RlhpcError):
+    """A training rank died or raised."""
+
+    def __init__(self, rank: int, method: str, cause: BaseException):
+        dead = isinstance(cause, ray.exceptions.RayActorError)
+        super().__init__(
+            f"actor rank {rank} {'died' if dead else 'failed'} during {method}: {cause}",
+            "see that rank's log above (OOM, a crashed node, or the exception shown); "
+            "the job can resume from the last checkpoint",
+        )
+        self.rank = rank
+        self.method = method
+
+
+class ActorGroup:
+    def __init__(self, cfg: Config, model_path: str, placement: Placement, slots: tuple[int, ...]):
+        self.cfg = cfg
+        self.slots = tuple(slots)
+        self.world_size = len(self.slots)
+        num_gpus = COLOCATE_GPU_FRACTION if cfg.cluster.colocate else 1
+        self.workers = [
+            TrainWorker.options(
+                num_gpus=num_gpus,
+                num_cpus=WORKER_NUM_CPUS,
+                scheduling_strategy=placement.strategy(slot),
+            ).remote(cfg, model_path, rank, self.world_size)
+            for rank, slot in enumerate(self.slots)
+        ]
+        addr, port = self._get([self.workers[0].master_addr_port.remote()], "master_addr_port")[0]
+        self._call("init_process_group", addr, port)
+        log.info("actor group: %d rank(s) on slots %s, rendezvous %s:%d", self.world_size, self.slots, addr, port)
+
+    # ------------------------------------------------------------------ fan-out
+
+    def _get(self, refs: list[ray.ObjectRef], method: str) -> list[Any]:
+        """Results in rank order; the first rank to fail raises at once (no waiting on the rest)."""
+        rank_of = {ref: rank for rank, ref in enumerate(refs)}
+        results: dict[int, Any] = {}
+        pending = list(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1)
+            rank = rank_of[ready[0]]
+            try:
+                results[rank] = ray.get(ready[0])
+            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
+                raise ActorRankError(rank, method, e) from e
+        return [results[r] for r in range(len(refs))]
+
+    def _call(self, method: str, *args: Any) -> list[Any]:
+        refs = [getattr(w, method).remote(*args) for w in self.workers]
+        return self._get(refs, method)
+
+    # ------------------------------------------------------------------ API
+
+    def load(self, ckpt_dir: str | None) -> None:
+        self._call("load", ckpt_dir)
+
+    def train(self, rollout_id: int, batch: RolloutBatch) -> dict[str, float]:
+        """One rollout's training; metrics are global (every rank returns the same, rank 0's is used)."""
+        if len(batch) < self.world_size:
+            raise RlhpcError(
+                f"rollout {rollout_id} has {len(batch)} samples for {self.world_size} actor ranks",
+                "raise rollout.rollout_batch_size or lower cluster.actor_num_gpus",
+            )
+        refs = [w.train.remote(rollout_id, batch.shard(r, self.world_size)) for r, w in enumerate(self.workers)]
+        return self._get(refs, "train")[0]
+
+    def save(self, ckpt_dir: str) -> None:
+        """All ranks write into ``ckpt_dir/actor/``; returns when every rank has finished."""
+        self._call("save", ckpt_dir)
+
+    def connect_rollout(self, engine_urls: list[str], engine_world_sizes: list[int], colocate: bool) -> None:
+        self._call("connect_rollout", engine_urls, engine_world_sizes, colocate)
+
+    def update_weights(self, version: int) -> None:
+        self._call("update_weights", version)
+
+    def offload(self) -> None:
+        self._call("offload")
+
+    def onload(self) -> None:
+        self._call("onload")
+
+    def fingerprints(self) -> list[str]:
+        return self._call("state_fingerprint")
+
+    def shutdown(self) -> None:
+        """Close process groups where ranks still answer, then kill every actor."""
+        refs = [w.shutdown.remote() for w in self.workers]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=10)
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except Exception:  # a rank already dead or stuck: it is killed below anyway
+                log.debug("actor shutdown call failed", exc_info=True)
+        for w in self.workers:
+            ray.kill(w)
+        self.workers = []

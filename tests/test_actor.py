@@ -1,0 +1,185 @@
+"""Training ranks on a local Ray with declared GPUs, torch.distributed over gloo, a tiny model."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+from safetensors.torch import load_file
+
+from rlhpc.actor.group import ActorGroup, ActorRankError
+from rlhpc.batch import RolloutBatch
+from rlhpc.cluster.placement import Placement, create_placement
+from rlhpc.config import Config
+from rlhpc.errors import RlhpcError
+from rlhpc.model import TinyModelConfig, build_tiny_model
+
+pytestmark = pytest.mark.ray
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[None]:
+    ray.init(num_cpus=4, num_gpus=4, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(build_tiny_model(tmp_path_factory.mktemp("m") / "tiny", TinyModelConfig()))
+
+
+def make_cfg(**actor: object) -> Config:
+    cfg = Config(deterministic=True)
+    cfg.actor.lr = 1e-2
+    for k, v in actor.items():
+        setattr(cfg.actor, k, v)
+    return cfg
+
+
+def make_batch(n: int, seed: int) -> RolloutBatch:
+    """Uneven prompt/response lengths (so ranks and micro-batches hold unequal token counts)."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, 40) for _ in range(rng.randint(2, 6))] for _ in range(n)]
+    responses = [[rng.randrange(3, 40) for _ in range(rng.randint(1, 7))] for _ in range(n)]
+    logprobs = [[-rng.random() * 3 for _ in r] for r in responses]
+    rewards = torch.tensor([float(rng.random() > 0.5) for _ in range(n)])
+    advantages = torch.tensor([rng.uniform(-1.5, 1.5) for _ in range(n)])
+    return RolloutBatch(prompts, responses, logprobs, rewards, advantages, group_size=2)
+
+
+class Group:
+    """An ActorGroup on its own placement group, both released on exit."""
+
+    def __init__(self, cfg: Config, model_path: str, ranks: int):
+        self.placement: Placement = create_placement(ranks)
+        self.group = ActorGroup(cfg, model_path, self.placement, tuple(range(ranks)))
+
+    def __enter__(self) -> ActorGroup:
+        return self.group
+
+    def __exit__(self, *exc: object) -> None:
+        self.group.shutdown()
+        self.placement.remove()
+
+
+def tensors(group: ActorGroup, rank: int = 0, grads: bool = False) -> dict[str, torch.Tensor]:
+    return ray.get(group.workers[rank].named_tensors.remote(grads))
+
+
+def test_two_ranks_train_in_lockstep(ray_cluster: None, model_path: str) -> None:
+    with Group(make_cfg(micro_batch_size=3, num_steps_per_rollout=2), model_path, 2) as g:
+        start = g.fingerprints()
+        assert start[0] == start[1]
+        before = tensors(g)
+        prev = start[0]
+        for rollout_id in range(3):
+            m = g.train(rollout_id, make_batch(10, seed=rollout_id))
+            assert all(torch.isfinite(torch.tensor(v)) for v in m.values()), m
+            assert m["tokens"] > 0 and m["grad_norm"] > 0 and m["entropy"] > 0
+            fp = g.fingerprints()
+            assert fp[0] == fp[1], f"ranks diverged after rollout {rollout_id}"
+            assert fp[0] != prev
+            prev = fp[0]
+        after = tensors(g, rank=1)
+        assert any(not torch.equal(before[k], after[k]) for k in before)
+
+        # 3 samples, 2 steps: rank 0's shard (1 sample) has an empty minibatch; DDP must not hang
+        g.train(3, make_batch(3, seed=3))
+        fp = g.fingerprints()
+        assert fp[0] == fp[1] != prev
+        with pytest.raises(RlhpcError, match="samples for 2 actor ranks"):
+            g.train(4, make_batch(1, seed=4))
+
+        ray.kill(g.workers[1])
+        with pytest.raises(ray.exceptions.RayActorError):  # kill is asynchronous: wait for the death
+            for _ in range(100):
+                ray.get(g.workers[1].node_ip.remote())
+                time.sleep(0.1)
+        with pytest.raises(ActorRankError, match="actor rank 1 died during state_fingerprint") as e:
+            g.fingerprints()
+        assert e.value.rank == 1
+
+
+def test_gradient_is_global_token_mean(ray_cluster: None, model_path: str) -> None:
+    """2 ranks x small micro-batches == 1 rank x one micro-batch: same gradient, same step."""
+    batch = make_batch(9, seed=7)  # 9 samples: shards of 4 and 5, micro-batches of 2 -> uneven
+    cfg_split = make_cfg(micro_batch_size=2, grad_clip=1e9)
+    cfg_whole = make_cfg(micro_batch_size=64, grad_clip=1e9)
+    with Group(cfg_split, model_path, 2) as split, Group(cfg_whole, model_path, 1) as whole:
+        m_split = split.train(0, batch)
+        m_whole = whole.train(0, batch)
+        g_split, g_whole = tensors(split, grads=True), tensors(whole, grads=True)
+        w_split, w_whole = tensors(split, rank=1), tensors(whole)
+    assert m_split["tokens"] == m_whole["tokens"]
+    assert m_split["pg_loss"] == pytest.approx(m_whole["pg_loss"], rel=1e-5, abs=1e-7)
+    assert m_split["grad_norm"] == pytest.approx(m_whole["grad_norm"], rel=1e-5)
+    for k in g_whole:
+        torch.testing.assert_close(g_split[k], g_whole[k], rtol=1e-5, atol=1e-8)
+        # Adam's first step is lr * g / (|g| + eps): where |g| is near eps (1e-8), rounding noise
+        # in g changes the step, so compare the weights where the gradient is well above it.
+        clear = g_whole[k].abs() > 1e-5
+        torch.testing.assert_close(w_split[k][clear], w_whole[k][clear], rtol=1e-6, atol=1e-6)
+        assert (w_split[k] - w_whole[k]).abs().max() <= 2 * cfg_whole.actor.lr
+
+
+def test_save_load_resumes_bit_exact(ray_cluster: None, model_path: str, tmp_path: Path) -> None:
+    cfg = make_cfg(micro_batch_size=3, num_steps_per_rollout=2)
+    ckpt, again = tmp_path / "ckpt", tmp_path / "again"
+    with Group(cfg, model_path, 2) as a:
+        a.train(0, make_batch(10, seed=0))
+        a.save(str(ckpt))
+        saved_fp = a.fingerprints()[0]
+        a.train(1, make_batch(10, seed=1))
+        uninterrupted = a.fingerprints()
+    actor = ckpt / "actor"
+    names = {p.name for p in actor.iterdir()}
+    assert {"config.json", "model.safetensors", "optim.pt", "rng_rank0.pt", "rng_rank1.pt"} <= names
+    assert "tokenizer.json" in names
+
+    # The saved model is a plain HF checkpoint.
+    from transformers import AutoModelForCausalLM
+
+    assert AutoModelForCausalLM.from_pretrained(str(actor)).num_parameters() > 0
+
+    with Group(cfg, model_path, 2) as b:
+        b.load(str(ckpt))
+        assert b.fingerprints() == [saved_fp, saved_fp]
+        b.save(str(again))  # what was loaded, written back out: must equal what was saved
+        b.train(1, make_batch(10, seed=1))
+        assert b.fingerprints() == uninterrupted
+
+    o1, o2 = torch.load(actor / "optim.pt"), torch.load(again / "actor" / "optim.pt")
+    assert o1["param_groups"] == o2["param_groups"]
+    assert o1["state"].keys() == o2["state"].keys() and len(o1["state"]) > 0
+    for i in o1["state"]:
+        for key, value in o1["state"][i].items():
+            assert torch.equal(value, o2["state"][i][key]), (i, key)
+    for rank in (0, 1):
+        r1 = torch.load(actor / f"rng_rank{rank}.pt", weights_only=True)
+        r2 = torch.load(again / "actor" / f"rng_rank{rank}.pt", weights_only=True)
+        assert r1["python"] == r2["python"] and torch.equal(r1["torch"], r2["torch"])
+        assert torch.equal(r1["numpy_key"], r2["numpy_key"])
+    w1, w2 = load_file(actor / "model.safetensors"), load_file(again / "actor" / "model.safetensors")
+    assert all(torch.equal(w1[k], w2[k]) for k in w1)
+
+
+def test_kl_against_initial_model(ray_cluster: None, model_path: str, tmp_path: Path) -> None:
+    cfg = make_cfg(micro_batch_size=4)
+    cfg.algo.kl_coef = 0.1
+    with Group(cfg, model_path, 1) as g:
+        first = g.train(0, make_batch(6, seed=0))
+        assert first["kl"] == 0.0  # policy == reference before the first step
+        second = g.train(1, make_batch(6, seed=1))
+        assert second["kl"] > 0
+        assert second["loss"] == pytest.approx(second["pg_loss"] + 0.1 * second["kl"])
+        g.save(str(tmp_path / "ckpt"))
+    with Group(cfg, model_path, 1) as g:
+        g.load(str(tmp_path / "ckpt"))
+        # the reference is the initial model, not the checkpoint: KL is nonzero at once
+        assert g.train(2, make_batch(6, seed=2))["kl"] > 0
