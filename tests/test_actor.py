@@ -6,6 +6,7 @@ import random
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import ray
@@ -183,3 +184,31 @@ def test_kl_against_initial_model(ray_cluster: None, model_path: str, tmp_path: 
         g.load(str(tmp_path / "ckpt"))
         # the reference is the initial model, not the checkpoint: KL is nonzero at once
         assert g.train(2, make_batch(6, seed=2))["kl"] > 0
+
+
+def engine_weights(client: Any, names: list[str]) -> dict[str, torch.Tensor]:
+    # floats come back as JSON doubles, which hold float32 values exactly
+    return {n: torch.tensor(client.get_weights_by_name(n, truncate_size=10**9), dtype=torch.float32) for n in names}
+
+
+def test_update_weights_reaches_engine_bit_exact(ray_cluster: None, model_path: str, tmp_path: Path) -> None:
+    from rlhpc.rollout.client import EngineClient  # the rollout side only for this test
+    from rlhpc.rollout.engine import EngineActor
+
+    engine = EngineActor.options(num_cpus=0.5).remote(model_path, str(tmp_path / "logs"), 0, 120.0, None)
+    try:
+        with Group(make_cfg(micro_batch_size=4), model_path, 2) as g:
+            client = EngineClient(ray.get(engine.url.remote()))
+            # disaggregated: a gloo broadcast group; then colocated: shared-memory handles (reconnect)
+            for version, colocate in ((1, False), (2, True)):
+                g.train(version, make_batch(8, seed=version))
+                g.connect_rollout([client.base_url], [1], colocate)
+                g.update_weights(version)
+                assert client.get_weight_version() == str(version)
+                actor = tensors(g, rank=1)
+                got = engine_weights(client, list(actor))
+                for name, t in actor.items():
+                    assert torch.equal(got[name], t), f"{name} differs after sync (colocate={colocate})"
+    finally:
+        ray.get(engine.shutdown.remote())
+        ray.kill(engine)

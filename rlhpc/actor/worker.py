@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import random
 from collections.abc import Iterator
@@ -266,6 +267,7 @@ class TrainWorker:
 
     def train(self, rollout_id: int, batch: RolloutBatch) -> dict[str, float]:
         """``num_steps_per_rollout`` optimizer steps on this rank's shard; returns global metrics."""
+        self.onload()  # the driver may have offloaded us for generation; no-op otherwise
         a, algo = self.cfg.actor, self.cfg.algo
         steps = self._micro_batches(batch)
         # Tensors per micro-batch, padded once and reused by the old/ref pass and every step.
@@ -292,7 +294,8 @@ class TrainWorker:
 
         step_tokens = self._all_reduce_sum([sum(float(it["mask"].sum()) for it in mbs) for mbs in prepared])
         loss_sums = {"pg_loss": 0.0, "kl": 0.0, "clipfrac": 0.0}
-        grad_norms = []
+        grad_norms: list[float] = []
+        skipped = 0
         for k, mbs in enumerate(prepared):
             self.optimizer.zero_grad(set_to_none=True)
             global_tokens = max(step_tokens[k], 1.0)
@@ -314,10 +317,17 @@ class TrainWorker:
                     (loss * (tokens * self.world_size / global_tokens)).backward()
                 loss_sums["pg_loss"] += float(pg) * tokens
                 loss_sums["clipfrac"] += float(clipfrac) * tokens
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), a.grad_clip)
-            grad_norms.append(float(grad_norm))
-            self.optimizer.step()
-            self.optimizer_steps += 1
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.module.parameters(), a.grad_clip))
+            grad_norms.append(grad_norm)
+            if math.isfinite(grad_norm):
+                self.optimizer.step()
+                self.optimizer_steps += 1
+            else:
+                # the norm is computed after DDP's all-reduce, so every rank skips the same step
+                skipped += 1
+                log.warning(
+                    "rank %d: rollout %d step %d: grad norm %s, step skipped", self.rank, rollout_id, k, grad_norm
+                )
 
         keys = list(loss_sums) + list(sums)
         totals = self._all_reduce_sum([loss_sums[k] for k in loss_sums] + [sums[k] for k in sums] + [local_tokens])
@@ -329,6 +339,7 @@ class TrainWorker:
         metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
         metrics["tokens"] = totals[-1]
         metrics["optimizer_steps"] = float(self.optimizer_steps)
+        metrics["skipped_steps"] = float(skipped)
         if self.rank == 0:
             log.info("rollout %d: %s", rollout_id, ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
         return metrics
@@ -344,6 +355,8 @@ class TrainWorker:
         """Rank 0 opens the weight-sync channel to the engines; the other ranks have no part in it."""
         if self.rank != 0:
             return
+        if self.sender is not None:  # reconnecting (e.g. after an engine restart): drop the old channel
+            self._close_sender()
         from rlhpc.rollout.client import EngineClient  # late: training never needs the rollout side
         from rlhpc.rollout.weight_sync import make_weight_sender
 
@@ -360,14 +373,14 @@ class TrainWorker:
         log.info("rank 0: weight sync connected to %d engine(s)", len(clients))
 
     def _weights_for_send(self) -> Iterator[tuple[str, torch.Tensor]]:
+        # gloo sends from host memory; nccl/CUDA IPC from the GPU. Offloaded weights travel to
+        # the GPU one tensor at a time, so the peak is one bucket, not the model.
+        device = torch.device("cpu") if self.backend == "gloo" else self.device
         for name, p in self.module.named_parameters():
-            t = p.detach()
-            if self.backend == "gloo":
-                t = t.cpu()
-            yield name, t.contiguous()
+            yield name, p.detach().to(device).contiguous()
 
     def update_weights(self, version: int) -> None:
-        """Push the current weights (HF names) to all engines as ``version``."""
+        """Push the current weights (HF names) to all engines as ``version``. Works while offloaded."""
         if self.rank == 0:
             if self.sender is None:
                 raise RuntimeError("update_weights before connect_rollout: no weight sender")
@@ -380,7 +393,8 @@ class TrainWorker:
         """Move model, reference model and optimizer state to host memory (CUDA only).
 
         On CPU there is nothing to free, so this is a no-op. The DDP wrapper is dropped too:
-        its gradient buckets are a full model-sized GPU buffer.
+        its gradient buckets are a full model-sized GPU buffer. ``update_weights``, ``save`` and
+        ``state_fingerprint`` work while offloaded; ``train`` onloads by itself.
         """
         if self.device.type != "cuda" or self.offloaded:
             return
@@ -428,13 +442,16 @@ class TrainWorker:
             out[name] = None if t is None else t.detach().cpu().clone()
         return out
 
+    def _close_sender(self) -> None:
+        try:
+            self.sender.close()
+        except Exception:  # closing is best effort: the engines may be gone already
+            log.warning("rank %d: closing the weight sender failed", self.rank, exc_info=True)
+        self.sender = None
+
     def shutdown(self) -> None:
         if self.sender is not None:
-            try:
-                self.sender.close()
-            except Exception:  # closing is best effort: the engines may be gone already
-                log.warning("rank %d: closing the weight sender failed", self.rank, exc_info=True)
-            self.sender = None
+            self._close_sender()
         if dist.is_initialized():
             dist.destroy_process_group()
         self._store = None
