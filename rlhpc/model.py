@@ -13,8 +13,11 @@ from pathlib import Path
 import torch
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+from transformers.utils import logging as hf_logging
 
 log = logging.getLogger(__name__)
+# Per-shard progress bars from every Ray worker drown the driver's output.
+hf_logging.disable_progress_bar()
 
 PAD, BOS, EOS = "<pad>", "<s>", "</s>"
 # One token per character: enough for arithmetic and string toy tasks.

@@ -341,7 +341,7 @@ class TrainWorker:
         metrics["optimizer_steps"] = float(self.optimizer_steps)
         metrics["skipped_steps"] = float(skipped)
         if self.rank == 0:
-            log.info("rollout %d: %s", rollout_id, ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
+            log.debug("rollout %d: %s", rollout_id, ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
         return metrics
 
     def _dummy_backward(self) -> None:

@@ -1,0 +1,130 @@
+"""The train loop: generate with the engines, train the actor, push the new weights, repeat.
+
+It runs on the first node of the job, once Ray is up, and talks only to the two groups,
+the checkpoint manager and the metrics logger.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import contextmanager
+
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from rlhpc.actor.group import ActorGroup
+from rlhpc.checkpoint import CheckpointManager
+from rlhpc.cluster.layout import describe_layout, plan_layout
+from rlhpc.cluster.placement import create_placement
+from rlhpc.config import Config, config_to_dict
+from rlhpc.metrics import MetricsLogger
+from rlhpc.rollout.group import RolloutGroup
+from rlhpc.run_dir import RunDir
+
+log = logging.getLogger(__name__)
+
+
+class Timer(dict):
+    """``with timer("generate"): ...`` records seconds under ``time/generate``."""
+
+    @contextmanager
+    def __call__(self, name: str):
+        start = time.perf_counter()
+        yield
+        self[f"time/{name}"] = time.perf_counter() - start
+
+
+def every(interval: int | None, rollout_id: int, epoch_end: bool) -> bool:
+    return interval is not None and ((rollout_id + 1) % interval == 0 or epoch_end)
+
+
+def train(cfg: Config, run: RunDir, progress: Progress | None = None) -> dict:
+    layout = plan_layout(cfg.cluster)
+    log.info(describe_layout(layout, cfg.cluster.gpus_per_node))
+    placement = create_placement(layout.num_slots)
+    model_path = run.model_path(cfg)
+    actor = ActorGroup(cfg, model_path, placement, layout.actor_slots)
+    rollout = RolloutGroup(cfg, model_path, placement, layout, run.logs / "engines")
+    rollout.progress = progress
+    checkpoints = CheckpointManager(run.checkpoints, cfg.checkpoint.keep_last)
+    buffer = rollout.data_buffer
+
+    num_rollout = cfg.rollout.num_rollout or buffer.num_rollout_per_epoch * cfg.rollout.num_epoch
+
+    # Resume: everything comes from the newest valid checkpoint on disk, nothing from the submission.
+    resume = checkpoints.latest() if cfg.checkpoint.resume == "auto" else None
+    if resume is not None:
+        buffer.check_resume(resume.state["data"])
+        log.info("resuming from %s: next rollout %d of %d", resume.path.name, resume.next_rollout_id, num_rollout)
+    start = resume.next_rollout_id if resume else 0
+    actor.load(str(resume.path) if resume else None)
+    metrics = MetricsLogger(
+        run.path, cfg.logging, config_to_dict(cfg), num_rollout, resume.state.get("wandb_id") if resume else None
+    )
+    metrics.rewind(start)
+
+    actor.connect_rollout(rollout.engine_urls, rollout.engine_world_sizes, cfg.cluster.colocate)
+    if cfg.cluster.offload:
+        rollout.onload()
+    actor.update_weights(version=start)  # engines always start from the trained weights
+
+    def save(rollout_id: int, record: dict) -> None:
+        staging = checkpoints.stage(rollout_id)
+        actor.save(str(staging))
+        state = {
+            "data": buffer.state_dict(rollout_id + 1),
+            "weight_version": rollout_id + 1,
+            "wandb_id": metrics.wandb_id,
+            "metrics": record,  # restored if the job dies before the record reaches metrics.jsonl
+        }
+        checkpoints.commit(staging, rollout_id, state)
+
+    if resume is not None:
+        metrics.restore(resume.rollout_id, resume.state["metrics"])
+    bar = progress.add_task("training", total=num_rollout, completed=start) if progress else None
+    for rollout_id in range(start, num_rollout):
+        if cfg.eval.interval is not None and rollout_id == 0:
+            metrics.log("eval", -1, rollout.evaluate(-1))  # the untrained baseline
+
+        timer = Timer()
+        with timer("step"):
+            with timer("generate"):
+                batch, rollout_metrics, texts = rollout.generate(rollout_id)
+            if cfg.cluster.offload:
+                rollout.offload()
+            with timer("train"):
+                train_metrics = actor.train(rollout_id, batch)
+            epoch_end = buffer.is_epoch_end(rollout_id)
+            last = rollout_id == num_rollout - 1
+            if every(cfg.checkpoint.save_interval, rollout_id, epoch_end) or last:
+                with timer("save"):
+                    save(rollout_id, {**rollout_metrics, **train_metrics, **timer})
+            if cfg.cluster.offload:
+                actor.offload()
+                rollout.onload()
+            with timer("update_weights"):
+                actor.update_weights(version=rollout_id + 1)
+        metrics.log("rollout", rollout_id, {**rollout_metrics, **train_metrics, **timer})
+        metrics.dump_rollout(rollout_id, batch, texts)
+        if every(cfg.eval.interval, rollout_id, epoch_end) or (last and cfg.eval.interval is not None):
+            metrics.log("eval", rollout_id, rollout.evaluate(rollout_id))
+        if bar is not None:
+            progress.advance(bar)
+
+    summary = {"num_rollout": num_rollout, "resumed_from": resume.rollout_id if resume else None}
+    metrics.close()
+    rollout.shutdown()
+    actor.shutdown()
+    placement.remove()
+    return summary
+
+
+def make_progress(console=None) -> Progress:
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+    )

@@ -1,0 +1,92 @@
+"""Submission: validate everything, prepare the run dir, hand the job to submitit, follow it."""
+
+from __future__ import annotations
+
+import logging
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import submitit
+
+from rlhpc.errors import RlhpcError
+from rlhpc.launch.job import TrainJob
+from rlhpc.run_dir import RunDir
+
+log = logging.getLogger(__name__)
+
+
+def slurm_available() -> bool:
+    """A working Slurm answers ``sinfo``; the binary alone is not enough (submitit checks only that)."""
+    if shutil.which("sinfo") is None:
+        return False
+    try:
+        return subprocess.run(["sinfo", "-h", "-o", "%P"], capture_output=True, timeout=15).returncode == 0
+    except subprocess.TimeoutExpired:
+        return False
+
+
+def choose_cluster(requested: str) -> str:
+    if requested != "auto":
+        return requested
+    if slurm_available():
+        return "slurm"
+    log.info("no working Slurm here (sinfo does not answer): running the job locally (--cluster local)")
+    return "local"
+
+
+def local_executor(run: RunDir, timeout_min: int, gpus: int) -> submitit.LocalExecutor:
+    executor = submitit.LocalExecutor(folder=run.logs / "submitit")
+    # gpus=0 makes submitit hide GPUs (CUDA_VISIBLE_DEVICES=""): right on a CPU machine,
+    # and on a workstation with GPUs we pass their count so the job sees them.
+    executor.update_parameters(timeout_min=timeout_min, gpus_per_node=gpus, tasks_per_node=1, nodes=1)
+    return executor
+
+
+def follow(job: submitit.Job, poll_s: float = 0.5) -> int:
+    """Stream the job's output to this terminal until it ends; return its exit code."""
+    out_pos = err_pos = 0
+
+    def pump(path: Path, pos: int, stream) -> int:
+        if path.is_file():
+            with open(path, "rb") as f:
+                f.seek(pos)
+                chunk = f.read()
+            if chunk:
+                stream.buffer.write(chunk)
+                stream.flush()
+            return pos + len(chunk)
+        return pos
+
+    while True:
+        done = job.done()
+        out_pos = pump(job.paths.stdout, out_pos, sys.stdout)
+        err_pos = pump(job.paths.stderr, err_pos, sys.stderr)
+        if done:
+            break
+        time.sleep(poll_s)
+    try:
+        job.result()
+    except Exception as e:  # the job's own traceback is already in its stderr above
+        raise RlhpcError(
+            f"job {job.job_id} failed: {_exception_line(str(e))}", f"see the job log {job.paths.stderr}"
+        ) from None
+    return 0
+
+
+def _exception_line(text: str) -> str:
+    """The ``SomeError: message`` line of a traceback, the part a user reads first."""
+    hits = re.findall(r"^\s*([A-Za-z_.]*(?:Error|Exception|Interrupt)\b.*)$", text, flags=re.M)
+    return hits[-1].strip() if hits else text.strip().splitlines()[-1] if text.strip() else "no error text"
+
+
+def submit_local(run: RunDir, timeout_min: int, gpus: int, wait: bool) -> int:
+    job = local_executor(run, timeout_min, gpus).submit(TrainJob(str(run.path)))
+    log.info("local job %s started; log: %s", job.job_id, job.paths.stdout)
+    if not wait:
+        log.info("follow it with: tail -f %s", job.paths.stdout)
+        return 0
+    return follow(job)

@@ -1,0 +1,126 @@
+"""The whole loop on one machine: submitit local executor, local Ray, engine server over HTTP,
+training rank over torch.distributed. Each test is a real job started by jobs/submit.py."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import h5py
+import pytest
+
+from rlhpc.checkpoint import CheckpointManager
+from rlhpc.metrics import read_metrics
+
+REPO = Path(__file__).resolve().parent.parent
+SUBMIT = [sys.executable, str(REPO / "jobs" / "submit.py"), "--cluster", "local"]
+FAST = [
+    "--set", "data.num_train=64",
+    "--set", "rollout.rollout_batch_size=8",
+    "--set", "rollout.n_samples_per_prompt=4",
+    "--set", "logging.wandb_mode=disabled",
+]  # fmt: skip
+
+
+def submit(run_dir: Path, *overrides: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    args = [*SUBMIT, "--run-dir", str(run_dir), *FAST]
+    for o in overrides:
+        args += ["--set", o]
+    return subprocess.run(args, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+
+
+def rollouts(run_dir: Path) -> list[int]:
+    return [r["rollout_id"] for r in read_metrics(run_dir) if r["kind"] == "rollout"]
+
+
+def test_embedded_loop_end_to_end(tmp_path):
+    run = tmp_path / "run"
+    p = submit(run, "rollout.num_rollout=5", "checkpoint.save_interval=2", "eval.interval=2")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert rollouts(run) == [0, 1, 2, 3, 4]
+    evals = [r["rollout_id"] for r in read_metrics(run) if r["kind"] == "eval"]
+    assert evals == [-1, 1, 3, 4]  # baseline, every 2, and the last
+    # keep_last=2 of the saves at rollouts 1, 3 and the final 4
+    assert sorted(p.name for p in (run / "checkpoints").glob("rollout_*")) == ["rollout_000003", "rollout_000004"]
+    ck = CheckpointManager(run / "checkpoints", 2).latest()
+    assert ck.rollout_id == 4 and ck.state["weight_version"] == 5 and ck.state["data"]["next_rollout_id"] == 5
+    assert (ck.path / "actor" / "config.json").is_file()  # a plain HF model dir
+    with h5py.File(run / "rollouts" / "rollout_000004.h5") as f:
+        assert len(f["rewards"]) == 8 * 4 and f.attrs["group_size"] == 4
+    assert (run / "FINISHED").is_file()
+    # A finished run is never overwritten silently.
+    again = submit(run, "rollout.num_rollout=5", "checkpoint.save_interval=2", "eval.interval=2")
+    assert again.returncode == 2 and "holds a finished run" in again.stderr + again.stdout
+
+
+def test_killed_run_resumes_from_last_checkpoint(tmp_path):
+    run = tmp_path / "run"
+    args = [
+        *SUBMIT,
+        "--run-dir",
+        str(run),
+        *FAST,
+        "--set",
+        "rollout.num_rollout=30",
+        "--set",
+        "checkpoint.save_interval=2",
+    ]
+    # A new session, like a terminal: Ctrl-C reaches submit.py, the job and its Ray together.
+    proc = subprocess.Popen(
+        args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO, start_new_session=True
+    )
+    deadline = time.time() + 240
+    while not (run / "checkpoints" / "rollout_000005").exists():
+        assert time.time() < deadline and proc.poll() is None, "no checkpoint within 240 s"
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)  # no chance to clean up or save
+    proc.wait()
+    resumed_from = CheckpointManager(run / "checkpoints", 2).latest().rollout_id
+    assert resumed_from >= 5 and not (run / "FINISHED").exists()
+
+    p = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert f"resuming from rollout_{resumed_from:06d}" in p.stdout
+    assert rollouts(run) == list(range(30))  # every rollout exactly once, none lost, none doubled
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["cluster.colocate=true", "cluster.offload=true", "cluster.gpus_per_node=1"],
+        ["cluster.gpus_per_node=4", "cluster.actor_num_gpus=2", "cluster.rollout_num_gpus=2"],
+    ],
+    ids=["colocate-offload", "2-actor-ranks-2-engines"],
+)
+def test_other_layouts_train(tmp_path, layout):
+    run = tmp_path / "run"
+    p = submit(run, "rollout.num_rollout=3", "checkpoint.save_interval=null", *layout)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert rollouts(run) == [0, 1, 2]
+    assert json.loads((run / "FINISHED").read_text())["num_rollout"] == 3
+
+
+def test_bad_config_submits_nothing(tmp_path):
+    run = tmp_path / "run"
+    p = submit(run, "cluster.actor_num_gpus=3")
+    assert p.returncode == 2
+    assert "needs 4 GPUs" in p.stderr + p.stdout and "fix:" in p.stderr + p.stdout
+    assert not run.exists()  # nothing half-written
+
+
+def test_unwritable_run_dir(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    p = submit(blocker / "run", "rollout.num_rollout=1")
+    assert p.returncode == 2 and "not writable" in p.stderr + p.stdout
+
+
+def test_changed_config_is_refused_on_resume(tmp_path):
+    run = tmp_path / "run"
+    assert submit(run, "rollout.num_rollout=1").returncode == 0
+    (run / "FINISHED").unlink()  # pretend it was interrupted
+    p = submit(run, "rollout.num_rollout=1", "actor.lr=0.5")
+    assert p.returncode == 2 and "actor.lr" in p.stderr + p.stdout and "--force" in p.stderr + p.stdout
