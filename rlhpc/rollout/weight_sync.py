@@ -1,0 +1,457 @@
+"""Trainer -> engine weight sync over SGLang's own weight-update routes.
+
+Two channels, chosen by placement:
+
+- disaggregated (``DistributedWeightSender``): the trainer's rank 0 and every engine GPU form one
+  extra torch.distributed group (trainer = rank 0, engine e's TP ranks start at
+  ``1 + sum(tp sizes before e)``); each bucket of tensors is announced over HTTP
+  (``/update_weights_from_distributed``) and then broadcast from rank 0, in ``names`` order.
+- colocate (``TensorWeightSender``): engines share the trainer's node, so tensors travel as
+  shared-memory handles inside ``/update_weights_from_tensor`` (see ``serialize_named_tensors``).
+
+Both pause generation first, tag the last bucket with ``flush_cache`` and the new
+``weight_version``, check that every engine reports that version, then continue generation.
+Only one trainer process (rank 0, holding full HF-named tensors) sends.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import io
+import ipaddress
+import logging
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as torch_mp
+from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
+
+from rlhpc.errors import RlhpcError
+from rlhpc.rollout.client import EngineClient
+
+log = logging.getLogger(__name__)
+
+DEFAULT_GROUP_NAME = "rlhpc_weight_sync"
+DEFAULT_TIMEOUT = timedelta(minutes=10)
+
+
+# ------------------------------------------------------------------ process group
+
+
+def _tcp_url(address: str, port: int) -> str:
+    try:
+        if ipaddress.ip_address(address).version == 6:
+            address = f"[{address}]"
+    except ValueError:  # a host name
+        pass
+    return f"tcp://{address}:{port}"
+
+
+def _as_timedelta(timeout: timedelta | float) -> timedelta:
+    return timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
+
+
+def init_custom_process_group(
+    backend: str,
+    master_address: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    group_name: str,
+    timeout: timedelta | float = DEFAULT_TIMEOUT,
+    store: dist.Store | None = None,
+) -> dist.ProcessGroup:
+    """Join a process group of its own, leaving any default group untouched.
+
+    Same semantics as SGLang's helper of that name, so a real SGLang engine joins a group the
+    trainer opened with this function and vice versa: TCP rendezvous at master_address:port
+    (rank 0 hosts the store), keys under ``PrefixStore(group_name)``, the group registered with
+    the identity rank map (so ``src``/``group_src`` 0 is the trainer). Rank 0 may pass a
+    ``store`` it already bound (see ``create_master_store``); the address is then only logged.
+    """
+    timeout = _as_timedelta(timeout)
+    if store is None:
+        store, rank, world_size = next(
+            rendezvous(_tcp_url(master_address, master_port), rank, world_size, timeout=timeout)
+        )
+        store.set_timeout(timeout)
+    pg, _ = _new_process_group_helper(
+        world_size,
+        rank,
+        [],  # like SGLang: not a subgroup of the default group, which may not exist at all
+        Backend(backend),
+        PrefixStore(group_name, store),
+        group_name=group_name,
+        timeout=timeout,
+    )
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    log.info(
+        "joined group %r as rank %d/%d via %s:%d (%s)",
+        group_name,
+        rank,
+        world_size,
+        master_address,
+        master_port,
+        backend,
+    )
+    return pg
+
+
+def create_master_store(
+    master_address: str, world_size: int, timeout: timedelta | float = DEFAULT_TIMEOUT
+) -> dist.TCPStore:
+    """Rank 0's rendezvous store, bound before anyone is told the port.
+
+    Port 0 lets the kernel pick a free port at bind time, so there is no probe-then-bind race
+    with other jobs on the node (and kernel ephemeral ports sit above Ray's worker-port range).
+    """
+    store = dist.TCPStore(
+        host_name=master_address,
+        port=0,
+        world_size=world_size,
+        is_master=True,
+        timeout=_as_timedelta(timeout),
+        wait_for_workers=False,  # the engines are told the port only after this returns
+        multi_tenant=True,
+    )
+    return store
+
+
+# ------------------------------------------------------------------ buckets
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """SGLang's dtype strings: ``getattr(torch, name)`` on the engine side."""
+    return str(dtype).removeprefix("torch.")
+
+
+def iter_buckets(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+) -> Iterator[tuple[list[tuple[str, torch.Tensor]], bool]]:
+    """Yield ``(bucket, is_last)``; a bucket holds <= bucket_bytes unless one tensor is larger.
+
+    One bucket of lookahead tells us which bucket is last without materialising the iterable.
+    """
+    if bucket_bytes <= 0:
+        raise RlhpcError(f"weight sync bucket_bytes must be positive, got {bucket_bytes}", "set a bucket size in bytes")
+    pending: list[tuple[str, torch.Tensor]] | None = None
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in named_tensors:
+        n = _nbytes(tensor)
+        if bucket and size + n > bucket_bytes:
+            if pending is not None:
+                yield pending, False
+            pending, bucket, size = bucket, [], 0
+        bucket.append((name, tensor))
+        size += n
+    if pending is not None:
+        yield pending, not bucket
+    if bucket:
+        yield bucket, True
+
+
+# ------------------------------------------------------------------ colocate serialisation
+
+# Colocated tensors cross processes the way SGLang's MultiprocessingSerializer sends them:
+# base64 of a torch ForkingPickler dump of [(name, tensor), ...]. For CUDA tensors that pickles
+# CUDA IPC handles (so the same sender works against a real SGLang engine on GPU). For CPU
+# tensors torch's default "file_descriptor" strategy passes fds through a socket that only the
+# pickling process's multiprocessing children may use (it checks the parent's authkey), so an
+# unrelated server process cannot open them. The "file_system" strategy instead names a /dev/shm
+# segment that any process of the same user on the node can map: one copy into shared memory on
+# the sender, none over HTTP, and torch_shm_manager unlinks the segment once both sides dropped
+# it. We clone first, because sharing moves a tensor's storage into shm in place and must not do
+# that to the trainer's live parameters.
+_STRATEGY_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _file_system_sharing() -> Iterator[None]:
+    with _STRATEGY_LOCK:
+        before = torch_mp.get_sharing_strategy()
+        torch_mp.set_sharing_strategy("file_system")
+        try:
+            yield
+        finally:
+            torch_mp.set_sharing_strategy(before)
+
+
+def serialize_named_tensors(named_tensors: list[tuple[str, torch.Tensor]]) -> tuple[str, list[torch.Tensor]]:
+    """Return (base64 payload, the tensors that must stay alive until the engine has loaded them)."""
+    from multiprocessing.reduction import ForkingPickler
+
+    keep = [t.detach().clone(memory_format=torch.contiguous_format) for _, t in named_tensors]
+    buf = io.BytesIO()
+    with _file_system_sharing():
+        ForkingPickler(buf).dump([(name, t) for (name, _), t in zip(named_tensors, keep)])
+    return base64.b64encode(buf.getvalue()).decode("ascii"), keep
+
+
+# ------------------------------------------------------------------ senders
+
+
+class _SenderBase:
+    def __init__(self, clients: list[EngineClient], engine_world_sizes: list[int], bucket_bytes: int):
+        if len(clients) != len(engine_world_sizes):
+            raise RlhpcError(
+                f"{len(clients)} engine client(s) but {len(engine_world_sizes)} engine world size(s)",
+                "pass one TP size per engine",
+            )
+        if not clients:
+            raise RlhpcError("weight sync has no engines to send to", "start rollout engines before connecting")
+        self.clients = clients
+        self.engine_world_sizes = list(engine_world_sizes)
+        self.bucket_bytes = int(bucket_bytes)
+        self._pool = ThreadPoolExecutor(max_workers=max(2, 2 * len(clients)), thread_name_prefix="weight-sync")
+
+    def _on_all(self, fn: Callable[[EngineClient], Any]) -> list[Any]:
+        """Run fn on every engine concurrently; raise the first failure, naming the engine."""
+        futures = [self._pool.submit(fn, c) for c in self.clients]
+        return [self._result(f, c) for f, c in zip(futures, self.clients)]
+
+    @staticmethod
+    def _result(future: Future, client: EngineClient) -> Any:
+        try:
+            return future.result()
+        except RlhpcError:
+            raise
+        except Exception as e:
+            raise RlhpcError(f"engine {client.base_url}: {e}", "check the engine log") from e
+
+    def connect(self) -> None:
+        """Open the channel (no-op for channels without one)."""
+
+    def _send_buckets(self, buckets: Iterator[tuple[list[tuple[str, torch.Tensor]], bool]], version: str) -> int:
+        raise NotImplementedError
+
+    def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Push HF-named tensors to every engine; afterwards all report ``weight_version == str(version)``.
+
+        Generation is paused for the update (SGLang's default pause mode aborts in-flight
+        requests, so no sample mixes old and new weights) and continued only on success: after
+        a failure the engines hold partly updated weights and stay paused, to be restarted.
+        """
+        v = str(version)
+        self._on_all(lambda c: c.pause_generation())
+        n = self._send_buckets(iter_buckets(named_tensors, self.bucket_bytes), v)
+        if n == 0:
+            raise RlhpcError("weight sync got no tensors to send", "pass the model's named parameters")
+        versions = self._on_all(lambda c: c.get_weight_version())
+        wrong = [(c.base_url, got) for c, got in zip(self.clients, versions) if got != v]
+        if wrong:
+            raise RlhpcError(
+                f"engines report the wrong weight version after sync (want {v}): {wrong}", "check the engine logs"
+            )
+        self._on_all(lambda c: c.continue_generation())
+        log.info("weights version %s sent to %d engine(s) in %d bucket(s)", v, len(self.clients), n)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class DistributedWeightSender(_SenderBase):
+    """Disaggregated engines: one broadcast group, trainer rank 0, one rank per engine GPU."""
+
+    def __init__(
+        self,
+        clients: list[EngineClient],
+        engine_world_sizes: list[int],
+        master_address: str,
+        backend: str,
+        bucket_bytes: int,
+        group_name: str = DEFAULT_GROUP_NAME,
+        timeout: timedelta | float = DEFAULT_TIMEOUT,
+    ):
+        super().__init__(clients, engine_world_sizes, bucket_bytes)
+        self.master_address = master_address
+        self.backend = backend
+        self.group_name = group_name
+        self.timeout = _as_timedelta(timeout)
+        self.world_size = 1 + sum(self.engine_world_sizes)
+        self.rank_offsets = [1 + sum(self.engine_world_sizes[:e]) for e in range(len(clients))]
+        self.master_port: int | None = None
+        self._store: dist.TCPStore | None = None
+        self._group: dist.ProcessGroup | None = None
+        self._broken: str | None = None  # a broadcast left hanging: the group is unusable
+        self._bcast_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-bcast")
+
+    def _check_tp_sizes(self) -> None:
+        infos = self._on_all(lambda c: c.get_server_info())
+        for c, info, want in zip(self.clients, infos, self.engine_world_sizes):
+            got = info.get("tp_size")
+            if got is not None and int(got) != want:
+                raise RlhpcError(
+                    f"engine {c.base_url} runs with tp_size={got} but weight sync was given {want}",
+                    "pass each engine's real TP size (a CPU engine server is always 1)",
+                )
+
+    def connect(self) -> None:
+        if self._group is not None:
+            return
+        self._check_tp_sizes()
+        self._drop_stale_groups()
+        self._store = create_master_store(self.master_address, self.world_size, self.timeout)
+        self.master_port = self._store.port
+        log.info(
+            "weight sync group %r: %s:%d, world %d",
+            self.group_name,
+            self.master_address,
+            self.master_port,
+            self.world_size,
+        )
+        joins = [
+            self._pool.submit(
+                c.init_weights_update_group,
+                self.master_address,
+                self.master_port,
+                off,
+                self.world_size,
+                self.group_name,
+                self.backend,
+            )
+            for c, off in zip(self.clients, self.rank_offsets)
+        ]
+        # Our own join blocks until every rank arrived; run it aside so an engine that refuses
+        # (bad backend, name clash) fails connect() at once instead of after the group timeout.
+        own = self._pool.submit(
+            init_custom_process_group,
+            self.backend,
+            self.master_address,
+            self.master_port,
+            0,
+            self.world_size,
+            self.group_name,
+            self.timeout,
+            self._store,
+        )
+        for f, c in zip(joins, self.clients):
+            self._result(f, c)
+        self._group = own.result(timeout=self.timeout.total_seconds())
+
+    def _drop_stale_groups(self) -> None:
+        """Make connect() repeatable: a trainer that restarted, or a sender never closed, leaves
+        a group of this name behind (engines, and SGLang, refuse to create one twice)."""
+        for c in self.clients:
+            with contextlib.suppress(RlhpcError):  # no such group: the normal case
+                c.destroy_weights_update_group(self.group_name)
+        for pg, name in list(_world.pg_names.items()):
+            if name == self.group_name:
+                log.warning("replacing weight sync group %r left open in this process", name)
+                dist.destroy_process_group(pg)
+
+    def _send_buckets(self, buckets: Iterator[tuple[list[tuple[str, torch.Tensor]], bool]], version: str) -> int:
+        if self._broken:
+            raise RlhpcError(f"weight sync group unusable: {self._broken}", "restart the engines and connect again")
+        if self._group is None:
+            raise RlhpcError("weight sync send() before connect()", "call connect() once after the engines are up")
+        n = 0
+        for bucket, last in buckets:
+            tensors = [t.detach().contiguous() for _, t in bucket]
+            names = [name for name, _ in bucket]
+            dtypes = [dtype_name(t.dtype) for t in tensors]
+            shapes = [list(t.shape) for t in tensors]
+            posts = [
+                self._pool.submit(
+                    c.update_weights_from_distributed,
+                    names,
+                    dtypes,
+                    shapes,
+                    self.group_name,
+                    flush_cache=last,
+                    weight_version=version if last else None,
+                )
+                for c in self.clients
+            ]
+            # Broadcast aside and watch the engines' answers: an engine that refuses the bucket
+            # (unknown group, bad name) never joins the broadcast, which would otherwise block
+            # us for the whole group timeout before saying why.
+            bcast = self._bcast_pool.submit(self._broadcast, tensors)
+            wait([bcast, *posts], return_when=FIRST_EXCEPTION)
+            if bcast.done() and bcast.exception() is not None:
+                wait(posts, timeout=10)  # an engine's answer explains a broken broadcast better than gloo
+                self._broken = f"a broadcast failed: {bcast.exception()}"
+            elif any(f.done() and f.exception() is not None for f in posts):
+                # Refused after receiving everything (bad name or shape): the broadcast completes
+                # and the group stays usable. Refused before: the broadcast can never complete.
+                wait([bcast], timeout=5)
+                if not bcast.done() or bcast.exception() is not None:
+                    self._broken = "an engine refused a bucket while the broadcast was under way"
+            if self._broken:
+                for f, c in zip(posts, self.clients):
+                    if f.done() and f.exception() is not None:
+                        self._result(f, c)
+                raise RlhpcError(
+                    f"weight broadcast to {[c.base_url for c in self.clients]} failed: {self._broken}",
+                    "check the engine logs, restart the engines and connect again",
+                )
+            for f, c in zip(posts, self.clients):
+                self._result(f, c)
+            bcast.result()
+            n += 1
+        return n
+
+    def _broadcast(self, tensors: list[torch.Tensor]) -> None:
+        for t in tensors:  # the engines receive in names order
+            dist.broadcast(t, group_src=0, group=self._group)
+
+    def close(self) -> None:
+        if self._group is not None:
+            for c in self.clients:
+                with contextlib.suppress(Exception):  # an engine already gone has no group left
+                    c.destroy_weights_update_group(self.group_name)
+            # never tear down a group a broadcast thread still blocks in, nor one a later
+            # sender already replaced
+            if not self._broken and self._group in _world.pg_names:
+                dist.destroy_process_group(self._group)
+            self._group = None
+        self._store = None
+        self._bcast_pool.shutdown(wait=False, cancel_futures=True)
+        super().close()
+
+
+class TensorWeightSender(_SenderBase):
+    """Colocated engines (same node): tensors as shared-memory handles, no second copy over HTTP."""
+
+    def _send_buckets(self, buckets: Iterator[tuple[list[tuple[str, torch.Tensor]], bool]], version: str) -> int:
+        n = 0
+        for bucket, last in buckets:
+            payload, keep = serialize_named_tensors(bucket)
+            posts = [
+                self._pool.submit(
+                    c.update_weights_from_tensor,
+                    [payload] * tp,  # SGLang wants one entry per TP rank
+                    flush_cache=last,
+                    weight_version=version if last else None,
+                )
+                for c, tp in zip(self.clients, self.engine_world_sizes)
+            ]
+            for f, c in zip(posts, self.clients):
+                self._result(f, c)
+            del keep  # every engine has copied its weights out of shared memory by now
+            n += 1
+        return n
+
+
+def make_weight_sender(
+    clients: list[EngineClient],
+    engine_world_sizes: list[int],
+    colocate: bool,
+    master_address: str,
+    backend: str,
+    bucket_bytes: int,
+) -> DistributedWeightSender | TensorWeightSender:
+    """The channel placement calls for: shared memory when colocated, a broadcast group otherwise."""
+    if colocate:
+        return TensorWeightSender(clients, engine_world_sizes, bucket_bytes)
+    return DistributedWeightSender(clients, engine_world_sizes, master_address, backend, bucket_bytes)
