@@ -1,0 +1,190 @@
+"""One rollout engine as a Ray actor: it owns an engine server process on its node.
+
+The actor holds the GPU(s) Ray placed it on (the caller chooses them with
+``EngineActor.options(num_gpus=..., num_cpus=..., scheduling_strategy=...)``) and starts the
+engine server beside it, on the node's IP and a port the server picks itself, so nothing races
+for ports. The server dies with the actor: PR_SET_PDEATHSIG when the actor forks from its main
+thread (Ray runs a plain actor's methods there), plus the server's own ``--parent-pid`` watchdog.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import ray
+
+from rlhpc.errors import RlhpcError
+from rlhpc.rollout.client import EngineClient
+
+log = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """preexec_fn: SIGTERM us when the forking thread's process goes away (Linux only)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass  # not Linux: the server's --parent-pid watchdog still covers it
+
+
+def _tail(path: Path, n: int = 30) -> str:
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return "(no log)"
+    return "\n".join(lines[-n:])
+
+
+@ray.remote
+class EngineActor:
+    """Start, watch, restart and stop one engine server (``rlhpc.rollout.cpu_server``)."""
+
+    def __init__(
+        self, model_path: str, log_dir: str, engine_id: int, startup_timeout_s: float, env: dict | None = None
+    ):
+        self.model_path = model_path
+        self.engine_id = engine_id
+        self.startup_timeout_s = startup_timeout_s
+        self.extra_env = dict(env or {})
+        self.log_path = Path(log_dir) / f"engine_{engine_id}.log"
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.host = ray.util.get_node_ip_address()
+        self.tmp_dir = Path(tempfile.mkdtemp(prefix=f"rlhpc-engine{engine_id}-"))
+        self.ready_file = self.tmp_dir / "ready.json"
+        self.proc: subprocess.Popen | None = None
+        self._url: str | None = None
+        self._start()
+
+    # -------------------------------------------------------------- lifecycle
+
+    def _command(self) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "rlhpc.rollout.cpu_server",
+            "--model-path",
+            self.model_path,
+            "--host",
+            self.host,
+            "--port",
+            "0",
+            "--ready-file",
+            str(self.ready_file),
+            "--parent-pid",
+            str(os.getpid()),
+            "--threads",
+            self.extra_env.get("OMP_NUM_THREADS", "1"),
+        ]
+
+    def _env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.setdefault("OMP_NUM_THREADS", "1")  # CI machines have two cores for everything
+        env.setdefault("MKL_NUM_THREADS", "1")
+        env.update({k: str(v) for k, v in self.extra_env.items()})
+        return env
+
+    def _start(self) -> None:
+        self.ready_file.unlink(missing_ok=True)
+        # pdeathsig fires when the forking *thread* exits; only trust it from the main thread
+        main = threading.current_thread() is threading.main_thread()
+        with open(self.log_path, "ab") as logf:
+            logf.write(f"\n=== engine {self.engine_id} starting at {time.strftime('%F %T')} ===\n".encode())
+            logf.flush()
+            self.proc = subprocess.Popen(
+                self._command(),
+                stdin=subprocess.DEVNULL,
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                env=self._env(),
+                preexec_fn=_die_with_parent if main else None,
+            )
+        log.info("engine %d: server pid %d, log %s", self.engine_id, self.proc.pid, self.log_path)
+        self._url = self._wait_ready()
+
+    def _wait_ready(self) -> str:
+        deadline = time.monotonic() + self.startup_timeout_s
+        while not self.ready_file.exists():
+            code = self.proc.poll()
+            if code is not None:
+                raise RlhpcError(
+                    f"engine {self.engine_id} server exited with code {code} during startup "
+                    f"(log {self.log_path}):\n{_tail(self.log_path)}",
+                    f"read {self.log_path}",
+                )
+            if time.monotonic() > deadline:
+                self._kill()
+                raise RlhpcError(
+                    f"engine {self.engine_id} not ready after {self.startup_timeout_s:.0f}s (log {self.log_path}):\n"
+                    f"{_tail(self.log_path)}",
+                    "raise rollout.engine_startup_timeout_s for large models, or read the log",
+                )
+            time.sleep(0.05)
+        info = json.loads(self.ready_file.read_text())
+        url = f"http://{_url_host(info['host'])}:{info['port']}"
+        EngineClient(url).wait_healthy(max(5.0, deadline - time.monotonic()))
+        log.info("engine %d ready at %s", self.engine_id, url)
+        return url
+
+    def _kill(self, grace_s: float = 5.0) -> None:
+        """Stop our own server by pid: TERM, a short wait, then KILL."""
+        proc, self.proc = self.proc, None
+        self._url = None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.terminate()
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            log.warning("engine %d: server %d ignored SIGTERM; killing", self.engine_id, proc.pid)
+            proc.kill()
+            proc.wait()
+
+    # -------------------------------------------------------------- API
+
+    def url(self) -> str:
+        if self._url is None:
+            raise RlhpcError(f"engine {self.engine_id} is not running", "restart() it")
+        return self._url
+
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def log_file(self) -> str:
+        return str(self.log_path)
+
+    def is_alive(self) -> bool:
+        """The server process runs and answers /health."""
+        if self.proc is None or self.proc.poll() is not None or self._url is None:
+            return False
+        return EngineClient(self._url).health()
+
+    def restart(self) -> str:
+        """Kill and start again on the same model path; returns the new URL (a new port).
+
+        The engine comes back with the weights on disk: the caller re-syncs the current weights.
+        """
+        log.warning("engine %d: restarting", self.engine_id)
+        self._kill()
+        self._start()
+        return self._url
+
+    def shutdown(self) -> None:
+        self._kill()
+        shutil.rmtree(self.tmp_dir, ignore_errors=True)
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
