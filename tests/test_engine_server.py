@@ -1,0 +1,400 @@
+"""The CPU engine server over real HTTP: SGLang-shaped I/O, seeded determinism, pause, EngineActor.
+
+Field-name lists below are written from SGLang's ``python/sglang/srt/managers/io_struct.py`` and
+``sampling/sampling_params.py`` as read on sgl-project/sglang main in the 0.5.x series (io_struct
+at commit 001067ff, the one holding PauseGenerationReqInput.mode and
+UpdateWeightsFromDistributedReqInput.torch_empty_cache).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+
+from rlhpc.errors import RlhpcError
+from rlhpc.model import TinyModelConfig, build_tiny_model, load_model, load_tokenizer
+from rlhpc.rollout import client as payloads
+from rlhpc.rollout import cpu_server
+from rlhpc.rollout.client import EngineClient
+from rlhpc.rollout.sampling import sample
+
+# ------------------------------------------------------------------ SGLang's fields (io_struct.py)
+
+BASE_REQ = {"rid", "http_worker_ipc"}
+SGLANG_FIELDS = {
+    "InitWeightsUpdateGroupReqInput": BASE_REQ
+    | {"master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"},
+    "DestroyWeightsUpdateGroupReqInput": BASE_REQ | {"group_name"},
+    "UpdateWeightsFromDistributedReqInput": BASE_REQ
+    | {
+        "names",
+        "dtypes",
+        "shapes",
+        "group_name",
+        "flush_cache",
+        "abort_all_requests",
+        "weight_version",
+        "load_format",
+        "torch_empty_cache",
+    },
+    "UpdateWeightsFromTensorReqInput": BASE_REQ
+    | {
+        "serialized_named_tensors",
+        "load_format",
+        "flush_cache",
+        "abort_all_requests",
+        "weight_version",
+        "disable_draft_model",
+        "torch_empty_cache",
+    },
+    "GetWeightsByNameReqInput": BASE_REQ | {"name", "truncate_size"},
+    "ReleaseMemoryOccupationReqInput": BASE_REQ | {"tags"},
+    "ResumeMemoryOccupationReqInput": BASE_REQ | {"tags"},
+    "PauseGenerationReqInput": BASE_REQ | {"mode"},
+    "AbortReq": BASE_REQ | {"abort_all", "finished_reason", "abort_message", "weight_versions"},
+    # GenerateReqInput has ~70 fields; these are the ones a text/token RL rollout can touch.
+    "GenerateReqInput": {
+        "rid",
+        "text",
+        "input_ids",
+        "sampling_params",
+        "return_logprob",
+        "logprob_start_len",
+        "top_logprobs_num",
+        "stream",
+    },
+}
+SGLANG_REQUIRED = {
+    "InitWeightsUpdateGroupReqInput": {"master_address", "master_port", "rank_offset", "world_size"},
+    "UpdateWeightsFromDistributedReqInput": {"names", "dtypes", "shapes"},
+    "UpdateWeightsFromTensorReqInput": {"serialized_named_tensors"},
+    "GetWeightsByNameReqInput": {"name"},
+}
+SGLANG_SAMPLING_PARAMS = {
+    "max_new_tokens",
+    "stop",
+    "stop_token_ids",
+    "stop_regex",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "min_new_tokens",
+    "n",
+    "json_schema",
+    "regex",
+    "ebnf",
+    "structural_tag",
+    "ignore_eos",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "no_stop_trim",
+    "custom_params",
+    "stream_interval",
+    "logit_bias",
+    "sampling_seed",
+}
+META_INFO_KEYS = {"id", "finish_reason", "prompt_tokens", "completion_tokens", "weight_version"}
+
+
+# ------------------------------------------------------------------ fixtures
+
+
+def start_server(model_path: str, work: Path, name: str) -> tuple[subprocess.Popen, str, Path]:
+    """Start a CPU engine server on port 0; return (process, url, ready file)."""
+    ready = work / f"{name}.ready.json"
+    log = open(work / f"{name}.log", "wb")  # noqa: SIM115 - lives as long as the server
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rlhpc.rollout.cpu_server", "--model-path", model_path, "--port", "0"]
+        + ["--ready-file", str(ready), "--parent-pid", str(os.getpid())],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    deadline = time.monotonic() + 60
+    while not ready.exists():
+        assert proc.poll() is None, (work / f"{name}.log").read_text()
+        assert time.monotonic() < deadline, "server did not get ready"
+        time.sleep(0.05)
+    info = json.loads(ready.read_text())
+    return proc, f"http://{info['host']}:{info['port']}", ready
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(build_tiny_model(tmp_path_factory.mktemp("m") / "tiny", TinyModelConfig()))
+
+
+@pytest.fixture(scope="module")
+def server(model_path: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[subprocess.Popen, str, Path]]:
+    proc, url, ready = start_server(model_path, tmp_path_factory.mktemp("srv"), "engine")
+    yield proc, url, ready
+    stop_server(proc)
+    assert proc.returncode == 0, "SIGTERM should end the server cleanly"
+    assert not ready.exists(), "the ready file goes away with the server"
+
+
+@pytest.fixture(scope="module")
+def client(server: tuple[subprocess.Popen, str, Path]) -> EngineClient:
+    return EngineClient(server[1], timeout_s=60)
+
+
+def prompts(tok, texts: list[str]) -> list[list[int]]:
+    return [[tok.bos_token_id, *tok(t, add_special_tokens=False).input_ids] for t in texts]
+
+
+# ------------------------------------------------------------------ payloads
+
+
+def test_client_payloads_use_sglang_field_names() -> None:
+    built = {
+        "InitWeightsUpdateGroupReqInput": payloads.init_weights_update_group_payload(
+            "10.0.0.1", 1234, 1, 3, "g", "gloo"
+        ),
+        "DestroyWeightsUpdateGroupReqInput": payloads.destroy_weights_update_group_payload("g"),
+        "UpdateWeightsFromDistributedReqInput": payloads.update_weights_from_distributed_payload(
+            ["w"], ["float32"], [[2]], "g", True, False, "3"
+        ),
+        "UpdateWeightsFromTensorReqInput": payloads.update_weights_from_tensor_payload(
+            ["eA=="], None, True, False, "3"
+        ),
+        "GetWeightsByNameReqInput": payloads.get_weights_by_name_payload("w", 10),
+        "ReleaseMemoryOccupationReqInput": payloads.memory_occupation_payload(["weights"]),
+        "ResumeMemoryOccupationReqInput": payloads.memory_occupation_payload(None),
+        "PauseGenerationReqInput": payloads.pause_generation_payload("abort"),
+        "AbortReq": payloads.abort_request_payload("r", True),
+        "GenerateReqInput": payloads.generate_payload([1, 2], None, {"max_new_tokens": 2}, True, "r"),
+    }
+    for struct, body in built.items():
+        assert set(body) <= SGLANG_FIELDS[struct], (struct, set(body) - SGLANG_FIELDS[struct])
+        assert SGLANG_REQUIRED.get(struct, set()) <= set(body), struct
+    assert set(built["InitWeightsUpdateGroupReqInput"]) == SGLANG_FIELDS["InitWeightsUpdateGroupReqInput"] - BASE_REQ
+
+
+def test_server_understands_only_sglang_names() -> None:
+    models = {
+        "InitWeightsUpdateGroupReqInput": cpu_server.InitWeightsUpdateGroupReq,
+        "DestroyWeightsUpdateGroupReqInput": cpu_server.DestroyWeightsUpdateGroupReq,
+        "UpdateWeightsFromDistributedReqInput": cpu_server.UpdateWeightsFromDistributedReq,
+        "UpdateWeightsFromTensorReqInput": cpu_server.UpdateWeightsFromTensorReq,
+        "GetWeightsByNameReqInput": cpu_server.GetWeightsByNameReq,
+        "ReleaseMemoryOccupationReqInput": cpu_server.MemoryOccupationReq,
+        "PauseGenerationReqInput": cpu_server.PauseGenerationReq,
+        "AbortReq": cpu_server.AbortReq,
+    }
+    for struct, model in models.items():
+        assert set(model.model_fields) <= SGLANG_FIELDS[struct], struct
+    known = cpu_server._USED | cpu_server._HARMLESS | set(cpu_server._NEUTRAL)
+    assert known <= SGLANG_SAMPLING_PARAMS, known - SGLANG_SAMPLING_PARAMS
+
+
+# ------------------------------------------------------------------ server
+
+
+def test_ready_file_health_and_info(server: tuple[subprocess.Popen, str, Path], client: EngineClient) -> None:
+    proc, url, ready = server
+    info = json.loads(ready.read_text())
+    assert set(info) == {"host", "port", "pid"} and info["pid"] == proc.pid and info["port"] > 0
+    assert client.health() and client.health_generate()
+    model_info = client.get_model_info()
+    assert model_info["is_generation"] is True and model_info["weight_version"] == "default"
+    server_info = client.get_server_info()
+    assert server_info["tp_size"] == 1 and server_info["weight_version"] == "default"
+    assert client.get_weight_version() == "default"
+    client.flush_cache()
+
+
+def test_generate_returns_sglang_shapes(client: EngineClient, model_path: str) -> None:
+    tok = load_tokenizer(model_path)
+    ids = prompts(tok, ["1+1=", "abc"])
+    params = [{"max_new_tokens": 6, "temperature": 1.0, "sampling_seed": 1}, {"max_new_tokens": 3, "temperature": 0}]
+    outs = client.generate(input_ids=ids, sampling_params=params, return_logprob=True, rid="req")
+    assert isinstance(outs, list) and len(outs) == 2
+    for out, p, want_max in zip(outs, ids, (6, 3)):
+        assert set(out) == {"text", "output_ids", "meta_info"}
+        meta = out["meta_info"]
+        assert META_INFO_KEYS <= set(meta)
+        assert meta["prompt_tokens"] == len(p) and meta["completion_tokens"] == len(out["output_ids"]) <= want_max
+        assert meta["finish_reason"]["type"] in ("stop", "length")
+        if meta["finish_reason"]["type"] == "length":
+            assert meta["finish_reason"]["length"] == want_max
+        else:
+            assert meta["finish_reason"]["matched"] == out["output_ids"][-1] == tok.eos_token_id
+        lps = meta["output_token_logprobs"]
+        assert [t for _, t, _ in lps] == out["output_ids"] and all(lp <= 0 and txt is None for lp, _, txt in lps)
+    assert [o["meta_info"]["id"] for o in outs] == ["req_0", "req_1"]
+
+    single = client.generate(input_ids=ids[0], sampling_params={"max_new_tokens": 2})
+    assert isinstance(single, dict) and "output_token_logprobs" not in single["meta_info"]
+    by_text = client.generate(text="1+1=", sampling_params={"max_new_tokens": 2, "temperature": 0})
+    assert isinstance(by_text, dict) and by_text["meta_info"]["prompt_tokens"] == 4
+
+    n3 = client.generate(input_ids=ids[0], sampling_params={"max_new_tokens": 2, "n": 3})
+    assert isinstance(n3, list) and len(n3) == 3
+
+
+def test_seeded_samples_do_not_depend_on_the_batch(client: EngineClient, model_path: str) -> None:
+    tok = load_tokenizer(model_path)
+    a, b, c = prompts(tok, ["7*8=", "hello world", "1"])
+
+    def params(seed: int) -> dict:
+        return {"max_new_tokens": 12, "temperature": 1.0, "top_p": 0.9, "sampling_seed": seed}
+
+    alone = client.generate(input_ids=[a], sampling_params=[params(11)])[0]["output_ids"]
+    batched = client.generate(input_ids=[b, a, c], sampling_params=[params(5), params(11), params(6)])
+    assert batched[1]["output_ids"] == alone
+    again = client.generate(input_ids=[a, a], sampling_params=[params(11), params(12)])
+    assert again[0]["output_ids"] == alone
+    assert again[1]["output_ids"] != alone  # another seed, another sample (12 tokens: a tie is ~impossible)
+
+
+def test_greedy_matches_in_process_sampling(client: EngineClient, model_path: str) -> None:
+    tok = load_tokenizer(model_path)
+    model = load_model(model_path)
+    ids = prompts(tok, ["12+30=", "xyz", "q"])
+    outs = client.generate(
+        input_ids=ids, sampling_params={"max_new_tokens": 10, "temperature": 0.0}, return_logprob=True
+    )
+    ref = sample(model, ids, [10] * 3, [0.0] * 3, [1.0] * 3, [None] * 3, tok.eos_token_id, tok.pad_token_id)
+    for out, r in zip(outs, ref):
+        assert out["output_ids"] == r.output_ids
+        got = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
+        assert torch.allclose(torch.tensor(got), torch.tensor(r.output_logprobs), atol=1e-5)
+
+
+def test_stop_tokens_ignore_eos_and_zero_length(client: EngineClient, model_path: str) -> None:
+    tok = load_tokenizer(model_path)
+    ids = prompts(tok, ["abc"])[0]
+    free = client.generate(input_ids=ids, sampling_params={"max_new_tokens": 8, "temperature": 0, "ignore_eos": True})
+    first = free["output_ids"][0]
+    stopped = client.generate(
+        input_ids=ids, sampling_params={"max_new_tokens": 8, "temperature": 0, "stop_token_ids": [first]}
+    )
+    assert stopped["output_ids"] == [first]
+    assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": first}
+    zero = client.generate(input_ids=[ids, ids], sampling_params=[{"max_new_tokens": 0}, {"max_new_tokens": 3}])
+    assert zero[0]["output_ids"] == [] and len(zero[1]["output_ids"]) <= 3
+
+
+def test_bad_requests_fail_clearly(client: EngineClient) -> None:
+    with pytest.raises(RlhpcError, match="top_k=5 is not supported"):
+        client.generate(input_ids=[1, 5], sampling_params={"top_k": 5})
+    with pytest.raises(RlhpcError, match="unknown sampling param 'temprature'"):
+        client.generate(input_ids=[1, 5], sampling_params={"temprature": 0.5})
+    with pytest.raises(RlhpcError, match="out of range"):
+        client.generate(input_ids=[1, 10_000])
+    with pytest.raises(RlhpcError, match="unknown parameter"):
+        client.get_weights_by_name("no.such.weight")
+    with pytest.raises(RlhpcError, match="unreachable"):
+        EngineClient("http://127.0.0.1:9", timeout_s=2).get_weight_version()
+
+
+def test_pause_holds_new_requests_until_continue(client: EngineClient) -> None:
+    client.pause_generation(mode="in_place")
+    assert client.get_server_info()["internal_states"][0]["paused"] is True
+    assert client.health()  # control routes keep answering while paused
+    done: list[dict] = []
+    t = threading.Thread(
+        target=lambda: done.append(client.generate(input_ids=[1, 5, 6], sampling_params={"max_new_tokens": 2}))
+    )
+    t.start()
+    time.sleep(0.5)
+    assert not done, "a paused engine must not generate"
+    client.continue_generation()
+    t.join(10)
+    assert done and done[0]["meta_info"]["finish_reason"]["type"] in ("stop", "length")
+
+
+def test_abort_mode_aborts_requests_queued_before_the_pause(client: EngineClient) -> None:
+    results: list[dict] = []
+    client.pause_generation(mode="in_place")
+    t = threading.Thread(
+        target=lambda: results.append(client.generate(input_ids=[1, 5], sampling_params={"max_new_tokens": 4}))
+    )
+    t.start()
+    time.sleep(0.3)
+    client.pause_generation(mode="abort")  # SGLang's default: in-flight and queued requests end now
+    client.continue_generation()
+    t.join(10)
+    assert results[0]["meta_info"]["finish_reason"]["type"] == "abort"
+    after = client.generate(input_ids=[1, 5], sampling_params={"max_new_tokens": 2})
+    assert after["meta_info"]["finish_reason"]["type"] != "abort"
+
+
+# ------------------------------------------------------------------ EngineActor
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    # a zombie still answers kill(0); it no longer runs
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+    except OSError:
+        return True
+
+
+def _wait_gone(pid: int, timeout_s: float = 15) -> bool:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if _gone(pid):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.ray
+def test_engine_actor_start_restart_shutdown(model_path: str, tmp_path: Path) -> None:
+    from rlhpc.rollout.engine import EngineActor
+
+    ray.init(num_cpus=4, num_gpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        actor = EngineActor.options(num_gpus=1, num_cpus=1).remote(model_path, str(tmp_path), 0, 60.0, None)
+        url = ray.get(actor.url.remote())
+        pid = ray.get(actor.pid.remote())
+        c = EngineClient(url, timeout_s=30)
+        assert c.generate(input_ids=[1, 5], sampling_params={"max_new_tokens": 2, "temperature": 0})["output_ids"]
+        assert ray.get(actor.is_alive.remote())
+
+        new_url = ray.get(actor.restart.remote())
+        new_pid = ray.get(actor.pid.remote())
+        assert new_pid != pid and _wait_gone(pid)
+        assert EngineClient(new_url).generate(input_ids=[1, 5], sampling_params={"max_new_tokens": 2})["output_ids"]
+        assert (tmp_path / "engine_0.log").read_text().count("starting at") == 2
+
+        ray.get(actor.shutdown.remote())
+        assert _wait_gone(new_pid), "shutdown must stop the server"
+        assert not ray.get(actor.is_alive.remote())
+
+        # The server must not outlive its actor's process.
+        orphan = EngineActor.options(num_gpus=1, num_cpus=1).remote(model_path, str(tmp_path), 1, 60.0, None)
+        orphan_pid = ray.get(orphan.pid.remote())
+        ray.kill(orphan)
+        assert _wait_gone(orphan_pid), "server outlived its killed actor"
+    finally:
+        ray.shutdown()

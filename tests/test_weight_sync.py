@@ -1,0 +1,273 @@
+"""Trainer -> engine weight sync, for real: gloo broadcast groups, shared memory, HTTP, subprocesses.
+
+The test process is the trainer (rank 0). Engines are CPU engine servers started on port 0.
+Every check compares engine weights with the trainer's bit for bit (float32 survives JSON).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlhpc.errors import RlhpcError
+from rlhpc.model import TinyModelConfig, build_tiny_model, load_model, load_tokenizer
+from rlhpc.rollout.client import EngineClient
+from rlhpc.rollout.sampling import sample
+from rlhpc.rollout.weight_sync import (
+    DistributedWeightSender,
+    TensorWeightSender,
+    iter_buckets,
+    make_weight_sender,
+)
+
+
+def start_server(model_path: str, work: Path, name: str) -> tuple[subprocess.Popen, str]:
+    ready = work / f"{name}.ready.json"
+    log = open(work / f"{name}.log", "wb")  # noqa: SIM115 - lives as long as the server
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rlhpc.rollout.cpu_server", "--model-path", model_path, "--port", "0"]
+        + ["--ready-file", str(ready), "--parent-pid", str(os.getpid())],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    deadline = time.monotonic() + 60
+    while not ready.exists():
+        assert proc.poll() is None, (work / f"{name}.log").read_text()
+        assert time.monotonic() < deadline, "server did not get ready"
+        time.sleep(0.05)
+    info = json.loads(ready.read_text())
+    return proc, f"http://{info['host']}:{info['port']}"
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(build_tiny_model(tmp_path_factory.mktemp("m") / "tiny", TinyModelConfig()))
+
+
+@pytest.fixture(scope="module")
+def engines(model_path: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[EngineClient]]:
+    work = tmp_path_factory.mktemp("engines")
+    with ThreadPoolExecutor(2) as pool:  # start both at once: startup is mostly imports
+        started = list(pool.map(lambda i: start_server(model_path, work, f"engine{i}"), range(2)))
+    yield [EngineClient(url, timeout_s=60) for _, url in started]
+    for proc, _ in started:
+        stop_server(proc)
+    for proc, _ in started:
+        assert proc.returncode == 0
+
+
+def trainer_model(model_path: str, seed: int) -> torch.nn.Module:
+    """The engine's model with every parameter moved: a trainer a few steps ahead."""
+    model = load_model(model_path)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    return model
+
+
+def named(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, p in model.named_parameters():
+        yield name, p.detach()
+
+
+def assert_engine_holds(client: EngineClient, model: torch.nn.Module) -> None:
+    for name, p in model.named_parameters():
+        got = torch.tensor(client.get_weights_by_name(name, truncate_size=1 << 20), dtype=p.dtype)
+        assert torch.equal(got, p.detach()), f"{client.base_url}: {name} differs"
+
+
+def assert_generation_matches(client: EngineClient, model: torch.nn.Module, model_path: str) -> None:
+    tok = load_tokenizer(model_path)
+    ids = [[tok.bos_token_id, *tok(t, add_special_tokens=False).input_ids] for t in ("3+4=", "abc")]
+    outs = client.generate(input_ids=ids, sampling_params={"max_new_tokens": 8, "temperature": 0})
+    ref = sample(model, ids, [8, 8], [0.0, 0.0], [1.0, 1.0], [None, None], tok.eos_token_id, tok.pad_token_id)
+    assert [o["output_ids"] for o in outs] == [r.output_ids for r in ref]
+
+
+def total_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+# ------------------------------------------------------------------ buckets
+
+
+def test_buckets_respect_the_size_and_mark_the_last() -> None:
+    ts = [(f"t{i}", torch.zeros(n)) for i, n in enumerate([10, 10, 30, 5, 100, 1])]  # float32: 4 bytes each
+    out = list(iter_buckets(ts, bucket_bytes=80))
+    assert [[n for n, _ in b] for b, _ in out] == [["t0", "t1"], ["t2"], ["t3"], ["t4"], ["t5"]]
+    assert [last for _, last in out] == [False, False, False, False, True]
+    assert [last for _, last in iter_buckets(ts[:1], 80)] == [True]
+    assert list(iter_buckets([], 80)) == []
+
+
+# ------------------------------------------------------------------ disaggregated
+
+
+def test_distributed_sync_is_bit_exact_on_every_engine(engines: list[EngineClient], model_path: str) -> None:
+    model = trainer_model(model_path, seed=1)
+    bucket = total_bytes(model) // 5  # several buckets
+    sender = make_weight_sender(
+        engines, [1, 1], colocate=False, master_address="127.0.0.1", backend="gloo", bucket_bytes=bucket
+    )
+    assert isinstance(sender, DistributedWeightSender)
+    try:
+        sender.connect()
+        assert sender.world_size == 3 and sender.rank_offsets == [1, 2]
+        assert all(
+            c.get_server_info()["internal_states"][0]["weight_update_groups"] == [sender.group_name] for c in engines
+        )
+        sender.send(named(model), version=7)
+        for c in engines:
+            assert c.get_weight_version() == "7"
+            assert_engine_holds(c, model)
+        assert_generation_matches(engines[0], model, model_path)
+
+        # the group is reused by later updates
+        model = trainer_model(model_path, seed=2)
+        sender.send(named(model), version=8)
+        for c in engines:
+            assert c.get_weight_version() == "8"
+            assert_engine_holds(c, model)
+        out = engines[1].generate(input_ids=[1, 5], sampling_params={"max_new_tokens": 1})
+        assert out["meta_info"]["weight_version"] == "8"
+        assert_generation_matches(engines[1], model, model_path)
+    finally:
+        sender.close()
+    assert all(c.get_server_info()["internal_states"][0]["weight_update_groups"] == [] for c in engines)
+
+
+def test_distributed_sync_failures_are_reported_not_hung(engines: list[EngineClient], model_path: str) -> None:
+    model = trainer_model(model_path, seed=5)
+    c = engines[0]
+    # a refused tensor name: the engine still drains the broadcast, so the group stays usable
+    sender = DistributedWeightSender([c], [1], "127.0.0.1", "gloo", 1 << 20, group_name="names", timeout=20)
+    try:
+        sender.connect()
+        with pytest.raises(RlhpcError, match="unknown parameter 'bogus'"):
+            sender.send([*named(model), ("bogus", torch.zeros(3))], version=20)
+        sender.send(named(model), version=21)
+        assert c.get_weight_version() == "21"
+        assert_engine_holds(c, model)
+    finally:
+        sender.close()
+
+    # an engine that cannot join the broadcast at all: fail fast with its reason, not after the timeout
+    doomed = DistributedWeightSender([c], [1], "127.0.0.1", "gloo", 1 << 20, group_name="doomed", timeout=4)
+    try:
+        doomed.connect()
+        c.destroy_weights_update_group("doomed")
+        t0 = time.monotonic()
+        with pytest.raises(RlhpcError, match="no weight update group 'doomed'"):
+            doomed.send(named(model), version=22)
+        assert time.monotonic() - t0 < 3
+        with pytest.raises(RlhpcError, match="unusable"):
+            doomed.send(named(model), version=22)
+    finally:
+        doomed.close()
+        c.continue_generation()  # a failed send leaves the engine paused on purpose
+    assert c.get_weight_version() == "21"
+
+
+def test_reconnect_replaces_a_group_left_open(engines: list[EngineClient], model_path: str) -> None:
+    """A trainer that restarts (or forgets close()) can connect again under the same group name."""
+    model = trainer_model(model_path, seed=6)
+    first = DistributedWeightSender(engines, [1, 1], "127.0.0.1", "gloo", 1 << 20, timeout=20)
+    first.connect()
+    second = DistributedWeightSender(engines, [1, 1], "127.0.0.1", "gloo", 1 << 20, timeout=20)
+    try:
+        second.connect()
+        second.send(named(model), version=30)
+        for c in engines:
+            assert c.get_weight_version() == "30"
+            assert_engine_holds(c, model)
+    finally:
+        second.close()
+        first.close()
+    assert all(c.get_server_info()["internal_states"][0]["weight_update_groups"] == [] for c in engines)
+
+
+def test_distributed_sync_refuses_a_wrong_tp_size(engines: list[EngineClient]) -> None:
+    sender = DistributedWeightSender(engines[:1], [2], "127.0.0.1", "gloo", 1 << 20)
+    with pytest.raises(RlhpcError, match="tp_size=1"):
+        sender.connect()
+    sender.close()
+
+
+# ------------------------------------------------------------------ colocate
+
+
+def test_tensor_sync_is_bit_exact(engines: list[EngineClient], model_path: str) -> None:
+    model = trainer_model(model_path, seed=3)
+    sender = make_weight_sender(
+        engines, [1, 1], colocate=True, master_address="127.0.0.1", backend="gloo", bucket_bytes=total_bytes(model) // 4
+    )
+    assert isinstance(sender, TensorWeightSender)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    sender.connect()
+    sender.send(named(model), version=11)
+    sender.close()
+    for c in engines:
+        assert c.get_weight_version() == "11"
+        assert_engine_holds(c, model)
+    # the trainer's own tensors are untouched (only clones went to shared memory)
+    for n, p in model.named_parameters():
+        assert torch.equal(p.detach(), before[n]) and not p.is_shared()
+    assert_generation_matches(engines[1], model, model_path)
+
+
+def test_tensor_payload_refuses_arbitrary_pickles(engines: list[EngineClient]) -> None:
+    import base64
+    import pickle
+
+    evil = base64.b64encode(pickle.dumps([("x", os.getcwd)])).decode()
+    with pytest.raises(RlhpcError, match="refusing to unpickle"):
+        engines[0].update_weights_from_tensor([evil])
+
+
+# ------------------------------------------------------------------ release / resume
+
+
+def test_release_frees_weights_and_resume_needs_a_resend(engines: list[EngineClient], model_path: str) -> None:
+    c = engines[1]
+    assert c.get_server_info()["internal_states"][0]["weights_bytes"] > 0
+    c.release_memory_occupation()
+    state = c.get_server_info()["internal_states"][0]
+    assert state["weights_bytes"] == 0 and state["released_tags"] == ["kv_cache", "weights"]
+    with pytest.raises(RlhpcError, match="memory is released"):
+        c.generate(input_ids=[1, 5], sampling_params={"max_new_tokens": 2})
+
+    c.resume_memory_occupation(["weights"])
+    with pytest.raises(RlhpcError, match="kv_cache"):
+        c.generate(input_ids=[1, 5], sampling_params={"max_new_tokens": 2})
+    c.resume_memory_occupation(["kv_cache"])
+    assert c.get_server_info()["internal_states"][0]["weights_bytes"] > 0
+    with pytest.raises(RlhpcError, match="not re-sent since resume"):
+        c.generate(input_ids=[1, 5], sampling_params={"max_new_tokens": 2})
+
+    model = trainer_model(model_path, seed=4)
+    sender = TensorWeightSender([c], [1], bucket_bytes=1 << 20)
+    sender.send(named(model), version=12)
+    sender.close()
+    assert_engine_holds(c, model)
+    assert_generation_matches(c, model, model_path)
