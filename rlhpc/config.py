@@ -32,6 +32,7 @@ class ClusterConfig:
     rollout_gpus_per_engine: int = 1
     colocate: bool = False  # actor and engines share the same GPUs
     offload: bool = False  # free engine memory during training (and the actor's during generation)
+    ray_start_timeout_s: float = 300.0  # all nodes must join Ray within this, or the job fails naming them
 
 
 @dataclass

@@ -11,11 +11,13 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from contextlib import contextmanager
 
 import submitit
 
-from rlhpc.config import ClusterConfig
+from rlhpc.config import ClusterConfig, Config
+from rlhpc.errors import RlhpcError
 from rlhpc.logs import setup_logging
 from rlhpc.run_dir import RunDir
 
@@ -47,10 +49,76 @@ def local_ray(cluster: ClusterConfig, slots: int):
             log_to_driver=True,
         )
         log.info("local Ray up: %d CPUs, %d GPUs (%s)", num_cpus, num_gpus, "real" if real_gpus else "declared")
-        yield
+        yield "local"
     finally:
         ray.shutdown()
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def granted_gpus() -> int:
+    """GPUs Slurm gave this task (gres sets CUDA_VISIBLE_DEVICES), 0 when none."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    return len([d for d in visible.split(",") if d.strip()])
+
+
+@contextmanager
+def slurm_ray(cfg: Config, run: RunDir, env: submitit.JobEnvironment):
+    """Ray over the allocation. Task 0 yields once every node joined; the others serve Ray
+    until the driver is done and yield ``None``."""
+    import ray
+
+    from rlhpc.launch.ray_cluster import RayNode, wait_for_cluster
+
+    c = cfg.cluster
+    gpus = granted_gpus()
+    if gpus != c.gpus_per_node:
+        raise RlhpcError(
+            f"task {env.global_rank} on {env.hostname}: Slurm granted {gpus} GPUs (CUDA_VISIBLE_DEVICES="
+            f"{os.environ.get('CUDA_VISIBLE_DEVICES', '')!r}) but cluster.gpus_per_node = {c.gpus_per_node}",
+            "submit with --gpus-per-node equal to cluster.gpus_per_node (jobs/submit.py sets both)",
+        )
+    if env.num_nodes != c.num_nodes:
+        raise RlhpcError(
+            f"the job has {env.num_nodes} nodes but cluster.num_nodes = {c.num_nodes}",
+            "submit with --nodes equal to cluster.num_nodes (jobs/submit.py sets both)",
+        )
+    job_id = os.environ.get("SLURM_JOB_ID", env.job_id)
+    cpus = max(int(os.environ.get("SLURM_CPUS_ON_NODE", "0")), os.cpu_count() or 1, 2 * gpus + 2)
+    node = RayNode(run.path / "ray" / f"job_{job_id}", job_id, env.global_rank, gpus, cpus)
+    try:
+        if env.global_rank != 0:
+            node.start_worker(c.ray_start_timeout_s)
+            log.info("task %d: Ray worker on %s serving until the driver finishes", env.global_rank, node.ip)
+            code = node.wait_until_stopped()
+            if code:
+                raise RlhpcError(
+                    f"task {env.global_rank}: Ray on {node.ip} exited with {code}",
+                    f"see {node.state.log(env.global_rank)}",
+                )
+            yield None
+            return
+        address = node.start_head()
+        os.environ.update(node.env())
+        log.info("Ray head at %s (job %s, ports %d-%d)", address, job_id, node.ports.gcs, node.ports.max_worker)
+        deadline = time.monotonic() + c.ray_start_timeout_s
+        while True:  # the GCS needs a moment before it accepts a driver
+            try:
+                ray.init(address=address, _node_ip_address=node.ip, log_to_driver=True)
+                break
+            except (ConnectionError, RuntimeError) as e:
+                if time.monotonic() > deadline:
+                    raise RlhpcError(
+                        f"could not connect to the Ray head at {address}: {e}", f"see {node.state.log(0)}"
+                    ) from e
+                time.sleep(0.5)
+        wait_for_cluster(node.state, c.num_nodes, c.num_nodes * c.gpus_per_node, max(1.0, deadline - time.monotonic()))
+        yield address
+    finally:
+        if env.global_rank == 0:
+            node.state.stop.parent.mkdir(parents=True, exist_ok=True)
+            node.state.stop.write_text("done\n")  # tells the worker tasks to stop their Ray
+            ray.shutdown()
+        node.stop()
 
 
 class TrainJob(submitit.helpers.Checkpointable):
@@ -67,8 +135,16 @@ class TrainJob(submitit.helpers.Checkpointable):
         if run.is_finished():  # a requeue or resubmission of a finished run has nothing to do
             log.info("run %s is already finished", run)
             return {"already_finished": True}
-        with local_ray(cfg.cluster, plan_layout(cfg.cluster).num_slots), make_progress(console) as progress:
-            summary = train(cfg, run, progress)
+        env = submitit.JobEnvironment()
+        if env.cluster == "slurm":
+            cluster = slurm_ray(cfg, run, env)
+        else:
+            cluster = local_ray(cfg.cluster, plan_layout(cfg.cluster).num_slots)
+        with cluster as head:
+            if head is None and env.cluster == "slurm":  # a worker task: Ray served, driver done
+                return {"task": env.global_rank}
+            with make_progress(console) as progress:
+                summary = train(cfg, run, progress)
         run.mark_finished(summary)
         log.info("run finished: %s", run)
         return summary

@@ -12,8 +12,12 @@ from pathlib import Path
 
 import submitit
 
+from rlhpc.checkpoint import write_atomic
+from rlhpc.cluster.layout import describe_layout, plan_layout
+from rlhpc.config import Config
 from rlhpc.errors import RlhpcError
 from rlhpc.launch.job import TrainJob
+from rlhpc.launch.slurm import SlurmOptions, sbatch_script, slurm_executor
 from rlhpc.run_dir import RunDir
 
 log = logging.getLogger(__name__)
@@ -90,3 +94,23 @@ def submit_local(run: RunDir, timeout_min: int, gpus: int, wait: bool) -> int:
         log.info("follow it with: tail -f %s", job.paths.stdout)
         return 0
     return follow(job)
+
+
+def submit_slurm(run: RunDir, opts: SlurmOptions, wait: bool) -> int:
+    executor = slurm_executor(run, opts)
+    job = executor.submit(TrainJob(str(run.path)))
+    write_atomic(run.path / "slurm_job_id", f"{job.job_id}\n")
+    log.info("submitted Slurm job %s (%d node(s) x %d GPU(s))", job.job_id, opts.nodes, opts.gpus_per_node)
+    log.info("logs: %s (task 0), %s", job.paths.stdout, run.logs / "submitit")
+    log.info("follow: tail -f %s    status: python jobs/status.py %s", job.paths.stdout, run.path)
+    return follow(job) if wait else 0
+
+
+def dry_run(cfg: Config, run_dir: Path, opts: SlurmOptions) -> str:
+    """The sbatch script and the GPU plan, without submitting (or writing anything)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:  # submitit wants a folder; the real one stays untouched
+        script = sbatch_script(slurm_executor(RunDir(tmp), opts)).replace(tmp, str(run_dir))
+    layout = describe_layout(plan_layout(cfg.cluster), cfg.cluster.gpus_per_node)
+    return f"{script}\n\n{layout}\n"

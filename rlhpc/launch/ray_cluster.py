@@ -1,0 +1,252 @@
+"""Ray across a Slurm allocation: task 0 starts the head, every other task a worker.
+
+Public recipes (see ../shared/anchors.md) sleep a fixed time, use port 6379, share /tmp/ray,
+guess the head IP from the hostname and leave Ray open to anyone on the network. Here:
+
+- the head's address goes through the job's own state dir (shared run dir), never guessed;
+- every node passes ``--node-ip-address``: the address Slurm itself uses for the node;
+- all ports come from a block derived from the job id, outside other jobs' blocks;
+- every node has its own temp dir, named after job and task (never ``/tmp/ray``);
+- token authentication with a random per-job token in a 0600 file;
+- readiness is polled (all nodes and GPUs registered) against a deadline; nodes that never
+  joined are named, with their log files;
+- each task stops only its own Ray processes: the process group of its own ``ray start``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from rlhpc.checkpoint import write_atomic
+from rlhpc.errors import RlhpcError
+
+log = logging.getLogger(__name__)
+
+PORT_BLOCK = 100  # ports reserved per job
+FIRST_PORT = 10000  # blocks live in 10000..31999, below Linux's ephemeral range (32768+)
+NUM_BLOCKS = 220
+
+
+@dataclass(frozen=True)
+class RayPorts:
+    gcs: int
+    node_manager: int
+    object_manager: int
+    client_server: int
+    dashboard_agent_grpc: int
+    dashboard_agent_listen: int
+    runtime_env_agent: int
+    metrics_export: int
+    min_worker: int
+    max_worker: int
+
+    @classmethod
+    def for_job(cls, job_id: str) -> RayPorts:
+        """A block of ports for this job: two jobs on one node use different blocks."""
+        digits = "".join(c for c in job_id if c.isdigit()) or "0"
+        base = FIRST_PORT + (int(digits) % NUM_BLOCKS) * PORT_BLOCK
+        # The GCS port must lie outside the worker port range, or ray start refuses it.
+        return cls(
+            base, base + 1, base + 2, base + 3, base + 4, base + 5, base + 6, base + 7, base + 10, base + PORT_BLOCK - 1
+        )
+
+    def args(self) -> list[str]:
+        return [
+            f"--node-manager-port={self.node_manager}",
+            f"--object-manager-port={self.object_manager}",
+            f"--dashboard-agent-grpc-port={self.dashboard_agent_grpc}",
+            f"--dashboard-agent-listen-port={self.dashboard_agent_listen}",
+            f"--runtime-env-agent-port={self.runtime_env_agent}",
+            f"--metrics-export-port={self.metrics_export}",
+            f"--min-worker-port={self.min_worker}",
+            f"--max-worker-port={self.max_worker}",
+        ]
+
+
+def node_ip_address() -> str:
+    """The address Slurm uses for this node (its NodeAddr), resolved to an IP.
+
+    Hostnames mislead on multi-NIC nodes and in containers; NodeAddr is what the site
+    configured for reaching the node.
+    """
+    name = os.environ.get("SLURMD_NODENAME")
+    if name:
+        out = subprocess.run(["scontrol", "show", "node", name, "-o"], capture_output=True, text=True, timeout=30)
+        for field in out.stdout.split():
+            if field.startswith("NodeAddr="):
+                return socket.gethostbyname(field.split("=", 1)[1])
+    return socket.gethostbyname(socket.gethostname())
+
+
+@dataclass
+class JobRayState:
+    """Files a job's tasks use to find each other, in the shared run dir."""
+
+    root: Path
+
+    @property
+    def token(self) -> Path:
+        return self.root / "auth_token"
+
+    @property
+    def head(self) -> Path:
+        return self.root / "head.json"
+
+    @property
+    def stop(self) -> Path:
+        return self.root / "stop"
+
+    def node(self, rank: int) -> Path:
+        return self.root / f"node_{rank}.json"
+
+    def log(self, rank: int) -> Path:
+        return self.root / f"ray_node_{rank}.log"
+
+
+class RayNode:
+    """This task's Ray: ``start_head`` on task 0 or ``start_worker`` elsewhere, then ``stop``."""
+
+    def __init__(self, state_dir: Path, job_id: str, rank: int, num_gpus: int, num_cpus: int):
+        self.state = JobRayState(state_dir)
+        self.job_id = job_id
+        self.rank = rank
+        self.num_gpus = num_gpus
+        self.num_cpus = num_cpus
+        self.ports = RayPorts.for_job(job_id)
+        self.ip = node_ip_address()
+        # Node-local and per job and task: unix socket paths must stay short (< 108 bytes).
+        self.temp_dir = Path("/tmp") / f"rlhpc-{job_id}-{rank}"
+        self.proc: subprocess.Popen | None = None
+
+    def env(self) -> dict[str, str]:
+        """Environment for anything that talks to this job's Ray (ray start, the driver)."""
+        return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(self.state.token)}
+
+    def _start(self, extra: list[str]) -> None:
+        self.temp_dir.mkdir(parents=True, exist_ok=True)
+        write_atomic(
+            self.state.node(self.rank),
+            json.dumps(
+                {"rank": self.rank, "ip": self.ip, "host": socket.gethostname(), "log": str(self.state.log(self.rank))}
+            ),
+        )
+        cmd = [
+            sys.executable, "-m", "ray.scripts.scripts", "start", "--block",
+            f"--node-ip-address={self.ip}",
+            f"--num-gpus={self.num_gpus}",
+            f"--num-cpus={self.num_cpus}",
+            f"--temp-dir={self.temp_dir}",
+            "--disable-usage-stats",
+            *self.ports.args(),
+            *extra,
+        ]  # fmt: skip
+        logf = open(self.state.log(self.rank), "ab")
+        # Own session: the whole Ray tree of this task is one process group we can stop.
+        self.proc = subprocess.Popen(
+            cmd, stdout=logf, stderr=subprocess.STDOUT, env={**os.environ, **self.env()}, start_new_session=True
+        )
+        logf.close()
+
+    def start_head(self) -> str:
+        self.state.root.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.state.token, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
+        for stale in (self.state.head, self.state.stop):
+            stale.unlink(missing_ok=True)
+        self._start(
+            [
+                "--head",
+                f"--port={self.ports.gcs}",
+                "--include-dashboard=false",
+                f"--ray-client-server-port={self.ports.client_server}",
+            ]
+        )
+        address = f"{self.ip}:{self.ports.gcs}"
+        write_atomic(self.state.head, json.dumps({"address": address, "job_id": self.job_id}))
+        return address
+
+    def start_worker(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:  # the head writes its address only after its ray start was launched
+            if self.state.head.is_file():
+                head = json.loads(self.state.head.read_text())
+                if head.get("job_id") == self.job_id:
+                    break
+            if time.monotonic() > deadline:
+                raise RlhpcError(
+                    f"task {self.rank}: the Ray head of job {self.job_id} did not publish its address within {timeout_s:.0f}s",
+                    f"see task 0's log and {self.state.log(0)}",
+                )
+            time.sleep(0.2)
+        self._start([f"--address={head['address']}"])
+
+    def wait_until_stopped(self, poll_s: float = 0.5) -> int:
+        """Worker tasks: block until the driver says stop (or our Ray dies), then stop."""
+        while not self.state.stop.exists() and self.proc.poll() is None:
+            time.sleep(poll_s)
+        code = self.proc.poll()
+        self.stop()
+        return 0 if code is None or self.state.stop.exists() else code
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        """Stop this task's Ray only: TERM to our process group, a short wait, then KILL.
+
+        KILL always follows: ``ray start --block`` may exit on TERM while raylet & co. linger.
+        """
+        if self.proc is None:
+            return
+        _signal_group(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+        _signal_group(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        self.proc = None
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def wait_for_cluster(state: JobRayState, num_nodes: int, num_gpus: int, timeout_s: float) -> None:
+    """Poll until every node and all GPUs registered; past the deadline name who is missing."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        alive = [n for n in ray.nodes() if n.get("Alive")]
+        gpus = sum(n.get("Resources", {}).get("GPU", 0) for n in alive)
+        if len(alive) >= num_nodes and gpus >= num_gpus:
+            log.info("Ray cluster ready: %d nodes, %d GPUs", len(alive), int(gpus))
+            return
+        if time.monotonic() > deadline:
+            joined = {n["NodeManagerAddress"] for n in alive}
+            missing = []
+            for rank in range(num_nodes):
+                f = state.node(rank)
+                info = (
+                    json.loads(f.read_text()) if f.is_file() else {"rank": rank, "ip": "?", "log": str(state.log(rank))}
+                )
+                if info["ip"] not in joined:
+                    missing.append(f"task {rank} ({info['ip']}; log {info['log']})")
+            raise RlhpcError(
+                f"Ray cluster not ready after {timeout_s:.0f}s: {len(alive)}/{num_nodes} nodes, {int(gpus)}/{num_gpus} GPUs; "
+                f"never joined: {', '.join(missing) or 'none (GPUs missing)'}",
+                "read those nodes' Ray logs; raise cluster.ray_start_timeout_s if the nodes are just slow",
+            )
+        time.sleep(0.25)

@@ -1,0 +1,159 @@
+"""Slurm submission: sbatch options as a user spells them, checks against ``sinfo``, submitit.
+
+submitit builds the sbatch script (one task per node, ``--signal``, ``--open-mode=append``);
+we add ``--requeue`` and refuse, before submitting, what the partition cannot give.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import submitit
+
+from rlhpc.errors import ConfigError
+from rlhpc.run_dir import RunDir
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SlurmOptions:
+    nodes: int = 1
+    gpus_per_node: int = 8
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    time_min: int = 24 * 60
+    constraint: str | None = None
+    exclusive: bool = False
+    job_name: str = "rlhpc"
+    cpus_per_task: int | None = None
+    signal_grace_s: int = 120  # USR2 this long before the time limit: room for one checkpoint
+    extra: dict[str, str | bool] = field(default_factory=dict)  # any other sbatch option
+
+
+def parse_time(text: str) -> int:
+    """sbatch time formats -> minutes: ``MM``, ``HH:MM:SS``, ``D-HH``, ``D-HH:MM``, ``D-HH:MM:SS``."""
+    m = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?", text.strip())
+    if not m:
+        raise ConfigError(
+            f"--time {text!r} is not a Slurm time", "write minutes (90), HH:MM:SS (24:00:00) or D-HH:MM (1-12:00)"
+        )
+    days, a, b, c = (int(x) if x else None for x in m.groups())
+    if days is None and b is None:  # plain minutes
+        return a
+    if days is None and c is None:  # MM:SS
+        return a + (1 if b else 0)
+    if days is None:  # HH:MM:SS
+        return a * 60 + b + (1 if c else 0)
+    return days * 24 * 60 + a * 60 + (b or 0) + (1 if c else 0)
+
+
+def parse_extra(items: list[str]) -> dict[str, str | bool]:
+    """``--sbatch mail-type=END --sbatch hold`` -> {"mail-type": "END", "hold": True}."""
+    out: dict[str, str | bool] = {}
+    for item in items:
+        key, sep, value = item.lstrip("-").partition("=")
+        if not key:
+            raise ConfigError(f"--sbatch {item!r} has no option name", "write e.g. --sbatch mail-type=END")
+        out[key] = value if sep else True
+    return out
+
+
+@dataclass(frozen=True)
+class Partition:
+    name: str
+    nodes: int
+    gpus_per_node: int
+    states: tuple[str, ...]
+
+
+def query_partitions() -> dict[str, Partition]:
+    """Partitions with node counts and the smallest GPU count of their nodes, from ``sinfo``."""
+    out = subprocess.run(["sinfo", "-h", "-N", "-o", "%P|%N|%G|%t"], capture_output=True, text=True, timeout=30)
+    if out.returncode != 0:
+        raise ConfigError(
+            f"sinfo failed: {out.stderr.strip()}", "check that Slurm is reachable from this node (SLURM_CONF)"
+        )
+    nodes: dict[str, dict[str, tuple[int, str]]] = {}
+    default = None
+    for line in out.stdout.splitlines():
+        part, node, gres, state = line.split("|")
+        if part.endswith("*"):
+            part = default = part[:-1]
+        gpus = sum(int(n) for n in re.findall(r"gpu(?::[\w.-]+)?:(\d+)", gres))
+        nodes.setdefault(part, {})[node] = (gpus, state)
+    parts = {
+        name: Partition(name, len(ns), min(g for g, _ in ns.values()), tuple(sorted({s for _, s in ns.values()})))
+        for name, ns in nodes.items()
+    }
+    if default is not None:
+        parts[""] = parts[default]  # the default partition, for jobs that name none
+    return parts
+
+
+def preflight(opts: SlurmOptions) -> None:
+    """Refuse, before anything is submitted, what the partition can never give."""
+    if opts.nodes < 1:
+        raise ConfigError(f"--nodes {opts.nodes} must be at least 1", "ask for one node or more")
+    if opts.gpus_per_node < 1:
+        raise ConfigError(
+            f"--gpus-per-node {opts.gpus_per_node} must be at least 1", "the actor and the engines need GPUs"
+        )
+    parts = query_partitions()
+    key = opts.partition or ""
+    if key not in parts:
+        names = ", ".join(sorted(p for p in parts if p))
+        raise ConfigError(
+            f"partition {opts.partition!r} does not exist"
+            if opts.partition
+            else "this cluster has no default partition",
+            f"pass --partition with one of: {names}",
+        )
+    part = parts[key]
+    if opts.nodes > part.nodes:
+        raise ConfigError(
+            f"--nodes {opts.nodes} but partition {part.name!r} has {part.nodes} nodes",
+            f"ask for at most {part.nodes} nodes, or another partition",
+        )
+    if opts.gpus_per_node > part.gpus_per_node:
+        raise ConfigError(
+            f"--gpus-per-node {opts.gpus_per_node} but nodes in partition {part.name!r} have {part.gpus_per_node} GPUs",
+            f"ask for at most {part.gpus_per_node} GPUs per node",
+        )
+
+
+def slurm_executor(run: RunDir, opts: SlurmOptions) -> submitit.SlurmExecutor:
+    executor = submitit.SlurmExecutor(folder=run.logs / "submitit")
+    params = {
+        "job_name": opts.job_name,
+        "nodes": opts.nodes,
+        "ntasks_per_node": 1,  # one task per node: Ray head or worker
+        "gpus_per_node": opts.gpus_per_node,
+        "time": opts.time_min,
+        "signal_delay_s": opts.signal_grace_s,
+        "additional_parameters": {"requeue": True, **opts.extra},
+        "stderr_to_stdout": False,
+    }
+    for key in ("partition", "account", "qos", "constraint", "cpus_per_task"):
+        if getattr(opts, key) is not None:
+            params[key] = getattr(opts, key)
+    if opts.exclusive:
+        params["exclusive"] = True
+    executor.update_parameters(**params)
+    return executor
+
+
+def sbatch_script(executor: submitit.SlurmExecutor) -> str:
+    """The script submitit would hand to sbatch (its own builder, so preview and reality agree)."""
+    from submitit.slurm.slurm import _make_sbatch_string
+
+    return _make_sbatch_string(command=executor._submitit_command_str, folder=executor.folder, **executor.parameters)
+
+
+def log_paths(job: submitit.Job) -> tuple[Path, Path]:
+    return Path(job.paths.stdout), Path(job.paths.stderr)
