@@ -1,0 +1,90 @@
+"""Shared pytest fixtures. Each block is self-contained; add new ones in their own section."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+# =====================================================================================
+# Slurm minicluster (tools/minicluster.py)
+#
+# `minicluster`: a real 4-node Slurm cluster with 8 (placeholder) GPUs per node, one per
+# test session, reused if an identical one is already up. SLURM_CONF is set in
+# os.environ while it lives. It is torn down at the end of the session if this session
+# brought it up (RLHPC_KEEP_MINICLUSTER=1 keeps it for the next run). It needs root and
+# Debian's slurm-wlm + munge (.ci/install_slurm.sh); when the machine cannot run it the
+# fixture FAILS with the reason and the fix, unless RLHPC_SKIP_SLURM=1, then it skips.
+# Mark tests that use it with @pytest.mark.slurm.
+# =====================================================================================
+
+MINICLUSTER_NODES = 4
+MINICLUSTER_GPUS_PER_NODE = 8
+
+
+def _load_minicluster_tool() -> ModuleType:
+    name = "rlhpc_tools_minicluster"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "tools" / "minicluster.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses look their module up here
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "slurm: needs the real Slurm minicluster (tools/minicluster.py); RLHPC_SKIP_SLURM=1 skips"
+    )
+
+
+@pytest.fixture(scope="session")
+def minicluster_tool() -> ModuleType:
+    """The tools/minicluster.py module, once the machine is known to be able to run it."""
+    if os.environ.get("RLHPC_SKIP_SLURM") == "1":
+        pytest.skip("RLHPC_SKIP_SLURM=1")
+    tool = _load_minicluster_tool()
+    problem = None
+    try:
+        tool.preflight()
+    except tool.MiniClusterError as e:
+        problem = str(e)
+    if problem:  # fail outside the except block: one clear message, no chained traceback
+        pytest.fail(f"cannot run the Slurm minicluster: {problem}\n(set RLHPC_SKIP_SLURM=1 to skip)", pytrace=False)
+    return tool
+
+
+@pytest.fixture(scope="session")
+def minicluster(minicluster_tool: ModuleType) -> Iterator:
+    """A running MiniCluster (see tools/minicluster.py); SLURM_CONF points at it."""
+    mc = minicluster_tool.MiniCluster(nodes=MINICLUSTER_NODES, gpus_per_node=MINICLUSTER_GPUS_PER_NODE)
+    problem = None
+    try:
+        started = mc.up()
+    except minicluster_tool.MiniClusterError as e:
+        problem = str(e)
+    if problem:
+        pytest.fail(f"Slurm minicluster did not come up: {problem}", pytrace=False)
+    previous = os.environ.get("SLURM_CONF")
+    os.environ["SLURM_CONF"] = str(mc.slurm_conf)
+    try:
+        yield mc
+    finally:
+        if previous is None:
+            os.environ.pop("SLURM_CONF", None)
+        else:
+            os.environ["SLURM_CONF"] = previous
+        if started and os.environ.get("RLHPC_KEEP_MINICLUSTER") != "1":
+            mc.down()
+
+
+# ============================ end of Slurm minicluster ===============================
