@@ -17,10 +17,11 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 # =====================================================================================
 # Slurm minicluster (tools/minicluster.py)
 #
-# `minicluster`: a real 4-node Slurm cluster with 8 (placeholder) GPUs per node, one per
-# test session, reused if an identical one is already up. SLURM_CONF is set in
-# os.environ while it lives. It is torn down at the end of the session if this session
-# brought it up (RLHPC_KEEP_MINICLUSTER=1 keeps it for the next run). It needs root and
+# `minicluster`: a real 4-node Slurm cluster with 8 (placeholder) GPUs per node, shared
+# by the whole test session and reused if an identical one is already up. SLURM_CONF is
+# set in os.environ while it lives. At the end of the session it is torn down, unless
+# another live pytest session still uses it (the last one out stops it), it was started
+# by hand with `tools/minicluster.py up`, or RLHPC_KEEP_MINICLUSTER=1. It needs root and
 # Debian's slurm-wlm + munge (.ci/install_slurm.sh); when the machine cannot run it the
 # fixture FAILS with the reason and the fix, unless RLHPC_SKIP_SLURM=1, then it skips.
 # Mark tests that use it with @pytest.mark.slurm.
@@ -69,7 +70,7 @@ def minicluster(minicluster_tool: ModuleType) -> Iterator:
     mc = minicluster_tool.MiniCluster(nodes=MINICLUSTER_NODES, gpus_per_node=MINICLUSTER_GPUS_PER_NODE)
     problem = None
     try:
-        started = mc.up()
+        mc.acquire()
     except minicluster_tool.MiniClusterError as e:
         problem = str(e)
     if problem:
@@ -83,8 +84,8 @@ def minicluster(minicluster_tool: ModuleType) -> Iterator:
             os.environ.pop("SLURM_CONF", None)
         else:
             os.environ["SLURM_CONF"] = previous
-        if started and os.environ.get("RLHPC_KEEP_MINICLUSTER") != "1":
-            mc.down()
+        if os.environ.get("RLHPC_KEEP_MINICLUSTER") != "1":
+            mc.release()
 
 
 # ============================ end of Slurm minicluster ===============================

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -149,11 +150,24 @@ def test_up_twice_is_idempotent(minicluster) -> None:
 # ---- a second, small cluster beside it: own state dir, subnet and port --------------------
 
 
+def _free_subnet_index() -> int:
+    """X such that 10.77.X.0/24 is on no interface (another session's small cluster)."""
+    used = subprocess.run(["ip", "-4", "-o", "addr"], capture_output=True, text=True).stdout
+    return next(x for x in range(9, 250) if f" 10.77.{x}." not in used)
+
+
 @pytest.fixture(scope="module")
 def small_cluster(minicluster_tool: ModuleType) -> Iterator:
     # Not under pytest's tmp dir: that is mode 0700 and munged runs as the munge user.
+    # Own state dir, subnet and port, so concurrent test sessions do not share it.
+    x = _free_subnet_index()
     mc = minicluster_tool.MiniCluster(
-        "/tmp/rlhpc-minicluster-test-small", nodes=2, gpus_per_node=2, subnet="10.77.9.0/24", port=16917, grace_time=3
+        f"/tmp/rlhpc-minicluster-test-{os.getpid()}",
+        nodes=2,
+        gpus_per_node=2,
+        subnet=f"10.77.{x}.0/24",
+        port=16900 + 2 * x,
+        grace_time=3,
     )
     mc.up()
     try:
@@ -183,14 +197,16 @@ def test_grace_time_expiry_requeues_a_job_that_ignores_the_signal(small_cluster,
 
 def test_second_cluster_is_separate(small_cluster, minicluster) -> None:
     assert sorted(nodes_info(small_cluster.env())) == ["node0", "node1"]
-    assert nodes_info(small_cluster.env())["node1"]["NodeAddr"] == "10.77.9.11"
+    assert nodes_info(small_cluster.env())["node1"]["NodeAddr"] == small_cluster.node_ips["node1"]
     assert len(nodes_info()) == 4  # the session cluster is untouched
 
 
 def test_up_with_another_spec_rebuilds(small_cluster, minicluster_tool: ModuleType) -> None:
     before = small_cluster._load_state()["pids"]["slurmctld"]
-    bigger = minicluster_tool.MiniCluster(small_cluster.state_dir, nodes=2, gpus_per_node=3, subnet="10.77.9.0/24",
-                                          port=16917, grace_time=3)  # fmt: skip
+    s = small_cluster.spec
+    bigger = minicluster_tool.MiniCluster(
+        small_cluster.state_dir, nodes=2, gpus_per_node=3, subnet=s.subnet, port=s.port, grace_time=s.grace_time
+    )
     assert bigger.up() is True
     assert bigger._load_state()["pids"]["slurmctld"] != before
     assert {n["Gres"] for n in nodes_info(bigger.env()).values()} == {"gpu:3"}

@@ -335,32 +335,69 @@ class MiniCluster:
 
     # ---- public API ------------------------------------------------------------------
     def up(self, timeout: float = 90.0) -> bool:
-        """Bring the cluster up; return False if an identical healthy one was already up."""
-        self.spec.validate()
-        preflight()
+        """Bring the cluster up; return False if an identical healthy one was already up.
+
+        A cluster started here is kept by release(): only down() stops it."""
+        with self._lock():
+            started = self._up_in_lock(timeout)
+            if started:
+                self._update_state(kept=True)
+            return started
+
+    def acquire(self, timeout: float = 90.0) -> bool:
+        """up() for one of several processes (e.g. test sessions) sharing the cluster:
+        registers this process as a user; release() stops the cluster after its last user,
+        unless a plain up() started it. Returns True if this call started it."""
+        with self._lock():
+            started = self._up_in_lock(timeout)
+            state = self._load_state() or {}
+            users = {p for p in state.get("users", []) if _alive(p)} | {os.getpid()}
+            self._update_state(users=sorted(users), **({"kept": False} if started else {}))
+            return started
+
+    def release(self) -> bool:
+        """Unregister this process (see acquire); return True if that took the cluster down."""
         with self._lock():
             state = self._load_state()
-            if state is not None:
-                if _spec_of(state) == self.spec and not self._problems(state):
-                    log.info("an identical minicluster is already up and healthy in %s", self.state_dir)
-                    return False
-                log.info("a different or unhealthy minicluster is up in %s; rebuilding it", self.state_dir)
-            self._check_subnet()  # before tearing anything down
+            if state is None:
+                return False
+            users = sorted(p for p in state.get("users", []) if _alive(p) and p != os.getpid())
+            if users or state.get("kept", True):
+                self._update_state(users=users)
+                return False
             self._down_locked()
-            start = time.monotonic()
-            try:
-                self._up_locked(timeout)
-            except BaseException:
-                # Stop what we started but keep the logs the error points at.
-                self._down_locked(keep_dir=True)
-                raise
-            log.info(
-                "minicluster up in %.1fs: %d nodes x %d GPUs",
-                time.monotonic() - start,
-                self.spec.nodes,
-                self.spec.gpus_per_node,
-            )
             return True
+
+    def _update_state(self, **fields: object) -> None:
+        state = self._load_state()
+        if state is not None:
+            self._save_state({**state, **fields})
+
+    def _up_in_lock(self, timeout: float) -> bool:
+        self.spec.validate()
+        preflight()
+        state = self._load_state()
+        if state is not None:
+            if _spec_of(state) == self.spec and not self._problems(state):
+                log.info("an identical minicluster is already up and healthy in %s", self.state_dir)
+                return False
+            log.info("a different or unhealthy minicluster is up in %s; rebuilding it", self.state_dir)
+        self._check_subnet()  # before tearing anything down
+        self._down_locked()
+        start = time.monotonic()
+        try:
+            self._up_locked(timeout)
+        except BaseException:
+            # Stop what we started but keep the logs the error points at.
+            self._down_locked(keep_dir=True)
+            raise
+        log.info(
+            "minicluster up in %.1fs: %d nodes x %d GPUs",
+            time.monotonic() - start,
+            self.spec.nodes,
+            self.spec.gpus_per_node,
+        )
+        return True
 
     def down(self) -> None:
         """Stop every daemon and job process this cluster started; remove namespaces, links, state dir."""
