@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -159,10 +158,10 @@ def _free_subnet_index() -> int:
 @pytest.fixture(scope="module")
 def small_cluster(minicluster_tool: ModuleType) -> Iterator:
     # Not under pytest's tmp dir: that is mode 0700 and munged runs as the munge user.
-    # Own state dir, subnet and port, so concurrent test sessions do not share it.
+    # Own state dir, subnet and port (a free one), so concurrent test sessions do not share it.
     x = _free_subnet_index()
     mc = minicluster_tool.MiniCluster(
-        f"/tmp/rlhpc-minicluster-test-{os.getpid()}",
+        f"/tmp/rlhpc-minicluster-test-{x}",
         nodes=2,
         gpus_per_node=2,
         subnet=f"10.77.{x}.0/24",
