@@ -59,6 +59,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     run.add_argument("--force", action="store_true", help="resume a run dir whose config differs from this one")
     run.add_argument("--dry-run", action="store_true", help="print the sbatch script and GPU plan; submit nothing")
     run.add_argument(
+        "--prepare-only",
+        action="store_true",
+        help="validate and prepare the run dir, submit nothing (for slurm_templates/)",
+    )
+    run.add_argument(
         "--follow",
         dest="follow",
         action="store_true",
@@ -133,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
             print(dry_run(cfg, Path(run_dir).resolve(), opts), end="")
             return 0
         cluster = choose_cluster(args.cluster)
-        if cluster == "slurm":
+        if cluster == "slurm" and not args.prepare_only:
             preflight(opts)
         elif cfg.cluster.num_nodes != 1:
             raise RlhpcError(
@@ -142,6 +147,9 @@ def main(argv: list[str] | None = None) -> int:
             )
         run = RunDir(run_dir)
         run.prepare(cfg, force=args.force)
+        if args.prepare_only:
+            log.info("run dir %s is ready; start every task with: srun python -m rlhpc.launch.task %s", run, run)
+            return 0
         if cluster == "slurm":
             return submit_slurm(run, opts, wait=bool(args.follow))
         if args.follow is not False and sys.stdout.isatty():

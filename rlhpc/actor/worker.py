@@ -188,8 +188,8 @@ class TrainWorker:
 
     def _wrap_ddp(self) -> None:
         ids = [self.device.index] if self.device.type == "cuda" else None
-        # buffers (rotary tables) are constants: no per-forward broadcast
-        self.ddp = DDP(self.module, device_ids=ids, broadcast_buffers=False)
+        # The only buffers (rotary tables) are equal on every rank; syncing them costs next to nothing.
+        self.ddp = DDP(self.module, device_ids=ids)
 
     def _barrier(self) -> None:
         if self.backend == "nccl":
@@ -312,11 +312,11 @@ class TrainWorker:
                     if "ref" in it:
                         kl = masked_mean(kl_k3(logprobs, it["ref"]), it["mask"])
                         loss = loss + algo.kl_coef * kl
-                        loss_sums["kl"] += float(kl) * tokens
+                        loss_sums["kl"] += float(kl.detach()) * tokens
                     # token share of the global minibatch, times world size to undo DDP's averaging
                     (loss * (tokens * self.world_size / global_tokens)).backward()
-                loss_sums["pg_loss"] += float(pg) * tokens
-                loss_sums["clipfrac"] += float(clipfrac) * tokens
+                loss_sums["pg_loss"] += float(pg.detach()) * tokens
+                loss_sums["clipfrac"] += float(clipfrac.detach()) * tokens
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.module.parameters(), a.grad_clip))
             grad_norms.append(grad_norm)
             if math.isfinite(grad_norm):

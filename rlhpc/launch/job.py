@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import sys
 import tempfile
 import time
 from contextlib import contextmanager
@@ -64,9 +65,11 @@ def granted_gpus() -> int:
 @contextmanager
 def slurm_ray(cfg: Config, run: RunDir, env: submitit.JobEnvironment):
     """Ray over the allocation. Task 0 yields once every node joined; the others serve Ray
-    until the driver is done and yield ``None``."""
-    import ray
+    until the driver is done and yield ``None``.
 
+    Ray reads its auth settings when it is first imported, so nothing in this process may
+    import ray before the job's token exists and RAY_AUTH_* point at it.
+    """
     from rlhpc.launch.ray_cluster import RayNode, wait_for_cluster
 
     c = cfg.cluster
@@ -99,6 +102,8 @@ def slurm_ray(cfg: Config, run: RunDir, env: submitit.JobEnvironment):
             return
         address = node.start_head()
         os.environ.update(node.env())
+        import ray  # only now: see the docstring
+
         log.info("Ray head at %s (job %s, ports %d-%d)", address, job_id, node.ports.gcs, node.ports.max_worker)
         deadline = time.monotonic() + c.ray_start_timeout_s
         while True:  # the GCS needs a moment before it accepts a driver
@@ -117,7 +122,8 @@ def slurm_ray(cfg: Config, run: RunDir, env: submitit.JobEnvironment):
         if env.global_rank == 0:
             node.state.stop.parent.mkdir(parents=True, exist_ok=True)
             node.state.stop.write_text("done\n")  # tells the worker tasks to stop their Ray
-            ray.shutdown()
+            if "ray" in sys.modules:
+                sys.modules["ray"].shutdown()
         node.stop()
 
 
@@ -127,7 +133,6 @@ class TrainJob(submitit.helpers.Checkpointable):
 
     def __call__(self) -> dict:
         from rlhpc.cluster.layout import plan_layout
-        from rlhpc.driver import make_progress, train
 
         run = RunDir(self.run_dir)
         cfg = run.load_config()
@@ -143,6 +148,8 @@ class TrainJob(submitit.helpers.Checkpointable):
         with cluster as head:
             if head is None and env.cluster == "slurm":  # a worker task: Ray served, driver done
                 return {"task": env.global_rank}
+            from rlhpc.driver import make_progress, train  # imports ray: only once Ray's auth is set
+
             with make_progress(console) as progress:
                 summary = train(cfg, run, progress)
         run.mark_finished(summary)

@@ -50,8 +50,39 @@ def local_executor(run: RunDir, timeout_min: int, gpus: int) -> submitit.LocalEx
     return executor
 
 
+SLURM_ACTIVE = {
+    "PENDING",
+    "CONFIGURING",
+    "RUNNING",
+    "COMPLETING",
+    "REQUEUED",
+    "REQUEUE_HOLD",
+    "REQUEUE_FED",
+    "RESIZING",
+    "SUSPENDED",
+    "STAGE_OUT",
+    "SIGNALING",
+    "PREEMPTED",
+}
+
+
+def slurm_state(job_id: str) -> str | None:
+    """The job's state from ``scontrol`` (which needs no accounting database), None once forgotten."""
+    out = subprocess.run(["scontrol", "show", "job", job_id, "-o"], capture_output=True, text=True, timeout=30)
+    m = re.search(r"\bJobState=(\S+)", out.stdout)
+    return m.group(1) if m else None
+
+
+def _slurm_done(job: submitit.Job) -> bool:
+    # submitit's own watcher asks sacct, which many sites (and the minicluster) do not run.
+    if job.paths.result_pickle.exists():
+        return True
+    return slurm_state(job.job_id) not in SLURM_ACTIVE
+
+
 def follow(job: submitit.Job, poll_s: float = 0.5) -> int:
-    """Stream the job's output to this terminal until it ends; return its exit code."""
+    """Stream task 0's output to this terminal until the job ends; 0 if it succeeded."""
+    is_done = _slurm_done if isinstance(job, submitit.SlurmJob) else (lambda j: j.done())
     out_pos = err_pos = 0
 
     def pump(path: Path, pos: int, stream) -> int:
@@ -66,18 +97,26 @@ def follow(job: submitit.Job, poll_s: float = 0.5) -> int:
         return pos
 
     while True:
-        done = job.done()
+        done = is_done(job)
         out_pos = pump(job.paths.stdout, out_pos, sys.stdout)
         err_pos = pump(job.paths.stderr, err_pos, sys.stderr)
         if done:
             break
         time.sleep(poll_s)
-    try:
-        job.result()
-    except Exception as e:  # the job's own traceback is already in its stderr above
+    for _ in range(20):  # the result file can land a moment after the state changes
+        if job.paths.result_pickle.exists():
+            break
+        time.sleep(0.25)
+    if not job.paths.result_pickle.exists():
         raise RlhpcError(
-            f"job {job.job_id} failed: {_exception_line(str(e))}", f"see the job log {job.paths.stderr}"
-        ) from None
+            f"job {job.job_id} ended without a result (cancelled, or killed by Slurm)",
+            f"see the job log {job.paths.stderr}",
+        )
+    outcome, value = submitit.core.utils.pickle_load(job.paths.result_pickle)
+    if outcome != "success":  # the job's own traceback is already in its stderr above
+        raise RlhpcError(
+            f"job {job.job_id} failed: {_exception_line(str(value))}", f"see the job log {job.paths.stderr}"
+        )
     return 0
 
 

@@ -254,7 +254,7 @@ class _SenderBase:
                 f"engines report the wrong weight version after sync (want {v}): {wrong}", "check the engine logs"
             )
         self._on_all(lambda c: c.continue_generation())
-        log.info("weights version %s sent to %d engine(s) in %d bucket(s)", v, len(self.clients), n)
+        log.debug("weights version %s sent to %d engine(s) in %d bucket(s)", v, len(self.clients), n)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
