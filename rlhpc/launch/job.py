@@ -105,7 +105,8 @@ def slurm_ray(cfg: Config, run: RunDir, env: submitit.JobEnvironment):
         import ray  # only now: see the docstring
 
         log.info("Ray head at %s (job %s, ports %d-%d)", address, job_id, node.ports.gcs, node.ports.max_worker)
-        deadline = time.monotonic() + c.ray_start_timeout_s
+        started = time.monotonic()
+        deadline = started + c.ray_start_timeout_s
         while True:  # the GCS needs a moment before it accepts a driver
             try:
                 ray.init(address=address, _node_ip_address=node.ip, log_to_driver=True)
@@ -116,7 +117,7 @@ def slurm_ray(cfg: Config, run: RunDir, env: submitit.JobEnvironment):
                         f"could not connect to the Ray head at {address}: {e}", f"see {node.state.log(0)}"
                     ) from e
                 time.sleep(0.5)
-        wait_for_cluster(node.state, c.num_nodes, c.num_nodes * c.gpus_per_node, max(1.0, deadline - time.monotonic()))
+        wait_for_cluster(node.state, c.num_nodes, c.num_nodes * c.gpus_per_node, c.ray_start_timeout_s, started)
         yield address
     finally:
         if env.global_rank == 0:

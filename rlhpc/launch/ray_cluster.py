@@ -223,11 +223,16 @@ def _signal_group(pgid: int, sig: int) -> None:
         pass
 
 
-def wait_for_cluster(state: JobRayState, num_nodes: int, num_gpus: int, timeout_s: float) -> None:
-    """Poll until every node and all GPUs registered; past the deadline name who is missing."""
+def wait_for_cluster(
+    state: JobRayState, num_nodes: int, num_gpus: int, timeout_s: float, started: float | None = None
+) -> None:
+    """Poll until every node and all GPUs registered; past the deadline name who is missing.
+
+    ``started`` (``time.monotonic()``) is when the clock began, e.g. the head's start.
+    """
     import ray
 
-    deadline = time.monotonic() + timeout_s
+    deadline = (started if started is not None else time.monotonic()) + timeout_s
     while True:
         alive = [n for n in ray.nodes() if n.get("Alive")]
         gpus = sum(n.get("Resources", {}).get("GPU", 0) for n in alive)
