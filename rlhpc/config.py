@@ -103,6 +103,9 @@ class CheckpointConfig:
     save_interval: int | None = 10  # save every N rollouts (and at epoch ends); None: only at the end
     keep_last: int = 2
     resume: Literal["auto", "never"] = "auto"
+    max_restarts: int = 20  # requeues (preemption, time limit, failure) before the job is held
+    max_starts_without_progress: int = 3  # restarts that train no rollout before the job is held
+    requeue_on_failure: bool = True  # a crashed job requeues itself (bounded by the two limits above)
 
 
 @dataclass

@@ -17,8 +17,9 @@ from rlhpc.checkpoint import CheckpointManager
 from rlhpc.cluster.layout import describe_layout, plan_layout
 from rlhpc.cluster.placement import create_placement
 from rlhpc.config import Config, config_to_dict
+from rlhpc.launch.preemption import Stopped, StopRequest, read_history
 from rlhpc.metrics import MetricsLogger
-from rlhpc.rollout.group import RolloutGroup
+from rlhpc.rollout.group import GenerationAborted, RolloutGroup
 from rlhpc.run_dir import RunDir
 
 log = logging.getLogger(__name__)
@@ -38,14 +39,14 @@ def every(interval: int | None, rollout_id: int, epoch_end: bool) -> bool:
     return interval is not None and ((rollout_id + 1) % interval == 0 or epoch_end)
 
 
-def train(cfg: Config, run: RunDir, progress: Progress | None = None) -> dict:
+def train(cfg: Config, run: RunDir, progress: Progress | None = None, stop: StopRequest | None = None) -> dict:
     layout = plan_layout(cfg.cluster)
     log.info(describe_layout(layout, cfg.cluster.gpus_per_node))
     placement = create_placement(layout.num_slots)
     model_path = run.model_path(cfg)
     actor = ActorGroup(cfg, model_path, placement, layout.actor_slots)
     rollout = RolloutGroup(cfg, model_path, placement, layout, run.logs / "engines")
-    rollout.progress = progress
+    rollout.progress, rollout.stop = progress, stop
     checkpoints = CheckpointManager(run.checkpoints, cfg.checkpoint.keep_last)
     buffer = rollout.data_buffer
 
@@ -62,13 +63,19 @@ def train(cfg: Config, run: RunDir, progress: Progress | None = None) -> dict:
         run.path, cfg.logging, config_to_dict(cfg), num_rollout, resume.state.get("wandb_id") if resume else None
     )
     metrics.rewind(start)
+    if resume is not None:
+        metrics.restore(resume.rollout_id, resume.state["metrics"])
 
     actor.connect_rollout(rollout.engine_urls, rollout.engine_world_sizes, cfg.cluster.colocate)
     if cfg.cluster.offload:
         rollout.onload()
     actor.update_weights(version=start)  # engines always start from the trained weights
 
-    def save(rollout_id: int, record: dict) -> None:
+    saved = resume.rollout_id if resume else -1  # newest rollout whose training is on disk
+    record: dict = {}  # metrics of the newest trained rollout
+
+    def save(rollout_id: int) -> None:
+        nonlocal saved
         staging = checkpoints.stage(rollout_id)
         actor.save(str(staging))
         state = {
@@ -76,47 +83,64 @@ def train(cfg: Config, run: RunDir, progress: Progress | None = None) -> dict:
             "weight_version": rollout_id + 1,
             "wandb_id": metrics.wandb_id,
             "metrics": record,  # restored if the job dies before the record reaches metrics.jsonl
+            "restarts": read_history(run.path),
         }
         checkpoints.commit(staging, rollout_id, state)
+        saved = rollout_id
 
-    if resume is not None:
-        metrics.restore(resume.rollout_id, resume.state["metrics"])
+    def stop_if_requested(next_rollout_id: int) -> None:
+        """A safe point: on a stop request, make sure the newest training is saved, then stop."""
+        if stop is None or not stop.requested:
+            return
+        if next_rollout_id - 1 > saved:
+            log.warning("%s: saving rollout %d before stopping", stop.name, next_rollout_id - 1)
+            save(next_rollout_id - 1)
+        raise Stopped(next_rollout_id, stop.name)
+
     bar = progress.add_task("training", total=num_rollout, completed=start) if progress else None
-    for rollout_id in range(start, num_rollout):
-        if cfg.eval.interval is not None and rollout_id == 0:
-            metrics.log("eval", -1, rollout.evaluate(-1))  # the untrained baseline
+    try:
+        for rollout_id in range(start, num_rollout):
+            stop_if_requested(rollout_id)
+            if cfg.eval.interval is not None and rollout_id == 0:
+                metrics.log("eval", -1, rollout.evaluate(-1))  # the untrained baseline
 
-        timer = Timer()
-        with timer("step"):
-            with timer("generate"):
-                batch, rollout_metrics, texts = rollout.generate(rollout_id)
-            if cfg.cluster.offload:
-                rollout.offload()
-            with timer("train"):
-                train_metrics = actor.train(rollout_id, batch)
-            epoch_end = buffer.is_epoch_end(rollout_id)
-            last = rollout_id == num_rollout - 1
-            if every(cfg.checkpoint.save_interval, rollout_id, epoch_end) or last:
-                with timer("save"):
-                    save(rollout_id, {**rollout_metrics, **train_metrics, **timer})
-            if cfg.cluster.offload:
-                actor.offload()
-                rollout.onload()
-            with timer("update_weights"):
-                actor.update_weights(version=rollout_id + 1)
-        metrics.log("rollout", rollout_id, {**rollout_metrics, **train_metrics, **timer})
-        metrics.dump_rollout(rollout_id, batch, texts)
-        if every(cfg.eval.interval, rollout_id, epoch_end) or (last and cfg.eval.interval is not None):
-            metrics.log("eval", rollout_id, rollout.evaluate(rollout_id))
-        if bar is not None:
-            progress.advance(bar)
+            timer = Timer()
+            with timer("step"):
+                with timer("generate"):
+                    try:
+                        batch, rollout_metrics, texts = rollout.generate(rollout_id)
+                    except GenerationAborted:
+                        stop_if_requested(rollout_id)
+                        raise
+                if cfg.cluster.offload:
+                    rollout.offload()
+                with timer("train"):
+                    train_metrics = actor.train(rollout_id, batch)
+                record = {**rollout_metrics, **train_metrics, **timer}
+                epoch_end = buffer.is_epoch_end(rollout_id)
+                last = rollout_id == num_rollout - 1
+                if every(cfg.checkpoint.save_interval, rollout_id, epoch_end) or last or (stop and stop.requested):
+                    with timer("save"):
+                        save(rollout_id)
+                if cfg.cluster.offload:
+                    actor.offload()
+                    rollout.onload()
+                with timer("update_weights"):
+                    actor.update_weights(version=rollout_id + 1)
+            record = {**rollout_metrics, **train_metrics, **timer}
+            metrics.log("rollout", rollout_id, record)
+            metrics.dump_rollout(rollout_id, batch, texts)
+            if every(cfg.eval.interval, rollout_id, epoch_end) or (last and cfg.eval.interval is not None):
+                metrics.log("eval", rollout_id, rollout.evaluate(rollout_id))
+            if bar is not None:
+                progress.advance(bar)
+    finally:
+        metrics.close()
 
-    summary = {"num_rollout": num_rollout, "resumed_from": resume.rollout_id if resume else None}
-    metrics.close()
     rollout.shutdown()
     actor.shutdown()
     placement.remove()
-    return summary
+    return {"num_rollout": num_rollout, "resumed_from": resume.rollout_id if resume else None}
 
 
 def make_progress(console=None) -> Progress:

@@ -17,8 +17,20 @@ from contextlib import contextmanager
 
 import submitit
 
+from rlhpc.checkpoint import CheckpointManager
 from rlhpc.config import ClusterConfig, Config
 from rlhpc.errors import RlhpcError
+from rlhpc.launch.preemption import (
+    RestartPolicy,
+    Stopped,
+    StopRequest,
+    hold,
+    read_history,
+    record_start,
+    refuse_reason,
+    requeue,
+    shield_from_user_signal,
+)
 from rlhpc.logs import setup_logging
 from rlhpc.run_dir import RunDir
 
@@ -129,6 +141,8 @@ def slurm_ray(cfg: Config, run: RunDir, env: submitit.JobEnvironment):
 
 
 class TrainJob(submitit.helpers.Checkpointable):
+    """The job: one call per task. Stops, requeues and restart loops are decided here."""
+
     def __init__(self, run_dir: str):
         self.run_dir = run_dir
 
@@ -142,17 +156,47 @@ class TrainJob(submitit.helpers.Checkpointable):
             log.info("run %s is already finished", run)
             return {"already_finished": True}
         env = submitit.JobEnvironment()
-        if env.cluster == "slurm":
-            cluster = slurm_ray(cfg, run, env)
-        else:
-            cluster = local_ray(cfg.cluster, plan_layout(cfg.cluster).num_slots)
-        with cluster as head:
-            if head is None and env.cluster == "slurm":  # a worker task: Ray served, driver done
-                return {"task": env.global_rank}
-            from rlhpc.driver import make_progress, train  # imports ray: only once Ray's auth is set
+        job_id = os.environ.get("SLURM_JOB_ID", str(env.job_id))
+        # Ray and engines are started from here: they inherit an ignored USR2 and live on
+        # until the driver has saved (see rlhpc/launch/preemption.py).
+        shield_from_user_signal()
+        if env.global_rank == 0:
+            self._check_restart_loop(cfg, run, env.cluster, job_id)
+        cluster = (
+            slurm_ray(cfg, run, env)
+            if env.cluster == "slurm"
+            else local_ray(cfg.cluster, plan_layout(cfg.cluster).num_slots)
+        )
+        try:
+            with cluster as head:
+                if head is None and env.cluster == "slurm":  # a worker task: Ray served, driver done
+                    return {"task": env.global_rank}
+                from rlhpc.driver import make_progress, train  # imports ray: only once Ray's auth is set
 
-            with make_progress(console) as progress:
-                summary = train(cfg, run, progress)
+                stop = StopRequest().install()
+                with make_progress(console) as progress:
+                    summary = train(cfg, run, progress, stop)
+        except Stopped as e:  # Ray is down by now, on every node
+            log.warning("%s; requeueing", e)
+            requeue(env.cluster, job_id)
+        except Exception:
+            if not cfg.checkpoint.requeue_on_failure or env.global_rank != 0:
+                raise
+            log.exception("the job failed; requeueing (checkpoint.requeue_on_failure)")
+            requeue(env.cluster, job_id)
         run.mark_finished(summary)
         log.info("run finished: %s", run)
         return summary
+
+    @staticmethod
+    def _check_restart_loop(cfg: Config, run: RunDir, cluster: str, job_id: str) -> None:
+        """Record this start; hold the job if it keeps restarting without progress."""
+        latest = CheckpointManager(run.checkpoints, cfg.checkpoint.keep_last).latest()
+        # Counted from the run's own history: Slurm keeps the job id across requeues, and the
+        # local executor has no SLURM_RESTART_COUNT.
+        restarts = sum(1 for h in read_history(run.path) if h["job_id"] == job_id)
+        history = record_start(run.path, job_id, restarts, latest.next_rollout_id if latest else 0)
+        policy = RestartPolicy(cfg.checkpoint.max_restarts, cfg.checkpoint.max_starts_without_progress)
+        reason = refuse_reason(history, policy)
+        if reason:
+            hold(cluster, job_id, reason)

@@ -34,6 +34,10 @@ COLOCATED_ENGINE_GPU = 0.2
 SAMPLES_PER_REQUEST = 64
 
 
+class GenerationAborted(Exception):
+    """Generation was cut short for a stop request (preemption or time limit)."""
+
+
 def sample_seed(*parts: object) -> int:
     """A stable per-sample seed: same run seed, rollout and sample -> same tokens on rerun."""
     return random.Random(":".join(map(str, parts))).getrandbits(62)
@@ -62,6 +66,7 @@ class RolloutGroup:
         log.info("rollout engines up: %s", ", ".join(urls))
         self._pool = ThreadPoolExecutor(max_workers=max(4, 2 * len(self.clients)))
         self.progress: Progress | None = None  # the driver's live display, for per-phase bars
+        self.stop = None  # the job's StopRequest: generation in flight is aborted when it is set
 
     @property
     def engine_urls(self) -> list[str]:
@@ -107,13 +112,17 @@ class RolloutGroup:
         results: list[list[dict]] = [[] for _ in chunks]
         bar = self.progress.add_task(desc, total=len(rows)) if self.progress else None
         futures = {self._pool.submit(request, c): c for c in range(len(chunks))}
-        for fut in as_completed(futures):
-            c = futures[fut]
-            results[c] = fut.result()
+        try:
+            for fut in as_completed(futures):
+                if self.stop is not None and self.stop.requested:
+                    self._abort(futures)
+                c = futures[fut]
+                results[c] = fut.result()
+                if bar is not None:
+                    self.progress.advance(bar, len(chunks[c]))
+        finally:
             if bar is not None:
-                self.progress.advance(bar, len(chunks[c]))
-        if bar is not None:
-            self.progress.remove_task(bar)
+                self.progress.remove_task(bar)
 
         outputs = [out for chunk in results for out in chunk]  # row-major: a row's n samples adjacent
         response_ids = [list(out["output_ids"]) for out in outputs]
@@ -128,6 +137,17 @@ class RolloutGroup:
         ]
         prompt_ids = [prompts[k // n] for k in range(len(outputs))]
         return prompt_ids, response_ids, logprobs, torch.tensor(rewards, dtype=torch.float32), texts
+
+    def _abort(self, futures: dict) -> None:
+        """Cut generation short: the engines drop what is in flight, pending requests are dropped."""
+        for fut in futures:
+            fut.cancel()
+        for client in self.clients:
+            try:
+                client.abort_request(abort_all=True)
+            except Exception as e:  # an engine already gone has nothing to abort
+                log.debug("abort on %s: %s", client.base_url, e)
+        raise GenerationAborted()
 
     def generate(self, rollout_id: int) -> tuple[RolloutBatch, dict[str, float], dict[str, list[str]]]:
         """One rollout: sample, score, and turn rewards into advantages."""

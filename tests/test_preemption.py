@@ -1,0 +1,150 @@
+"""Stop, save, requeue, resume with submitit's local executor: the same code path as on Slurm,
+minus the scheduler (tests/test_slurm_preemption.py has the real one)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from rlhpc.checkpoint import CheckpointManager
+from rlhpc.launch.preemption import read_history
+from rlhpc.metrics import read_metrics
+
+REPO = Path(__file__).resolve().parent.parent
+BASE = [
+    "data.num_train=64",
+    "rollout.rollout_batch_size=8",
+    "rollout.n_samples_per_prompt=4",
+    "logging.wandb_mode=disabled",
+    "deterministic=true",
+    "eval.interval=null",
+]
+
+
+def command(run: Path, *overrides: str) -> list[str]:
+    cmd = [sys.executable, str(REPO / "jobs" / "submit.py"), "--cluster", "local", "--run-dir", str(run)]
+    for o in (*BASE, *overrides):
+        cmd += ["--set", o]
+    return cmd
+
+
+def start(run: Path, *overrides: str, env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen(
+        command(run, *overrides), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True, env={**os.environ, **(env or {})},
+    )  # fmt: skip
+
+
+def task_pid(run: Path) -> int:
+    """The job's task process (what Slurm would signal), not submit.py or the local controller."""
+    out = subprocess.run(["pgrep", "-f", f"submitit.core._submit {run}/logs/submitit"], capture_output=True, text=True)
+    pids = [int(p) for p in out.stdout.split()]
+    assert len(pids) == 1, out.stdout
+    return pids[0]
+
+
+def trained(run: Path) -> list[int]:
+    return [r["rollout_id"] for r in read_metrics(run) if r["kind"] == "rollout"]
+
+
+def wait_for(cond, proc: subprocess.Popen, timeout: float = 240) -> None:
+    deadline = time.time() + timeout
+    while not cond():
+        assert proc.poll() is None, proc.stdout.read()[-4000:]
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def comparable(run: Path) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in read_metrics(run)]
+
+
+def final_weights(run: Path) -> bytes:
+    ck = CheckpointManager(run / "checkpoints", 2).latest()
+    return (ck.path / "actor" / "model.safetensors").read_bytes()
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("uninterrupted") / "run"
+    p = subprocess.run(
+        command(run, "rollout.num_rollout=8", "checkpoint.save_interval=100"),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return run
+
+
+def test_stop_signal_saves_requeues_and_ends_like_an_uninterrupted_run(uninterrupted, tmp_path):
+    run = tmp_path / "run"
+    proc = start(run, "rollout.num_rollout=8", "checkpoint.save_interval=100")
+    wait_for(lambda: len(trained(run)) >= 3, proc)
+    os.kill(task_pid(run), signal.SIGUSR2)  # what Slurm sends before the time limit or on preemption
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-4000:]
+    assert "got SIGUSR2: stopping at the next safe point" in out
+
+    history = read_history(run)
+    assert len(history) == 2 and history[1]["restart_count"] == 1
+    stopped_at = history[1]["next_rollout_id"]
+    assert stopped_at >= 3
+    # No work lost: the emergency save held every rollout logged before the stop.
+    assert trained(run) == list(range(8))
+    # Bit-identical to the run nobody interrupted.
+    assert final_weights(run) == final_weights(uninterrupted)
+    assert comparable(run) == comparable(uninterrupted)
+
+
+def test_sigkill_during_a_checkpoint_write_resumes_from_the_previous_one(tmp_path):
+    run = tmp_path / "run"
+    overrides = ("rollout.num_rollout=12", "checkpoint.save_interval=1", "checkpoint.keep_last=3")
+    caught = False
+    for _attempt in range(3):  # a save takes milliseconds: catch one in the act
+        proc = start(run, *overrides)
+        deadline = time.time() + 240
+        while time.time() < deadline and proc.poll() is None:
+            armed = (run / "checkpoints" / "latest").is_file()  # one complete checkpoint to fall back to
+            staging = list((run / "checkpoints").glob(".staging-rollout_*")) if armed else []
+            if staging and any(staging[0].rglob("*")):
+                os.killpg(proc.pid, signal.SIGKILL)  # mid-write, no cleanup of any kind
+                caught = True
+                break
+            time.sleep(0.001)
+        proc.wait()
+        if caught:
+            break
+    assert caught, "never caught a checkpoint being written"
+    ck = CheckpointManager(run / "checkpoints", 3).latest()  # never the half-written one
+    assert ck is not None and ".staging" not in str(ck.path)
+    p = subprocess.run(command(run, *overrides), cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert f"resuming from {ck.path.name}" in p.stdout
+    assert trained(run) == list(range(12))
+    assert not list((run / "checkpoints").glob(".staging-*"))
+
+
+def test_restart_loop_is_held_with_a_message(tmp_path):
+    run = tmp_path / "run"
+    crash = tmp_path / "crash-now"
+    env = {"PYTHONPATH": f"{REPO / 'tests'}:{os.environ.get('PYTHONPATH', '')}", "RLHPC_TEST_CRASH_FILE": str(crash)}
+    proc = start(
+        run, "rollout.num_rollout=40", "checkpoint.save_interval=2", "data.reward=crashy_reward:reward", env=env
+    )
+    wait_for(lambda: (run / "checkpoints" / "latest").is_file(), proc)
+    crash.write_text("")  # from now on every generation crashes: the resumed job fails at once
+    os.kill(task_pid(run), signal.SIGUSR2)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 2, out[-4000:]
+    assert "no rollout was trained in between (a restart loop)" in " ".join(out.split())  # unwrap rich lines
+    history = read_history(run)
+    # one good start, then the starts at the same rollout; the last is refused
+    assert len({h["next_rollout_id"] for h in history[1:]}) == 1 and len(history) == 5
+    assert json.loads((run / "restarts.jsonl").read_text().splitlines()[-1])["restart_count"] == 4
