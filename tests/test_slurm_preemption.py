@@ -1,0 +1,151 @@
+"""Preemption, requeue and time limits from the real Slurm of the minicluster.
+
+Each interrupted run must end exactly where an uninterrupted run of the same config ends:
+same final weights (bit for bit, deterministic CPU run) and the same per-rollout metrics.
+"""
+
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from rlhpc.checkpoint import CheckpointManager
+from rlhpc.launch.preemption import read_history
+from rlhpc.metrics import read_metrics
+
+pytestmark = pytest.mark.slurm
+
+REPO = Path(__file__).resolve().parent.parent
+NUM_ROLLOUT = 10
+CONFIG = [
+    "data.num_train=64",
+    "rollout.rollout_batch_size=8",
+    "rollout.n_samples_per_prompt=4",
+    f"rollout.num_rollout={NUM_ROLLOUT}",
+    "eval.interval=null",
+    "logging.wandb_mode=disabled",
+    "deterministic=true",
+    "checkpoint.save_interval=3",
+]
+
+
+def submit(run: Path, *args: str, follow: bool) -> subprocess.CompletedProcess:
+    cmd = [
+        sys.executable,
+        str(REPO / "jobs" / "submit.py"),
+        "--cluster",
+        "slurm",
+        "--run-dir",
+        str(run),
+        "--nodes",
+        "1",
+        "--gpus-per-node",
+        "2",
+    ]
+    for o in CONFIG:
+        cmd += ["--set", o]
+    cmd += [*args, "--follow" if follow else "--no-follow"]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=REPO)
+
+
+def trained(run: Path) -> list[int]:
+    return [r["rollout_id"] for r in read_metrics(run) if r["kind"] == "rollout"]
+
+
+def wait(cond, timeout: float, what: str) -> None:
+    deadline = time.time() + timeout
+    while not cond():
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def job_log(run: Path) -> str:
+    return " ".join("".join(p.read_text() for p in sorted((run / "logs" / "submitit").glob("*_0_log.*"))).split())
+
+
+def comparable(run: Path) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in read_metrics(run)]
+
+
+def final_weights(run: Path) -> bytes:
+    return (CheckpointManager(run / "checkpoints", 2).latest().path / "actor" / "model.safetensors").read_bytes()
+
+
+def check_same_as(run: Path, baseline: Path) -> None:
+    assert (run / "FINISHED").is_file(), job_log(run)[-3000:]
+    assert trained(run) == list(range(NUM_ROLLOUT))  # each rollout logged exactly once
+    assert final_weights(run) == final_weights(baseline)
+    assert comparable(run) == comparable(baseline)
+
+
+@pytest.fixture(scope="module")
+def baseline(minicluster, tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("baseline") / "run"
+    p = submit(run, "--sbatch", "nodelist=node1", follow=True)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return run
+
+
+def test_preempted_by_a_high_priority_job(baseline, minicluster, tmp_path):
+    run = tmp_path / "run"
+    assert submit(run, "--partition", "low", "--sbatch", "nodelist=node0", follow=False).returncode == 0
+    wait(lambda: len(trained(run)) >= 4, 240, "4 trained rollouts")
+    # A job in the high partition that needs all of node0's GPUs: Slurm preempts ours.
+    subprocess.run(
+        ["sbatch", "-p", "high", "-w", "node0", "--gpus-per-node=8", "-o", "/dev/null", "--wrap", "sleep 2"],
+        check=True,
+        capture_output=True,
+    )
+    wait(lambda: (run / "FINISHED").is_file(), 360, "the preempted run to finish")
+    log = job_log(run)
+    assert "got SIGUSR2: stopping at the next safe point" in log
+    stopped_before = int(re.search(r"stopped before rollout (\d+)", log).group(1))
+    history = read_history(run)
+    assert len(history) == 2 and history[1]["next_rollout_id"] == stopped_before  # lost work: 0 rollouts
+    check_same_as(run, baseline)
+
+
+def test_scontrol_requeue_at_an_arbitrary_moment(baseline, minicluster, tmp_path):
+    run = tmp_path / "run"
+    assert submit(run, "--sbatch", "nodelist=node2", follow=False).returncode == 0
+    job_id = (run / "slurm_job_id").read_text().strip()
+    wait(lambda: len(trained(run)) >= 5, 240, "5 trained rollouts")
+    done_before = len(trained(run))
+    subprocess.run(["scontrol", "requeue", job_id], check=True)  # SIGTERM to everything, then back in the queue
+    wait(lambda: (run / "FINISHED").is_file(), 360, "the requeued run to finish")
+    history = read_history(run)
+    assert len(history) >= 2
+    # SIGTERM reaches Ray and the engines too: if they die before the emergency save, the run
+    # falls back to the last periodic checkpoint, recomputing at most checkpoint.save_interval.
+    assert history[1]["next_rollout_id"] >= done_before - 3
+    check_same_as(run, baseline)
+
+
+def test_time_limit_mid_run(minicluster, tmp_path):
+    # A 3-minute limit with USR2 120 s before it: each allocation trains for about a minute,
+    # then is stopped, saved and requeued, until the 300 rollouts are done.
+    run = tmp_path / "run"
+    p = submit(
+        run,
+        "--time",
+        "3",
+        "--signal-grace",
+        "120",
+        "--sbatch",
+        "nodelist=node3",
+        "--set",
+        "rollout.num_rollout=300",
+        "--set",
+        "checkpoint.save_interval=100",
+        follow=False,
+    )
+    assert p.returncode == 0, p.stderr
+    wait(lambda: (run / "FINISHED").is_file(), 600, "the time-limited run to finish")
+    history = read_history(run)
+    assert len(history) >= 2, job_log(run)[-3000:]
+    stops = [int(n) for n in re.findall(r"stopped before rollout (\d+)", job_log(run))]
+    assert stops == [h["next_rollout_id"] for h in history[1:]]  # every restart resumed where it stopped: 0 lost
+    assert trained(run) == list(range(300))
