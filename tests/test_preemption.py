@@ -85,7 +85,7 @@ def uninterrupted(tmp_path_factory) -> Path:
 
 def test_stop_signal_saves_requeues_and_ends_like_an_uninterrupted_run(uninterrupted, tmp_path):
     run = tmp_path / "run"
-    proc = start(run, "rollout.num_rollout=8", "checkpoint.save_interval=100")
+    proc = start(run, "rollout.num_rollout=8", "checkpoint.save_interval=100", "logging.wandb_mode=offline")
     wait_for(lambda: len(trained(run)) >= 3, proc)
     os.kill(task_pid(run), signal.SIGUSR2)  # what Slurm sends before the time limit or on preemption
     out, _ = proc.communicate(timeout=300)
@@ -101,6 +101,9 @@ def test_stop_signal_saves_requeues_and_ends_like_an_uninterrupted_run(uninterru
     # Bit-identical to the run nobody interrupted.
     assert final_weights(run) == final_weights(uninterrupted)
     assert comparable(run) == comparable(uninterrupted)
+    # The resumed job continued the same wandb run rather than starting a new one.
+    runs = {p.name.rsplit("-", 1)[1] for p in (run / "wandb").glob("offline-run-*")}
+    assert len(runs) == 1 and len(list((run / "wandb").glob("offline-run-*"))) == 2
 
 
 def test_sigkill_during_a_checkpoint_write_resumes_from_the_previous_one(tmp_path):

@@ -166,3 +166,32 @@ def test_node_whose_ray_cannot_start_fails_clearly(minicluster, tmp_path):
     assert not (run / "FINISHED").exists() and state == "FAILED"
     assert elapsed < 120  # failed at the deadline, not at the time limit
     assert no_ray_left(job_id)
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--nodes", "5", "--gpus-per-node", "8"], "--nodes 5 but partition 'low' has 4 nodes"),
+        (
+            ["--nodes", "1", "--gpus-per-node", "9", "--set", "cluster.actor_num_gpus=1"],
+            "--gpus-per-node 9 but nodes in partition 'low' have 8 GPUs",
+        ),
+        (["--partition", "gpu-nope"], "partition 'gpu-nope' does not exist"),
+        (["--nodes", "0"], "cluster.num_nodes = 0 must be >= 1"),
+        (["--nodes", "1", "--gpus-per-node", "2", "--set", "cluster.actor_num_gpus=2"], "the layout needs 3 GPUs"),
+    ],
+    ids=["too-many-nodes", "too-many-gpus", "unknown-partition", "zero-nodes", "layout-too-big"],
+)
+def test_bad_requests_are_refused_before_submission(minicluster, tmp_path, args, message):
+    run = tmp_path / "run"
+    before = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout
+    p = subprocess.run(
+        [sys.executable, str(REPO / "jobs" / "submit.py"), "--cluster", "slurm", "--run-dir", str(run), *SMALL, *args],
+        capture_output=True, text=True, timeout=120, cwd=REPO,
+    )  # fmt: skip
+    out = " ".join((p.stdout + p.stderr).split())
+    assert p.returncode == 2 and message in out and "fix:" in out, out[-2000:]
+    assert not run.exists()  # nothing written
+    assert (
+        subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout == before
+    )  # nothing submitted
