@@ -121,6 +121,7 @@ def main() -> int:
         "checkpoint.save_interval=null",
         "logging.wandb_mode=disabled",
         "logging.dump_rollouts=false",
+        "actor.num_steps_per_rollout=1",  # the plain loop takes one optimizer step per rollout
     ]
     cfg = load_config(CONFIG, overrides)
     with tempfile.TemporaryDirectory() as tmp:
