@@ -73,7 +73,7 @@ def final_weights(run: Path) -> bytes:
 def uninterrupted(tmp_path_factory) -> Path:
     run = tmp_path_factory.mktemp("uninterrupted") / "run"
     p = subprocess.run(
-        command(run, "rollout.num_rollout=8", "checkpoint.save_interval=100"),
+        command(run, "rollout.num_rollout=12", "checkpoint.save_interval=100"),
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -85,7 +85,7 @@ def uninterrupted(tmp_path_factory) -> Path:
 
 def test_stop_signal_saves_requeues_and_ends_like_an_uninterrupted_run(uninterrupted, tmp_path):
     run = tmp_path / "run"
-    proc = start(run, "rollout.num_rollout=8", "checkpoint.save_interval=100", "logging.wandb_mode=offline")
+    proc = start(run, "rollout.num_rollout=12", "checkpoint.save_interval=100", "logging.wandb_mode=offline")
     wait_for(lambda: len(trained(run)) >= 3, proc)
     os.kill(task_pid(run), signal.SIGUSR2)  # what Slurm sends before the time limit or on preemption
     out, _ = proc.communicate(timeout=300)
@@ -97,7 +97,7 @@ def test_stop_signal_saves_requeues_and_ends_like_an_uninterrupted_run(uninterru
     stopped_at = history[1]["next_rollout_id"]
     assert stopped_at >= 3
     # No work lost: the emergency save held every rollout logged before the stop.
-    assert trained(run) == list(range(8))
+    assert trained(run) == list(range(12))
     # Bit-identical to the run nobody interrupted.
     assert final_weights(run) == final_weights(uninterrupted)
     assert comparable(run) == comparable(uninterrupted)

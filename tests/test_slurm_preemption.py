@@ -19,7 +19,7 @@ from rlhpc.metrics import read_metrics
 pytestmark = pytest.mark.slurm
 
 REPO = Path(__file__).resolve().parent.parent
-NUM_ROLLOUT = 10
+NUM_ROLLOUT = 30  # long enough that a stop lands mid-run on a fast machine
 CONFIG = [
     "data.num_train=64",
     "rollout.rollout_batch_size=8",
