@@ -1,0 +1,387 @@
+#!/usr/bin/env python3
+"""Checkpoint cost: rlhpc's save/load path against plain file I/O, and resume against a fresh start.
+
+1. Save/load throughput. One actor rank (a real ``TrainWorker`` on a local Ray) holds a
+   tiny-architecture model made big enough that I/O dominates, trained for one step so AdamW
+   has state. rlhpc's save is timed as the driver does it: ``CheckpointManager.stage`` +
+   ``ActorGroup.save`` + ``CheckpointManager.commit`` (fsync, manifest, rename, latest);
+   its load is ``ActorGroup.load``. Beside it, in the same parent directory, one file of the
+   same size is written sequentially (8 MiB ``os.write`` chunks + fsync) and read back.
+2. Job start to first rollout. The real job runs twice through ``jobs/submit.py --cluster
+   local``: fresh, then resumed from that run's last checkpoint. Measured from the
+   submit.py process start to the arrival of the first new rollout record in metrics.jsonl.
+
+    python tools/bench/checkpoint.py
+    python tools/bench/checkpoint.py --repeats 5 --dir /scratch/me --job-model bench
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+log = logging.getLogger("bench.checkpoint")
+
+CHUNK = 8 * 2**20
+SUBMIT = [sys.executable, str(REPO / "jobs" / "submit.py"), "--cluster", "local"]
+POLL_S = 0.025
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def filesystem_of(path: Path) -> str:
+    """'<device> (<type>)' of the mount holding ``path``, from /proc/mounts (Linux)."""
+    best, found = "", "unknown"
+    try:
+        for line in Path("/proc/mounts").read_text().splitlines():
+            dev, mount, fstype = line.split()[:3]
+            if str(path).startswith(mount) and len(mount) >= len(best):
+                best, found = mount, f"{dev} ({fstype}) on {mount}"
+    except OSError:
+        pass
+    return found
+
+
+def median_of(repeats: int, fn: Callable[[int], float]) -> tuple[float, list[float]]:
+    times = [fn(i) for i in range(repeats)]
+    return statistics.median(times), times
+
+
+# ---------------------------------------------------------------- plain I/O
+
+
+def plain_write(path: Path, nbytes: int, block: bytes) -> float:
+    path.unlink(missing_ok=True)  # a new file each time, like a new checkpoint
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        left = nbytes
+        while left > 0:
+            left -= os.write(fd, block[: min(left, len(block))])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return time.perf_counter() - t0
+
+
+def plain_read(path: Path) -> float:
+    buf = bytearray(CHUNK)
+    t0 = time.perf_counter()
+    with open(path, "rb", buffering=0) as f:
+        while f.readinto(buf):
+            pass
+    return time.perf_counter() - t0
+
+
+# ---------------------------------------------------------------- part 1: save/load
+
+
+def synthetic_batch(n: int, vocab: int, seed: int = 0):
+    import torch
+
+    from rlhpc.batch import RolloutBatch
+
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(4, 8))] for _ in range(n)]
+    responses = [[rng.randrange(3, vocab) for _ in range(rng.randint(2, 6))] for _ in range(n)]
+    logprobs = [[-rng.random() * 3 for _ in r] for r in responses]
+    rewards = torch.tensor([float(rng.random() > 0.5) for _ in range(n)])
+    advantages = torch.tensor([rng.uniform(-1.5, 1.5) for _ in range(n)])
+    return RolloutBatch(prompts, responses, logprobs, rewards, advantages, group_size=2)
+
+
+def bench_save_load(work: Path, tiny, repeats: int) -> dict:
+    import ray
+
+    from rlhpc.actor.group import ActorGroup
+    from rlhpc.checkpoint import CheckpointManager
+    from rlhpc.cluster.placement import create_placement
+    from rlhpc.config import Config
+    from rlhpc.model import build_tiny_model, load_tokenizer
+
+    model_path = str(build_tiny_model(work / "base_model", tiny))
+    cfg = Config()
+    cfg.logging.level = "WARNING"
+    # keep_last > saves: no retention pruning inside the timed commits, so every repeat does the same work
+    manager = CheckpointManager(work / "checkpoints", keep_last=repeats + 2)
+    ray_tmp = tempfile.mkdtemp(prefix="rlhpc-bench-ray-")
+    ray.init(
+        num_cpus=4,
+        num_gpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        logging_level=logging.WARNING,
+        _temp_dir=ray_tmp,
+    )
+    placement = group = None
+    try:
+        placement = create_placement(1)
+        group = ActorGroup(cfg, model_path, placement, (0,))
+        group.load(None)
+        group.train(0, synthetic_batch(16, len(load_tokenizer(model_path))))  # AdamW state now exists
+        trained = group.fingerprints()[0]
+
+        def save(rollout_id: int) -> tuple[float, Path]:
+            t0 = time.perf_counter()
+            staging = manager.stage(rollout_id)
+            group.save(str(staging))
+            ck = manager.commit(staging, rollout_id, {"weight_version": rollout_id + 1})
+            return time.perf_counter() - t0, ck.path
+
+        # One untimed save first: the worker's first save pays one-off imports and allocations.
+        _, ckpt = save(0)
+        saves = [save(1 + i) for i in range(repeats)]
+        ckpt = saves[-1][1]
+        nbytes = dir_bytes(ckpt)
+        files = sorted((str(p.relative_to(ckpt)), p.stat().st_size) for p in ckpt.rglob("*") if p.is_file())
+
+        def load(_: int) -> float:
+            t0 = time.perf_counter()
+            group.load(str(ckpt))
+            return time.perf_counter() - t0
+
+        load(0)  # untimed, as for save
+        load_s, load_all = median_of(repeats, load)
+        restored_ok = group.fingerprints()[0] == trained
+    finally:
+        if group is not None:
+            group.shutdown()
+        if placement is not None:
+            placement.remove()
+        ray.shutdown()
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+
+    plain = work / "plain.bin"
+    block = os.urandom(CHUNK)  # incompressible, in case the filesystem compresses
+    plain_write(plain, nbytes, block)  # untimed warm-ups, as on the rlhpc side
+    write_s, write_all = median_of(repeats, lambda _: plain_write(plain, nbytes, block))
+    plain_read(plain)
+    read_s, read_all = median_of(repeats, lambda _: plain_read(plain))
+    plain.unlink()
+    return {
+        "bytes": nbytes,
+        "files": files,
+        "save": (statistics.median(t for t, _ in saves), [t for t, _ in saves]),
+        "load": (load_s, load_all),
+        "write": (write_s, write_all),
+        "read": (read_s, read_all),
+        "restored_ok": restored_ok,
+    }
+
+
+# ---------------------------------------------------------------- part 2: job start -> first rollout
+
+
+def has_rollout(metrics: Path, first_id: int) -> bool:
+    """Whether metrics.jsonl holds a rollout record with id >= ``first_id``."""
+    try:
+        # rewind replaces the file atomically on resume, so it is re-read whole (it is small)
+        lines = metrics.read_text().splitlines()
+    except FileNotFoundError:
+        return False
+    for line in lines:
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError:  # a line caught half-written: seen on the next poll
+            continue
+        if r.get("kind") == "rollout" and r["rollout_id"] >= first_id:
+            return True
+    return False
+
+
+def timed_job(run: Path, overrides: list[str], first_id: int, out: Path, timeout_s: float) -> float:
+    """Run submit.py to completion; seconds from its start to the first rollout record >= first_id."""
+    metrics = run / "metrics.jsonl"
+    args = [*SUBMIT, "--run-dir", str(run)]
+    for o in overrides:
+        args += ["--set", o]
+    first: float | None = None
+    with open(out, "wb") as f:
+        t0 = time.time()
+        proc = subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+        try:
+            while True:
+                done = proc.poll() is not None  # before the scan: a record written before exit is still seen
+                if first is None and has_rollout(metrics, first_id):
+                    first = time.time()
+                if done:
+                    break
+                if time.time() > t0 + timeout_s:
+                    raise TimeoutError(f"job in {run} still running after {timeout_s:.0f} s")
+                time.sleep(POLL_S)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)  # its own session: the job, its Ray and engines
+            proc.wait()
+    if proc.returncode != 0 or first is None:
+        tail = out.read_text(errors="replace")[-3000:]
+        raise RuntimeError(f"job in {run} exited {proc.returncode} (first rollout seen: {first is not None}):\n{tail}")
+    return first - t0
+
+
+def bench_resume(work: Path, first_leg: int, total: int, job_overrides: list[str], timeout_s: float) -> dict:
+    """One fresh job in a new run dir, then the same run dir resumed; seconds to first rollout each."""
+    work.mkdir(parents=True)
+    run = work / "job"
+    common = [
+        "logging.wandb_mode=disabled",
+        "logging.dump_rollouts=false",
+        "logging.level=INFO",  # "resuming from ..." is an INFO line
+        "eval.interval=null",
+        "checkpoint.save_interval=1",
+        *job_overrides,
+    ]
+    # Build the base model before any clock starts: the fresh job would otherwise pay for it and
+    # the resumed one not (both submissions then only re-check the run dir).
+    subprocess.run(
+        [*SUBMIT, "--run-dir", str(run), "--prepare-only", *sum((["--set", o] for o in common), [])],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+    )
+    fresh = timed_job(run, [f"rollout.num_rollout={first_leg}", *common], 0, work / "fresh.log", timeout_s)
+    if "resuming from" in (work / "fresh.log").read_text(errors="replace"):
+        raise RuntimeError(f"the fresh job in {run} resumed from something")
+    # The first job ran to its end and saved its last rollout. Removing FINISHED leaves the run dir
+    # as a job killed right after that save would (the tests' "pretend it was interrupted").
+    (run / "FINISHED").unlink()
+    resumed = timed_job(run, [f"rollout.num_rollout={total}", *common], first_leg, work / "resumed.log", timeout_s)
+    text = (work / "resumed.log").read_text(errors="replace")
+    marker = f"resuming from rollout_{first_leg - 1:06d}"
+    if marker not in text:
+        raise RuntimeError(f"the second job did not resume ('{marker}' not in its log):\n{text[-3000:]}")
+    ckpt_bytes = dir_bytes(next((run / "checkpoints").glob("rollout_*")))
+    shutil.rmtree(work)  # one run dir at a time on disk
+    return {"fresh": fresh, "resumed": resumed, "ckpt_bytes": ckpt_bytes}
+
+
+# ---------------------------------------------------------------- main
+
+
+def mbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e6
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--repeats", type=int, default=3, help="timed saves, loads, writes and reads (median printed)")
+    p.add_argument("--hidden", type=int, default=512, help="bench model hidden size")
+    p.add_argument("--intermediate", type=int, default=1024, help="bench model MLP size")
+    p.add_argument("--layers", type=int, default=3, help="bench model layers")
+    p.add_argument("--dir", type=Path, default=None, help="parent of the temp dir (default: the system temp dir)")
+    p.add_argument("--first-leg", type=int, default=3, help="rollouts of the fresh job (the resumed one continues)")
+    p.add_argument("--total", type=int, default=6, help="rollouts of the resumed job, counting the first leg")
+    p.add_argument(
+        "--job-model",
+        choices=("embedded", "bench"),
+        default="embedded",
+        help="part 2 model: the embedded tiny one, or the part 1 model (a checkpoint worth loading)",
+    )
+    p.add_argument("--job-repeats", type=int, default=3, help="fresh + resumed job pairs (median printed)")
+    p.add_argument("--job-timeout", type=float, default=300.0, help="seconds per job before it is killed")
+    p.add_argument("--skip", choices=("saveload", "resume"), action="append", default=[])
+    args = p.parse_args()
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if args.total <= args.first_leg:
+        p.error("--total must exceed --first-leg")
+
+    from rlhpc.model import TinyModelConfig
+
+    tiny = TinyModelConfig(
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+    )
+    work = Path(tempfile.mkdtemp(prefix="rlhpc-bench-ckpt-", dir=args.dir))
+    started = time.time()
+    try:
+        import torch
+
+        load1, _, _ = os.getloadavg()  # other work on the machine shows up in every number below
+        gpus = torch.cuda.device_count()
+        print(
+            f"machine: {os.cpu_count()} cores, {f'{gpus} GPUs' if gpus else 'no GPU'}, {os.uname().sysname} "
+            f"{os.uname().release}, python {sys.version.split()[0]}, load average {load1:.2f} at start"
+        )
+        print(f"disk   : {work} on {filesystem_of(work)}")
+        if "saveload" not in args.skip:
+            r = bench_save_load(work / "saveload", tiny, args.repeats)
+            n = r["bytes"]
+            big = ", ".join(f"{name} {size / 1e6:.1f} MB" for name, size in r["files"] if size > 2**20)
+            print(
+                f"\n[1] actor checkpoint: llama hidden {tiny.hidden_size}, MLP {tiny.intermediate_size}, "
+                f"{tiny.num_hidden_layers} layers, 1 rank, after one AdamW step"
+            )
+            print(f"    committed dir {n / 1e6:.1f} MB in {len(r['files'])} files ({big})")
+            print(f"    median of {args.repeats} (each after one untimed warm-up); all times in s")
+            rows = [
+                ("rlhpc save (stage+save+commit)", "save"),
+                ("plain write (8 MiB os.write+fsync)", "write"),
+                ("rlhpc load (ActorGroup.load)", "load"),
+                ("plain read (8 MiB reads)", "read"),
+            ]
+            for label, key in rows:
+                med, all_ = r[key]
+                print(f"    {label:<36} {mbps(n, med):8.1f} MB/s  {med:6.3f} s  [{' '.join(f'{t:.3f}' for t in all_)}]")
+            print(f"    save / plain write                   {r['write'][0] / r['save'][0]:8.2f}x throughput")
+            print(f"    load / plain read                    {r['read'][0] / r['load'][0]:8.2f}x throughput")
+            print(f"    restored weights equal the saved ones: {'yes' if r['restored_ok'] else 'NO'}")
+            print("    note: nothing is dropped from the page cache, so reads on both sides may come from memory")
+        if "resume" not in args.skip:
+            job = []
+            if args.job_model == "bench":
+                job = [f"model.tiny.{k}={v}" for k, v in dataclasses.asdict(tiny).items()]
+            # fresh and resumed alternate, so a neighbour's load on the machine hits both alike
+            runs = [
+                bench_resume(work / f"resume{i}", args.first_leg, args.total, job, args.job_timeout)
+                for i in range(args.job_repeats)
+            ]
+            fresh = [r["fresh"] for r in runs]
+            resumed = [r["resumed"] for r in runs]
+            print(
+                f"\n[2] jobs/submit.py --cluster local, {args.job_model} model (checkpoint "
+                f"{runs[0]['ckpt_bytes'] / 1e6:.1f} MB), wandb off, no eval, save every rollout"
+            )
+            print(
+                f"    submit.py start -> first new rollout record in metrics.jsonl (polled every "
+                f"{POLL_S * 1000:.0f} ms), median of {args.job_repeats}"
+            )
+            legs = [
+                ("fresh   (rollout 0, new run dir)", fresh),
+                (f"resumed (rollout {args.first_leg}, from rollout_{args.first_leg - 1:06d})", resumed),
+            ]
+            for label, times in legs:
+                print(f"    {label:<44} {statistics.median(times):7.2f} s  [{' '.join(f'{t:.2f}' for t in times)}]")
+            print(f"    {'resumed / fresh':<44} {statistics.median(resumed) / statistics.median(fresh):7.2f}x")
+            print(
+                f"    note: the fresh job runs {args.first_leg} rollouts and finishes; its FINISHED marker is "
+                f"removed before the resume (as if killed after its last save)"
+            )
+        print(f"\ntotal bench time {time.time() - started:.0f} s")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
