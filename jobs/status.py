@@ -64,12 +64,13 @@ def main() -> int:
                   f"nodes {info.get('NodeList')}, run time {info.get('RunTime')} of {info.get('TimeLimit')}")  # fmt: skip
         else:
             print(f"slurm job    {job_id}: no longer known to Slurm")
-        ray_dir = run / "ray" / f"job_{job_id}"
+        attempts = sorted((run / "ray").glob(f"job_{job_id}.*"), key=lambda p: int(p.suffix[1:]))
+        ray_dir = attempts[-1] if attempts else run / "ray" / "none"  # the newest attempt of the job
         if (ray_dir / "head.json").is_file():
             nodes = sorted(ray_dir.glob("node_*.json"))
             head = json.loads((ray_dir / "head.json").read_text())["address"]
             stopped = " (stopped)" if (ray_dir / "stop").exists() else ""
-            print(f"ray          head {head}, {len(nodes)} node(s) started{stopped}")
+            print(f"ray          head {head}, {len(nodes)} node(s) started{stopped} (attempt {ray_dir.suffix[1:]})")
     ck = CheckpointManager(run / "checkpoints", keep_last=2).latest() if (run / "checkpoints").is_dir() else None
     print(f"checkpoint   {ck.path.name + f' (next rollout {ck.next_rollout_id})' if ck else 'none yet'}")
     records = read_metrics(run)

@@ -138,8 +138,9 @@ def main(argv: list[str] | None = None) -> int:
             print(dry_run(cfg, Path(run_dir).resolve(), opts), end="")
             return 0
         cluster = choose_cluster(args.cluster)
-        if cluster == "slurm" and not args.prepare_only:
-            preflight(opts)
+        if cluster == "slurm":
+            if not args.prepare_only:  # inside an allocation (templates) there is nothing to check
+                preflight(opts)
         elif cfg.cluster.num_nodes != 1:
             raise RlhpcError(
                 f"a local run has one node, but cluster.num_nodes = {cfg.cluster.num_nodes}",

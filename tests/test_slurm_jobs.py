@@ -84,9 +84,10 @@ def test_four_nodes_actor_and_rollout_on_different_nodes(minicluster, tmp_path):
     assert actor_ip in minicluster.node_ips.values()
     assert engine_ips and actor_ip not in engine_ips  # 8 actor GPUs fill one node; engines on another
     job_id = (run / "slurm_job_id").read_text().strip()
-    assert json.loads((run / "ray" / f"job_{job_id}" / "head.json").read_text())["address"].startswith(actor_ip)
-    assert (run / "ray" / f"job_{job_id}" / "auth_token").stat().st_mode & 0o777 == 0o600
-    token = (run / "ray" / f"job_{job_id}" / "auth_token").read_text()
+    state = run / "ray" / f"job_{job_id}.0"  # first attempt of the job
+    assert json.loads((state / "head.json").read_text())["address"].startswith(actor_ip)
+    assert (state / "auth_token").stat().st_mode & 0o777 == 0o600
+    token = (state / "auth_token").read_text()
     assert token not in (run / "logs" / "submitit" / f"{job_id}_submission.sh").read_text() and token not in log
     wait_gone(job_id)
     assert no_ray_left(job_id)

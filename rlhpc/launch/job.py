@@ -38,8 +38,10 @@ log = logging.getLogger(__name__)
 
 
 @contextmanager
-def local_ray(cluster: ClusterConfig, slots: int):
-    """A private single-node Ray: its own temp dir, no dashboard, GPUs declared if none exist."""
+def local_ray(cluster: ClusterConfig, slots: int, stop: StopRequest):
+    """A private single-node Ray: its own temp dir, no dashboard, GPUs declared if none exist.
+
+    ``stop`` starts listening once Ray's processes exist (they keep USR2 ignored)."""
     import ray
     import torch
 
@@ -61,6 +63,7 @@ def local_ray(cluster: ClusterConfig, slots: int):
             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}},
             log_to_driver=True,
         )
+        stop.install()
         log.info("local Ray up: %d CPUs, %d GPUs (%s)", num_cpus, num_gpus, "real" if real_gpus else "declared")
         yield "local"
     finally:
@@ -75,7 +78,7 @@ def granted_gpus() -> int:
 
 
 @contextmanager
-def slurm_ray(cfg: Config, run: RunDir, env: submitit.JobEnvironment):
+def slurm_ray(cfg: Config, run: RunDir, env: submitit.JobEnvironment, stop: StopRequest):
     """Ray over the allocation. Task 0 yields once every node joined; the others serve Ray
     until the driver is done and yield ``None``.
 
@@ -99,7 +102,10 @@ def slurm_ray(cfg: Config, run: RunDir, env: submitit.JobEnvironment):
         )
     job_id = os.environ.get("SLURM_JOB_ID", env.job_id)
     cpus = max(int(os.environ.get("SLURM_CPUS_ON_NODE", "0")), os.cpu_count() or 1, 2 * gpus + 2)
-    node = RayNode(run.path / "ray" / f"job_{job_id}", job_id, env.global_rank, gpus, cpus)
+    # One state dir per attempt: a requeued job keeps its id, and its tasks must never read
+    # the previous attempt's head address or stop file.
+    attempt = os.environ.get("SLURM_RESTART_COUNT", "0")
+    node = RayNode(run.path / "ray" / f"job_{job_id}.{attempt}", job_id, env.global_rank, gpus, cpus)
     try:
         if env.global_rank != 0:
             node.start_worker(c.ray_start_timeout_s)
@@ -113,6 +119,7 @@ def slurm_ray(cfg: Config, run: RunDir, env: submitit.JobEnvironment):
             yield None
             return
         address = node.start_head()
+        stop.install()  # from here a stop request is kept; Ray's processes inherited the ignored USR2
         os.environ.update(node.env())
         import ray  # only now: see the docstring
 
@@ -162,10 +169,11 @@ class TrainJob(submitit.helpers.Checkpointable):
         shield_from_user_signal()
         if env.global_rank == 0:
             self._check_restart_loop(cfg, run, env.cluster, job_id)
+        stop = StopRequest()
         cluster = (
-            slurm_ray(cfg, run, env)
+            slurm_ray(cfg, run, env, stop)
             if env.cluster == "slurm"
-            else local_ray(cfg.cluster, plan_layout(cfg.cluster).num_slots)
+            else local_ray(cfg.cluster, plan_layout(cfg.cluster).num_slots, stop)
         )
         try:
             with cluster as head:
@@ -173,12 +181,13 @@ class TrainJob(submitit.helpers.Checkpointable):
                     return {"task": env.global_rank}
                 from rlhpc.driver import make_progress, train  # imports ray: only once Ray's auth is set
 
-                stop = StopRequest().install()
                 with make_progress(console) as progress:
                     summary = train(cfg, run, progress, stop)
         except Stopped as e:  # Ray is down by now, on every node
             log.warning("%s; requeueing", e)
             requeue(env.cluster, job_id)
+        except RlhpcError:  # a clear, named problem (config, cluster state): a requeue would not fix it
+            raise
         except Exception:
             if not cfg.checkpoint.requeue_on_failure or env.global_rank != 0:
                 raise

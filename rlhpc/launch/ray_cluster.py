@@ -81,10 +81,14 @@ def node_ip_address() -> str:
     """
     name = os.environ.get("SLURMD_NODENAME")
     if name:
-        out = subprocess.run(["scontrol", "show", "node", name, "-o"], capture_output=True, text=True, timeout=30)
-        for field in out.stdout.split():
-            if field.startswith("NodeAddr="):
-                return socket.gethostbyname(field.split("=", 1)[1])
+        try:
+            out = subprocess.run(["scontrol", "show", "node", name, "-o"], capture_output=True, text=True, timeout=30)
+            for field in out.stdout.split():
+                if field.startswith("NodeAddr="):
+                    return socket.gethostbyname(field.split("=", 1)[1])
+        except (FileNotFoundError, subprocess.TimeoutExpired) as e:  # e.g. a container without Slurm tools
+            log.warning("scontrol unavailable (%s): using the address of node name %s", e, name)
+        return socket.gethostbyname(name)
     return socket.gethostbyname(socket.gethostname())
 
 

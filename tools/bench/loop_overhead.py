@@ -102,9 +102,10 @@ def framework_loop(cfg: Config, run: RunDir) -> list[float]:
     from rlhpc.cluster.layout import plan_layout
     from rlhpc.driver import train
     from rlhpc.launch.job import local_ray
+    from rlhpc.launch.preemption import StopRequest
     from rlhpc.metrics import read_metrics
 
-    with local_ray(cfg.cluster, plan_layout(cfg.cluster).num_slots):
+    with local_ray(cfg.cluster, plan_layout(cfg.cluster).num_slots, StopRequest()):
         train(cfg, run)
     return [r["time/step"] for r in read_metrics(run.path) if r["kind"] == "rollout"]
 
