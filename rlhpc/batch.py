@@ -24,7 +24,9 @@ class RolloutBatch:
     def shard(self, rank: int, world_size: int) -> RolloutBatch:
         """Contiguous slice for data-parallel rank ``rank`` (sizes differ by at most one)."""
         n = len(self)
-        start, stop = rank * n // world_size, (rank + 1) * n // world_size
+        return self.slice(rank * n // world_size, (rank + 1) * n // world_size)
+
+    def slice(self, start: int, stop: int) -> RolloutBatch:
         return RolloutBatch(
             prompt_ids=self.prompt_ids[start:stop],
             response_ids=self.response_ids[start:stop],

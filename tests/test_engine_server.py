@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -112,35 +111,7 @@ META_INFO_KEYS = {"id", "finish_reason", "prompt_tokens", "completion_tokens", "
 
 # ------------------------------------------------------------------ fixtures
 
-
-def start_server(model_path: str, work: Path, name: str) -> tuple[subprocess.Popen, str, Path]:
-    """Start a CPU engine server on port 0; return (process, url, ready file)."""
-    ready = work / f"{name}.ready.json"
-    log = open(work / f"{name}.log", "wb")  # noqa: SIM115 - lives as long as the server
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "rlhpc.rollout.cpu_server", "--model-path", model_path, "--port", "0"]
-        + ["--ready-file", str(ready), "--parent-pid", str(os.getpid())],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    deadline = time.monotonic() + 60
-    while not ready.exists():
-        assert proc.poll() is None, (work / f"{name}.log").read_text()
-        assert time.monotonic() < deadline, "server did not get ready"
-        time.sleep(0.05)
-    info = json.loads(ready.read_text())
-    return proc, f"http://{info['host']}:{info['port']}", ready
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+from server_process import start_server, stop_server  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -6,17 +6,14 @@ Every check compares engine weights with the trainer's bit for bit (float32 surv
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 import torch
+from server_process import start_server, stop_server
 
 from rlhpc.errors import RlhpcError
 from rlhpc.model import TinyModelConfig, build_tiny_model, load_model, load_tokenizer
@@ -30,35 +27,6 @@ from rlhpc.rollout.weight_sync import (
 )
 
 
-def start_server(model_path: str, work: Path, name: str) -> tuple[subprocess.Popen, str]:
-    ready = work / f"{name}.ready.json"
-    log = open(work / f"{name}.log", "wb")  # noqa: SIM115 - lives as long as the server
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "rlhpc.rollout.cpu_server", "--model-path", model_path, "--port", "0"]
-        + ["--ready-file", str(ready), "--parent-pid", str(os.getpid())],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    deadline = time.monotonic() + 60
-    while not ready.exists():
-        assert proc.poll() is None, (work / f"{name}.log").read_text()
-        assert time.monotonic() < deadline, "server did not get ready"
-        time.sleep(0.05)
-    info = json.loads(ready.read_text())
-    return proc, f"http://{info['host']}:{info['port']}"
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(build_tiny_model(tmp_path_factory.mktemp("m") / "tiny", TinyModelConfig()))
@@ -69,10 +37,10 @@ def engines(model_path: str, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     work = tmp_path_factory.mktemp("engines")
     with ThreadPoolExecutor(2) as pool:  # start both at once: startup is mostly imports
         started = list(pool.map(lambda i: start_server(model_path, work, f"engine{i}"), range(2)))
-    yield [EngineClient(url, timeout_s=60) for _, url in started]
-    for proc, _ in started:
+    yield [EngineClient(url, timeout_s=60) for _, url, _ in started]
+    for proc, _, _ in started:
         stop_server(proc)
-    for proc, _ in started:
+    for proc, _, _ in started:
         assert proc.returncode == 0
 
 

@@ -46,17 +46,6 @@ def rng_file(rank: int) -> str:
     return f"rng_rank{rank}.pt"
 
 
-def _slice(batch: RolloutBatch, start: int, stop: int) -> RolloutBatch:
-    return RolloutBatch(
-        prompt_ids=batch.prompt_ids[start:stop],
-        response_ids=batch.response_ids[start:stop],
-        rollout_logprobs=batch.rollout_logprobs[start:stop],
-        rewards=batch.rewards[start:stop],
-        advantages=batch.advantages[start:stop],
-        group_size=batch.group_size,
-    )
-
-
 def split_even(n: int, parts: int) -> list[tuple[int, int]]:
     """``parts`` contiguous ranges covering ``range(n)``, sizes differing by at most one."""
     return [(k * n // parts, (k + 1) * n // parts) for k in range(parts)]
@@ -257,7 +246,7 @@ class TrainWorker:
         steps = []
         for start, stop in split_even(len(batch), self.cfg.actor.num_steps_per_rollout):
             mbs = self.cfg.actor.micro_batch_size
-            steps.append([_slice(batch, i, min(i + mbs, stop)) for i in range(start, stop, mbs)])
+            steps.append([batch.slice(i, min(i + mbs, stop)) for i in range(start, stop, mbs)])
         return steps
 
     def _all_reduce_sum(self, values: list[float]) -> list[float]:
