@@ -196,3 +196,25 @@ def test_bad_requests_are_refused_before_submission(minicluster, tmp_path, args,
     assert (
         subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout == before
     )  # nothing submitted
+
+
+def test_granted_gpus_must_match_the_config(minicluster, tmp_path):
+    # The run dir says 2 GPUs per node; the allocation grants 1 (a template submitted with
+    # the wrong --gpus-per-node): the task stops with a clear error instead of hanging.
+    run = tmp_path / "run"
+    prep = subprocess.run(
+        [sys.executable, str(REPO / "jobs" / "submit.py"), "--prepare-only", "--cluster", "slurm", "--run-dir", str(run),
+         "--nodes", "1", "--gpus-per-node", "2", *SMALL],
+        capture_output=True, text=True, timeout=120, cwd=REPO,
+    )  # fmt: skip
+    assert prep.returncode == 0, prep.stderr
+    p = subprocess.run(
+        ["srun", "-N1", "--gpus-per-node=1", "-t", "5", sys.executable, "-m", "rlhpc.launch.task", str(run)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=REPO,
+    )
+    out = " ".join((p.stdout + p.stderr).split())
+    assert p.returncode != 0
+    assert "Slurm granted 1 GPUs" in out and "cluster.gpus_per_node = 2" in out and "fix:" in out, out[-2000:]
