@@ -19,16 +19,33 @@ Redirects (each process-wide, idempotent, undone by :func:`remove_cpu_shim`):
   The unfused softmax builds the causal mask with a hard-coded ``device="cuda"`` when the
   caller passes ``attention_mask=None``.
 
-Not covered yet (needed only for training with megatron's optimizer, see facts.md):
-``device='cuda'`` in ``get_megatron_optimizer``/grad clipping/grad scaler, and the
-``Tensor.type() == 'torch.cuda.FloatTensor'`` asserts in grad clipping and the distributed
-optimizer.
+* ``torch`` as seen by ``megatron.core.optimizer.{optimizer,clip_grads,grad_scaler}`` -> a
+  proxy of the torch module whose tensor factories (``tensor``, ``zeros``, ``ones``, ``empty``,
+  ``full``) map ``device="cuda"`` to the CPU; every other attribute is the real torch. Those
+  modules build scalars with a hard-coded ``device='cuda'`` (``FP32Optimizer._scale``, the
+  mixed-precision optimizer's ``found_inf``, grad-norm/overflow buffers in grad clipping, the
+  grad scalers). Nothing outside these three modules sees the proxy.
+* ``clip_grad_by_total_norm_fp32`` as imported by ``megatron.core.optimizer.optimizer`` -> the
+  same clipping (scale every fp32 grad in place by ``max_norm / (total_norm + 1e-6)`` when
+  that is below 1) without megatron's ``param.grad.type() == 'torch.cuda.FloatTensor'``
+  assert, which a CPU fp32 grad (``'torch.FloatTensor'``) fails.
+* ``l2_norm_impl`` in ``megatron.core.optimizer.clip_grads`` -> the same L2 norm over all grads
+  as megatron's no-apex fallback ``megatron.core.utils.local_multi_tensor_l2_norm``, returned
+  on the CPU (the fallback copies it to ``device="cuda"``). It feeds the grad norm that the
+  optimizer reports and clips by.
+
+Enough for megatron's ``DistributedDataParallel`` (``DistributedDataParallelConfig``, buffers
+placed through ``torch.cuda.current_device`` above, no overlap / communication stream) and
+``get_megatron_optimizer`` with the plain (non-distributed) fp32 optimizer. Not covered yet:
+the distributed optimizer (``model_param.type() == 'torch.cuda.FloatTensor'`` in
+``distrib_optimizer``), ``overlap_grad_reduce`` (CUDA streams), and optimizer CPU offloading.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import types
 from typing import Any
 
 import torch
@@ -43,6 +60,63 @@ def _cpu_current_device() -> str:
 @functools.lru_cache
 def _cpu_default_causal_mask(sq: int) -> torch.Tensor:
     return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+
+
+# megatron.core.optimizer modules that build tensors with a hard-coded device='cuda'.
+_CUDA_FACTORY_MODULES = (
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.optimizer.grad_scaler",
+)
+_FACTORIES = ("tensor", "zeros", "ones", "empty", "full")
+
+
+def _on_cpu(factory: Any) -> Any:
+    @functools.wraps(factory)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        device = kwargs.get("device")
+        if device is not None and torch.device(device).type == "cuda":
+            kwargs["device"] = "cpu"
+        return factory(*args, **kwargs)
+
+    return wrapper
+
+
+class _CpuFactoryTorch(types.ModuleType):
+    """The torch module, except that its tensor factories put ``device="cuda"`` on the CPU."""
+
+    def __init__(self) -> None:
+        super().__init__("torch")
+        for name in _FACTORIES:
+            setattr(self, name, _on_cpu(getattr(torch, name)))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
+def _cpu_clip_grad_by_total_norm_fp32(
+    parameters: Any, max_norm: float, total_norm: float, use_decoupled_grad: bool = False
+) -> None:
+    """megatron's ``clip_grad_by_total_norm_fp32`` without its CUDA tensor-type assert."""
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    grads = []
+    for param in parameters:
+        grad = getattr(param, "decoupled_grad", None) if use_decoupled_grad else param.grad
+        if grad is not None:
+            assert grad.dtype in (torch.float32, torch.bfloat16), grad.dtype
+            grads.append(grad.detach())
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff < 1.0:
+        for grad in grads:
+            grad.mul_(clip_coeff)
+
+
+def _cpu_multi_tensor_l2_norm(chunk_size: int, noop_flag: Any, tensor_lists: Any, per_tensor: bool, *args: Any):
+    """megatron's ``local_multi_tensor_l2_norm`` (the no-apex fallback), returning a CPU tensor."""
+    norms = [torch.linalg.vector_norm(t) for tensors in tensor_lists for t in tensors]
+    total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+    return total.reshape(1).float(), None
 
 
 def _cpu_tracker_class() -> type:
@@ -89,9 +163,22 @@ def apply_cpu_shim() -> None:
         return
     if torch.cuda.is_available():
         raise RuntimeError("apply_cpu_shim() is for CPU-only processes; this one sees a GPU")
+    import importlib
+
     from megatron.core.fusions import fused_softmax
+    from megatron.core.optimizer import clip_grads as mclip
+    from megatron.core.optimizer import optimizer as moptimizer
     from megatron.core.tensor_parallel import random as mrandom
 
+    cpu_torch = _CpuFactoryTorch()
+    for name in _CUDA_FACTORY_MODULES:
+        module = importlib.import_module(name)
+        _ORIGINALS[f"torch@{name}"] = module.torch
+        module.torch = cpu_torch
+    _ORIGINALS["clip_grad_by_total_norm_fp32"] = moptimizer.clip_grad_by_total_norm_fp32
+    _ORIGINALS["l2_norm_impl"] = mclip.l2_norm_impl
+    mclip.l2_norm_impl = _cpu_multi_tensor_l2_norm
+    moptimizer.clip_grad_by_total_norm_fp32 = _cpu_clip_grad_by_total_norm_fp32
     _ORIGINALS["get_default_causal_mask"] = fused_softmax.get_default_causal_mask
     fused_softmax.get_default_causal_mask = _cpu_default_causal_mask
     _ORIGINALS["current_device"] = torch.cuda.current_device
@@ -106,9 +193,17 @@ def remove_cpu_shim() -> None:
     """Undo :func:`apply_cpu_shim`."""
     if not _ORIGINALS:
         return
+    import importlib
+
     from megatron.core.fusions import fused_softmax
+    from megatron.core.optimizer import clip_grads as mclip
+    from megatron.core.optimizer import optimizer as moptimizer
     from megatron.core.tensor_parallel import random as mrandom
 
+    for name in _CUDA_FACTORY_MODULES:
+        importlib.import_module(name).torch = _ORIGINALS.pop(f"torch@{name}")
+    moptimizer.clip_grad_by_total_norm_fp32 = _ORIGINALS.pop("clip_grad_by_total_norm_fp32")
+    mclip.l2_norm_impl = _ORIGINALS.pop("l2_norm_impl")
     fused_softmax.get_default_causal_mask = _ORIGINALS.pop("get_default_causal_mask")
     torch.cuda.current_device = _ORIGINALS.pop("current_device")
     mrandom.CudaRNGStatesTracker = _ORIGINALS.pop("CudaRNGStatesTracker")
