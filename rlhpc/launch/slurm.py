@@ -10,7 +10,6 @@ import logging
 import re
 import subprocess
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import submitit
 
@@ -153,7 +152,3 @@ def sbatch_script(executor: submitit.SlurmExecutor) -> str:
     from submitit.slurm.slurm import _make_sbatch_string
 
     return _make_sbatch_string(command=executor._submitit_command_str, folder=executor.folder, **executor.parameters)
-
-
-def log_paths(job: submitit.Job) -> tuple[Path, Path]:
-    return Path(job.paths.stdout), Path(job.paths.stderr)
