@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import types
 import typing
 from dataclasses import dataclass, field
@@ -57,6 +58,15 @@ class DataConfig:
 
 
 @dataclass
+class SGLangConfig:
+    """Options of the SGLang servers (``rollout.backend: sglang``); TP = cluster.rollout_gpus_per_engine."""
+
+    mem_fraction_static: float = 0.7  # GPU memory for weights + KV cache (colocate: leave room for the actor)
+    router: bool = True  # put sglang_router in front of the engines for generation
+    extra_args: list[str] = field(default_factory=list)  # passed to sglang.launch_server as they are
+
+
+@dataclass
 class RolloutConfig:
     backend: Literal["cpu", "sglang"] = "cpu"
     num_rollout: int | None = None  # None: derived from num_epoch and the data size
@@ -68,6 +78,8 @@ class RolloutConfig:
     top_p: float = 1.0
     update_weight_buffer_mb: int = 512  # bucket size for weight sync
     engine_startup_timeout_s: float = 120.0
+    max_engine_restarts: int = 3  # per engine: a dead/unhealthy engine is restarted and re-synced
+    sglang: SGLangConfig = field(default_factory=SGLangConfig)
 
 
 @dataclass
@@ -79,6 +91,15 @@ class EvalConfig:
 
 
 @dataclass
+class MegatronConfig:
+    """megatron-core options (``actor.backend: megatron``). DP = actor_num_gpus / TP."""
+
+    tensor_model_parallel_size: int = 1
+    use_distributed_optimizer: bool = True  # shard optimizer state over data-parallel ranks
+    bf16: bool = False  # bf16 params/compute with fp32 master weights (GPU); fp32 otherwise
+
+
+@dataclass
 class ActorConfig:
     backend: Literal["torch", "megatron"] = "torch"
     lr: float = 1e-3
@@ -87,6 +108,7 @@ class ActorConfig:
     grad_clip: float = 1.0
     num_steps_per_rollout: int = 1  # optimizer steps (minibatches) per rollout batch
     micro_batch_size: int = 64  # samples per forward/backward on one rank
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
 
 
 @dataclass
@@ -171,6 +193,11 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
                 f"{where} must be a list of {len(args)} values, got {value!r}", f"write e.g. {where}: [0.9, 0.999]"
             )
         return tuple(_coerce(v, a, f"{where}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+    if origin is list:
+        (arg,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise ConfigError(f"{where} must be a list, got {value!r}", f"write e.g. {where}: [a, b]")
+        return [_coerce(v, arg, f"{where}[{i}]") for i, v in enumerate(value)]
     if dataclasses.is_dataclass(tp):
         return _build(tp, value, where)
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
@@ -357,11 +384,17 @@ def validate(cfg: Config) -> None:
             f"a rollout has {r.rollout_batch_size * r.n_samples_per_prompt} samples, fewer than the {c.actor_num_gpus} actor ranks",
             "raise rollout.rollout_batch_size or lower cluster.actor_num_gpus",
         )
-    if r.backend == "sglang" or cfg.actor.backend == "megatron":
+    if r.max_engine_restarts < 0:
         raise ConfigError(
-            f"rollout.backend={r.backend!r} / actor.backend={cfg.actor.backend!r}: the GPU backends are not built yet",
-            "use rollout.backend: cpu and actor.backend: torch",
+            f"rollout.max_engine_restarts = {r.max_engine_restarts} must be >= 0", "set 0 to never restart an engine"
         )
+    if not 0 < r.sglang.mem_fraction_static < 1:
+        raise ConfigError(
+            f"rollout.sglang.mem_fraction_static = {r.sglang.mem_fraction_static} must be in (0, 1)",
+            "give SGLang a share of each GPU, e.g. 0.7 (colocate: leave room for the actor, e.g. 0.4)",
+        )
+    if cfg.actor.backend == "megatron":
+        _validate_megatron(cfg)
     if cfg.eval.interval is not None and cfg.eval.interval < 1:
         raise ConfigError(
             f"eval.interval = {cfg.eval.interval} must be >= 1", "set a positive interval, or null to disable eval"
@@ -379,3 +412,42 @@ def validate(cfg: Config) -> None:
         )
     if cfg.actor.num_steps_per_rollout < 1 or cfg.actor.micro_batch_size < 1:
         raise ConfigError("actor.num_steps_per_rollout and actor.micro_batch_size must be >= 1", "set positive values")
+
+
+def _model_shape(cfg: Config) -> tuple[int, int, int] | None:
+    """(attention heads, kv heads, ffn size) of the configured model, or None if unreadable."""
+    if cfg.model.tiny is not None:
+        t = cfg.model.tiny
+        return t.num_attention_heads, t.num_key_value_heads, t.intermediate_size
+    try:
+        hf = json.loads((Path(cfg.model.path) / "config.json").read_text())
+        heads = hf["num_attention_heads"]
+        return heads, hf.get("num_key_value_heads") or heads, hf["intermediate_size"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def _validate_megatron(cfg: Config) -> None:
+    c, tp = cfg.cluster, cfg.actor.megatron.tensor_model_parallel_size
+    if tp < 1:
+        raise ConfigError(f"actor.megatron.tensor_model_parallel_size = {tp} must be >= 1", "use 1, 2, 4 or 8")
+    if c.actor_num_gpus % tp:
+        raise ConfigError(
+            f"actor.megatron.tensor_model_parallel_size = {tp} does not divide cluster.actor_num_gpus = {c.actor_num_gpus}",
+            "make the actor GPUs a multiple of the TP size (data parallel = actor GPUs / TP)",
+        )
+    if tp > c.gpus_per_node:
+        raise ConfigError(
+            f"actor.megatron.tensor_model_parallel_size = {tp} > cluster.gpus_per_node = {c.gpus_per_node}: "
+            "tensor parallelism across nodes",
+            "keep TP within a node (TP <= gpus_per_node); scale across nodes with data parallelism",
+        )
+    shape = _model_shape(cfg)
+    if shape is not None:
+        heads, kv_heads, ffn = shape
+        if heads % tp or kv_heads % tp or ffn % tp:
+            raise ConfigError(
+                f"actor.megatron.tensor_model_parallel_size = {tp} does not divide the model's attention heads "
+                f"({heads}), key/value heads ({kv_heads}) or FFN size ({ffn})",
+                "choose a TP size that divides all three",
+            )
