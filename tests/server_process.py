@@ -8,13 +8,15 @@ import time
 from pathlib import Path
 
 
-def start_server(model_path: str, work: Path, name: str) -> tuple[subprocess.Popen, str, Path]:
+def start_server(
+    model_path: str, work: Path, name: str, extra_args: list[str] | None = None
+) -> tuple[subprocess.Popen, str, Path]:
     """Start a CPU engine server on port 0; return (process, url, ready file)."""
     ready = work / f"{name}.ready.json"
     log = open(work / f"{name}.log", "wb")  # noqa: SIM115 - lives as long as the server
     proc = subprocess.Popen(
         [sys.executable, "-m", "rlhpc.rollout.cpu_server", "--model-path", model_path, "--port", "0"]
-        + ["--ready-file", str(ready), "--parent-pid", str(os.getpid())],
+        + ["--ready-file", str(ready), "--parent-pid", str(os.getpid()), *(extra_args or [])],
         stdout=log,
         stderr=subprocess.STDOUT,
         env={**os.environ, "OMP_NUM_THREADS": "1"},

@@ -182,6 +182,24 @@ def test_server_understands_only_sglang_names() -> None:
     assert known <= SGLANG_SAMPLING_PARAMS, known - SGLANG_SAMPLING_PARAMS
 
 
+def test_device_option() -> None:
+    assert cpu_server.parse_args(["--model-path", "m"]).device == "cpu"
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):  # a clear argparse error, not a crash while loading
+            cpu_server.parse_args(["--model-path", "m", "--device", "cuda"])
+
+
+def test_cuda_ipc_tensors_are_unpickled_only_on_a_gpu_engine() -> None:
+    import io
+
+    where = ("torch.multiprocessing.reductions", "rebuild_cuda_tensor")
+    with pytest.raises(cpu_server.EngineError, match="CUDA tensors cannot be loaded by the CPU engine"):
+        cpu_server._TensorUnpickler(io.BytesIO(), allow_cuda=False).find_class(*where)
+    assert cpu_server._TensorUnpickler(io.BytesIO(), allow_cuda=True).find_class(*where).__name__ == where[1]
+    with pytest.raises(cpu_server.EngineError, match="refusing to unpickle os.system"):
+        cpu_server._TensorUnpickler(io.BytesIO(), allow_cuda=True).find_class("os", "system")
+
+
 # ------------------------------------------------------------------ server
 
 
@@ -194,6 +212,7 @@ def test_ready_file_health_and_info(server: tuple[subprocess.Popen, str, Path], 
     assert model_info["is_generation"] is True and model_info["weight_version"] == "default"
     server_info = client.get_server_info()
     assert server_info["tp_size"] == 1 and server_info["weight_version"] == "default"
+    assert server_info["device"] == "cpu"  # --device defaults to cpu
     assert client.get_weight_version() == "default"
     client.flush_cache()
 

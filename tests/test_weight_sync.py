@@ -213,6 +213,32 @@ def test_tensor_payload_refuses_arbitrary_pickles(engines: list[EngineClient]) -
         engines[0].update_weights_from_tensor([evil])
 
 
+class _CudaTensorStandIn:
+    """Pickles exactly as ForkingPickler pickles a CUDA tensor (rebuild_cuda_tensor + IPC handle),
+    so the CPU engine's refusal is tested on machines without a GPU."""
+
+    def __reduce__(self):  # noqa: ANN204
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+        args = (torch.Tensor, torch.Size([2]), (1,), 0, torch.storage.TypedStorage, torch.float32, 0, b"h" * 64)
+        return rebuild_cuda_tensor, (*args, 8, 0, False, b"r", 0, b"e", True)
+
+
+def test_cpu_engine_refuses_cuda_tensors(engines: list[EngineClient]) -> None:
+    import base64
+    import pickle
+
+    payload = base64.b64encode(pickle.dumps([("model.norm.weight", _CudaTensorStandIn())])).decode()
+    with pytest.raises(RlhpcError, match="CUDA tensors cannot be loaded by the CPU engine"):
+        engines[0].update_weights_from_tensor([payload])
+
+
+def test_cpu_engine_refuses_nccl(engines: list[EngineClient]) -> None:
+    with pytest.raises(RlhpcError, match="'nccl' needs an engine on CUDA"):
+        engines[0].init_weights_update_group("127.0.0.1", 1, 1, 2, "nccl_group", "nccl")
+    assert engines[0].get_server_info()["internal_states"][0]["weight_update_groups"] == []
+
+
 # ------------------------------------------------------------------ release / resume
 
 

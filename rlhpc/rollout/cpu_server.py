@@ -188,7 +188,11 @@ class Engine:
     def __init__(self, model_path: str, weight_version: str, device: str = "cpu"):
         self.model_path = model_path
         self.device = torch.device(device)
-        self.model = load_model(model_path, device).eval().requires_grad_(False)
+        if self.device.type == "cuda":
+            if self.device.index is None:
+                self.device = torch.device("cuda", 0)
+            torch.cuda.set_device(self.device)
+        self.model = load_model(model_path, self.device).eval().requires_grad_(False)
         self.tokenizer = load_tokenizer(model_path)
         cfg = self.model.config
         self.vocab_size = int(cfg.vocab_size)
@@ -206,6 +210,7 @@ class Engine:
         self.stale: set[str] = set()  # parameters re-allocated but not re-sent since a resume
         self._shapes: dict[str, torch.Size] = {}  # of released parameters
         self.groups: dict[str, dist.ProcessGroup] = {}
+        self.group_devices: dict[str, torch.device] = {}  # where a group's broadcasts land
         self.busy = False
 
         self._seq = itertools.count()
@@ -213,8 +218,9 @@ class Engine:
         self._abort_before = -1  # batches numbered below this are aborted (abort_all)
         self._abort_rids: set[str] = set()
         log.info(
-            "loaded %s (%d params, vocab %d)",
+            "loaded %s on %s (%d params, vocab %d)",
             model_path,
+            self.device,
             sum(p.numel() for p in self.model.parameters()),
             self.vocab_size,
         )
@@ -465,6 +471,10 @@ class Engine:
             with torch.no_grad():
                 for name, t in named:
                     table[name].copy_(t)  # casts if the trainer's dtype differs
+            if self.device.type == "cuda":
+                # copy_ is asynchronous on CUDA; the sender frees (or reuses) its IPC/broadcast
+                # memory as soon as we answer, so the copies must be done first.
+                torch.cuda.synchronize(self.device)
             self.stale.difference_update(name for name, _ in named)
             if version is not None:
                 self.weight_version = version
@@ -473,8 +483,10 @@ class Engine:
     def init_group(self, req: InitWeightsUpdateGroupReq) -> str:
         if req.group_name in self.groups:
             raise EngineError(f"weight update group {req.group_name!r} already exists")
-        if req.backend == "nccl" and not torch.cuda.is_available():
-            raise EngineError("backend 'nccl' needs CUDA; the CPU engine joins with backend 'gloo'")
+        if req.backend == "nccl" and self.device.type != "cuda":
+            raise EngineError("backend 'nccl' needs an engine on CUDA (--device cuda); a CPU engine joins with 'gloo'")
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # NCCL uses the calling (control) thread's current device
         self.groups[req.group_name] = init_custom_process_group(
             req.backend,
             req.master_address,
@@ -483,10 +495,13 @@ class Engine:
             req.world_size,
             req.group_name,
         )
+        # NCCL broadcasts into GPU buffers; gloo into CPU ones, copied onto the model's device after
+        self.group_devices[req.group_name] = self.device if req.backend == "nccl" else torch.device("cpu")
         return f"joined {req.group_name} as rank {req.rank_offset} of {req.world_size}"
 
     def destroy_group(self, group_name: str) -> str:
         pg = self.groups.pop(group_name, None)
+        self.group_devices.pop(group_name, None)
         if pg is None:
             raise EngineError(f"no weight update group {group_name!r}")
         dist.destroy_process_group(pg)
@@ -500,11 +515,14 @@ class Engine:
             raise EngineError(f"no weight update group {req.group_name!r}; call init_weights_update_group first")
         if req.abort_all_requests:
             self.abort(abort_all=True)
+        device = self.group_devices[req.group_name]
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
         received = []
         # Receive every tensor even if some will be refused: skipping one would desynchronise
         # the broadcast sequence for the trainer and every other engine in the group.
         for name, dtype, shape in zip(req.names, req.dtypes, req.shapes):
-            buf = torch.empty(shape, dtype=getattr(torch, dtype), device=self.device)
+            buf = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
             dist.broadcast(buf, group_src=0, group=pg)
             received.append((name, buf))
         self.load_weights(received, req.weight_version)
@@ -517,7 +535,8 @@ class Engine:
             raise EngineError("serialized_named_tensors is empty")
         if req.abort_all_requests:
             self.abort(abort_all=True)
-        named = loads_named_tensors(req.serialized_named_tensors[0])  # this engine is TP rank 0 of 1
+        # this engine is TP rank 0 of 1; CUDA IPC handles only open on a GPU engine
+        named = loads_named_tensors(req.serialized_named_tensors[0], allow_cuda=self.device.type == "cuda")
         self.load_weights(named, req.weight_version)
         return f"updated {len(named)} tensor(s)"
 
@@ -546,6 +565,10 @@ class Engine:
             # kv_cache: sample() builds its cache per batch and frees it after, so nothing is
             # resident between requests; the tag is recorded to refuse generation like SGLang.
             self.released.update(tags)
+            if self.device.type == "cuda":
+                # freed blocks stay reserved by torch's caching allocator; hand them back to the
+                # driver so a colocated trainer can use the memory
+                torch.cuda.empty_cache()
         log.info("released %s (weights bytes now %d)", tags, self.weights_bytes())
 
     def resume(self, tags: list[str] | None) -> None:
@@ -598,6 +621,11 @@ class Engine:
                     "released_tags": sorted(self.released),
                     "weights_bytes": self.weights_bytes(),
                     "weight_update_groups": sorted(self.groups),
+                    **(
+                        {"cuda_memory_reserved_bytes": torch.cuda.memory_reserved(self.device)}
+                        if self.device.type == "cuda"
+                        else {}
+                    ),
                 }
             ],
         }
@@ -615,8 +643,9 @@ def _check_tags(tags: list[str] | None) -> list[str]:
 # ------------------------------------------------------------------ colocated tensor payloads
 
 # Only what torch's ForkingPickler emits for CPU tensors shared through the "file_system"
-# strategy (see rlhpc.rollout.weight_sync.serialize_named_tensors) may be unpickled: the body
-# arrives over HTTP, and plain pickle would run whatever it names.
+# strategy (see rlhpc.rollout.weight_sync.serialize_named_tensors), and for CUDA tensors on a
+# GPU engine, may be unpickled: the body arrives over HTTP, and plain pickle would run whatever
+# it names.
 _ALLOWED_GLOBALS = {
     ("torch.multiprocessing.reductions", "rebuild_tensor"),
     ("torch.multiprocessing.reductions", "rebuild_typed_storage"),
@@ -630,14 +659,21 @@ _ALLOWED_GLOBALS = {
 _REFUSED_GLOBALS = {
     "rebuild_storage_fd": "the sender shared tensors by file descriptor, which only its own child "
     "processes can open; serialise with the 'file_system' sharing strategy",
-    "rebuild_cuda_tensor": "CUDA tensors cannot be loaded by the CPU engine",
+    "rebuild_cuda_tensor": "CUDA tensors cannot be loaded by the CPU engine (start it with --device cuda)",
 }
+_CUDA_GLOBAL = ("torch.multiprocessing.reductions", "rebuild_cuda_tensor")
 
 
 class _TensorUnpickler(pickle.Unpickler):
+    def __init__(self, file: io.BytesIO, allow_cuda: bool):
+        super().__init__(file)
+        self.allow_cuda = allow_cuda
+
     def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _ALLOWED_GLOBALS or (
-            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if (
+            (module, name) in _ALLOWED_GLOBALS
+            or (self.allow_cuda and (module, name) == _CUDA_GLOBAL)
+            or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))
         ):
             return super().find_class(module, name)
         if name in _REFUSED_GLOBALS:
@@ -645,10 +681,11 @@ class _TensorUnpickler(pickle.Unpickler):
         raise EngineError(f"refusing to unpickle {module}.{name} from a weight payload")
 
 
-def loads_named_tensors(payload: str) -> list[tuple[str, torch.Tensor]]:
+def loads_named_tensors(payload: str, allow_cuda: bool = False) -> list[tuple[str, torch.Tensor]]:
+    """Unpickle [(name, tensor), ...]; ``allow_cuda`` lets CUDA IPC handles through (GPU engine)."""
     try:
         raw = base64.b64decode(payload, validate=True)
-        named = _TensorUnpickler(io.BytesIO(raw)).load()
+        named = _TensorUnpickler(io.BytesIO(raw), allow_cuda).load()
     except EngineError:
         raise
     except Exception as e:
@@ -849,8 +886,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--weight-version", default="default")
     p.add_argument("--parent-pid", type=int, help="exit when this process is no longer our parent")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: the model on cuda:0")
     p.add_argument("--log-level", default="INFO")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda but torch sees no CUDA device (a CPU build of torch, or no GPU visible)")
+    return args
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -866,7 +907,7 @@ def main(argv: list[str] | None = None) -> None:
     # signal, which would otherwise kill us with status -15 instead of a clean exit.
     signal.signal(signal.SIGTERM, lambda *_: stop_requested.set())
 
-    engine = Engine(args.model_path, args.weight_version)
+    engine = Engine(args.model_path, args.weight_version, args.device)
     sock = _bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
     address = {"host": args.host, "port": port}

@@ -173,6 +173,13 @@ def iter_buckets(
 # the sender, none over HTTP, and torch_shm_manager unlinks the segment once both sides dropped
 # it. We clone first, because sharing moves a tensor's storage into shm in place and must not do
 # that to the trainer's live parameters.
+#
+# CUDA tensors stay on their GPU (the clone is a device copy, about one bucket of extra memory):
+# ForkingPickler turns them into IPC handles whatever the sharing strategy, with an event the
+# receiver waits on before reading, so the clone is complete when the engine copies. The engine
+# copies and synchronises before it answers (``Engine.load_weights`` in rlhpc.rollout.cpu_server),
+# so once every engine has answered the sender may free its clones; torch keeps a block whose
+# receiver still holds a handle in its IPC limbo until ``torch.cuda.ipc_collect``.
 _STRATEGY_LOCK = threading.Lock()
 
 
@@ -421,7 +428,8 @@ class DistributedWeightSender(_SenderBase):
 
 
 class TensorWeightSender(_SenderBase):
-    """Colocated engines (same node): tensors as shared-memory handles, no second copy over HTTP."""
+    """Colocated engines (same node): tensors as shared-memory handles (CPU) or CUDA IPC handles
+    (GPU), no second copy over HTTP."""
 
     def _send_buckets(self, buckets: Iterator[tuple[list[tuple[str, torch.Tensor]], bool]], version: str) -> int:
         n = 0
@@ -438,7 +446,10 @@ class TensorWeightSender(_SenderBase):
             ]
             for f, c in zip(posts, self.clients):
                 self._result(f, c)
+            on_gpu = any(t.is_cuda for t in keep)
             del keep  # every engine has copied its weights out of shared memory by now
+            if on_gpu:
+                torch.cuda.ipc_collect()  # free clones whose handles the engines have closed
             n += 1
         return n
 
