@@ -9,6 +9,8 @@ The one client, ``rlhpc.rollout.client.EngineClient``, drives both.
 
 With ``--port 0`` the server binds a free port itself and writes ``{"host", "port", "pid"}`` to
 the ready file (temp + rename) once it answers HTTP, so callers never race for ports.
+``--device cuda`` puts the model on cuda:0 (GPU checks); weight update groups may then use
+NCCL, and colocated senders may pass CUDA tensors by IPC handle.
 
 Concurrency: one HTTP /generate request is one sampling batch, and batches run one at a time on
 a single thread, so with fixed ``sampling_seed``s a request's tokens do not depend on other
