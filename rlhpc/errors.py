@@ -7,6 +7,18 @@ class RlhpcError(Exception):
         self.problem = problem
         self.fix = fix
 
+    def __reduce__(self) -> tuple:
+        # Pickle by state, not by constructor arguments: raised inside a Ray actor, the error
+        # must cross to the driver whatever a subclass's __init__ takes.
+        return _rebuild, (type(self), str(self), self.__dict__)
+
+
+def _rebuild(cls: type[RlhpcError], message: str, state: dict) -> RlhpcError:
+    err = cls.__new__(cls)
+    Exception.__init__(err, message)
+    err.__dict__.update(state)
+    return err
+
 
 class ConfigError(RlhpcError):
     """Bad configuration or command-line input, found before anything is submitted."""
