@@ -2,9 +2,12 @@
 
 The actor holds the GPU(s) Ray placed it on (the caller chooses them with
 ``EngineActor.options(num_gpus=..., num_cpus=..., scheduling_strategy=...)``) and starts the
-engine server beside it, on the node's IP and a port the server picks itself, so nothing races
-for ports. The server dies with the actor: PR_SET_PDEATHSIG when the actor forks from its main
-thread (Ray runs a plain actor's methods there), plus the server's own ``--parent-pid`` watchdog.
+engine server beside it, on the node's IP. The CPU engine server picks its own port (port 0 +
+ready file), so nothing races for ports; an SGLang server (``sglang=SGLangSpec(...)``) needs a
+fixed one, picked free and picked again if it was lost to a race (see ``sglang_server``). An
+engine spanning nodes has one actor per node; only node rank 0 serves HTTP. The server dies
+with the actor: PR_SET_PDEATHSIG when the actor forks from its main thread (Ray runs a plain
+actor's methods there), plus the CPU server's own ``--parent-pid`` watchdog.
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ from pathlib import Path
 import ray
 
 from rlhpc.errors import RlhpcError
+from rlhpc.rollout import sglang_server
 from rlhpc.rollout.client import EngineClient
+from rlhpc.rollout.sglang_server import SGLangSpec
 
 log = logging.getLogger(__name__)
 
@@ -50,23 +55,36 @@ def _tail(path: Path, n: int = 30) -> str:
 
 @ray.remote
 class EngineActor:
-    """Start, watch, restart and stop one engine server (``rlhpc.rollout.cpu_server``)."""
+    """Start, watch, restart and stop one engine server (``rlhpc.rollout.cpu_server`` or SGLang)."""
 
     def __init__(
-        self, model_path: str, log_dir: str, engine_id: int, startup_timeout_s: float, env: dict | None = None
+        self,
+        model_path: str,
+        log_dir: str,
+        engine_id: int,
+        startup_timeout_s: float,
+        env: dict | None = None,
+        sglang: SGLangSpec | None = None,
+        start: bool = True,
     ):
         self.model_path = model_path
         self.engine_id = engine_id
         self.startup_timeout_s = startup_timeout_s
         self.extra_env = dict(env or {})
-        self.log_path = Path(log_dir) / f"engine_{engine_id}.log"
+        self.sglang = sglang
+        part = f"_node{sglang.node_rank}" if sglang is not None and sglang.nnodes > 1 else ""
+        self.log_path = Path(log_dir) / f"engine_{engine_id}{part}.log"
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.host = ray.util.get_node_ip_address()
         self.tmp_dir = Path(tempfile.mkdtemp(prefix=f"rlhpc-engine{engine_id}-"))
         self.ready_file = self.tmp_dir / "ready.json"
         self.proc: subprocess.Popen | None = None
         self._url: str | None = None
-        self._start()
+        self._dist_init_addr: str | None = None
+        if sglang is not None:
+            sglang_server.require_module("sglang", "SGLang on every engine node")
+        if start:
+            self._start()
 
     # -------------------------------------------------------------- lifecycle
 
@@ -97,6 +115,9 @@ class EngineActor:
         return env
 
     def _start(self) -> None:
+        if self.sglang is not None:
+            self._start_sglang()
+            return
         self.ready_file.unlink(missing_ok=True)
         # pdeathsig fires when the forking *thread* exits; only trust it from the main thread
         main = threading.current_thread() is threading.main_thread()
@@ -138,10 +159,57 @@ class EngineActor:
         log.info("engine %d ready at %s", self.engine_id, url)
         return url
 
+    def _start_sglang(self) -> None:
+        spec = self.sglang
+        main = threading.current_thread() is threading.main_thread()
+        gpu_ids = spec.gpu_ids or tuple(int(g) for g in ray.get_gpu_ids())
+        env = sglang_server.server_env(self._env(), gpu_ids)
+        name = f"engine {self.engine_id}" + (f" node rank {spec.node_rank}" if spec.nnodes > 1 else "")
+
+        def command(port: int) -> list[str]:
+            nccl_port = sglang_server.free_port(self.host)
+            return sglang_server.launch_server_command(
+                sys.executable, self.model_path, self.host, port, nccl_port, spec, self._dist_init_addr
+            )
+
+        if not spec.serves_http:
+            # Node ranks > 0 only join node rank 0's distributed group; node rank 0's /health
+            # tells when the whole engine is up.
+            with open(self.log_path, "ab") as logf:
+                logf.write(f"\n=== {name} starting at {time.strftime('%F %T')} ===\n".encode())
+                logf.flush()
+                self.proc = subprocess.Popen(
+                    command(sglang_server.free_port(self.host)),
+                    stdin=subprocess.DEVNULL,
+                    stdout=logf,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    preexec_fn=_die_with_parent if main else None,
+                    start_new_session=True,
+                )
+            log.info("%s: SGLang pid %d (GPUs %s), log %s", name, self.proc.pid, gpu_ids, self.log_path)
+            return
+        self.proc, port = sglang_server.start_on_free_port(
+            command,
+            self.host,
+            name,
+            self.log_path,
+            env,
+            self.startup_timeout_s,
+            preexec_fn=_die_with_parent if main else None,
+        )
+        self._url = sglang_server.url_of(self.host, port)
+        log.info(
+            "%s: SGLang pid %d (GPUs %s) ready at %s, log %s", name, self.proc.pid, gpu_ids, self._url, self.log_path
+        )
+
     def _kill(self, grace_s: float = 5.0) -> None:
         """Stop our own server by pid: TERM, a short wait, then KILL."""
         proc, self.proc = self.proc, None
         self._url = None
+        if proc is not None and self.sglang is not None:
+            sglang_server.stop(proc, grace_s)
+            return
         if proc is None or proc.poll() is not None:
             return
         proc.terminate()
@@ -166,10 +234,33 @@ class EngineActor:
         return str(self.log_path)
 
     def is_alive(self) -> bool:
-        """The server process runs and answers /health."""
-        if self.proc is None or self.proc.poll() is not None or self._url is None:
+        """The server process runs and answers /health (a part without HTTP: it runs)."""
+        if self.proc is None or self.proc.poll() is not None:
             return False
-        return EngineClient(self._url).health()
+        if self.sglang is not None and not self.sglang.serves_http:
+            return True
+        return self._url is not None and EngineClient(self._url).health()
+
+    # -------------------------------------------------------------- engines over several nodes
+
+    def reserve_dist_init_addr(self) -> str:
+        """Node rank 0: a free ``host:port`` on this node for SGLang's --dist-init-addr.
+
+        SGLang derives a few more ports from it (port + 1 ...); a lost race shows as a start-up
+        failure of the whole engine, which the rollout group reports with the log.
+        """
+        return f"{_url_host(self.host)}:{sglang_server.free_port(self.host)}"
+
+    def start(self, dist_init_addr: str | None = None) -> str | None:
+        """Start a part created with ``start=False`` (every part of an engine at once); node rank 0
+        returns its URL once the whole engine answers /health."""
+        self._kill()
+        self._dist_init_addr = dist_init_addr
+        self._start()
+        return self._url
+
+    def stop(self) -> None:
+        self._kill()
 
     def restart(self) -> str:
         """Kill and start again on the same model path; returns the new URL (a new port).

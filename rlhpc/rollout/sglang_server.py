@@ -1,0 +1,330 @@
+"""Command lines and start-up of SGLang servers (``rollout.backend: sglang``) and of sglang_router.
+
+Flag names follow SGLang's ``python/sglang/srt/server_args.py`` (``ServerArgs``: a field
+``tp_size`` is the flag ``--tp-size``) and sglang_router's ``router_args.py``. Everything here is
+a small pure function except ``start_on_free_port``, which runs the process.
+
+Ports: SGLang takes a fixed ``--port`` (no port 0 + ready file as the CPU server does), so a free
+port is picked and, if the server dies during start-up because the port was taken in between,
+another one is picked (a bounded number of times). Its internal NCCL port is passed explicitly
+(``--nccl-port``), also picked free, so two engines on one node never pick the same one.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import requests
+
+from rlhpc.errors import RlhpcError
+
+log = logging.getLogger(__name__)
+
+SERVER_MODULE = "sglang.launch_server"
+ROUTER_MODULE = "sglang_router.launch_router"
+PORT_ATTEMPTS = 5  # starts on fresh ports before giving up on address-in-use failures
+
+# What a server prints when a port it was given is taken: uvicorn's bind error (errno 98),
+# SGLang's wait_port_available ("... at PORT is not available in N seconds"), ZMQ's EADDRINUSE.
+_ADDRESS_IN_USE = re.compile(
+    r"address already in use|EADDRINUSE|\[Errno 98\]|is not available in \d+ seconds|is used by a process already",
+    re.IGNORECASE,
+)
+
+
+@dataclass(frozen=True)
+class SGLangSpec:
+    """One SGLang server process: an engine, or its share on one node when it spans nodes."""
+
+    tp_size: int  # GPUs of the whole engine (cluster.rollout_gpus_per_engine)
+    mem_fraction_static: float
+    memory_saver: bool  # release/resume_memory_occupation need --enable-memory-saver
+    seed: int
+    gpu_ids: tuple[int, ...] = ()  # this node's GPUs of the engine (Ray's ids); () = the actor's own
+    extra_args: tuple[str, ...] = ()
+    nnodes: int = 1
+    node_rank: int = 0  # only node rank 0 serves HTTP
+
+    @property
+    def serves_http(self) -> bool:
+        return self.node_rank == 0
+
+
+def require_module(module: str, what: str, fix: str = "") -> None:
+    """Fail with the fix when ``module`` is not importable in this (the job's) Python."""
+    if importlib.util.find_spec(module) is None:
+        raise RlhpcError(
+            f"rollout.backend: sglang needs {what}, but `{module}` cannot be imported by {sys.executable}",
+            fix
+            or "install the GPU extras into the job's environment: pip install 'rlhpc[gpu]' "
+            "(or set rollout.backend: cpu)",
+        )
+
+
+def launch_server_command(
+    python: str,
+    model_path: str,
+    host: str,
+    port: int,
+    nccl_port: int,
+    spec: SGLangSpec,
+    dist_init_addr: str | None = None,
+) -> list[str]:
+    """``python -m sglang.launch_server ...`` for one engine (or one node's part of it)."""
+    cmd = [
+        python, "-m", SERVER_MODULE,
+        "--model-path", model_path,
+        "--host", host,
+        "--port", str(port),
+        "--nccl-port", str(nccl_port),
+        "--tp-size", str(spec.tp_size),
+        "--mem-fraction-static", str(spec.mem_fraction_static),
+        "--random-seed", str(spec.seed),
+        "--base-gpu-id", "0",  # CUDA_VISIBLE_DEVICES holds exactly this engine's GPUs (server_env)
+    ]  # fmt: skip
+    if spec.memory_saver:
+        cmd.append("--enable-memory-saver")
+    if spec.nnodes > 1:
+        if not dist_init_addr:
+            raise RlhpcError(
+                f"an engine over {spec.nnodes} nodes needs the dist-init address of node rank 0",
+                "start node rank 0's part first and pass its address to every part",
+            )
+        cmd += ["--nnodes", str(spec.nnodes), "--node-rank", str(spec.node_rank), "--dist-init-addr", dist_init_addr]
+    return cmd + list(spec.extra_args)  # last: the user's extra args win where SGLang takes the last value
+
+
+def router_command(python: str, worker_urls: Sequence[str], host: str, port: int) -> list[str]:
+    """``python -m sglang_router.launch_router`` in front of the engines.
+
+    Round robin: every sample carries its own seed, so which engine serves it does not matter,
+    and the requests of a rollout spread evenly.
+    """
+    if not worker_urls:
+        raise RlhpcError("the router needs at least one engine URL", "start the engines before the router")
+    return [
+        python, "-m", ROUTER_MODULE,
+        "--worker-urls", *worker_urls,
+        "--host", host,
+        "--port", str(port),
+        "--policy", "round_robin",
+    ]  # fmt: skip
+
+
+def server_env(base: Mapping[str, str], gpu_ids: Sequence[int]) -> dict[str, str]:
+    """The server's environment: only this engine's GPUs visible (Ray shows an actor only its own)."""
+    env = dict(base)
+    if gpu_ids:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpu_ids)
+    return env
+
+
+def free_port(host: str) -> int:
+    """A port nobody listens on right now (the caller must cope with losing it to a race)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def port_conflict(log_text: str) -> bool:
+    """Did the server die because a port it was given is taken?"""
+    return bool(_ADDRESS_IN_USE.search(log_text))
+
+
+def url_of(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+class ServerExited(RlhpcError):
+    """The server process ended during start-up."""
+
+    def __init__(self, name: str, code: int, log_path: Path, log_text: str):
+        super().__init__(
+            f"{name} exited with code {code} during startup (log {log_path}):\n{_last_lines(log_text, 30)}",
+            f"read {log_path}",
+        )
+        self.log_text = log_text
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, name: str, log_path: Path, offset: int, timeout_s: float) -> None:
+    """Block until ``url``/health answers 200 while ``proc`` runs; raise ServerExited if it ends."""
+    deadline = time.monotonic() + timeout_s
+    session = requests.Session()
+    while True:
+        code = proc.poll()
+        if code is not None:
+            raise ServerExited(name, code, log_path, _read_from(log_path, offset))
+        try:
+            if session.get(f"{url}/health", timeout=2).status_code == 200 and proc.poll() is None:
+                return
+        except requests.RequestException:
+            pass
+        if time.monotonic() > deadline:
+            raise RlhpcError(
+                f"{name} not healthy at {url} after {timeout_s:.0f}s (log {log_path}):\n"
+                f"{_last_lines(_read_from(log_path, offset), 30)}",
+                "raise rollout.engine_startup_timeout_s for large models, or read the log",
+            )
+        time.sleep(0.5)
+
+
+def start_on_free_port(
+    command: Callable[[int], list[str]],
+    host: str,
+    name: str,
+    log_path: Path,
+    env: Mapping[str, str],
+    timeout_s: float,
+    preexec_fn: Callable[[], None] | None = None,
+    pick_port: Callable[[str], int] = free_port,
+    attempts: int = PORT_ATTEMPTS,
+) -> tuple[subprocess.Popen, int]:
+    """Start ``command(port)`` on a free port and wait for /health; on an address-in-use death, retry
+    on another port (``attempts`` in all). Returns the running process and its port."""
+    for attempt in range(1, attempts + 1):
+        port = pick_port(host)
+        offset = log_path.stat().st_size if log_path.exists() else 0
+        with open(log_path, "ab") as logf:
+            logf.write(f"\n=== {name} starting on port {port} at {time.strftime('%F %T')} ===\n".encode())
+            logf.flush()
+            proc = subprocess.Popen(
+                command(port),
+                stdin=subprocess.DEVNULL,
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                env=dict(env),
+                preexec_fn=preexec_fn,
+                start_new_session=True,  # its own process group: stop() ends SGLang's children too
+            )
+        try:
+            wait_healthy(proc, url_of(host, port), name, log_path, offset, timeout_s)
+        except ServerExited as e:
+            if attempt < attempts and port_conflict(e.log_text):
+                log.warning("%s: port %d was taken (attempt %d of %d); trying another", name, port, attempt, attempts)
+                continue
+            raise
+        except BaseException:
+            stop(proc)
+            raise
+        return proc, port
+    raise AssertionError("unreachable")  # the last attempt returns or raises
+
+
+def stop(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """TERM the server's process group (SGLang's scheduler and detokenizer children hold the GPUs),
+    a short wait, then KILL the group."""
+    if proc.poll() is None:
+        _signal_group(proc, signal.SIGTERM)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            log.warning("server %d ignored SIGTERM; killing its process group", proc.pid)
+    _signal_group(proc, signal.SIGKILL)  # children left behind by a launcher that died first
+    proc.wait()
+
+
+def _signal_group(proc: subprocess.Popen, sig: signal.Signals) -> None:
+    try:
+        os.killpg(proc.pid, sig)  # started with start_new_session: the group id is its pid
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _read_from(path: Path, offset: int) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _last_lines(text: str, n: int) -> str:
+    return "\n".join(text.splitlines()[-n:]) or "(no output)"
+
+
+def engine_parts(
+    engine_slots: Sequence[int],
+    location_of_slot: Sequence[tuple[str, int]],
+    mem_fraction_static: float,
+    memory_saver: bool,
+    seed: int,
+    extra_args: Sequence[str] = (),
+) -> list[tuple[int, SGLangSpec]]:
+    """One engine's server processes: ``(first slot on that node, spec)`` per node it spans, in node
+    rank order (the node of the engine's first slot is rank 0 and serves HTTP)."""
+    nodes: dict[str, list[int]] = {}  # insertion-ordered: the first slot's node comes first
+    for slot in engine_slots:
+        nodes.setdefault(location_of_slot[slot][0], []).append(slot)
+    sizes = {len(slots) for slots in nodes.values()}
+    if len(sizes) != 1:
+        raise RlhpcError(
+            f"an engine's GPUs are spread unevenly over nodes: { ({ip: len(s) for ip, s in nodes.items()}) }",
+            "use a cluster.rollout_gpus_per_engine that is a divisor or a multiple of cluster.gpus_per_node",
+        )
+    return [
+        (
+            slots[0],
+            SGLangSpec(
+                tp_size=len(engine_slots),
+                mem_fraction_static=mem_fraction_static,
+                memory_saver=memory_saver,
+                seed=seed,
+                gpu_ids=tuple(location_of_slot[s][1] for s in slots),
+                extra_args=tuple(extra_args),
+                nnodes=len(nodes),
+                node_rank=rank,
+            ),
+        )
+        for rank, slots in enumerate(nodes.values())
+    ]
+
+
+class Router:
+    """sglang_router in front of the engines, run by the driver: generation goes through it,
+    weight updates and memory calls go to each engine directly."""
+
+    def __init__(self, host: str, log_path: Path, startup_timeout_s: float):
+        require_module(
+            "sglang_router",
+            "sglang_router for rollout.sglang.router: true",
+            "pip install sglang-router into the job's environment, or set rollout.sglang.router: false",
+        )
+        self.host = host
+        self.log_path = log_path
+        self.startup_timeout_s = startup_timeout_s
+        self.proc: subprocess.Popen | None = None
+        self.url: str | None = None
+
+    def start(self, worker_urls: Sequence[str]) -> str:
+        """(Re)start over ``worker_urls`` (after an engine restart its URL changed); returns the URL."""
+        self.stop()
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.proc, port = start_on_free_port(
+            lambda p: router_command(sys.executable, worker_urls, self.host, p),
+            self.host,
+            "sglang router",
+            self.log_path,
+            os.environ,
+            self.startup_timeout_s,
+        )
+        self.url = url_of(self.host, port)
+        log.info("sglang router at %s over %d engine(s), log %s", self.url, len(worker_urls), self.log_path)
+        return self.url
+
+    def stop(self) -> None:
+        proc, self.proc, self.url = self.proc, None, None
+        if proc is not None:
+            stop(proc)
