@@ -66,10 +66,10 @@ def train(cfg: Config, run: RunDir, progress: Progress | None = None, stop: Stop
     if resume is not None:
         metrics.restore(resume.rollout_id, resume.state["metrics"])
 
-    actor.connect_rollout(rollout.engine_urls, rollout.engine_world_sizes, cfg.cluster.colocate)
+    rollout.connect_weights(actor)  # also how a restarted engine gets the current weights back
     if cfg.cluster.offload:
         rollout.onload()
-    actor.update_weights(version=start)  # engines always start from the trained weights
+    rollout.sync_weights(version=start)  # engines always start from the trained weights
 
     saved = resume.rollout_id if resume else -1  # newest rollout whose training is on disk
     record: dict = {}  # metrics of the newest trained rollout
@@ -126,7 +126,7 @@ def train(cfg: Config, run: RunDir, progress: Progress | None = None, stop: Stop
                     actor.offload()
                     rollout.onload()
                 with timer("update_weights"):
-                    actor.update_weights(version=rollout_id + 1)
+                    rollout.sync_weights(version=rollout_id + 1)
             record = {**rollout_metrics, **train_metrics, **timer}
             metrics.log("rollout", rollout_id, record)
             metrics.dump_rollout(rollout_id, batch, texts)

@@ -17,6 +17,11 @@ from rlhpc.errors import RlhpcError
 
 log = logging.getLogger(__name__)
 
+
+class EngineUnavailable(RlhpcError):
+    """The engine did not answer (connection refused/reset, timeout) or answered 5xx: it may be dead."""
+
+
 # ------------------------------------------------------------------ request bodies (one per route)
 
 
@@ -141,10 +146,15 @@ class EngineClient:
                 kwargs["json"] = body
             resp = self._session.request(method, url, **kwargs)
         except requests.RequestException as e:
-            raise RlhpcError(
+            raise EngineUnavailable(
                 f"engine {self.base_url} unreachable on {route}: {type(e).__name__}: {e}",
                 "check that the engine server is running (its log names the reason it stopped)",
             ) from e
+        if resp.status_code >= 500:  # SGLang answers 5xx when its scheduler died or is shutting down
+            raise EngineUnavailable(
+                f"engine {self.base_url}{route} answered HTTP {resp.status_code}: {_error_text(resp)}",
+                "see the engine log: the server may have crashed",
+            )
         if resp.status_code != 200:
             raise RlhpcError(
                 f"engine {self.base_url}{route} answered HTTP {resp.status_code}: {_error_text(resp)}",

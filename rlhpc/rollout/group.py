@@ -2,14 +2,22 @@
 
 It lives in the driver process and talks to every engine over SGLang's HTTP protocol, so
 the same code drives the CPU engine server here and SGLang servers on a GPU cluster.
+
+An engine whose server dies or stops answering /health is restarted (at most
+``rollout.max_engine_restarts`` times) and brought back to the current weights through the
+actor it was connected to (``connect_weights``): the weight-sync channel is opened again over
+all engines, since they share one group, and the current version is pushed. Generation requests
+that failed on it are sent again; every sample has its own seed, so they give the same tokens.
 """
 
 from __future__ import annotations
 
 import logging
 import random
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from pathlib import Path
+from typing import Any, Protocol
 
 import ray
 import torch
@@ -20,10 +28,12 @@ from rlhpc.batch import RolloutBatch
 from rlhpc.cluster.layout import Layout
 from rlhpc.cluster.placement import Placement
 from rlhpc.config import Config
+from rlhpc.errors import RlhpcError
 from rlhpc.model import load_tokenizer
 from rlhpc.rollout.buffer import DataBuffer
-from rlhpc.rollout.client import EngineClient
-from rlhpc.rollout.engine import EngineActor
+from rlhpc.rollout.client import EngineClient, EngineUnavailable
+from rlhpc.rollout.engine import EngineActor, _tail
+from rlhpc.rollout.sglang_server import Router, engine_parts
 from rlhpc.tasks import TASKS, load_split, resolve_reward
 
 log = logging.getLogger(__name__)
@@ -36,6 +46,14 @@ SAMPLES_PER_REQUEST = 64
 
 class GenerationAborted(Exception):
     """Generation was cut short for a stop request (preemption or time limit)."""
+
+
+class WeightSource(Protocol):
+    """What pushes trained weights to the engines (``rlhpc.actor.group.ActorGroup``)."""
+
+    def connect_rollout(self, engine_urls: list[str], engine_world_sizes: list[int], colocate: bool) -> None: ...
+
+    def update_weights(self, version: int) -> None: ...
 
 
 def sample_seed(*parts: object) -> int:
@@ -53,20 +71,60 @@ class RolloutGroup:
         self.eval_rows = load_split(task, cfg.data.eval_file, cfg.data.num_eval, cfg.data.seed + 1)
         self.data_buffer = DataBuffer(train_rows, cfg.rollout.rollout_batch_size, cfg.seed)
 
-        gpu = COLOCATED_ENGINE_GPU if layout.colocate else 1
         self.engine_world_sizes = [len(slots) for slots in layout.engine_slots]
-        self.engines = [
-            EngineActor.options(num_gpus=gpu, num_cpus=0.5, scheduling_strategy=placement.strategy(slots[0])).remote(
-                model_path, str(log_dir), e, cfg.rollout.engine_startup_timeout_s, None
-            )
+        # engine e's actors, one per node it spans (node rank 0 first, the one serving HTTP)
+        self.engine_parts = [
+            self._start_engine(e, slots, model_path, placement, layout, log_dir)
             for e, slots in enumerate(layout.engine_slots)
         ]
+        self.engines = [parts[0] for parts in self.engine_parts]
         urls = ray.get([e.url.remote() for e in self.engines])
         self.clients = [EngineClient(url) for url in urls]
+        self.engine_logs: list[str] = ray.get([e.log_file.remote() for e in self.engines])
         log.info("rollout engines up: %s", ", ".join(urls))
+        self.router: Router | None = None
+        self.router_client: EngineClient | None = None  # generation goes through it when set
+        if cfg.rollout.backend == "sglang" and cfg.rollout.sglang.router:
+            self.router = Router(ray.util.get_node_ip_address(), log_dir / "router.log", 60.0)
+            self.router_client = EngineClient(self.router.start(urls))
+        self.restarts = [0] * len(self.engines)  # per engine, bounded by rollout.max_engine_restarts
+        self.weight_version: int | None = None  # what the engines hold (None: the weights on disk)
+        self._weights: WeightSource | None = None
+        self._reconnect = False  # an engine came back since the weight-sync channel was opened
         self._pool = ThreadPoolExecutor(max_workers=max(4, 2 * len(self.clients)))
         self.progress: Progress | None = None  # the driver's live display, for per-phase bars
         self.stop = None  # the job's StopRequest: generation in flight is aborted when it is set
+
+    def _start_engine(
+        self, e: int, slots: tuple[int, ...], model_path: str, placement: Placement, layout: Layout, log_dir: Path
+    ) -> list[ray.actor.ActorHandle]:
+        """Create engine e's actor(s); they start their servers (an engine over nodes: all at once)."""
+        r = self.cfg.rollout
+        gpu = COLOCATED_ENGINE_GPU if layout.colocate else 1
+        if r.backend == "cpu":
+            parts = [(slots[0], None)]
+        else:
+            memory_saver = self.cfg.cluster.colocate or self.cfg.cluster.offload
+            parts = engine_parts(
+                slots, placement.location_of_slot, r.sglang.mem_fraction_static, memory_saver, self.cfg.seed,
+                r.sglang.extra_args,
+            )  # fmt: skip
+        multi = len(parts) > 1
+        actors = [
+            EngineActor.options(num_gpus=gpu, num_cpus=0.5, scheduling_strategy=placement.strategy(slot)).remote(
+                model_path, str(log_dir), e, r.engine_startup_timeout_s, None, spec, not multi
+            )
+            for slot, spec in parts
+        ]
+        if multi:
+            self._start_parts(actors)
+        return actors
+
+    @staticmethod
+    def _start_parts(actors: list[ray.actor.ActorHandle]) -> str:
+        """Start every node's part of one engine together (node rank 0 waits for the others)."""
+        addr = ray.get(actors[0].reserve_dist_init_addr.remote())
+        return ray.get([a.start.remote(addr) for a in actors])[0]
 
     @property
     def engine_urls(self) -> list[str]:
@@ -105,21 +163,39 @@ class RolloutGroup:
                             "sampling_seed": seed,
                         }
                     )
-            return self.clients[c % len(self.clients)].generate(
-                input_ids=ids, sampling_params=params, return_logprob=True
-            )
+            client = self.router_client or self.clients[c % len(self.clients)]
+            return client.generate(input_ids=ids, sampling_params=params, return_logprob=True)
 
         results: list[list[dict]] = [[] for _ in chunks]
         bar = self.progress.add_task(desc, total=len(rows)) if self.progress else None
-        futures = {self._pool.submit(request, c): c for c in range(len(chunks))}
+        pending = list(range(len(chunks)))
         try:
-            for fut in as_completed(futures):
-                if self.stop is not None and self.stop.requested:
-                    self._abort(futures)
-                c = futures[fut]
-                results[c] = fut.result()
-                if bar is not None:
-                    self.progress.advance(bar, len(chunks[c]))
+            while pending:
+                futures = {self._pool.submit(request, c): c for c in pending}
+                failed: list[int] = []
+                error: EngineUnavailable | None = None
+                for fut in as_completed(futures):
+                    if self.stop is not None and self.stop.requested:
+                        self._abort(futures)
+                    c = futures[fut]
+                    try:
+                        results[c] = fut.result()
+                    except EngineUnavailable as e:  # maybe a dead engine: decided once all have answered
+                        failed.append(c)
+                        error = e
+                        continue
+                    if bar is not None:
+                        self.progress.advance(bar, len(chunks[c]))
+                if failed:
+                    # Nothing is in flight now, so re-syncing (which pauses every engine) loses nothing.
+                    router = self.router_client
+                    dead = self._restart_dead()
+                    if not dead and self.router_client is router:  # nothing was down: a real error
+                        raise error
+                    if dead:
+                        self._resync()
+                    log.warning("%s: sending %d request(s) again after the engine restart", desc, len(failed))
+                pending = sorted(failed)
         finally:
             if bar is not None:
                 self.progress.remove_task(bar)
@@ -138,7 +214,7 @@ class RolloutGroup:
         prompt_ids = [prompts[k // n] for k in range(len(outputs))]
         return prompt_ids, response_ids, logprobs, torch.tensor(rewards, dtype=torch.float32), texts
 
-    def _abort(self, futures: dict) -> None:
+    def _abort(self, futures: dict[Future, int]) -> None:
         """Cut generation short: the engines drop what is in flight, pending requests are dropped."""
         for fut in futures:
             fut.cancel()
@@ -152,6 +228,7 @@ class RolloutGroup:
     def generate(self, rollout_id: int) -> tuple[RolloutBatch, dict[str, float], dict[str, list[str]]]:
         """One rollout: sample, score, and turn rewards into advantages."""
         r, algo = self.cfg.rollout, self.cfg.algo
+        self.ensure_engines()
         rows = self.data_buffer.batch(rollout_id)
         prompt_ids, response_ids, logprobs, rewards, texts = self._run(
             rows, r.n_samples_per_prompt, r.temperature, r.max_new_tokens, rollout_id, f"rollout {rollout_id}"
@@ -169,24 +246,124 @@ class RolloutGroup:
 
     def evaluate(self, rollout_id: int) -> dict[str, float]:
         e = self.cfg.eval
+        self.ensure_engines()
         max_new = e.max_new_tokens or self.cfg.rollout.max_new_tokens
         _, response_ids, _, rewards, _ = self._run(
             self.eval_rows, e.n_samples_per_prompt, e.temperature, max_new, "eval", f"eval after {rollout_id}"
         )
         return {"reward": rewards.mean().item(), "response_len": sum(map(len, response_ids)) / len(response_ids)}
 
+    # ------------------------------------------------------------ weights and engine restarts
+
+    def connect_weights(self, source: WeightSource) -> None:
+        """Open the weight-sync channel from ``source`` (the actor) to every engine."""
+        self._weights = source
+        source.connect_rollout(self.engine_urls, self.engine_world_sizes, self.cfg.cluster.colocate)
+        self._reconnect = False
+
+    def sync_weights(self, version: int) -> None:
+        """Push the actor's current weights to every engine as ``version`` (restarting dead ones first)."""
+        if self._weights is None:
+            raise RlhpcError(
+                "sync_weights before connect_weights", "call connect_weights(actor) once the engines are up"
+            )
+        self._restart_dead()
+        if self._reconnect:
+            self.connect_weights(self._weights)
+        self._weights.update_weights(version)
+        self.weight_version = version
+
+    def ensure_engines(self) -> None:
+        """Cheap check before generating: restart engines that are down, bring them to the current weights."""
+        if self._restart_dead() or self._reconnect:
+            self._resync()
+
+    def _restart_dead(self) -> list[int]:
+        """Restart every engine that does not answer /health; returns their indices."""
+        healthy = list(self._pool.map(lambda c: c.health(), self.clients))
+        dead = [e for e, ok in enumerate(healthy) if not ok]
+        for e in dead:
+            self._restart(e)
+        if self.router is not None and (dead or not self.router_client.health()):
+            # the router knows engines by URL, and a restarted engine has a new one
+            self.router_client = EngineClient(self.router.start(self.engine_urls))
+        return dead
+
+    def _restart(self, e: int) -> None:
+        limit, log_file = self.cfg.rollout.max_engine_restarts, self.engine_logs[e]
+        if self.restarts[e] >= limit:
+            raise RlhpcError(
+                f"rollout engine {e} ({self.clients[e].base_url}) died or stopped answering /health after "
+                f"{self.restarts[e]} restart(s), the most rollout.max_engine_restarts = {limit} allows; "
+                f"its log {log_file} ends with:\n{_tail(Path(log_file), 15)}",
+                f"read {log_file} for why the server stopped (out of memory, a crash, a lost GPU); "
+                "raise rollout.max_engine_restarts if such failures are transient",
+            )
+        self.restarts[e] += 1
+        log.warning(
+            "rollout engine %d (%s) is down; restart %d of at most %d (log %s)",
+            e,
+            self.clients[e].base_url,
+            self.restarts[e],
+            limit,
+            log_file,
+        )
+        parts = self.engine_parts[e]
+        try:
+            url = ray.get(parts[0].restart.remote()) if len(parts) == 1 else self._start_parts(parts)
+        except ray.exceptions.RayActorError as err:  # the actor itself is gone (its node, most likely)
+            raise RlhpcError(
+                f"rollout engine {e}'s Ray actor died, so its server cannot be restarted: {err}",
+                "check that the engine's node is still up; the job can resume from the last checkpoint",
+            ) from err
+        self.clients[e].close()
+        self.clients[e] = EngineClient(url)
+        self._reconnect = True  # the old weight-sync group is gone with the server
+        log.warning("rollout engine %d is back at %s", e, url)
+
+    def _resync(self) -> None:
+        """Open the weight-sync channel again (all engines share one group) and push the current version."""
+        if self._weights is None:
+            return  # never connected: every engine serves the weights on disk, as the restarted one does
+        self.connect_weights(self._weights)
+        if self.weight_version is not None:
+            self._weights.update_weights(self.weight_version)
+            log.info("engines re-synced to weight version %d", self.weight_version)
+
+    def _on_engines(self, fn: Callable[[EngineClient], Any], again_on_restarted: bool) -> None:
+        """Run fn on every engine; restart engines that turn out dead (``again_on_restarted``: run fn on
+        them too). Their weights are brought back by the next sync_weights."""
+        futures = [self._pool.submit(fn, c) for c in self.clients]
+        failed: dict[int, EngineUnavailable] = {}
+        for e, f in enumerate(futures):
+            try:
+                f.result()
+            except EngineUnavailable as err:
+                failed[e] = err
+        if not failed:
+            return
+        restarted = self._restart_dead()
+        for e, err in failed.items():
+            if e not in restarted:
+                raise err
+        if again_on_restarted:
+            for e in restarted:
+                fn(self.clients[e])
+
     # ------------------------------------------------------------ memory and lifecycle
 
     def offload(self) -> None:
         """Free engine weights and KV cache (for the actor's turn on shared GPUs)."""
-        list(self._pool.map(lambda c: c.release_memory_occupation(), self.clients))
+        self._on_engines(lambda c: c.release_memory_occupation(), again_on_restarted=True)
 
     def onload(self) -> None:
-        list(self._pool.map(lambda c: c.resume_memory_occupation(), self.clients))
+        self._on_engines(lambda c: c.resume_memory_occupation(), again_on_restarted=False)  # a new engine is resident
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
-        for engine in self.engines:
+        if self.router is not None:
+            self.router.stop()
+        for engine in (a for parts in self.engine_parts for a in parts):
             try:
                 ray.get(engine.shutdown.remote(), timeout=30)
             except Exception as e:  # a dead engine has nothing left to stop

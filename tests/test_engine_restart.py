@@ -1,0 +1,172 @@
+"""A rollout engine whose server dies is restarted and re-synced to the current weights.
+
+Real local Ray, real CPU engine servers, a real training rank; the engine's server is killed
+with SIGKILL, as the kernel's OOM killer or a crash would end it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+
+from rlhpc.actor.group import ActorGroup
+from rlhpc.cluster.layout import plan_layout
+from rlhpc.cluster.placement import create_placement
+from rlhpc.config import Config
+from rlhpc.errors import RlhpcError
+from rlhpc.metrics import read_metrics
+from rlhpc.model import TinyModelConfig, build_tiny_model
+from rlhpc.rollout.group import RolloutGroup
+
+pytestmark = pytest.mark.ray
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _wait_gone(pid: int, timeout_s: float = 15) -> None:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        try:
+            os.kill(pid, 0)
+            if Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z":
+                return  # a zombie no longer runs
+        except (ProcessLookupError, FileNotFoundError):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"process {pid} still runs")
+
+
+def kill_engine(rollout: RolloutGroup, e: int) -> None:
+    pid = ray.get(rollout.engines[e].pid.remote())
+    os.kill(pid, signal.SIGKILL)
+    _wait_gone(pid)
+
+
+def assert_engine_matches_actor(rollout: RolloutGroup, e: int, actor: ActorGroup, version: int) -> None:
+    client = rollout.clients[e]
+    assert client.get_weight_version() == str(version)
+    want = ray.get(actor.workers[0].named_tensors.remote())
+    for name, t in want.items():
+        got = torch.tensor(client.get_weights_by_name(name, truncate_size=1 << 20), dtype=t.dtype)
+        assert torch.equal(got, t), f"engine {e}: {name} differs from the actor's"
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(build_tiny_model(tmp_path_factory.mktemp("m") / "tiny", TinyModelConfig()))
+
+
+def test_dead_engines_are_restarted_resynced_and_limited(model_path: str, tmp_path: Path) -> None:
+    cfg = Config(deterministic=True)
+    cfg.cluster.gpus_per_node, cfg.cluster.actor_num_gpus, cfg.cluster.rollout_num_gpus = 3, 1, 2
+    cfg.rollout.rollout_batch_size, cfg.rollout.n_samples_per_prompt, cfg.rollout.max_new_tokens = 8, 4, 6
+    cfg.rollout.max_engine_restarts = 1
+    cfg.actor.lr = 5e-2  # one step moves the weights away from the ones on disk
+    ray.init(num_cpus=4, num_gpus=3, include_dashboard=False, log_to_driver=False)
+    layout = plan_layout(cfg.cluster)
+    placement = create_placement(layout.num_slots)
+    actor = ActorGroup(cfg, model_path, placement, layout.actor_slots)
+    rollout = RolloutGroup(cfg, model_path, placement, layout, tmp_path / "engines")
+    try:
+        rollout.connect_weights(actor)
+        rollout.sync_weights(0)
+        batch, _, _ = rollout.generate(0)
+        actor.train(0, batch)
+        rollout.sync_weights(1)
+        rows = rollout.eval_rows[:32]  # 4 samples each: two requests of 16 rows, one per engine
+
+        def sample() -> list[list[int]]:
+            return rollout._run(rows, 4, 1.0, 6, "restart-test", "test")[1]
+
+        before = sample()
+
+        # Killed between calls: the /generate requests to it fail mid-run (no health check
+        # before _run), it is restarted, re-synced, and the failed requests are sent again.
+        kill_engine(rollout, 1)
+        assert sample() == before  # seeded samples on the same weights: the very same tokens
+        assert rollout.restarts == [0, 1]
+        for e in (0, 1):  # both hold version 1: the restarted one was re-synced, not left on disk weights
+            assert_engine_matches_actor(rollout, e, actor, 1)
+        log1 = Path(rollout.engine_logs[1]).read_text()
+        assert log1.count("starting at") == 2
+
+        # Killed while idle: the health check before generate() restarts it.
+        kill_engine(rollout, 0)
+        rollout.generate(1)
+        assert rollout.restarts == [1, 1]
+        assert_engine_matches_actor(rollout, 0, actor, 1)
+
+        # Engine 1's second death, found by sync_weights: past max_engine_restarts = 1.
+        actor.train(1, batch)
+        kill_engine(rollout, 1)
+        with pytest.raises(RlhpcError) as err:
+            rollout.sync_weights(2)
+        msg = str(err.value)
+        assert "rollout engine 1" in msg and rollout.engine_logs[1] in msg
+        assert "rollout.max_engine_restarts = 1" in msg and "fix:" in msg
+    finally:
+        rollout.shutdown()
+        actor.shutdown()
+        placement.remove()
+        ray.shutdown()
+
+
+def test_train_survives_a_killed_engine(tmp_path: Path) -> None:
+    """Through jobs/submit.py and rlhpc.driver.train: an engine killed mid-run costs nothing."""
+    run = tmp_path / "run"
+    args = [sys.executable, str(REPO / "jobs" / "submit.py"), "--cluster", "local", "--run-dir", str(run)]
+    for o in (
+        "data.num_train=64",
+        "rollout.rollout_batch_size=8",
+        "rollout.n_samples_per_prompt=4",
+        "logging.wandb_mode=disabled",
+        "rollout.num_rollout=12",
+        "checkpoint.save_interval=null",
+        "cluster.gpus_per_node=3",
+        "cluster.rollout_num_gpus=2",
+        "eval.interval=4",
+    ):
+        args += ["--set", o]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
+    try:
+        engine_log = run / "logs" / "engines" / "engine_1.log"
+        deadline = time.monotonic() + 240
+        while not [r for r in _metrics(run) if r["kind"] == "rollout" and r["rollout_id"] >= 2]:
+            assert proc.poll() is None and time.monotonic() < deadline, "no rollout 2 within 240 s"
+            time.sleep(0.05)
+        pid = int(re.findall(r"cpu_server\[(\d+)\]", engine_log.read_text())[-1])
+        os.kill(pid, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, out[-4000:]
+    assert [r["rollout_id"] for r in _metrics(run) if r["kind"] == "rollout"] == list(range(12))
+    assert engine_log.read_text().count("starting at") == 2
+    assert "rollout engine 1" in out and "restart 1 of at most 3" in out
+    assert (run / "FINISHED").is_file()
+
+
+def _metrics(run: Path) -> list[dict]:
+    try:
+        return read_metrics(run)
+    except (FileNotFoundError, ValueError):  # not written yet, or a line half-written
+        return []
+
+
+@pytest.fixture(autouse=True)
+def _no_ray_left() -> Iterator[None]:
+    yield
+    if ray.is_initialized():
+        ray.shutdown()
