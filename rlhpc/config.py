@@ -105,6 +105,7 @@ class ActorConfig:
     lr: float = 1e-3
     weight_decay: float = 0.0
     adam_betas: tuple[float, float] = (0.9, 0.999)
+    adam_eps: float = 1e-8
     grad_clip: float = 1.0
     num_steps_per_rollout: int = 1  # optimizer steps (minibatches) per rollout batch
     micro_batch_size: int = 64  # samples per forward/backward on one rank

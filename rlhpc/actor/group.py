@@ -1,4 +1,8 @@
-"""Driver-side handle on the training ranks: one ``TrainWorker`` per actor slot, calls fanned out.
+"""Driver-side handle on the training ranks: one rank per actor slot, calls fanned out.
+
+The rank class is the configured backend's (``actor.backend``): ``TrainWorker`` (PyTorch DDP)
+or ``MegatronTrainWorker`` (megatron-core, TP x DP); both answer the same calls, so nothing
+above this group knows which one trains.
 
 Every method waits for all ranks. If a rank fails, the first failure is raised at once as
 ``ActorRankError`` naming the rank (the surviving ranks may be stuck in a collective; the
@@ -12,7 +16,7 @@ from typing import Any
 
 import ray
 
-from rlhpc.actor.worker import TrainWorker
+from rlhpc.actor.worker import RankBase, TrainWorker
 from rlhpc.batch import RolloutBatch
 from rlhpc.cluster.placement import Placement
 from rlhpc.config import Config
@@ -40,14 +44,26 @@ class ActorRankError(RlhpcError):
         self.method = method
 
 
+def rank_class(cfg: Config) -> type[RankBase]:
+    if cfg.actor.backend == "megatron":
+        from rlhpc.actor.megatron.worker import MegatronTrainWorker  # late: megatron-core is optional
+
+        return MegatronTrainWorker
+    return TrainWorker
+
+
 class ActorGroup:
     def __init__(self, cfg: Config, model_path: str, placement: Placement, slots: tuple[int, ...]):
         self.cfg = cfg
         self.slots = tuple(slots)
         self.world_size = len(self.slots)
+        # Ranks of one tensor-parallel group see the same data: megatron orders ranks TP-fastest.
+        self.tp_size = cfg.actor.megatron.tensor_model_parallel_size if cfg.actor.backend == "megatron" else 1
+        self.dp_size = self.world_size // self.tp_size
         num_gpus = COLOCATE_GPU_FRACTION if cfg.cluster.colocate else 1
+        remote_cls = ray.remote(rank_class(cfg))
         self.workers = [
-            TrainWorker.options(
+            remote_cls.options(
                 num_gpus=num_gpus,
                 num_cpus=WORKER_NUM_CPUS,
                 scheduling_strategy=placement.strategy(slot),
@@ -85,12 +101,14 @@ class ActorGroup:
 
     def train(self, rollout_id: int, batch: RolloutBatch) -> dict[str, float]:
         """One rollout's training; metrics are global (every rank returns the same, rank 0's is used)."""
-        if len(batch) < self.world_size:
+        if len(batch) < self.dp_size:
             raise RlhpcError(
-                f"rollout {rollout_id} has {len(batch)} samples for {self.world_size} actor ranks",
+                f"rollout {rollout_id} has {len(batch)} samples for {self.dp_size} data-parallel actor ranks",
                 "raise rollout.rollout_batch_size or lower cluster.actor_num_gpus",
             )
-        refs = [w.train.remote(rollout_id, batch.shard(r, self.world_size)) for r, w in enumerate(self.workers)]
+        refs = [
+            w.train.remote(rollout_id, batch.shard(r // self.tp_size, self.dp_size)) for r, w in enumerate(self.workers)
+        ]
         return self._get(refs, "train")[0]
 
     def save(self, ckpt_dir: str) -> None:

@@ -17,7 +17,6 @@ import logging
 import math
 import os
 import random
-from collections.abc import Iterator
 from contextlib import nullcontext
 from datetime import timedelta
 from pathlib import Path
@@ -98,10 +97,20 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)  # also seeds CUDA
 
 
-@ray.remote
-class TrainWorker:
-    """Data-parallel rank ``rank`` of ``world_size``. Call order: (rank 0) ``master_addr_port``,
-    (all) ``init_process_group``, ``load``, then ``train`` / ``save`` / ``update_weights``..."""
+def node_ip_address() -> str:
+    """This node's address as Ray knows it (the Slurm NodeAddr); loopback outside a Ray worker."""
+    if ray.is_initialized():
+        return ray.util.get_node_ip_address()
+    return "127.0.0.1"
+
+
+class RankBase:
+    """What every training backend's rank shares: device, seeding, rendezvous, weight-sync channel.
+
+    Subclasses build their model in ``init_process_group`` and implement ``load``, ``save``,
+    ``train``, ``_send_weights``, ``offload``, ``onload``, ``state_fingerprint`` and
+    ``named_tensors``. Every method that runs a collective must be called on all ranks.
+    """
 
     def __init__(self, cfg: Config, model_path: str, rank: int, world_size: int):
         logging.basicConfig(level=cfg.logging.level, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
@@ -121,10 +130,6 @@ class TrainWorker:
             torch.use_deterministic_algorithms(True)
         seed_everything(cfg.seed + rank)
         self._store: dist.TCPStore | None = None
-        self.module: torch.nn.Module | None = None  # the unwrapped HF model
-        self.ddp: DDP | None = None
-        self.ref: torch.nn.Module | None = None
-        self.optimizer: torch.optim.Optimizer | None = None
         self.tokenizer = None
         self.pad_id = 0
         self.sender = None
@@ -134,7 +139,7 @@ class TrainWorker:
     # ------------------------------------------------------------------ setup
 
     def node_ip(self) -> str:
-        return ray.util.get_node_ip_address()
+        return node_ip_address()
 
     def master_addr_port(self) -> tuple[str, int]:
         """Rank 0: start the rendezvous store on a port the OS picks (no probe-then-bind race)."""
@@ -145,23 +150,111 @@ class TrainWorker:
             )
         return self.node_ip(), self._store.port
 
-    def init_process_group(self, master_addr: str, master_port: int) -> None:
-        """Join torch.distributed, load the model, wrap it in DDP, build AdamW (+ the ref model)."""
+    def _join(self, master_addr: str, master_port: int) -> None:
+        """Join the default torch.distributed group and load the tokenizer."""
         if self._store is None:
             self._store = dist.TCPStore(master_addr, master_port, self.world_size, is_master=False, timeout=PG_TIMEOUT)
         dist.init_process_group(
             self.backend, store=self._store, rank=self.rank, world_size=self.world_size, timeout=PG_TIMEOUT
         )
-        a = self.cfg.actor
         self.tokenizer = load_tokenizer(self.model_path)
         pad = self.tokenizer.pad_token_id
         self.pad_id = int(pad if pad is not None else (self.tokenizer.eos_token_id or 0))
+
+    def _barrier(self) -> None:
+        if self.backend == "nccl":
+            dist.barrier(device_ids=[self.device.index])
+        else:
+            dist.barrier()
+
+    def _all_reduce_sum(self, values: list[float], group: dist.ProcessGroup | None = None) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, group=group)
+        return t.tolist()
+
+    def _micro_batches(self, batch: RolloutBatch) -> list[list[RolloutBatch]]:
+        """Per optimizer step: the micro-batches of this rank's share of that minibatch."""
+        steps = []
+        for start, stop in split_even(len(batch), self.cfg.actor.num_steps_per_rollout):
+            mbs = self.cfg.actor.micro_batch_size
+            steps.append([batch.slice(i, min(i + mbs, stop)) for i in range(start, stop, mbs)])
+        return steps
+
+    # ------------------------------------------------------------------ weight sync
+
+    def connect_rollout(self, engine_urls: list[str], engine_world_sizes: list[int], colocate: bool) -> None:
+        """Rank 0 opens the weight-sync channel to the engines; the other ranks have no part in it."""
+        if self.rank != 0:
+            return
+        if self.sender is not None:  # reconnecting (e.g. after an engine restart): drop the old channel
+            self._close_sender()
+        from rlhpc.rollout.client import EngineClient  # late: training never needs the rollout side
+        from rlhpc.rollout.weight_sync import make_weight_sender
+
+        clients = [EngineClient(url) for url in engine_urls]
+        self.sender = make_weight_sender(
+            clients,
+            engine_world_sizes,
+            colocate=colocate,
+            master_address=self.node_ip(),
+            backend=self.backend,
+            bucket_bytes=self.cfg.rollout.update_weight_buffer_mb * 2**20,
+        )
+        self.sender.connect()
+        log.info("rank 0: weight sync connected to %d engine(s)", len(clients))
+
+    def _send_device(self) -> torch.device:
+        # gloo sends from host memory; nccl/CUDA IPC from the GPU. Offloaded weights travel to
+        # the GPU one tensor at a time, so the peak is one bucket, not the model.
+        return torch.device("cpu") if self.backend == "gloo" else self.device
+
+    def update_weights(self, version: int) -> None:
+        """Push the current weights (HF names) to all engines as ``version``. Works while offloaded."""
+        if self.rank == 0 and self.sender is None:
+            raise RuntimeError("update_weights before connect_rollout: no weight sender")
+        self._send_weights(version)
+        self._barrier()
+
+    def _send_weights(self, version: int) -> None:
+        raise NotImplementedError
+
+    def _close_sender(self) -> None:
+        try:
+            self.sender.close()
+        except Exception:  # closing is best effort: the engines may be gone already
+            log.warning("rank %d: closing the weight sender failed", self.rank, exc_info=True)
+        self.sender = None
+
+    def shutdown(self) -> None:
+        if self.sender is not None:
+            self._close_sender()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self._store = None
+
+
+class TrainWorker(RankBase):
+    """Data-parallel rank ``rank`` of ``world_size`` (PyTorch DDP). Call order: (rank 0)
+    ``master_addr_port``, (all) ``init_process_group``, ``load``, then ``train`` / ``save`` /
+    ``update_weights``..."""
+
+    def __init__(self, cfg: Config, model_path: str, rank: int, world_size: int):
+        super().__init__(cfg, model_path, rank, world_size)
+        self.module: torch.nn.Module | None = None  # the unwrapped HF model
+        self.ddp: DDP | None = None
+        self.ref: torch.nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+
+    def init_process_group(self, master_addr: str, master_port: int) -> None:
+        """Join torch.distributed, load the model, wrap it in DDP, build AdamW (+ the ref model)."""
+        self._join(master_addr, master_port)
+        a = self.cfg.actor
         # eval(): no dropout, so the no-grad "old" pass and the training pass compute the same
         # function and the PPO ratio is exactly 1 before the first step.
         self.module = load_model(self.model_path, self.device).eval()
         self._wrap_ddp()
         self.optimizer = torch.optim.AdamW(
-            self.module.parameters(), lr=a.lr, betas=tuple(a.adam_betas), weight_decay=a.weight_decay
+            self.module.parameters(), lr=a.lr, betas=tuple(a.adam_betas), eps=a.adam_eps, weight_decay=a.weight_decay
         )
         if self.cfg.kl_needed:
             self.ref = load_model(self.model_path, self.device).eval().requires_grad_(False)
@@ -179,12 +272,6 @@ class TrainWorker:
         ids = [self.device.index] if self.device.type == "cuda" else None
         # The only buffers (rotary tables) are equal on every rank; syncing them costs next to nothing.
         self.ddp = DDP(self.module, device_ids=ids)
-
-    def _barrier(self) -> None:
-        if self.backend == "nccl":
-            dist.barrier(device_ids=[self.device.index])
-        else:
-            dist.barrier()
 
     # ------------------------------------------------------------------ checkpoint
 
@@ -240,19 +327,6 @@ class TrainWorker:
         logits = model(input_ids=input_ids, attention_mask=attention).logits[:, :-1].float()
         logprobs = torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
         return logits, logprobs
-
-    def _micro_batches(self, batch: RolloutBatch) -> list[list[RolloutBatch]]:
-        """Per optimizer step: the micro-batches of this rank's share of that minibatch."""
-        steps = []
-        for start, stop in split_even(len(batch), self.cfg.actor.num_steps_per_rollout):
-            mbs = self.cfg.actor.micro_batch_size
-            steps.append([batch.slice(i, min(i + mbs, stop)) for i in range(start, stop, mbs)])
-        return steps
-
-    def _all_reduce_sum(self, values: list[float]) -> list[float]:
-        t = torch.tensor(values, dtype=torch.float64, device=self.device)
-        dist.all_reduce(t)
-        return t.tolist()
 
     def train(self, rollout_id: int, batch: RolloutBatch) -> dict[str, float]:
         """``num_steps_per_rollout`` optimizer steps on this rank's shard; returns global metrics."""
@@ -340,41 +414,11 @@ class TrainWorker:
 
     # ------------------------------------------------------------------ weight sync
 
-    def connect_rollout(self, engine_urls: list[str], engine_world_sizes: list[int], colocate: bool) -> None:
-        """Rank 0 opens the weight-sync channel to the engines; the other ranks have no part in it."""
-        if self.rank != 0:
-            return
-        if self.sender is not None:  # reconnecting (e.g. after an engine restart): drop the old channel
-            self._close_sender()
-        from rlhpc.rollout.client import EngineClient  # late: training never needs the rollout side
-        from rlhpc.rollout.weight_sync import make_weight_sender
-
-        clients = [EngineClient(url) for url in engine_urls]
-        self.sender = make_weight_sender(
-            clients,
-            engine_world_sizes,
-            colocate=colocate,
-            master_address=self.node_ip(),
-            backend=self.backend,
-            bucket_bytes=self.cfg.rollout.update_weight_buffer_mb * 2**20,
-        )
-        self.sender.connect()
-        log.info("rank 0: weight sync connected to %d engine(s)", len(clients))
-
-    def _weights_for_send(self) -> Iterator[tuple[str, torch.Tensor]]:
-        # gloo sends from host memory; nccl/CUDA IPC from the GPU. Offloaded weights travel to
-        # the GPU one tensor at a time, so the peak is one bucket, not the model.
-        device = torch.device("cpu") if self.backend == "gloo" else self.device
-        for name, p in self.module.named_parameters():
-            yield name, p.detach().to(device).contiguous()
-
-    def update_weights(self, version: int) -> None:
-        """Push the current weights (HF names) to all engines as ``version``. Works while offloaded."""
+    def _send_weights(self, version: int) -> None:
         if self.rank == 0:
-            if self.sender is None:
-                raise RuntimeError("update_weights before connect_rollout: no weight sender")
-            self.sender.send(self._weights_for_send(), version)
-        self._barrier()
+            device = self._send_device()
+            named = ((n, p.detach().to(device).contiguous()) for n, p in self.module.named_parameters())
+            self.sender.send(named, version)
 
     # ------------------------------------------------------------------ memory
 
@@ -430,17 +474,3 @@ class TrainWorker:
             t = p.grad if grads else p
             out[name] = None if t is None else t.detach().cpu().clone()
         return out
-
-    def _close_sender(self) -> None:
-        try:
-            self.sender.close()
-        except Exception:  # closing is best effort: the engines may be gone already
-            log.warning("rank %d: closing the weight sender failed", self.rank, exc_info=True)
-        self.sender = None
-
-    def shutdown(self) -> None:
-        if self.sender is not None:
-            self._close_sender()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        self._store = None

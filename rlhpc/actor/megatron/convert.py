@@ -110,16 +110,27 @@ def hf_to_megatron_full(hf_sd: StateDict, hf_config: Any, tp_size: int = 1) -> S
     return out
 
 
+def layer_index(name: str) -> int | None:
+    """The decoder layer a megatron tensor belongs to (None for embedding, final norm, output)."""
+    parts = name.split(".")
+    return int(parts[2]) if name.startswith("decoder.layers.") else None
+
+
 def megatron_full_to_hf(mg_sd: StateDict, hf_config: Any) -> StateDict:
-    """Inverse of :func:`hf_to_megatron_full` (drops vocab padding)."""
+    """Inverse of :func:`hf_to_megatron_full` (drops vocab padding).
+
+    ``mg_sd`` may also be a part of the model made of whole layers and/or the non-layer
+    tensors (embedding, final norm, output layer): weight sync converts one layer at a time.
+    """
     heads, kv_heads, head_dim = _dims(hf_config)
     vocab = hf_config.vocab_size
-    out: StateDict = {
-        "model.embed_tokens.weight": mg_sd["embedding.word_embeddings.weight"][:vocab],
-        "model.norm.weight": mg_sd["decoder.final_layernorm.weight"],
-        "lm_head.weight": mg_sd["output_layer.weight"][:vocab],
+    globals_ = {
+        "embedding.word_embeddings.weight": ("model.embed_tokens.weight", lambda t: t[:vocab]),
+        "decoder.final_layernorm.weight": ("model.norm.weight", lambda t: t),
+        "output_layer.weight": ("lm_head.weight", lambda t: t[:vocab]),
     }
-    for i in range(hf_config.num_hidden_layers):
+    out: StateDict = {hf: fn(mg_sd[mg]) for mg, (hf, fn) in globals_.items() if mg in mg_sd}
+    for i in sorted({i for i in map(layer_index, mg_sd) if i is not None}):
         h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
         out[h + "input_layernorm.weight"] = mg_sd[m + "input_layernorm.weight"]
         out[h + "post_attention_layernorm.weight"] = mg_sd[m + "pre_mlp_layernorm.weight"]

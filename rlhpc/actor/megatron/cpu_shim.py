@@ -11,6 +11,8 @@ Redirects (each process-wide, idempotent, undone by :func:`remove_cpu_shim`):
   parallel gathers), ``DotProductAttention``'s buffers, rotary embeddings built without
   ``use_cpu_initialization``, the tensor-parallel linear layers and GPTModel. On a CPU-only
   torch that call raises; returning ``"cpu"`` makes every such ``torch.empty`` a CPU tensor.
+* ``torch.cuda.synchronize`` -> a no-op (CPU work is synchronous). ``dist_checkpointing``'s
+  writer calls it before copying tensors out.
 * The CUDA RNG tracker (``tensor_parallel.random.CudaRNGStatesTracker``) -> a tracker over the
   CPU generator. Megatron forks named RNG streams (data-parallel, tensor-parallel, expert) for
   weight init and dropout with ``torch.cuda.get_rng_state``/``_set_cuda_rng_state``, which
@@ -34,11 +36,16 @@ Redirects (each process-wide, idempotent, undone by :func:`remove_cpu_shim`):
   on the CPU (the fallback copies it to ``device="cuda"``). It feeds the grad norm that the
   optimizer reports and clips by.
 
+* ``DistributedOptimizer.__init__`` -> the same constructor, run while ``Tensor.type()``
+  (no arguments, CPU tensor) answers with the CUDA type name (``'torch.cuda.FloatTensor'``).
+  It sorts parameters into fp32 / fp16 / bf16 groups by those names and raises on anything
+  else; the names are all it reads.
+
 Enough for megatron's ``DistributedDataParallel`` (``DistributedDataParallelConfig``, buffers
-placed through ``torch.cuda.current_device`` above, no overlap / communication stream) and
-``get_megatron_optimizer`` with the plain (non-distributed) fp32 optimizer. Not covered yet:
-the distributed optimizer (``model_param.type() == 'torch.cuda.FloatTensor'`` in
-``distrib_optimizer``), ``overlap_grad_reduce`` (CUDA streams), and optimizer CPU offloading.
+placed through ``torch.cuda.current_device`` above, no overlap / communication stream),
+``get_megatron_optimizer`` with the plain or the distributed fp32 optimizer, and
+``dist_checkpointing`` save/load (which also needs ``psutil`` installed). Not covered:
+``overlap_grad_reduce`` (CUDA streams) and optimizer CPU offloading.
 """
 
 from __future__ import annotations
@@ -55,6 +62,10 @@ _ORIGINALS: dict[str, Any] = {}
 
 def _cpu_current_device() -> str:
     return "cpu"
+
+
+def _cpu_synchronize(device: Any = None) -> None:
+    """Nothing to wait for: CPU ops are synchronous."""
 
 
 @functools.lru_cache
@@ -119,6 +130,33 @@ def _cpu_multi_tensor_l2_norm(chunk_size: int, noop_flag: Any, tensor_lists: Any
     return total.reshape(1).float(), None
 
 
+@contextlib.contextmanager
+def _cuda_type_names():
+    """While active, ``cpu_tensor.type()`` returns the CUDA type name (``torch.cuda.FloatTensor``)."""
+    original = torch.Tensor.type
+
+    def cuda_named_type(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        name = original(self, *args, **kwargs)
+        if not args and not kwargs and self.device.type == "cpu":
+            return name.replace("torch.", "torch.cuda.", 1)
+        return name
+
+    torch.Tensor.type = cuda_named_type
+    try:
+        yield
+    finally:
+        torch.Tensor.type = original
+
+
+def _cpu_distributed_optimizer_init(original: Any) -> Any:
+    @functools.wraps(original)
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        with _cuda_type_names():
+            original(self, *args, **kwargs)
+
+    return init
+
+
 def _cpu_tracker_class() -> type:
     from megatron.core.tensor_parallel import random as mrandom
 
@@ -168,8 +206,11 @@ def apply_cpu_shim() -> None:
     from megatron.core.fusions import fused_softmax
     from megatron.core.optimizer import clip_grads as mclip
     from megatron.core.optimizer import optimizer as moptimizer
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
     from megatron.core.tensor_parallel import random as mrandom
 
+    _ORIGINALS["DistributedOptimizer.__init__"] = DistributedOptimizer.__init__
+    DistributedOptimizer.__init__ = _cpu_distributed_optimizer_init(DistributedOptimizer.__init__)
     cpu_torch = _CpuFactoryTorch()
     for name in _CUDA_FACTORY_MODULES:
         module = importlib.import_module(name)
@@ -182,6 +223,8 @@ def apply_cpu_shim() -> None:
     _ORIGINALS["get_default_causal_mask"] = fused_softmax.get_default_causal_mask
     fused_softmax.get_default_causal_mask = _cpu_default_causal_mask
     _ORIGINALS["current_device"] = torch.cuda.current_device
+    _ORIGINALS["synchronize"] = torch.cuda.synchronize
+    torch.cuda.synchronize = _cpu_synchronize
     _ORIGINALS["CudaRNGStatesTracker"] = mrandom.CudaRNGStatesTracker
     torch.cuda.current_device = _cpu_current_device
     mrandom.CudaRNGStatesTracker = _cpu_tracker_class()
@@ -198,13 +241,16 @@ def remove_cpu_shim() -> None:
     from megatron.core.fusions import fused_softmax
     from megatron.core.optimizer import clip_grads as mclip
     from megatron.core.optimizer import optimizer as moptimizer
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
     from megatron.core.tensor_parallel import random as mrandom
 
+    DistributedOptimizer.__init__ = _ORIGINALS.pop("DistributedOptimizer.__init__")
     for name in _CUDA_FACTORY_MODULES:
         importlib.import_module(name).torch = _ORIGINALS.pop(f"torch@{name}")
     moptimizer.clip_grad_by_total_norm_fp32 = _ORIGINALS.pop("clip_grad_by_total_norm_fp32")
     mclip.l2_norm_impl = _ORIGINALS.pop("l2_norm_impl")
     fused_softmax.get_default_causal_mask = _ORIGINALS.pop("get_default_causal_mask")
     torch.cuda.current_device = _ORIGINALS.pop("current_device")
+    torch.cuda.synchronize = _ORIGINALS.pop("synchronize")
     mrandom.CudaRNGStatesTracker = _ORIGINALS.pop("CudaRNGStatesTracker")
     mrandom.initialize_rng_tracker(force_reset=True)

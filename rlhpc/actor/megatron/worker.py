@@ -1,0 +1,439 @@
+"""One training rank on megatron-core: GPTModel (TP-sharded), Megatron DDP + optimizer, GRPO loss.
+
+The same calls as the PyTorch ``TrainWorker`` (``rlhpc.actor.worker``), so ``ActorGroup`` and
+the driver do not know which backend trains. Ranks are laid out TP-fastest (megatron's
+order): ranks ``[k*TP, (k+1)*TP)`` form tensor-parallel group ``k`` = data-parallel rank ``k``,
+and all ranks of one TP group get the same data shard.
+
+* Loss: logprobs come from the vocab-parallel logits with megatron's
+  ``vocab_parallel_cross_entropy`` (no rank ever holds the full vocab); the padded vocab rows
+  are masked out so the softmax is over the real vocab, as in the engines. The gradient is the
+  global token mean, as in the PyTorch backend (loss weights over the data-parallel group;
+  megatron DDP averages over it).
+* Checkpoints: ``megatron.core.dist_checkpointing`` (torch_dist) of model + optimizer under
+  ``actor/dist/``, so a checkpoint written at one TP size loads at another; plus the HF config,
+  tokenizer and per-rank RNG state. ``tools/convert_checkpoint.py`` turns one into HF weights.
+* Weight sync: one layer at a time, TP shards are gathered inside the TP group, converted to
+  HF names and handed to the sender on rank 0 (which buckets them), so the peak extra memory
+  is one layer, not the model.
+* On a machine without a GPU the megatron CPU shim (``cpu_shim.py``) is applied first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import math
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from transformers import AutoConfig
+
+from rlhpc.actor.megatron.convert import (
+    gather_tp_shards,
+    hf_to_megatron,
+    layer_index,
+    load_into,
+    megatron_full_to_hf,
+)
+from rlhpc.actor.megatron.model import build_gpt_model
+from rlhpc.actor.offload import StorageOffloader
+from rlhpc.actor.worker import (
+    ACTOR_SUBDIR,
+    META_FILE,
+    RankBase,
+    _rollout_logprob_tensor,
+    get_rng_state,
+    rng_file,
+    set_rng_state,
+)
+from rlhpc.algo.grpo import kl_k3, masked_mean, policy_loss
+from rlhpc.batch import RolloutBatch
+from rlhpc.config import Config
+from rlhpc.errors import RlhpcError
+from rlhpc.model import load_model
+
+log = logging.getLogger(__name__)
+
+DIST_SUBDIR = "dist"  # torch_dist checkpoint of model + optimizer, inside ckpt/actor/
+BACKEND = "megatron"
+
+
+class MegatronTrainWorker(RankBase):
+    """Rank ``rank`` of ``world_size`` = TP x DP. Same call order as ``TrainWorker``."""
+
+    def __init__(self, cfg: Config, model_path: str, rank: int, world_size: int):
+        super().__init__(cfg, model_path, rank, world_size)
+        self.mcfg = cfg.actor.megatron
+        self.hf_config = AutoConfig.from_pretrained(model_path)
+        self.gpt = None  # megatron GPTModel (this rank's TP shard)
+        self.model = None  # the same, wrapped in megatron DDP
+        self.ref = None  # frozen initial model, when algo.kl_coef > 0
+        self.optimizer = None
+        self.offloader = StorageOffloader()
+
+    # ------------------------------------------------------------------ setup
+
+    def init_process_group(self, master_addr: str, master_port: int) -> None:
+        """Join torch.distributed, set up megatron's parallel state, build model, DDP and optimizer."""
+        self._join(master_addr, master_port)
+        if self.device.type == "cpu":
+            from rlhpc.actor.megatron.cpu_shim import apply_cpu_shim
+
+            apply_cpu_shim()
+        from megatron.core import parallel_state as mpu
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        tp = self.mcfg.tensor_model_parallel_size
+        mpu.initialize_model_parallel(tensor_model_parallel_size=tp)
+        model_parallel_cuda_manual_seed(self.cfg.seed)
+        self.tp_size, self.tp_rank = tp, mpu.get_tensor_model_parallel_rank()
+        self.tp_group = mpu.get_tensor_model_parallel_group()
+        self.dp_group = mpu.get_data_parallel_group()
+        self.dp_size, self.dp_rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
+
+        hf_sd = load_model(self.model_path).state_dict()
+        self.gpt = self._build(hf_sd)
+        if self.cfg.kl_needed:
+            self.ref = self._build(hf_sd).requires_grad_(False)
+        del hf_sd
+        a = self.cfg.actor
+        self.model = DistributedDataParallel(
+            self.gpt.config,
+            DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True,
+                overlap_grad_reduce=False,
+                use_distributed_optimizer=self.mcfg.use_distributed_optimizer,
+            ),
+            self.gpt,
+        )
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam",
+                lr=a.lr,
+                weight_decay=a.weight_decay,
+                adam_beta1=a.adam_betas[0],
+                adam_beta2=a.adam_betas[1],
+                adam_eps=a.adam_eps,
+                clip_grad=a.grad_clip,
+                bf16=self.mcfg.bf16,
+                params_dtype=torch.bfloat16 if self.mcfg.bf16 else torch.float32,
+                use_distributed_optimizer=self.mcfg.use_distributed_optimizer,
+            ),
+            [self.model],
+        )
+        log.info(
+            "rank %d/%d: megatron TP %d/%d DP %d/%d, %s on %s, %d params in this shard%s",
+            self.rank,
+            self.world_size,
+            self.tp_rank,
+            self.tp_size,
+            self.dp_rank,
+            self.dp_size,
+            self.backend,
+            self.device,
+            sum(p.numel() for p in self.gpt.parameters()),
+            ", with reference model" if self.ref is not None else "",
+        )
+
+    def _build(self, hf_sd: dict[str, torch.Tensor]) -> torch.nn.Module:
+        dtype = torch.bfloat16 if self.mcfg.bf16 else torch.float32
+        gpt = build_gpt_model(self.hf_config, tp_size=self.tp_size, dtype=dtype)
+        load_into(gpt, hf_to_megatron(hf_sd, self.hf_config, self.tp_size, self.tp_rank))
+        # eval(): no dropout, so the no-grad "old" pass and the training pass compute the same
+        # function and the PPO ratio is exactly 1 before the first step.
+        return gpt.to(self.device).eval()
+
+    # ------------------------------------------------------------------ checkpoint
+
+    def _sharded_state_dict(self, is_loading: bool) -> dict[str, Any]:
+        model_sd = self.gpt.sharded_state_dict()
+        return {"model": model_sd, "optimizer": self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)}
+
+    def save(self, ckpt_dir: str) -> None:
+        """Write ``ckpt_dir/actor/``: torch_dist model + optimizer (all ranks), HF config + tokenizer, RNG."""
+        from megatron.core import dist_checkpointing
+
+        d = Path(ckpt_dir) / ACTOR_SUBDIR
+        if self.rank == 0:
+            (d / DIST_SUBDIR).mkdir(parents=True, exist_ok=True)
+            self.hf_config.save_pretrained(d)
+            self.tokenizer.save_pretrained(d)
+            meta = {
+                "backend": BACKEND,
+                "world_size": self.world_size,
+                "tensor_model_parallel_size": self.tp_size,
+                "optimizer_steps": self.optimizer_steps,
+                "initial_model": self.model_path,
+            }
+            (d / META_FILE).write_text(json.dumps(meta, indent=1) + "\n")
+        self._barrier()
+        with self._onloaded():
+            dist_checkpointing.save(self._sharded_state_dict(is_loading=False), str(d / DIST_SUBDIR))
+        torch.save(get_rng_state(), d / rng_file(self.rank))
+        self._barrier()
+
+    def load(self, ckpt_dir: str | None) -> None:
+        """Restore model, optimizer and this rank's RNG from ``ckpt_dir/actor/`` (None: fresh).
+
+        The checkpoint may come from another TP/DP layout: torch_dist reshards on load.
+        """
+        if ckpt_dir is None:
+            return
+        from megatron.core import dist_checkpointing
+
+        d = Path(ckpt_dir) / ACTOR_SUBDIR
+        meta = json.loads((d / META_FILE).read_text()) if (d / META_FILE).is_file() else {}
+        if meta.get("backend") != BACKEND or not (d / DIST_SUBDIR).is_dir():
+            raise RlhpcError(
+                f"checkpoint {d} was not written by the megatron actor (backend {meta.get('backend', 'torch')!r})",
+                "resume with the actor.backend that wrote it, or start a new run directory",
+            )
+        state = dist_checkpointing.load(self._sharded_state_dict(is_loading=True), str(d / DIST_SUBDIR))
+        self.gpt.load_state_dict(state["model"], strict=False)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.optimizer_steps = int(meta.get("optimizer_steps", 0))
+        rng = d / rng_file(self.rank)
+        if rng.is_file() and meta.get("world_size") == self.world_size:
+            set_rng_state(torch.load(rng, weights_only=True))
+        else:
+            log.warning("rank %d: %s was saved by another layout; keeping the seeded RNG", self.rank, d)
+        log.info(
+            "rank %d: restored megatron actor state from %s (saved at TP=%s)",
+            self.rank,
+            d,
+            meta.get("tensor_model_parallel_size"),
+        )
+
+    # ------------------------------------------------------------------ training
+
+    def _masked_logits(self, model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        """This rank's vocab shard of the logits [N, L-1, V/TP] (float32), padded vocab at -inf."""
+        pos = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
+        logits = model(ids, pos, attention_mask=None)[:, :-1].float()
+        shard = logits.shape[-1]
+        first = self.tp_rank * shard
+        if first + shard > self.hf_config.vocab_size:
+            pad = torch.arange(first, first + shard, device=logits.device) >= self.hf_config.vocab_size
+            logits = logits.masked_fill(pad, float("-inf"))
+        return logits
+
+    def _logprobs(self, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+        # It subtracts the max in place: give it its own copy (``logits`` may be needed after).
+        return -vocab_parallel_cross_entropy(logits.clone(), ids[:, 1:])
+
+    def _entropy(self, logits: torch.Tensor) -> torch.Tensor:
+        """Entropy of the full-vocab softmax from vocab shards (no grad; a metric)."""
+        m = logits.max(-1).values
+        dist.all_reduce(m, dist.ReduceOp.MAX, group=self.tp_group)
+        e = (logits - m.unsqueeze(-1)).exp()
+        sums = torch.stack([e.sum(-1), (e * logits.nan_to_num(neginf=0.0)).sum(-1)])
+        dist.all_reduce(sums, group=self.tp_group)
+        return m + sums[0].log() - sums[1] / sums[0]
+
+    def _grads_finite(self) -> bool:
+        """Every rank agrees: are all reduced gradients finite?"""
+        bad = torch.zeros(1, device=self.device)
+        for p in self.gpt.parameters():
+            g = getattr(p, "main_grad", None)
+            if g is not None and not torch.isfinite(g).all():
+                bad.fill_(1)
+                break
+        dist.all_reduce(bad, dist.ReduceOp.MAX)
+        return not bool(bad.item())
+
+    def train(self, rollout_id: int, batch: RolloutBatch) -> dict[str, float]:
+        """``num_steps_per_rollout`` optimizer steps on this data-parallel shard; returns global metrics."""
+        self.onload()
+        algo = self.cfg.algo
+        prepared: list[list[dict[str, torch.Tensor]]] = []
+        sums = {"entropy": 0.0, "rollout_logprob_abs_diff": 0.0}
+        local_tokens = 0.0
+        with torch.no_grad():
+            for mbs in self._micro_batches(batch):
+                prepared.append([])
+                for mb in mbs:
+                    ids, _, mask = mb.to_padded(self.pad_id)  # right-padded: causal attention never sees the pads
+                    ids, mask = ids.to(self.device), mask.to(self.device)
+                    logits = self._masked_logits(self.gpt, ids)
+                    old = self._logprobs(logits, ids)
+                    item = {"ids": ids, "mask": mask, "old": old, "adv": mb.advantages.to(self.device)}
+                    if self.ref is not None:
+                        item["ref"] = self._logprobs(self._masked_logits(self.ref, ids), ids)
+                    rollout_lp = _rollout_logprob_tensor(mb, mask.shape).to(self.device)
+                    sums["entropy"] += float((self._entropy(logits) * mask).sum())
+                    sums["rollout_logprob_abs_diff"] += float(((old - rollout_lp).abs() * mask).sum())
+                    local_tokens += float(mask.sum())
+                    prepared[-1].append(item)
+                    del logits
+
+        step_tokens = self._all_reduce_sum(
+            [sum(float(it["mask"].sum()) for it in mbs) for mbs in prepared], group=self.dp_group
+        )
+        loss_sums = {"pg_loss": 0.0, "kl": 0.0, "clipfrac": 0.0}
+        grad_norms: list[float] = []
+        skipped = 0
+        for k, mbs in enumerate(prepared):
+            self.model.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            global_tokens = max(step_tokens[k], 1.0)
+            for it in mbs:
+                tokens = float(it["mask"].sum())
+                logprobs = self._logprobs(self._masked_logits(self.model, it["ids"]), it["ids"])
+                pg, clipfrac = policy_loss(
+                    logprobs, it["old"], it["adv"], it["mask"], algo.eps_clip, algo.eps_clip_high
+                )
+                loss = pg
+                if "ref" in it:
+                    kl = masked_mean(kl_k3(logprobs, it["ref"]), it["mask"])
+                    loss = loss + algo.kl_coef * kl
+                    loss_sums["kl"] += float(kl.detach()) * tokens
+                # token share of the global minibatch, times DP size to undo megatron DDP's averaging
+                (loss * (tokens * self.dp_size / global_tokens)).backward()
+                loss_sums["pg_loss"] += float(pg.detach()) * tokens
+                loss_sums["clipfrac"] += float(clipfrac.detach()) * tokens
+            self.model.finish_grad_sync()  # the data-parallel all-reduce (or reduce-scatter)
+            if not self._grads_finite():
+                skipped += 1
+                grad_norms.append(float("nan"))
+                log.warning("rank %d: rollout %d step %d: non-finite gradients, step skipped", self.rank, rollout_id, k)
+                continue
+            ok, grad_norm, _ = self.optimizer.step()
+            grad_norms.append(float(grad_norm) if grad_norm is not None else float("nan"))
+            if ok:
+                self.optimizer_steps += 1
+            else:
+                skipped += 1
+
+        keys = list(loss_sums) + list(sums)
+        totals = self._all_reduce_sum(
+            [loss_sums[k] for k in loss_sums] + [sums[k] for k in sums] + [local_tokens], group=self.dp_group
+        )
+        tokens = max(totals[-1], 1.0)
+        metrics = {k: v / tokens for k, v in zip(keys, totals[:-1])}
+        metrics["loss"] = metrics["pg_loss"] + algo.kl_coef * metrics["kl"]
+        finite = [g for g in grad_norms if math.isfinite(g)]
+        metrics["grad_norm"] = sum(finite) / len(finite) if finite else float("nan")
+        metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
+        metrics["tokens"] = totals[-1]
+        metrics["optimizer_steps"] = float(self.optimizer_steps)
+        metrics["skipped_steps"] = float(skipped)
+        return metrics
+
+    # ------------------------------------------------------------------ HF view of the weights
+
+    def _hf_tensors(
+        self, get: Callable[[torch.nn.Parameter], torch.Tensor | None]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The full model in HF names, one layer at a time (a collective within each TP group).
+
+        ``get`` picks what to gather from each parameter (its data, or its gradient).
+        """
+        groups: dict[int | None, list[tuple[str, torch.nn.Parameter]]] = {}
+        for name, p in self.gpt.named_parameters():
+            groups.setdefault(layer_index(name), []).append((name, p))
+        order = sorted(k for k in groups if k is not None)
+        for key in [None, *order]:
+            full = {}
+            for name, p in groups.get(key, []):
+                t = self.offloader.host_view(get(p)).to(self.device).contiguous()
+                if self.tp_size > 1:
+                    shards = [torch.empty_like(t) for _ in range(self.tp_size)]
+                    dist.all_gather(shards, t, group=self.tp_group)
+                    t = gather_tp_shards([{name: s} for s in shards])[name]
+                full[name] = t
+            yield from megatron_full_to_hf(full, self.hf_config).items()
+
+    # ------------------------------------------------------------------ weight sync
+
+    def _send_weights(self, version: int) -> None:
+        if self.dp_rank != 0:
+            return  # one data-parallel replica gathers; the others hold the same weights
+        device = self._send_device()
+        named = ((n, t.to(device)) for n, t in self._hf_tensors(lambda p: p.detach()))
+        if self.rank == 0:
+            self.sender.send(named, version)
+        else:
+            for _ in named:  # take part in the TP gathers
+                pass
+
+    # ------------------------------------------------------------------ memory
+
+    def _owned_tensors(self) -> Iterator[torch.Tensor]:
+        """Everything this rank keeps on the GPU between steps: weights, grad buffers, optimizer state."""
+        for module in (self.gpt, self.ref):
+            if module is not None:
+                for p in module.parameters():
+                    yield p
+                    if getattr(p, "main_grad", None) is not None:
+                        yield p.main_grad
+        for buffer in self.model.buffers:
+            for t in (buffer.param_data, buffer.grad_data):
+                if t is not None:
+                    yield t
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            inner = getattr(opt, "optimizer", None)
+            if inner is None:
+                continue
+            for group in inner.param_groups:
+                yield from group["params"]
+            for state in inner.state.values():
+                yield from (v for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+
+    def offload(self) -> None:
+        """Free this rank's GPU memory (weights, grads, optimizer state) for the engines (CUDA only)."""
+        if self.device.type != "cuda" or self.offloaded:
+            return
+        freed = self.offloader.offload(self._owned_tensors())
+        self.offloaded = True
+        log.info("rank %d: offloaded %.1f MB to host memory", self.rank, freed / 2**20)
+
+    def onload(self) -> None:
+        if not self.offloaded:
+            return
+        self.offloader.onload()
+        self.offloaded = False
+
+    @contextlib.contextmanager
+    def _onloaded(self) -> Iterator[None]:
+        """Checkpointing reads every tensor: onload for its duration, then restore the state."""
+        was = self.offloaded
+        self.onload()
+        try:
+            yield
+        finally:
+            if was:
+                self.offload()
+
+    # ------------------------------------------------------------------ inspection
+
+    def state_fingerprint(self) -> str:
+        """SHA-256 of the full weights in HF names (same on every rank)."""
+        h = hashlib.sha256()
+        for name, t in self._hf_tensors(lambda p: p.detach()):
+            t = t.cpu().contiguous()
+            h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
+            h.update(t.view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()
+
+    def named_tensors(self, grads: bool = False) -> dict[str, torch.Tensor]:
+        """Full weights (or the last step's reduced gradients) in HF names, on the CPU."""
+        if grads:
+            return {n: t.cpu().clone() for n, t in self._hf_tensors(lambda p: p.main_grad)}
+        return {n: t.cpu().clone() for n, t in self._hf_tensors(lambda p: p.detach())}
+
+    def shutdown(self) -> None:
+        from megatron.core import parallel_state as mpu
+
+        if mpu.model_parallel_is_initialized():
+            mpu.destroy_model_parallel()
+        super().shutdown()

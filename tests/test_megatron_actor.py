@@ -1,0 +1,146 @@
+"""The megatron-core actor behind ActorGroup on a local Ray (gloo, CPU shim): same answers as the
+PyTorch actor, TP=2 / DP=2 the same as TP=1, torch_dist checkpoints that reshard, weight sync."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+
+pytest.importorskip("megatron.core")
+
+from test_actor import Group, engine_weights, make_batch  # noqa: E402
+
+from rlhpc.config import Config  # noqa: E402
+from rlhpc.errors import RlhpcError  # noqa: E402
+from rlhpc.model import TinyModelConfig, build_tiny_model  # noqa: E402
+
+pytestmark = pytest.mark.ray
+
+# Weights after four Adam steps, megatron vs PyTorch: both compute the same loss, gradients
+# differ by fp32 rounding (fused QKV/fc1 GEMMs, split reductions), and Adam amplifies that for
+# near-zero gradients by up to lr/eps. With eps 1e-8 one weight in 10^5 drifted to 1.2e-4;
+# eps 1e-6 bounds it (test_megatron_train has the arithmetic). A wrong loss weight, mask or
+# missing TP/DP reduction is off by >1e-3.
+ADAM_EPS = 1e-6
+WEIGHT_ATOL = 5e-5
+METRIC_RTOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[None]:
+    ray.init(num_cpus=4, num_gpus=4, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(build_tiny_model(tmp_path_factory.mktemp("m") / "tiny", TinyModelConfig(seed=3)))
+
+
+def tensors(group, rank: int = 0) -> dict[str, torch.Tensor]:
+    """Full weights in HF names; every rank takes part (TP ranks gather their shards together)."""
+    return ray.get([w.named_tensors.remote() for w in group.workers])[rank]
+
+
+def make_cfg(backend: str = "megatron", tp: int = 1, dist_opt: bool = False) -> Config:
+    cfg = Config(deterministic=True)
+    cfg.actor.backend = backend
+    cfg.actor.lr = 1e-2
+    cfg.actor.adam_eps = ADAM_EPS
+    cfg.actor.micro_batch_size = 3
+    cfg.actor.num_steps_per_rollout = 2
+    cfg.actor.megatron.tensor_model_parallel_size = tp
+    cfg.actor.megatron.use_distributed_optimizer = dist_opt
+    return cfg
+
+
+def train_two(cfg: Config, model_path: str, ranks: int) -> tuple[list[dict], dict[str, torch.Tensor]]:
+    with Group(cfg, model_path, ranks) as g:
+        metrics = [g.train(r, make_batch(12, seed=r)) for r in range(2)]
+        return metrics, tensors(g)
+
+
+def assert_same_training(a: tuple[list[dict], dict], b: tuple[list[dict], dict]) -> None:
+    for ma, mb in zip(a[0], b[0]):
+        for key in ("pg_loss", "clipfrac", "entropy", "rollout_logprob_abs_diff", "grad_norm", "tokens"):
+            assert mb[key] == pytest.approx(ma[key], rel=METRIC_RTOL, abs=1e-7), key
+    assert set(a[1]) == set(b[1])
+    for name, t in a[1].items():
+        torch.testing.assert_close(b[1][name], t, rtol=0, atol=WEIGHT_ATOL, msg=name)
+
+
+@pytest.fixture(scope="module")
+def torch_reference(ray_cluster: None, model_path: str) -> dict[int, tuple[list[dict], dict]]:
+    """The PyTorch DDP actor's training on 1 and on 2 data-parallel ranks (a rank's share of a
+    rollout is split into minibatches, so DP=2 steps on other minibatches than DP=1)."""
+    return {dp: train_two(make_cfg("torch"), model_path, dp) for dp in (1, 2)}
+
+
+def test_megatron_actor_matches_pytorch_actor(torch_reference, model_path: str) -> None:
+    """Same GRPO loss through vocab-parallel logits (padded vocab masked) as through HF logits."""
+    mega = train_two(make_cfg(), model_path, 1)
+    assert mega[0][1]["optimizer_steps"] == 4
+    assert_same_training(torch_reference[1], mega)
+
+
+@pytest.mark.parametrize(("tp", "dist_opt"), [(2, False), (1, True)], ids=["tp2", "dp2-distributed-optimizer"])
+def test_two_ranks(torch_reference, model_path: str, tp: int, dist_opt: bool) -> None:
+    """TP=2 (vocab shards, one holding only padding) trains like one rank; DP=2 with the
+    distributed optimizer (reduce-scatter, sharded Adam state) like two PyTorch DDP ranks."""
+    assert_same_training(torch_reference[2 // tp], train_two(make_cfg(tp=tp, dist_opt=dist_opt), model_path, 2))
+
+
+def test_tp2_checkpoint_resumes_at_tp1(ray_cluster: None, model_path: str, tmp_path: Path) -> None:
+    """torch_dist reshards model *and* optimizer state: TP=2 -> TP=1 continues the same run."""
+    ckpt = tmp_path / "ckpt"
+    with Group(make_cfg(tp=2), model_path, 2) as g:
+        g.train(0, make_batch(12, seed=0))
+        g.save(str(ckpt))
+        saved = g.fingerprints()
+        g.train(1, make_batch(12, seed=1))
+        continued = tensors(g)
+    assert saved[0] == saved[1]
+    assert (ckpt / "actor" / "dist" / "metadata.json").is_file() and (ckpt / "actor" / "config.json").is_file()
+    with Group(make_cfg(tp=1), model_path, 1) as g:
+        g.load(str(ckpt))
+        assert g.fingerprints() == [saved[0]]  # the saved weights, bit for bit
+        g.train(1, make_batch(12, seed=1))  # needs the resharded Adam moments to match
+        resumed = tensors(g)
+    for name, t in continued.items():
+        torch.testing.assert_close(resumed[name], t, rtol=0, atol=WEIGHT_ATOL, msg=name)
+
+
+def test_torch_checkpoint_is_refused(ray_cluster: None, model_path: str, tmp_path: Path) -> None:
+    with Group(make_cfg("torch"), model_path, 1) as g:
+        g.save(str(tmp_path / "ckpt"))
+    with Group(make_cfg(), model_path, 1) as g, pytest.raises(RlhpcError, match="not written by the megatron actor"):
+        g.load(str(tmp_path / "ckpt"))
+
+
+def test_tp2_weights_reach_engine_bit_exact(ray_cluster: None, model_path: str, tmp_path: Path) -> None:
+    """Gathered over TP, converted to HF names, bucketed: the engine holds the actor's weights."""
+    from rlhpc.rollout.client import EngineClient
+    from rlhpc.rollout.engine import EngineActor
+
+    engine = EngineActor.options(num_cpus=0.5).remote(model_path, str(tmp_path / "logs"), 0, 120.0, None)
+    try:
+        cfg = make_cfg(tp=2)
+        cfg.rollout.update_weight_buffer_mb = 1  # several buckets
+        with Group(cfg, model_path, 2) as g:
+            client = EngineClient(ray.get(engine.url.remote()))
+            g.train(0, make_batch(12, seed=0))
+            g.connect_rollout([client.base_url], [1], False)
+            g.update_weights(1)
+            assert client.get_weight_version() == "1"
+            actor = tensors(g, rank=1)
+            got = engine_weights(client, list(actor))
+            for name, t in actor.items():
+                assert torch.equal(got[name], t), name
+    finally:
+        ray.get(engine.shutdown.remote())
+        ray.kill(engine)
