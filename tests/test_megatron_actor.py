@@ -47,13 +47,13 @@ def tensors(group, rank: int = 0) -> dict[str, torch.Tensor]:
     return ray.get([w.named_tensors.remote() for w in group.workers])[rank]
 
 
-def make_cfg(backend: str = "megatron", tp: int = 1, dist_opt: bool = False) -> Config:
+def make_cfg(backend: str = "megatron", tp: int = 1, dist_opt: bool = False, steps: int = 2) -> Config:
     cfg = Config(deterministic=True)
     cfg.actor.backend = backend
     cfg.actor.lr = 1e-2
     cfg.actor.adam_eps = ADAM_EPS
     cfg.actor.micro_batch_size = 3
-    cfg.actor.num_steps_per_rollout = 2
+    cfg.actor.num_steps_per_rollout = steps
     cfg.actor.megatron.tensor_model_parallel_size = tp
     cfg.actor.megatron.use_distributed_optimizer = dist_opt
     return cfg
@@ -88,15 +88,16 @@ def test_megatron_actor_matches_pytorch_actor(torch_reference, model_path: str) 
     assert_same_training(torch_reference[1], mega)
 
 
-@pytest.mark.parametrize(("tp", "dist_opt"), [(2, False), (1, True)], ids=["tp2", "dp2-distributed-optimizer"])
-def test_two_ranks(torch_reference, model_path: str, tp: int, dist_opt: bool) -> None:
-    """TP=2 (vocab shards, one holding only padding) trains like one rank; DP=2 with the
-    distributed optimizer (reduce-scatter, sharded Adam state) like two PyTorch DDP ranks."""
-    assert_same_training(torch_reference[2 // tp], train_two(make_cfg(tp=tp, dist_opt=dist_opt), model_path, 2))
+@pytest.mark.parametrize("tp", [2, 1], ids=["tp2", "dp2"])
+def test_two_ranks(torch_reference, model_path: str, tp: int) -> None:
+    """TP=2 (vocab shards, one holding only padding) trains like one rank; DP=2 (megatron DDP's
+    gradient all-reduce) like two PyTorch DDP ranks."""
+    assert_same_training(torch_reference[2 // tp], train_two(make_cfg(tp=tp), model_path, 2))
 
 
 def test_tp2_checkpoint_resumes_at_tp1(ray_cluster: None, model_path: str, tmp_path: Path) -> None:
-    """torch_dist reshards model *and* optimizer state: TP=2 -> TP=1 continues the same run."""
+    """A resumed actor continues the same run: torch_dist reshards model *and* optimizer state
+    from TP=2 to TP=1."""
     ckpt = tmp_path / "ckpt"
     with Group(make_cfg(tp=2), model_path, 2) as g:
         g.train(0, make_batch(12, seed=0))
@@ -109,10 +110,26 @@ def test_tp2_checkpoint_resumes_at_tp1(ray_cluster: None, model_path: str, tmp_p
     with Group(make_cfg(tp=1), model_path, 1) as g:
         g.load(str(ckpt))
         assert g.fingerprints() == [saved[0]]  # the saved weights, bit for bit
-        g.train(1, make_batch(12, seed=1))  # needs the resharded Adam moments to match
+        g.train(1, make_batch(12, seed=1))  # matches only with the restored Adam moments
         resumed = tensors(g)
     for name, t in continued.items():
         torch.testing.assert_close(resumed[name], t, rtol=0, atol=WEIGHT_ATOL, msg=name)
+
+
+def test_distributed_optimizer_without_fused_adam_is_refused(ray_cluster: None, model_path: str) -> None:
+    from megatron.core.optimizer.distrib_optimizer import HAVE_APEX_OR_TE
+
+    if HAVE_APEX_OR_TE:
+        pytest.skip("Transformer Engine or apex is installed: the distributed optimizer is allowed")
+    from rlhpc.actor.group import ActorGroup
+    from rlhpc.cluster.placement import create_placement
+
+    placement = create_placement(1)
+    try:
+        with pytest.raises(RlhpcError, match="needs Transformer Engine or apex"):
+            ActorGroup(make_cfg(dist_opt=True), model_path, placement, (0,))
+    finally:
+        placement.remove()
 
 
 def test_torch_checkpoint_is_refused(ray_cluster: None, model_path: str, tmp_path: Path) -> None:

@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import ray
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -99,6 +98,10 @@ def seed_everything(seed: int) -> None:
 
 def node_ip_address() -> str:
     """This node's address as Ray knows it (the Slurm NodeAddr); loopback outside a Ray worker."""
+    try:
+        import ray
+    except ImportError:  # a rank driven without Ray (tools/gpu_check.py)
+        return "127.0.0.1"
     if ray.is_initialized():
         return ray.util.get_node_ip_address()
     return "127.0.0.1"

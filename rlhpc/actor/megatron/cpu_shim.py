@@ -36,7 +36,8 @@ Redirects (each process-wide, idempotent, undone by :func:`remove_cpu_shim`):
   on the CPU (the fallback copies it to ``device="cuda"``). It feeds the grad norm that the
   optimizer reports and clips by.
 
-* ``DistributedOptimizer.__init__`` -> the same constructor, run while ``Tensor.type()``
+* ``DistributedOptimizer.__init__`` and ``Float16OptimizerWithFloat16Params.__init__`` (bf16) ->
+  the same constructors, run while ``Tensor.type()``
   (no arguments, CPU tensor) answers with the CUDA type name (``'torch.cuda.FloatTensor'``).
   It sorts parameters into fp32 / fp16 / bf16 groups by those names and raises on anything
   else; the names are all it reads.
@@ -148,6 +149,14 @@ def _cuda_type_names():
         torch.Tensor.type = original
 
 
+def _type_checking_optimizers() -> tuple[type, ...]:
+    """The optimizers whose constructors sort parameters by their CUDA type name."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+
+    return DistributedOptimizer, Float16OptimizerWithFloat16Params
+
+
 def _cpu_distributed_optimizer_init(original: Any) -> Any:
     @functools.wraps(original)
     def init(self: Any, *args: Any, **kwargs: Any) -> None:
@@ -206,11 +215,11 @@ def apply_cpu_shim() -> None:
     from megatron.core.fusions import fused_softmax
     from megatron.core.optimizer import clip_grads as mclip
     from megatron.core.optimizer import optimizer as moptimizer
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
     from megatron.core.tensor_parallel import random as mrandom
 
-    _ORIGINALS["DistributedOptimizer.__init__"] = DistributedOptimizer.__init__
-    DistributedOptimizer.__init__ = _cpu_distributed_optimizer_init(DistributedOptimizer.__init__)
+    for cls in _type_checking_optimizers():
+        _ORIGINALS[f"{cls.__name__}.__init__"] = cls.__init__
+        cls.__init__ = _cpu_distributed_optimizer_init(cls.__init__)
     cpu_torch = _CpuFactoryTorch()
     for name in _CUDA_FACTORY_MODULES:
         module = importlib.import_module(name)
@@ -241,10 +250,10 @@ def remove_cpu_shim() -> None:
     from megatron.core.fusions import fused_softmax
     from megatron.core.optimizer import clip_grads as mclip
     from megatron.core.optimizer import optimizer as moptimizer
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
     from megatron.core.tensor_parallel import random as mrandom
 
-    DistributedOptimizer.__init__ = _ORIGINALS.pop("DistributedOptimizer.__init__")
+    for cls in _type_checking_optimizers():
+        cls.__init__ = _ORIGINALS.pop(f"{cls.__name__}.__init__")
     for name in _CUDA_FACTORY_MODULES:
         importlib.import_module(name).torch = _ORIGINALS.pop(f"torch@{name}")
     moptimizer.clip_grad_by_total_norm_fp32 = _ORIGINALS.pop("clip_grad_by_total_norm_fp32")

@@ -62,6 +62,10 @@ log = logging.getLogger(__name__)
 
 DIST_SUBDIR = "dist"  # torch_dist checkpoint of model + optimizer, inside ckpt/actor/
 BACKEND = "megatron"
+# The distributed optimizer's torch_dist format: "dp_reshardable" (Megatron-LM's default) saves
+# its buffers as they are, fully parallel; rlhpc resumes it only at the layout that wrote it.
+# The plain optimizer's state follows the model's sharding and loads at any TP/DP.
+SHARDING_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 
 
 class MegatronTrainWorker(RankBase):
@@ -91,6 +95,17 @@ class MegatronTrainWorker(RankBase):
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
+        if self.mcfg.use_distributed_optimizer:
+            from megatron.core.optimizer.distrib_optimizer import HAVE_APEX_OR_TE
+
+            if not HAVE_APEX_OR_TE:
+                raise RlhpcError(
+                    "actor.megatron.use_distributed_optimizer needs Transformer Engine or apex (fused Adam): "
+                    "with torch's Adam, megatron-core 0.16's distributed-optimizer checkpoints do not "
+                    "restore the Adam moments, so a resumed job would train differently",
+                    "install transformer-engine (or apex) in the job's environment, or set "
+                    "actor.megatron.use_distributed_optimizer: false",
+                )
         tp = self.mcfg.tensor_model_parallel_size
         mpu.initialize_model_parallel(tensor_model_parallel_size=tp)
         model_parallel_cuda_manual_seed(self.cfg.seed)
@@ -147,15 +162,19 @@ class MegatronTrainWorker(RankBase):
         dtype = torch.bfloat16 if self.mcfg.bf16 else torch.float32
         gpt = build_gpt_model(self.hf_config, tp_size=self.tp_size, dtype=dtype)
         load_into(gpt, hf_to_megatron(hf_sd, self.hf_config, self.tp_size, self.tp_rank))
+        # All parameters in one dtype, as megatron's Float16Module does: the local spec's norms
+        # are created in fp32 even for a bf16 model, and the optimizers' checkpoint mapping
+        # assumes one dtype per model (mixed, it pairs Adam states with the wrong tensors).
         # eval(): no dropout, so the no-grad "old" pass and the training pass compute the same
         # function and the PPO ratio is exactly 1 before the first step.
-        return gpt.to(self.device).eval()
+        return gpt.to(self.device, dtype).eval()
 
     # ------------------------------------------------------------------ checkpoint
 
     def _sharded_state_dict(self, is_loading: bool) -> dict[str, Any]:
         model_sd = self.gpt.sharded_state_dict()
-        return {"model": model_sd, "optimizer": self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)}
+        optim_sd = self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=SHARDING_METADATA)
+        return {"model": model_sd, "optimizer": optim_sd}
 
     def save(self, ckpt_dir: str) -> None:
         """Write ``ckpt_dir/actor/``: torch_dist model + optimizer (all ranks), HF config + tokenizer, RNG."""
@@ -170,6 +189,7 @@ class MegatronTrainWorker(RankBase):
                 "backend": BACKEND,
                 "world_size": self.world_size,
                 "tensor_model_parallel_size": self.tp_size,
+                "use_distributed_optimizer": self.mcfg.use_distributed_optimizer,
                 "optimizer_steps": self.optimizer_steps,
                 "initial_model": self.model_path,
             }
@@ -196,9 +216,20 @@ class MegatronTrainWorker(RankBase):
                 f"checkpoint {d} was not written by the megatron actor (backend {meta.get('backend', 'torch')!r})",
                 "resume with the actor.backend that wrote it, or start a new run directory",
             )
+        layout = (meta.get("world_size"), meta.get("tensor_model_parallel_size"))
+        if meta.get("use_distributed_optimizer") and layout != (self.world_size, self.tp_size):
+            raise RlhpcError(
+                f"checkpoint {d} holds distributed-optimizer state for {layout[0]} ranks at TP={layout[1]}; "
+                f"this actor has {self.world_size} ranks at TP={self.tp_size}",
+                "resume with the same actor layout (cluster.actor_num_gpus, "
+                "actor.megatron.tensor_model_parallel_size), or convert the weights "
+                "(tools/convert_checkpoint.py) and start a new run",
+            )
+        self._create_optimizer_state()
         state = dist_checkpointing.load(self._sharded_state_dict(is_loading=True), str(d / DIST_SUBDIR))
         self.gpt.load_state_dict(state["model"], strict=False)
-        self.optimizer.load_state_dict(state["optimizer"])
+        with torch.no_grad():  # it copies into fp32 main params that are views of leaf params
+            self.optimizer.load_state_dict(state["optimizer"])
         self.optimizer_steps = int(meta.get("optimizer_steps", 0))
         rng = d / rng_file(self.rank)
         if rng.is_file() and meta.get("world_size") == self.world_size:
@@ -211,6 +242,17 @@ class MegatronTrainWorker(RankBase):
             d,
             meta.get("tensor_model_parallel_size"),
         )
+
+    def _create_optimizer_state(self) -> None:
+        """Give a fresh distributed optimizer its Adam state before it describes a checkpoint to load.
+
+        With torch's Adam (no Transformer Engine/apex) megatron reads the common ``step`` from
+        that state and fails on an empty one; megatron's own helper creates it with a zero-grad
+        step, whose values the load then overwrites.
+        """
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            if hasattr(opt, "_init_optimizer_states_with_dummy_values") and not opt.optimizer.state:
+                opt._init_optimizer_states_with_dummy_values()
 
     # ------------------------------------------------------------------ training
 

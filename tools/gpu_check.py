@@ -1,0 +1,237 @@
+"""GPU check of the megatron actor + engine path on one GPU, colocated, without Ray or Slurm.
+
+One process holds a ``MegatronTrainWorker`` (bf16, distributed optimizer, NCCL world of one)
+and drives an engine server on the same GPU over SGLang's HTTP protocol: the CPU engine server
+with ``--device cuda`` here, where SGLang is not installed. Each rollout does what the driver
+does in colocate + offload mode: generate on the toy task, release the engine's memory, onload
+the actor, train, offload it, resume the engine, push the new weights over CUDA IPC. Then a
+torch_dist checkpoint is saved and loaded back. Prints per-phase times, tokens/s and memory.
+
+    python tools/gpu_check.py [--rollouts 6] [--hidden 1024] [--layers 8]
+
+Exits non-zero if anything is off: weights on the engine differ from the actor's, offload does
+not free memory, the checkpoint does not restore the weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from rlhpc.actor.megatron.worker import MegatronTrainWorker  # noqa: E402
+from rlhpc.algo.grpo import ADVANTAGE_ESTIMATORS  # noqa: E402
+from rlhpc.batch import RolloutBatch  # noqa: E402
+from rlhpc.config import Config  # noqa: E402
+from rlhpc.model import TinyModelConfig, build_tiny_model, load_tokenizer  # noqa: E402
+from rlhpc.rollout.client import EngineClient  # noqa: E402
+from rlhpc.tasks import TASKS  # noqa: E402
+
+log = logging.getLogger("gpu_check")
+GiB = 2**30
+
+
+def start_engine(model_path: str, work: Path, device: str) -> tuple[subprocess.Popen, EngineClient]:
+    ready = work / "engine.ready.json"
+    logf = open(work / "engine.log", "wb")  # noqa: SIM115 - open as long as the server runs
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rlhpc.rollout.cpu_server", "--model-path", model_path, "--port", "0"]
+        + ["--ready-file", str(ready), "--parent-pid", str(os.getpid()), "--device", device, "--threads", "4"],
+        stdout=logf,
+        stderr=subprocess.STDOUT,
+    )
+    deadline = time.monotonic() + 300
+    while not ready.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            sys.exit(f"engine did not start:\n{(work / 'engine.log').read_text()[-3000:]}")
+        time.sleep(0.1)
+    info = json.loads(ready.read_text())
+    client = EngineClient(f"http://{info['host']}:{info['port']}")
+    client.wait_healthy(60)
+    return proc, client
+
+
+def gpu_gib() -> str:
+    if not torch.cuda.is_available():
+        return "on the CPU"
+    return f"{torch.cuda.memory_allocated() / GiB:.2f} GiB allocated by the actor"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rollouts", type=int, default=6)
+    p.add_argument("--prompts", type=int, default=64, help="prompts per rollout")
+    p.add_argument("--samples", type=int, default=8, help="samples per prompt")
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--work", type=Path, default=None)
+    p.add_argument("--arch", choices=["qwen2", "llama"], default="qwen2")
+    p.add_argument("--fp32", action="store_true", help="fp32 params instead of bf16 (+ fp32 master weights)")
+    p.add_argument("--distributed-optimizer", action="store_true")
+    p.add_argument("--cpu", action="store_true", help="rehearse the script on a CPU (no offload check)")
+    args = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
+    if not torch.cuda.is_available() and not args.cpu:
+        sys.exit("no GPU visible: this check is for a GPU machine (--cpu rehearses it on a CPU)")
+    work = args.work or Path(tempfile.mkdtemp(prefix="rlhpc-gpu-check-"))
+    work.mkdir(parents=True, exist_ok=True)
+    tiny = TinyModelConfig(
+        architecture=args.arch,
+        hidden_size=args.hidden,
+        intermediate_size=args.hidden * 3,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.hidden // 64,
+        num_key_value_heads=max(1, args.hidden // 256),
+        max_position_embeddings=256,
+    )
+    model_path = str(build_tiny_model(work / "model", tiny))
+
+    cfg = Config()
+    cfg.cluster.colocate = cfg.cluster.offload = True
+    cfg.actor.backend = "megatron"
+    cfg.actor.lr = 1e-5
+    cfg.actor.micro_batch_size = 128
+    cfg.actor.megatron.bf16 = not args.fp32
+    cfg.actor.megatron.use_distributed_optimizer = args.distributed_optimizer
+    cfg.rollout.n_samples_per_prompt = args.samples
+
+    engine_proc, engine = start_engine(model_path, work, "cpu" if args.cpu else "cuda")
+    try:
+        run(cfg, model_path, engine, args, work)
+    finally:
+        engine_proc.terminate()
+        engine_proc.wait(30)
+
+
+def run(cfg: Config, model_path: str, engine: EngineClient, args: argparse.Namespace, work: Path) -> None:
+    t0 = time.perf_counter()
+    actor = MegatronTrainWorker(cfg, model_path, 0, 1)
+    actor.init_process_group(*actor.master_addr_port())
+    params = sum(p.numel() for p in actor.gpt.parameters())
+    log.info("actor up in %.1fs: %.1fM params, %s", time.perf_counter() - t0, params / 1e6, gpu_gib())
+    actor.connect_rollout([engine.base_url], [1], colocate=True)
+    actor.update_weights(0)
+
+    tok = load_tokenizer(model_path)
+    task = TASKS["digit_sum"]
+    import random
+
+    rows = task.make(args.prompts * args.rollouts, random.Random(0))
+    figures = []
+    for rollout_id in range(args.rollouts):
+        batch_rows = rows[rollout_id * args.prompts : (rollout_id + 1) * args.prompts]
+        prompts = [[tok.bos_token_id, *tok(r["prompt"], add_special_tokens=False).input_ids] for r in batch_rows]
+        ids = [pr for pr in prompts for _ in range(args.samples)]
+        params_ = [
+            {"max_new_tokens": args.max_new_tokens, "temperature": 1.0, "sampling_seed": rollout_id * 10**6 + i}
+            for i in range(len(ids))
+        ]
+        t = time.perf_counter()
+        outs = engine.generate(input_ids=ids, sampling_params=params_, return_logprob=True)
+        t_gen = time.perf_counter() - t
+        responses = [list(o["output_ids"]) for o in outs]
+        logprobs = [[lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]] for o in outs]
+        texts = [tok.decode([x for x in r if x != tok.eos_token_id], skip_special_tokens=True) for r in responses]
+        rewards = torch.tensor(
+            [task.reward(batch_rows[k // args.samples]["prompt"], txt, batch_rows[k // args.samples]["answer"])
+             for k, txt in enumerate(texts)],
+            dtype=torch.float32,
+        )  # fmt: skip
+        adv = ADVANTAGE_ESTIMATORS["grpo"](rewards, args.samples, True)
+        batch = RolloutBatch(ids, responses, logprobs, rewards, adv, args.samples)
+
+        t = time.perf_counter()
+        engine.release_memory_occupation()
+        actor.onload()
+        on = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+        t_switch_in = time.perf_counter() - t
+        t = time.perf_counter()
+        metrics = actor.train(rollout_id, batch)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t_train = time.perf_counter() - t
+        t = time.perf_counter()
+        actor.offload()
+        off = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+        engine.resume_memory_occupation()
+        t_switch_out = time.perf_counter() - t
+        t = time.perf_counter()
+        actor.update_weights(rollout_id + 1)
+        t_sync = time.perf_counter() - t
+        gen_tokens = sum(len(r) for r in responses)
+        figures.append(
+            {
+                "rollout": rollout_id,
+                "reward": rewards.mean().item(),
+                "generate_s": t_gen,
+                "gen_tokens_per_s": gen_tokens / t_gen,
+                "train_s": t_train,
+                "train_tokens_per_s": metrics["tokens"] / t_train,
+                "train_all_tokens_per_s": sum(len(a) + len(b) for a, b in zip(ids, responses)) / t_train,
+                "sync_s": t_sync,
+                "switch_s": t_switch_in + t_switch_out,
+                "actor_gib_onloaded": on / GiB,
+                "actor_gib_offloaded": off / GiB,
+                "rollout_logprob_abs_diff": metrics["rollout_logprob_abs_diff"],
+            }
+        )
+        log.info("rollout %d: %s", rollout_id, json.dumps({k: round(v, 4) for k, v in figures[-1].items()}))
+
+    # The engine holds the actor's weights (the smallest tensors, exactly).
+    actor.onload()
+    mine = actor.named_tensors()
+    for name in ("model.norm.weight", "model.layers.0.input_layernorm.weight"):
+        got = torch.tensor(engine.get_weights_by_name(name, truncate_size=10**9))
+        want = mine[name].float()
+        if not torch.equal(got.float(), want):
+            sys.exit(f"FAIL: engine weight {name} differs from the actor's after sync")
+    assert engine.get_weight_version() == str(args.rollouts)
+    if not args.cpu and not figures[-1]["actor_gib_offloaded"] < 0.1 * figures[-1]["actor_gib_onloaded"]:
+        sys.exit(f"FAIL: offload left {figures[-1]['actor_gib_offloaded']:.2f} GiB on the GPU")
+
+    # torch_dist checkpoint round trip on the GPU.
+    t = time.perf_counter()
+    actor.save(str(work / "ckpt"))
+    t_save = time.perf_counter() - t
+    before = actor.state_fingerprint()
+    actor.train(args.rollouts, batch)  # move away from the saved weights
+    t = time.perf_counter()
+    actor.load(str(work / "ckpt"))
+    t_load = time.perf_counter() - t
+    if actor.state_fingerprint() != before:
+        sys.exit("FAIL: the checkpoint did not restore the weights")
+    size = sum(f.stat().st_size for f in (work / "ckpt").rglob("*") if f.is_file())
+    actor.shutdown()
+
+    steady = figures[1:] or figures
+    mean = {k: sum(f[k] for f in steady) / len(steady) for k in steady[0] if k != "rollout"}
+    device = "CPU rehearsal" if args.cpu else torch.cuda.get_device_name()
+    print("\n== rlhpc GPU check:", device, f"torch {torch.__version__} ==")
+    precision = "fp32" if args.fp32 else "bf16 + fp32 master weights"
+    optimizer = "distributed" if args.distributed_optimizer else "plain"
+    print(f"model: {args.arch} {params / 1e6:.1f}M params, {precision}, {optimizer} optimizer, colocated")
+    print(f"per rollout ({args.prompts} prompts x {args.samples} samples, <= {args.max_new_tokens} new tokens), "
+          f"mean of rollouts 1..{args.rollouts - 1}:")  # fmt: skip
+    print(f"  generate        {mean['generate_s']:.3f} s  ({mean['gen_tokens_per_s']:.0f} tokens/s, HF engine on GPU)")
+    print(f"  train step      {mean['train_s']:.3f} s  ({mean['train_all_tokens_per_s']:.0f} tokens/s incl. prompts)")
+    print(f"  weight sync     {mean['sync_s']:.3f} s  (CUDA IPC, {params * 2 / 2**20:.0f} MiB bf16)")
+    print(f"  offload/onload  {mean['switch_s']:.3f} s  (actor {mean['actor_gib_onloaded']:.2f} GiB -> "
+          f"{mean['actor_gib_offloaded']:.3f} GiB)")  # fmt: skip
+    print(f"  |actor - engine logprob| {mean['rollout_logprob_abs_diff']:.4f} per token (actor vs fp32 engine)")
+    print(f"checkpoint: save {t_save:.2f} s, load {t_load:.2f} s, {size / 2**20:.0f} MiB (torch_dist)")
+    print("OK: engine weights == actor weights, offload frees the actor's memory, checkpoint restores")
+
+
+if __name__ == "__main__":  # dist_checkpointing starts a spawn Manager: the guard is required
+    main()
