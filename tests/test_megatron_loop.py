@@ -1,0 +1,55 @@
+"""The whole loop with the megatron-core actor (actor.backend: megatron) on CPU/gloo: a real job
+started by jobs/submit.py (local executor, local Ray, CPU engine server), killed and resumed."""
+
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+from test_loop import FAST, REPO, SUBMIT, rollouts, submit
+
+from rlhpc.checkpoint import CheckpointManager
+
+pytest.importorskip("megatron.core")
+
+MEGATRON = ["actor.backend=megatron", "logging.wandb_mode=disabled"]
+
+
+def test_tp1_colocated_loop_trains(tmp_path):
+    run = tmp_path / "run"
+    p = submit(
+        run, *MEGATRON, "rollout.num_rollout=3", "eval.interval=2", "checkpoint.save_interval=null",
+        "cluster.colocate=true", "cluster.offload=true", "cluster.gpus_per_node=1",
+    )  # fmt: skip
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert rollouts(run) == [0, 1, 2]
+    ck = CheckpointManager(run / "checkpoints", 2).latest()
+    assert (ck.path / "actor" / "dist" / "metadata.json").is_file()  # torch_dist, not an HF dir
+
+
+def test_tp2_loop_killed_and_resumed(tmp_path):
+    run = tmp_path / "run"
+    overrides = [
+        *MEGATRON, "actor.megatron.tensor_model_parallel_size=2", "cluster.gpus_per_node=3",
+        "cluster.actor_num_gpus=2", "rollout.num_rollout=8", "checkpoint.save_interval=2",
+    ]  # fmt: skip
+    args = [*SUBMIT, "--run-dir", str(run), *FAST]
+    for o in overrides:
+        args += ["--set", o]
+    proc = subprocess.Popen(
+        args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO, start_new_session=True
+    )
+    deadline = time.time() + 300
+    while not (run / "checkpoints" / "rollout_000003").exists():
+        assert time.time() < deadline and proc.poll() is None, "no checkpoint within 300 s"
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)  # no chance to clean up or save
+    proc.wait()
+    resumed_from = CheckpointManager(run / "checkpoints", 2).latest().rollout_id
+    assert resumed_from >= 3 and not (run / "FINISHED").exists()
+
+    p = subprocess.run(args, capture_output=True, text=True, timeout=400, cwd=REPO)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert f"resuming from rollout_{resumed_from:06d}" in p.stdout
+    assert rollouts(run) == list(range(8))  # every rollout exactly once
