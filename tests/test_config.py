@@ -113,3 +113,27 @@ def test_shipped_configs_load():
 
     for f in sorted((Path(__file__).parent.parent / "jobs" / "configs").glob("*.yaml")):
         load_config(f)
+
+
+def test_megatron_layout_errors():
+    megatron = ["actor.backend=megatron", "cluster.gpus_per_node=4", "cluster.actor_num_gpus=3"]
+    assert "does not divide cluster.actor_num_gpus = 3" in error(
+        [*megatron, "actor.megatron.tensor_model_parallel_size=2"]
+    )
+    msg = error([*megatron, "cluster.actor_num_gpus=4", "actor.megatron.tensor_model_parallel_size=4",
+                 "cluster.gpus_per_node=2", "cluster.num_nodes=4"])  # fmt: skip
+    assert "across nodes" in msg
+    # the tiny model has 4 heads and 2 key/value heads: TP=4 cannot split the kv heads
+    msg = error(["actor.backend=megatron", "cluster.gpus_per_node=5", "cluster.actor_num_gpus=4",
+                 "actor.megatron.tensor_model_parallel_size=4"])  # fmt: skip
+    assert "key/value heads (2)" in msg
+    cfg = load_config(None, [*TINY, "actor.backend=megatron", "cluster.gpus_per_node=3", "cluster.actor_num_gpus=2",
+                             "actor.megatron.tensor_model_parallel_size=2"])  # fmt: skip
+    assert cfg.actor.megatron.tensor_model_parallel_size == 2
+
+
+def test_sglang_options_are_checked():
+    assert "must be in (0, 1)" in error(["rollout.backend=sglang", "rollout.sglang.mem_fraction_static=1.5"])
+    assert "rollout.sglang.extra_args[0] must be str" in error(["rollout.sglang.extra_args=[7]"])
+    cfg = load_config(None, [*TINY, "rollout.backend=sglang", "rollout.sglang.extra_args=[--dtype, bfloat16]"])
+    assert cfg.rollout.sglang.extra_args == ["--dtype", "bfloat16"]
