@@ -95,8 +95,8 @@ class MegatronConfig:
     """megatron-core options (``actor.backend: megatron``). DP = actor_num_gpus / TP."""
 
     tensor_model_parallel_size: int = 1
-    # Shard optimizer state over data-parallel ranks (needs Transformer Engine or apex). Its
-    # checkpoints resume only at the same actor layout; the plain optimizer's reshard to any TP/DP.
+    # Shard optimizer state over data-parallel ranks. Its checkpoints resume at another DP size
+    # but the same TP size; the plain optimizer's reshard to any TP/DP.
     use_distributed_optimizer: bool = False
     bf16: bool = False  # bf16 params/compute with fp32 master weights (GPU); fp32 otherwise
 

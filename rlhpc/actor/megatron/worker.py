@@ -63,8 +63,9 @@ log = logging.getLogger(__name__)
 DIST_SUBDIR = "dist"  # torch_dist checkpoint of model + optimizer, inside ckpt/actor/
 BACKEND = "megatron"
 # The distributed optimizer's torch_dist format: "dp_reshardable" (Megatron-LM's default) saves
-# its buffers as they are, fully parallel; rlhpc resumes it only at the layout that wrote it.
-# The plain optimizer's state follows the model's sharding and loads at any TP/DP.
+# its buffers as they are, fully parallel, and loads at another DP size but not another TP
+# size. ("fully_reshardable" would allow both, but in megatron-core 0.16 it fails to load
+# with torch's own Adam: KeyError 'step'.) The plain optimizer's state loads at any TP/DP.
 SHARDING_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 
 
@@ -95,17 +96,6 @@ class MegatronTrainWorker(RankBase):
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-        if self.mcfg.use_distributed_optimizer:
-            from megatron.core.optimizer.distrib_optimizer import HAVE_APEX_OR_TE
-
-            if not HAVE_APEX_OR_TE:
-                raise RlhpcError(
-                    "actor.megatron.use_distributed_optimizer needs Transformer Engine or apex (fused Adam): "
-                    "with torch's Adam, megatron-core 0.16's distributed-optimizer checkpoints do not "
-                    "restore the Adam moments, so a resumed job would train differently",
-                    "install transformer-engine (or apex) in the job's environment, or set "
-                    "actor.megatron.use_distributed_optimizer: false",
-                )
         tp = self.mcfg.tensor_model_parallel_size
         mpu.initialize_model_parallel(tensor_model_parallel_size=tp)
         model_parallel_cuda_manual_seed(self.cfg.seed)
@@ -216,20 +206,19 @@ class MegatronTrainWorker(RankBase):
                 f"checkpoint {d} was not written by the megatron actor (backend {meta.get('backend', 'torch')!r})",
                 "resume with the actor.backend that wrote it, or start a new run directory",
             )
-        layout = (meta.get("world_size"), meta.get("tensor_model_parallel_size"))
-        if meta.get("use_distributed_optimizer") and layout != (self.world_size, self.tp_size):
+        saved_tp = meta.get("tensor_model_parallel_size")
+        if meta.get("use_distributed_optimizer") and saved_tp != self.tp_size:
             raise RlhpcError(
-                f"checkpoint {d} holds distributed-optimizer state for {layout[0]} ranks at TP={layout[1]}; "
-                f"this actor has {self.world_size} ranks at TP={self.tp_size}",
-                "resume with the same actor layout (cluster.actor_num_gpus, "
-                "actor.megatron.tensor_model_parallel_size), or convert the weights "
-                "(tools/convert_checkpoint.py) and start a new run",
+                f"checkpoint {d} holds distributed-optimizer state at TP={saved_tp}; this actor runs at TP={self.tp_size}",
+                "resume at the same actor.megatron.tensor_model_parallel_size (the data-parallel size may change), "
+                "or convert the weights (tools/convert_checkpoint.py) and start a new run",
             )
         self._create_optimizer_state()
         state = dist_checkpointing.load(self._sharded_state_dict(is_loading=True), str(d / DIST_SUBDIR))
         self.gpt.load_state_dict(state["model"], strict=False)
         with torch.no_grad():  # it copies into fp32 main params that are views of leaf params
             self.optimizer.load_state_dict(state["optimizer"])
+        self._unshare_adam_steps()
         self.optimizer_steps = int(meta.get("optimizer_steps", 0))
         rng = d / rng_file(self.rank)
         if rng.is_file() and meta.get("world_size") == self.world_size:
@@ -253,6 +242,19 @@ class MegatronTrainWorker(RankBase):
         for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
             if hasattr(opt, "_init_optimizer_states_with_dummy_values") and not opt.optimizer.state:
                 opt._init_optimizer_states_with_dummy_values()
+
+    def _unshare_adam_steps(self) -> None:
+        """One ``step`` tensor per parameter after a load.
+
+        megatron-core 0.16's distributed optimizer, with torch's Adam, loads the common step as
+        *one* tensor shared by every parameter's state; Adam increments each parameter's step in
+        place, so a resumed job would count every step N times (wrong bias correction).
+        """
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            inner = getattr(opt, "optimizer", None)
+            for state in getattr(inner, "state", {}).values():
+                if isinstance(state.get("step"), torch.Tensor):
+                    state["step"] = state["step"].clone()
 
     # ------------------------------------------------------------------ training
 
