@@ -94,7 +94,7 @@ def test_two_ranks_train_in_lockstep(ray_cluster: None, model_path: str) -> None
         g.train(3, make_batch(3, seed=3))
         fp = g.fingerprints()
         assert fp[0] == fp[1] != prev
-        with pytest.raises(RlhpcError, match="samples for 2 actor ranks"):
+        with pytest.raises(RlhpcError, match="samples for 2 data-parallel actor ranks"):
             g.train(4, make_batch(1, seed=4))
 
         ray.kill(g.workers[1])

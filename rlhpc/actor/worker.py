@@ -183,6 +183,40 @@ class RankBase:
             steps.append([batch.slice(i, min(i + mbs, stop)) for i in range(start, stop, mbs)])
         return steps
 
+    # ------------------------------------------------------------------ loss and metrics
+
+    def _grpo_loss(self, logprobs: torch.Tensor, item: dict[str, torch.Tensor], sums: dict[str, float]) -> torch.Tensor:
+        """A micro-batch's loss (policy + KL penalty); adds its token-weighted terms to ``sums``."""
+        algo = self.cfg.algo
+        tokens = float(item["mask"].sum())
+        pg, clipfrac = policy_loss(logprobs, item["old"], item["adv"], item["mask"], algo.eps_clip, algo.eps_clip_high)
+        loss = pg
+        if "ref" in item:
+            kl = masked_mean(kl_k3(logprobs, item["ref"]), item["mask"])
+            loss = loss + algo.kl_coef * kl
+            sums["kl"] += float(kl.detach()) * tokens
+        sums["pg_loss"] += float(pg.detach()) * tokens
+        sums["clipfrac"] += float(clipfrac.detach()) * tokens
+        return loss
+
+    def _rollout_metrics(
+        self, sums: dict[str, float], local_tokens: float, grad_norms: list[float], skipped: int, group=None
+    ) -> dict[str, float]:
+        """Token means over the whole rollout (summed over the data-parallel ``group``) + step stats."""
+        keys = list(sums)
+        totals = self._all_reduce_sum([sums[k] for k in keys] + [local_tokens], group=group)
+        tokens = max(totals[-1], 1.0)
+        # every token is in exactly one minibatch, so these are token means over the rollout
+        metrics = {k: v / tokens for k, v in zip(keys, totals[:-1])}
+        metrics["loss"] = metrics["pg_loss"] + self.cfg.algo.kl_coef * metrics["kl"]
+        finite = [g for g in grad_norms if math.isfinite(g)]  # already global (post all-reduce)
+        metrics["grad_norm"] = sum(finite) / len(finite) if finite else float("nan")
+        metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
+        metrics["tokens"] = totals[-1]
+        metrics["optimizer_steps"] = float(self.optimizer_steps)
+        metrics["skipped_steps"] = float(skipped)
+        return metrics
+
     # ------------------------------------------------------------------ weight sync
 
     def connect_rollout(self, engine_urls: list[str], engine_world_sizes: list[int], colocate: bool) -> None:
@@ -334,7 +368,7 @@ class TrainWorker(RankBase):
     def train(self, rollout_id: int, batch: RolloutBatch) -> dict[str, float]:
         """``num_steps_per_rollout`` optimizer steps on this rank's shard; returns global metrics."""
         self.onload()  # the driver may have offloaded us for generation; no-op otherwise
-        a, algo = self.cfg.actor, self.cfg.algo
+        a = self.cfg.actor
         steps = self._micro_batches(batch)
         # Tensors per micro-batch, padded once and reused by the old/ref pass and every step.
         prepared: list[list[dict[str, torch.Tensor]]] = []
@@ -371,18 +405,9 @@ class TrainWorker(RankBase):
                 tokens = float(it["mask"].sum())
                 with self.ddp.no_sync() if j < len(mbs) - 1 else nullcontext():
                     _, logprobs = self._logits_logprobs(self.ddp, it["ids"], it["attn"])
-                    pg, clipfrac = policy_loss(
-                        logprobs, it["old"], it["adv"], it["mask"], algo.eps_clip, algo.eps_clip_high
-                    )
-                    loss = pg
-                    if "ref" in it:
-                        kl = masked_mean(kl_k3(logprobs, it["ref"]), it["mask"])
-                        loss = loss + algo.kl_coef * kl
-                        loss_sums["kl"] += float(kl.detach()) * tokens
+                    loss = self._grpo_loss(logprobs, it, loss_sums)
                     # token share of the global minibatch, times world size to undo DDP's averaging
                     (loss * (tokens * self.world_size / global_tokens)).backward()
-                loss_sums["pg_loss"] += float(pg.detach()) * tokens
-                loss_sums["clipfrac"] += float(clipfrac.detach()) * tokens
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.module.parameters(), a.grad_clip))
             grad_norms.append(grad_norm)
             if math.isfinite(grad_norm):
@@ -395,17 +420,7 @@ class TrainWorker(RankBase):
                     "rank %d: rollout %d step %d: grad norm %s, step skipped", self.rank, rollout_id, k, grad_norm
                 )
 
-        keys = list(loss_sums) + list(sums)
-        totals = self._all_reduce_sum([loss_sums[k] for k in loss_sums] + [sums[k] for k in sums] + [local_tokens])
-        tokens = max(totals[-1], 1.0)
-        # every token is in exactly one minibatch, so these are token means over the rollout
-        metrics = {k: v / tokens for k, v in zip(keys, totals[:-1])}
-        metrics["loss"] = metrics["pg_loss"] + algo.kl_coef * metrics["kl"]
-        metrics["grad_norm"] = sum(grad_norms) / len(grad_norms)  # already global (post all-reduce)
-        metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
-        metrics["tokens"] = totals[-1]
-        metrics["optimizer_steps"] = float(self.optimizer_steps)
-        metrics["skipped_steps"] = float(skipped)
+        metrics = self._rollout_metrics({**loss_sums, **sums}, local_tokens, grad_norms, skipped)
         if self.rank == 0:
             log.debug("rollout %d: %s", rollout_id, ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
         return metrics

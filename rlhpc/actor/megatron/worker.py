@@ -25,7 +25,6 @@ import contextlib
 import hashlib
 import json
 import logging
-import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -52,7 +51,6 @@ from rlhpc.actor.worker import (
     rng_file,
     set_rng_state,
 )
-from rlhpc.algo.grpo import kl_k3, masked_mean, policy_loss
 from rlhpc.batch import RolloutBatch
 from rlhpc.config import Config
 from rlhpc.errors import RlhpcError
@@ -298,7 +296,6 @@ class MegatronTrainWorker(RankBase):
     def train(self, rollout_id: int, batch: RolloutBatch) -> dict[str, float]:
         """``num_steps_per_rollout`` optimizer steps on this data-parallel shard; returns global metrics."""
         self.onload()
-        algo = self.cfg.algo
         prepared: list[list[dict[str, torch.Tensor]]] = []
         sums = {"entropy": 0.0, "rollout_logprob_abs_diff": 0.0}
         local_tokens = 0.0
@@ -333,18 +330,9 @@ class MegatronTrainWorker(RankBase):
             for it in mbs:
                 tokens = float(it["mask"].sum())
                 logprobs = self._logprobs(self._masked_logits(self.model, it["ids"]), it["ids"])
-                pg, clipfrac = policy_loss(
-                    logprobs, it["old"], it["adv"], it["mask"], algo.eps_clip, algo.eps_clip_high
-                )
-                loss = pg
-                if "ref" in it:
-                    kl = masked_mean(kl_k3(logprobs, it["ref"]), it["mask"])
-                    loss = loss + algo.kl_coef * kl
-                    loss_sums["kl"] += float(kl.detach()) * tokens
+                loss = self._grpo_loss(logprobs, it, loss_sums)
                 # token share of the global minibatch, times DP size to undo megatron DDP's averaging
                 (loss * (tokens * self.dp_size / global_tokens)).backward()
-                loss_sums["pg_loss"] += float(pg.detach()) * tokens
-                loss_sums["clipfrac"] += float(clipfrac.detach()) * tokens
             self.model.finish_grad_sync()  # the data-parallel all-reduce (or reduce-scatter)
             if not self._grads_finite():
                 skipped += 1
@@ -358,20 +346,7 @@ class MegatronTrainWorker(RankBase):
             else:
                 skipped += 1
 
-        keys = list(loss_sums) + list(sums)
-        totals = self._all_reduce_sum(
-            [loss_sums[k] for k in loss_sums] + [sums[k] for k in sums] + [local_tokens], group=self.dp_group
-        )
-        tokens = max(totals[-1], 1.0)
-        metrics = {k: v / tokens for k, v in zip(keys, totals[:-1])}
-        metrics["loss"] = metrics["pg_loss"] + algo.kl_coef * metrics["kl"]
-        finite = [g for g in grad_norms if math.isfinite(g)]
-        metrics["grad_norm"] = sum(finite) / len(finite) if finite else float("nan")
-        metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
-        metrics["tokens"] = totals[-1]
-        metrics["optimizer_steps"] = float(self.optimizer_steps)
-        metrics["skipped_steps"] = float(skipped)
-        return metrics
+        return self._rollout_metrics({**loss_sums, **sums}, local_tokens, grad_norms, skipped, group=self.dp_group)
 
     # ------------------------------------------------------------------ HF view of the weights
 
