@@ -204,6 +204,11 @@ class MegatronTrainWorker(RankBase):
                 f"checkpoint {d} was not written by the megatron actor (backend {meta.get('backend', 'torch')!r})",
                 "resume with the actor.backend that wrote it, or start a new run directory",
             )
+        if meta.get("weights_only"):
+            raise RlhpcError(
+                f"{d} holds weights only (tools/convert_checkpoint.py from-hf), not a run to resume",
+                "start a run from the HF model with model.path, or convert it back with to-hf",
+            )
         saved_tp = meta.get("tensor_model_parallel_size")
         if meta.get("use_distributed_optimizer") and saved_tp != self.tp_size:
             raise RlhpcError(
