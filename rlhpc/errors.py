@@ -26,3 +26,14 @@ class ConfigError(RlhpcError):
 
 class RunDirError(RlhpcError):
     """The run directory cannot be used as asked (unwritable, holds another run, ...)."""
+
+
+class WeightPushFailed(RlhpcError):
+    """Pushing weights to the engines failed on their side (an engine died or refused a bucket)."""
+
+    def __init__(self, version: int, reason: str):
+        super().__init__(
+            f"pushing weight version {version} to the engines failed: {reason}",
+            "see the engine logs (RUN_DIR/logs/engines/); engines that died are restarted and the push repeated",
+        )
+        self.version = version

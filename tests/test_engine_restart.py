@@ -121,6 +121,53 @@ def test_dead_engines_are_restarted_resynced_and_limited(model_path: str, tmp_pa
         ray.shutdown()
 
 
+class KillBeforePush:
+    """The actor, except that engine ``e``'s server is SIGKILLed as a push begins (after the
+    rollout group's health check): the push fails on the engines' side, mid-update."""
+
+    def __init__(self, actor: ActorGroup, rollout: RolloutGroup, e: int):
+        self.actor, self.rollout, self.e, self.armed = actor, rollout, e, False
+
+    def connect_rollout(self, *args: object) -> None:
+        self.actor.connect_rollout(*args)
+
+    def update_weights(self, version: int) -> None:
+        if self.armed:
+            self.armed = False
+            kill_engine(self.rollout, self.e)
+        self.actor.update_weights(version)
+
+
+def test_engine_killed_during_a_weight_push(model_path: str, tmp_path: Path) -> None:
+    """Every rank finishes the failed push; the dead engine is restarted and the push repeated."""
+    cfg = Config(deterministic=True)
+    cfg.cluster.gpus_per_node, cfg.cluster.actor_num_gpus, cfg.cluster.rollout_num_gpus = 4, 2, 2
+    cfg.rollout.rollout_batch_size, cfg.rollout.n_samples_per_prompt, cfg.rollout.max_new_tokens = 8, 4, 6
+    cfg.actor.lr = 5e-2
+    ray.init(num_cpus=4, num_gpus=4, include_dashboard=False, log_to_driver=False)
+    layout = plan_layout(cfg.cluster)
+    placement = create_placement(layout.num_slots)
+    actor = ActorGroup(cfg, model_path, placement, layout.actor_slots)
+    rollout = RolloutGroup(cfg, model_path, placement, layout, tmp_path / "engines")
+    try:
+        source = KillBeforePush(actor, rollout, 1)
+        rollout.connect_weights(source)
+        rollout.sync_weights(0)
+        batch, _, _ = rollout.generate(0)
+        actor.train(0, batch)
+        source.armed = True
+        rollout.sync_weights(1)
+        assert rollout.restarts == [0, 1] and not source.armed
+        for e in (0, 1):
+            assert_engine_matches_actor(rollout, e, actor, 1)
+        rollout.generate(1)  # and generation goes on
+    finally:
+        rollout.shutdown()
+        actor.shutdown()
+        placement.remove()
+        ray.shutdown()
+
+
 def test_train_survives_a_killed_engine(tmp_path: Path) -> None:
     """Through jobs/submit.py and rlhpc.driver.train: an engine killed mid-run costs nothing."""
     run = tmp_path / "run"

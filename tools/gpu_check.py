@@ -121,7 +121,8 @@ def run(cfg: Config, model_path: str, engine: EngineClient, args: argparse.Names
     params = sum(p.numel() for p in actor.gpt.parameters())
     log.info("actor up in %.1fs: %.1fM params, %s", time.perf_counter() - t0, params / 1e6, gpu_gib())
     actor.connect_rollout([engine.base_url], [1], colocate=True)
-    actor.update_weights(0)
+    if err := actor.update_weights(0):
+        sys.exit(f"FAIL: weight push: {err}")
 
     tok = load_tokenizer(model_path)
     task = TASKS["digit_sum"]
@@ -167,7 +168,8 @@ def run(cfg: Config, model_path: str, engine: EngineClient, args: argparse.Names
         engine.resume_memory_occupation()
         t_switch_out = time.perf_counter() - t
         t = time.perf_counter()
-        actor.update_weights(rollout_id + 1)
+        if err := actor.update_weights(rollout_id + 1):
+            sys.exit(f"FAIL: weight push: {err}")
         t_sync = time.perf_counter() - t
         gen_tokens = sum(len(r) for r in responses)
         figures.append(

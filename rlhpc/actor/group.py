@@ -20,7 +20,7 @@ from rlhpc.actor.worker import RankBase, TrainWorker
 from rlhpc.batch import RolloutBatch
 from rlhpc.cluster.placement import Placement
 from rlhpc.config import Config
-from rlhpc.errors import RlhpcError
+from rlhpc.errors import RlhpcError, WeightPushFailed
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +119,10 @@ class ActorGroup:
         self._call("connect_rollout", engine_urls, engine_world_sizes, colocate)
 
     def update_weights(self, version: int) -> None:
-        self._call("update_weights", version)
+        """Raises ``WeightPushFailed`` when the engines' side failed; the ranks stay usable."""
+        error = self._call("update_weights", version)[0]
+        if error is not None:
+            raise WeightPushFailed(version, error)
 
     def offload(self) -> None:
         self._call("offload")

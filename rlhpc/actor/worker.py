@@ -30,6 +30,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from rlhpc.algo.grpo import kl_k3, masked_mean, policy_loss
 from rlhpc.batch import RolloutBatch
 from rlhpc.config import Config
+from rlhpc.errors import RlhpcError
 from rlhpc.model import load_model, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -245,12 +246,23 @@ class RankBase:
         # the GPU one tensor at a time, so the peak is one bucket, not the model.
         return torch.device("cpu") if self.backend == "gloo" else self.device
 
-    def update_weights(self, version: int) -> None:
-        """Push the current weights (HF names) to all engines as ``version``. Works while offloaded."""
+    def update_weights(self, version: int) -> str | None:
+        """Push the current weights (HF names) to all engines as ``version``. Works while offloaded.
+
+        Returns None, or (rank 0) why the push failed on the engines' side (one died or
+        refused): every rank still completes the call, so the caller can restart the engine,
+        connect again and push again instead of leaving the other ranks stuck in a collective.
+        """
         if self.rank == 0 and self.sender is None:
             raise RuntimeError("update_weights before connect_rollout: no weight sender")
-        self._send_weights(version)
+        error = None
+        try:
+            self._send_weights(version)
+        except RlhpcError as e:
+            error = str(e)
+            log.warning("rank %d: weight push %d failed: %s", self.rank, version, error)
         self._barrier()
+        return error
 
     def _send_weights(self, version: int) -> None:
         raise NotImplementedError

@@ -28,7 +28,7 @@ from rlhpc.batch import RolloutBatch
 from rlhpc.cluster.layout import Layout
 from rlhpc.cluster.placement import Placement
 from rlhpc.config import Config
-from rlhpc.errors import RlhpcError
+from rlhpc.errors import RlhpcError, WeightPushFailed
 from rlhpc.model import load_tokenizer
 from rlhpc.rollout.buffer import DataBuffer
 from rlhpc.rollout.client import EngineClient, EngineUnavailable
@@ -270,8 +270,21 @@ class RolloutGroup:
         self._restart_dead()
         if self._reconnect:
             self.connect_weights(self._weights)
-        self._weights.update_weights(version)
+        self._push(version)
         self.weight_version = version
+
+    def _push(self, version: int) -> None:
+        """Push ``version``; engines that died during the push are restarted and the push repeated
+        (bounded: each repeat restarts at least one engine, at most max_engine_restarts each)."""
+        while True:
+            try:
+                self._weights.update_weights(version)
+                return
+            except WeightPushFailed as e:
+                if not self._restart_dead():
+                    raise  # every engine answers: a refusal, not a death
+                log.warning("weight push %d: engine died during the push; pushing again (%s)", version, e.problem)
+                self.connect_weights(self._weights)
 
     def ensure_engines(self) -> None:
         """Cheap check before generating: restart engines that are down, bring them to the current weights."""
@@ -327,7 +340,7 @@ class RolloutGroup:
             return  # never connected: every engine serves the weights on disk, as the restarted one does
         self.connect_weights(self._weights)
         if self.weight_version is not None:
-            self._weights.update_weights(self.weight_version)
+            self._push(self.weight_version)
             log.info("engines re-synced to weight version %d", self.weight_version)
 
     def _on_engines(self, fn: Callable[[EngineClient], Any], again_on_restarted: bool) -> None:

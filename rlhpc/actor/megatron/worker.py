@@ -384,10 +384,11 @@ class MegatronTrainWorker(RankBase):
             return  # one data-parallel replica gathers; the others hold the same weights
         device = self._send_device()
         named = ((n, t.to(device)) for n, t in self._hf_tensors(lambda p: p.detach()))
-        if self.rank == 0:
-            self.sender.send(named, version)
-        else:
-            for _ in named:  # take part in the TP gathers
+        try:
+            if self.rank == 0:
+                self.sender.send(named, version)
+        finally:
+            for _ in named:  # take part in the TP gathers (rank 0 too, after a failed send)
                 pass
 
     # ------------------------------------------------------------------ memory
