@@ -36,6 +36,20 @@ def rollouts(run_dir: Path) -> list[int]:
     return [r["rollout_id"] for r in read_metrics(run_dir) if r["kind"] == "rollout"]
 
 
+def kill_when(args: list[str], path: Path, timeout: float = 300) -> None:
+    """Run a job until ``path`` exists, then SIGKILL it all: no chance to clean up or save."""
+    # A new session, like a terminal: Ctrl-C reaches submit.py, the job and its Ray together.
+    proc = subprocess.Popen(
+        args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO, start_new_session=True
+    )
+    deadline = time.time() + timeout
+    while not path.exists():
+        assert time.time() < deadline and proc.poll() is None, f"no {path.name} within {timeout:.0f} s"
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
 def test_embedded_loop_end_to_end(tmp_path):
     run = tmp_path / "run"
     p = submit(run, "rollout.num_rollout=5", "checkpoint.save_interval=2", "eval.interval=2")
@@ -68,16 +82,7 @@ def test_killed_run_resumes_from_last_checkpoint(tmp_path):
         "--set",
         "checkpoint.save_interval=2",
     ]
-    # A new session, like a terminal: Ctrl-C reaches submit.py, the job and its Ray together.
-    proc = subprocess.Popen(
-        args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO, start_new_session=True
-    )
-    deadline = time.time() + 240
-    while not (run / "checkpoints" / "rollout_000005").exists():
-        assert time.time() < deadline and proc.poll() is None, "no checkpoint within 240 s"
-        time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGKILL)  # no chance to clean up or save
-    proc.wait()
+    kill_when(args, run / "checkpoints" / "rollout_000005")
     resumed_from = CheckpointManager(run / "checkpoints", 2).latest().rollout_id
     assert resumed_from >= 5 and not (run / "FINISHED").exists()
 

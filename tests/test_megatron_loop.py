@@ -1,13 +1,10 @@
 """The whole loop with the megatron-core actor (actor.backend: megatron) on CPU/gloo: a real job
 started by jobs/submit.py (local executor, local Ray, CPU engine server), killed and resumed."""
 
-import os
-import signal
 import subprocess
-import time
 
 import pytest
-from test_loop import FAST, REPO, SUBMIT, rollouts, submit
+from test_loop import FAST, REPO, SUBMIT, kill_when, rollouts, submit
 
 from rlhpc.checkpoint import CheckpointManager
 
@@ -37,15 +34,7 @@ def test_tp2_loop_killed_and_resumed(tmp_path):
     args = [*SUBMIT, "--run-dir", str(run), *FAST]
     for o in overrides:
         args += ["--set", o]
-    proc = subprocess.Popen(
-        args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO, start_new_session=True
-    )
-    deadline = time.time() + 300
-    while not (run / "checkpoints" / "rollout_000003").exists():
-        assert time.time() < deadline and proc.poll() is None, "no checkpoint within 300 s"
-        time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGKILL)  # no chance to clean up or save
-    proc.wait()
+    kill_when(args, run / "checkpoints" / "rollout_000003")
     resumed_from = CheckpointManager(run / "checkpoints", 2).latest().rollout_id
     assert resumed_from >= 3 and not (run / "FINISHED").exists()
 
