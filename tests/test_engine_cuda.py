@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 from server_process import start_server, stop_server
+from test_weight_sync import assert_engine_holds, assert_generation_matches, named, trainer_model
 
 from rlhpc.errors import RlhpcError
-from rlhpc.model import TinyModelConfig, build_tiny_model, load_model, load_tokenizer
+from rlhpc.model import TinyModelConfig, build_tiny_model, load_model
 from rlhpc.rollout.client import EngineClient
-from rlhpc.rollout.sampling import sample
 from rlhpc.rollout.weight_sync import DistributedWeightSender, TensorWeightSender
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -38,34 +38,6 @@ def engine(model_path: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     yield EngineClient(url, timeout_s=120)
     stop_server(proc)
     assert proc.returncode == 0, Path(work / "gpu.log").read_text()
-
-
-def trainer_model(model_path: str, seed: int, device: str) -> torch.nn.Module:
-    model = load_model(model_path, device)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_((torch.randn(p.shape, generator=g) * 0.05).to(device))
-    return model
-
-
-def named(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    for name, p in model.named_parameters():
-        yield name, p.detach()
-
-
-def assert_engine_holds(client: EngineClient, model: torch.nn.Module) -> None:
-    for name, p in model.named_parameters():
-        got = torch.tensor(client.get_weights_by_name(name, truncate_size=1 << 20), dtype=p.dtype)
-        assert torch.equal(got, p.detach().cpu()), f"{name} differs"
-
-
-def assert_generation_matches(client: EngineClient, model: torch.nn.Module, model_path: str) -> None:
-    tok = load_tokenizer(model_path)
-    ids = [[tok.bos_token_id, *tok(t, add_special_tokens=False).input_ids] for t in ("3+4=", "abc")]
-    outs = client.generate(input_ids=ids, sampling_params={"max_new_tokens": 8, "temperature": 0})
-    ref = sample(model, ids, [8, 8], [0.0, 0.0], [1.0, 1.0], [None, None], tok.eos_token_id, tok.pad_token_id)
-    assert [o["output_ids"] for o in outs] == [r.output_ids for r in ref]
 
 
 def reserved(client: EngineClient) -> int:

@@ -44,13 +44,13 @@ def engines(model_path: str, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         assert proc.returncode == 0
 
 
-def trainer_model(model_path: str, seed: int) -> torch.nn.Module:
+def trainer_model(model_path: str, seed: int, device: str = "cpu") -> torch.nn.Module:
     """The engine's model with every parameter moved: a trainer a few steps ahead."""
-    model = load_model(model_path)
+    model = load_model(model_path, device)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+            p.add_((torch.randn(p.shape, generator=g) * 0.05).to(device))
     return model
 
 
@@ -62,7 +62,7 @@ def named(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 def assert_engine_holds(client: EngineClient, model: torch.nn.Module) -> None:
     for name, p in model.named_parameters():
         got = torch.tensor(client.get_weights_by_name(name, truncate_size=1 << 20), dtype=p.dtype)
-        assert torch.equal(got, p.detach()), f"{client.base_url}: {name} differs"
+        assert torch.equal(got, p.detach().cpu()), f"{client.base_url}: {name} differs"
 
 
 def assert_generation_matches(client: EngineClient, model: torch.nn.Module, model_path: str) -> None:
