@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -66,18 +67,36 @@ def model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(build_tiny_model(tmp_path_factory.mktemp("m") / "tiny", TinyModelConfig()))
 
 
-def test_dead_engines_are_restarted_resynced_and_limited(model_path: str, tmp_path: Path) -> None:
+def restart_cfg(actor_gpus: int) -> Config:
+    """Two CPU engines beside ``actor_gpus`` training ranks, small rollouts, a large step size."""
     cfg = Config(deterministic=True)
-    cfg.cluster.gpus_per_node, cfg.cluster.actor_num_gpus, cfg.cluster.rollout_num_gpus = 3, 1, 2
+    cfg.cluster.gpus_per_node, cfg.cluster.actor_num_gpus, cfg.cluster.rollout_num_gpus = actor_gpus + 2, actor_gpus, 2
     cfg.rollout.rollout_batch_size, cfg.rollout.n_samples_per_prompt, cfg.rollout.max_new_tokens = 8, 4, 6
-    cfg.rollout.max_engine_restarts = 1
     cfg.actor.lr = 5e-2  # one step moves the weights away from the ones on disk
-    ray.init(num_cpus=4, num_gpus=3, include_dashboard=False, log_to_driver=False)
+    return cfg
+
+
+@contextmanager
+def groups(cfg: Config, model_path: str, log_dir: Path) -> Iterator[tuple[ActorGroup, RolloutGroup]]:
+    """A local Ray with the layout's GPUs declared, the actor and rollout groups; all torn down after."""
+    ray.init(num_cpus=4, num_gpus=cfg.cluster.gpus_per_node, include_dashboard=False, log_to_driver=False)
     layout = plan_layout(cfg.cluster)
     placement = create_placement(layout.num_slots)
     actor = ActorGroup(cfg, model_path, placement, layout.actor_slots)
-    rollout = RolloutGroup(cfg, model_path, placement, layout, tmp_path / "engines")
+    rollout = RolloutGroup(cfg, model_path, placement, layout, log_dir)
     try:
+        yield actor, rollout
+    finally:
+        rollout.shutdown()
+        actor.shutdown()
+        placement.remove()
+        ray.shutdown()
+
+
+def test_dead_engines_are_restarted_resynced_and_limited(model_path: str, tmp_path: Path) -> None:
+    cfg = restart_cfg(actor_gpus=1)
+    cfg.rollout.max_engine_restarts = 1
+    with groups(cfg, model_path, tmp_path / "engines") as (actor, rollout):
         rollout.connect_weights(actor)
         rollout.sync_weights(0)
         batch, _, _ = rollout.generate(0)
@@ -114,11 +133,6 @@ def test_dead_engines_are_restarted_resynced_and_limited(model_path: str, tmp_pa
         msg = str(err.value)
         assert "rollout engine 1" in msg and rollout.engine_logs[1] in msg
         assert "rollout.max_engine_restarts = 1" in msg and "fix:" in msg
-    finally:
-        rollout.shutdown()
-        actor.shutdown()
-        placement.remove()
-        ray.shutdown()
 
 
 class KillBeforePush:
@@ -140,16 +154,7 @@ class KillBeforePush:
 
 def test_engine_killed_during_a_weight_push(model_path: str, tmp_path: Path) -> None:
     """Every rank finishes the failed push; the dead engine is restarted and the push repeated."""
-    cfg = Config(deterministic=True)
-    cfg.cluster.gpus_per_node, cfg.cluster.actor_num_gpus, cfg.cluster.rollout_num_gpus = 4, 2, 2
-    cfg.rollout.rollout_batch_size, cfg.rollout.n_samples_per_prompt, cfg.rollout.max_new_tokens = 8, 4, 6
-    cfg.actor.lr = 5e-2
-    ray.init(num_cpus=4, num_gpus=4, include_dashboard=False, log_to_driver=False)
-    layout = plan_layout(cfg.cluster)
-    placement = create_placement(layout.num_slots)
-    actor = ActorGroup(cfg, model_path, placement, layout.actor_slots)
-    rollout = RolloutGroup(cfg, model_path, placement, layout, tmp_path / "engines")
-    try:
+    with groups(restart_cfg(actor_gpus=2), model_path, tmp_path / "engines") as (actor, rollout):
         source = KillBeforePush(actor, rollout, 1)
         rollout.connect_weights(source)
         rollout.sync_weights(0)
@@ -161,11 +166,6 @@ def test_engine_killed_during_a_weight_push(model_path: str, tmp_path: Path) -> 
         for e in (0, 1):
             assert_engine_matches_actor(rollout, e, actor, 1)
         rollout.generate(1)  # and generation goes on
-    finally:
-        rollout.shutdown()
-        actor.shutdown()
-        placement.remove()
-        ray.shutdown()
 
 
 def test_train_survives_a_killed_engine(tmp_path: Path) -> None:
