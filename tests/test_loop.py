@@ -25,11 +25,16 @@ FAST = [
 ]  # fmt: skip
 
 
-def submit(run_dir: Path, *overrides: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def job_args(run_dir: Path, *overrides: str) -> list[str]:
+    """The jobs/submit.py command line for a fast local job with ``--set`` overrides."""
     args = [*SUBMIT, "--run-dir", str(run_dir), *FAST]
     for o in overrides:
         args += ["--set", o]
-    return subprocess.run(args, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    return args
+
+
+def submit(run_dir: Path, *overrides: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(job_args(run_dir, *overrides), capture_output=True, text=True, timeout=timeout, cwd=REPO)
 
 
 def rollouts(run_dir: Path) -> list[int]:
@@ -72,16 +77,7 @@ def test_embedded_loop_end_to_end(tmp_path):
 
 def test_killed_run_resumes_from_last_checkpoint(tmp_path):
     run = tmp_path / "run"
-    args = [
-        *SUBMIT,
-        "--run-dir",
-        str(run),
-        *FAST,
-        "--set",
-        "rollout.num_rollout=30",
-        "--set",
-        "checkpoint.save_interval=2",
-    ]
+    args = job_args(run, "rollout.num_rollout=30", "checkpoint.save_interval=2")
     kill_when(args, run / "checkpoints" / "rollout_000005")
     resumed_from = CheckpointManager(run / "checkpoints", 2).latest().rollout_id
     assert resumed_from >= 5 and not (run / "FINISHED").exists()

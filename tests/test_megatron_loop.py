@@ -4,7 +4,7 @@ started by jobs/submit.py (local executor, local Ray, CPU engine server), killed
 import subprocess
 
 import pytest
-from test_loop import FAST, REPO, SUBMIT, kill_when, rollouts, submit
+from test_loop import REPO, job_args, kill_when, rollouts, submit
 
 from rlhpc.checkpoint import CheckpointManager
 
@@ -31,9 +31,7 @@ def test_tp2_loop_killed_and_resumed(tmp_path):
         *MEGATRON, "actor.megatron.tensor_model_parallel_size=2", "cluster.gpus_per_node=3",
         "cluster.actor_num_gpus=2", "rollout.num_rollout=8", "checkpoint.save_interval=2",
     ]  # fmt: skip
-    args = [*SUBMIT, "--run-dir", str(run), *FAST]
-    for o in overrides:
-        args += ["--set", o]
+    args = job_args(run, *overrides)
     kill_when(args, run / "checkpoints" / "rollout_000003")
     resumed_from = CheckpointManager(run / "checkpoints", 2).latest().rollout_id
     assert resumed_from >= 3 and not (run / "FINISHED").exists()
