@@ -157,7 +157,7 @@ def _type_checking_optimizers() -> tuple[type, ...]:
     return DistributedOptimizer, Float16OptimizerWithFloat16Params
 
 
-def _cpu_distributed_optimizer_init(original: Any) -> Any:
+def _init_with_cuda_type_names(original: Any) -> Any:
     @functools.wraps(original)
     def init(self: Any, *args: Any, **kwargs: Any) -> None:
         with _cuda_type_names():
@@ -219,7 +219,7 @@ def apply_cpu_shim() -> None:
 
     for cls in _type_checking_optimizers():
         _ORIGINALS[f"{cls.__name__}.__init__"] = cls.__init__
-        cls.__init__ = _cpu_distributed_optimizer_init(cls.__init__)
+        cls.__init__ = _init_with_cuda_type_names(cls.__init__)
     cpu_torch = _CpuFactoryTorch()
     for name in _CUDA_FACTORY_MODULES:
         module = importlib.import_module(name)
