@@ -17,6 +17,7 @@ import logging
 import math
 import os
 import random
+from collections.abc import Iterable
 from contextlib import nullcontext
 from datetime import timedelta
 from pathlib import Path
@@ -95,6 +96,16 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)  # also seeds CUDA
+
+
+def fingerprint(named: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """SHA-256 of named tensors: names, shapes, dtypes and bytes."""
+    h = hashlib.sha256()
+    for name, t in named:
+        t = t.cpu().contiguous()
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 def node_ip_address() -> str:
@@ -490,12 +501,7 @@ class TrainWorker(RankBase):
 
     def state_fingerprint(self) -> str:
         """SHA-256 of all parameters (names, shapes, dtypes and bytes)."""
-        h = hashlib.sha256()
-        for name, p in self.module.named_parameters():
-            t = p.detach().cpu().contiguous()
-            h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
-            h.update(t.view(torch.uint8).numpy().tobytes())
-        return h.hexdigest()
+        return fingerprint((n, p.detach()) for n, p in self.module.named_parameters())
 
     def named_tensors(self, grads: bool = False) -> dict[str, torch.Tensor]:
         """CPU copies of the parameters (or of the last step's gradients): for tests and debugging."""

@@ -22,7 +22,6 @@ and all ranks of one TP group get the same data shard.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 from collections.abc import Callable, Iterator
@@ -47,6 +46,7 @@ from rlhpc.actor.worker import (
     META_FILE,
     RankBase,
     _rollout_logprob_tensor,
+    fingerprint,
     get_rng_state,
     rng_file,
     set_rng_state,
@@ -443,12 +443,7 @@ class MegatronTrainWorker(RankBase):
 
     def state_fingerprint(self) -> str:
         """SHA-256 of the full weights in HF names (same on every rank)."""
-        h = hashlib.sha256()
-        for name, t in self._hf_tensors(lambda p: p.detach()):
-            t = t.cpu().contiguous()
-            h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
-            h.update(t.view(torch.uint8).numpy().tobytes())
-        return h.hexdigest()
+        return fingerprint(self._hf_tensors(lambda p: p.detach()))
 
     def named_tensors(self, grads: bool = False) -> dict[str, torch.Tensor]:
         """Full weights (or the last step's reduced gradients) in HF names, on the CPU."""
