@@ -1,0 +1,1 @@
+"""Small helpers that several rooms need, each defined once: files, processes, addresses."""

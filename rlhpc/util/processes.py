@@ -1,0 +1,34 @@
+"""Stopping a process and everything it started: TERM to its group, a short wait, then KILL."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+
+log = logging.getLogger(__name__)
+
+
+def signal_group(pgid: int, sig: int) -> None:
+    """Send ``sig`` to a process group; a group already gone is not an error."""
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def stop_group(proc: subprocess.Popen, grace_s: float = 5.0, name: str = "process") -> None:
+    """Stop ``proc`` (started with ``start_new_session=True``, so its pid is its group id) and its children.
+
+    KILL always follows the wait: a leader may exit on TERM while children it started linger
+    (``ray start --block``'s raylet, SGLang's scheduler), holding ports and GPUs.
+    """
+    if proc.poll() is None:
+        signal_group(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            log.warning("%s %d ignored SIGTERM for %.0f s; killing its process group", name, proc.pid, grace_s)
+    signal_group(proc.pid, signal.SIGKILL)
+    proc.wait()
