@@ -1,11 +1,12 @@
 # Two entry points for a fresh machine:  make run  (the embedded job)  and  make test.
+# make test-fast runs the unit tests only, for everyday work.
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 # A CPU build of torch serves the embedded default and the tests; on a GPU cluster install
 # the CUDA build instead (e.g. make install TORCH=torch==2.13.0 with your site's index).
 TORCH  ?= torch==2.13.0
 
-.PHONY: install run test lint clean-runs
+.PHONY: install run test test-fast lint clean-runs
 
 install: $(VENV)/.installed
 
@@ -16,13 +17,23 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e ".[test]"
 	touch $@
 
+# SGLang's sources, NOT installed (it needs CUDA): tests read its request fields and flags from the wheel.
+SGLANG_WHEEL_STAMP := $(VENV)/wheels/.sglang-0.5.23
+$(SGLANG_WHEEL_STAMP): | $(VENV)/.installed
+	$(PY) -m pip download -q --no-deps --dest $(VENV)/wheels sglang==0.5.23
+	touch $@
+
 run: install
 	$(PY) jobs/submit.py
 	$(PY) tools/plot_metrics.py runs/embedded
 
-test: install
+test: install $(SGLANG_WHEEL_STAMP)
 	bash .ci/install_slurm.sh
 	$(PY) -m pytest -q
+
+# Everyday work: the unit tests (no Ray, no Slurm, no engine servers), under two minutes.
+test-fast: install $(SGLANG_WHEEL_STAMP)
+	$(PY) -m pytest -q tests/unit
 
 lint: install
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

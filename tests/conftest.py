@@ -1,4 +1,10 @@
-"""Shared pytest fixtures. Each block is self-contained; add new ones in their own section."""
+"""Shared pytest fixtures. Each block is self-contained; add new ones in their own section.
+
+Layout: tests/unit (no processes beyond a short subprocess; `make test-fast`), tests/integration
+(real processes: engine servers, local Ray, whole local jobs), tests/slurm (the minicluster).
+Each test gets the marker of its directory (`-m unit`, `-m integration`, `-m slurm`). Helpers
+shared by several test modules live in tests/support/ (imported as `support.*`); no test module
+imports another."""
 
 from __future__ import annotations
 
@@ -12,6 +18,37 @@ from types import ModuleType
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark every test with its directory: unit, integration or slurm."""
+    for item in items:
+        kind = Path(item.fspath).resolve().relative_to(TESTS).parts[0]
+        if kind in ("unit", "integration", "slurm"):
+            item.add_marker(getattr(pytest.mark, kind))
+
+
+# =====================================================================================
+# A tiny random Llama (module scope) and a local Ray with 4 declared GPUs (module scope).
+# A module that needs another model overrides `model_path` locally.
+# =====================================================================================
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from rlhpc.model import TinyModelConfig, build_tiny_model  # late: unit tests need no torch
+
+    return str(build_tiny_model(tmp_path_factory.mktemp("m") / "tiny", TinyModelConfig()))
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[None]:
+    import ray
+
+    ray.init(num_cpus=4, num_gpus=4, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
 
 
 # =====================================================================================
@@ -40,12 +77,6 @@ def _load_minicluster_tool() -> ModuleType:
         sys.modules[name] = module  # dataclasses look their module up here
         spec.loader.exec_module(module)
     return sys.modules[name]
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line(
-        "markers", "slurm: needs the real Slurm minicluster (tools/minicluster.py); RLHPC_SKIP_SLURM=1 skips"
-    )
 
 
 @pytest.fixture(scope="session")

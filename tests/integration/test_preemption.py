@@ -15,7 +15,7 @@ from rlhpc.checkpoint import CheckpointManager
 from rlhpc.launch.preemption import read_history
 from rlhpc.metrics import read_metrics
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 BASE = [
     "data.num_train=64",
     "rollout.rollout_batch_size=8",
@@ -139,7 +139,7 @@ def test_restart_loop_is_held_with_a_message(tmp_path):
     crash = tmp_path / "crash-now"
     env = {"PYTHONPATH": f"{REPO / 'tests'}:{os.environ.get('PYTHONPATH', '')}", "RLHPC_TEST_CRASH_FILE": str(crash)}
     proc = start(
-        run, "rollout.num_rollout=40", "checkpoint.save_interval=2", "data.reward=crashy_reward:reward", env=env
+        run, "rollout.num_rollout=40", "checkpoint.save_interval=2", "data.reward=support.crashy_reward:reward", env=env
     )
     wait_for(lambda: (run / "checkpoints" / "latest").is_file(), proc)
     crash.write_text("")  # from now on every generation crashes: the resumed job fails at once

@@ -19,7 +19,7 @@ if torch.cuda.is_available():
 
 from rlhpc.model import TinyModelConfig, build_tiny_model  # noqa: E402
 
-TOOL = Path(__file__).resolve().parent.parent / "tools" / "convert_checkpoint.py"
+TOOL = Path(__file__).resolve().parents[2] / "tools" / "convert_checkpoint.py"
 
 
 def run_tool(*args: str | Path) -> subprocess.CompletedProcess:

@@ -14,7 +14,7 @@ from rlhpc.metrics import read_metrics
 
 pytestmark = pytest.mark.slurm
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SMALL = [
     "--set", "data.num_train=64",
     "--set", "rollout.rollout_batch_size=8",
@@ -159,17 +159,15 @@ def test_node_whose_ray_cannot_start_fails_clearly(minicluster, tmp_path):
     try:
         time.sleep(1)
         subprocess.run(["scontrol", "release", job_id], check=True)
-        started = time.time()
         state = wait_gone(job_id, timeout=180)
-        elapsed = time.time() - started
     finally:
         squatter.kill()
         squatter.wait()
     log = job_log(run)
     assert "Ray cluster not ready after 25s" in log, log[-3000:]
     assert "never joined: task 1 (10.77.0.11; log" in log
+    # FAILED at the Ray deadline; the time limit would have ended it TIMEOUT
     assert not (run / "FINISHED").exists() and state == "FAILED"
-    assert elapsed < 120  # failed at the deadline, not at the time limit
     assert no_ray_left(job_id)
 
 

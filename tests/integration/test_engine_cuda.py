@@ -12,8 +12,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from server_process import start_server, stop_server
-from test_weight_sync import assert_engine_holds, assert_generation_matches, named, trainer_model
+from support.engines import (
+    assert_engine_holds,
+    assert_generation_matches,
+    named,
+    start_server,
+    stop_server,
+    trainer_model,
+)
 
 from rlhpc.errors import RlhpcError
 from rlhpc.model import TinyModelConfig, build_tiny_model, load_model

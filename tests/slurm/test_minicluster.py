@@ -14,7 +14,7 @@ import pytest
 
 pytestmark = pytest.mark.slurm
 
-TOOL = Path(__file__).resolve().parents[1] / "tools" / "minicluster.py"
+TOOL = Path(__file__).resolve().parents[2] / "tools" / "minicluster.py"
 
 
 def sh(argv: list[str], env: dict[str, str] | None = None, timeout: float = 60) -> str:

@@ -4,7 +4,7 @@ started by jobs/submit.py (local executor, local Ray, CPU engine server), killed
 import subprocess
 
 import pytest
-from test_loop import REPO, job_args, kill_when, rollouts, submit
+from support.jobs import REPO, job_args, kill_when, rollouts, submit
 
 from rlhpc.checkpoint import CheckpointManager
 

@@ -2,37 +2,20 @@
 
 from __future__ import annotations
 
-import random
 import time
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import ray
 import torch
 from safetensors.torch import load_file
+from support.actors import Group, engine_weights, make_batch
 
 from rlhpc.actor.group import ActorGroup, ActorRankError
-from rlhpc.batch import RolloutBatch
-from rlhpc.cluster.placement import Placement, create_placement
 from rlhpc.config import Config
 from rlhpc.errors import RlhpcError
-from rlhpc.model import TinyModelConfig, build_tiny_model
 
 pytestmark = pytest.mark.ray
-
-
-@pytest.fixture(scope="module")
-def ray_cluster() -> Iterator[None]:
-    ray.init(num_cpus=4, num_gpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return str(build_tiny_model(tmp_path_factory.mktemp("m") / "tiny", TinyModelConfig()))
 
 
 def make_cfg(**actor: object) -> Config:
@@ -41,32 +24,6 @@ def make_cfg(**actor: object) -> Config:
     for k, v in actor.items():
         setattr(cfg.actor, k, v)
     return cfg
-
-
-def make_batch(n: int, seed: int) -> RolloutBatch:
-    """Uneven prompt/response lengths (so ranks and micro-batches hold unequal token counts)."""
-    rng = random.Random(seed)
-    prompts = [[rng.randrange(3, 40) for _ in range(rng.randint(2, 6))] for _ in range(n)]
-    responses = [[rng.randrange(3, 40) for _ in range(rng.randint(1, 7))] for _ in range(n)]
-    logprobs = [[-rng.random() * 3 for _ in r] for r in responses]
-    rewards = torch.tensor([float(rng.random() > 0.5) for _ in range(n)])
-    advantages = torch.tensor([rng.uniform(-1.5, 1.5) for _ in range(n)])
-    return RolloutBatch(prompts, responses, logprobs, rewards, advantages, group_size=2)
-
-
-class Group:
-    """An ActorGroup on its own placement group, both released on exit."""
-
-    def __init__(self, cfg: Config, model_path: str, ranks: int):
-        self.placement: Placement = create_placement(ranks)
-        self.group = ActorGroup(cfg, model_path, self.placement, tuple(range(ranks)))
-
-    def __enter__(self) -> ActorGroup:
-        return self.group
-
-    def __exit__(self, *exc: object) -> None:
-        self.group.shutdown()
-        self.placement.remove()
 
 
 def tensors(group: ActorGroup, rank: int = 0, grads: bool = False) -> dict[str, torch.Tensor]:
@@ -184,11 +141,6 @@ def test_kl_against_initial_model(ray_cluster: None, model_path: str, tmp_path: 
         g.load(str(tmp_path / "ckpt"))
         # the reference is the initial model, not the checkpoint: KL is nonzero at once
         assert g.train(2, make_batch(6, seed=2))["kl"] > 0
-
-
-def engine_weights(client: Any, names: list[str]) -> dict[str, torch.Tensor]:
-    # floats come back as JSON doubles, which hold float32 values exactly
-    return {n: torch.tensor(client.get_weights_by_name(n, truncate_size=10**9), dtype=torch.float32) for n in names}
 
 
 def test_update_weights_reaches_engine_bit_exact(ray_cluster: None, model_path: str, tmp_path: Path) -> None:

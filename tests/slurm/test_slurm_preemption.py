@@ -18,7 +18,7 @@ from rlhpc.metrics import read_metrics
 
 pytestmark = pytest.mark.slurm
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 NUM_ROLLOUT = 30  # long enough that a stop lands mid-run on a fast machine
 CONFIG = [
     "data.num_train=64",

@@ -21,7 +21,7 @@ import ray
 import torch
 
 from rlhpc.errors import RlhpcError
-from rlhpc.model import TinyModelConfig, build_tiny_model, load_model, load_tokenizer
+from rlhpc.model import load_model, load_tokenizer
 from rlhpc.rollout import client as payloads
 from rlhpc.rollout import cpu_server
 from rlhpc.rollout.client import EngineClient
@@ -111,12 +111,7 @@ META_INFO_KEYS = {"id", "finish_reason", "prompt_tokens", "completion_tokens", "
 
 # ------------------------------------------------------------------ fixtures
 
-from server_process import start_server, stop_server  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return str(build_tiny_model(tmp_path_factory.mktemp("m") / "tiny", TinyModelConfig()))
+from support.engines import start_server, stop_server  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -2,57 +2,14 @@
 training rank over torch.distributed. Each test is a real job started by jobs/submit.py."""
 
 import json
-import os
-import signal
 import subprocess
-import sys
-import time
-from pathlib import Path
 
 import h5py
 import pytest
+from support.jobs import REPO, job_args, kill_when, rollouts, submit
 
 from rlhpc.checkpoint import CheckpointManager
 from rlhpc.metrics import read_metrics
-
-REPO = Path(__file__).resolve().parent.parent
-SUBMIT = [sys.executable, str(REPO / "jobs" / "submit.py"), "--cluster", "local"]
-FAST = [
-    "--set", "data.num_train=64",
-    "--set", "rollout.rollout_batch_size=8",
-    "--set", "rollout.n_samples_per_prompt=4",
-    "--set", "logging.wandb_mode=disabled",
-]  # fmt: skip
-
-
-def job_args(run_dir: Path, *overrides: str) -> list[str]:
-    """The jobs/submit.py command line for a fast local job with ``--set`` overrides."""
-    args = [*SUBMIT, "--run-dir", str(run_dir), *FAST]
-    for o in overrides:
-        args += ["--set", o]
-    return args
-
-
-def submit(run_dir: Path, *overrides: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(job_args(run_dir, *overrides), capture_output=True, text=True, timeout=timeout, cwd=REPO)
-
-
-def rollouts(run_dir: Path) -> list[int]:
-    return [r["rollout_id"] for r in read_metrics(run_dir) if r["kind"] == "rollout"]
-
-
-def kill_when(args: list[str], path: Path, timeout: float = 300) -> None:
-    """Run a job until ``path`` exists, then SIGKILL it all: no chance to clean up or save."""
-    # A new session, like a terminal: Ctrl-C reaches submit.py, the job and its Ray together.
-    proc = subprocess.Popen(
-        args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO, start_new_session=True
-    )
-    deadline = time.time() + timeout
-    while not path.exists():
-        assert time.time() < deadline and proc.poll() is None, f"no {path.name} within {timeout:.0f} s"
-        time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
 
 
 def test_embedded_loop_end_to_end(tmp_path):

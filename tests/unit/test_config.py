@@ -111,7 +111,7 @@ def test_keep_last_at_least_two():
 def test_shipped_configs_load():
     from pathlib import Path
 
-    for f in sorted((Path(__file__).parent.parent / "jobs" / "configs").glob("*.yaml")):
+    for f in sorted((Path(__file__).resolve().parents[2] / "jobs" / "configs").glob("*.yaml")):
         load_config(f)
 
 

@@ -3,7 +3,6 @@ PyTorch actor, TP=2 / DP=2 the same as TP=1, torch_dist checkpoints that reshard
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -12,7 +11,7 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from test_actor import Group, engine_weights, make_batch  # noqa: E402
+from support.actors import Group, engine_weights, make_batch  # noqa: E402
 
 from rlhpc.config import Config  # noqa: E402
 from rlhpc.errors import RlhpcError  # noqa: E402
@@ -28,13 +27,6 @@ pytestmark = pytest.mark.ray
 ADAM_EPS = 1e-6
 WEIGHT_ATOL = 5e-5
 METRIC_RTOL = 1e-5
-
-
-@pytest.fixture(scope="module")
-def ray_cluster() -> Iterator[None]:
-    ray.init(num_cpus=4, num_gpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")

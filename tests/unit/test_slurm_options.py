@@ -10,7 +10,7 @@ from rlhpc.errors import ConfigError
 from rlhpc.launch.ray_cluster import FIRST_PORT, NUM_BLOCKS, PORT_BLOCK, RayPorts
 from rlhpc.launch.slurm import parse_extra, parse_time
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize(

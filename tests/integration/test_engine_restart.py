@@ -26,12 +26,11 @@ from rlhpc.cluster.placement import create_placement
 from rlhpc.config import Config
 from rlhpc.errors import RlhpcError
 from rlhpc.metrics import read_metrics
-from rlhpc.model import TinyModelConfig, build_tiny_model
 from rlhpc.rollout.group import RolloutGroup
 
 pytestmark = pytest.mark.ray
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _wait_gone(pid: int, timeout_s: float = 15) -> None:
@@ -60,11 +59,6 @@ def assert_engine_matches_actor(rollout: RolloutGroup, e: int, actor: ActorGroup
     for name, t in want.items():
         got = torch.tensor(client.get_weights_by_name(name, truncate_size=1 << 20), dtype=t.dtype)
         assert torch.equal(got, t), f"engine {e}: {name} differs from the actor's"
-
-
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return str(build_tiny_model(tmp_path_factory.mktemp("m") / "tiny", TinyModelConfig()))
 
 
 def restart_cfg(actor_gpus: int) -> Config:

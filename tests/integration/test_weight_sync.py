@@ -7,29 +7,28 @@ Every check compares engine weights with the trainer's bit for bit (float32 surv
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from server_process import start_server, stop_server
+from support.engines import (
+    assert_engine_holds,
+    assert_generation_matches,
+    named,
+    start_server,
+    stop_server,
+    trainer_model,
+)
 
 from rlhpc.errors import RlhpcError
-from rlhpc.model import TinyModelConfig, build_tiny_model, load_model, load_tokenizer
 from rlhpc.rollout.client import EngineClient
-from rlhpc.rollout.sampling import sample
 from rlhpc.rollout.weight_sync import (
     DistributedWeightSender,
     TensorWeightSender,
     iter_buckets,
     make_weight_sender,
 )
-
-
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return str(build_tiny_model(tmp_path_factory.mktemp("m") / "tiny", TinyModelConfig()))
 
 
 @pytest.fixture(scope="module")
@@ -42,35 +41,6 @@ def engines(model_path: str, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         stop_server(proc)
     for proc, _, _ in started:
         assert proc.returncode == 0
-
-
-def trainer_model(model_path: str, seed: int, device: str = "cpu") -> torch.nn.Module:
-    """The engine's model with every parameter moved: a trainer a few steps ahead."""
-    model = load_model(model_path, device)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_((torch.randn(p.shape, generator=g) * 0.05).to(device))
-    return model
-
-
-def named(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    for name, p in model.named_parameters():
-        yield name, p.detach()
-
-
-def assert_engine_holds(client: EngineClient, model: torch.nn.Module) -> None:
-    for name, p in model.named_parameters():
-        got = torch.tensor(client.get_weights_by_name(name, truncate_size=1 << 20), dtype=p.dtype)
-        assert torch.equal(got, p.detach().cpu()), f"{client.base_url}: {name} differs"
-
-
-def assert_generation_matches(client: EngineClient, model: torch.nn.Module, model_path: str) -> None:
-    tok = load_tokenizer(model_path)
-    ids = [[tok.bos_token_id, *tok(t, add_special_tokens=False).input_ids] for t in ("3+4=", "abc")]
-    outs = client.generate(input_ids=ids, sampling_params={"max_new_tokens": 8, "temperature": 0})
-    ref = sample(model, ids, [8, 8], [0.0, 0.0], [1.0, 1.0], [None, None], tok.eos_token_id, tok.pad_token_id)
-    assert [o["output_ids"] for o in outs] == [r.output_ids for r in ref]
 
 
 def total_bytes(model: torch.nn.Module) -> int:
@@ -145,10 +115,9 @@ def test_distributed_sync_failures_are_reported_not_hung(engines: list[EngineCli
     try:
         doomed.connect()
         c.destroy_weights_update_group("doomed")
-        t0 = time.monotonic()
+        # the engine's own refusal, not the sender's 4 s timeout
         with pytest.raises(RlhpcError, match="no weight update group 'doomed'"):
             doomed.send(named(model), version=22)
-        assert time.monotonic() - t0 < 3
         with pytest.raises(RlhpcError, match="unusable"):
             doomed.send(named(model), version=22)
     finally:

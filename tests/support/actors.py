@@ -1,0 +1,44 @@
+"""Actor groups for tests: a batch of uneven lengths, a group on its own placement, engine weights."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import torch
+
+from rlhpc.actor.group import ActorGroup
+from rlhpc.batch import RolloutBatch
+from rlhpc.cluster.placement import Placement, create_placement
+from rlhpc.config import Config
+
+
+def make_batch(n: int, seed: int) -> RolloutBatch:
+    """Uneven prompt/response lengths (so ranks and micro-batches hold unequal token counts)."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, 40) for _ in range(rng.randint(2, 6))] for _ in range(n)]
+    responses = [[rng.randrange(3, 40) for _ in range(rng.randint(1, 7))] for _ in range(n)]
+    logprobs = [[-rng.random() * 3 for _ in r] for r in responses]
+    rewards = torch.tensor([float(rng.random() > 0.5) for _ in range(n)])
+    advantages = torch.tensor([rng.uniform(-1.5, 1.5) for _ in range(n)])
+    return RolloutBatch(prompts, responses, logprobs, rewards, advantages, group_size=2)
+
+
+class Group:
+    """An ActorGroup on its own placement group, both released on exit."""
+
+    def __init__(self, cfg: Config, model_path: str, ranks: int):
+        self.placement: Placement = create_placement(ranks)
+        self.group = ActorGroup(cfg, model_path, self.placement, tuple(range(ranks)))
+
+    def __enter__(self) -> ActorGroup:
+        return self.group
+
+    def __exit__(self, *exc: object) -> None:
+        self.group.shutdown()
+        self.placement.remove()
+
+
+def engine_weights(client: Any, names: list[str]) -> dict[str, torch.Tensor]:
+    # floats come back as JSON doubles, which hold float32 values exactly
+    return {n: torch.tensor(client.get_weights_by_name(n, truncate_size=10**9), dtype=torch.float32) for n in names}

@@ -1,0 +1,77 @@
+"""CPU engine servers for tests: start/stop a server process (port 0 + ready file, as EngineActor does),
+and the checks that an engine holds a trainer's weights."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from rlhpc.model import load_model, load_tokenizer
+from rlhpc.rollout.client import EngineClient
+from rlhpc.rollout.sampling import sample
+
+
+def start_server(
+    model_path: str, work: Path, name: str, extra_args: list[str] | None = None
+) -> tuple[subprocess.Popen, str, Path]:
+    """Start a CPU engine server on port 0; return (process, url, ready file)."""
+    ready = work / f"{name}.ready.json"
+    log = open(work / f"{name}.log", "wb")  # noqa: SIM115 - lives as long as the server
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rlhpc.rollout.cpu_server", "--model-path", model_path, "--port", "0"]
+        + ["--ready-file", str(ready), "--parent-pid", str(os.getpid()), *(extra_args or [])],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    deadline = time.monotonic() + 60
+    while not ready.exists():
+        assert proc.poll() is None, (work / f"{name}.log").read_text()
+        assert time.monotonic() < deadline, "server did not get ready"
+        time.sleep(0.05)
+    info = json.loads(ready.read_text())
+    return proc, f"http://{info['host']}:{info['port']}", ready
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def trainer_model(model_path: str, seed: int, device: str = "cpu") -> torch.nn.Module:
+    """The engine's model with every parameter moved: a trainer a few steps ahead."""
+    model = load_model(model_path, device)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_((torch.randn(p.shape, generator=g) * 0.05).to(device))
+    return model
+
+
+def named(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, p in model.named_parameters():
+        yield name, p.detach()
+
+
+def assert_engine_holds(client: EngineClient, model: torch.nn.Module) -> None:
+    for name, p in model.named_parameters():
+        got = torch.tensor(client.get_weights_by_name(name, truncate_size=1 << 20), dtype=p.dtype)
+        assert torch.equal(got, p.detach().cpu()), f"{client.base_url}: {name} differs"
+
+
+def assert_generation_matches(client: EngineClient, model: torch.nn.Module, model_path: str) -> None:
+    tok = load_tokenizer(model_path)
+    ids = [[tok.bos_token_id, *tok(t, add_special_tokens=False).input_ids] for t in ("3+4=", "abc")]
+    outs = client.generate(input_ids=ids, sampling_params={"max_new_tokens": 8, "temperature": 0})
+    ref = sample(model, ids, [8, 8], [0.0, 0.0], [1.0, 1.0], [None, None], tok.eos_token_id, tok.pad_token_id)
+    assert [o["output_ids"] for o in outs] == [r.output_ids for r in ref]
