@@ -3,28 +3,98 @@
 The resolved config is the single source of truth for a run: it is written to
 ``RUN_DIR/config.yaml`` before anything starts, and every component receives the section it
 needs as an explicit argument (no global ``args``).
+
+Each section checks its own values when it is built (``Section.__post_init__``); ``validate``
+holds only the rules that read more than one section or look at files and code outside the
+config. This module imports neither torch nor transformers: the login node reads configs too.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import json
+import logging
+import math
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import yaml
 
 from rlhpc.errors import ConfigError
-from rlhpc.model import TinyModelConfig
+from rlhpc.tasks import TASKS, resolve_reward
+
+# ---------------------------------------------------------------- sections
+
+
+class Section:
+    """Base of every config section: checks the section's values whenever one is constructed.
+
+    ``SECTION`` is the section's dotted place in :class:`Config`, so an error names the full key
+    (``rollout.temperature = -1.0 must be >= 0``) whether the section came from YAML or from code.
+    """
+
+    SECTION: ClassVar[str] = ""
+
+    def __post_init__(self) -> None:
+        hints = _hints(type(self))
+        for f in dataclasses.fields(self):
+            _check_value(getattr(self, f.name), hints[f.name], self.key(f.name))
+        self.check()
+
+    def check(self) -> None:
+        """The section's own rules: ranges, counts, rules between its fields."""
+
+    def key(self, name: str) -> str:
+        return f"{self.SECTION}.{name}" if self.SECTION else name
+
+    def _refuse(self, name: str, rule: str, fix: str) -> typing.NoReturn:
+        raise ConfigError(f"{self.key(name)} = {getattr(self, name)!r} {rule}", fix)
+
+    def _at_least(self, low: int | float, *names: str, fix: str = "") -> None:
+        """Each of ``names`` is >= ``low``; None (unset) passes."""
+        for name in names:
+            value = getattr(self, name)
+            if value is not None and value < low:
+                self._refuse(name, f"must be >= {low}", fix or f"set {self.key(name)} to at least {low}")
+
+    def _above(self, low: float, *names: str, fix: str = "") -> None:
+        """Each of ``names`` is > ``low``."""
+        for name in names:
+            if not getattr(self, name) > low:
+                self._refuse(name, f"must be > {low}", fix or f"set {self.key(name)} to a value above {low}")
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _check_value(value: Any, tp: Any, where: str) -> None:
+    """Rules every field obeys: floats are finite, Literal fields hold one of their choices."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{where} = {value} is not a finite number", f"give {where} a finite value")
+    if isinstance(value, (tuple, list)):
+        for i, v in enumerate(value):
+            _check_value(v, Any, f"{where}[{i}]")
+    if typing.get_origin(tp) is Literal:
+        _check_literal(value, tp, where)
+
+
+def _check_literal(value: Any, tp: Any, where: str) -> None:
+    if value not in typing.get_args(tp):
+        raise ConfigError(f"{where} = {value!r} is not one of {_type_name(tp)}", f"set {where} to one of those")
 
 
 @dataclass
-class ClusterConfig:
+class ClusterConfig(Section):
     """How many GPUs each group gets, and how the job's GPUs are shared between them."""
+
+    SECTION: ClassVar[str] = "cluster"
 
     num_nodes: int = 1
     gpus_per_node: int = 2  # on a machine without GPUs these are declared to Ray, not real
@@ -35,18 +105,106 @@ class ClusterConfig:
     offload: bool = False  # free engine memory during training (and the actor's during generation)
     ray_start_timeout_s: float = 300.0  # all nodes must join Ray within this, or the job fails naming them
 
+    def check(self) -> None:
+        # The GPU layout reads only cluster.* keys, so its rules live here.
+        counts = ("num_nodes", "gpus_per_node", "actor_num_gpus", "rollout_num_gpus", "rollout_gpus_per_engine")
+        for name in counts:
+            self._at_least(1, name, fix=f"set {self.key(name)} to a positive count")
+        self._above(0, "ray_start_timeout_s", fix=f"give {self.key('ray_start_timeout_s')} seconds, e.g. 300")
+        if self.rollout_num_gpus % self.rollout_gpus_per_engine:
+            raise ConfigError(
+                f"cluster.rollout_num_gpus = {self.rollout_num_gpus} is not a multiple of "
+                f"cluster.rollout_gpus_per_engine = {self.rollout_gpus_per_engine}",
+                "make the rollout GPUs a whole number of engines",
+            )
+        total = self.num_nodes * self.gpus_per_node
+        if self.colocate:
+            if self.rollout_num_gpus > self.actor_num_gpus:
+                raise ConfigError(
+                    f"colocate: cluster.rollout_num_gpus = {self.rollout_num_gpus} > "
+                    f"cluster.actor_num_gpus = {self.actor_num_gpus}",
+                    "in colocate mode the engines live on the actor's GPUs: use at most as many rollout GPUs",
+                )
+            needed = self.actor_num_gpus
+        else:
+            needed = self.actor_num_gpus + self.rollout_num_gpus
+        if needed > total:
+            raise ConfigError(
+                f"the layout needs {needed} GPUs (actor {self.actor_num_gpus} + rollout {self.rollout_num_gpus}"
+                f"{', colocated' if self.colocate else ''}) but the job has {total} "
+                f"(cluster.num_nodes={self.num_nodes} x cluster.gpus_per_node={self.gpus_per_node})",
+                "ask for more nodes/GPUs, or shrink cluster.actor_num_gpus / cluster.rollout_num_gpus",
+            )
+        if self.rollout_gpus_per_engine > self.gpus_per_node and self.rollout_gpus_per_engine % self.gpus_per_node:
+            raise ConfigError(
+                f"cluster.rollout_gpus_per_engine = {self.rollout_gpus_per_engine} spans nodes unevenly "
+                f"(gpus_per_node = {self.gpus_per_node})",
+                "use a divisor or a multiple of cluster.gpus_per_node",
+            )
+
 
 @dataclass
-class ModelConfig:
+class TinyModelConfig(Section):
+    """A randomly initialised model small enough to train on two CPU cores (built by rlhpc.model)."""
+
+    SECTION: ClassVar[str] = "model.tiny"
+
+    architecture: Literal["llama", "qwen2"] = "llama"
+    hidden_size: int = 64
+    intermediate_size: int = 256
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    max_position_embeddings: int = 128
+    seed: int = 0
+
+    def check(self) -> None:
+        sizes = (
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "max_position_embeddings",
+        )
+        self._at_least(1, *sizes)
+        if self.hidden_size % self.num_attention_heads:
+            self._refuse(
+                "hidden_size",
+                f"is not divisible by {self.key('num_attention_heads')} = {self.num_attention_heads}",
+                "make the hidden size a multiple of the number of attention heads",
+            )
+        head_size = self.hidden_size // self.num_attention_heads
+        if head_size % 2:
+            raise ConfigError(
+                f"{self.key('hidden_size')} / {self.key('num_attention_heads')} = {head_size} is odd: "
+                "rotary embeddings need an even head size",
+                "choose an even hidden_size / num_attention_heads, e.g. hidden_size 64 with 4 heads",
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            self._refuse(
+                "num_attention_heads",
+                f"is not divisible by {self.key('num_key_value_heads')} = {self.num_key_value_heads}",
+                "grouped-query attention shares each key/value head among a whole number of heads",
+            )
+
+
+@dataclass
+class ModelConfig(Section):
     """The initial policy: an HF directory (``path``) or a tiny random model built at submit."""
 
+    SECTION: ClassVar[str] = "model"
+
+    # Exactly one of the two; ``validate`` checks that (a bare ModelConfig() is a valid default).
     path: str | None = None
     tiny: TinyModelConfig | None = None
 
 
 @dataclass
-class DataConfig:
+class DataConfig(Section):
     """Prompts and the reward function. Without files, the task generates its own data."""
+
+    SECTION: ClassVar[str] = "data"
 
     task: str = "digit_sum"
     train_file: str | None = None  # JSONL of {"prompt": ..., "answer": ...}
@@ -56,18 +214,35 @@ class DataConfig:
     reward: str | None = None  # "module:function" overriding the task's reward
     seed: int = 0
 
+    def check(self) -> None:
+        if self.task not in TASKS:
+            self._refuse("task", "is not a known task", f"use one of: {', '.join(sorted(TASKS))}")
+        self._at_least(1, "num_train", "num_eval")
+
 
 @dataclass
-class SGLangConfig:
+class SGLangConfig(Section):
     """Options of the SGLang servers (``rollout.backend: sglang``); TP = cluster.rollout_gpus_per_engine."""
+
+    SECTION: ClassVar[str] = "rollout.sglang"
 
     mem_fraction_static: float = 0.7  # GPU memory for weights + KV cache (colocate: leave room for the actor)
     router: bool = True  # put sglang_router in front of the engines for generation
     extra_args: list[str] = field(default_factory=list)  # passed to sglang.launch_server as they are
 
+    def check(self) -> None:
+        if not 0 < self.mem_fraction_static < 1:
+            self._refuse(
+                "mem_fraction_static",
+                "must be in (0, 1)",
+                "give SGLang a share of each GPU, e.g. 0.7 (colocate: leave room for the actor, e.g. 0.4)",
+            )
+
 
 @dataclass
-class RolloutConfig:
+class RolloutConfig(Section):
+    SECTION: ClassVar[str] = "rollout"
+
     backend: Literal["cpu", "sglang"] = "cpu"
     num_rollout: int | None = None  # None: derived from num_epoch and the data size
     num_epoch: int = 1
@@ -81,18 +256,40 @@ class RolloutConfig:
     max_engine_restarts: int = 3  # per engine: a dead/unhealthy engine is restarted and re-synced
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
 
+    def check(self) -> None:
+        self._at_least(
+            1, "num_rollout", fix="set rollout.num_rollout to a positive count, or null to derive it from num_epoch"
+        )
+        self._at_least(1, "num_epoch", "rollout_batch_size", "n_samples_per_prompt", "max_new_tokens")
+        self._at_least(1, "update_weight_buffer_mb")
+        self._at_least(0, "temperature", fix="use 0 for greedy decoding, or e.g. 1.0 to sample")
+        if not 0 < self.top_p <= 1:
+            self._refuse("top_p", "must be in (0, 1]", "use 1.0 to sample from the whole distribution")
+        self._above(0, "engine_startup_timeout_s", fix="give rollout.engine_startup_timeout_s seconds, e.g. 120")
+        self._at_least(0, "max_engine_restarts", fix="set 0 to never restart an engine")
+
 
 @dataclass
-class EvalConfig:
+class EvalConfig(Section):
+    SECTION: ClassVar[str] = "eval"
+
     interval: int | None = None  # evaluate every N rollouts (and at epoch ends); None: never
     n_samples_per_prompt: int = 1
     temperature: float = 0.0
     max_new_tokens: int | None = None  # None: rollout.max_new_tokens
 
+    def check(self) -> None:
+        self._at_least(1, "interval", fix="set a positive interval, or null to disable eval")
+        self._at_least(1, "n_samples_per_prompt")
+        self._at_least(0, "temperature", fix="use 0 for greedy decoding, or e.g. 1.0 to sample")
+        self._at_least(1, "max_new_tokens", fix="set a positive count, or null to use rollout.max_new_tokens")
+
 
 @dataclass
-class MegatronConfig:
+class MegatronConfig(Section):
     """megatron-core options (``actor.backend: megatron``). DP = actor_num_gpus / TP."""
+
+    SECTION: ClassVar[str] = "actor.megatron"
 
     tensor_model_parallel_size: int = 1
     # Shard optimizer state over data-parallel ranks. Its checkpoints resume at another DP size
@@ -100,9 +297,14 @@ class MegatronConfig:
     use_distributed_optimizer: bool = False
     bf16: bool = False  # bf16 params/compute with fp32 master weights (GPU); fp32 otherwise
 
+    def check(self) -> None:
+        self._at_least(1, "tensor_model_parallel_size", fix="use 1, 2, 4 or 8")
+
 
 @dataclass
-class ActorConfig:
+class ActorConfig(Section):
+    SECTION: ClassVar[str] = "actor"
+
     backend: Literal["torch", "megatron"] = "torch"
     lr: float = 1e-3
     weight_decay: float = 0.0
@@ -113,18 +315,38 @@ class ActorConfig:
     micro_batch_size: int = 64  # samples per forward/backward on one rank
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
 
+    def check(self) -> None:
+        # lr = 0 is allowed: a frozen policy is a baseline run (rollouts, rewards, evals unchanged).
+        self._at_least(0, "lr", "weight_decay")
+        for i, beta in enumerate(self.adam_betas):
+            if not 0 <= beta < 1:
+                raise ConfigError(
+                    f"actor.adam_betas[{i}] = {beta!r} must be in [0, 1)", "write e.g. actor.adam_betas: [0.9, 0.999]"
+                )
+        self._above(0, "adam_eps", fix="set a small positive value, e.g. 1e-8")
+        self._above(0, "grad_clip", fix="set the gradient-norm clip, e.g. 1.0")
+        self._at_least(1, "num_steps_per_rollout", "micro_batch_size")
+
 
 @dataclass
-class AlgoConfig:
+class AlgoConfig(Section):
+    SECTION: ClassVar[str] = "algo"
+
     advantage_estimator: Literal["grpo", "rloo"] = "grpo"
     normalize_std: bool = True
     eps_clip: float = 0.2
     eps_clip_high: float = 0.28
     kl_coef: float = 0.0  # > 0 adds a k3 KL penalty to the reference model (loaded then)
 
+    def check(self) -> None:
+        self._at_least(0, "eps_clip", "eps_clip_high")
+        self._at_least(0, "kl_coef", fix="set 0 for no KL penalty, or a positive weight")
+
 
 @dataclass
-class CheckpointConfig:
+class CheckpointConfig(Section):
+    SECTION: ClassVar[str] = "checkpoint"
+
     save_interval: int | None = 10  # save every N rollouts (and at epoch ends); None: only at the end
     keep_last: int = 2
     resume: Literal["auto", "never"] = "auto"
@@ -132,13 +354,31 @@ class CheckpointConfig:
     max_starts_without_progress: int = 3  # restarts that train no rollout before the job is held
     requeue_on_failure: bool = True  # a crashed job requeues itself (bounded by the two limits above)
 
+    def check(self) -> None:
+        self._at_least(1, "save_interval", fix="set a positive interval, or null to save only at the end")
+        self._at_least(
+            2,
+            "keep_last",
+            fix="keep at least two, so a damaged newest checkpoint still leaves one to resume from",
+        )
+        self._at_least(0, "max_restarts", fix="set 0 to hold the job at its first requeue")
+        self._at_least(1, "max_starts_without_progress")
+
 
 @dataclass
-class LoggingConfig:
+class LoggingConfig(Section):
+    SECTION: ClassVar[str] = "logging"
+
     level: str = "INFO"
     wandb_mode: Literal["offline", "online", "disabled"] = "offline"
     wandb_project: str = "rlhpc"
     dump_rollouts: bool = True  # one HDF5 file per rollout id under RUN_DIR/rollouts/
+
+    def check(self) -> None:
+        # Every process hands this to logging as it is, so it must be a name logging knows.
+        names = logging.getLevelNamesMapping()
+        if self.level not in names:
+            self._refuse("level", "is not a logging level", f"use one of: {', '.join(names)}")
 
 
 @dataclass
@@ -186,8 +426,7 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
                 errors.append(e)
         raise errors[0]
     if origin is Literal:
-        if value not in typing.get_args(tp):
-            raise ConfigError(f"{where} = {value!r} is not one of {_type_name(tp)}", f"set {where} to one of those")
+        _check_literal(value, tp, where)
         return value
     if origin is tuple:
         args = typing.get_args(tp)
@@ -214,13 +453,14 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
 
 
 def _build(cls: type, data: Any, where: str) -> Any:
+    """Type-check ``data`` against the dataclass ``cls`` and construct it (which runs its checks)."""
     if data is None:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(
             f"{where or 'the config'} must be a mapping, got {type(data).__name__}", "check the YAML indentation"
         )
-    hints = typing.get_type_hints(cls)
+    hints = _hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
     for key, value in data.items():
@@ -241,7 +481,9 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
     *parents, leaf = dotted.split(".")
     node = tree
     for p in parents:
-        node = node.setdefault(p, {})
+        if node.get(p) is None:  # absent, or `tiny:` left empty in the YAML (= all defaults)
+            node[p] = {}
+        node = node[p]
         if not isinstance(node, dict):
             raise ConfigError(
                 f"--set {dotted}: {p!r} is a value, not a section", "set the value itself, e.g. --set seed=1"
@@ -254,28 +496,52 @@ def parse_override(text: str) -> tuple[str, Any]:
     key, sep, raw = text.partition("=")
     if not sep or not key:
         raise ConfigError(f"--set {text!r} is not KEY=VALUE", "write e.g. --set rollout.num_rollout=20")
-    return key.strip(), yaml.safe_load(raw) if raw.strip() else None
+    try:
+        return key.strip(), yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as e:
+        raise ConfigError(
+            f"--set {text!r}: the value is not valid YAML ({e})", "quote it, e.g. --set 'data.reward=\"mod:fn\"'"
+        ) from e
+
+
+def _read_tree(p: Path) -> dict:
+    """The YAML mapping in config file ``p``; every way it can be unreadable is a ConfigError."""
+    if p.is_dir():
+        raise ConfigError(f"config file {p} is a directory", "pass a YAML file to --config (see jobs/configs/)")
+    if not p.is_file():
+        raise ConfigError(
+            f"config file {p} does not exist", "pass an existing YAML file to --config (see jobs/configs/)"
+        )
+    try:
+        text = p.read_bytes().decode("utf-8")
+    except OSError as e:
+        raise ConfigError(f"config file {p} cannot be read: {e}", "check its permissions") from e
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"config file {p} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start})",
+            "save it as UTF-8 YAML",
+        ) from e
+    try:
+        tree = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {p} is not valid YAML: {e}", "fix the syntax at the line shown") from e
+    if tree is None:
+        return {}
+    if not isinstance(tree, dict):
+        raise ConfigError(
+            f"config file {p} holds a {type(tree).__name__}, not a mapping of sections",
+            "write sections like `rollout:` with their keys indented below (see jobs/configs/)",
+        )
+    return tree
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
     """Read YAML (optional), apply ``--set`` overrides, type-check and validate."""
-    tree: dict = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(
-                f"config file {p} does not exist", "pass an existing YAML file to --config (see jobs/configs/)"
-            )
-        try:
-            tree = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {p} is not valid YAML: {e}", "fix the syntax at the line shown") from e
+    tree: dict = {} if path is None else _read_tree(Path(path))
     for item in overrides:
         key, value = parse_override(item)
         _set_dotted(tree, key, value)
-    cfg = _build(Config, tree, "")
-    validate(cfg)
-    return cfg
+    return config_from_dict(tree)
 
 
 def config_to_dict(cfg: Config) -> dict:
@@ -299,46 +565,24 @@ def config_from_dict(tree: dict) -> Config:
     return cfg
 
 
-# ---------------------------------------------------------------- cross-field checks
+# ---------------------------------------------------------------- rules across sections
+
+
+def _sections(obj: Any) -> typing.Iterator[Section]:
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if isinstance(value, Section):
+            yield value
+            yield from _sections(value)
 
 
 def validate(cfg: Config) -> None:
-    """Checks that need more than one field. Each error names the key and the fix."""
-    c = cfg.cluster
-    for name in ("num_nodes", "gpus_per_node", "actor_num_gpus", "rollout_num_gpus", "rollout_gpus_per_engine"):
-        if getattr(c, name) < 1:
-            raise ConfigError(
-                f"cluster.{name} = {getattr(c, name)} must be >= 1", f"set cluster.{name} to a positive count"
-            )
-    if c.rollout_num_gpus % c.rollout_gpus_per_engine:
-        raise ConfigError(
-            f"cluster.rollout_num_gpus = {c.rollout_num_gpus} is not a multiple of "
-            f"cluster.rollout_gpus_per_engine = {c.rollout_gpus_per_engine}",
-            "make the rollout GPUs a whole number of engines",
-        )
-    total = c.num_nodes * c.gpus_per_node
-    if c.colocate:
-        if c.rollout_num_gpus > c.actor_num_gpus:
-            raise ConfigError(
-                f"colocate: cluster.rollout_num_gpus = {c.rollout_num_gpus} > cluster.actor_num_gpus = {c.actor_num_gpus}",
-                "in colocate mode the engines live on the actor's GPUs: use at most as many rollout GPUs",
-            )
-        needed = c.actor_num_gpus
-    else:
-        needed = c.actor_num_gpus + c.rollout_num_gpus
-    if needed > total:
-        raise ConfigError(
-            f"the layout needs {needed} GPUs (actor {c.actor_num_gpus} + rollout {c.rollout_num_gpus}"
-            f"{', colocated' if c.colocate else ''}) but the job has {total} "
-            f"(cluster.num_nodes={c.num_nodes} x cluster.gpus_per_node={c.gpus_per_node})",
-            "ask for more nodes/GPUs, or shrink cluster.actor_num_gpus / cluster.rollout_num_gpus",
-        )
-    if c.rollout_gpus_per_engine > c.gpus_per_node and c.rollout_gpus_per_engine % c.gpus_per_node:
-        raise ConfigError(
-            f"cluster.rollout_gpus_per_engine = {c.rollout_gpus_per_engine} spans nodes unevenly "
-            f"(gpus_per_node = {c.gpus_per_node})",
-            "use a divisor or a multiple of cluster.gpus_per_node",
-        )
+    """The whole config is usable: every section's own rules (again, in case fields were assigned
+    after construction), then the rules that read several sections or look outside the config.
+    Each error names the key and the fix."""
+    for section in _sections(cfg):
+        section.__post_init__()
+    c, r = cfg.cluster, cfg.rollout
 
     m = cfg.model
     if (m.path is None) == (m.tiny is None):
@@ -359,24 +603,9 @@ def validate(cfg: Config) -> None:
             raise ConfigError(
                 f"data.{key} {f} does not exist", f"create it (JSONL with prompt/answer) or unset data.{key}"
             )
-    from rlhpc.tasks import TASKS, resolve_reward  # late: tasks import torch-free helpers only
-
-    if d.task not in TASKS:
-        raise ConfigError(f"data.task = {d.task!r} is not a known task", f"use one of: {', '.join(sorted(TASKS))}")
     if d.reward is not None:
         resolve_reward(d.reward)
 
-    r = cfg.rollout
-    if r.num_rollout is not None and r.num_rollout < 1:
-        raise ConfigError(
-            f"rollout.num_rollout = {r.num_rollout} must be >= 1",
-            "set a positive count, or null to derive it from rollout.num_epoch",
-        )
-    for key in ("num_epoch", "rollout_batch_size", "n_samples_per_prompt", "max_new_tokens", "update_weight_buffer_mb"):
-        if getattr(r, key) < 1:
-            raise ConfigError(
-                f"rollout.{key} = {getattr(r, key)} must be >= 1", f"set rollout.{key} to a positive number"
-            )
     if cfg.algo.advantage_estimator == "rloo" and r.n_samples_per_prompt < 2:
         raise ConfigError(
             "algo.advantage_estimator = 'rloo' needs rollout.n_samples_per_prompt >= 2",
@@ -387,34 +616,8 @@ def validate(cfg: Config) -> None:
             f"a rollout has {r.rollout_batch_size * r.n_samples_per_prompt} samples, fewer than the {c.actor_num_gpus} actor ranks",
             "raise rollout.rollout_batch_size or lower cluster.actor_num_gpus",
         )
-    if r.max_engine_restarts < 0:
-        raise ConfigError(
-            f"rollout.max_engine_restarts = {r.max_engine_restarts} must be >= 0", "set 0 to never restart an engine"
-        )
-    if not 0 < r.sglang.mem_fraction_static < 1:
-        raise ConfigError(
-            f"rollout.sglang.mem_fraction_static = {r.sglang.mem_fraction_static} must be in (0, 1)",
-            "give SGLang a share of each GPU, e.g. 0.7 (colocate: leave room for the actor, e.g. 0.4)",
-        )
     if cfg.actor.backend == "megatron":
         _validate_megatron(cfg)
-    if cfg.eval.interval is not None and cfg.eval.interval < 1:
-        raise ConfigError(
-            f"eval.interval = {cfg.eval.interval} must be >= 1", "set a positive interval, or null to disable eval"
-        )
-    ck = cfg.checkpoint
-    if ck.save_interval is not None and ck.save_interval < 1:
-        raise ConfigError(
-            f"checkpoint.save_interval = {ck.save_interval} must be >= 1",
-            "set a positive interval, or null to save only at the end",
-        )
-    if ck.keep_last < 2:
-        raise ConfigError(
-            f"checkpoint.keep_last = {ck.keep_last} must be >= 2",
-            "keep at least two, so a damaged newest checkpoint still leaves one to resume from",
-        )
-    if cfg.actor.num_steps_per_rollout < 1 or cfg.actor.micro_batch_size < 1:
-        raise ConfigError("actor.num_steps_per_rollout and actor.micro_batch_size must be >= 1", "set positive values")
 
 
 def _model_shape(cfg: Config) -> tuple[int, int, int] | None:
@@ -432,8 +635,6 @@ def _model_shape(cfg: Config) -> tuple[int, int, int] | None:
 
 def _validate_megatron(cfg: Config) -> None:
     c, tp = cfg.cluster, cfg.actor.megatron.tensor_model_parallel_size
-    if tp < 1:
-        raise ConfigError(f"actor.megatron.tensor_model_parallel_size = {tp} must be >= 1", "use 1, 2, 4 or 8")
     if c.actor_num_gpus % tp:
         raise ConfigError(
             f"actor.megatron.tensor_model_parallel_size = {tp} does not divide cluster.actor_num_gpus = {c.actor_num_gpus}",

@@ -7,13 +7,14 @@ Everything downstream (actor, engines, checkpoints) reads and writes a plain HF 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 from transformers.utils import logging as hf_logging
+
+from rlhpc.config import TinyModelConfig  # a config section (torch-free); re-exported here
 
 log = logging.getLogger(__name__)
 # Per-shard progress bars from every Ray worker drown the driver's output.
@@ -22,20 +23,6 @@ hf_logging.disable_progress_bar()
 PAD, BOS, EOS = "<pad>", "<s>", "</s>"
 # One token per character: enough for arithmetic and string toy tasks.
 CHARS = list("0123456789+-*=?:; ") + [chr(c) for c in range(ord("a"), ord("z") + 1)]
-
-
-@dataclass
-class TinyModelConfig:
-    """A randomly initialised model small enough to train on two CPU cores."""
-
-    architecture: str = "llama"  # llama | qwen2
-    hidden_size: int = 64
-    intermediate_size: int = 256
-    num_hidden_layers: int = 2
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
-    max_position_embeddings: int = 128
-    seed: int = 0
 
 
 def build_char_tokenizer() -> PreTrainedTokenizerFast:
