@@ -1,5 +1,10 @@
 """Config loading: types, unknown keys, cross-field checks; each error names key and fix."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from rlhpc.config import dump_config, load_config
@@ -137,3 +142,144 @@ def test_sglang_options_are_checked():
     assert "rollout.sglang.extra_args[0] must be str" in error(["rollout.sglang.extra_args=[7]"])
     cfg = load_config(None, [*TINY, "rollout.backend=sglang", "rollout.sglang.extra_args=[--dtype, bfloat16]"])
     assert cfg.rollout.sglang.extra_args == ["--dtype", "bfloat16"]
+
+
+# ---------------------------------------------------------------- each section checks its own values
+
+REPO = Path(__file__).resolve().parents[2]
+EMBEDDED = REPO / "jobs" / "configs" / "embedded.yaml"
+
+REFUSED = [
+    # (override, what the message must say: the full key, its value and the rule)
+    ("logging.level=verbose", "logging.level = 'verbose' is not a logging level"),
+    ("logging.level=info", "logging.level = 'info' is not a logging level"),
+    ("eval.n_samples_per_prompt=0", "eval.n_samples_per_prompt = 0 must be >= 1"),
+    ("eval.max_new_tokens=0", "eval.max_new_tokens = 0 must be >= 1"),
+    ("eval.temperature=-0.5", "eval.temperature = -0.5 must be >= 0"),
+    ("checkpoint.max_starts_without_progress=0", "checkpoint.max_starts_without_progress = 0 must be >= 1"),
+    ("checkpoint.max_restarts=-1", "checkpoint.max_restarts = -1 must be >= 0"),
+    ("rollout.temperature=-1.0", "rollout.temperature = -1.0 must be >= 0"),
+    ("rollout.top_p=0", "rollout.top_p = 0.0 must be in (0, 1]"),
+    ("rollout.top_p=1.5", "rollout.top_p = 1.5 must be in (0, 1]"),
+    ("rollout.engine_startup_timeout_s=0", "rollout.engine_startup_timeout_s = 0.0 must be > 0"),
+    ("cluster.ray_start_timeout_s=-5", "cluster.ray_start_timeout_s = -5.0 must be > 0"),
+    ("actor.lr=-0.001", "actor.lr = -0.001 must be >= 0"),
+    ("actor.weight_decay=-0.1", "actor.weight_decay = -0.1 must be >= 0"),
+    ("actor.grad_clip=0", "actor.grad_clip = 0.0 must be > 0"),
+    ("actor.adam_eps=0", "actor.adam_eps = 0.0 must be > 0"),
+    ("actor.adam_betas=[0.9, 1.0]", "actor.adam_betas[1] = 1.0 must be in [0, 1)"),
+    ("actor.adam_betas=[-0.1, 0.9]", "actor.adam_betas[0] = -0.1 must be in [0, 1)"),
+    ("data.num_train=0", "data.num_train = 0 must be >= 1"),
+    ("data.num_eval=0", "data.num_eval = 0 must be >= 1"),
+    ("algo.eps_clip=-0.1", "algo.eps_clip = -0.1 must be >= 0"),
+    ("algo.eps_clip_high=-0.1", "algo.eps_clip_high = -0.1 must be >= 0"),
+    ("algo.kl_coef=-0.01", "algo.kl_coef = -0.01 must be >= 0"),
+    ("actor.lr=.nan", "actor.lr = nan is not a finite number"),
+    ("algo.kl_coef=.nan", "algo.kl_coef = nan is not a finite number"),
+    ("rollout.temperature=.inf", "rollout.temperature = inf is not a finite number"),
+    ("cluster.ray_start_timeout_s=.inf", "cluster.ray_start_timeout_s = inf is not a finite number"),
+    ("actor.adam_betas=[.nan, 0.9]", "actor.adam_betas[0] = nan is not a finite number"),
+    ("model.tiny.hidden_size=-8", "model.tiny.hidden_size = -8 must be >= 1"),
+    ("model.tiny.intermediate_size=0", "model.tiny.intermediate_size = 0 must be >= 1"),
+    ("model.tiny.num_hidden_layers=0", "model.tiny.num_hidden_layers = 0 must be >= 1"),
+    ("model.tiny.num_attention_heads=0", "model.tiny.num_attention_heads = 0 must be >= 1"),
+    ("model.tiny.num_key_value_heads=0", "model.tiny.num_key_value_heads = 0 must be >= 1"),
+    ("model.tiny.max_position_embeddings=0", "model.tiny.max_position_embeddings = 0 must be >= 1"),
+    ("model.tiny.hidden_size=66", "model.tiny.hidden_size = 66 is not divisible by model.tiny.num_attention_heads"),
+    ("model.tiny.hidden_size=60", "model.tiny.num_attention_heads = 15 is odd"),
+    ("model.tiny.num_key_value_heads=3", "model.tiny.num_attention_heads = 4 is not divisible by"),
+    ("model.tiny.architecture=gpt2", "model.tiny.architecture = 'gpt2' is not one of 'llama' | 'qwen2'"),
+]
+
+
+@pytest.mark.parametrize("override,message", REFUSED, ids=[o for o, _ in REFUSED])
+def test_section_values_are_refused_naming_the_key(override, message):
+    assert message in error([override])
+
+
+def test_sections_check_themselves_when_built_in_code():
+    from rlhpc.config import Config, RolloutConfig, TinyModelConfig, validate
+
+    with pytest.raises(ConfigError, match=r"rollout\.temperature = -1\.0 must be >= 0"):
+        RolloutConfig(temperature=-1.0)
+    with pytest.raises(ConfigError, match=r"model\.tiny\.hidden_size = -8"):
+        TinyModelConfig(hidden_size=-8)
+    cfg = Config(model=load_config(None, TINY).model)
+    validate(cfg)
+    cfg.rollout.temperature = -1.0  # assigned after construction: validate() still catches it
+    with pytest.raises(ConfigError, match=r"rollout\.temperature"):
+        validate(cfg)
+
+
+def test_each_section_knows_its_place_in_the_config():
+    """Errors name a section's keys by its SECTION; it must be where Config puts the section."""
+    import dataclasses
+    import typing
+
+    from rlhpc.config import Config, Section
+
+    def walk(cls, where):
+        for f in dataclasses.fields(cls):
+            for tp in (typing.get_type_hints(cls)[f.name], *typing.get_args(typing.get_type_hints(cls)[f.name])):
+                if isinstance(tp, type) and issubclass(tp, Section):
+                    assert tp.SECTION == f"{where}{f.name}", tp
+                    walk(tp, f"{where}{f.name}.")
+
+    walk(Config, "")
+
+
+def test_defaults_and_the_embedded_config_still_load():
+    from rlhpc.config import Config, RolloutConfig
+
+    Config()  # no model yet: valid to build, validate() asks for one
+    assert RolloutConfig().temperature == 1.0
+    cfg = load_config(EMBEDDED)
+    assert cfg.model.tiny.hidden_size == 64 and cfg.logging.level == "INFO"
+    assert load_config(None, TINY).actor.lr == 1e-3
+
+
+# ---------------------------------------------------------------- unreadable config files and --set values
+
+
+def test_set_on_a_scalar_config_file(tmp_path):
+    f = tmp_path / "scalar.yaml"
+    f.write_text("3\n")
+    with pytest.raises(ConfigError, match="holds a int, not a mapping"):
+        load_config(f, ["seed=1"])
+
+
+def test_config_file_not_utf8(tmp_path):
+    f = tmp_path / "latin1.yaml"
+    f.write_bytes("data:\n  task: r\xe9verse\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match="is not UTF-8 text"):
+        load_config(f)
+
+
+def test_config_is_a_directory(tmp_path):
+    with pytest.raises(ConfigError, match="is a directory"):
+        load_config(tmp_path)
+
+
+def test_set_value_that_is_not_yaml():
+    assert "not valid YAML" in error(["rollout.sglang.extra_args=[--dtype"])
+
+
+def test_set_under_a_section_left_empty_in_the_file(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("model:\n  tiny:\n")
+    assert load_config(f, ["model.tiny.hidden_size=32"]).model.tiny.hidden_size == 32
+
+
+def test_reading_a_config_imports_neither_torch_nor_transformers(tmp_path):
+    """The login node validates configs: that must not pay for (or need) torch."""
+    import rlhpc
+
+    env = {**os.environ, "PYTHONPATH": str(Path(rlhpc.__file__).resolve().parents[1])}  # this rlhpc, not cwd's
+    code = (
+        "import sys\n"
+        "from rlhpc.config import load_config\n"
+        f"load_config({str(EMBEDDED)!r})\n"
+        "heavy = [m for m in ('torch', 'transformers') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+    )
+    subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, check=True)
