@@ -17,6 +17,7 @@ import functools
 import json
 import logging
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -409,6 +410,9 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp)).replace("NoneType", "null")
 
 
+_EXPONENT_FLOAT = re.compile(r"[-+]?(\d+(\.\d*)?|\.\d+)[eE][-+]?\d+")
+
+
 def _coerce(value: Any, tp: Any, where: str) -> Any:
     """Check ``value`` against the annotation ``tp``; return it (ints widen to floats)."""
     origin = typing.get_origin(tp)
@@ -444,6 +448,8 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         return _build(tp, value, where)
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if tp is float and isinstance(value, str) and _EXPONENT_FLOAT.fullmatch(value.strip()):
+        return float(value)  # YAML 1.1 (PyYAML) reads 1e-4 as a string; every user means the number
     if tp in (int, float, str, bool) and (type(value) is not tp):
         raise ConfigError(
             f"{where} must be {_type_name(tp)}, got {type(value).__name__} {value!r}",

@@ -31,6 +31,15 @@ def test_defaults_and_overrides_are_typed(tmp_path):
     assert cfg.model.tiny.hidden_size == 64
 
 
+def test_exponent_floats_without_a_dot_are_numbers(tmp_path):
+    # PyYAML reads 1e-4 as a string; the README's `--set actor.lr=1e-4` must still work
+    f = tmp_path / "c.yaml"
+    f.write_text("actor:\n  adam_eps: 1E-6\n")
+    cfg = load_config(f, [*TINY, "actor.lr=1e-4", "actor.weight_decay=+2.5e-2"])
+    assert (cfg.actor.lr, cfg.actor.adam_eps, cfg.actor.weight_decay) == (1e-4, 1e-6, 0.025)
+    assert "rollout.n_samples_per_prompt must be int" in error(["rollout.n_samples_per_prompt=1e2"])
+
+
 def test_resolved_config_round_trips(tmp_path):
     cfg = load_config(None, TINY + ["cluster.colocate=true"])
     f = tmp_path / "resolved.yaml"
