@@ -535,7 +535,8 @@ def _read_tree(p: Path) -> dict:
         return {}
     if not isinstance(tree, dict):
         raise ConfigError(
-            f"config file {p} holds a {type(tree).__name__}, not a mapping of sections",
+            f"config file {p} holds {'a list' if isinstance(tree, list) else 'a single value'}, "
+            "not a mapping of sections",
             "write sections like `rollout:` with their keys indented below (see jobs/configs/)",
         )
     return tree

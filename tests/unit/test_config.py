@@ -253,7 +253,7 @@ def test_defaults_and_the_embedded_config_still_load():
 def test_set_on_a_scalar_config_file(tmp_path):
     f = tmp_path / "scalar.yaml"
     f.write_text("3\n")
-    with pytest.raises(ConfigError, match="holds a int, not a mapping"):
+    with pytest.raises(ConfigError, match="holds a single value, not a mapping of sections"):
         load_config(f, ["seed=1"])
 
 
