@@ -22,6 +22,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from rlhpc.util.files import fsync_dir, write_atomic
+
 log = logging.getLogger(__name__)
 
 MARKER = "COMPLETE"
@@ -44,25 +46,6 @@ class Checkpoint:
 
 def checkpoint_name(rollout_id: int) -> str:
     return f"{PREFIX}{rollout_id:06d}"
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` so that readers see the old content or the new, never a mix."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
 
 
 def _manifest(root: Path) -> dict[str, int]:
@@ -126,7 +109,7 @@ class CheckpointManager:
             shutil.rmtree(trash)
         else:
             os.replace(staging, final)
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
         write_atomic(self.root / LATEST, final.name + "\n")
         self._prune()
         log.info("checkpoint %s saved", final)

@@ -11,16 +11,15 @@ import h5py
 import numpy as np
 
 from rlhpc.batch import RolloutBatch
-from rlhpc.checkpoint import write_atomic
 from rlhpc.config import LoggingConfig
+from rlhpc.run_dir import RunDir
+from rlhpc.util.files import write_atomic
 
 log = logging.getLogger("rlhpc.metrics")
 
-METRICS_FILE = "metrics.jsonl"
 
-
-def read_metrics(run_dir: str | Path) -> list[dict]:
-    path = Path(run_dir) / METRICS_FILE
+def read_metrics(run: RunDir | str | Path) -> list[dict]:
+    path = RunDir.of(run).metrics_file
     if not path.is_file():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -52,12 +51,11 @@ def _ragged(f: h5py.File, name: str, rows: list[list], dtype: type) -> None:
 class MetricsLogger:
     """One JSON object per rollout/eval in ``metrics.jsonl``; mirrored to wandb and the console."""
 
-    def __init__(self, run_dir: str | Path, cfg: LoggingConfig, config: dict, num_rollout: int, wandb_id: str | None):
-        self.run_dir = Path(run_dir)
+    def __init__(self, run: RunDir, cfg: LoggingConfig, config: dict, num_rollout: int, wandb_id: str | None):
+        self.run = run
         self.cfg = cfg
         self.num_rollout = num_rollout
-        self.path = self.run_dir / METRICS_FILE
-        self.rollout_dir = self.run_dir / "rollouts"
+        self.path = run.metrics_file
         self._wandb = None
         self.wandb_id = wandb_id
         if cfg.wandb_mode != "disabled":
@@ -66,12 +64,12 @@ class MetricsLogger:
             # A resumed job passes the id from its checkpoint and continues the same wandb run.
             self._wandb = wandb.init(
                 project=cfg.wandb_project,
-                dir=str(self.run_dir),
+                dir=str(run.path),
                 mode=cfg.wandb_mode,
                 id=wandb_id,
                 resume="allow",
                 config=config,
-                name=self.run_dir.name,
+                name=run.path.name,
                 settings=wandb.Settings(quiet=True, console="off"),
             )
             self.wandb_id = self._wandb.id
@@ -80,12 +78,12 @@ class MetricsLogger:
         """Drop records of rollouts after the checkpoint we resume from: they are recomputed."""
         if not self.path.is_file():
             return
-        kept = [r for r in read_metrics(self.run_dir) if r["rollout_id"] < next_rollout_id]
+        kept = [r for r in read_metrics(self.run) if r["rollout_id"] < next_rollout_id]
         write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in kept))
 
     def restore(self, rollout_id: int, values: dict[str, float]) -> None:
         """Re-add a checkpointed rollout's record if the job died before writing it."""
-        if not any(r["kind"] == "rollout" and r["rollout_id"] == rollout_id for r in read_metrics(self.run_dir)):
+        if not any(r["kind"] == "rollout" and r["rollout_id"] == rollout_id for r in read_metrics(self.run)):
             self.log("rollout", rollout_id, values)
 
     def log(self, kind: str, rollout_id: int, values: dict[str, float]) -> None:
@@ -103,8 +101,8 @@ class MetricsLogger:
         """Write one rollout's tokens, texts, rewards and advantages to ``rollouts/rollout_NNNNNN.h5``."""
         if not self.cfg.dump_rollouts:
             return None
-        self.rollout_dir.mkdir(exist_ok=True)
-        path = self.rollout_dir / f"rollout_{rollout_id:06d}.h5"
+        self.run.rollouts_dir.mkdir(exist_ok=True)
+        path = self.run.rollout_dump(rollout_id)
         tmp = path.with_suffix(".h5.tmp")
         with h5py.File(tmp, "w") as f:
             f.attrs["rollout_id"] = rollout_id

@@ -1,13 +1,22 @@
 """A run's directory: the one place a job's config, model, checkpoints, logs and metrics live.
 
-RUN_DIR/
-  config.yaml        the resolved config (written before submission)
-  base_model/        the tiny model built at submit time, when ``model.tiny`` is used
-  checkpoints/       see rlhpc/checkpoint.py
-  metrics.jsonl      one JSON object per rollout and per eval
-  rollouts/          HDF5 dump per rollout id
-  logs/              submitit task logs, engine server logs
-  FINISHED           written when the last rollout is saved
+Every path under a run dir is named here, and only here::
+
+  RUN_DIR/
+    config.yaml            the resolved config (written before submission)
+    base_model/            the tiny model built at submit time, when ``model.tiny`` is used
+    checkpoints/           see rlhpc/checkpoint.py
+    metrics.jsonl          one JSON object per rollout and per eval (rlhpc/metrics.py)
+    metrics.png            tools/plot_metrics.py's default output
+    rollouts/              rollout_NNNNNN.h5: one HDF5 dump per rollout id (logging.dump_rollouts)
+    restarts.jsonl         one line per start of the job (rlhpc/launch/restarts.py)
+    slurm_job_id           the job id, written at submission (jobs/status.py reads it)
+    ray/job_ID.ATTEMPT/    one Ray state dir per Slurm job and attempt (JobRayState):
+                           auth_token (0600), head.json, node_N.json, ray_node_N.log, stop
+    logs/submitit/         submitit's pickles and per-task stdout/stderr
+    logs/engines/          engine server logs
+    wandb/                 wandb's own files (logging.wandb_mode)
+    FINISHED               written when the last rollout is saved
 """
 
 from __future__ import annotations
@@ -15,13 +24,14 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
-from rlhpc.checkpoint import write_atomic
 from rlhpc.config import Config, config_from_dict, config_to_dict, dump_config
 from rlhpc.errors import RunDirError
+from rlhpc.util.files import write_atomic
 
 # Changing these between submissions of the same run keeps a resume meaningful.
 RESUMABLE_CHANGES = (
@@ -49,6 +59,39 @@ def config_differences(old: dict, new: dict) -> list[str]:
     return sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
 
 
+@dataclass(frozen=True)
+class JobRayState:
+    """Files a Slurm job's tasks use to find each other (one dir per job and attempt)."""
+
+    root: Path
+
+    @property
+    def attempt(self) -> int:
+        return int(self.root.suffix[1:])
+
+    @property
+    def token(self) -> Path:
+        return self.root / "auth_token"
+
+    @property
+    def head(self) -> Path:
+        return self.root / "head.json"
+
+    @property
+    def stop(self) -> Path:
+        return self.root / "stop"
+
+    def node(self, rank: int) -> Path:
+        return self.root / f"node_{rank}.json"
+
+    def nodes(self) -> list[Path]:
+        """The node files of the tasks that started their Ray."""
+        return sorted(self.root.glob("node_*.json"))
+
+    def log(self, rank: int) -> Path:
+        return self.root / f"ray_node_{rank}.log"
+
+
 class RunDir:
     def __init__(self, path: str | Path):
         self.path = Path(path).resolve()
@@ -57,6 +100,50 @@ class RunDir:
         self.logs = self.path / "logs"
         self.base_model = self.path / "base_model"
         self.finished_file = self.path / "FINISHED"
+        self.metrics_file = self.path / "metrics.jsonl"
+        self.metrics_plot = self.path / "metrics.png"
+        self.rollouts_dir = self.path / "rollouts"
+        self.restarts_file = self.path / "restarts.jsonl"
+        self.job_id_file = self.path / "slurm_job_id"
+        self.ray_root = self.path / "ray"
+        self.submitit_dir = self.logs / "submitit"
+        self.engine_logs = self.logs / "engines"
+
+    @classmethod
+    def of(cls, run: RunDir | str | Path) -> RunDir:
+        """``run`` itself, or the run dir at that path (for callers that hold only a path)."""
+        return run if isinstance(run, RunDir) else cls(run)
+
+    @classmethod
+    def from_submitit_log(cls, log_file: str | Path) -> RunDir | None:
+        """The run dir whose ``logs/submitit/`` holds ``log_file`` (e.g. a job's StdOut), else None."""
+        log_file = Path(log_file)
+        if len(log_file.parents) > 3 and log_file.parent.name == "submitit":
+            return cls(log_file.parents[2])
+        return None
+
+    def rollout_dump(self, rollout_id: int) -> Path:
+        return self.rollouts_dir / f"rollout_{rollout_id:06d}.h5"
+
+    def rollout_dumps(self) -> list[Path]:
+        """Every rollout dump, oldest first."""
+        return sorted(self.rollouts_dir.glob("rollout_*.h5"))
+
+    def ray_state(self, job_id: str, attempt: int | str) -> JobRayState:
+        # One dir per attempt: a requeued job keeps its id, and its tasks must never read the
+        # previous attempt's head address or stop file.
+        return JobRayState(self.ray_root / f"job_{job_id}.{attempt}")
+
+    def latest_ray_state(self, job_id: str) -> JobRayState | None:
+        """The newest attempt's Ray state of ``job_id``, None if it never started Ray."""
+        attempts = sorted((JobRayState(p) for p in self.ray_root.glob(f"job_{job_id}.*")), key=lambda s: s.attempt)
+        return attempts[-1] if attempts else None
+
+    def read_job_id(self) -> str | None:
+        return self.job_id_file.read_text().strip() if self.job_id_file.is_file() else None
+
+    def write_job_id(self, job_id: str) -> None:
+        write_atomic(self.job_id_file, f"{job_id}\n")
 
     def __str__(self) -> str:
         return str(self.path)
