@@ -19,7 +19,6 @@ import json
 import logging
 import os
 import secrets
-import signal
 import socket
 import subprocess
 import sys
@@ -27,8 +26,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlhpc.checkpoint import write_atomic
 from rlhpc.errors import RlhpcError
+from rlhpc.launch import slurm
+from rlhpc.run_dir import JobRayState
+from rlhpc.util.files import write_atomic
+from rlhpc.util.processes import stop_group
 
 log = logging.getLogger(__name__)
 
@@ -81,40 +83,8 @@ def node_ip_address() -> str:
     """
     name = os.environ.get("SLURMD_NODENAME")
     if name:
-        try:
-            out = subprocess.run(["scontrol", "show", "node", name, "-o"], capture_output=True, text=True, timeout=30)
-            for field in out.stdout.split():
-                if field.startswith("NodeAddr="):
-                    return socket.gethostbyname(field.split("=", 1)[1])
-        except (FileNotFoundError, subprocess.TimeoutExpired) as e:  # e.g. a container without Slurm tools
-            log.warning("scontrol unavailable (%s): using the address of node name %s", e, name)
-        return socket.gethostbyname(name)
+        return socket.gethostbyname(slurm.node_addr(name) or name)
     return socket.gethostbyname(socket.gethostname())
-
-
-@dataclass
-class JobRayState:
-    """Files a job's tasks use to find each other, in the shared run dir."""
-
-    root: Path
-
-    @property
-    def token(self) -> Path:
-        return self.root / "auth_token"
-
-    @property
-    def head(self) -> Path:
-        return self.root / "head.json"
-
-    @property
-    def stop(self) -> Path:
-        return self.root / "stop"
-
-    def node(self, rank: int) -> Path:
-        return self.root / f"node_{rank}.json"
-
-    def log(self, rank: int) -> Path:
-        return self.root / f"ray_node_{rank}.log"
 
 
 class RayNode:
@@ -210,21 +180,8 @@ class RayNode:
         """
         if self.proc is None:
             return
-        _signal_group(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            pass
-        _signal_group(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
+        stop_group(self.proc, grace_s, name=f"task {self.rank}'s ray start")
         self.proc = None
-
-
-def _signal_group(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except ProcessLookupError:
-        pass
 
 
 def wait_for_cluster(

@@ -1,13 +1,17 @@
-"""Slurm submission: sbatch options as a user spells them, checks against ``sinfo``, submitit.
+"""Everything that talks to Slurm: sbatch options as a user spells them, submitit, and the
+one home of every ``sinfo``/``scontrol`` call rlhpc makes (nothing else runs Slurm's commands).
 
-submitit builds the sbatch script (one task per node, ``--signal``, ``--open-mode=append``);
-we add ``--requeue`` and refuse, before submitting, what the partition cannot give.
+submitit builds the sbatch script (one task per node, ``--signal``, ``--open-mode=append``)
+and runs sbatch; we add ``--requeue`` and refuse, before submitting, what the partition
+cannot give. ``scontrol`` rather than ``sacct`` answers job states: many sites (and the
+minicluster) run no accounting database.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+import shutil
 import subprocess
 from dataclasses import dataclass, field
 
@@ -71,9 +75,28 @@ class Partition:
     states: tuple[str, ...]
 
 
+def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
+def _fields(text: str) -> dict[str, str]:
+    """``scontrol show ... -o`` output -> {"JobState": "RUNNING", ...}."""
+    return dict(f.split("=", 1) for f in text.split() if "=" in f)
+
+
+def slurm_available() -> bool:
+    """A working Slurm answers ``sinfo``; the binary alone is not enough (submitit checks only that)."""
+    if shutil.which("sinfo") is None:
+        return False
+    try:
+        return _run(["sinfo", "-h", "-o", "%P"], timeout=15).returncode == 0
+    except subprocess.TimeoutExpired:
+        return False
+
+
 def query_partitions() -> dict[str, Partition]:
     """Partitions with node counts and the smallest GPU count of their nodes, from ``sinfo``."""
-    out = subprocess.run(["sinfo", "-h", "-N", "-o", "%P|%N|%G|%t"], capture_output=True, text=True, timeout=30)
+    out = _run(["sinfo", "-h", "-N", "-o", "%P|%N|%G|%t"], timeout=30)
     if out.returncode != 0:
         raise ConfigError(
             f"sinfo failed: {out.stderr.strip()}", "check that Slurm is reachable from this node (SLURM_CONF)"
@@ -127,7 +150,7 @@ def preflight(opts: SlurmOptions) -> None:
 
 
 def slurm_executor(run: RunDir, opts: SlurmOptions) -> submitit.SlurmExecutor:
-    executor = submitit.SlurmExecutor(folder=run.logs / "submitit")
+    executor = submitit.SlurmExecutor(folder=run.submitit_dir)
     params = {
         "job_name": opts.job_name,
         "nodes": opts.nodes,
@@ -152,3 +175,58 @@ def sbatch_script(executor: submitit.SlurmExecutor) -> str:
     from submitit.slurm.slurm import _make_sbatch_string
 
     return _make_sbatch_string(command=executor._submitit_command_str, folder=executor.folder, **executor.parameters)
+
+
+# ---------------------------------------------------------------- jobs and nodes
+
+SLURM_ACTIVE = {
+    "PENDING",
+    "CONFIGURING",
+    "RUNNING",
+    "COMPLETING",
+    "REQUEUED",
+    "REQUEUE_HOLD",
+    "REQUEUE_FED",
+    "RESIZING",
+    "SUSPENDED",
+    "STAGE_OUT",
+    "SIGNALING",
+    "PREEMPTED",
+}
+
+
+def job_state(job_id: str) -> str | None:
+    """The job's state from ``scontrol`` (which needs no accounting database), None once forgotten."""
+    return _fields(_run(["scontrol", "show", "job", job_id, "-o"], timeout=30).stdout).get("JobState")
+
+
+def show_job(job_id: str) -> dict[str, str] | None:
+    """Every field ``scontrol show job`` gives; None when Slurm does not know the job or cannot be asked."""
+    try:
+        out = _run(["scontrol", "show", "job", job_id, "-o"], timeout=30)
+    except (FileNotFoundError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode != 0 or not out.stdout.strip():
+        return None
+    return _fields(out.stdout)
+
+
+def node_addr(node: str) -> str | None:
+    """The NodeAddr Slurm is configured to reach ``node`` by; None when scontrol cannot say."""
+    try:
+        out = _run(["scontrol", "show", "node", node, "-o"], timeout=30)
+    except (FileNotFoundError, subprocess.TimeoutExpired) as e:  # e.g. a container without Slurm tools
+        log.warning("scontrol unavailable (%s): no NodeAddr for node %s", e, node)
+        return None
+    return _fields(out.stdout).get("NodeAddr")
+
+
+def requeue(job_id: str) -> str | None:
+    """``scontrol requeue``; Slurm's refusal as text (e.g. already requeueing), None when it accepted."""
+    out = _run(["scontrol", "requeue", job_id], timeout=60)
+    return out.stderr.strip() if out.returncode else None
+
+
+def requeue_hold(job_id: str) -> None:
+    """``scontrol requeuehold``: requeue the job held, for a person to release."""
+    subprocess.run(["scontrol", "requeuehold", job_id], timeout=60)

@@ -4,18 +4,16 @@ from __future__ import annotations
 
 import logging
 import re
-import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import submitit
 
-from rlhpc.checkpoint import write_atomic
 from rlhpc.cluster.layout import describe_layout, plan_layout
 from rlhpc.config import Config
 from rlhpc.errors import RlhpcError
+from rlhpc.launch import slurm
 from rlhpc.launch.job import TrainJob
 from rlhpc.launch.slurm import SlurmOptions, sbatch_script, slurm_executor
 from rlhpc.run_dir import RunDir
@@ -23,61 +21,28 @@ from rlhpc.run_dir import RunDir
 log = logging.getLogger(__name__)
 
 
-def slurm_available() -> bool:
-    """A working Slurm answers ``sinfo``; the binary alone is not enough (submitit checks only that)."""
-    if shutil.which("sinfo") is None:
-        return False
-    try:
-        return subprocess.run(["sinfo", "-h", "-o", "%P"], capture_output=True, timeout=15).returncode == 0
-    except subprocess.TimeoutExpired:
-        return False
-
-
 def choose_cluster(requested: str) -> str:
     if requested != "auto":
         return requested
-    if slurm_available():
+    if slurm.slurm_available():
         return "slurm"
     log.info("no working Slurm here (sinfo does not answer): running the job locally (--cluster local)")
     return "local"
 
 
 def local_executor(run: RunDir, timeout_min: int, gpus: int) -> submitit.LocalExecutor:
-    executor = submitit.LocalExecutor(folder=run.logs / "submitit")
+    executor = submitit.LocalExecutor(folder=run.submitit_dir)
     # gpus=0 makes submitit hide GPUs (CUDA_VISIBLE_DEVICES=""): right on a CPU machine,
     # and on a workstation with GPUs we pass their count so the job sees them.
     executor.update_parameters(timeout_min=timeout_min, gpus_per_node=gpus, tasks_per_node=1, nodes=1)
     return executor
 
 
-SLURM_ACTIVE = {
-    "PENDING",
-    "CONFIGURING",
-    "RUNNING",
-    "COMPLETING",
-    "REQUEUED",
-    "REQUEUE_HOLD",
-    "REQUEUE_FED",
-    "RESIZING",
-    "SUSPENDED",
-    "STAGE_OUT",
-    "SIGNALING",
-    "PREEMPTED",
-}
-
-
-def slurm_state(job_id: str) -> str | None:
-    """The job's state from ``scontrol`` (which needs no accounting database), None once forgotten."""
-    out = subprocess.run(["scontrol", "show", "job", job_id, "-o"], capture_output=True, text=True, timeout=30)
-    m = re.search(r"\bJobState=(\S+)", out.stdout)
-    return m.group(1) if m else None
-
-
 def _slurm_done(job: submitit.Job) -> bool:
     # submitit's own watcher asks sacct, which many sites (and the minicluster) do not run.
     if job.paths.result_pickle.exists():
         return True
-    return slurm_state(job.job_id) not in SLURM_ACTIVE
+    return slurm.job_state(job.job_id) not in slurm.SLURM_ACTIVE
 
 
 def follow(job: submitit.Job, poll_s: float = 0.5) -> int:
@@ -138,9 +103,9 @@ def submit_local(run: RunDir, timeout_min: int, gpus: int, wait: bool) -> int:
 def submit_slurm(run: RunDir, opts: SlurmOptions, wait: bool) -> int:
     executor = slurm_executor(run, opts)
     job = executor.submit(TrainJob(str(run.path)))
-    write_atomic(run.path / "slurm_job_id", f"{job.job_id}\n")
+    run.write_job_id(job.job_id)
     log.info("submitted Slurm job %s (%d node(s) x %d GPU(s))", job.job_id, opts.nodes, opts.gpus_per_node)
-    log.info("logs: %s (task 0), %s", job.paths.stdout, run.logs / "submitit")
+    log.info("logs: %s (task 0), %s", job.paths.stdout, run.submitit_dir)
     log.info("follow: tail -f %s    status: python jobs/status.py %s", job.paths.stdout, run.path)
     return follow(job) if wait else 0
 
