@@ -2,7 +2,8 @@
 
 ``TrainJob`` is the callable submitit pickles. It carries only the run directory: all resume
 state is read from disk, so a requeue (or a node-failure rerun of the original pickle)
-continues from the newest checkpoint.
+continues from the newest checkpoint. It is a plain callable, not submitit's
+``Checkpointable``: rlhpc requeues itself (rlhpc/launch/restarts.py says why and how).
 """
 
 from __future__ import annotations
@@ -20,17 +21,8 @@ import submitit
 from rlhpc.checkpoint import CheckpointManager
 from rlhpc.config import ClusterConfig, Config
 from rlhpc.errors import RlhpcError
-from rlhpc.launch.preemption import (
-    RestartPolicy,
-    Stopped,
-    StopRequest,
-    hold,
-    read_history,
-    record_start,
-    refuse_reason,
-    requeue,
-    shield_from_user_signal,
-)
+from rlhpc.launch.restarts import JobExit, RestartPolicy, hold, read_history, record_start, refuse_reason, requeue
+from rlhpc.launch.signals import Stopped, StopRequest, shield_from_user_signal
 from rlhpc.logs import setup_logging
 from rlhpc.run_dir import RunDir
 
@@ -102,10 +94,8 @@ def slurm_ray(cfg: Config, run: RunDir, env: submitit.JobEnvironment, stop: Stop
         )
     job_id = os.environ.get("SLURM_JOB_ID", env.job_id)
     cpus = max(int(os.environ.get("SLURM_CPUS_ON_NODE", "0")), os.cpu_count() or 1, 2 * gpus + 2)
-    # One state dir per attempt: a requeued job keeps its id, and its tasks must never read
-    # the previous attempt's head address or stop file.
-    attempt = os.environ.get("SLURM_RESTART_COUNT", "0")
-    node = RayNode(run.path / "ray" / f"job_{job_id}.{attempt}", job_id, env.global_rank, gpus, cpus)
+    state = run.ray_state(job_id, os.environ.get("SLURM_RESTART_COUNT", "0"))  # one per attempt
+    node = RayNode(state.root, job_id, env.global_rank, gpus, cpus)
     try:
         if env.global_rank != 0:
             node.start_worker(c.ray_start_timeout_s)
@@ -147,13 +137,24 @@ def slurm_ray(cfg: Config, run: RunDir, env: submitit.JobEnvironment, stop: Stop
         node.stop()
 
 
-class TrainJob(submitit.helpers.Checkpointable):
+class TrainJob:
     """The job: one call per task. Stops, requeues and restart loops are decided here."""
 
     def __init__(self, run_dir: str):
         self.run_dir = run_dir
 
     def __call__(self) -> dict:
+        """The process boundary: the one place a ``JobExit`` (requeue, hold) becomes the exit code."""
+        # First: submitit's USR2 handler must never act on this job, and Ray and the engines,
+        # started from here, inherit an ignored USR2 and live on until the driver has saved.
+        shield_from_user_signal()
+        try:
+            return self.run()
+        except JobExit as e:
+            raise SystemExit(e.code) from None
+
+    def run(self) -> dict:
+        """Train, or raise ``JobExit`` when this task must end without a result."""
         from rlhpc.cluster.layout import plan_layout
 
         run = RunDir(self.run_dir)
@@ -164,9 +165,6 @@ class TrainJob(submitit.helpers.Checkpointable):
             return {"already_finished": True}
         env = submitit.JobEnvironment()
         job_id = os.environ.get("SLURM_JOB_ID", str(env.job_id))
-        # Ray and engines are started from here: they inherit an ignored USR2 and live on
-        # until the driver has saved (see rlhpc/launch/preemption.py).
-        shield_from_user_signal()
         if env.global_rank == 0:
             self._check_restart_loop(cfg, run, env.cluster, job_id)
         stop = StopRequest()
@@ -203,8 +201,8 @@ class TrainJob(submitit.helpers.Checkpointable):
         latest = CheckpointManager(run.checkpoints, cfg.checkpoint.keep_last).latest()
         # Counted from the run's own history: Slurm keeps the job id across requeues, and the
         # local executor has no SLURM_RESTART_COUNT.
-        restarts = sum(1 for h in read_history(run.path) if h["job_id"] == job_id)
-        history = record_start(run.path, job_id, restarts, latest.next_rollout_id if latest else 0)
+        restarts = sum(1 for h in read_history(run) if h["job_id"] == job_id)
+        history = record_start(run, job_id, restarts, latest.next_rollout_id if latest else 0)
         policy = RestartPolicy(cfg.checkpoint.max_restarts, cfg.checkpoint.max_starts_without_progress)
         reason = refuse_reason(history, policy)
         if reason:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from rlhpc.checkpoint import CheckpointManager
-from rlhpc.launch.preemption import read_history
+from rlhpc.launch.restarts import read_history
 from rlhpc.metrics import read_metrics
 
 pytestmark = pytest.mark.slurm

@@ -1,0 +1,101 @@
+"""The restart policy: the run's start history, when a start is refused, requeue and hold.
+
+rlhpc requeues itself; it does not use submitit's requeue machinery. submitit's
+(``helpers.Checkpointable`` and its USR2 handler) re-pickles the callable and requeues from
+inside the signal handler. Here the driver stops at a safe point and saves
+(rlhpc/launch/signals.py), the job requeues itself, and the next start reads everything
+from disk. So ``TrainJob`` is a plain callable that replaces submitit's USR2 handler first.
+
+Leaving the process: ``requeue`` and ``hold`` raise ``JobExit`` with the exit code the runner
+acts on; ``TrainJob.__call__`` (the process boundary submitit calls) is the one place that
+turns it into ``SystemExit``. A SystemExit passes through submitit (it catches Exception
+only), so no result file is written and the job is not over:
+
+- requeue under Slurm: 0, after ``scontrol requeue`` (Slurm starts the job again);
+- requeue locally: 144, on which submitit's LocalExecutor starts the task again;
+- hold: 0 under Slurm (``scontrol requeuehold``: the job stays, held), 1 locally (no restart).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NoReturn
+
+from rlhpc.launch import slurm
+from rlhpc.run_dir import RunDir
+from rlhpc.util.files import write_atomic
+
+log = logging.getLogger(__name__)
+
+LOCAL_REQUEUE_EXIT_CODE = 144  # submitit's local executor restarts a task that exits with this
+
+
+class JobExit(Exception):
+    """This task must end now with ``code`` (a requeue or a hold), without a result."""
+
+    def __init__(self, code: int, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class RestartPolicy:
+    max_restarts: int  # requeues of one job before it is held
+    max_starts_without_progress: int  # consecutive starts that trained no rollout
+
+
+def read_history(run: RunDir | str | Path) -> list[dict]:
+    f = RunDir.of(run).restarts_file
+    return [json.loads(line) for line in f.read_text().splitlines() if line.strip()] if f.is_file() else []
+
+
+def record_start(run: RunDir, job_id: str, restart_count: int, next_rollout_id: int) -> list[dict]:
+    """Append this start to the run's history; return the whole history."""
+    entry = {
+        "job_id": job_id,
+        "restart_count": restart_count,
+        "next_rollout_id": next_rollout_id,
+        "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+    history = [*read_history(run), entry]
+    write_atomic(run.restarts_file, "".join(json.dumps(h) + "\n" for h in history))
+    return history
+
+
+def refuse_reason(history: list[dict], policy: RestartPolicy) -> str | None:
+    """Why this start must not run (a restart loop), or None."""
+    this = history[-1]
+    if this["restart_count"] > policy.max_restarts:
+        return f"job {this['job_id']} was requeued {this['restart_count']} times (checkpoint.max_restarts = {policy.max_restarts})"
+    n = policy.max_starts_without_progress
+    recent = history[-(n + 1) :]
+    if len(recent) == n + 1 and len({h["next_rollout_id"] for h in recent}) == 1:
+        return f"the last {n + 1} starts all began at rollout {this['next_rollout_id']}: no rollout was trained in between (a restart loop)"
+    return None
+
+
+def requeue(cluster: str, job_id: str) -> NoReturn:
+    """Put the job back in the queue; raises the ``JobExit`` that ends this task."""
+    if cluster == "slurm":
+        # Fails harmlessly when Slurm is already requeueing the job (scontrol requeue, node failure).
+        refused = slurm.requeue(job_id)
+        log.info("job %s requeued%s; it resumes from the newest checkpoint", job_id, f" ({refused})" if refused else "")
+        raise JobExit(0, f"job {job_id} requeued")
+    log.info("local job %s restarting; it resumes from the newest checkpoint", job_id)
+    raise JobExit(LOCAL_REQUEUE_EXIT_CODE, f"local job {job_id} restarting")
+
+
+def hold(cluster: str, job_id: str, reason: str) -> NoReturn:
+    """Stop a restart loop: Slurm keeps the job, held, for a person to look at."""
+    if cluster == "slurm":
+        slurm.requeue_hold(job_id)
+        log.error(
+            "job %s held (scontrol requeuehold): %s. Fix the cause, then `scontrol release %s`", job_id, reason, job_id
+        )
+        raise JobExit(0, f"job {job_id} held: {reason}")
+    log.error("not restarting: %s", reason)
+    raise JobExit(1, f"not restarting: {reason}")
