@@ -1,35 +1,7 @@
 #!/usr/bin/env python3
-"""Build a tiny randomly initialised HF model (config.json + safetensors + tokenizer).
+"""Build a tiny randomly initialised HF model (``rlhpc-make-tiny-model``; see rlhpc/cli/make_tiny_model.py)."""
 
-python tools/make_tiny_model.py models/tiny --architecture qwen2 --hidden-size 128
-"""
-
-import argparse
-import dataclasses
-import logging
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from rlhpc.logs import setup_logging  # noqa: E402
-from rlhpc.model import TinyModelConfig, build_tiny_model  # noqa: E402
-
-
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("out_dir", type=Path)
-    for f in dataclasses.fields(TinyModelConfig):
-        p.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default)
-    args = p.parse_args()
-    setup_logging()
-    if args.out_dir.exists():
-        logging.error("%s already exists; choose another directory or remove it", args.out_dir)
-        return 2
-    cfg = TinyModelConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TinyModelConfig)})
-    build_tiny_model(args.out_dir, cfg)
-    return 0
-
+from rlhpc.cli.make_tiny_model import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -1,0 +1,29 @@
+"""Build a tiny randomly initialised HF model (config.json + safetensors + tokenizer).
+
+python tools/make_tiny_model.py models/tiny --architecture qwen2 --hidden-size 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+from pathlib import Path
+
+from rlhpc.logs import setup_logging
+from rlhpc.model import TinyModelConfig, build_tiny_model
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("out_dir", type=Path)
+    for f in dataclasses.fields(TinyModelConfig):
+        p.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default)
+    args = p.parse_args(argv)
+    setup_logging()
+    if args.out_dir.exists():
+        logging.error("%s already exists; choose another directory or remove it", args.out_dir)
+        return 2
+    cfg = TinyModelConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TinyModelConfig)})
+    build_tiny_model(args.out_dir, cfg)
+    return 0

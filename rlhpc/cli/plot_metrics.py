@@ -1,0 +1,63 @@
+"""Plot a run's metrics.jsonl to a PNG: train and eval reward, response length, loss, step time.
+
+python tools/plot_metrics.py runs/embedded            # writes runs/embedded/metrics.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from rlhpc.errors import RlhpcError
+from rlhpc.metrics import read_metrics
+from rlhpc.run_dir import RunDir
+
+
+def plot(run: RunDir, out: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on a login node
+    import matplotlib.pyplot as plt
+
+    records = read_metrics(run)
+    if not records:
+        raise RlhpcError(
+            f"{run.metrics_file} is missing or empty", "point at a run dir that has trained at least one rollout"
+        )
+    train = [r for r in records if r["kind"] == "rollout"]
+    evals = [r for r in records if r["kind"] == "eval"]
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+    ax = axes[0][0]
+    ax.plot(
+        [r["rollout_id"] + 1 for r in train], [r["reward"] for r in train], lw=0.8, alpha=0.6, label="train (sampled)"
+    )
+    ax.plot([r["rollout_id"] + 1 for r in evals], [r["reward"] for r in evals], "o-", label="eval (greedy)")
+    ax.set(title="reward", xlabel="rollouts trained", ylim=(-0.02, 1.02))
+    ax.legend()
+    for ax, key, title in (
+        (axes[0][1], "response_len", "response length (tokens)"),
+        (axes[1][0], "loss", "policy loss"),
+        (axes[1][1], "time/step", "seconds per rollout"),
+    ):
+        pts = [(r["rollout_id"] + 1, r[key]) for r in train if key in r]
+        ax.plot([x for x, _ in pts], [y for _, y in pts], lw=0.8)
+        ax.set(title=title, xlabel="rollouts trained")
+    fig.suptitle(f"rlhpc run {run.path.name}")
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run_dir", type=Path)
+    p.add_argument("-o", "--out", type=Path, help="PNG path (default: RUN_DIR/metrics.png)")
+    args = p.parse_args(argv)
+    run = RunDir(args.run_dir)
+    try:
+        print(plot(run, args.out or run.metrics_plot))
+    except RlhpcError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
