@@ -1,8 +1,8 @@
 """HTTP client for one rollout engine: SGLang's native routes, SGLang's field names.
 
 The same client drives a real SGLang server (GPU clusters) and ``rlhpc.rollout.cpu_server``
-(CPU machines, CI). Every request body is built by one ``*_payload`` function per route, so the
-field names can be checked against SGLang's ``io_struct.py`` in one place (tests do).
+(CPU machines, CI). Routes and request bodies come from ``rlhpc.rollout.protocol``, the one place
+that names them (tests check it against SGLang's sources).
 """
 
 from __future__ import annotations
@@ -14,110 +14,14 @@ from typing import Any
 import requests
 
 from rlhpc.errors import RlhpcError
+from rlhpc.rollout import protocol as P
+from rlhpc.rollout.protocol import Route
 
 log = logging.getLogger(__name__)
 
 
 class EngineUnavailable(RlhpcError):
     """The engine did not answer (connection refused/reset, timeout) or answered 5xx: it may be dead."""
-
-
-# ------------------------------------------------------------------ request bodies (one per route)
-
-
-def generate_payload(
-    input_ids: list[int] | list[list[int]] | None = None,
-    text: str | list[str] | None = None,
-    sampling_params: dict | list[dict] | None = None,
-    return_logprob: bool | list[bool] = False,
-    rid: str | list[str] | None = None,
-) -> dict[str, Any]:
-    """GenerateReqInput: exactly one of input_ids / text; single prompt or a batch."""
-    if (input_ids is None) == (text is None):
-        raise RlhpcError("generate needs exactly one of input_ids and text", "pass token ids or a prompt string")
-    body: dict[str, Any] = {"input_ids": input_ids} if input_ids is not None else {"text": text}
-    body["sampling_params"] = sampling_params if sampling_params is not None else {}
-    body["return_logprob"] = return_logprob
-    if rid is not None:
-        body["rid"] = rid
-    return body
-
-
-def pause_generation_payload(mode: str = "abort") -> dict[str, Any]:
-    """PauseGenerationReqInput (mode: abort | retract | in_place); older SGLang ignores the body."""
-    return {"mode": mode}
-
-
-def abort_request_payload(rid: str = "", abort_all: bool = False) -> dict[str, Any]:
-    """AbortReq."""
-    return {"rid": rid, "abort_all": abort_all}
-
-
-def init_weights_update_group_payload(
-    master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str, backend: str
-) -> dict[str, Any]:
-    """InitWeightsUpdateGroupReqInput."""
-    return {
-        "master_address": master_address,
-        "master_port": master_port,
-        "rank_offset": rank_offset,
-        "world_size": world_size,
-        "group_name": group_name,
-        "backend": backend,
-    }
-
-
-def destroy_weights_update_group_payload(group_name: str) -> dict[str, Any]:
-    """DestroyWeightsUpdateGroupReqInput."""
-    return {"group_name": group_name}
-
-
-def update_weights_from_distributed_payload(
-    names: list[str],
-    dtypes: list[str],
-    shapes: list[list[int]],
-    group_name: str,
-    flush_cache: bool = True,
-    abort_all_requests: bool = False,
-    weight_version: str | None = None,
-) -> dict[str, Any]:
-    """UpdateWeightsFromDistributedReqInput (dtypes as torch attribute names: "float32", "bfloat16")."""
-    return {
-        "names": names,
-        "dtypes": dtypes,
-        "shapes": shapes,
-        "group_name": group_name,
-        "flush_cache": flush_cache,
-        "abort_all_requests": abort_all_requests,
-        "weight_version": weight_version,
-    }
-
-
-def update_weights_from_tensor_payload(
-    serialized_named_tensors: list[str],
-    load_format: str | None = None,
-    flush_cache: bool = True,
-    abort_all_requests: bool = False,
-    weight_version: str | None = None,
-) -> dict[str, Any]:
-    """UpdateWeightsFromTensorReqInput (one base64 entry per TP rank)."""
-    return {
-        "serialized_named_tensors": serialized_named_tensors,
-        "load_format": load_format,
-        "flush_cache": flush_cache,
-        "abort_all_requests": abort_all_requests,
-        "weight_version": weight_version,
-    }
-
-
-def memory_occupation_payload(tags: list[str] | None = None) -> dict[str, Any]:
-    """Release/ResumeMemoryOccupationReqInput (tags: "weights", "kv_cache"; None = all)."""
-    return {"tags": tags}
-
-
-def get_weights_by_name_payload(name: str, truncate_size: int = 100) -> dict[str, Any]:
-    """GetWeightsByNameReqInput."""
-    return {"name": name, "truncate_size": truncate_size}
 
 
 # ------------------------------------------------------------------ client
@@ -183,13 +87,13 @@ class EngineClient:
     def health(self, timeout_s: float = 5.0) -> bool:
         """True when /health answers 200 (False, not an error, when unreachable)."""
         try:
-            return self._session.get(f"{self.base_url}/health", timeout=timeout_s).status_code == 200
+            return self._session.get(f"{self.base_url}{Route.HEALTH}", timeout=timeout_s).status_code == 200
         except requests.RequestException:
             return False
 
     def health_generate(self, timeout_s: float = 60.0) -> bool:
         try:
-            return self._session.get(f"{self.base_url}/health_generate", timeout=timeout_s).status_code == 200
+            return self._session.get(f"{self.base_url}{Route.HEALTH_GENERATE}", timeout=timeout_s).status_code == 200
         except requests.RequestException:
             return False
 
@@ -204,20 +108,26 @@ class EngineClient:
                 )
             time.sleep(poll_s)
 
-    def get_model_info(self) -> dict[str, Any]:
-        return self._json("GET", "/get_model_info")
-
-    def get_server_info(self) -> dict[str, Any]:
-        """/server_info on recent SGLang, /get_server_info (deprecated there) on older ones."""
+    def _get_new_or_old(self, route: str, old_route: str) -> Any:
+        """GET ``route``; on HTTP 404 (an older SGLang) its deprecated name ``old_route``."""
         try:
-            return self._json("GET", "/server_info")
+            return self._json("GET", route)
         except RlhpcError as e:
             if "HTTP 404" not in e.problem:
                 raise
-        return self._json("GET", "/get_server_info")
+        return self._json("GET", old_route)
+
+    def get_model_info(self) -> dict[str, Any]:
+        """/model_info on recent SGLang, /get_model_info (deprecated there) on older ones."""
+        return self._get_new_or_old(Route.MODEL_INFO, Route.MODEL_INFO_OLD)
+
+    def get_server_info(self) -> dict[str, Any]:
+        """/server_info on recent SGLang, /get_server_info (deprecated there) on older ones."""
+        return self._get_new_or_old(Route.SERVER_INFO, Route.SERVER_INFO_OLD)
 
     def get_weight_version(self) -> str:
-        return self._json("GET", "/get_weight_version")["weight_version"]
+        """The loaded weights' version, from the model info (SGLang has no route of its own for it)."""
+        return self.get_model_info()["weight_version"]
 
     # -------------------------------------------------------------- generation
 
@@ -231,33 +141,48 @@ class EngineClient:
         timeout_s: float | None = None,
     ) -> dict[str, Any] | list[dict[str, Any]]:
         """One dict for a single prompt, a list for a batch (as SGLang answers)."""
-        body = generate_payload(input_ids, text, sampling_params, return_logprob, rid)
-        return self._json("POST", "/generate", body, timeout_s)
+        if (input_ids is None) == (text is None):
+            raise RlhpcError("generate needs exactly one of input_ids and text", "pass token ids or a prompt string")
+        req = P.GenerateReqInput(
+            text=text,
+            input_ids=input_ids,
+            sampling_params=sampling_params if sampling_params is not None else {},
+            return_logprob=return_logprob,
+            rid=rid,
+        )
+        return self._json("POST", Route.GENERATE, P.body(req, drop_none=("text", "input_ids", "rid")), timeout_s)
 
     def flush_cache(self) -> None:
-        self._request("POST", "/flush_cache")  # no body; 400 while requests are pending
+        self._request("POST", Route.FLUSH_CACHE)  # no body; 400 while requests are pending
 
     def pause_generation(self, mode: str = "abort") -> None:
-        self._json("POST", "/pause_generation", pause_generation_payload(mode))
+        """Modes: abort (SGLang's default) | retract | in_place; older SGLang ignores the body."""
+        self._json("POST", Route.PAUSE_GENERATION, P.body(P.PauseGenerationReqInput(mode=mode)))
 
     def continue_generation(self) -> None:
-        self._json("POST", "/continue_generation", {})
+        self._json("POST", Route.CONTINUE_GENERATION, P.body(P.ContinueGenerationReqInput()))
 
     def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
-        self._request("POST", "/abort_request", abort_request_payload(rid, abort_all))
+        self._request("POST", Route.ABORT_REQUEST, P.body(P.AbortReq(rid=rid, abort_all=abort_all)))
 
     # -------------------------------------------------------------- weights
 
     def init_weights_update_group(
         self, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str, backend: str
     ) -> dict[str, Any]:
-        body = init_weights_update_group_payload(
-            master_address, master_port, rank_offset, world_size, group_name, backend
+        req = P.InitWeightsUpdateGroupReqInput(
+            master_address=master_address,
+            master_port=master_port,
+            rank_offset=rank_offset,
+            world_size=world_size,
+            group_name=group_name,
+            backend=backend,
         )
-        return self._checked("/init_weights_update_group", body)
+        return self._checked(Route.INIT_WEIGHTS_UPDATE_GROUP, P.body(req))
 
     def destroy_weights_update_group(self, group_name: str) -> dict[str, Any]:
-        return self._checked("/destroy_weights_update_group", destroy_weights_update_group_payload(group_name))
+        req = P.DestroyWeightsUpdateGroupReqInput(group_name=group_name)
+        return self._checked(Route.DESTROY_WEIGHTS_UPDATE_GROUP, P.body(req))
 
     def update_weights_from_distributed(
         self,
@@ -269,10 +194,16 @@ class EngineClient:
         abort_all_requests: bool = False,
         weight_version: str | None = None,
     ) -> dict[str, Any]:
-        body = update_weights_from_distributed_payload(
-            names, dtypes, shapes, group_name, flush_cache, abort_all_requests, weight_version
+        req = P.UpdateWeightsFromDistributedReqInput(
+            names=names,
+            dtypes=dtypes,
+            shapes=shapes,
+            group_name=group_name,
+            flush_cache=flush_cache,
+            abort_all_requests=abort_all_requests,
+            weight_version=weight_version,
         )
-        return self._checked("/update_weights_from_distributed", body)
+        return self._checked(Route.UPDATE_WEIGHTS_FROM_DISTRIBUTED, P.body(req))
 
     def update_weights_from_tensor(
         self,
@@ -282,19 +213,27 @@ class EngineClient:
         abort_all_requests: bool = False,
         weight_version: str | None = None,
     ) -> dict[str, Any]:
-        body = update_weights_from_tensor_payload(
-            serialized_named_tensors, load_format, flush_cache, abort_all_requests, weight_version
+        req = P.UpdateWeightsFromTensorReqInput(
+            serialized_named_tensors=serialized_named_tensors,
+            load_format=load_format,
+            flush_cache=flush_cache,
+            abort_all_requests=abort_all_requests,
+            weight_version=weight_version,
         )
-        return self._checked("/update_weights_from_tensor", body)
+        return self._checked(Route.UPDATE_WEIGHTS_FROM_TENSOR, P.body(req))
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
-        return self._json("POST", "/get_weights_by_name", get_weights_by_name_payload(name, truncate_size))
+        req = P.GetWeightsByNameReqInput(name=name, truncate_size=truncate_size)
+        return self._json("POST", Route.GET_WEIGHTS_BY_NAME, P.body(req))
 
     def release_memory_occupation(self, tags: list[str] | None = None) -> None:
-        self._json("POST", "/release_memory_occupation", memory_occupation_payload(tags))
+        """Tags: "weights", "kv_cache"; None = all."""
+        req = P.ReleaseMemoryOccupationReqInput(tags=tags)
+        self._json("POST", Route.RELEASE_MEMORY_OCCUPATION, P.body(req))
 
     def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
-        self._json("POST", "/resume_memory_occupation", memory_occupation_payload(tags))
+        req = P.ResumeMemoryOccupationReqInput(tags=tags)
+        self._json("POST", Route.RESUME_MEMORY_OCCUPATION, P.body(req))
 
     def close(self) -> None:
         self._session.close()

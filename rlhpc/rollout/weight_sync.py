@@ -7,7 +7,7 @@ Two channels, chosen by placement:
   ``1 + sum(tp sizes before e)``); each bucket of tensors is announced over HTTP
   (``/update_weights_from_distributed``) and then broadcast from rank 0, in ``names`` order.
 - colocate (``TensorWeightSender``): engines share the trainer's node, so tensors travel as
-  shared-memory handles inside ``/update_weights_from_tensor`` (see ``serialize_named_tensors``).
+  shared-memory handles inside ``/update_weights_from_tensor`` (see ``rlhpc.rollout.tensor_transport``).
 
 Both pause generation first, tag the last bucket with ``flush_cache`` and the new
 ``weight_version``, check that every engine reports that version, then continue generation.
@@ -16,12 +16,8 @@ Only one trainer process (rank 0, holding full HF-named tensors) sends.
 
 from __future__ import annotations
 
-import base64
 import contextlib
-import io
-import ipaddress
 import logging
-import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from datetime import timedelta
@@ -29,98 +25,22 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as torch_mp
-from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
 
 from rlhpc.errors import RlhpcError
 from rlhpc.rollout.client import EngineClient
+from rlhpc.rollout.tensor_transport import serialize_named_tensors
+from rlhpc.rollout.weight_update_group import (
+    DEFAULT_TIMEOUT,
+    as_timedelta,
+    create_master_store,
+    init_custom_process_group,
+    is_open,
+    open_groups_named,
+)
 
 log = logging.getLogger(__name__)
 
 DEFAULT_GROUP_NAME = "rlhpc_weight_sync"
-DEFAULT_TIMEOUT = timedelta(minutes=10)
-
-
-# ------------------------------------------------------------------ process group
-
-
-def _tcp_url(address: str, port: int) -> str:
-    try:
-        if ipaddress.ip_address(address).version == 6:
-            address = f"[{address}]"
-    except ValueError:  # a host name
-        pass
-    return f"tcp://{address}:{port}"
-
-
-def _as_timedelta(timeout: timedelta | float) -> timedelta:
-    return timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
-
-
-def init_custom_process_group(
-    backend: str,
-    master_address: str,
-    master_port: int,
-    rank: int,
-    world_size: int,
-    group_name: str,
-    timeout: timedelta | float = DEFAULT_TIMEOUT,
-    store: dist.Store | None = None,
-) -> dist.ProcessGroup:
-    """Join a process group of its own, leaving any default group untouched.
-
-    Same semantics as SGLang's helper of that name, so a real SGLang engine joins a group the
-    trainer opened with this function and vice versa: TCP rendezvous at master_address:port
-    (rank 0 hosts the store), keys under ``PrefixStore(group_name)``, the group registered with
-    the identity rank map (so ``src``/``group_src`` 0 is the trainer). Rank 0 may pass a
-    ``store`` it already bound (see ``create_master_store``); the address is then only logged.
-    """
-    timeout = _as_timedelta(timeout)
-    if store is None:
-        store, rank, world_size = next(
-            rendezvous(_tcp_url(master_address, master_port), rank, world_size, timeout=timeout)
-        )
-        store.set_timeout(timeout)
-    pg, _ = _new_process_group_helper(
-        world_size,
-        rank,
-        [],  # like SGLang: not a subgroup of the default group, which may not exist at all
-        Backend(backend),
-        PrefixStore(group_name, store),
-        group_name=group_name,
-        timeout=timeout,
-    )
-    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
-    log.info(
-        "joined group %r as rank %d/%d via %s:%d (%s)",
-        group_name,
-        rank,
-        world_size,
-        master_address,
-        master_port,
-        backend,
-    )
-    return pg
-
-
-def create_master_store(
-    master_address: str, world_size: int, timeout: timedelta | float = DEFAULT_TIMEOUT
-) -> dist.TCPStore:
-    """Rank 0's rendezvous store, bound before anyone is told the port.
-
-    Port 0 lets the kernel pick a free port at bind time, so there is no probe-then-bind race
-    with other jobs on the node (and kernel ephemeral ports sit above Ray's worker-port range).
-    """
-    store = dist.TCPStore(
-        host_name=master_address,
-        port=0,
-        world_size=world_size,
-        is_master=True,
-        timeout=_as_timedelta(timeout),
-        wait_for_workers=False,  # the engines are told the port only after this returns
-        multi_tenant=True,
-    )
-    return store
 
 
 # ------------------------------------------------------------------ buckets
@@ -159,50 +79,6 @@ def iter_buckets(
         yield pending, not bucket
     if bucket:
         yield bucket, True
-
-
-# ------------------------------------------------------------------ colocate serialisation
-
-# Colocated tensors cross processes the way SGLang's MultiprocessingSerializer sends them:
-# base64 of a torch ForkingPickler dump of [(name, tensor), ...]. For CUDA tensors that pickles
-# CUDA IPC handles (so the same sender works against a real SGLang engine on GPU). For CPU
-# tensors torch's default "file_descriptor" strategy passes fds through a socket that only the
-# pickling process's multiprocessing children may use (it checks the parent's authkey), so an
-# unrelated server process cannot open them. The "file_system" strategy instead names a /dev/shm
-# segment that any process of the same user on the node can map: one copy into shared memory on
-# the sender, none over HTTP, and torch_shm_manager unlinks the segment once both sides dropped
-# it. We clone first, because sharing moves a tensor's storage into shm in place and must not do
-# that to the trainer's live parameters.
-#
-# CUDA tensors stay on their GPU (the clone is a device copy, about one bucket of extra memory):
-# ForkingPickler turns them into IPC handles whatever the sharing strategy, with an event the
-# receiver waits on before reading, so the clone is complete when the engine copies. The engine
-# copies and synchronises before it answers (``Engine.load_weights`` in rlhpc.rollout.cpu_server),
-# so once every engine has answered the sender may free its clones; torch keeps a block whose
-# receiver still holds a handle in its IPC limbo until ``torch.cuda.ipc_collect``.
-_STRATEGY_LOCK = threading.Lock()
-
-
-@contextlib.contextmanager
-def _file_system_sharing() -> Iterator[None]:
-    with _STRATEGY_LOCK:
-        before = torch_mp.get_sharing_strategy()
-        torch_mp.set_sharing_strategy("file_system")
-        try:
-            yield
-        finally:
-            torch_mp.set_sharing_strategy(before)
-
-
-def serialize_named_tensors(named_tensors: list[tuple[str, torch.Tensor]]) -> tuple[str, list[torch.Tensor]]:
-    """Return (base64 payload, the tensors that must stay alive until the engine has loaded them)."""
-    from multiprocessing.reduction import ForkingPickler
-
-    keep = [t.detach().clone(memory_format=torch.contiguous_format) for _, t in named_tensors]
-    buf = io.BytesIO()
-    with _file_system_sharing():
-        ForkingPickler(buf).dump([(name, t) for (name, _), t in zip(named_tensors, keep)])
-    return base64.b64encode(buf.getvalue()).decode("ascii"), keep
 
 
 # ------------------------------------------------------------------ senders
@@ -284,7 +160,7 @@ class DistributedWeightSender(_SenderBase):
         self.master_address = master_address
         self.backend = backend
         self.group_name = group_name
-        self.timeout = _as_timedelta(timeout)
+        self.timeout = as_timedelta(timeout)
         self.world_size = 1 + sum(self.engine_world_sizes)
         self.rank_offsets = [1 + sum(self.engine_world_sizes[:e]) for e in range(len(clients))]
         self.master_port: int | None = None
@@ -352,10 +228,9 @@ class DistributedWeightSender(_SenderBase):
         for c in self.clients:
             with contextlib.suppress(RlhpcError):  # no such group: the normal case
                 c.destroy_weights_update_group(self.group_name)
-        for pg, name in list(_world.pg_names.items()):
-            if name == self.group_name:
-                log.warning("replacing weight sync group %r left open in this process", name)
-                dist.destroy_process_group(pg)
+        for pg in open_groups_named(self.group_name):
+            log.warning("replacing weight sync group %r left open in this process", self.group_name)
+            dist.destroy_process_group(pg)
 
     def _send_buckets(self, buckets: Iterator[tuple[list[tuple[str, torch.Tensor]], bool]], version: str) -> int:
         if self._broken:
@@ -419,7 +294,7 @@ class DistributedWeightSender(_SenderBase):
                     c.destroy_weights_update_group(self.group_name)
             # never tear down a group a broadcast thread still blocks in, nor one a later
             # sender already replaced
-            if not self._broken and self._group in _world.pg_names:
+            if not self._broken and is_open(self._group):
                 dist.destroy_process_group(self._group)
             self._group = None
         self._store = None

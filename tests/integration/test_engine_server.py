@@ -1,9 +1,7 @@
 """The CPU engine server over real HTTP: SGLang-shaped I/O, seeded determinism, pause, EngineActor.
 
-Field-name lists below are written from SGLang's ``python/sglang/srt/managers/io_struct.py`` and
-``sampling/sampling_params.py`` as read on sgl-project/sglang main in the 0.5.x series (io_struct
-at commit 001067ff, the one holding PauseGenerationReqInput.mode and
-UpdateWeightsFromDistributedReqInput.torch_empty_cache).
+Its routes and field names are rlhpc.rollout.protocol's, checked against SGLang's sources in
+tests/unit/test_sglang_protocol.py.
 """
 
 from __future__ import annotations
@@ -19,99 +17,16 @@ from pathlib import Path
 import pytest
 import ray
 import torch
+from support.engines import start_server, stop_server
 
 from rlhpc.errors import RlhpcError
 from rlhpc.model import load_model, load_tokenizer
-from rlhpc.rollout import client as payloads
-from rlhpc.rollout import cpu_server
 from rlhpc.rollout.client import EngineClient
+from rlhpc.rollout.cpu_server.server import parse_args
+from rlhpc.rollout.protocol import MetaInfo
 from rlhpc.rollout.sampling import sample
 
-# ------------------------------------------------------------------ SGLang's fields (io_struct.py)
-
-BASE_REQ = {"rid", "http_worker_ipc"}
-SGLANG_FIELDS = {
-    "InitWeightsUpdateGroupReqInput": BASE_REQ
-    | {"master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"},
-    "DestroyWeightsUpdateGroupReqInput": BASE_REQ | {"group_name"},
-    "UpdateWeightsFromDistributedReqInput": BASE_REQ
-    | {
-        "names",
-        "dtypes",
-        "shapes",
-        "group_name",
-        "flush_cache",
-        "abort_all_requests",
-        "weight_version",
-        "load_format",
-        "torch_empty_cache",
-    },
-    "UpdateWeightsFromTensorReqInput": BASE_REQ
-    | {
-        "serialized_named_tensors",
-        "load_format",
-        "flush_cache",
-        "abort_all_requests",
-        "weight_version",
-        "disable_draft_model",
-        "torch_empty_cache",
-    },
-    "GetWeightsByNameReqInput": BASE_REQ | {"name", "truncate_size"},
-    "ReleaseMemoryOccupationReqInput": BASE_REQ | {"tags"},
-    "ResumeMemoryOccupationReqInput": BASE_REQ | {"tags"},
-    "PauseGenerationReqInput": BASE_REQ | {"mode"},
-    "AbortReq": BASE_REQ | {"abort_all", "finished_reason", "abort_message", "weight_versions"},
-    # GenerateReqInput has ~70 fields; these are the ones a text/token RL rollout can touch.
-    "GenerateReqInput": {
-        "rid",
-        "text",
-        "input_ids",
-        "sampling_params",
-        "return_logprob",
-        "logprob_start_len",
-        "top_logprobs_num",
-        "stream",
-    },
-}
-SGLANG_REQUIRED = {
-    "InitWeightsUpdateGroupReqInput": {"master_address", "master_port", "rank_offset", "world_size"},
-    "UpdateWeightsFromDistributedReqInput": {"names", "dtypes", "shapes"},
-    "UpdateWeightsFromTensorReqInput": {"serialized_named_tensors"},
-    "GetWeightsByNameReqInput": {"name"},
-}
-SGLANG_SAMPLING_PARAMS = {
-    "max_new_tokens",
-    "stop",
-    "stop_token_ids",
-    "stop_regex",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "frequency_penalty",
-    "presence_penalty",
-    "repetition_penalty",
-    "min_new_tokens",
-    "n",
-    "json_schema",
-    "regex",
-    "ebnf",
-    "structural_tag",
-    "ignore_eos",
-    "skip_special_tokens",
-    "spaces_between_special_tokens",
-    "no_stop_trim",
-    "custom_params",
-    "stream_interval",
-    "logit_bias",
-    "sampling_seed",
-}
-META_INFO_KEYS = {"id", "finish_reason", "prompt_tokens", "completion_tokens", "weight_version"}
-
-
 # ------------------------------------------------------------------ fixtures
-
-from support.engines import start_server, stop_server  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -132,67 +47,14 @@ def prompts(tok, texts: list[str]) -> list[list[int]]:
     return [[tok.bos_token_id, *tok(t, add_special_tokens=False).input_ids] for t in texts]
 
 
-# ------------------------------------------------------------------ payloads
-
-
-def test_client_payloads_use_sglang_field_names() -> None:
-    built = {
-        "InitWeightsUpdateGroupReqInput": payloads.init_weights_update_group_payload(
-            "10.0.0.1", 1234, 1, 3, "g", "gloo"
-        ),
-        "DestroyWeightsUpdateGroupReqInput": payloads.destroy_weights_update_group_payload("g"),
-        "UpdateWeightsFromDistributedReqInput": payloads.update_weights_from_distributed_payload(
-            ["w"], ["float32"], [[2]], "g", True, False, "3"
-        ),
-        "UpdateWeightsFromTensorReqInput": payloads.update_weights_from_tensor_payload(
-            ["eA=="], None, True, False, "3"
-        ),
-        "GetWeightsByNameReqInput": payloads.get_weights_by_name_payload("w", 10),
-        "ReleaseMemoryOccupationReqInput": payloads.memory_occupation_payload(["weights"]),
-        "ResumeMemoryOccupationReqInput": payloads.memory_occupation_payload(None),
-        "PauseGenerationReqInput": payloads.pause_generation_payload("abort"),
-        "AbortReq": payloads.abort_request_payload("r", True),
-        "GenerateReqInput": payloads.generate_payload([1, 2], None, {"max_new_tokens": 2}, True, "r"),
-    }
-    for struct, body in built.items():
-        assert set(body) <= SGLANG_FIELDS[struct], (struct, set(body) - SGLANG_FIELDS[struct])
-        assert SGLANG_REQUIRED.get(struct, set()) <= set(body), struct
-    assert set(built["InitWeightsUpdateGroupReqInput"]) == SGLANG_FIELDS["InitWeightsUpdateGroupReqInput"] - BASE_REQ
-
-
-def test_server_understands_only_sglang_names() -> None:
-    models = {
-        "InitWeightsUpdateGroupReqInput": cpu_server.InitWeightsUpdateGroupReq,
-        "DestroyWeightsUpdateGroupReqInput": cpu_server.DestroyWeightsUpdateGroupReq,
-        "UpdateWeightsFromDistributedReqInput": cpu_server.UpdateWeightsFromDistributedReq,
-        "UpdateWeightsFromTensorReqInput": cpu_server.UpdateWeightsFromTensorReq,
-        "GetWeightsByNameReqInput": cpu_server.GetWeightsByNameReq,
-        "ReleaseMemoryOccupationReqInput": cpu_server.MemoryOccupationReq,
-        "PauseGenerationReqInput": cpu_server.PauseGenerationReq,
-        "AbortReq": cpu_server.AbortReq,
-    }
-    for struct, model in models.items():
-        assert set(model.model_fields) <= SGLANG_FIELDS[struct], struct
-    known = cpu_server._USED | cpu_server._HARMLESS | set(cpu_server._NEUTRAL)
-    assert known <= SGLANG_SAMPLING_PARAMS, known - SGLANG_SAMPLING_PARAMS
+# ------------------------------------------------------------------ command line
 
 
 def test_device_option() -> None:
-    assert cpu_server.parse_args(["--model-path", "m"]).device == "cpu"
+    assert parse_args(["--model-path", "m"]).device == "cpu"
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit):  # a clear argparse error, not a crash while loading
-            cpu_server.parse_args(["--model-path", "m", "--device", "cuda"])
-
-
-def test_cuda_ipc_tensors_are_unpickled_only_on_a_gpu_engine() -> None:
-    import io
-
-    where = ("torch.multiprocessing.reductions", "rebuild_cuda_tensor")
-    with pytest.raises(cpu_server.EngineError, match="CUDA tensors cannot be loaded by the CPU engine"):
-        cpu_server._TensorUnpickler(io.BytesIO(), allow_cuda=False).find_class(*where)
-    assert cpu_server._TensorUnpickler(io.BytesIO(), allow_cuda=True).find_class(*where).__name__ == where[1]
-    with pytest.raises(cpu_server.EngineError, match="refusing to unpickle os.system"):
-        cpu_server._TensorUnpickler(io.BytesIO(), allow_cuda=True).find_class("os", "system")
+            parse_args(["--model-path", "m", "--device", "cuda"])
 
 
 # ------------------------------------------------------------------ server
@@ -221,7 +83,7 @@ def test_generate_returns_sglang_shapes(client: EngineClient, model_path: str) -
     for out, p, want_max in zip(outs, ids, (6, 3)):
         assert set(out) == {"text", "output_ids", "meta_info"}
         meta = out["meta_info"]
-        assert META_INFO_KEYS <= set(meta)
+        assert MetaInfo.all() <= set(meta)  # with return_logprob: every key
         assert meta["prompt_tokens"] == len(p) and meta["completion_tokens"] == len(out["output_ids"]) <= want_max
         assert meta["finish_reason"]["type"] in ("stop", "length")
         if meta["finish_reason"]["type"] == "length":

@@ -6,6 +6,7 @@ Every check compares engine weights with the trainer's bit for bit (float32 surv
 
 from __future__ import annotations
 
+import io
 import os
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -23,6 +24,12 @@ from support.engines import (
 
 from rlhpc.errors import RlhpcError
 from rlhpc.rollout.client import EngineClient
+from rlhpc.rollout.tensor_transport import (
+    TensorPayloadError,
+    TensorUnpickler,
+    deserialize_named_tensors,
+    serialize_named_tensors,
+)
 from rlhpc.rollout.weight_sync import (
     DistributedWeightSender,
     TensorWeightSender,
@@ -200,6 +207,26 @@ def test_cpu_engine_refuses_cuda_tensors(engines: list[EngineClient]) -> None:
     payload = base64.b64encode(pickle.dumps([("model.norm.weight", _CudaTensorStandIn())])).decode()
     with pytest.raises(RlhpcError, match="CUDA tensors cannot be loaded by the CPU engine"):
         engines[0].update_weights_from_tensor([payload])
+
+
+def test_cuda_ipc_tensors_are_unpickled_only_on_a_gpu_engine() -> None:
+    where = ("torch.multiprocessing.reductions", "rebuild_cuda_tensor")
+    with pytest.raises(TensorPayloadError, match="CUDA tensors cannot be loaded by the CPU engine"):
+        TensorUnpickler(io.BytesIO(), allow_cuda=False).find_class(*where)
+    assert TensorUnpickler(io.BytesIO(), allow_cuda=True).find_class(*where).__name__ == where[1]
+    with pytest.raises(TensorPayloadError, match="refusing to unpickle os.system"):
+        TensorUnpickler(io.BytesIO(), allow_cuda=True).find_class("os", "system")
+
+
+def test_serialized_tensors_round_trip_in_process() -> None:
+    named_in = [("a", torch.arange(6.0).reshape(2, 3)), ("b", torch.tensor([1, 2], dtype=torch.int64))]
+    payload, keep = serialize_named_tensors(named_in)
+    named_out = deserialize_named_tensors(payload)
+    assert [n for n, _ in named_out] == ["a", "b"]
+    assert all(torch.equal(x, y) for (_, x), (_, y) in zip(named_in, named_out))
+    assert all(t.data_ptr() != x.data_ptr() for t, (_, x) in zip(keep, named_in))  # clones, not the live tensors
+    with pytest.raises(TensorPayloadError, match="cannot read serialized_named_tensors"):
+        deserialize_named_tensors("not base64!")
 
 
 def test_cpu_engine_refuses_nccl(engines: list[EngineClient]) -> None:

@@ -1,0 +1,174 @@
+"""The CPU engine's HTTP app: SGLang's native routes (``rlhpc.rollout.protocol.Route``) over an ``Engine``.
+
+Request bodies are validated as the protocol's dataclasses (SGLang's field names; fields SGLang
+clients may send and we do not use are ignored). /generate bodies are read by hand, since SGLang
+answers a single prompt with a dict and a batch with a list.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import TypeAdapter
+
+from rlhpc.rollout import protocol as P
+from rlhpc.rollout.cpu_server.engine import Engine
+from rlhpc.rollout.cpu_server.requests import EngineError
+from rlhpc.rollout.protocol import PAUSE_MODES, Route
+
+log = logging.getLogger("rlhpc.cpu_server")
+
+_PAUSE = TypeAdapter(P.PauseGenerationReqInput)
+
+
+def error_response(message: str, status: int = 400) -> JSONResponse:
+    return JSONResponse({"error": {"message": message}}, status_code=status)
+
+
+def build_app(engine: Engine, address: dict[str, Any]) -> FastAPI:
+    """FastAPI app with SGLang's native routes. ``address`` holds host/port once bound."""
+    app = FastAPI(openapi_url=None)
+    gen_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="generate")  # one batch at a time
+    ctl_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="control")  # weight/memory ops in order
+    state = {"shutting_down": False}
+    app.state.engine = engine
+    app.state.flags = state
+
+    async def on(pool: ThreadPoolExecutor, fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+
+    async def success_route(fn: Any, *args: Any) -> JSONResponse:
+        try:
+            message = await on(ctl_pool, fn, *args)
+        except Exception as e:  # SGLang answers these routes with success=false, not a raise
+            log.warning("%s failed: %s", getattr(fn, "__name__", fn), e)
+            return JSONResponse({"success": False, "message": f"{type(e).__name__}: {e}"}, status_code=400)
+        return JSONResponse({"success": True, "message": message})
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(f"invalid request to {request.url.path}: {exc.errors()}")
+
+    @app.get(Route.HEALTH)
+    async def health() -> Response:
+        return Response(status_code=503 if state["shutting_down"] else 200)
+
+    @app.get(Route.HEALTH_GENERATE)
+    async def health_generate() -> Response:
+        if state["shutting_down"]:
+            return Response(status_code=503)
+        if engine.busy or not engine.running.is_set() or engine.released or engine.stale:
+            return Response(status_code=200)  # like SGLang: a busy or paused engine is alive
+        items, _ = engine.normalize({"input_ids": [0], "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}})
+        try:
+            await on(gen_pool, engine.generate, items, engine.next_seq())
+        except Exception as e:
+            log.error("health_generate failed: %s", e)
+            return Response(status_code=503)
+        return Response(status_code=200)
+
+    @app.get(Route.MODEL_INFO_OLD)
+    @app.get(Route.MODEL_INFO)
+    async def get_model_info() -> dict[str, Any]:
+        return engine.model_info()
+
+    @app.get(Route.SERVER_INFO_OLD)
+    @app.get(Route.SERVER_INFO)
+    async def get_server_info() -> dict[str, Any]:
+        return engine.server_info(address.get("host", ""), address.get("port", 0))
+
+    @app.api_route(Route.GENERATE, methods=["POST", "PUT"])
+    async def generate(request: Request) -> Any:
+        seq = engine.next_seq()  # arrival order decides what an abort_all covers
+        try:
+            body = await request.json()
+            if not isinstance(body, dict):
+                raise EngineError("the request body must be a JSON object")
+            items, single = engine.normalize(body)
+            outs = await on(gen_pool, engine.generate, items, seq)
+        except EngineError as e:
+            return error_response(str(e))
+        except ValueError as e:  # bad JSON, bad numbers
+            return error_response(f"{type(e).__name__}: {e}")
+        except Exception as e:
+            log.exception("generate failed")
+            return error_response(f"{type(e).__name__}: {e}", status=500)
+        return JSONResponse(outs[0] if single else outs)
+
+    @app.api_route(Route.FLUSH_CACHE, methods=["GET", "POST"])
+    async def flush_cache() -> Response:
+        # Nothing is cached between requests (no radix cache), so this always succeeds.
+        return Response(content="Cache flushed.\n", status_code=200)
+
+    @app.post(Route.PAUSE_GENERATION)
+    async def pause_generation(request: Request) -> JSONResponse:
+        raw = await request.body()
+        req = _PAUSE.validate_json(raw) if raw.strip() else P.PauseGenerationReqInput()
+        if req.mode not in PAUSE_MODES:
+            return error_response(f"unknown pause mode {req.mode!r}")
+        engine.pause_mode = req.mode
+        engine.running.clear()
+        if req.mode == "abort":
+            engine.abort(abort_all=True)
+        # (retract is served like in_place: the running batch keeps its cache and resumes
+        # with whatever weights are loaded by then.)
+        log.info("generation paused (%s)", req.mode)
+        return JSONResponse({"message": "Generation paused successfully.", "status": "ok"})
+
+    @app.post(Route.CONTINUE_GENERATION)
+    async def continue_generation() -> JSONResponse:
+        engine.running.set()
+        log.info("generation continued")
+        return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
+
+    @app.post(Route.ABORT_REQUEST)
+    async def abort_request(req: P.AbortReq) -> Response:
+        engine.abort(req.rid, req.abort_all)
+        return Response(status_code=200)
+
+    @app.post(Route.INIT_WEIGHTS_UPDATE_GROUP)
+    async def init_weights_update_group(req: P.InitWeightsUpdateGroupReqInput) -> JSONResponse:
+        return await success_route(engine.init_group, req)
+
+    @app.post(Route.DESTROY_WEIGHTS_UPDATE_GROUP)
+    async def destroy_weights_update_group(req: P.DestroyWeightsUpdateGroupReqInput) -> JSONResponse:
+        return await success_route(engine.destroy_group, req.group_name)
+
+    @app.post(Route.UPDATE_WEIGHTS_FROM_DISTRIBUTED)
+    async def update_weights_from_distributed(req: P.UpdateWeightsFromDistributedReqInput) -> JSONResponse:
+        return await success_route(engine.update_from_distributed, req)
+
+    @app.post(Route.UPDATE_WEIGHTS_FROM_TENSOR)
+    async def update_weights_from_tensor(req: P.UpdateWeightsFromTensorReqInput) -> JSONResponse:
+        return await success_route(engine.update_from_tensor, req)
+
+    @app.api_route(Route.GET_WEIGHTS_BY_NAME, methods=["GET", "POST"])
+    async def get_weights_by_name(req: P.GetWeightsByNameReqInput) -> Any:
+        try:
+            return JSONResponse(await on(ctl_pool, engine.get_weights_by_name, req.name, req.truncate_size))
+        except EngineError as e:
+            return error_response(str(e))
+
+    @app.api_route(Route.RELEASE_MEMORY_OCCUPATION, methods=["GET", "POST"])
+    async def release_memory_occupation(req: P.ReleaseMemoryOccupationReqInput) -> Any:
+        try:
+            await on(ctl_pool, engine.release, req.tags)
+        except EngineError as e:
+            return error_response(str(e))
+        return None
+
+    @app.api_route(Route.RESUME_MEMORY_OCCUPATION, methods=["GET", "POST"])
+    async def resume_memory_occupation(req: P.ResumeMemoryOccupationReqInput) -> Any:
+        try:
+            await on(ctl_pool, engine.resume, req.tags)
+        except EngineError as e:
+            return error_response(str(e))
+        return None
+
+    return app

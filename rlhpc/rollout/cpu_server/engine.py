@@ -1,0 +1,384 @@
+"""The CPU engine: a Hugging Face model behind SGLang's request semantics (generation, weights, memory).
+
+Concurrency: one HTTP /generate request is one sampling batch, and batches run one at a time on
+a single thread (see ``rlhpc.rollout.cpu_server.app``), so with fixed ``sampling_seed``s a
+request's tokens do not depend on other traffic. Weight routes run on a second thread; a lock
+keeps them off the model while a batch computes. A pause holds new batches (and, in modes
+``in_place``/``retract``, the running one between decoding steps; ``abort``, SGLang's default,
+ends it) until continued.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rlhpc.model import load_model, load_tokenizer
+from rlhpc.rollout import protocol as P
+from rlhpc.rollout.cpu_server.requests import EngineError, Item, ModelLimits, check_tags, normalize_generate
+from rlhpc.rollout.protocol import MetaInfo
+from rlhpc.rollout.sampling import sample
+from rlhpc.rollout.tensor_transport import TensorPayloadError, deserialize_named_tensors
+from rlhpc.rollout.weight_update_group import init_custom_process_group
+
+log = logging.getLogger("rlhpc.cpu_server")
+
+SERVER_VERSION = "rlhpc-cpu-engine-0.1"
+
+
+class Engine:
+    """One model behind SGLang's semantics: batches generate, weights update, memory is released and resumed."""
+
+    def __init__(self, model_path: str, weight_version: str, device: str = "cpu"):
+        self.model_path = model_path
+        self.device = torch.device(device)
+        if self.device.type == "cuda":
+            if self.device.index is None:
+                self.device = torch.device("cuda", 0)
+            torch.cuda.set_device(self.device)
+        self.model = load_model(model_path, self.device).eval().requires_grad_(False)
+        self.tokenizer = load_tokenizer(model_path)
+        cfg = self.model.config
+        self.vocab_size = int(cfg.vocab_size)
+        self.context_len = int(getattr(cfg, "max_position_embeddings", 0) or 1 << 30)
+        self.eos_ids = self._eos_ids()
+        self.limits = ModelLimits(self.vocab_size, self.context_len, frozenset(self.eos_ids))
+        pad = self.tokenizer.pad_token_id
+        self.pad_id = pad if pad is not None else min(self.eos_ids, default=0)  # padded rows are masked anyway
+        self.weight_version = weight_version
+
+        self.model_lock = threading.Lock()  # held while a batch computes or weights change
+        self.running = threading.Event()  # cleared while paused
+        self.running.set()
+        self.pause_mode = "abort"
+        self.released: set[str] = set()
+        self.stale: set[str] = set()  # parameters re-allocated but not re-sent since a resume
+        self._shapes: dict[str, torch.Size] = {}  # of released parameters
+        self.groups: dict[str, dist.ProcessGroup] = {}
+        self.group_devices: dict[str, torch.device] = {}  # where a group's broadcasts land
+        self.busy = False
+
+        self._seq = itertools.count()
+        self._abort_lock = threading.Lock()
+        self._abort_before = -1  # batches numbered below this are aborted (abort_all)
+        self._abort_rids: set[str] = set()
+        log.info(
+            "loaded %s on %s (%d params, vocab %d)",
+            model_path,
+            self.device,
+            sum(p.numel() for p in self.model.parameters()),
+            self.vocab_size,
+        )
+
+    def _eos_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for src in (getattr(self.model, "generation_config", None), self.model.config):
+            eos = getattr(src, "eos_token_id", None) if src is not None else None
+            if isinstance(eos, int):
+                ids.add(eos)
+            elif isinstance(eos, (list, tuple)):
+                ids.update(int(e) for e in eos)
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        return ids
+
+    # -------------------------------------------------------------- generation
+
+    def next_seq(self) -> int:
+        return next(self._seq)
+
+    def normalize(self, body: dict[str, Any]) -> tuple[list[Item], bool]:
+        """GenerateReqInput -> rows (see ``requests.normalize_generate``)."""
+        return normalize_generate(body, self.limits, self.tokenizer.encode)
+
+    def _aborted(self, seq: int, rids: list[str]) -> bool:
+        with self._abort_lock:
+            if seq < self._abort_before:
+                return True
+            hit = self._abort_rids.intersection(rids)
+            self._abort_rids.difference_update(hit)
+            return bool(hit)
+
+    def abort(self, rid: str | None = None, abort_all: bool = False) -> None:
+        with self._abort_lock:
+            if abort_all:
+                self._abort_before = next(self._seq)  # everything that arrived before now
+            elif rid:
+                if len(self._abort_rids) > 10_000:  # rids of long-finished requests
+                    self._abort_rids.clear()
+                self._abort_rids.add(rid)
+
+    def require_usable(self) -> None:
+        if self.released:
+            raise EngineError(
+                f"engine memory is released (tags {sorted(self.released)}); call resume_memory_occupation "
+                "and re-send the weights before generating"
+            )
+        if self.stale:
+            raise EngineError(
+                f"{len(self.stale)} parameter(s) not re-sent since resume_memory_occupation "
+                f"(e.g. {sorted(self.stale)[:3]}); update the weights before generating"
+            )
+
+    def _step_hook(self, seq: int, rids: list[str]) -> bool:
+        """Between decoding steps: abort, wait out a pause (off the model lock), check weights."""
+        if self._aborted(seq, rids):
+            return True
+        if not self.running.is_set():
+            aborted = False
+            self.model_lock.release()
+            try:
+                while not self.running.wait(0.05):
+                    if self._aborted(seq, rids):
+                        aborted = True
+                        break
+            finally:
+                self.model_lock.acquire()
+            if aborted or self._aborted(seq, rids):
+                return True
+        self.require_usable()
+        return False
+
+    def generate(self, items: list[Item], seq: int) -> list[dict[str, Any]]:
+        """Run one batch (called on the single generation thread)."""
+        t0 = time.perf_counter()
+        rids = [it.rid for it in items]
+        with self.model_lock:
+            self.busy = True
+            try:
+                samples = sample(
+                    self.model,
+                    [it.prompt for it in items],
+                    [it.max_new_tokens for it in items],
+                    [it.temperature for it in items],
+                    [it.top_p for it in items],
+                    [it.seed for it in items],
+                    eos_id=min(self.eos_ids, default=-1),  # unused: stop_ids decides per row
+                    pad_id=self.pad_id,
+                    stop_ids=[it.stop_ids for it in items],
+                    step_hook=lambda: self._step_hook(seq, rids),
+                )
+            finally:
+                self.busy = False
+            version = self.weight_version
+        latency = time.perf_counter() - t0
+        return [self._output(it, s, version, latency) for it, s in zip(items, samples)]
+
+    def _output(self, it: Item, s: Any, version: str, latency: float) -> dict[str, Any]:
+        if s.finish_reason == "stop":
+            finish: dict[str, Any] = {"type": "stop", "matched": s.output_ids[-1]}
+        elif s.finish_reason == "length":
+            finish = {"type": "length", "length": it.max_new_tokens}
+        else:
+            finish = {"type": "abort", "message": "Abort in waiting queue" if not s.output_ids else "Aborted"}
+        text_ids = s.output_ids
+        if s.finish_reason == "stop" and not it.no_stop_trim:
+            text_ids = text_ids[:-1]  # SGLang trims the matched stop token from the text only
+        meta: dict[str, Any] = {
+            MetaInfo.ID: it.rid,
+            MetaInfo.FINISH_REASON: finish,
+            MetaInfo.PROMPT_TOKENS: len(it.prompt),
+            MetaInfo.WEIGHT_VERSION: version,
+            MetaInfo.COMPLETION_TOKENS: len(s.output_ids),
+            MetaInfo.CACHED_TOKENS: 0,
+            MetaInfo.E2E_LATENCY: latency,
+        }
+        if it.return_logprob:
+            meta[MetaInfo.OUTPUT_TOKEN_LOGPROBS] = [[lp, tok, None] for lp, tok in zip(s.output_logprobs, s.output_ids)]
+        return {
+            "text": self.tokenizer.decode(text_ids, skip_special_tokens=it.skip_special_tokens),
+            "output_ids": s.output_ids,
+            "meta_info": meta,
+        }
+
+    # -------------------------------------------------------------- weights
+
+    def _param_table(self) -> dict[str, torch.nn.Parameter]:
+        # with duplicates: a tied lm_head is addressable by either name
+        return dict(self.model.named_parameters(remove_duplicate=False))
+
+    def load_weights(self, named: list[tuple[str, torch.Tensor]], version: str | None) -> None:
+        """Validate every tensor first, then copy all: an update applies fully or not at all."""
+        table = self._param_table()
+        problems = []
+        for name, t in named:
+            p = table.get(name)
+            if p is None:
+                problems.append(f"unknown parameter {name!r}")
+            elif tuple(t.shape) != tuple(p.shape):
+                problems.append(f"{name}: shape {tuple(t.shape)} != engine's {tuple(p.shape)}")
+        if problems:
+            raise EngineError(f"{len(problems)} bad tensor(s): " + "; ".join(problems[:5]))
+        with self.model_lock:
+            if "weights" in self.released:
+                raise EngineError("weights are released; resume_memory_occupation(['weights']) before updating")
+            with torch.no_grad():
+                for name, t in named:
+                    table[name].copy_(t)  # casts if the trainer's dtype differs
+            if self.device.type == "cuda":
+                # copy_ is asynchronous on CUDA; the sender frees (or reuses) its IPC/broadcast
+                # memory as soon as we answer, so the copies must be done first.
+                torch.cuda.synchronize(self.device)
+            self.stale.difference_update(name for name, _ in named)
+            if version is not None:
+                self.weight_version = version
+        log.info("loaded %d tensor(s)%s", len(named), f"; weight_version {version}" if version is not None else "")
+
+    def init_group(self, req: P.InitWeightsUpdateGroupReqInput) -> str:
+        if req.group_name in self.groups:
+            raise EngineError(f"weight update group {req.group_name!r} already exists")
+        if req.backend == "nccl" and self.device.type != "cuda":
+            raise EngineError("backend 'nccl' needs an engine on CUDA (--device cuda); a CPU engine joins with 'gloo'")
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # NCCL uses the calling (control) thread's current device
+        self.groups[req.group_name] = init_custom_process_group(
+            req.backend,
+            req.master_address,
+            req.master_port,
+            req.rank_offset,  # this engine is one rank (TP=1)
+            req.world_size,
+            req.group_name,
+        )
+        # NCCL broadcasts into GPU buffers; gloo into CPU ones, copied onto the model's device after
+        self.group_devices[req.group_name] = self.device if req.backend == "nccl" else torch.device("cpu")
+        return f"joined {req.group_name} as rank {req.rank_offset} of {req.world_size}"
+
+    def destroy_group(self, group_name: str) -> str:
+        pg = self.groups.pop(group_name, None)
+        self.group_devices.pop(group_name, None)
+        if pg is None:
+            raise EngineError(f"no weight update group {group_name!r}")
+        dist.destroy_process_group(pg)
+        return f"destroyed {group_name}"
+
+    def update_from_distributed(self, req: P.UpdateWeightsFromDistributedReqInput) -> str:
+        if not len(req.names) == len(req.dtypes) == len(req.shapes):
+            raise EngineError("names, dtypes and shapes differ in length")
+        pg = self.groups.get(req.group_name)
+        if pg is None:
+            raise EngineError(f"no weight update group {req.group_name!r}; call init_weights_update_group first")
+        if req.abort_all_requests:
+            self.abort(abort_all=True)
+        device = self.group_devices[req.group_name]
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        received = []
+        # Receive every tensor even if some will be refused: skipping one would desynchronise
+        # the broadcast sequence for the trainer and every other engine in the group.
+        for name, dtype, shape in zip(req.names, req.dtypes, req.shapes):
+            buf = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+            dist.broadcast(buf, group_src=0, group=pg)
+            received.append((name, buf))
+        self.load_weights(received, req.weight_version)
+        return f"updated {len(received)} tensor(s)"
+
+    def update_from_tensor(self, req: P.UpdateWeightsFromTensorReqInput) -> str:
+        if req.load_format not in (None, "direct", "default"):
+            raise EngineError(f"load_format {req.load_format!r} is not supported by the CPU engine")
+        if not req.serialized_named_tensors:
+            raise EngineError("serialized_named_tensors is empty")
+        if req.abort_all_requests:
+            self.abort(abort_all=True)
+        # this engine is TP rank 0 of 1; CUDA IPC handles only open on a GPU engine
+        try:
+            named = deserialize_named_tensors(req.serialized_named_tensors[0], allow_cuda=self.device.type == "cuda")
+        except TensorPayloadError as e:
+            raise EngineError(str(e)) from e
+        self.load_weights(named, req.weight_version)
+        return f"updated {len(named)} tensor(s)"
+
+    def get_weights_by_name(self, name: str, truncate_size: int) -> list:
+        with self.model_lock:
+            if "weights" in self.released:
+                raise EngineError("weights are released")
+            if name in self.stale:
+                raise EngineError(f"{name} not re-sent since resume_memory_occupation")
+            p = self._param_table().get(name)
+            if p is None:
+                raise EngineError(f"unknown parameter {name!r}")
+            return p.detach()[:truncate_size].tolist()
+
+    # -------------------------------------------------------------- memory
+
+    def release(self, tags: list[str] | None) -> None:
+        tags = check_tags(tags)
+        with self.model_lock:
+            if "weights" in tags and "weights" not in self.released:
+                # Swap each parameter's storage for an empty one (the Parameter objects, and so
+                # tied weights, stay). Buffers such as rotary tables stay too: nobody re-sends them.
+                for name, p in self.model.named_parameters():
+                    self._shapes[name] = p.shape
+                    p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            # kv_cache: sample() builds its cache per batch and frees it after, so nothing is
+            # resident between requests; the tag is recorded to refuse generation like SGLang.
+            self.released.update(tags)
+            if self.device.type == "cuda":
+                # freed blocks stay reserved by torch's caching allocator; hand them back to the
+                # driver so a colocated trainer can use the memory
+                torch.cuda.empty_cache()
+        log.info("released %s (weights bytes now %d)", tags, self.weights_bytes())
+
+    def resume(self, tags: list[str] | None) -> None:
+        tags = check_tags(tags)
+        with self.model_lock:
+            if "weights" in tags and "weights" in self.released:
+                for name, p in self.model.named_parameters():
+                    p.data = torch.empty(self._shapes.pop(name), dtype=p.dtype, device=p.device)
+                    self.stale.add(name)
+            self.released.difference_update(tags)
+        log.info("resumed %s; %d parameter(s) await new weights", tags, len(self.stale))
+
+    def weights_bytes(self) -> int:
+        return sum(p.untyped_storage().nbytes() for p in self.model.parameters())
+
+    # -------------------------------------------------------------- info
+
+    def model_info(self) -> dict[str, Any]:
+        cfg = self.model.config
+        return {
+            "model_path": self.model_path,
+            "tokenizer_path": self.model_path,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": self.weight_version,
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "model_type": getattr(cfg, "model_type", None),
+            "architectures": getattr(cfg, "architectures", None),
+        }
+
+    def server_info(self, host: str, port: int) -> dict[str, Any]:
+        return {
+            "model_path": self.model_path,
+            "tokenizer_path": self.model_path,
+            "host": host,
+            "port": port,
+            "device": self.device.type,
+            "tp_size": 1,
+            "dp_size": 1,
+            "pp_size": 1,
+            "context_length": self.context_len,
+            "weight_version": self.weight_version,
+            "version": SERVER_VERSION,
+            "status": "ready",
+            "internal_states": [
+                {
+                    "paused": not self.running.is_set(),
+                    "pause_mode": self.pause_mode,
+                    "released_tags": sorted(self.released),
+                    "weights_bytes": self.weights_bytes(),
+                    "weight_update_groups": sorted(self.groups),
+                    **(
+                        {"cuda_memory_reserved_bytes": torch.cuda.memory_reserved(self.device)}
+                        if self.device.type == "cuda"
+                        else {}
+                    ),
+                }
+            ],
+        }

@@ -1,0 +1,191 @@
+"""SGLang request bodies -> the CPU engine's work: /generate rows, sampling params, memory tags.
+
+Field names and routes come from ``rlhpc.rollout.protocol``; this module holds what the CPU
+engine does with them: SGLang's batching and parallel-sampling rules, and which sampling params
+it supports (the rest are refused, not ignored).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from rlhpc.rollout.protocol import MEMORY_TAGS, NO_EFFECT_VALUES, TOP_K_ALL
+
+
+class EngineError(Exception):
+    """A request the engine refuses; answered as HTTP 400 with SGLang's error body."""
+
+
+# Sampling parameters by how the CPU engine treats them. Those in NO_EFFECT_VALUES are accepted
+# only at those values (anything else changes the distribution, and silently ignoring it would
+# make CPU and GPU runs differ).
+USED = frozenset(
+    {
+        "max_new_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "sampling_seed",
+        "stop_token_ids",
+        "ignore_eos",
+        "skip_special_tokens",
+        "no_stop_trim",
+    }
+)
+HARMLESS = frozenset({"n", "spaces_between_special_tokens", "stream_interval", "custom_params"})
+
+_UNSUPPORTED_INPUTS = ("input_embeds", "image_data", "video_data", "audio_data", "lora_path")
+
+
+@dataclass
+class Item:
+    """One row of a /generate batch, normalised."""
+
+    rid: str
+    prompt: list[int]
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    seed: int | None
+    stop_ids: set[int]
+    return_logprob: bool
+    skip_special_tokens: bool
+    no_stop_trim: bool
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What a request is checked against."""
+
+    vocab_size: int
+    context_len: int
+    eos_ids: frozenset[int]
+
+
+def _per_item(value: Any, num: int, what: str) -> list[Any]:
+    if isinstance(value, list):
+        if len(value) != num:
+            raise EngineError(f"{what} has {len(value)} entries for a batch of {num}")
+        return value
+    return [value] * num
+
+
+def normalize_generate(
+    body: dict[str, Any], limits: ModelLimits, encode: Callable[[str], list[int]]
+) -> tuple[list[Item], bool]:
+    """GenerateReqInput -> (rows, whether the answer is a single dict), following SGLang's
+    batching and parallel-sampling rules."""
+    for unsupported in _UNSUPPORTED_INPUTS:
+        if body.get(unsupported) is not None:
+            raise EngineError(f"{unsupported} is not supported by the CPU engine")
+    if body.get("stream"):
+        raise EngineError("stream=true is not supported by the CPU engine")
+    if body.get("top_logprobs_num"):
+        raise EngineError("top_logprobs_num is not supported by the CPU engine")
+    text, input_ids = body.get("text"), body.get("input_ids")
+    if (text is None) == (input_ids is None):
+        raise EngineError("Either text or input_ids should be provided.")
+    if input_ids is not None:
+        if not isinstance(input_ids, list) or not input_ids:
+            raise EngineError("input_ids cannot be empty.")
+        single = isinstance(input_ids[0], int)
+        prompts = [input_ids] if single else input_ids
+    else:
+        single = isinstance(text, str)
+        texts = [text] if single else text
+        prompts = [encode(t) for t in texts]
+    for p in prompts:
+        if not isinstance(p, list) or not p or not all(isinstance(t, int) for t in p):
+            raise EngineError("every prompt must be a non-empty list of token ids")
+        if min(p) < 0 or max(p) >= limits.vocab_size:
+            raise EngineError(f"token id out of range [0, {limits.vocab_size})")
+        if len(p) >= limits.context_len:
+            raise EngineError(f"prompt of {len(p)} tokens does not fit the context length {limits.context_len}")
+
+    params = body.get("sampling_params")
+    params = {} if params is None else params
+    batch_size = len(prompts)
+    if isinstance(params, list):
+        if not params or not all(isinstance(p, dict) for p in params):
+            raise EngineError("sampling_params must be a dict or a list of dicts")
+        ns = {int(p.get("n") or 1) for p in params}
+        if len(ns) != 1:
+            raise EngineError("The parallel_sample_num should be the same for all samples in sample params.")
+        n = ns.pop()
+    elif isinstance(params, dict):
+        n = int(params.get("n") or 1)
+    else:
+        raise EngineError("sampling_params must be a dict or a list of dicts")
+    if n > 1 and single:
+        single = False
+    num = batch_size * n
+    # SGLang repeats the whole batch n times: [p0, p1, p0, p1, ...]
+    prompts = prompts * n
+    param_list = [params] * num if isinstance(params, dict) else _per_item(params, batch_size, "sampling_params") * n
+    logprob_flags = _per_item(body.get("return_logprob") or False, batch_size, "return_logprob") * n
+
+    rid = body.get("rid")
+    if single:
+        rids = [rid if isinstance(rid, str) else uuid.uuid4().hex]
+    elif rid is None:
+        rids = [uuid.uuid4().hex for _ in range(num)]
+    elif isinstance(rid, str):
+        rids = [f"{rid}_{i}" for i in range(num)]
+    else:
+        base = _per_item(rid, batch_size, "rid")
+        rids = base if n == 1 else [f"{r}_{k}" for k in range(n) for r in base]
+    items = [_item(r, p, sp, bool(lp), limits) for r, p, sp, lp in zip(rids, prompts, param_list, logprob_flags)]
+    return items, single
+
+
+def _item(rid: str, prompt: list[int], sp: dict[str, Any], return_logprob: bool, limits: ModelLimits) -> Item:
+    for key, value in sp.items():
+        if key in USED or key in HARMLESS or value is None:
+            continue
+        if key in NO_EFFECT_VALUES:
+            if value not in NO_EFFECT_VALUES[key]:
+                raise EngineError(f"sampling param {key}={value!r} is not supported by the CPU engine")
+            continue
+        raise EngineError(f"unknown sampling param {key!r}")
+    temperature = 1.0 if sp.get("temperature") is None else float(sp["temperature"])
+    top_p = 1.0 if sp.get("top_p") is None else float(sp["top_p"])
+    top_k = -1 if sp.get("top_k") is None else int(sp["top_k"])
+    if temperature < 0 or not 0 < top_p <= 1:
+        raise EngineError(f"bad sampling params: temperature={temperature}, top_p={top_p}")
+    if top_k == 1 or temperature < 1e-6:  # SGLang: both mean greedy
+        temperature = 0.0
+    elif top_k not in (-1, TOP_K_ALL):
+        raise EngineError(f"top_k={top_k} is not supported by the CPU engine (only -1 or 1)")
+    room = limits.context_len - len(prompt)
+    max_new = sp.get("max_new_tokens", 128)
+    max_new = room if max_new is None else int(max_new)
+    if max_new < 0:
+        raise EngineError(f"max_new_tokens must be at least 0, got {max_new}")
+    stops = set() if sp.get("ignore_eos") else set(limits.eos_ids)
+    stops.update(int(t) for t in sp.get("stop_token_ids") or ())
+    seed = sp.get("sampling_seed")
+    return Item(
+        rid=rid,
+        prompt=prompt,
+        max_new_tokens=max_new,
+        temperature=temperature,
+        top_p=top_p,
+        seed=None if seed is None else int(seed),
+        stop_ids=stops,
+        return_logprob=return_logprob,
+        skip_special_tokens=sp.get("skip_special_tokens", True) is not False,
+        no_stop_trim=bool(sp.get("no_stop_trim")),
+    )
+
+
+def check_tags(tags: list[str] | None) -> list[str]:
+    """release/resume_memory_occupation tags; None means all."""
+    if tags is None:
+        return list(MEMORY_TAGS)
+    bad = [t for t in tags if t not in MEMORY_TAGS]
+    if bad:
+        raise EngineError(f"unknown memory tag(s) {bad}; use {list(MEMORY_TAGS)}")
+    return list(tags)

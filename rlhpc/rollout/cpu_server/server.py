@@ -1,0 +1,118 @@
+"""The CPU engine server process: command line, socket, ready file, parent watch, shutdown."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import uvicorn
+
+from rlhpc.rollout.cpu_server.app import build_app
+from rlhpc.rollout.cpu_server.engine import Engine
+from rlhpc.util.files import write_atomic
+
+log = logging.getLogger("rlhpc.cpu_server")
+
+_DESCRIPTION = "A CPU rollout engine that speaks SGLang's native HTTP protocol."
+
+
+def _write_ready_file(path: Path, info: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, json.dumps(info))  # readers see the whole file or none
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))  # port 0: the kernel picks a free port, no probe-then-bind race
+    sock.set_inheritable(False)
+    return sock
+
+
+def _watch_parent(parent_pid: int, server: uvicorn.Server) -> None:
+    """Exit when the parent dies, so a killed Ray actor leaves no orphan server."""
+    while True:
+        time.sleep(0.5)
+        if os.getppid() != parent_pid:
+            log.warning("parent %d is gone; shutting down", parent_pid)
+            server.should_exit = True
+            time.sleep(10)
+            os._exit(1)  # graceful shutdown stuck (e.g. a broadcast that never completes)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m rlhpc.rollout.cpu_server", description=_DESCRIPTION)
+    p.add_argument("--model-path", required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="0 = pick a free port (see --ready-file)")
+    p.add_argument("--ready-file", type=Path, help='written as {"host", "port", "pid"} once serving')
+    p.add_argument("--weight-version", default="default")
+    p.add_argument("--parent-pid", type=int, help="exit when this process is no longer our parent")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: the model on cuda:0")
+    p.add_argument("--log-level", default="INFO")
+    args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda but torch sees no CUDA device (a CPU build of torch, or no GPU visible)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s cpu_server[%(process)d] %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    torch.set_num_threads(max(1, args.threads))
+    stop_requested = threading.Event()
+    # Our own handler outlives uvicorn's: after its graceful shutdown uvicorn re-raises the
+    # signal, which would otherwise kill us with status -15 instead of a clean exit.
+    signal.signal(signal.SIGTERM, lambda *_: stop_requested.set())
+
+    engine = Engine(args.model_path, args.weight_version, args.device)
+    sock = _bind(args.host, args.port)
+    host, port = sock.getsockname()[:2]
+    address = {"host": args.host, "port": port}
+    app = build_app(engine, address)
+    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=3, lifespan="off")
+    server = uvicorn.Server(config)
+    if args.parent_pid:
+        threading.Thread(target=_watch_parent, args=(args.parent_pid, server), daemon=True).start()
+
+    async def serve() -> None:
+        task = asyncio.create_task(server.serve(sockets=[sock]))
+        while not server.started and not task.done():
+            await asyncio.sleep(0.01)
+        if server.started:
+            log.info("serving %s on %s:%d (weight_version %s)", args.model_path, host, port, engine.weight_version)
+            if args.ready_file:
+                _write_ready_file(args.ready_file, {"host": args.host, "port": port, "pid": os.getpid()})
+        await task
+
+    code = 0
+    try:
+        asyncio.run(serve())
+    except Exception:
+        log.exception("server failed")
+        code = 1
+    finally:
+        app.state.flags["shutting_down"] = True
+        if args.ready_file is not None:
+            args.ready_file.unlink(missing_ok=True)
+        log.info("exiting (%s)", "SIGTERM" if stop_requested.is_set() else f"code {code}")
+        logging.shutdown()
+        # Worker threads may sit in a gloo broadcast that will never complete; do not join them.
+        os._exit(code)

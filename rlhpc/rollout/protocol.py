@@ -1,0 +1,229 @@
+"""SGLang's native HTTP protocol, written once: routes, request bodies, sampling params, meta_info keys.
+
+The client (``rlhpc.rollout.client``) builds its request bodies from these dataclasses and the
+CPU engine server (``rlhpc.rollout.cpu_server``) validates them with the same ones, so both speak
+SGLang's names. Each class is named after SGLang's request struct in
+``sglang/srt/managers/io_struct.py`` and holds the subset of its fields rlhpc uses, with SGLang's
+defaults; fields without a default are required there too. tests/unit/test_sglang_protocol.py
+checks every name here against the sources of the SGLang wheel we support.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+SGLANG_VERSION = "0.5.23"  # the release these names are pinned against (Makefile downloads its wheel)
+
+SGLANG_GROUP_NAME = "weight_update_group"  # SGLang's default weight-update group name
+MEMORY_TAGS = ("weights", "kv_cache")  # release/resume_memory_occupation tags
+PAUSE_MODES = ("abort", "retract", "in_place")
+TOP_K_ALL = 1 << 30  # SGLang's "no top-k"
+
+
+class Route:
+    """The routes rlhpc calls (and the CPU engine serves), as in SGLang's ``http_server.py``."""
+
+    HEALTH = "/health"
+    HEALTH_GENERATE = "/health_generate"
+    MODEL_INFO = "/model_info"
+    MODEL_INFO_OLD = "/get_model_info"  # deprecated in SGLang, still served
+    SERVER_INFO = "/server_info"
+    SERVER_INFO_OLD = "/get_server_info"  # deprecated in SGLang, still served
+    GENERATE = "/generate"
+    FLUSH_CACHE = "/flush_cache"  # no body
+    PAUSE_GENERATION = "/pause_generation"
+    CONTINUE_GENERATION = "/continue_generation"
+    ABORT_REQUEST = "/abort_request"
+    INIT_WEIGHTS_UPDATE_GROUP = "/init_weights_update_group"
+    DESTROY_WEIGHTS_UPDATE_GROUP = "/destroy_weights_update_group"
+    UPDATE_WEIGHTS_FROM_DISTRIBUTED = "/update_weights_from_distributed"
+    UPDATE_WEIGHTS_FROM_TENSOR = "/update_weights_from_tensor"
+    GET_WEIGHTS_BY_NAME = "/get_weights_by_name"
+    RELEASE_MEMORY_OCCUPATION = "/release_memory_occupation"
+    RESUME_MEMORY_OCCUPATION = "/resume_memory_occupation"
+
+    @classmethod
+    def all(cls) -> dict[str, str]:
+        """Attribute name -> route."""
+        return {k: v for k, v in vars(cls).items() if k.isupper() and isinstance(v, str)}
+
+
+# ------------------------------------------------------------------ request bodies
+
+
+@dataclass
+class GenerateReqInput:
+    """Exactly one of ``input_ids`` / ``text``; one prompt or a batch (lists per prompt)."""
+
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    return_logprob: bool | list[bool] | None = None
+    rid: str | list[str] | None = None
+
+
+@dataclass
+class PauseGenerationReqInput:
+    mode: str = "abort"  # one of PAUSE_MODES
+
+
+@dataclass
+class ContinueGenerationReqInput:
+    pass  # SGLang's only field (torch_empty_cache) keeps its default
+
+
+@dataclass
+class AbortReq:
+    rid: str | None = ""
+    abort_all: bool = False
+
+
+@dataclass
+class InitWeightsUpdateGroupReqInput:
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = SGLANG_GROUP_NAME
+    backend: str = "nccl"
+
+
+@dataclass
+class DestroyWeightsUpdateGroupReqInput:
+    group_name: str = SGLANG_GROUP_NAME
+
+
+@dataclass
+class UpdateWeightsFromDistributedReqInput:
+    """``dtypes`` as torch attribute names ("float32", "bfloat16"); tensors are broadcast in ``names`` order."""
+
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = SGLANG_GROUP_NAME
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    load_format: str | None = None
+
+
+@dataclass
+class UpdateWeightsFromTensorReqInput:
+    """One base64 entry per TP rank (see ``rlhpc.rollout.tensor_transport``)."""
+
+    serialized_named_tensors: list[str]
+    load_format: str | None = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+
+
+@dataclass
+class GetWeightsByNameReqInput:
+    name: str
+    truncate_size: int = 100
+
+
+@dataclass
+class ReleaseMemoryOccupationReqInput:
+    tags: list[str] | None = None  # None: all of MEMORY_TAGS
+
+
+@dataclass
+class ResumeMemoryOccupationReqInput:
+    tags: list[str] | None = None  # None: all of MEMORY_TAGS
+
+
+# Which body each route takes (routes absent here take none, or a body of their own shape).
+ROUTE_BODIES: dict[str, type] = {
+    Route.GENERATE: GenerateReqInput,
+    Route.PAUSE_GENERATION: PauseGenerationReqInput,
+    Route.CONTINUE_GENERATION: ContinueGenerationReqInput,
+    Route.ABORT_REQUEST: AbortReq,
+    Route.INIT_WEIGHTS_UPDATE_GROUP: InitWeightsUpdateGroupReqInput,
+    Route.DESTROY_WEIGHTS_UPDATE_GROUP: DestroyWeightsUpdateGroupReqInput,
+    Route.UPDATE_WEIGHTS_FROM_DISTRIBUTED: UpdateWeightsFromDistributedReqInput,
+    Route.UPDATE_WEIGHTS_FROM_TENSOR: UpdateWeightsFromTensorReqInput,
+    Route.GET_WEIGHTS_BY_NAME: GetWeightsByNameReqInput,
+    Route.RELEASE_MEMORY_OCCUPATION: ReleaseMemoryOccupationReqInput,
+    Route.RESUME_MEMORY_OCCUPATION: ResumeMemoryOccupationReqInput,
+}
+
+
+def body(req: Any, drop_none: tuple[str, ...] = ()) -> dict[str, Any]:
+    """A request dataclass as its JSON body; fields named in ``drop_none`` are left out when None."""
+    # not dataclasses.asdict: it deep-copies every list (token ids, base64 tensor payloads)
+    return {
+        f.name: getattr(req, f.name)
+        for f in dataclasses.fields(req)
+        if not (f.name in drop_none and getattr(req, f.name) is None)
+    }
+
+
+# ------------------------------------------------------------------ sampling params and outputs
+
+# SGLang's SamplingParams API fields that rlhpc sends or the CPU engine accepts.
+SAMPLING_PARAMS = frozenset(
+    {
+        "max_new_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "sampling_seed",
+        "stop_token_ids",
+        "ignore_eos",
+        "skip_special_tokens",
+        "no_stop_trim",
+        "min_p",
+        "frequency_penalty",
+        "presence_penalty",
+        "repetition_penalty",
+        "min_new_tokens",
+        "stop",
+        "stop_regex",
+        "json_schema",
+        "regex",
+        "ebnf",
+        "structural_tag",
+        "logit_bias",
+        "n",
+        "spaces_between_special_tokens",
+        "stream_interval",
+        "custom_params",
+    }
+)
+
+# The values at which a sampling param leaves the token distribution as it is (SGLang's defaults).
+NO_EFFECT_VALUES: dict[str, tuple[Any, ...]] = {
+    "min_p": (0.0,),
+    "frequency_penalty": (0.0,),
+    "presence_penalty": (0.0,),
+    "repetition_penalty": (1.0,),
+    "min_new_tokens": (0,),
+    "stop": ([], ""),
+    "stop_regex": ([], ""),
+    "json_schema": (),
+    "regex": (),
+    "ebnf": (),
+    "structural_tag": (),
+    "logit_bias": ({},),
+}
+
+
+class MetaInfo:
+    """Keys of a /generate output's ``meta_info`` that rlhpc reads or the CPU engine writes."""
+
+    ID = "id"
+    FINISH_REASON = "finish_reason"  # {"type": "stop", "matched"} | {"type": "length", "length"} | {"type": "abort"}
+    PROMPT_TOKENS = "prompt_tokens"
+    COMPLETION_TOKENS = "completion_tokens"
+    CACHED_TOKENS = "cached_tokens"
+    WEIGHT_VERSION = "weight_version"
+    E2E_LATENCY = "e2e_latency"
+    OUTPUT_TOKEN_LOGPROBS = "output_token_logprobs"  # [[logprob, token id, text or None], ...]
+
+    @classmethod
+    def all(cls) -> frozenset[str]:
+        return frozenset(v for k, v in vars(cls).items() if k.isupper() and isinstance(v, str))

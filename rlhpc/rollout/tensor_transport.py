@@ -1,0 +1,124 @@
+"""Named tensors inside an HTTP body, for ``/update_weights_from_tensor`` between colocated processes.
+
+Both directions live here: ``serialize_named_tensors`` (the trainer's side) and the safe
+``deserialize_named_tensors`` (the CPU engine's side) that mirrors it.
+
+Colocated tensors cross processes the way SGLang's MultiprocessingSerializer sends them: base64
+of a torch ForkingPickler dump of [(name, tensor), ...]. For CUDA tensors that pickles CUDA IPC
+handles (so the same sender works against a real SGLang engine on GPU). For CPU tensors torch's
+default "file_descriptor" strategy passes fds through a socket that only the pickling process's
+multiprocessing children may use (it checks the parent's authkey), so an unrelated server process
+cannot open them. The "file_system" strategy instead names a /dev/shm segment that any process of
+the same user on the node can map: one copy into shared memory on the sender, none over HTTP, and
+torch_shm_manager unlinks the segment once both sides dropped it. We clone first, because sharing
+moves a tensor's storage into shm in place and must not do that to the trainer's live parameters.
+
+CUDA tensors stay on their GPU (the clone is a device copy, about one bucket of extra memory):
+ForkingPickler turns them into IPC handles whatever the sharing strategy, with an event the
+receiver waits on before reading, so the clone is complete when the engine copies. The engine
+copies and synchronises before it answers (``Engine.load_weights`` in rlhpc.rollout.cpu_server),
+so once every engine has answered the sender may free its clones; torch keeps a block whose
+receiver still holds a handle in its IPC limbo until ``torch.cuda.ipc_collect``.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import io
+import pickle
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.multiprocessing as torch_mp
+
+
+class TensorPayloadError(ValueError):
+    """A payload that is not a list of (name, tensor) pairs this process may safely load."""
+
+
+# ------------------------------------------------------------------ sender
+
+_STRATEGY_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _file_system_sharing() -> Iterator[None]:
+    with _STRATEGY_LOCK:
+        before = torch_mp.get_sharing_strategy()
+        torch_mp.set_sharing_strategy("file_system")
+        try:
+            yield
+        finally:
+            torch_mp.set_sharing_strategy(before)
+
+
+def serialize_named_tensors(named_tensors: list[tuple[str, torch.Tensor]]) -> tuple[str, list[torch.Tensor]]:
+    """Return (base64 payload, the tensors that must stay alive until the engine has loaded them)."""
+    from multiprocessing.reduction import ForkingPickler
+
+    keep = [t.detach().clone(memory_format=torch.contiguous_format) for _, t in named_tensors]
+    buf = io.BytesIO()
+    with _file_system_sharing():
+        ForkingPickler(buf).dump([(name, t) for (name, _), t in zip(named_tensors, keep)])
+    return base64.b64encode(buf.getvalue()).decode("ascii"), keep
+
+
+# ------------------------------------------------------------------ receiver
+
+# Only what torch's ForkingPickler emits for CPU tensors shared through the "file_system"
+# strategy (see serialize_named_tensors), and for CUDA tensors on a GPU engine, may be
+# unpickled: the body arrives over HTTP, and plain pickle would run whatever it names.
+_ALLOWED_GLOBALS = {
+    ("torch.multiprocessing.reductions", "rebuild_tensor"),
+    ("torch.multiprocessing.reductions", "rebuild_typed_storage"),
+    ("torch.multiprocessing.reductions", "rebuild_storage_filename"),
+    ("torch.multiprocessing.reductions", "rebuild_storage_empty"),
+    ("torch", "Tensor"),
+    ("torch", "Size"),
+    ("torch.storage", "UntypedStorage"),
+    ("torch.storage", "TypedStorage"),
+}
+_REFUSED_GLOBALS = {
+    "rebuild_storage_fd": "the sender shared tensors by file descriptor, which only its own child "
+    "processes can open; serialise with the 'file_system' sharing strategy",
+    "rebuild_cuda_tensor": "CUDA tensors cannot be loaded by the CPU engine (start it with --device cuda)",
+}
+_CUDA_GLOBAL = ("torch.multiprocessing.reductions", "rebuild_cuda_tensor")
+
+
+class TensorUnpickler(pickle.Unpickler):
+    """Unpickles named tensors and nothing else; ``allow_cuda`` lets CUDA IPC handles through."""
+
+    def __init__(self, file: io.BytesIO, allow_cuda: bool):
+        super().__init__(file)
+        self.allow_cuda = allow_cuda
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (
+            (module, name) in _ALLOWED_GLOBALS
+            or (self.allow_cuda and (module, name) == _CUDA_GLOBAL)
+            or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))
+        ):
+            return super().find_class(module, name)
+        if name in _REFUSED_GLOBALS:
+            raise TensorPayloadError(_REFUSED_GLOBALS[name])
+        raise TensorPayloadError(f"refusing to unpickle {module}.{name} from a weight payload")
+
+
+def deserialize_named_tensors(payload: str, allow_cuda: bool = False) -> list[tuple[str, torch.Tensor]]:
+    """Unpickle [(name, tensor), ...]; ``allow_cuda`` lets CUDA IPC handles through (GPU engine)."""
+    try:
+        raw = base64.b64decode(payload, validate=True)
+        named = TensorUnpickler(io.BytesIO(raw), allow_cuda).load()
+    except TensorPayloadError:
+        raise
+    except Exception as e:
+        raise TensorPayloadError(f"cannot read serialized_named_tensors: {type(e).__name__}: {e}") from e
+    if not isinstance(named, list) or not all(
+        isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str) and isinstance(x[1], torch.Tensor) for x in named
+    ):
+        raise TensorPayloadError("serialized_named_tensors must hold a list of (name, tensor) pairs")
+    return named
