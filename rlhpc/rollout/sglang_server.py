@@ -16,7 +16,6 @@ import importlib.util
 import logging
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -28,6 +27,8 @@ from pathlib import Path
 import requests
 
 from rlhpc.errors import RlhpcError
+from rlhpc.util.net import http_url
+from rlhpc.util.processes import stop_group
 
 log = logging.getLogger(__name__)
 
@@ -143,10 +144,6 @@ def port_conflict(log_text: str) -> bool:
     return bool(_ADDRESS_IN_USE.search(log_text))
 
 
-def url_of(host: str, port: int) -> str:
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-
-
 class ServerExited(RlhpcError):
     """The server process ended during start-up."""
 
@@ -209,37 +206,23 @@ def start_on_free_port(
                 start_new_session=True,  # its own process group: stop() ends SGLang's children too
             )
         try:
-            wait_healthy(proc, url_of(host, port), name, log_path, offset, timeout_s)
+            wait_healthy(proc, http_url(host, port), name, log_path, offset, timeout_s)
         except ServerExited as e:
             if attempt < attempts and port_conflict(e.log_text):
                 log.warning("%s: port %d was taken (attempt %d of %d); trying another", name, port, attempt, attempts)
                 continue
             raise
         except BaseException:
-            stop(proc)
+            stop(proc, name=name)
             raise
         return proc, port
     raise AssertionError("unreachable")  # the last attempt returns or raises
 
 
-def stop(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
-    """TERM the server's process group (SGLang's scheduler and detokenizer children hold the GPUs),
-    a short wait, then KILL the group."""
-    if proc.poll() is None:
-        _signal_group(proc, signal.SIGTERM)
-        try:
-            proc.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            log.warning("server %d ignored SIGTERM; killing its process group", proc.pid)
-    _signal_group(proc, signal.SIGKILL)  # children left behind by a launcher that died first
-    proc.wait()
-
-
-def _signal_group(proc: subprocess.Popen, sig: signal.Signals) -> None:
-    try:
-        os.killpg(proc.pid, sig)  # started with start_new_session: the group id is its pid
-    except (ProcessLookupError, PermissionError):
-        pass
+def stop(proc: subprocess.Popen, grace_s: float = 10.0, name: str = "server") -> None:
+    """Stop a server started by ``start_on_free_port`` and its process group (SGLang's scheduler
+    and detokenizer children hold the GPUs)."""
+    stop_group(proc, grace_s, name)
 
 
 def _read_from(path: Path, offset: int) -> str:
@@ -320,11 +303,11 @@ class Router:
             os.environ,
             self.startup_timeout_s,
         )
-        self.url = url_of(self.host, port)
+        self.url = http_url(self.host, port)
         log.info("sglang router at %s over %d engine(s), log %s", self.url, len(worker_urls), self.log_path)
         return self.url
 
     def stop(self) -> None:
         proc, self.proc, self.url = self.proc, None, None
         if proc is not None:
-            stop(proc)
+            stop(proc, name="sglang router")
