@@ -1,0 +1,245 @@
+"""SGLang's own names, read from the sglang wheel's sources without importing (or installing) it.
+
+The Makefile (`make test`, `make test-fast`) downloads the wheel of the version rlhpc supports
+into ``$(VENV)/wheels`` (SGLang itself needs CUDA, so it is not installed). The readers below
+parse its sources with ``ast``: request structs (``io_struct.py``), sampling params, HTTP routes
+and the body type each route takes (``http_server.py``), ``meta_info`` keys
+(``tokenizer_manager.py``) and the launch flags (``server_args.py`` and the field namespaces it
+assembles ``ServerArgs`` from).
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import sys
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rlhpc.rollout.protocol import SGLANG_VERSION
+
+REPO = Path(__file__).resolve().parents[2]
+IO_STRUCT = "sglang/srt/managers/io_struct.py"
+SAMPLING_PARAMS = "sglang/srt/sampling/sampling_params.py"
+HTTP_SERVER = "sglang/srt/entrypoints/http_server.py"
+TOKENIZER_MANAGER = "sglang/srt/managers/tokenizer_manager.py"
+SERVER_ARGS = "sglang/srt/server_args.py"
+DOWNLOAD = f"{{python}} -m pip download -q --no-deps --dest {{venv}}/wheels sglang=={SGLANG_VERSION}"
+
+
+def wheel_path() -> Path:
+    """The downloaded wheel; fails the test (never skips) with the command that fetches it."""
+    dirs = [Path(sys.prefix) / "wheels", REPO / ".venv" / "wheels"]  # pytest runs from the venv
+    for d in dirs:
+        found = sorted(d.glob(f"sglang-{SGLANG_VERSION}-*.whl"))
+        if found:
+            return found[-1]
+    cmd = DOWNLOAD.format(python=Path(sys.executable), venv=Path(sys.prefix))
+    pytest.fail(
+        f"the sglang {SGLANG_VERSION} wheel is missing (looked in {', '.join(map(str, dirs))}); "
+        f"`make test` or `make test-fast` downloads it, or run: {cmd}",
+        pytrace=False,
+    )
+
+
+@functools.cache
+def source(path: str) -> str:
+    with zipfile.ZipFile(wheel_path()) as z:
+        return z.read(path).decode()
+
+
+def has_module(module: str) -> bool:
+    """Does the wheel hold ``module`` (dotted name) as a module file?"""
+    with zipfile.ZipFile(wheel_path()) as z:
+        names = set(z.namelist())
+    base = module.replace(".", "/")
+    return f"{base}.py" in names or f"{base}/__init__.py" in names
+
+
+@functools.cache
+def _tree(path: str) -> ast.Module:
+    return ast.parse(source(path), filename=path)
+
+
+def _classes(path: str) -> dict[str, ast.ClassDef]:
+    return {n.name: n for n in _tree(path).body if isinstance(n, ast.ClassDef)}
+
+
+# ------------------------------------------------------------------ request structs
+
+
+@dataclass(frozen=True)
+class Field:
+    name: str
+    required: bool
+    default: Any  # a literal default, or NotLiteral
+    inherited: bool
+
+
+class NotLiteral:
+    """A default that is not a plain literal (a call, a name)."""
+
+
+def _default(value: ast.expr | None) -> Any:
+    if value is None:
+        return None
+    if isinstance(value, ast.Call) and getattr(value.func, "id", None) == "field":  # dataclasses.field(...)
+        for kw in value.keywords:
+            if kw.arg == "default":
+                return _default(kw.value)
+        return NotLiteral
+    try:
+        return ast.literal_eval(value)
+    except ValueError:
+        return NotLiteral
+
+
+def _required(value: ast.expr | None) -> bool:
+    if value is None:
+        return True
+    if isinstance(value, ast.Call) and getattr(value.func, "id", None) == "field":
+        return not any(kw.arg in ("default", "default_factory") for kw in value.keywords)
+    return False
+
+
+@functools.cache
+def request_structs() -> dict[str, dict[str, Field]]:
+    """Class name -> its fields (own and inherited from classes of the same module), in ``io_struct.py``."""
+    classes = _classes(IO_STRUCT)
+
+    def fields_of(name: str, inherited: bool) -> dict[str, Field]:
+        cls = classes[name]
+        out: dict[str, Field] = {}
+        for base in cls.bases:
+            if isinstance(base, ast.Name) and base.id in classes:
+                out.update(fields_of(base.id, True))
+        for stmt in cls.body:
+            if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
+                n = stmt.target.id
+                out[n] = Field(n, _required(stmt.value), _default(stmt.value), inherited)
+        return out
+
+    return {name: fields_of(name, False) for name in classes}
+
+
+@functools.cache
+def sampling_params() -> dict[str, Field]:
+    """SGLang's ``SamplingParams`` fields."""
+    cls = _classes(SAMPLING_PARAMS)["SamplingParams"]
+    return {
+        s.target.id: Field(s.target.id, _required(s.value), _default(s.value), False)
+        for s in cls.body
+        if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)
+    }
+
+
+# ------------------------------------------------------------------ routes
+
+
+def _body_type(fn: ast.AsyncFunctionDef | ast.FunctionDef) -> str | None:
+    """The request struct a handler's body is parsed into: ``obj: X`` or ``obj: Annotated[X, Body()]``."""
+    for arg in fn.args.args:
+        ann = arg.annotation
+        if isinstance(ann, ast.Subscript) and getattr(ann.value, "id", None) == "Annotated":
+            ann = ann.slice.elts[0] if isinstance(ann.slice, ast.Tuple) else ann.slice
+        if isinstance(ann, ast.Name) and (ann.id.endswith("ReqInput") or ann.id.endswith("Req")):
+            return ann.id
+    return None
+
+
+@functools.cache
+def http_routes() -> dict[str, str | None]:
+    """Route -> the request struct its handler takes (None: no body), from ``@app.<method>("/...")``."""
+    routes: dict[str, str | None] = {}
+    for node in ast.walk(_tree(HTTP_SERVER)):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for dec in node.decorator_list:
+            if (
+                isinstance(dec, ast.Call)
+                and isinstance(dec.func, ast.Attribute)
+                and getattr(dec.func.value, "id", None) == "app"
+                and dec.args
+                and isinstance(dec.args[0], ast.Constant)
+                and isinstance(dec.args[0].value, str)
+            ):
+                routes[dec.args[0].value] = _body_type(node)
+    return routes
+
+
+@functools.cache
+def meta_info_keys() -> frozenset[str]:
+    """Keys the tokenizer manager writes into outputs' ``meta_info`` (dict literals and ``meta_info[...]``)."""
+    keys: set[str] = set()
+    for node in ast.walk(_tree(TOKENIZER_MANAGER)):
+        if isinstance(node, ast.Dict):
+            keys.update(k.value for k in node.keys if isinstance(k, ast.Constant) and isinstance(k.value, str))
+        elif (
+            isinstance(node, ast.Subscript)
+            and getattr(node.value, "id", None) == "meta_info"
+            and isinstance(node.slice, ast.Constant)
+        ):
+            keys.add(node.slice.value)
+    return frozenset(keys)
+
+
+# ------------------------------------------------------------------ launch flags
+
+
+def _call_name(node: ast.expr) -> str | None:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    return None
+
+
+def _field_flags(stmt: ast.AnnAssign) -> list[str]:
+    """``name: A[T, "help"]`` -> ``--name``; ``A[T, Arg(cli_name=..., aliases=[...], no_cli=...)]`` honoured
+    (as ``arg_utils.add_cli_args_from_dataclass`` does)."""
+    ann = stmt.annotation
+    if not (isinstance(ann, ast.Subscript) and getattr(ann.value, "id", None) == "A"):
+        return []  # not a CLI field
+    meta = ann.slice.elts[1] if isinstance(ann.slice, ast.Tuple) and len(ann.slice.elts) > 1 else None
+    name = "--" + stmt.target.id.replace("_", "-")
+    aliases: list[str] = []
+    if isinstance(meta, ast.Call) and _call_name(meta.func) == "Arg":
+        kw = {k.arg: k.value for k in meta.keywords}
+        if "no_cli" in kw and ast.literal_eval(kw["no_cli"]):
+            return []
+        if "cli_name" in kw:
+            name = ast.literal_eval(kw["cli_name"])
+        if "aliases" in kw:
+            aliases = list(ast.literal_eval(kw["aliases"]))
+    return [name, *aliases]
+
+
+@functools.cache
+def server_flags() -> frozenset[str]:
+    """Every ``sglang.launch_server`` flag: the fields of the namespaces ``ServerArgs`` is assembled
+    from (``_INPUT_NAMESPACES`` in server_args.py) plus the flags ``add_cli_args`` registers by hand."""
+    tree = _tree(SERVER_ARGS)
+    where: dict[str, str] = {}  # imported class -> module file
+    namespaces: list[str] = []
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("sglang.srt.arg_groups.fields"):
+            for alias in node.names:
+                where[alias.asname or alias.name] = node.module.replace(".", "/") + ".py"
+        elif isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "_INPUT_NAMESPACES" for t in node.targets):
+            namespaces = [e.id for e in node.value.elts]
+    if not namespaces:
+        raise AssertionError(f"no _INPUT_NAMESPACES in {SERVER_ARGS}: SGLang changed how it builds its flags")
+    flags: set[str] = set()
+    for ns in namespaces:
+        cls = _classes(where[ns])[ns]
+        for stmt in cls.body:
+            if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
+                flags.update(_field_flags(stmt))
+    for node in ast.walk(tree):  # parser.add_argument("--flag", ...) registered by hand
+        if isinstance(node, ast.Call) and _call_name(node.func) == "add_argument":
+            flags.update(a.value for a in node.args if isinstance(a, ast.Constant) and str(a.value).startswith("--"))
+    return frozenset(flags)

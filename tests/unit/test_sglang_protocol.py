@@ -1,0 +1,102 @@
+"""rlhpc's SGLang protocol and launch flags against SGLang's own sources (the wheel the Makefile downloads).
+
+Nothing is imported from SGLang and no GPU is needed: tests/support/sglang_wheel.py parses the
+wheel's sources. A renamed or removed field, route, sampling param or flag in SGLang fails here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from support import sglang_wheel as sgl
+
+from rlhpc.rollout import protocol as P
+from rlhpc.rollout import sglang_server
+from rlhpc.rollout.cpu_server import requests as cpu_requests
+from rlhpc.rollout.protocol import Route
+from rlhpc.rollout.sglang_server import SGLangSpec
+
+BODIES = sorted(set(P.ROUTE_BODIES.values()), key=lambda c: c.__name__)
+
+
+def _required(cls: type) -> set[str]:
+    return {
+        f.name
+        for f in dataclasses.fields(cls)
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    }
+
+
+def test_the_wheel_is_the_supported_version() -> None:
+    assert sgl.wheel_path().name.startswith(f"sglang-{P.SGLANG_VERSION}-")
+
+
+# ------------------------------------------------------------------ request bodies
+
+
+@pytest.mark.parametrize("cls", BODIES, ids=lambda c: c.__name__)
+def test_request_fields_exist_in_sglang(cls: type) -> None:
+    structs = sgl.request_structs()
+    assert cls.__name__ in structs, f"SGLang {P.SGLANG_VERSION} has no request struct {cls.__name__}"
+    theirs = structs[cls.__name__]
+    ours = {f.name: f for f in dataclasses.fields(cls)}
+    assert set(ours) <= set(theirs), f"{cls.__name__}: not in SGLang: {set(ours) - set(theirs)}"
+    their_required = {n for n, f in theirs.items() if f.required}
+    assert _required(cls) == their_required, cls.__name__
+    for name, f in ours.items():  # our defaults are SGLang's (where it writes them as literals)
+        their = theirs[name]
+        if not their.inherited and their.default is not sgl.NotLiteral and not their.required:
+            assert f.default == their.default, f"{cls.__name__}.{name}: {f.default!r} != SGLang's {their.default!r}"
+
+
+def test_every_route_exists_and_takes_our_body() -> None:
+    theirs = sgl.http_routes()
+    missing = {attr: route for attr, route in Route.all().items() if route not in theirs}
+    assert not missing, f"routes SGLang {P.SGLANG_VERSION} does not serve: {missing}"
+    for route, cls in P.ROUTE_BODIES.items():
+        assert theirs[route] == cls.__name__, f"{route} takes {theirs[route]} in SGLang, {cls.__name__} here"
+
+
+def test_cpu_server_serves_only_protocol_routes() -> None:
+    from rlhpc.rollout.cpu_server.app import build_app
+
+    app = build_app(engine=None, address={})  # routes only; no engine is touched until a request
+    served = {r.path for r in app.routes}
+    assert served == set(Route.all().values())
+
+
+# ------------------------------------------------------------------ sampling params, outputs
+
+
+def test_sampling_params_exist_in_sglang_with_their_no_effect_defaults() -> None:
+    theirs = sgl.sampling_params()
+    assert P.SAMPLING_PARAMS <= set(theirs), P.SAMPLING_PARAMS - set(theirs)
+    for name, values in P.NO_EFFECT_VALUES.items():
+        default = theirs[name].default
+        if default is not None and default is not sgl.NotLiteral:
+            assert default in values, f"{name}: SGLang's default {default!r} is not among {values}"
+
+
+def test_cpu_engine_classifies_every_sampling_param() -> None:
+    known = cpu_requests.USED | cpu_requests.HARMLESS | set(P.NO_EFFECT_VALUES)
+    assert known == P.SAMPLING_PARAMS
+    assert not cpu_requests.USED & cpu_requests.HARMLESS
+
+
+def test_meta_info_keys_exist_in_sglang() -> None:
+    assert P.MetaInfo.all() <= sgl.meta_info_keys(), P.MetaInfo.all() - sgl.meta_info_keys()
+
+
+# ------------------------------------------------------------------ launch flags
+
+
+def test_launch_flags_exist_in_server_args() -> None:
+    flags = sgl.server_flags()
+    assert {"--tp-size", "--tensor-parallel-size", "--model-path"} <= flags and "--no-such-flag" not in flags
+    assert sgl.has_module(sglang_server.SERVER_MODULE)
+    every_option = SGLangSpec(tp_size=4, mem_fraction_static=0.5, memory_saver=True, seed=1, nnodes=2, node_rank=1)
+    cmd = sglang_server.launch_server_command("/py", "/m", "h", 1, 2, every_option, "h:3")
+    emitted = {a for a in cmd if a.startswith("--")}
+    assert emitted, cmd
+    assert emitted <= flags, f"flags SGLang {P.SGLANG_VERSION} does not know: {emitted - flags}"
