@@ -2,7 +2,8 @@
 
 The rank class is the configured backend's (``actor.backend``): ``TrainWorker`` (PyTorch DDP)
 or ``MegatronTrainWorker`` (megatron-core, TP x DP); both answer the same calls, so nothing
-above this group knows which one trains.
+above this group knows which one trains. Callers build the group from an ``ActorSpec`` (the
+config sections the ranks read), re-exported here.
 
 Every method waits for all ranks. If a rank fails, the first failure is raised at once as
 ``ActorRankError`` naming the rank (the surviving ranks may be stuck in a collective; the
@@ -16,10 +17,11 @@ from typing import Any
 
 import ray
 
-from rlhpc.actor.worker import RankBase, TrainWorker
+from rlhpc.actor.rank import RankBase
+from rlhpc.actor.spec import ActorSpec
+from rlhpc.actor.worker import TrainWorker
 from rlhpc.batch import RolloutBatch
 from rlhpc.cluster.placement import Placement
-from rlhpc.config import Config
 from rlhpc.errors import RlhpcError, WeightPushFailed
 
 log = logging.getLogger(__name__)
@@ -44,8 +46,9 @@ class ActorRankError(RlhpcError):
         self.method = method
 
 
-def rank_class(cfg: Config) -> type[RankBase]:
-    if cfg.actor.backend == "megatron":
+def rank_class(backend: str) -> type[RankBase]:
+    """The rank class of ``actor.backend``."""
+    if backend == "megatron":
         from rlhpc.actor.megatron.worker import MegatronTrainWorker  # late: megatron-core is optional
 
         return MegatronTrainWorker
@@ -53,21 +56,22 @@ def rank_class(cfg: Config) -> type[RankBase]:
 
 
 class ActorGroup:
-    def __init__(self, cfg: Config, model_path: str, placement: Placement, slots: tuple[int, ...]):
-        self.cfg = cfg
+    """One rank per slot of ``placement``; ``colocate``: the slots' GPUs are shared with engines."""
+
+    def __init__(self, spec: ActorSpec, model_path: str, placement: Placement, slots: tuple[int, ...], colocate: bool):
         self.slots = tuple(slots)
         self.world_size = len(self.slots)
         # Ranks of one tensor-parallel group see the same data: megatron orders ranks TP-fastest.
-        self.tp_size = cfg.actor.megatron.tensor_model_parallel_size if cfg.actor.backend == "megatron" else 1
+        self.tp_size = spec.tp_size
         self.dp_size = self.world_size // self.tp_size
-        num_gpus = COLOCATE_GPU_FRACTION if cfg.cluster.colocate else 1
-        remote_cls = ray.remote(rank_class(cfg))
+        num_gpus = COLOCATE_GPU_FRACTION if colocate else 1
+        remote_cls = ray.remote(rank_class(spec.actor.backend))
         self.workers = [
             remote_cls.options(
                 num_gpus=num_gpus,
                 num_cpus=WORKER_NUM_CPUS,
                 scheduling_strategy=placement.strategy(slot),
-            ).remote(cfg, model_path, rank, self.world_size)
+            ).remote(spec, model_path, rank, self.world_size)
             for rank, slot in enumerate(self.slots)
         ]
         addr, port = self._get([self.workers[0].master_addr_port.remote()], "master_addr_port")[0]

@@ -1,9 +1,11 @@
 """One training rank on megatron-core: GPTModel (TP-sharded), Megatron DDP + optimizer, GRPO loss.
 
 The same calls as the PyTorch ``TrainWorker`` (``rlhpc.actor.worker``), so ``ActorGroup`` and
-the driver do not know which backend trains. Ranks are laid out TP-fastest (megatron's
-order): ranks ``[k*TP, (k+1)*TP)`` form tensor-parallel group ``k`` = data-parallel rank ``k``,
-and all ranks of one TP group get the same data shard.
+the driver do not know which backend trains; the training loop is ``RankBase.train``
+(``rlhpc.actor.rank``) with this backend's forward, gradient reduction and optimizer step.
+Ranks are laid out TP-fastest (megatron's order): ranks ``[k*TP, (k+1)*TP)`` form
+tensor-parallel group ``k`` = data-parallel rank ``k``, and all ranks of one TP group get the
+same data shard.
 
 * Loss: logprobs come from the vocab-parallel logits with megatron's
   ``vocab_parallel_cross_entropy`` (no rank ever holds the full vocab); the padded vocab rows
@@ -22,9 +24,8 @@ and all ranks of one TP group get the same data shard.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig
 
+from rlhpc.actor.checkpoint_dir import ACTOR_SUBDIR, DIST_SUBDIR, MEGATRON_BACKEND, read_meta, write_meta
 from rlhpc.actor.megatron.convert import (
     gather_tp_shards,
     hf_to_megatron,
@@ -41,25 +43,13 @@ from rlhpc.actor.megatron.convert import (
 )
 from rlhpc.actor.megatron.model import build_gpt_model
 from rlhpc.actor.offload import StorageOffloader
-from rlhpc.actor.worker import (
-    ACTOR_SUBDIR,
-    META_FILE,
-    RankBase,
-    _rollout_logprob_tensor,
-    fingerprint,
-    get_rng_state,
-    rng_file,
-    set_rng_state,
-)
-from rlhpc.batch import RolloutBatch
-from rlhpc.config import Config
+from rlhpc.actor.rank import MicroBatch, RankBase
+from rlhpc.actor.spec import ActorSpec
 from rlhpc.errors import RlhpcError
 from rlhpc.model import load_model
 
 log = logging.getLogger(__name__)
 
-DIST_SUBDIR = "dist"  # torch_dist checkpoint of model + optimizer, inside ckpt/actor/
-BACKEND = "megatron"
 # The distributed optimizer's torch_dist format: "dp_reshardable" (Megatron-LM's default) saves
 # its buffers as they are, fully parallel, and loads at another DP size but not another TP
 # size. ("fully_reshardable" would allow both, but in megatron-core 0.16 it fails to load
@@ -70,14 +60,12 @@ SHARDING_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 class MegatronTrainWorker(RankBase):
     """Rank ``rank`` of ``world_size`` = TP x DP. Same call order as ``TrainWorker``."""
 
-    def __init__(self, cfg: Config, model_path: str, rank: int, world_size: int):
-        super().__init__(cfg, model_path, rank, world_size)
-        self.mcfg = cfg.actor.megatron
+    def __init__(self, spec: ActorSpec, model_path: str, rank: int, world_size: int):
+        super().__init__(spec, model_path, rank, world_size)
+        self.mcfg = spec.actor.megatron
         self.hf_config = AutoConfig.from_pretrained(model_path)
         self.gpt = None  # megatron GPTModel (this rank's TP shard)
         self.model = None  # the same, wrapped in megatron DDP
-        self.ref = None  # frozen initial model, when algo.kl_coef > 0
-        self.optimizer = None
         self.offloader = StorageOffloader()
 
     # ------------------------------------------------------------------ setup
@@ -96,7 +84,7 @@ class MegatronTrainWorker(RankBase):
 
         tp = self.mcfg.tensor_model_parallel_size
         mpu.initialize_model_parallel(tensor_model_parallel_size=tp)
-        model_parallel_cuda_manual_seed(self.cfg.seed)
+        model_parallel_cuda_manual_seed(self.spec.seed)
         self.tp_size, self.tp_rank = tp, mpu.get_tensor_model_parallel_rank()
         self.tp_group = mpu.get_tensor_model_parallel_group()
         self.dp_group = mpu.get_data_parallel_group()
@@ -104,10 +92,10 @@ class MegatronTrainWorker(RankBase):
 
         hf_sd = load_model(self.model_path).state_dict()
         self.gpt = self._build(hf_sd)
-        if self.cfg.kl_needed:
+        if self.spec.needs_reference:
             self.ref = self._build(hf_sd).requires_grad_(False)
         del hf_sd
-        a = self.cfg.actor
+        a = self.spec.actor
         self.model = DistributedDataParallel(
             self.gpt.config,
             DistributedDataParallelConfig(
@@ -174,18 +162,18 @@ class MegatronTrainWorker(RankBase):
             self.hf_config.save_pretrained(d)
             self.tokenizer.save_pretrained(d)
             meta = {
-                "backend": BACKEND,
+                "backend": MEGATRON_BACKEND,
                 "world_size": self.world_size,
                 "tensor_model_parallel_size": self.tp_size,
                 "use_distributed_optimizer": self.mcfg.use_distributed_optimizer,
                 "optimizer_steps": self.optimizer_steps,
                 "initial_model": self.model_path,
             }
-            (d / META_FILE).write_text(json.dumps(meta, indent=1) + "\n")
+            write_meta(d, meta)
         self._barrier()
         with self._onloaded():
             dist_checkpointing.save(self._sharded_state_dict(is_loading=False), str(d / DIST_SUBDIR))
-        torch.save(get_rng_state(), d / rng_file(self.rank))
+        self._save_rng(d)
         self._barrier()
 
     def load(self, ckpt_dir: str | None) -> None:
@@ -198,8 +186,8 @@ class MegatronTrainWorker(RankBase):
         from megatron.core import dist_checkpointing
 
         d = Path(ckpt_dir) / ACTOR_SUBDIR
-        meta = json.loads((d / META_FILE).read_text()) if (d / META_FILE).is_file() else {}
-        if meta.get("backend") != BACKEND or not (d / DIST_SUBDIR).is_dir():
+        meta = read_meta(d)
+        if meta.get("backend") != MEGATRON_BACKEND or not (d / DIST_SUBDIR).is_dir():
             raise RlhpcError(
                 f"checkpoint {d} was not written by the megatron actor (backend {meta.get('backend', 'torch')!r})",
                 "resume with the actor.backend that wrote it, or start a new run directory",
@@ -223,11 +211,7 @@ class MegatronTrainWorker(RankBase):
             self.optimizer.load_state_dict(state["optimizer"])
         self._unshare_adam_steps()
         self.optimizer_steps = int(meta.get("optimizer_steps", 0))
-        rng = d / rng_file(self.rank)
-        if rng.is_file() and meta.get("world_size") == self.world_size:
-            set_rng_state(torch.load(rng, weights_only=True))
-        else:
-            log.warning("rank %d: %s was saved by another layout; keeping the seeded RNG", self.rank, d)
+        self._restore_rng(d, same_layout=meta.get("world_size") == self.world_size)
         log.info(
             "rank %d: restored megatron actor state from %s (saved at TP=%s)",
             self.rank,
@@ -259,10 +243,17 @@ class MegatronTrainWorker(RankBase):
                 if isinstance(state.get("step"), torch.Tensor):
                     state["step"] = state["step"].clone()
 
-    # ------------------------------------------------------------------ training
+    # ------------------------------------------------------------------ train-step hooks (RankBase.train)
 
-    def _masked_logits(self, model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
-        """This rank's vocab shard of the logits [N, L-1, V/TP] (float32), padded vocab at -inf."""
+    def _policy(self, train: bool) -> torch.nn.Module:
+        return self.model if train else self.gpt
+
+    def _logits(self, model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
+        """This rank's vocab shard of the logits [N, L-1, V/TP] (float32), padded vocab at -inf.
+
+        Right-padded ids and causal attention: no mask needed, a real token never sees a pad.
+        """
+        ids = mb.ids
         pos = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
         logits = model(ids, pos, attention_mask=None)[:, :-1].float()
         shard = logits.shape[-1]
@@ -272,20 +263,37 @@ class MegatronTrainWorker(RankBase):
             logits = logits.masked_fill(pad, float("-inf"))
         return logits
 
-    def _logprobs(self, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def _token_logprobs(self, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
         # It subtracts the max in place: give it its own copy (``logits`` may be needed after).
         return -vocab_parallel_cross_entropy(logits.clone(), ids[:, 1:])
 
     def _entropy(self, logits: torch.Tensor) -> torch.Tensor:
-        """Entropy of the full-vocab softmax from vocab shards (no grad; a metric)."""
+        """Entropy of the full-vocab softmax from the vocab shards (a reduction in the TP group)."""
         m = logits.max(-1).values
         dist.all_reduce(m, dist.ReduceOp.MAX, group=self.tp_group)
         e = (logits - m.unsqueeze(-1)).exp()
         sums = torch.stack([e.sum(-1), (e * logits.nan_to_num(neginf=0.0)).sum(-1)])
         dist.all_reduce(sums, group=self.tp_group)
         return m + sums[0].log() - sums[1] / sums[0]
+
+    def _zero_grad(self) -> None:
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    def _grad_sync(self, last: bool) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()  # overlap_grad_reduce is off: backward never reduces
+
+    def _finish_grad_sync(self, empty: bool) -> None:
+        # the data-parallel all-reduce (or reduce-scatter) of the grad buffers; an empty rank's are zeros
+        self.model.finish_grad_sync()
+
+    def _clip_and_step(self) -> tuple[float, bool]:
+        if not self._grads_finite():
+            return float("nan"), False
+        ok, grad_norm, _ = self.optimizer.step()  # clips to actor.grad_clip itself
+        return (float(grad_norm) if grad_norm is not None else float("nan")), bool(ok)
 
     def _grads_finite(self) -> bool:
         """Every rank agrees: are all reduced gradients finite?"""
@@ -298,70 +306,11 @@ class MegatronTrainWorker(RankBase):
         dist.all_reduce(bad, dist.ReduceOp.MAX)
         return not bool(bad.item())
 
-    def train(self, rollout_id: int, batch: RolloutBatch) -> dict[str, float]:
-        """``num_steps_per_rollout`` optimizer steps on this data-parallel shard; returns global metrics."""
-        self.onload()
-        prepared: list[list[dict[str, torch.Tensor]]] = []
-        sums = {"entropy": 0.0, "rollout_logprob_abs_diff": 0.0}
-        local_tokens = 0.0
-        with torch.no_grad():
-            for mbs in self._micro_batches(batch):
-                prepared.append([])
-                for mb in mbs:
-                    ids, _, mask = mb.to_padded(self.pad_id)  # right-padded: causal attention never sees the pads
-                    ids, mask = ids.to(self.device), mask.to(self.device)
-                    logits = self._masked_logits(self.gpt, ids)
-                    old = self._logprobs(logits, ids)
-                    item = {"ids": ids, "mask": mask, "old": old, "adv": mb.advantages.to(self.device)}
-                    if self.ref is not None:
-                        item["ref"] = self._logprobs(self._masked_logits(self.ref, ids), ids)
-                    rollout_lp = _rollout_logprob_tensor(mb, mask.shape).to(self.device)
-                    sums["entropy"] += float((self._entropy(logits) * mask).sum())
-                    sums["rollout_logprob_abs_diff"] += float(((old - rollout_lp).abs() * mask).sum())
-                    local_tokens += float(mask.sum())
-                    prepared[-1].append(item)
-                    del logits
-
-        step_tokens = self._all_reduce_sum(
-            [sum(float(it["mask"].sum()) for it in mbs) for mbs in prepared], group=self.dp_group
-        )
-        loss_sums = {"pg_loss": 0.0, "kl": 0.0, "clipfrac": 0.0}
-        grad_norms: list[float] = []
-        skipped = 0
-        for k, mbs in enumerate(prepared):
-            self.model.zero_grad_buffer()
-            self.optimizer.zero_grad()
-            global_tokens = max(step_tokens[k], 1.0)
-            for it in mbs:
-                tokens = float(it["mask"].sum())
-                logprobs = self._logprobs(self._masked_logits(self.model, it["ids"]), it["ids"])
-                loss = self._grpo_loss(logprobs, it, loss_sums)
-                # token share of the global minibatch, times DP size to undo megatron DDP's averaging
-                (loss * (tokens * self.dp_size / global_tokens)).backward()
-            self.model.finish_grad_sync()  # the data-parallel all-reduce (or reduce-scatter)
-            if not self._grads_finite():
-                skipped += 1
-                grad_norms.append(float("nan"))
-                log.warning("rank %d: rollout %d step %d: non-finite gradients, step skipped", self.rank, rollout_id, k)
-                continue
-            ok, grad_norm, _ = self.optimizer.step()
-            grad_norms.append(float(grad_norm) if grad_norm is not None else float("nan"))
-            if ok:
-                self.optimizer_steps += 1
-            else:
-                skipped += 1
-
-        return self._rollout_metrics({**loss_sums, **sums}, local_tokens, grad_norms, skipped, group=self.dp_group)
-
     # ------------------------------------------------------------------ HF view of the weights
 
-    def _hf_tensors(
-        self, get: Callable[[torch.nn.Parameter], torch.Tensor | None]
-    ) -> Iterator[tuple[str, torch.Tensor]]:
-        """The full model in HF names, one layer at a time (a collective within each TP group).
-
-        ``get`` picks what to gather from each parameter (its data, or its gradient).
-        """
+    def _hf_named(self, grads: bool) -> Iterator[tuple[str, torch.Tensor]]:
+        """The full weights (or reduced gradients) in HF names, one layer at a time: the TP
+        shards are gathered within each TP group, so peak extra memory is one layer."""
         groups: dict[int | None, list[tuple[str, torch.nn.Parameter]]] = {}
         for name, p in self.gpt.named_parameters():
             groups.setdefault(layer_index(name), []).append((name, p))
@@ -369,27 +318,13 @@ class MegatronTrainWorker(RankBase):
         for key in [None, *order]:
             full = {}
             for name, p in groups.get(key, []):
-                t = self.offloader.host_view(get(p)).to(self.device).contiguous()
+                t = self.offloader.host_view(p.main_grad if grads else p.detach()).to(self.device).contiguous()
                 if self.tp_size > 1:
                     shards = [torch.empty_like(t) for _ in range(self.tp_size)]
                     dist.all_gather(shards, t, group=self.tp_group)
                     t = gather_tp_shards([{name: s} for s in shards])[name]
                 full[name] = t
             yield from megatron_full_to_hf(full, self.hf_config).items()
-
-    # ------------------------------------------------------------------ weight sync
-
-    def _send_weights(self, version: int) -> None:
-        if self.dp_rank != 0:
-            return  # one data-parallel replica gathers; the others hold the same weights
-        device = self._send_device()
-        named = ((n, t.to(device)) for n, t in self._hf_tensors(lambda p: p.detach()))
-        try:
-            if self.rank == 0:
-                self.sender.send(named, version)
-        finally:
-            for _ in named:  # take part in the TP gathers (rank 0 too, after a failed send)
-                pass
 
     # ------------------------------------------------------------------ memory
 
@@ -438,18 +373,6 @@ class MegatronTrainWorker(RankBase):
         finally:
             if was:
                 self.offload()
-
-    # ------------------------------------------------------------------ inspection
-
-    def state_fingerprint(self) -> str:
-        """SHA-256 of the full weights in HF names (same on every rank)."""
-        return fingerprint(self._hf_tensors(lambda p: p.detach()))
-
-    def named_tensors(self, grads: bool = False) -> dict[str, torch.Tensor]:
-        """Full weights (or the last step's reduced gradients) in HF names, on the CPU."""
-        if grads:
-            return {n: t.cpu().clone() for n, t in self._hf_tensors(lambda p: p.main_grad)}
-        return {n: t.cpu().clone() for n, t in self._hf_tensors(lambda p: p.detach())}
 
     def shutdown(self) -> None:
         from megatron.core import parallel_state as mpu

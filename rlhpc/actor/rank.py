@@ -1,0 +1,407 @@
+"""What every training backend's rank shares: setup, the GRPO train step, checkpoint RNG, weight sync.
+
+A backend (``TrainWorker``: PyTorch DDP; ``MegatronTrainWorker``: megatron-core TP x DP)
+subclasses ``RankBase``: it builds its model in ``init_process_group``, writes and reads its
+own checkpoint format, offloads its own way, and supplies the few backend steps of the shared
+training loop (forward, gradient reduction, clip + optimizer step; see ``train``) and its
+weights in HF names. Every method that runs a collective must be called on all ranks.
+
+Gradients are the *global* token mean: each micro-batch loss (a token mean over its own
+tokens) is weighted by ``its tokens / minibatch tokens of all data-parallel ranks`` and by the
+data-parallel size, because both backends' DDP average gradients over those ranks. So any
+split of a minibatch over ranks and micro-batches gives the gradient of one big batch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import os
+from collections.abc import Iterable, Iterator
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from rlhpc.actor.checkpoint_dir import rng_file
+from rlhpc.actor.rng import get_rng_state, seed_everything, set_rng_state
+from rlhpc.actor.spec import ActorSpec
+from rlhpc.algo.grpo import kl_k3, masked_mean, policy_loss
+from rlhpc.batch import RolloutBatch
+from rlhpc.errors import RlhpcError
+from rlhpc.model import load_tokenizer
+
+log = logging.getLogger(__name__)
+
+PG_TIMEOUT = timedelta(minutes=30)
+
+
+def split_even(n: int, parts: int) -> list[tuple[int, int]]:
+    """``parts`` contiguous ranges covering ``range(n)``, sizes differing by at most one."""
+    return [(k * n // parts, (k + 1) * n // parts) for k in range(parts)]
+
+
+def _rollout_logprob_tensor(batch: RolloutBatch, shape: torch.Size) -> torch.Tensor:
+    """Engine logprobs laid out like ``loss_mask`` (position t predicts token t+1)."""
+    out = torch.zeros(shape, dtype=torch.float32)
+    for i, (p, lps) in enumerate(zip(batch.prompt_ids, batch.rollout_logprobs)):
+        if lps:
+            out[i, len(p) - 1 : len(p) - 1 + len(lps)] = torch.tensor(lps, dtype=torch.float32)
+    return out
+
+
+def fingerprint(named: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """SHA-256 of named tensors: names, shapes, dtypes and bytes."""
+    h = hashlib.sha256()
+    for name, t in named:
+        t = t.cpu().contiguous()
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def node_ip_address() -> str:
+    """This node's address as Ray knows it (the Slurm NodeAddr); loopback outside a Ray worker."""
+    try:
+        import ray
+    except ImportError:  # a rank driven without Ray (tools/gpu_check.py)
+        return "127.0.0.1"
+    if ray.is_initialized():
+        return ray.util.get_node_ip_address()
+    return "127.0.0.1"
+
+
+@dataclass
+class MicroBatch:
+    """One micro-batch on the device, padded once and reused by the no-grad pass and every step."""
+
+    ids: torch.Tensor  # [N, L] right-padded (causal attention never lets a real token see a pad)
+    attention: torch.Tensor  # [N, L]
+    mask: torch.Tensor  # [N, L-1] 1 where position t predicts a response token
+    advantages: torch.Tensor  # [N]
+    old_logprobs: torch.Tensor | None = None  # [N, L-1] the policy before this rollout's steps
+    ref_logprobs: torch.Tensor | None = None  # [N, L-1] the initial model (KL penalty only)
+
+    @property
+    def tokens(self) -> float:
+        return float(self.mask.sum())
+
+
+class RankBase:
+    """One training rank. Subclasses implement ``init_process_group``, ``load``, ``save``,
+    ``offload``, ``onload``, ``_hf_named`` and the train-step hooks below ``train``."""
+
+    def __init__(self, spec: ActorSpec, model_path: str, rank: int, world_size: int):
+        logging.basicConfig(level=spec.log_level, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
+        self.spec = spec
+        self.model_path = model_path
+        self.rank = rank
+        self.world_size = world_size
+        # Data parallelism: every rank by default; megatron narrows it once its parallel state is up.
+        self.dp_size, self.dp_rank = world_size, rank
+        self.dp_group: dist.ProcessGroup | None = None  # None: the default group
+        self.device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+        self.backend = "nccl" if self.device.type == "cuda" else "gloo"
+        if self.device.type == "cpu":
+            # CI machines have 2 cores shared by all ranks; oversubscription is slower, not faster.
+            torch.set_num_threads(int(os.environ.get("RLHPC_TORCH_THREADS", "1")))
+        else:
+            torch.cuda.set_device(self.device)
+        if spec.deterministic:
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # needed by deterministic cuBLAS
+            torch.use_deterministic_algorithms(True)
+        seed_everything(spec.seed + rank)
+        self._store: dist.TCPStore | None = None
+        self.tokenizer = None
+        self.pad_id = 0
+        self.sender = None
+        self.ref: torch.nn.Module | None = None  # frozen initial model, when the KL penalty is on
+        self.optimizer = None
+        self.optimizer_steps = 0
+        self.offloaded = False
+
+    # ------------------------------------------------------------------ setup
+
+    def node_ip(self) -> str:
+        return node_ip_address()
+
+    def master_addr_port(self) -> tuple[str, int]:
+        """Rank 0: start the rendezvous store on a port the OS picks (no probe-then-bind race)."""
+        assert self.rank == 0, "only rank 0 hosts the rendezvous store"
+        if self._store is None:
+            self._store = dist.TCPStore(
+                self.node_ip(), 0, self.world_size, is_master=True, wait_for_workers=False, timeout=PG_TIMEOUT
+            )
+        return self.node_ip(), self._store.port
+
+    def _join(self, master_addr: str, master_port: int) -> None:
+        """Join the default torch.distributed group and load the tokenizer."""
+        if self._store is None:
+            self._store = dist.TCPStore(master_addr, master_port, self.world_size, is_master=False, timeout=PG_TIMEOUT)
+        dist.init_process_group(
+            self.backend, store=self._store, rank=self.rank, world_size=self.world_size, timeout=PG_TIMEOUT
+        )
+        self.tokenizer = load_tokenizer(self.model_path)
+        pad = self.tokenizer.pad_token_id
+        self.pad_id = int(pad if pad is not None else (self.tokenizer.eos_token_id or 0))
+
+    def _barrier(self) -> None:
+        if self.backend == "nccl":
+            dist.barrier(device_ids=[self.device.index])
+        else:
+            dist.barrier()
+
+    def _all_reduce_sum(self, values: list[float], group: dist.ProcessGroup | None = None) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, group=group)
+        return t.tolist()
+
+    # ------------------------------------------------------------------ checkpoint (RNG)
+
+    def _save_rng(self, actor_dir: Path) -> None:
+        torch.save(get_rng_state(), actor_dir / rng_file(self.rank))
+
+    def _restore_rng(self, actor_dir: Path, same_layout: bool = True) -> None:
+        """This rank's saved RNG state; a rank without one (or another layout) keeps its fresh
+        seed, so a resume on another layout is not bit-exact."""
+        path = actor_dir / rng_file(self.rank)
+        if same_layout and path.is_file():
+            set_rng_state(torch.load(path, weights_only=True))
+        else:
+            log.warning(
+                "rank %d: %s has no RNG state for this rank and layout; keeping the seeded RNG", self.rank, actor_dir
+            )
+
+    # ------------------------------------------------------------------ training
+
+    def train(self, rollout_id: int, batch: RolloutBatch) -> dict[str, float]:
+        """``num_steps_per_rollout`` optimizer steps on this rank's data-parallel shard; returns
+        metrics over the whole rollout (the same on every rank).
+
+        Every data-parallel rank takes every step together: a rank without a sample in a
+        minibatch still joins the gradient reduction, and a step whose reduced gradients are
+        not finite is skipped on every rank.
+        """
+        self.onload()  # the driver may have offloaded us for generation; no-op otherwise
+        steps, sums, local_tokens = self._prepare(batch)
+        step_tokens = self._all_reduce_sum([sum(mb.tokens for mb in mbs) for mbs in steps], group=self.dp_group)
+        loss_sums = {"pg_loss": 0.0, "kl": 0.0, "clipfrac": 0.0}
+        grad_norms: list[float] = []
+        skipped = 0
+        for k, mbs in enumerate(steps):
+            self._zero_grad()
+            global_tokens = max(step_tokens[k], 1.0)
+            for j, mb in enumerate(mbs):
+                with self._grad_sync(last=j == len(mbs) - 1):
+                    logprobs = self._token_logprobs(self._logits(self._policy(train=True), mb), mb.ids)
+                    loss = self._grpo_loss(logprobs, mb, loss_sums)
+                    # token share of the global minibatch, times the DP size to undo DDP's averaging
+                    (loss * (mb.tokens * self.dp_size / global_tokens)).backward()
+            self._finish_grad_sync(empty=not mbs)
+            grad_norm, stepped = self._clip_and_step()
+            grad_norms.append(grad_norm)
+            if stepped:
+                self.optimizer_steps += 1
+            else:
+                skipped += 1
+                log.warning(
+                    "rank %d: rollout %d step %d: grad norm %s, step skipped", self.rank, rollout_id, k, grad_norm
+                )
+
+        metrics = self._rollout_metrics({**loss_sums, **sums}, local_tokens, grad_norms, skipped)
+        if self.rank == 0:
+            log.debug("rollout %d: %s", rollout_id, ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
+        return metrics
+
+    def _micro_batches(self, batch: RolloutBatch) -> list[list[RolloutBatch]]:
+        """Per optimizer step: the micro-batches of this rank's share of that minibatch."""
+        steps = []
+        a = self.spec.actor
+        for start, stop in split_even(len(batch), a.num_steps_per_rollout):
+            steps.append(
+                [batch.slice(i, min(i + a.micro_batch_size, stop)) for i in range(start, stop, a.micro_batch_size)]
+            )
+        return steps
+
+    def _prepare(self, batch: RolloutBatch) -> tuple[list[list[MicroBatch]], dict[str, float], float]:
+        """Per step, this rank's micro-batches on the device with their no-grad "old" (and
+        reference) logprobs; the rollout's entropy and engine-mismatch sums; this rank's tokens."""
+        steps: list[list[MicroBatch]] = []
+        sums = {"entropy": 0.0, "rollout_logprob_abs_diff": 0.0}
+        local_tokens = 0.0
+        with torch.no_grad():
+            for rollout_mbs in self._micro_batches(batch):
+                steps.append([])
+                for rmb in rollout_mbs:
+                    ids, attention, mask = (t.to(self.device) for t in rmb.to_padded(self.pad_id))
+                    mb = MicroBatch(ids, attention, mask, rmb.advantages.to(self.device))
+                    logits = self._logits(self._policy(train=False), mb)
+                    mb.old_logprobs = self._token_logprobs(logits, ids)
+                    if self.ref is not None:
+                        mb.ref_logprobs = self._token_logprobs(self._logits(self.ref, mb), ids)
+                    entropy = self._entropy(logits)
+                    rollout_lp = _rollout_logprob_tensor(rmb, mask.shape).to(self.device)
+                    sums["entropy"] += float((entropy * mask).sum())
+                    sums["rollout_logprob_abs_diff"] += float(((mb.old_logprobs - rollout_lp).abs() * mask).sum())
+                    local_tokens += mb.tokens
+                    steps[-1].append(mb)
+                    del logits, entropy
+        return steps, sums, local_tokens
+
+    def _grpo_loss(self, logprobs: torch.Tensor, mb: MicroBatch, sums: dict[str, float]) -> torch.Tensor:
+        """A micro-batch's loss (policy + KL penalty); adds its token-weighted terms to ``sums``."""
+        algo = self.spec.algo
+        tokens = mb.tokens
+        pg, clipfrac = policy_loss(logprobs, mb.old_logprobs, mb.advantages, mb.mask, algo.eps_clip, algo.eps_clip_high)
+        loss = pg
+        if mb.ref_logprobs is not None:
+            kl = masked_mean(kl_k3(logprobs, mb.ref_logprobs), mb.mask)
+            loss = loss + algo.kl_coef * kl
+            sums["kl"] += float(kl.detach()) * tokens
+        sums["pg_loss"] += float(pg.detach()) * tokens
+        sums["clipfrac"] += float(clipfrac.detach()) * tokens
+        return loss
+
+    def _rollout_metrics(
+        self, sums: dict[str, float], local_tokens: float, grad_norms: list[float], skipped: int
+    ) -> dict[str, float]:
+        """Token means over the whole rollout (summed over the data-parallel group) + step stats."""
+        keys = list(sums)
+        totals = self._all_reduce_sum([sums[k] for k in keys] + [local_tokens], group=self.dp_group)
+        tokens = max(totals[-1], 1.0)
+        # every token is in exactly one minibatch, so these are token means over the rollout
+        metrics = {k: v / tokens for k, v in zip(keys, totals[:-1])}
+        metrics["loss"] = metrics["pg_loss"] + self.spec.algo.kl_coef * metrics["kl"]
+        finite = [g for g in grad_norms if math.isfinite(g)]  # already global (post all-reduce)
+        metrics["grad_norm"] = sum(finite) / len(finite) if finite else float("nan")
+        metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
+        metrics["tokens"] = totals[-1]
+        metrics["optimizer_steps"] = float(self.optimizer_steps)
+        metrics["skipped_steps"] = float(skipped)
+        return metrics
+
+    # The backend's part of a train step. Logits and logprobs are float32 and aligned with
+    # ``MicroBatch.mask`` (position t predicts token t+1).
+
+    def _policy(self, train: bool) -> torch.nn.Module:
+        """The policy as the forward runs it: its DDP wrapper when training, the bare model for no-grad passes."""
+        raise NotImplementedError
+
+    def _logits(self, model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
+        """``model``'s logits [N, L-1, V] (or this rank's vocab shard of them)."""
+        raise NotImplementedError
+
+    def _token_logprobs(self, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Logprobs [N, L-1] of the actual next tokens ``ids[:, 1:]`` (over the full vocab)."""
+        raise NotImplementedError
+
+    def _entropy(self, logits: torch.Tensor) -> torch.Tensor:
+        """Entropy [N, L-1] of the full-vocab softmax (a metric: no grad)."""
+        raise NotImplementedError
+
+    def _zero_grad(self) -> None:
+        raise NotImplementedError
+
+    def _grad_sync(self, last: bool) -> AbstractContextManager:
+        """Around a micro-batch's forward and backward; ``last``: the step's final micro-batch."""
+        raise NotImplementedError
+
+    def _finish_grad_sync(self, empty: bool) -> None:
+        """After a step's backwards: every data-parallel rank holds the reduced gradients.
+        ``empty``: this rank had no sample in the minibatch (it must still join the reduction)."""
+        raise NotImplementedError
+
+    def _clip_and_step(self) -> tuple[float, bool]:
+        """Clip to ``actor.grad_clip`` and step unless the gradients are not finite (the same
+        decision on every rank). Returns (global grad norm, or NaN if unknown; stepped)."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ the weights in HF names
+
+    def _hf_named(self, grads: bool) -> Iterator[tuple[str, torch.Tensor | None]]:
+        """The full weights (or the last step's gradients) in HF names. A collective where a
+        backend gathers shards: every rank of its group must consume it to the end."""
+        raise NotImplementedError
+
+    def state_fingerprint(self) -> str:
+        """SHA-256 of the full weights in HF names (names, shapes, dtypes and bytes; same on every rank)."""
+        return fingerprint(self._hf_named(grads=False))
+
+    def named_tensors(self, grads: bool = False) -> dict[str, torch.Tensor | None]:
+        """CPU copies of the full weights (or the last step's gradients) in HF names: for tests and debugging."""
+        return {n: None if t is None else t.detach().cpu().clone() for n, t in self._hf_named(grads)}
+
+    # ------------------------------------------------------------------ weight sync
+
+    def connect_rollout(self, engine_urls: list[str], engine_world_sizes: list[int], colocate: bool) -> None:
+        """Rank 0 opens the weight-sync channel to the engines; the other ranks have no part in it."""
+        if self.rank != 0:
+            return
+        if self.sender is not None:  # reconnecting (e.g. after an engine restart): drop the old channel
+            self._close_sender()
+        from rlhpc.rollout.client import EngineClient  # late: training never needs the rollout side
+        from rlhpc.rollout.weight_sync import make_weight_sender
+
+        clients = [EngineClient(url) for url in engine_urls]
+        self.sender = make_weight_sender(
+            clients,
+            engine_world_sizes,
+            colocate=colocate,
+            master_address=self.node_ip(),
+            backend=self.backend,
+            bucket_bytes=self.spec.weight_bucket_mb * 2**20,
+        )
+        self.sender.connect()
+        log.info("rank 0: weight sync connected to %d engine(s)", len(clients))
+
+    def update_weights(self, version: int) -> str | None:
+        """Push the current weights (HF names) to all engines as ``version``. Works while offloaded.
+
+        Returns None, or (rank 0) why the push failed on the engines' side (one died or
+        refused): every rank still completes the call, so the caller can restart the engine,
+        connect again and push again instead of leaving the other ranks stuck in a collective.
+        """
+        if self.rank == 0 and self.sender is None:
+            raise RuntimeError("update_weights before connect_rollout: no weight sender")
+        error = None
+        try:
+            self._send_weights(version)
+        except RlhpcError as e:
+            error = str(e)
+            log.warning("rank %d: weight push %d failed: %s", self.rank, version, error)
+        self._barrier()
+        return error
+
+    def _send_weights(self, version: int) -> None:
+        """Data-parallel rank 0's replica gathers the weights (a collective within its TP group)
+        and rank 0 hands them to the sender, which buckets them."""
+        if self.dp_rank != 0:
+            return  # the other replicas hold the same weights
+        # gloo sends from host memory; nccl/CUDA IPC from the GPU. Offloaded weights travel to
+        # the GPU one tensor at a time, so the peak is one bucket, not the model.
+        device = torch.device("cpu") if self.backend == "gloo" else self.device
+        named = ((n, t.to(device).contiguous()) for n, t in self._hf_named(grads=False))
+        try:
+            if self.rank == 0:
+                self.sender.send(named, version)
+        finally:
+            for _ in named:  # take part in the TP gathers (rank 0 too, after a failed send)
+                pass
+
+    def _close_sender(self) -> None:
+        try:
+            self.sender.close()
+        except Exception:  # closing is best effort: the engines may be gone already
+            log.warning("rank %d: closing the weight sender failed", self.rank, exc_info=True)
+        self.sender = None
+
+    def shutdown(self) -> None:
+        if self.sender is not None:
+            self._close_sender()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self._store = None
