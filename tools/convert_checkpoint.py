@@ -26,7 +26,6 @@ existing non-empty OUT_DIR is refused.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import shutil
@@ -38,14 +37,18 @@ from pathlib import Path
 
 import torch  # noqa: E402
 
+from rlhpc.actor.checkpoint_dir import (  # noqa: E402
+    ACTOR_SUBDIR,
+    DIST_SUBDIR,
+    MEGATRON_BACKEND,
+    META_FILE,
+    read_meta,
+    write_meta,
+)
 from rlhpc.errors import RlhpcError  # noqa: E402
 
 log = logging.getLogger("convert_checkpoint")
 
-ACTOR_SUBDIR = "actor"  # = rlhpc.actor.worker.ACTOR_SUBDIR (not imported: it pulls in the whole actor)
-META_FILE = "actor_meta.json"
-DIST_SUBDIR = "dist"
-BACKEND = "megatron"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -63,8 +66,8 @@ def actor_dir(ckpt: Path) -> Path:
             f"{ckpt} is not an rlhpc actor checkpoint (no {ACTOR_SUBDIR}/{META_FILE} and config.json)",
             "pass a checkpoint directory such as RUN_DIR/checkpoints/rollout_000012, or its actor/ directory",
         )
-    backend = json.loads(meta_path.read_text()).get("backend", "torch")
-    if backend != BACKEND:
+    backend = read_meta(d).get("backend", "torch")
+    if backend != MEGATRON_BACKEND:
         raise RlhpcError(
             f"checkpoint {d} was not written by the megatron actor (backend {backend!r})",
             f"a {backend}-backend checkpoint's actor/ directory is already an HF model directory: "
@@ -211,14 +214,14 @@ def from_hf(hf_dir: Path, out: Path, tp: int, dtype: torch.dtype) -> None:
         tokenizer.save_pretrained(d)
         dist_checkpointing.save({"model": gpt.sharded_state_dict()}, str(d / DIST_SUBDIR))
         meta = {
-            "backend": BACKEND,
+            "backend": MEGATRON_BACKEND,
             "world_size": 1,
             "tensor_model_parallel_size": 1,
             "weights_only": True,  # no optimizer / RNG state
             "optimizer_steps": 0,
             "initial_model": str(hf_dir),
         }
-        (d / META_FILE).write_text(json.dumps(meta, indent=1) + "\n")
+        write_meta(d, meta)
     log.info("wrote megatron torch_dist weights (%s) from %s to %s", str(dtype).removeprefix("torch."), hf_dir, out)
 
 

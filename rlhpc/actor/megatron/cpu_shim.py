@@ -1,8 +1,9 @@
-"""Test support: run megatron-core's forward pass on a CPU-only torch over gloo.
+"""Run megatron-core (forward, DDP, optimizer, torch_dist checkpoints) on a CPU-only torch over gloo.
 
 Nothing here runs at import time; call :func:`apply_cpu_shim` explicitly, and only in a
-process that has no GPU (tests, CPU smoke runs). On a GPU node megatron-core needs none of
-this, and the production code paths never call it.
+process that has no GPU (tests, CPU smoke runs): the megatron rank and
+``tools/convert_checkpoint.py`` apply it when they find no GPU. On a GPU node megatron-core
+needs none of this and nothing applies it.
 
 Redirects (each process-wide, idempotent, undone by :func:`remove_cpu_shim`):
 
