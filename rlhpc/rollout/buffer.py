@@ -3,6 +3,7 @@
 Rollout ``i`` takes rows ``[k*B, (k+1)*B)`` of epoch ``i // per_epoch``'s permutation, so the
 data position never drifts from the model checkpoint: resuming at rollout ``i`` needs only
 ``i``. ``state_dict`` records what the order depends on, to refuse a resume on changed data.
+The driver owns the buffer: it draws each rollout's rows, and saves and checks its state.
 """
 
 from __future__ import annotations
@@ -10,8 +11,13 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+from typing import TYPE_CHECKING
 
 from rlhpc.errors import ConfigError
+from rlhpc.tasks import TASKS, load_split
+
+if TYPE_CHECKING:
+    from rlhpc.config import DataConfig
 
 
 class DataBuffer:
@@ -74,3 +80,11 @@ class DataBuffer:
                     "resuming would replay or skip prompts",
                     "resume with the data and rollout settings the run started with, or start a new --run-dir",
                 )
+
+
+def load_data(data: DataConfig, rollout_batch_size: int, seed: int) -> tuple[DataBuffer, list[dict]]:
+    """The training buffer and the eval rows of ``data.task`` (or of its files)."""
+    task = TASKS[data.task]
+    train_rows = load_split(task, data.train_file, data.num_train, data.seed)
+    eval_rows = load_split(task, data.eval_file, data.num_eval, data.seed + 1)
+    return DataBuffer(train_rows, rollout_batch_size, seed), eval_rows

@@ -1,0 +1,317 @@
+"""The engine pool: the rollout engines on their GPUs, kept alive and on the current weights.
+
+It lives in the driver process and talks to every engine over SGLang's HTTP protocol, so the
+same code drives the CPU engine server here and SGLang servers on a GPU cluster. It sends the
+/generate requests it is handed (``rlhpc.rollout.generation`` makes them) and knows nothing of
+prompts, rewards or tokenizers.
+
+An engine whose server dies or stops answering /health is restarted (at most
+``rollout.max_engine_restarts`` times) and brought back to the current weights through the
+weight source it was connected to (``connect_weights``, the actor): the weight-sync channel is
+opened again over all engines, since they share one group, and the current version is pushed.
+Generation requests that failed on it are sent again; every sample has its own seed, so they
+give the same tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+import ray
+
+from rlhpc.errors import RlhpcError, WeightPushFailed
+from rlhpc.rollout.client import EngineClient, EngineUnavailable
+from rlhpc.rollout.engine import EngineActor
+from rlhpc.rollout.generation import GenerationAborted, Request
+from rlhpc.rollout.sglang_server import Router, engine_parts
+from rlhpc.util.files import tail
+
+if TYPE_CHECKING:
+    from rlhpc.cluster.layout import Layout
+    from rlhpc.cluster.placement import Placement
+    from rlhpc.config import ClusterConfig, RolloutConfig
+    from rlhpc.launch.signals import StopRequest
+
+log = logging.getLogger(__name__)
+
+# Share of a GPU an engine takes when it sits beside an actor rank (colocate).
+COLOCATED_ENGINE_GPU = 0.2
+
+
+class WeightSource(Protocol):
+    """What pushes trained weights to the engines (``rlhpc.actor.group.ActorGroup``)."""
+
+    def connect_rollout(self, engine_urls: list[str], engine_world_sizes: list[int], colocate: bool) -> None: ...
+
+    def update_weights(self, version: int) -> None: ...
+
+
+class EnginePool:
+    """Start, watch, restart, feed and stop the rollout engines.
+
+    ``stop`` is the job's stop request: generation in flight is aborted when it is set.
+    """
+
+    def __init__(
+        self,
+        rollout: RolloutConfig,
+        cluster: ClusterConfig,
+        seed: int,
+        model_path: str,
+        placement: Placement,
+        layout: Layout,
+        log_dir: Path,
+        stop: StopRequest | None = None,
+    ):
+        self.rollout_cfg, self.cluster_cfg, self.seed = rollout, cluster, seed
+        self.stop = stop
+        self.engine_world_sizes = [len(slots) for slots in layout.engine_slots]
+        # engine e's actors, one per node it spans (node rank 0 first, the one serving HTTP)
+        self.engine_parts = [
+            self._start_engine(e, slots, model_path, placement, layout, log_dir)
+            for e, slots in enumerate(layout.engine_slots)
+        ]
+        self.engines = [parts[0] for parts in self.engine_parts]
+        urls = ray.get([e.url.remote() for e in self.engines])
+        self.clients = [EngineClient(url) for url in urls]
+        self.engine_logs: list[str] = ray.get([e.log_file.remote() for e in self.engines])
+        log.info("rollout engines up: %s", ", ".join(urls))
+        self.router: Router | None = None
+        self.router_client: EngineClient | None = None  # generation goes through it when set
+        if rollout.backend == "sglang" and rollout.sglang.router:
+            self.router = Router(ray.util.get_node_ip_address(), log_dir / "router.log", 60.0)
+            self.router_client = EngineClient(self.router.start(urls))
+        self.restarts = [0] * len(self.engines)  # per engine, bounded by rollout.max_engine_restarts
+        self.weight_version: int | None = None  # what the engines hold (None: the weights on disk)
+        self._weights: WeightSource | None = None
+        self._reconnect = False  # an engine came back since the weight-sync channel was opened
+        self._threads = ThreadPoolExecutor(max_workers=max(4, 2 * len(self.clients)))
+
+    def _start_engine(
+        self, e: int, slots: tuple[int, ...], model_path: str, placement: Placement, layout: Layout, log_dir: Path
+    ) -> list[ray.actor.ActorHandle]:
+        """Create engine e's actor(s); they start their servers (an engine over nodes: all at once)."""
+        r = self.rollout_cfg
+        gpu = COLOCATED_ENGINE_GPU if layout.colocate else 1
+        if r.backend == "cpu":
+            parts = [(slots[0], None)]
+        else:
+            memory_saver = self.cluster_cfg.colocate or self.cluster_cfg.offload
+            parts = engine_parts(
+                slots, placement.location_of_slot, r.sglang.mem_fraction_static, memory_saver, self.seed,
+                r.sglang.extra_args,
+            )  # fmt: skip
+        multi = len(parts) > 1
+        actors = [
+            EngineActor.options(num_gpus=gpu, num_cpus=0.5, scheduling_strategy=placement.strategy(slot)).remote(
+                model_path, str(log_dir), e, r.engine_startup_timeout_s, None, spec, not multi
+            )
+            for slot, spec in parts
+        ]
+        if multi:
+            self._start_parts(actors)
+        return actors
+
+    @staticmethod
+    def _start_parts(actors: list[ray.actor.ActorHandle]) -> str:
+        """Start every node's part of one engine together (node rank 0 waits for the others)."""
+        addr = ray.get(actors[0].reserve_dist_init_addr.remote())
+        return ray.get([a.start.remote(addr) for a in actors])[0]
+
+    @property
+    def engine_urls(self) -> list[str]:
+        return [c.base_url for c in self.clients]
+
+    # ------------------------------------------------------------ generation
+
+    def generate(self, requests: Sequence[Request], done: Callable[[int], None] | None = None) -> list[list[dict]]:
+        """A ``generation.Send``: bring dead engines back first (cheap when all answer), then ``send``."""
+        self.ensure_engines()
+        return self.send(requests, done)
+
+    def send(self, requests: Sequence[Request], done: Callable[[int], None] | None = None) -> list[list[dict]]:
+        """Send request c to engine c mod the engine count (or to the router), all at once; the
+        answers in request order. Requests that failed on an engine found dead are sent again
+        once it is back on the current weights; ``done(c)`` runs as request c succeeds."""
+
+        def request(c: int) -> list[dict]:
+            client = self.router_client or self.clients[c % len(self.clients)]
+            r = requests[c]
+            return client.generate(
+                input_ids=r.input_ids, sampling_params=r.sampling_params, return_logprob=r.return_logprob
+            )
+
+        answers: list[list[dict]] = [[] for _ in requests]
+        pending = list(range(len(requests)))
+        while pending:
+            futures = {self._threads.submit(request, c): c for c in pending}
+            failed: list[int] = []
+            error: EngineUnavailable | None = None
+            for fut in as_completed(futures):
+                if self.stop is not None and self.stop.requested:
+                    self._abort(futures)
+                c = futures[fut]
+                try:
+                    answers[c] = fut.result()
+                except EngineUnavailable as e:  # maybe a dead engine: decided once all have answered
+                    failed.append(c)
+                    error = e
+                    continue
+                if done is not None:
+                    done(c)
+            if failed:
+                # Nothing is in flight now, so re-syncing (which pauses every engine) loses nothing.
+                router = self.router_client
+                dead = self._restart_dead()
+                if not dead and self.router_client is router:  # nothing was down: a real error
+                    raise error
+                if dead:
+                    self._resync()
+                log.warning("sending %d generation request(s) again after the engine restart", len(failed))
+            pending = sorted(failed)
+        return answers
+
+    def _abort(self, futures: dict[Future, int]) -> None:
+        """Cut generation short: the engines drop what is in flight, pending requests are dropped."""
+        for fut in futures:
+            fut.cancel()
+        for client in self.clients:
+            try:
+                client.abort_request(abort_all=True)
+            except Exception as e:  # an engine already gone has nothing to abort
+                log.debug("abort on %s: %s", client.base_url, e)
+        raise GenerationAborted()
+
+    # ------------------------------------------------------------ weights and engine restarts
+
+    def connect_weights(self, source: WeightSource) -> None:
+        """Open the weight-sync channel from ``source`` (the actor) to every engine; ``source`` is
+        also how a restarted engine gets the current weights back."""
+        self._weights = source
+        source.connect_rollout(self.engine_urls, self.engine_world_sizes, self.cluster_cfg.colocate)
+        self._reconnect = False
+
+    def sync_weights(self, version: int) -> None:
+        """Push the source's current weights to every engine as ``version`` (restarting dead ones first)."""
+        if self._weights is None:
+            raise RlhpcError(
+                "sync_weights before connect_weights", "call connect_weights(actor) once the engines are up"
+            )
+        self._restart_dead()
+        if self._reconnect:
+            self.connect_weights(self._weights)
+        self._push(version)
+        self.weight_version = version
+
+    def _push(self, version: int) -> None:
+        """Push ``version``; engines that died during the push are restarted and the push repeated
+        (bounded: each repeat restarts at least one engine, at most max_engine_restarts each)."""
+        while True:
+            try:
+                self._weights.update_weights(version)
+                return
+            except WeightPushFailed as e:
+                if not self._restart_dead():
+                    raise  # every engine answers: a refusal, not a death
+                log.warning("weight push %d: engine died during the push; pushing again (%s)", version, e.problem)
+                self.connect_weights(self._weights)
+
+    def ensure_engines(self) -> None:
+        """Cheap check before generating: restart engines that are down, bring them to the current weights."""
+        if self._restart_dead() or self._reconnect:
+            self._resync()
+
+    def _restart_dead(self) -> list[int]:
+        """Restart every engine that does not answer /health; returns their indices."""
+        healthy = list(self._threads.map(lambda c: c.health(), self.clients))
+        dead = [e for e, ok in enumerate(healthy) if not ok]
+        for e in dead:
+            self._restart(e)
+        if self.router is not None and (dead or not self.router_client.health()):
+            # the router knows engines by URL, and a restarted engine has a new one
+            self.router_client = EngineClient(self.router.start(self.engine_urls))
+        return dead
+
+    def _restart(self, e: int) -> None:
+        limit, log_file = self.rollout_cfg.max_engine_restarts, self.engine_logs[e]
+        if self.restarts[e] >= limit:
+            raise RlhpcError(
+                f"rollout engine {e} ({self.clients[e].base_url}) died or stopped answering /health after "
+                f"{self.restarts[e]} restart(s), the most rollout.max_engine_restarts = {limit} allows; "
+                f"its log {log_file} ends with:\n{tail(Path(log_file), 15)}",
+                f"read {log_file} for why the server stopped (out of memory, a crash, a lost GPU); "
+                "raise rollout.max_engine_restarts if such failures are transient",
+            )
+        self.restarts[e] += 1
+        log.warning(
+            "rollout engine %d (%s) is down; restart %d of at most %d (log %s)",
+            e,
+            self.clients[e].base_url,
+            self.restarts[e],
+            limit,
+            log_file,
+        )
+        parts = self.engine_parts[e]
+        try:
+            url = ray.get(parts[0].restart.remote()) if len(parts) == 1 else self._start_parts(parts)
+        except ray.exceptions.RayActorError as err:  # the actor itself is gone (its node, most likely)
+            raise RlhpcError(
+                f"rollout engine {e}'s Ray actor died, so its server cannot be restarted: {err}",
+                "check that the engine's node is still up; the job can resume from the last checkpoint",
+            ) from err
+        self.clients[e].close()
+        self.clients[e] = EngineClient(url)
+        self._reconnect = True  # the old weight-sync group is gone with the server
+        log.warning("rollout engine %d is back at %s", e, url)
+
+    def _resync(self) -> None:
+        """Open the weight-sync channel again (all engines share one group) and push the current version."""
+        if self._weights is None:
+            return  # never connected: every engine serves the weights on disk, as the restarted one does
+        self.connect_weights(self._weights)
+        if self.weight_version is not None:
+            self._push(self.weight_version)
+            log.info("engines re-synced to weight version %d", self.weight_version)
+
+    def _on_engines(self, fn: Callable[[EngineClient], Any], again_on_restarted: bool) -> None:
+        """Run fn on every engine; restart engines that turn out dead (``again_on_restarted``: run fn on
+        them too). Their weights are brought back by the next sync_weights."""
+        futures = [self._threads.submit(fn, c) for c in self.clients]
+        failed: dict[int, EngineUnavailable] = {}
+        for e, f in enumerate(futures):
+            try:
+                f.result()
+            except EngineUnavailable as err:
+                failed[e] = err
+        if not failed:
+            return
+        restarted = self._restart_dead()
+        for e, err in failed.items():
+            if e not in restarted:
+                raise err
+        if again_on_restarted:
+            for e in restarted:
+                fn(self.clients[e])
+
+    # ------------------------------------------------------------ memory and lifecycle
+
+    def offload(self) -> None:
+        """Free engine weights and KV cache (for the actor's turn on shared GPUs)."""
+        self._on_engines(lambda c: c.release_memory_occupation(), again_on_restarted=True)
+
+    def onload(self) -> None:
+        self._on_engines(lambda c: c.resume_memory_occupation(), again_on_restarted=False)  # a new engine is resident
+
+    def shutdown(self) -> None:
+        self._threads.shutdown(wait=False, cancel_futures=True)
+        if self.router is not None:
+            self.router.stop()
+        for engine in (a for parts in self.engine_parts for a in parts):
+            try:
+                ray.get(engine.shutdown.remote(), timeout=30)
+            except Exception as e:  # a dead engine has nothing left to stop
+                log.debug("engine shutdown: %s", e)
