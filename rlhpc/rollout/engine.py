@@ -31,6 +31,9 @@ from rlhpc.errors import RlhpcError
 from rlhpc.rollout import sglang_server
 from rlhpc.rollout.client import EngineClient
 from rlhpc.rollout.sglang_server import SGLangSpec
+from rlhpc.util.files import tail
+from rlhpc.util.net import http_url, url_host
+from rlhpc.util.processes import stop_group
 
 log = logging.getLogger(__name__)
 
@@ -43,14 +46,6 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     except OSError:
         pass  # not Linux: the server's --parent-pid watchdog still covers it
-
-
-def _tail(path: Path, n: int = 30) -> str:
-    try:
-        lines = path.read_text(errors="replace").splitlines()
-    except OSError:
-        return "(no log)"
-    return "\n".join(lines[-n:])
 
 
 @ray.remote
@@ -142,19 +137,19 @@ class EngineActor:
             if code is not None:
                 raise RlhpcError(
                     f"engine {self.engine_id} server exited with code {code} during startup "
-                    f"(log {self.log_path}):\n{_tail(self.log_path)}",
+                    f"(log {self.log_path}):\n{tail(self.log_path)}",
                     f"read {self.log_path}",
                 )
             if time.monotonic() > deadline:
                 self._kill()
                 raise RlhpcError(
                     f"engine {self.engine_id} not ready after {self.startup_timeout_s:.0f}s (log {self.log_path}):\n"
-                    f"{_tail(self.log_path)}",
+                    f"{tail(self.log_path)}",
                     "raise rollout.engine_startup_timeout_s for large models, or read the log",
                 )
             time.sleep(0.05)
         info = json.loads(self.ready_file.read_text())
-        url = f"http://{_url_host(info['host'])}:{info['port']}"
+        url = http_url(info["host"], info["port"])
         EngineClient(url).wait_healthy(max(5.0, deadline - time.monotonic()))
         log.info("engine %d ready at %s", self.engine_id, url)
         return url
@@ -198,7 +193,7 @@ class EngineActor:
             self.startup_timeout_s,
             preexec_fn=_die_with_parent if main else None,
         )
-        self._url = sglang_server.url_of(self.host, port)
+        self._url = http_url(self.host, port)
         log.info(
             "%s: SGLang pid %d (GPUs %s) ready at %s, log %s", name, self.proc.pid, gpu_ids, self._url, self.log_path
         )
@@ -208,7 +203,7 @@ class EngineActor:
         proc, self.proc = self.proc, None
         self._url = None
         if proc is not None and self.sglang is not None:
-            sglang_server.stop(proc, grace_s)
+            stop_group(proc, grace_s, f"engine {self.engine_id} SGLang server")  # its children hold the GPUs
             return
         if proc is None or proc.poll() is not None:
             return
@@ -247,9 +242,9 @@ class EngineActor:
         """Node rank 0: a free ``host:port`` on this node for SGLang's --dist-init-addr.
 
         SGLang derives a few more ports from it (port + 1 ...); a lost race shows as a start-up
-        failure of the whole engine, which the rollout group reports with the log.
+        failure of the whole engine, which the engine pool reports with the log.
         """
-        return f"{_url_host(self.host)}:{sglang_server.free_port(self.host)}"
+        return f"{url_host(self.host)}:{sglang_server.free_port(self.host)}"
 
     def start(self, dist_init_addr: str | None = None) -> str | None:
         """Start a part created with ``start=False`` (every part of an engine at once); node rank 0
@@ -275,7 +270,3 @@ class EngineActor:
     def shutdown(self) -> None:
         self._kill()
         shutil.rmtree(self.tmp_dir, ignore_errors=True)
-
-
-def _url_host(host: str) -> str:
-    return f"[{host}]" if ":" in host and not host.startswith("[") else host
