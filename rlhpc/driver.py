@@ -1,7 +1,8 @@
 """The train loop: generate with the engines, train the actor, push the new weights, repeat.
 
-It runs on the first node of the job, once Ray is up, and talks only to the two groups,
-the checkpoint manager and the metrics logger.
+It runs on the first node of the job, once Ray is up. It owns the data buffer (which rows each
+rollout gets, resume, epoch ends) and composes the actor group, the engine pool, the generation
+step (rows -> scored samples, through the pool), the checkpoint manager and the metrics logger.
 """
 
 from __future__ import annotations
@@ -12,14 +13,19 @@ from contextlib import contextmanager
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from rlhpc.actor.group import ActorGroup
+from rlhpc.actor.group import ActorGroup, ActorSpec
+from rlhpc.batch import RolloutBatch
 from rlhpc.checkpoint import CheckpointManager
 from rlhpc.cluster.layout import describe_layout, plan_layout
 from rlhpc.cluster.placement import create_placement
 from rlhpc.config import Config, config_to_dict
-from rlhpc.launch.preemption import Stopped, StopRequest, read_history
+from rlhpc.launch.restarts import read_history
+from rlhpc.launch.signals import Stopped, StopRequest
 from rlhpc.metrics import MetricsLogger
-from rlhpc.rollout.group import GenerationAborted, RolloutGroup
+from rlhpc.model import load_tokenizer
+from rlhpc.rollout.buffer import load_data
+from rlhpc.rollout.engine_pool import EnginePool
+from rlhpc.rollout.generation import Generation, GenerationAborted, task_reward
 from rlhpc.run_dir import RunDir
 
 log = logging.getLogger(__name__)
@@ -44,11 +50,14 @@ def train(cfg: Config, run: RunDir, progress: Progress | None = None, stop: Stop
     log.info(describe_layout(layout, cfg.cluster.gpus_per_node))
     placement = create_placement(layout.num_slots)
     model_path = run.model_path(cfg)
-    actor = ActorGroup(cfg, model_path, placement, layout.actor_slots)
-    rollout = RolloutGroup(cfg, model_path, placement, layout, run.logs / "engines")
-    rollout.progress, rollout.stop = progress, stop
+    buffer, eval_rows = load_data(cfg.data, cfg.rollout.rollout_batch_size, cfg.seed)
+    actor = ActorGroup(ActorSpec.from_config(cfg), model_path, placement, layout.actor_slots, cfg.cluster.colocate)
+    engines = EnginePool(cfg.rollout, cfg.cluster, cfg.seed, model_path, placement, layout, run.engine_logs, stop)
+    generation = Generation(
+        load_tokenizer(model_path), task_reward(cfg.data), cfg.rollout, cfg.eval, cfg.algo, cfg.seed,
+        send=engines.generate, progress=progress,
+    )  # fmt: skip
     checkpoints = CheckpointManager(run.checkpoints, cfg.checkpoint.keep_last)
-    buffer = rollout.data_buffer
 
     num_rollout = cfg.rollout.num_rollout or buffer.num_rollout_per_epoch * cfg.rollout.num_epoch
 
@@ -60,16 +69,16 @@ def train(cfg: Config, run: RunDir, progress: Progress | None = None, stop: Stop
     start = resume.next_rollout_id if resume else 0
     actor.load(str(resume.path) if resume else None)
     metrics = MetricsLogger(
-        run.path, cfg.logging, config_to_dict(cfg), num_rollout, resume.state.get("wandb_id") if resume else None
+        run, cfg.logging, config_to_dict(cfg), num_rollout, resume.state.get("wandb_id") if resume else None
     )
     metrics.rewind(start)
     if resume is not None:
         metrics.restore(resume.rollout_id, resume.state["metrics"])
 
-    rollout.connect_weights(actor)  # also how a restarted engine gets the current weights back
+    engines.connect_weights(actor)  # the actor is the engines' one weight source, restarted engines included
     if cfg.cluster.offload:
-        rollout.onload()
-    rollout.sync_weights(version=start)  # engines always start from the trained weights
+        engines.onload()
+    engines.sync_weights(version=start)  # engines always start from the trained weights
 
     saved = resume.rollout_id if resume else -1  # newest rollout whose training is on disk
     record: dict = {}  # metrics of the newest trained rollout
@@ -83,7 +92,7 @@ def train(cfg: Config, run: RunDir, progress: Progress | None = None, stop: Stop
             "weight_version": rollout_id + 1,
             "wandb_id": metrics.wandb_id,
             "metrics": record,  # restored if the job dies before the record reaches metrics.jsonl
-            "restarts": read_history(run.path),
+            "restarts": read_history(run),
         }
         checkpoints.commit(staging, rollout_id, state)
         saved = rollout_id
@@ -97,23 +106,26 @@ def train(cfg: Config, run: RunDir, progress: Progress | None = None, stop: Stop
             save(next_rollout_id - 1)
         raise Stopped(next_rollout_id, stop.name)
 
+    def generate(rollout_id: int) -> tuple[RolloutBatch, dict[str, float], dict[str, list[str]]]:
+        try:
+            return generation.rollout(rollout_id, buffer.batch(rollout_id))
+        except GenerationAborted:  # cut short by a stop request: save what is trained, then stop
+            stop_if_requested(rollout_id)
+            raise
+
     bar = progress.add_task("training", total=num_rollout, completed=start) if progress else None
     try:
         for rollout_id in range(start, num_rollout):
             stop_if_requested(rollout_id)
             if cfg.eval.interval is not None and rollout_id == 0:
-                metrics.log("eval", -1, rollout.evaluate(-1))  # the untrained baseline
+                metrics.log("eval", -1, generation.evaluate(-1, eval_rows))  # the untrained baseline
 
             timer = Timer()
             with timer("step"):
                 with timer("generate"):
-                    try:
-                        batch, rollout_metrics, texts = rollout.generate(rollout_id)
-                    except GenerationAborted:
-                        stop_if_requested(rollout_id)
-                        raise
+                    batch, rollout_metrics, texts = generate(rollout_id)
                 if cfg.cluster.offload:
-                    rollout.offload()
+                    engines.offload()
                 with timer("train"):
                     train_metrics = actor.train(rollout_id, batch)
                 record = {**rollout_metrics, **train_metrics, **timer}
@@ -124,20 +136,20 @@ def train(cfg: Config, run: RunDir, progress: Progress | None = None, stop: Stop
                         save(rollout_id)
                 if cfg.cluster.offload:
                     actor.offload()
-                    rollout.onload()
+                    engines.onload()
                 with timer("update_weights"):
-                    rollout.sync_weights(version=rollout_id + 1)
+                    engines.sync_weights(version=rollout_id + 1)
             record = {**rollout_metrics, **train_metrics, **timer}
             metrics.log("rollout", rollout_id, record)
             metrics.dump_rollout(rollout_id, batch, texts)
             if every(cfg.eval.interval, rollout_id, epoch_end) or (last and cfg.eval.interval is not None):
-                metrics.log("eval", rollout_id, rollout.evaluate(rollout_id))
+                metrics.log("eval", rollout_id, generation.evaluate(rollout_id, eval_rows))
             if bar is not None:
                 progress.advance(bar)
     finally:
         metrics.close()
 
-    rollout.shutdown()
+    engines.shutdown()
     actor.shutdown()
     placement.remove()
     return {"num_rollout": num_rollout, "resumed_from": resume.rollout_id if resume else None}

@@ -19,6 +19,7 @@ import argparse
 import json
 import logging
 import os
+import random
 import subprocess
 import sys
 import tempfile
@@ -27,15 +28,14 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 from rlhpc.actor.megatron.worker import MegatronTrainWorker  # noqa: E402
-from rlhpc.algo.grpo import ADVANTAGE_ESTIMATORS  # noqa: E402
-from rlhpc.batch import RolloutBatch  # noqa: E402
+from rlhpc.actor.spec import ActorSpec  # noqa: E402
 from rlhpc.config import Config  # noqa: E402
 from rlhpc.model import TinyModelConfig, build_tiny_model, load_tokenizer  # noqa: E402
 from rlhpc.rollout.client import EngineClient  # noqa: E402
+from rlhpc.rollout.generation import Generation, one_batch  # noqa: E402
 from rlhpc.tasks import TASKS  # noqa: E402
+from rlhpc.util.net import http_url  # noqa: E402
 
 log = logging.getLogger("gpu_check")
 GiB = 2**30
@@ -56,7 +56,7 @@ def start_engine(model_path: str, work: Path, device: str) -> tuple[subprocess.P
             sys.exit(f"engine did not start:\n{(work / 'engine.log').read_text()[-3000:]}")
         time.sleep(0.1)
     info = json.loads(ready.read_text())
-    client = EngineClient(f"http://{info['host']}:{info['port']}")
+    client = EngineClient(http_url(info["host"], info["port"]))
     client.wait_healthy(60)
     return proc, client
 
@@ -105,6 +105,7 @@ def main() -> None:
     cfg.actor.megatron.bf16 = not args.fp32
     cfg.actor.megatron.use_distributed_optimizer = args.distributed_optimizer
     cfg.rollout.n_samples_per_prompt = args.samples
+    cfg.rollout.max_new_tokens = args.max_new_tokens
 
     engine_proc, engine = start_engine(model_path, work, "cpu" if args.cpu else "cuda")
     try:
@@ -116,7 +117,7 @@ def main() -> None:
 
 def run(cfg: Config, model_path: str, engine: EngineClient, args: argparse.Namespace, work: Path) -> None:
     t0 = time.perf_counter()
-    actor = MegatronTrainWorker(cfg, model_path, 0, 1)
+    actor = MegatronTrainWorker(ActorSpec.from_config(cfg), model_path, 0, 1)
     actor.init_process_group(*actor.master_addr_port())
     params = sum(p.numel() for p in actor.gpt.parameters())
     log.info("actor up in %.1fs: %.1fM params, %s", time.perf_counter() - t0, params / 1e6, gpu_gib())
@@ -124,33 +125,19 @@ def run(cfg: Config, model_path: str, engine: EngineClient, args: argparse.Names
     if err := actor.update_weights(0):
         sys.exit(f"FAIL: weight push: {err}")
 
-    tok = load_tokenizer(model_path)
     task = TASKS["digit_sum"]
-    import random
-
     rows = task.make(args.prompts * args.rollouts, random.Random(0))
+    # The driver's generation step (requests, seeds, rewards, advantages), all in one /generate batch.
+    generation = Generation(
+        load_tokenizer(model_path), task.reward, cfg.rollout, cfg.eval, cfg.algo, cfg.seed, send=one_batch(engine)
+    )
     figures = []
     for rollout_id in range(args.rollouts):
         batch_rows = rows[rollout_id * args.prompts : (rollout_id + 1) * args.prompts]
-        prompts = [[tok.bos_token_id, *tok(r["prompt"], add_special_tokens=False).input_ids] for r in batch_rows]
-        ids = [pr for pr in prompts for _ in range(args.samples)]
-        params_ = [
-            {"max_new_tokens": args.max_new_tokens, "temperature": 1.0, "sampling_seed": rollout_id * 10**6 + i}
-            for i in range(len(ids))
-        ]
         t = time.perf_counter()
-        outs = engine.generate(input_ids=ids, sampling_params=params_, return_logprob=True)
+        batch, rollout_metrics, _ = generation.rollout(rollout_id, batch_rows)
         t_gen = time.perf_counter() - t
-        responses = [list(o["output_ids"]) for o in outs]
-        logprobs = [[lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]] for o in outs]
-        texts = [tok.decode([x for x in r if x != tok.eos_token_id], skip_special_tokens=True) for r in responses]
-        rewards = torch.tensor(
-            [task.reward(batch_rows[k // args.samples]["prompt"], txt, batch_rows[k // args.samples]["answer"])
-             for k, txt in enumerate(texts)],
-            dtype=torch.float32,
-        )  # fmt: skip
-        adv = ADVANTAGE_ESTIMATORS["grpo"](rewards, args.samples, True)
-        batch = RolloutBatch(ids, responses, logprobs, rewards, adv, args.samples)
+        ids, responses = batch.prompt_ids, batch.response_ids
 
         t = time.perf_counter()
         engine.release_memory_occupation()
@@ -175,7 +162,7 @@ def run(cfg: Config, model_path: str, engine: EngineClient, args: argparse.Names
         figures.append(
             {
                 "rollout": rollout_id,
-                "reward": rewards.mean().item(),
+                "reward": rollout_metrics["reward"],
                 "generate_s": t_gen,
                 "gen_tokens_per_s": gen_tokens / t_gen,
                 "train_s": t_train,

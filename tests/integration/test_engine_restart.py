@@ -14,19 +14,24 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import ray
 import torch
 
-from rlhpc.actor.group import ActorGroup
+from rlhpc.actor.group import ActorGroup, ActorSpec
+from rlhpc.batch import RolloutBatch
 from rlhpc.cluster.layout import plan_layout
 from rlhpc.cluster.placement import create_placement
 from rlhpc.config import Config
 from rlhpc.errors import RlhpcError
 from rlhpc.metrics import read_metrics
-from rlhpc.rollout.group import RolloutGroup
+from rlhpc.model import load_tokenizer
+from rlhpc.rollout.buffer import DataBuffer, load_data
+from rlhpc.rollout.engine_pool import EnginePool
+from rlhpc.rollout.generation import Generation, task_reward
 
 pytestmark = pytest.mark.ray
 
@@ -46,14 +51,14 @@ def _wait_gone(pid: int, timeout_s: float = 15) -> None:
     raise AssertionError(f"process {pid} still runs")
 
 
-def kill_engine(rollout: RolloutGroup, e: int) -> None:
-    pid = ray.get(rollout.engines[e].pid.remote())
+def kill_engine(engines: EnginePool, e: int) -> None:
+    pid = ray.get(engines.engines[e].pid.remote())
     os.kill(pid, signal.SIGKILL)
     _wait_gone(pid)
 
 
-def assert_engine_matches_actor(rollout: RolloutGroup, e: int, actor: ActorGroup, version: int) -> None:
-    client = rollout.clients[e]
+def assert_engine_matches_actor(engines: EnginePool, e: int, actor: ActorGroup, version: int) -> None:
+    client = engines.clients[e]
     assert client.get_weight_version() == str(version)
     want = ray.get(actor.workers[0].named_tensors.remote())
     for name, t in want.items():
@@ -70,18 +75,44 @@ def restart_cfg(actor_gpus: int) -> Config:
     return cfg
 
 
+@dataclass
+class Rollout:
+    """The driver's rollout side: the engine pool, the generation step through it, the data."""
+
+    engines: EnginePool
+    generation: Generation  # through engines.generate: a /health check first, as in the driver
+    buffer: DataBuffer
+    eval_rows: list[dict]
+
+    def generate(self, rollout_id: int) -> RolloutBatch:
+        return self.generation.rollout(rollout_id, self.buffer.batch(rollout_id))[0]
+
+    def sample_unchecked(self, rows: list[dict]) -> list[list[int]]:
+        """Responses through engines.send: no /health check first, so a dead engine shows as failed requests."""
+        direct = Generation(
+            self.generation.tokenizer, self.generation.reward_fn, self.generation.rollout_cfg,
+            self.generation.eval_cfg, self.generation.algo_cfg, self.generation.seed, send=self.engines.send,
+        )  # fmt: skip
+        return direct.sample(rows, 4, 1.0, 6, "restart-test", "test").response_ids
+
+
 @contextmanager
-def groups(cfg: Config, model_path: str, log_dir: Path) -> Iterator[tuple[ActorGroup, RolloutGroup]]:
-    """A local Ray with the layout's GPUs declared, the actor and rollout groups; all torn down after."""
+def groups(cfg: Config, model_path: str, log_dir: Path) -> Iterator[tuple[ActorGroup, Rollout]]:
+    """A local Ray with the layout's GPUs declared, the actor group and the rollout side; all torn down after."""
     ray.init(num_cpus=4, num_gpus=cfg.cluster.gpus_per_node, include_dashboard=False, log_to_driver=False)
     layout = plan_layout(cfg.cluster)
     placement = create_placement(layout.num_slots)
-    actor = ActorGroup(cfg, model_path, placement, layout.actor_slots)
-    rollout = RolloutGroup(cfg, model_path, placement, layout, log_dir)
+    actor = ActorGroup(ActorSpec.from_config(cfg), model_path, placement, layout.actor_slots, cfg.cluster.colocate)
+    engines = EnginePool(cfg.rollout, cfg.cluster, cfg.seed, model_path, placement, layout, log_dir)
+    generation = Generation(
+        load_tokenizer(model_path), task_reward(cfg.data), cfg.rollout, cfg.eval, cfg.algo, cfg.seed,
+        send=engines.generate,
+    )  # fmt: skip
+    rollout = Rollout(engines, generation, *load_data(cfg.data, cfg.rollout.rollout_batch_size, cfg.seed))
     try:
         yield actor, rollout
     finally:
-        rollout.shutdown()
+        engines.shutdown()
         actor.shutdown()
         placement.remove()
         ray.shutdown()
@@ -91,50 +122,47 @@ def test_dead_engines_are_restarted_resynced_and_limited(model_path: str, tmp_pa
     cfg = restart_cfg(actor_gpus=1)
     cfg.rollout.max_engine_restarts = 1
     with groups(cfg, model_path, tmp_path / "engines") as (actor, rollout):
-        rollout.connect_weights(actor)
-        rollout.sync_weights(0)
-        batch, _, _ = rollout.generate(0)
+        engines = rollout.engines
+        engines.connect_weights(actor)
+        engines.sync_weights(0)
+        batch = rollout.generate(0)
         actor.train(0, batch)
-        rollout.sync_weights(1)
+        engines.sync_weights(1)
         rows = rollout.eval_rows[:32]  # 4 samples each: two requests of 16 rows, one per engine
-
-        def sample() -> list[list[int]]:
-            return rollout._run(rows, 4, 1.0, 6, "restart-test", "test")[1]
-
-        before = sample()
+        before = rollout.sample_unchecked(rows)
 
         # Killed between calls: the /generate requests to it fail mid-run (no health check
-        # before _run), it is restarted, re-synced, and the failed requests are sent again.
-        kill_engine(rollout, 1)
-        assert sample() == before  # seeded samples on the same weights: the very same tokens
-        assert rollout.restarts == [0, 1]
+        # before engines.send), it is restarted, re-synced, and the failed requests are sent again.
+        kill_engine(engines, 1)
+        assert rollout.sample_unchecked(rows) == before  # seeded samples on the same weights: the very same tokens
+        assert engines.restarts == [0, 1]
         for e in (0, 1):  # both hold version 1: the restarted one was re-synced, not left on disk weights
-            assert_engine_matches_actor(rollout, e, actor, 1)
-        log1 = Path(rollout.engine_logs[1]).read_text()
+            assert_engine_matches_actor(engines, e, actor, 1)
+        log1 = Path(engines.engine_logs[1]).read_text()
         assert log1.count("starting at") == 2
 
-        # Killed while idle: the health check before generate() restarts it.
-        kill_engine(rollout, 0)
+        # Killed while idle: the health check before generating (engines.generate) restarts it.
+        kill_engine(engines, 0)
         rollout.generate(1)
-        assert rollout.restarts == [1, 1]
-        assert_engine_matches_actor(rollout, 0, actor, 1)
+        assert engines.restarts == [1, 1]
+        assert_engine_matches_actor(engines, 0, actor, 1)
 
         # Engine 1's second death, found by sync_weights: past max_engine_restarts = 1.
         actor.train(1, batch)
-        kill_engine(rollout, 1)
+        kill_engine(engines, 1)
         with pytest.raises(RlhpcError) as err:
-            rollout.sync_weights(2)
+            engines.sync_weights(2)
         msg = str(err.value)
-        assert "rollout engine 1" in msg and rollout.engine_logs[1] in msg
+        assert "rollout engine 1" in msg and engines.engine_logs[1] in msg
         assert "rollout.max_engine_restarts = 1" in msg and "fix:" in msg
 
 
 class KillBeforePush:
     """The actor, except that engine ``e``'s server is SIGKILLed as a push begins (after the
-    rollout group's health check): the push fails on the engines' side, mid-update."""
+    engine pool's health check): the push fails on the engines' side, mid-update."""
 
-    def __init__(self, actor: ActorGroup, rollout: RolloutGroup, e: int):
-        self.actor, self.rollout, self.e, self.armed = actor, rollout, e, False
+    def __init__(self, actor: ActorGroup, engines: EnginePool, e: int):
+        self.actor, self.engines, self.e, self.armed = actor, engines, e, False
 
     def connect_rollout(self, *args: object) -> None:
         self.actor.connect_rollout(*args)
@@ -142,23 +170,24 @@ class KillBeforePush:
     def update_weights(self, version: int) -> None:
         if self.armed:
             self.armed = False
-            kill_engine(self.rollout, self.e)
+            kill_engine(self.engines, self.e)
         self.actor.update_weights(version)
 
 
 def test_engine_killed_during_a_weight_push(model_path: str, tmp_path: Path) -> None:
     """Every rank finishes the failed push; the dead engine is restarted and the push repeated."""
     with groups(restart_cfg(actor_gpus=2), model_path, tmp_path / "engines") as (actor, rollout):
-        source = KillBeforePush(actor, rollout, 1)
-        rollout.connect_weights(source)
-        rollout.sync_weights(0)
-        batch, _, _ = rollout.generate(0)
+        engines = rollout.engines
+        source = KillBeforePush(actor, engines, 1)
+        engines.connect_weights(source)
+        engines.sync_weights(0)
+        batch = rollout.generate(0)
         actor.train(0, batch)
         source.armed = True
-        rollout.sync_weights(1)
-        assert rollout.restarts == [0, 1] and not source.armed
+        engines.sync_weights(1)
+        assert engines.restarts == [0, 1] and not source.armed
         for e in (0, 1):
-            assert_engine_matches_actor(rollout, e, actor, 1)
+            assert_engine_matches_actor(engines, e, actor, 1)
         rollout.generate(1)  # and generation goes on
 
 

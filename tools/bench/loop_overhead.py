@@ -19,8 +19,6 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
 import torch  # noqa: E402
 
 from rlhpc.algo.grpo import ADVANTAGE_ESTIMATORS, policy_loss  # noqa: E402
@@ -28,7 +26,7 @@ from rlhpc.config import Config, load_config  # noqa: E402
 from rlhpc.logs import setup_logging  # noqa: E402
 from rlhpc.model import load_model, load_tokenizer  # noqa: E402
 from rlhpc.rollout.buffer import DataBuffer  # noqa: E402
-from rlhpc.rollout.group import sample_seed  # noqa: E402
+from rlhpc.rollout.generation import sample_seed  # noqa: E402
 from rlhpc.rollout.sampling import sample  # noqa: E402
 from rlhpc.run_dir import RunDir  # noqa: E402
 from rlhpc.tasks import TASKS, load_split  # noqa: E402
@@ -102,7 +100,7 @@ def framework_loop(cfg: Config, run: RunDir) -> list[float]:
     from rlhpc.cluster.layout import plan_layout
     from rlhpc.driver import train
     from rlhpc.launch.job import local_ray
-    from rlhpc.launch.preemption import StopRequest
+    from rlhpc.launch.signals import StopRequest
     from rlhpc.metrics import read_metrics
 
     with local_ray(cfg.cluster, plan_layout(cfg.cluster).num_slots, StopRequest()):
