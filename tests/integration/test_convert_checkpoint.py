@@ -50,6 +50,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _save_rank(rank: int, world_size: int, tp: int, model_path: str, ckpt: str, rendezvous: str) -> None:
     """One rank of a megatron actor: one training step (weights move, Adam state exists), then save."""
     from rlhpc.actor.megatron.worker import MegatronTrainWorker
+    from rlhpc.actor.spec import ActorSpec
     from rlhpc.batch import RolloutBatch
     from rlhpc.config import Config
 
@@ -57,7 +58,7 @@ def _save_rank(rank: int, world_size: int, tp: int, model_path: str, ckpt: str, 
     cfg.actor.backend = "megatron"
     cfg.actor.lr = 1e-2
     cfg.actor.megatron.tensor_model_parallel_size = tp
-    w = MegatronTrainWorker(cfg, model_path, rank, world_size)
+    w = MegatronTrainWorker(ActorSpec.from_config(cfg), model_path, rank, world_size)
     rdv = Path(rendezvous)
     if rank == 0:
         addr, port = w.master_addr_port()
