@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from rlhpc.actor.group import ActorGroup
+from rlhpc.actor.group import ActorGroup, ActorSpec
 from rlhpc.batch import RolloutBatch
 from rlhpc.cluster.placement import Placement, create_placement
 from rlhpc.config import Config
@@ -29,7 +29,9 @@ class Group:
 
     def __init__(self, cfg: Config, model_path: str, ranks: int):
         self.placement: Placement = create_placement(ranks)
-        self.group = ActorGroup(cfg, model_path, self.placement, tuple(range(ranks)))
+        self.group = ActorGroup(
+            ActorSpec.from_config(cfg), model_path, self.placement, tuple(range(ranks)), cfg.cluster.colocate
+        )
 
     def __enter__(self) -> ActorGroup:
         return self.group

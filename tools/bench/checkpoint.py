@@ -34,7 +34,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
 
 log = logging.getLogger("bench.checkpoint")
 
@@ -111,7 +110,7 @@ def synthetic_batch(n: int, vocab: int, seed: int = 0):
 def bench_save_load(work: Path, tiny, repeats: int) -> dict:
     import ray
 
-    from rlhpc.actor.group import ActorGroup
+    from rlhpc.actor.group import ActorGroup, ActorSpec
     from rlhpc.checkpoint import CheckpointManager
     from rlhpc.cluster.placement import create_placement
     from rlhpc.config import Config
@@ -134,7 +133,7 @@ def bench_save_load(work: Path, tiny, repeats: int) -> dict:
     placement = group = None
     try:
         placement = create_placement(1)
-        group = ActorGroup(cfg, model_path, placement, (0,))
+        group = ActorGroup(ActorSpec.from_config(cfg), model_path, placement, (0,), cfg.cluster.colocate)
         group.load(None)
         group.train(0, synthetic_batch(16, len(load_tokenizer(model_path))))  # AdamW state now exists
         trained = group.fingerprints()[0]
