@@ -34,7 +34,9 @@ def _write_ready_file(path: Path, info: dict[str, Any]) -> None:
 
 def _bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets whose proto says TCP; without it
+    # a JSON answer (headers, then body) waits out the client's 40 ms delayed ACK on every call
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))  # port 0: the kernel picks a free port, no probe-then-bind race
     sock.set_inheritable(False)
