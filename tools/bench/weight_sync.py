@@ -1,22 +1,34 @@
 #!/usr/bin/env python3
-"""Weight-sync bandwidth: trainer -> engines against a plain in-process copy of the same bytes.
+"""Weight-sync speed: trainer -> engines against the raw transport and an in-process copy of the same bytes.
 
 This process plays the trainer's rank 0 and holds a tiny-architecture Llama made a few hundred
 MB big. Engines are real CPU engine server processes (``rlhpc.rollout.cpu_server``, port 0 +
 ready file, one torch thread each, as the loop starts them). Timed, side by side in one run:
 
 - copy: ``copy_`` of every parameter into preallocated tensors of the same shapes, in this
-  process (the floor: the bytes moved once, memory to memory);
-- disaggregated: ``DistributedWeightSender.send`` over a gloo group to 1 and 2 engines (HTTP
-  announce per bucket, broadcast from rank 0, the engines copy into their parameters);
-- colocate: ``TensorWeightSender.send`` (a clone into /dev/shm, the handles over HTTP in
-  ``/update_weights_from_tensor``, the engines map and copy).
+  process (the floor for colocate: the bytes moved once, memory to memory);
+- raw transport: ONE ``dist.broadcast`` of a flat uint8 buffer of the model's bytes from this
+  process to N helper processes (this script in ``--raw-receiver`` mode, one torch thread
+  each, like an engine) over the same kind of group the push uses (gloo, joined with
+  ``init_custom_process_group`` as the engines join), followed by a barrier so the time covers
+  every receiver holding the bytes. The helpers are not the engine processes (an engine has no
+  route for a bare broadcast, and a measuring-only route would have to exist in SGLang too), but
+  they are the same kind of process on the same host over the same kind of group;
+- disaggregated: ``DistributedWeightSender.send`` over a gloo group to N engines;
+- colocate: ``TensorWeightSender.send`` (shared-memory handles over HTTP, the engines copy);
+- fixed cost: one HTTP round trip (``/model_info``, the route the version check uses) to an
+  engine holding the test-sized tiny model, and that tiny model's whole push (both channels).
 
 A send is the whole update as the loop does it: pause, every bucket, version check, continue.
-Each case gets one untimed warm-up send; the median of ``--repeats`` timed sends is printed.
-Before every send the trainer writes a fresh sentinel into each parameter, and after each case
-every engine must report the last version, hold the sentinel in every parameter, and answer a
-greedy generation exactly as this process does with the trainer's weights.
+Each case gets one untimed warm-up; the median of ``--repeats`` timed runs is printed. Before
+every send the trainer writes a fresh sentinel into each parameter, and after each case every
+engine must report the last version, hold the sentinel in every parameter, and answer a greedy
+generation exactly as this process does with the trainer's weights.
+
+The last line is one JSON object of ratios (speed ratios: 1 = as fast as the baseline):
+``push_vs_transport`` = raw broadcast time / disaggregated push time (worst over engine
+counts), ``colocate_vs_copy`` = copy time / colocated push time (one engine),
+``push_vs_rtt`` = tiny model's disaggregated push time / one HTTP round trip (a cost ratio).
 
     python tools/bench/weight_sync.py
     python tools/bench/weight_sync.py --model-mb 1000 --repeats 5 --engines 1 2 4 --bucket-mb 128
@@ -43,17 +55,21 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
-from rlhpc.config import RolloutConfig  # noqa: E402
-from rlhpc.model import TinyModelConfig, build_tiny_model, load_model, load_tokenizer  # noqa: E402
+from rlhpc.config import RolloutConfig, TinyModelConfig  # noqa: E402
+from rlhpc.model import build_tiny_model, load_model, load_tokenizer  # noqa: E402
 from rlhpc.rollout.client import EngineClient  # noqa: E402
 from rlhpc.rollout.sampling import sample  # noqa: E402
 from rlhpc.rollout.weight_sync import DistributedWeightSender, TensorWeightSender  # noqa: E402
+from rlhpc.rollout.weight_update_group import create_master_store, init_custom_process_group  # noqa: E402
 
 log = logging.getLogger("bench.weight_sync")
 
 LAYERS = 4
 BYTES_PER_HIDDEN2 = 4 * 15 * LAYERS  # float32; per layer q,o: H^2 each, k,v: H^2/2 each, MLP 3 * H * 4H
+RAW_GROUP = "bench_raw"
+CHILD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
 def tiny_config(model_mb: float) -> TinyModelConfig:
@@ -80,7 +96,7 @@ def start_engine(model_path: str, work: Path, name: str, timeout_s: float = 300)
         stdout=logf,
         stderr=subprocess.STDOUT,
         cwd=REPO,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"},
+        env={**os.environ, **CHILD_ENV},
     )
     deadline = time.monotonic() + timeout_s
     while not ready.exists():
@@ -99,6 +115,52 @@ def stop_engine(proc: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+# ---------------------------------------------------------------- raw transport
+
+
+def raw_receiver(master: str, port: int, rank: int, world: int, nbytes: int, count: int) -> None:
+    """Helper process: join the group like an engine does and receive ``count`` flat broadcasts."""
+    torch.set_num_threads(1)
+    pg = init_custom_process_group("gloo", master, port, rank, world, RAW_GROUP, timeout=600)
+    buf = torch.empty(nbytes, dtype=torch.uint8)
+    for _ in range(count):
+        dist.broadcast(buf, group_src=0, group=pg)
+        dist.barrier(group=pg)
+    dist.destroy_process_group(pg)
+
+
+def time_raw_broadcast(n: int, nbytes: int, repeats: int, work: Path) -> list[float]:
+    """One broadcast of ``nbytes`` from this process to ``n`` helper processes, + a barrier."""
+    store = create_master_store("127.0.0.1", 1 + n, timeout=600)
+    count = repeats + 1
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, "--raw-receiver", "127.0.0.1", str(store.port), str(r), str(1 + n)]
+            + [str(nbytes), str(count)],
+            cwd=REPO,
+            env={**os.environ, **CHILD_ENV},
+            stdout=open(work / f"raw{n}_{r}.log", "wb"),  # noqa: SIM115
+            stderr=subprocess.STDOUT,
+        )
+        for r in range(1, n + 1)
+    ]
+    try:
+        pg = init_custom_process_group("gloo", "127.0.0.1", store.port, 0, 1 + n, RAW_GROUP, 600, store)
+        buf = torch.ones(nbytes, dtype=torch.uint8)
+
+        def once() -> None:
+            dist.broadcast(buf, group_src=0, group=pg)
+            dist.barrier(group=pg)
+
+        times = timed(repeats, once)
+        dist.destroy_process_group(pg)
+    finally:
+        for proc in procs:
+            if proc.wait(120) != 0:
+                raise RuntimeError(f"raw receiver failed:\n{(work / f'raw{n}_1.log').read_text()[-3000:]}")
+    return times
 
 
 # ---------------------------------------------------------------- checks
@@ -145,10 +207,48 @@ def timed(repeats: int, fn: Callable[[], None], before: Callable[[], None] = lam
     return times
 
 
+class Trainer:
+    """A model whose parameters get a fresh sentinel and version before every send."""
+
+    def __init__(self, model_path: str, versions: itertools.count, sentinels: itertools.count):
+        self.model = load_model(model_path).requires_grad_(False)
+        g = torch.Generator().manual_seed(1)
+        for t in self.model.parameters():  # the trainer a few steps ahead of the engines' weights
+            t.add_(torch.randn(t.shape, generator=g), alpha=0.02)
+        self.params = [t for _, t in self.model.named_parameters()]
+        self.named = [(n, t.detach()) for n, t in self.model.named_parameters()]
+        self.nbytes = sum(t.numel() * t.element_size() for t in self.params)
+        self.version = 0
+        self._versions, self._sentinels = versions, sentinels
+        self.tok = load_tokenizer(model_path)
+        self.prompts = [
+            [self.tok.bos_token_id, *self.tok(s, add_special_tokens=False).input_ids] for s in ("3+4=", "abc")
+        ]
+
+    def bump(self) -> None:  # untimed
+        mark(self.params, float(next(self._sentinels)))
+        self.version = next(self._versions)
+
+    def time_sends(self, sender: DistributedWeightSender | TensorWeightSender, repeats: int) -> list[float]:
+        try:
+            sender.connect()
+            return timed(repeats, lambda: sender.send(self.named, self.version), self.bump)
+        finally:
+            sender.close()
+
+    def check(self, clients: list[EngineClient]) -> None:
+        check_engines(clients, self.model, str(self.version), self.prompts, self.tok)
+
+
 def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "--raw-receiver":
+        master, port, rank, world, nbytes, count = sys.argv[2:8]
+        raw_receiver(master, int(port), int(rank), int(world), int(nbytes), int(count))
+        return 0
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-mb", type=float, default=256, help="size of the float32 model (approximate)")
     p.add_argument("--repeats", type=int, default=3, help="timed sends per case (median printed)")
+    p.add_argument("--tiny-repeats", type=int, default=20, help="timed tiny-model pushes and round trips x 5")
     p.add_argument("--engines", type=int, nargs="+", default=[1, 2], help="engine counts to send to")
     p.add_argument(
         "--bucket-mb",
@@ -164,67 +264,59 @@ def main() -> int:
     started = time.time()
     work = Path(tempfile.mkdtemp(prefix="rlhpc-bench-wsync-", dir=args.dir))
     procs: list[subprocess.Popen] = []
+    versions, sentinels = itertools.count(1), itertools.count(1000)
     try:
         tiny = tiny_config(args.model_mb)
         model_path = str(build_tiny_model(work / "model", tiny))
-        with ThreadPoolExecutor(max(args.engines)) as pool:  # start-up is mostly imports: overlap them
-            started_engines = list(
-                pool.map(lambda i: start_engine(model_path, work, f"engine{i}"), range(max(args.engines)))
-            )
+        small_path = str(build_tiny_model(work / "small", TinyModelConfig()))  # the tests' tiny model
+        n_big = max(args.engines)
+        with ThreadPoolExecutor(n_big + 1) as pool:  # start-up is mostly imports: overlap them
+            paths = [model_path] * n_big + [small_path]
+            started_engines = list(pool.map(lambda i: start_engine(paths[i], work, f"engine{i}"), range(n_big + 1)))
         procs = [proc for proc, _ in started_engines]
         clients = [EngineClient(url, timeout_s=600) for _, url in started_engines]
+        small_client = clients.pop()
 
-        model = load_model(model_path).requires_grad_(False)
-        g = torch.Generator().manual_seed(1)
-        for t in model.parameters():  # the trainer a few steps ahead of the engines' weights
-            t.add_(torch.randn(t.shape, generator=g), alpha=0.02)
-        params = [t for _, t in model.named_parameters()]
-        named = [(n, t.detach()) for n, t in model.named_parameters()]
-        nbytes = sum(t.numel() * t.element_size() for t in params)
-        bucket = args.bucket_mb * 2**20
-        tok = load_tokenizer(model_path)
-        prompts = [[tok.bos_token_id, *tok(s, add_special_tokens=False).input_ids] for s in ("3+4=", "abc")]
-        sentinels = itertools.count(1000)
-        versions = itertools.count(1)
-        last = {"version": 0}
-
-        def bump() -> None:  # untimed: a new sentinel and version before every send
-            mark(params, float(next(sentinels)))
-            last["version"] = next(versions)
-
-        rows = []
-        dst = [torch.empty_like(t) for t in params]
+        big = Trainer(model_path, versions, sentinels)
+        nbytes, bucket = big.nbytes, args.bucket_mb * 2**20
+        rows: list[tuple[str, int, list[float]]] = []
+        dst = [torch.empty_like(t) for t in big.params]
 
         def copy() -> None:
-            for d, t in zip(dst, params):
+            for d, t in zip(dst, big.params):
                 d.copy_(t)
 
         copy_times = timed(args.repeats, copy)
         rows.append(("in-process copy_", 0, copy_times))
         dst.clear()  # the engines need the memory more
 
+        raw: dict[int, list[float]] = {}
+        push: dict[int, list[float]] = {}
+        colo: dict[int, list[float]] = {}
+        for n in args.engines:
+            raw[n] = time_raw_broadcast(n, nbytes, args.repeats, work)
+            rows.append(("raw broadcast (gloo)", n, raw[n]))
+            group = clients[:n]
+            sender = DistributedWeightSender(group, [1] * n, "127.0.0.1", "gloo", bucket, group_name=f"bench_{n}")
+            push[n] = big.time_sends(sender, args.repeats)
+            big.check(group)
+            rows.append(("disaggregated (gloo)", n, push[n]))
         for n in args.engines:
             group = clients[:n]
-            sender = DistributedWeightSender(
-                group, [1] * n, "127.0.0.1", "gloo", bucket, group_name=f"bench_{n}", timeout=600
-            )
-            try:
-                sender.connect()
-                times = timed(args.repeats, lambda s=sender: s.send(named, last["version"]), bump)
-            finally:
-                sender.close()
-            check_engines(group, model, str(last["version"]), prompts, tok)
-            rows.append(("disaggregated (gloo)", n, times))
+            colo[n] = big.time_sends(TensorWeightSender(group, [1] * n, bucket), args.repeats)
+            big.check(group)
+            rows.append(("colocate (shared memory)", n, colo[n]))
 
-        for n in args.engines:
-            group = clients[:n]
-            sender = TensorWeightSender(group, [1] * n, bucket)
-            try:
-                times = timed(args.repeats, lambda s=sender: s.send(named, last["version"]), bump)
-            finally:
-                sender.close()
-            check_engines(group, model, str(last["version"]), prompts, tok)
-            rows.append(("colocate (shared memory)", n, times))
+        # fixed cost: a model of a few hundred KB, where a push is all round trips and bookkeeping
+        small = Trainer(small_path, versions, sentinels)
+        rtt = timed(5 * args.tiny_repeats, small_client.get_model_info)
+        tiny_dis = small.time_sends(
+            DistributedWeightSender([small_client], [1], "127.0.0.1", "gloo", bucket, group_name="bench_tiny"),
+            args.tiny_repeats,
+        )
+        small.check([small_client])
+        tiny_colo = small.time_sends(TensorWeightSender([small_client], [1], bucket), args.tiny_repeats)
+        small.check([small_client])
 
         load1, _, _ = os.getloadavg()
         print(
@@ -233,29 +325,53 @@ def main() -> int:
         )
         print(
             f"model  : llama hidden {tiny.hidden_size}, MLP {tiny.intermediate_size}, {tiny.num_hidden_layers} "
-            f"layers, float32, {len(params)} tensors, {nbytes / 1e6:.1f} MB; bucket {args.bucket_mb} MiB "
+            f"layers, float32, {len(big.params)} tensors, {nbytes / 1e6:.1f} MB; bucket {args.bucket_mb} MiB "
             f"({math.ceil(nbytes / bucket)} bucket(s) or more)"
         )
         print(
-            f"median of {args.repeats} sends after one warm-up; GB/s = model bytes / s (each engine receives "
-            "all of them); x copy = copy time / send time"
+            f"median of {args.repeats} runs after one warm-up; GB/s = model bytes / s (each engine receives "
+            "all of them); x copy = copy time / time; x raw = raw broadcast time (same engine count) / time"
         )
         print()
-        base = statistics.median(copy_times)
-        print(f"| {'case':<24} | engines | {'MB':>6} | {'s (median)':>10} | {'GB/s':>6} | {'x copy':>6} | all (s)")
-        print(f"|{'-' * 26}|---------|{'-' * 8}|{'-' * 12}|{'-' * 8}|{'-' * 8}|---------")
+        med = {k: statistics.median(v) for k, v in (("copy", copy_times),)}
+        base = med["copy"]
+        print(
+            f"| {'case':<24} | engines | {'MB':>6} | {'s (median)':>10} | {'GB/s':>6} | {'x copy':>6} | {'x raw':>6} | all (s)"
+        )
+        print(f"|{'-' * 26}|---------|{'-' * 8}|{'-' * 12}|{'-' * 8}|{'-' * 8}|{'-' * 8}|---------")
         for case, n, times in rows:
-            med = statistics.median(times)
+            m = statistics.median(times)
+            xraw = f"{statistics.median(raw[n]) / m:6.3f}" if n in raw else f"{'-':>6}"
             print(
-                f"| {case:<24} | {n if n else '-':>7} | {nbytes / 1e6:6.1f} | {med:10.3f} | {nbytes / med / 1e9:6.2f} "
-                f"| {base / med:6.3f} | {' '.join(f'{t:.3f}' for t in times)}"
+                f"| {case:<24} | {n if n else '-':>7} | {nbytes / 1e6:6.1f} | {m:10.3f} | {nbytes / m / 1e9:6.2f} "
+                f"| {base / m:6.3f} | {xraw} | {' '.join(f'{t:.3f}' for t in times)}"
             )
+        rtt_s = statistics.median(rtt)
         print()
         print(
-            f"checked after each case: every engine reports the last weight version, holds that send's "
-            f"sentinel in all {len(params)} tensors, and generates greedily as this process does"
+            f"tiny model ({small.nbytes / 1e3:.0f} KB, {len(small.params)} tensors), 1 engine, median of "
+            f"{args.tiny_repeats}: one HTTP round trip (/model_info) {rtt_s * 1e3:.2f} ms; whole push "
+            f"disaggregated {statistics.median(tiny_dis) * 1e3:.1f} ms "
+            f"({statistics.median(tiny_dis) / rtt_s:.1f} round trips), colocate "
+            f"{statistics.median(tiny_colo) * 1e3:.1f} ms ({statistics.median(tiny_colo) / rtt_s:.1f} round trips)"
+        )
+        print(
+            "checked after each case: every engine reports the last weight version, holds that send's "
+            "sentinel in every tensor, and generates greedily as this process does"
         )
         print(f"total bench time {time.time() - started:.0f} s")
+        ratios: dict[str, float | int | str] = {
+            "push_vs_transport": min(statistics.median(raw[n]) / statistics.median(push[n]) for n in args.engines),
+            "colocate_vs_copy": base / statistics.median(colo[min(args.engines)]),
+            "push_vs_rtt": statistics.median(tiny_dis) / rtt_s,
+            "colocate_push_vs_rtt": statistics.median(tiny_colo) / rtt_s,
+        }
+        for n in args.engines:
+            ratios[f"push_vs_transport_{n}"] = statistics.median(raw[n]) / statistics.median(push[n])
+            ratios[f"colocate_vs_copy_{n}"] = base / statistics.median(colo[n])
+        ratios = {k: round(v, 4) for k, v in ratios.items()}
+        ratios.update(model_mb=round(nbytes / 1e6, 1), bucket_mb=args.bucket_mb, repeats=args.repeats)
+        print(json.dumps(ratios))
     finally:
         for proc in procs:
             stop_engine(proc)
