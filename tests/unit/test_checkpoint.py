@@ -2,8 +2,17 @@
 
 import json
 import logging
+import multiprocessing
+import os
+import resource
+import shutil
+import signal
+import subprocess
+
+import pytest
 
 from rlhpc.checkpoint import LATEST, CheckpointManager, validate
+from rlhpc.errors import RlhpcError
 
 
 def save(mgr, rollout_id, payload=b"weights"):
@@ -66,3 +75,194 @@ def test_newer_complete_dir_wins_over_stale_pointer(tmp_path):
     save(mgr, 2)
     (tmp_path / LATEST).write_text("rollout_000001\n")  # crash between rename and pointer update
     assert mgr.latest().rollout_id == 2
+
+
+# ------------------------------------------------------------ retention (issue 12, item 4)
+
+
+def rollout_dirs(root):
+    return sorted(p.name for p in root.glob("rollout_*"))
+
+
+def test_saving_an_older_rollout_never_removes_it(tmp_path, caplog):
+    # rollouts 19 and 29 left by an earlier run (resume: never, --force); the new run saves 9
+    mgr = CheckpointManager(tmp_path, keep_last=2)
+    save(mgr, 19)
+    save(mgr, 29)
+    with caplog.at_level(logging.WARNING):
+        ck = save(mgr, 9)
+    assert ck.path.is_dir() and validate(ck.path) is None
+    assert (tmp_path / LATEST).read_text().strip() == "rollout_000009"
+    assert mgr.latest().rollout_id == 9  # the stale newer ones are out of the way ...
+    assert rollout_dirs(tmp_path) == ["rollout_000009"]
+    aside = [p.relative_to(tmp_path).parts for p in tmp_path.glob("superseded-*/rollout_*")]
+    assert sorted(name for _, name in aside) == ["rollout_000019", "rollout_000029"]  # ... but not deleted
+    assert "superseded" in caplog.text
+
+
+def test_damaged_dirs_do_not_count_toward_keep_last(tmp_path):
+    mgr = CheckpointManager(tmp_path, keep_last=2)
+    save(mgr, 1)
+    save(mgr, 2)
+    (tmp_path / "rollout_000003").mkdir()  # damaged: no marker
+    save(mgr, 4)
+    assert rollout_dirs(tmp_path) == ["rollout_000002", "rollout_000004"]  # two valid ones
+    (tmp_path / "rollout_000004" / "COMPLETE").unlink()
+    assert mgr.latest().rollout_id == 2
+
+
+def test_start_fresh_sets_every_checkpoint_aside(tmp_path):
+    mgr = CheckpointManager(tmp_path, keep_last=2)
+    save(mgr, 5)
+    save(mgr, 6)
+    aside = mgr.start_fresh()  # resume: never
+    assert mgr.latest() is None and rollout_dirs(tmp_path) == [] and not (tmp_path / LATEST).exists()
+    assert sorted(p.name for p in aside.iterdir()) == [LATEST, "rollout_000005", "rollout_000006"]
+    save(mgr, 0)
+    assert mgr.latest().rollout_id == 0
+    assert mgr.start_fresh() is not None and CheckpointManager(tmp_path, 2).start_fresh() is None  # nothing left
+
+
+# ------------------------------------------------------------ a full disk (issue 12, item 5)
+
+
+def debris(root):
+    return sorted(p.name for p in root.iterdir() if p.name.startswith("."))
+
+
+def write_until_full(staging):
+    """An actor writer on a full disk: fails, or swallows the error and leaves the disk full."""
+    (staging / "actor").mkdir()
+    with open(staging / "actor" / "model.bin", "wb") as f:
+        for _ in range(64):
+            f.write(b"x" * (256 << 10))
+            f.flush()
+
+
+def fill_then_stop(staging):
+    try:
+        write_until_full(staging)
+    except OSError:
+        pass  # the disk is now full: the state file or the manifest is what fails
+
+
+def full_disk_scenario(root, writer):
+    """Save 1, then a save that fills the disk; returns the error message of the failed save."""
+    mgr = CheckpointManager(root, keep_last=2)
+    save(mgr, 1)
+    try:
+        mgr.save(2, writer, {"data": {"epoch": 0}})
+    except RlhpcError as e:
+        message = str(e)
+    else:
+        raise AssertionError("the save on a full disk did not fail")
+    assert debris(root) == [], debris(root)
+    assert rollout_dirs(root) == ["rollout_000001"] and mgr.latest().rollout_id == 1
+    assert (root / LATEST).read_text().strip() == "rollout_000001"
+    return message
+
+
+def mount_tmpfs(path):
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        return False
+    path.mkdir()
+    return (
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(path)], capture_output=True).returncode
+        == 0
+    )
+
+
+def in_child_with_file_size_limit(fn, *args):
+    """Run ``fn`` in a forked child whose files cannot grow past 2 MiB (EFBIG, like a full disk)."""
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+
+    def child():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of a signal
+        resource.setrlimit(resource.RLIMIT_FSIZE, (2 << 20, 2 << 20))
+        try:
+            out.put(("ok", fn(*args)))
+        except BaseException as e:
+            out.put(("error", repr(e)))
+
+    p = ctx.Process(target=child)
+    p.start()
+    status, value = out.get(timeout=120)
+    p.join()
+    assert status == "ok", value
+    return value
+
+
+@pytest.mark.parametrize("writer", [write_until_full, fill_then_stop])
+def test_a_save_on_a_full_disk_leaves_no_debris(tmp_path, writer):
+    disk = tmp_path / "small"
+    if mount_tmpfs(disk):  # a real full filesystem
+        try:
+            message = full_disk_scenario(disk / "checkpoints", writer)
+        finally:
+            subprocess.run(["umount", str(disk)], check=True)
+        assert "No space left on device" in message
+        assert str(disk) in message and "bytes free" in message  # which filesystem is full
+        assert "free space on that filesystem" in message
+    else:  # not root: a file-size limit makes the writes fail for real
+        if writer is fill_then_stop:
+            pytest.skip("a file-size limit cannot fill the disk for the next file; needs a tmpfs (root)")
+        message = in_child_with_file_size_limit(full_disk_scenario, disk / "checkpoints", writer)
+    assert "rollout 2" in message and "rollout_000001" in message and "fix:" in message
+
+
+def test_clean_debris_at_start(tmp_path):
+    mgr = CheckpointManager(tmp_path, keep_last=2)
+    save(mgr, 1)
+    (tmp_path / ".staging-rollout_000002").mkdir()  # a save killed (SIGKILL, node lost)
+    (tmp_path / ".staging-rollout_000002" / "model.bin").write_bytes(b"x" * 100)
+    (tmp_path / ".staging-old-rollout_000001").mkdir()
+    (tmp_path / ".latest.tmp-4242").write_text("rollout_000002\n")
+    CheckpointManager(tmp_path, keep_last=2).clean_debris()
+    assert debris(tmp_path) == [] and mgr.latest().rollout_id == 1
+
+
+# ------------------------------------------------------------ the manifest (issue 12, item 12)
+
+
+@pytest.mark.parametrize(
+    "manifest",
+    [
+        {"rollout_id": 2},
+        [],
+        {"files": ["actor/model.bin"]},
+        {"files": {"actor/model.bin": "7"}},
+        {"files": {"../x": 1}},
+    ],
+)
+def test_malformed_manifest_falls_back(tmp_path, caplog, manifest):
+    mgr = CheckpointManager(tmp_path, keep_last=3)
+    save(mgr, 1)
+    ck = save(mgr, 2)
+    (ck.path / "COMPLETE").write_text(json.dumps(manifest))
+    assert "manifest" in validate(ck.path)
+    with caplog.at_level(logging.WARNING):
+        assert mgr.latest().rollout_id == 1
+    assert "falling back" in caplog.text
+
+
+def test_flipped_byte_is_caught(tmp_path, caplog):
+    mgr = CheckpointManager(tmp_path, keep_last=3)
+    save(mgr, 1)
+    ck = save(mgr, 2)
+    model = ck.path / "actor" / "model.bin"
+    model.write_bytes(b"weighTs")  # same size, one byte different
+    assert "checksum" in validate(ck.path)
+    with caplog.at_level(logging.WARNING):
+        assert mgr.latest().rollout_id == 1
+    assert validate(ck.path, content=False) is None  # the quick check sees sizes only
+
+
+def test_manifest_of_the_previous_version_still_loads(tmp_path):
+    mgr = CheckpointManager(tmp_path, keep_last=3)
+    ck = save(mgr, 2)
+    old = {"rollout_id": 2, "files": json.loads((ck.path / "COMPLETE").read_text())["files"]}
+    (ck.path / "COMPLETE").write_text(json.dumps(old, indent=1))  # sizes only, no checksums
+    assert validate(ck.path) is None and mgr.latest().rollout_id == 2
+    (ck.path / "actor" / "model.bin").write_bytes(b"short")
+    assert "manifest says 7" in validate(ck.path)
