@@ -1,4 +1,9 @@
-"""Where a run's numbers go: a console line, ``metrics.jsonl``, wandb, and HDF5 rollout dumps."""
+"""Where a run's numbers go: a console line, ``metrics.jsonl``, wandb, and HDF5 rollout dumps.
+
+A job killed while appending leaves a torn last line in ``metrics.jsonl``: readers skip it with
+a warning, and the logger of the next job drops it (rewriting the file atomically) before it
+appends. A bad line anywhere else is a real corruption and raises ``MetricsFileCorrupt``.
+"""
 
 from __future__ import annotations
 
@@ -12,17 +17,51 @@ import numpy as np
 
 from rlhpc.batch import RolloutBatch
 from rlhpc.config import LoggingConfig
+from rlhpc.errors import RlhpcError
 from rlhpc.run_dir import RunDir
 from rlhpc.util.files import write_atomic
 
 log = logging.getLogger("rlhpc.metrics")
 
 
+class MetricsFileCorrupt(RlhpcError):
+    """A line other than the last of ``metrics.jsonl`` is not a JSON record."""
+
+
+def _load(path: Path) -> tuple[list[dict], list[str], int | None]:
+    """The records of ``path``, their lines, and the number of a torn last line (None if none).
+
+    Only the last line can be half-written (the job killed during ``log``'s append): it is
+    reported, not returned. A bad line before it is a real corruption and raises.
+    """
+    if not path.is_file():
+        return [], [], None
+    numbered = [(n, line) for n, line in enumerate(path.read_bytes().split(b"\n"), 1) if line.strip()]
+    records, lines, torn = [], [], None
+    for i, (n, raw) in enumerate(numbered):
+        try:
+            record = json.loads(raw)
+            if not isinstance(record, dict):
+                raise ValueError("not a JSON object")
+        except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            if i == len(numbered) - 1:
+                torn = n
+                break
+            raise MetricsFileCorrupt(
+                f"{path} line {n} of {numbered[-1][0]} is corrupt ({e}): {raw[:80]!r}",
+                "only a torn last line is repaired automatically; fix or delete that line by hand, then resubmit",
+            ) from e
+        records.append(record)
+        lines.append(raw.decode())
+    return records, lines, torn
+
+
 def read_metrics(run: RunDir | str | Path) -> list[dict]:
     path = RunDir.of(run).metrics_file
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records, _, torn = _load(path)
+    if torn is not None:
+        log.warning("%s line %d is torn (the job was killed while writing it); skipping it", path, torn)
+    return records
 
 
 def _console_line(kind: str, rollout_id: int, num_rollout: int, values: dict) -> str:
@@ -56,6 +95,7 @@ class MetricsLogger:
         self.cfg = cfg
         self.num_rollout = num_rollout
         self.path = run.metrics_file
+        self._repair()  # before wandb: a corrupt file stops the job before anything starts
         self._wandb = None
         self.wandb_id = wandb_id
         if cfg.wandb_mode != "disabled":
@@ -73,6 +113,15 @@ class MetricsLogger:
                 settings=wandb.Settings(quiet=True, console="off"),
             )
             self.wandb_id = self._wandb.id
+
+    def _repair(self) -> None:
+        """Drop a torn last line before anything is appended after it (it would corrupt the next record)."""
+        _, lines, torn = _load(self.path)
+        if torn is not None:
+            log.warning("%s line %d is torn (the job was killed while writing it); dropping it", self.path, torn)
+        elif not lines or self.path.read_bytes().endswith(b"\n"):
+            return  # a complete last line killed before its newline is kept, and the newline added
+        write_atomic(self.path, "".join(line + "\n" for line in lines))
 
     def rewind(self, next_rollout_id: int) -> None:
         """Drop records of rollouts after the checkpoint we resume from: they are recomputed."""
