@@ -193,6 +193,7 @@ class EngineClient:
         flush_cache: bool = True,
         abort_all_requests: bool = False,
         weight_version: str | None = None,
+        load_format: str | None = None,
     ) -> dict[str, Any]:
         req = P.UpdateWeightsFromDistributedReqInput(
             names=names,
@@ -202,6 +203,7 @@ class EngineClient:
             flush_cache=flush_cache,
             abort_all_requests=abort_all_requests,
             weight_version=weight_version,
+            load_format=load_format,
         )
         return self._checked(Route.UPDATE_WEIGHTS_FROM_DISTRIBUTED, P.body(req))
 

@@ -20,6 +20,9 @@ SGLANG_GROUP_NAME = "weight_update_group"  # SGLang's default weight-update grou
 MEMORY_TAGS = ("weights", "kv_cache")  # release/resume_memory_occupation tags
 PAUSE_MODES = ("abort", "retract", "in_place")
 TOP_K_ALL = 1 << 30  # SGLang's "no top-k"
+# load_format of /update_weights_from_distributed: ONE broadcast per bucket, the tensors' bytes
+# back to back (SGLang's FlattenedTensorBucket layout; see rlhpc.rollout.tensor_transport)
+FLATTENED_BUCKET = "flattened_bucket"
 
 
 class Route:
@@ -97,7 +100,8 @@ class DestroyWeightsUpdateGroupReqInput:
 
 @dataclass
 class UpdateWeightsFromDistributedReqInput:
-    """``dtypes`` as torch attribute names ("float32", "bfloat16"); tensors are broadcast in ``names`` order."""
+    """``dtypes`` as torch attribute names ("float32", "bfloat16"); tensors are broadcast in ``names`` order,
+    one broadcast each, or (``load_format=FLATTENED_BUCKET``) as one flat uint8 broadcast."""
 
     names: list[str]
     dtypes: list[str]

@@ -19,6 +19,11 @@ receiver waits on before reading, so the clone is complete when the engine copie
 copies and synchronises before it answers (``Engine.load_weights`` in rlhpc.rollout.cpu_server),
 so once every engine has answered the sender may free its clones; torch keeps a block whose
 receiver still holds a handle in its IPC limbo until ``torch.cuda.ipc_collect``.
+
+Flattened buckets (``load_format="flattened_bucket"`` of ``/update_weights_from_distributed``)
+travel as ONE uint8 tensor per bucket: each tensor's bytes back to back in ``names`` order, no
+padding, every tensor starting at a multiple of its element size (SGLang's receiver checks
+that). ``flat_layout``, ``flatten_into`` and ``unflatten`` below are both ends of that layout.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import io
+import math
 import pickle
 import threading
 from collections.abc import Iterator
@@ -37,6 +43,79 @@ import torch.multiprocessing as torch_mp
 
 class TensorPayloadError(ValueError):
     """A payload that is not a list of (name, tensor) pairs this process may safely load."""
+
+
+# ------------------------------------------------------------------ flattened buckets
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def flat_order(tensors: list[torch.Tensor]) -> list[int]:
+    """Indices in sending order: wider elements first (stable), so that every tensor starts at a
+    multiple of its element size without padding. Uniform dtypes keep their order."""
+    return sorted(range(len(tensors)), key=lambda i: -tensors[i].element_size())
+
+
+def flat_layout(dtypes: list[torch.dtype], shapes: list[list[int]]) -> list[tuple[int, int]]:
+    """(start, end) byte offsets of each tensor in a flattened bucket; refuses what SGLang refuses."""
+    spans = []
+    offset = 0
+    for dtype, shape in zip(dtypes, shapes, strict=True):
+        if any(d < 0 for d in shape):
+            raise TensorPayloadError(f"negative dimension in shape {list(shape)}")
+        width = dtype.itemsize
+        if offset % width:
+            raise TensorPayloadError(f"a {dtype} tensor at byte offset {offset} is not aligned to {width} bytes")
+        size = math.prod(shape) * width
+        spans.append((offset, offset + size))
+        offset += size
+    if not spans:
+        raise TensorPayloadError("a flattened bucket needs at least one tensor")
+    return spans
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes as a 1-D uint8 view (no copy)."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+def adjacent_bytes(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """One uint8 view over all tensors if they already lie back to back, in this order, in one
+    storage (a flat parameter buffer); else None. Sending or receiving it needs no copy."""
+    first = tensors[0]
+    if not first.is_contiguous():
+        return None
+    storage = first.untyped_storage()
+    end = first.data_ptr()
+    for t in tensors:
+        if not t.is_contiguous() or t.data_ptr() != end or t.untyped_storage().data_ptr() != storage.data_ptr():
+            return None
+        end += nbytes(t)
+    start = first.data_ptr() - storage.data_ptr()
+    total = end - first.data_ptr()
+    return torch.empty(0, dtype=torch.uint8, device=first.device).set_(storage, start, (total,))
+
+
+def flatten_into(tensors: list[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+    """Copy the tensors back to back into ``out`` (uint8, at least their size); return the used part."""
+    total = sum(nbytes(t) for t in tensors)
+    flat = out[:total]
+    offset = 0
+    for t in tensors:  # copy_ per tensor: a non-contiguous source is read in place, not cloned
+        n = nbytes(t)
+        flat[offset : offset + n].view(t.dtype).view(t.shape).copy_(t)
+        offset += n
+    return flat
+
+
+def unflatten(flat: torch.Tensor, dtypes: list[torch.dtype], shapes: list[list[int]]) -> list[torch.Tensor]:
+    """Views of each tensor in a received flattened bucket (no copy)."""
+    return [
+        flat[start:end].view(dtype).view(shape)
+        for (start, end), dtype, shape in zip(flat_layout(dtypes, shapes), dtypes, shapes)
+    ]
 
 
 # ------------------------------------------------------------------ sender

@@ -5,7 +5,9 @@ Two channels, chosen by placement:
 - disaggregated (``DistributedWeightSender``): the trainer's rank 0 and every engine GPU form one
   extra torch.distributed group (trainer = rank 0, engine e's TP ranks start at
   ``1 + sum(tp sizes before e)``); each bucket of tensors is announced over HTTP
-  (``/update_weights_from_distributed``) and then broadcast from rank 0, in ``names`` order.
+  (``/update_weights_from_distributed``, ``load_format="flattened_bucket"``) and broadcast from
+  rank 0 as ONE flat tensor (SGLang's FlattenedTensorBucket layout); the next bucket is packed
+  while this one is on the wire.
 - colocate (``TensorWeightSender``): engines share the trainer's node, so tensors travel as
   shared-memory handles inside ``/update_weights_from_tensor`` (see ``rlhpc.rollout.tensor_transport``).
 
@@ -20,6 +22,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -28,7 +31,14 @@ import torch.distributed as dist
 
 from rlhpc.errors import RlhpcError
 from rlhpc.rollout.client import EngineClient
-from rlhpc.rollout.tensor_transport import serialize_named_tensors
+from rlhpc.rollout.protocol import FLATTENED_BUCKET
+from rlhpc.rollout.tensor_transport import (
+    adjacent_bytes,
+    flat_order,
+    flatten_into,
+    nbytes,
+    serialize_named_tensors,
+)
 from rlhpc.rollout.weight_update_group import (
     DEFAULT_TIMEOUT,
     as_timedelta,
@@ -44,10 +54,6 @@ DEFAULT_GROUP_NAME = "rlhpc_weight_sync"
 
 
 # ------------------------------------------------------------------ buckets
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -68,7 +74,7 @@ def iter_buckets(
     bucket: list[tuple[str, torch.Tensor]] = []
     size = 0
     for name, tensor in named_tensors:
-        n = _nbytes(tensor)
+        n = nbytes(tensor)
         if bucket and size + n > bucket_bytes:
             if pending is not None:
                 yield pending, False
@@ -82,6 +88,17 @@ def iter_buckets(
 
 
 # ------------------------------------------------------------------ senders
+
+
+@dataclass
+class _Packed:
+    """One bucket ready for the wire: its bytes and the announce's metadata, in sending order."""
+
+    flat: torch.Tensor
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    last: bool
 
 
 class _SenderBase:
@@ -168,6 +185,7 @@ class DistributedWeightSender(_SenderBase):
         self._group: dist.ProcessGroup | None = None
         self._broken: str | None = None  # a broadcast left hanging: the group is unusable
         self._bcast_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-bcast")
+        self._buffers: list[torch.Tensor | None] = [None, None]  # host packing buffers, alternating
 
     def _check_tp_sizes(self) -> None:
         infos = self._on_all(lambda c: c.get_server_info())
@@ -238,54 +256,90 @@ class DistributedWeightSender(_SenderBase):
         if self._group is None:
             raise RlhpcError("weight sync send() before connect()", "call connect() once after the engines are up")
         n = 0
-        for bucket, last in buckets:
-            tensors = [t.detach().contiguous() for _, t in bucket]
-            names = [name for name, _ in bucket]
-            dtypes = [dtype_name(t.dtype) for t in tensors]
-            shapes = [list(t.shape) for t in tensors]
-            posts = [
-                self._pool.submit(
-                    c.update_weights_from_distributed,
-                    names,
-                    dtypes,
-                    shapes,
-                    self.group_name,
-                    flush_cache=last,
-                    weight_version=version if last else None,
-                )
-                for c in self.clients
-            ]
-            # Broadcast aside and watch the engines' answers: an engine that refuses the bucket
-            # (unknown group, bad name) never joins the broadcast, which would otherwise block
-            # us for the whole group timeout before saying why.
-            bcast = self._bcast_pool.submit(self._broadcast, tensors)
-            wait([bcast, *posts], return_when=FIRST_EXCEPTION)
-            if bcast.done() and bcast.exception() is not None:
-                wait(posts, timeout=10)  # an engine's answer explains a broken broadcast better than gloo
-                self._broken = f"a broadcast failed: {bcast.exception()}"
-            elif any(f.done() and f.exception() is not None for f in posts):
-                # Refused after receiving everything (bad name or shape): the broadcast completes
-                # and the group stays usable. Refused before: the broadcast can never complete.
-                wait([bcast], timeout=5)
-                if not bcast.done() or bcast.exception() is not None:
-                    self._broken = "an engine refused a bucket while the broadcast was under way"
-            if self._broken:
-                for f, c in zip(posts, self.clients):
-                    if f.done() and f.exception() is not None:
-                        self._result(f, c)
-                raise RlhpcError(
-                    f"weight broadcast to {[c.base_url for c in self.clients]} failed: {self._broken}",
-                    "check the engine logs, restart the engines and connect again",
-                )
-            for f, c in zip(posts, self.clients):
-                self._result(f, c)
-            bcast.result()
-            n += 1
+        packed = self._pack(next(buckets, None), slot=0)
+        while packed is not None:
+            posts, bcast = self._start_bucket(packed, version)
+            # pack bucket n + 1 into the other buffer while bucket n is on the wire
+            try:
+                following = self._pack(next(buckets, None), slot=(n + 1) % 2)
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    self._finish_bucket(posts, bcast)
+                raise
+            self._finish_bucket(posts, bcast)
+            packed, n = following, n + 1
         return n
 
-    def _broadcast(self, tensors: list[torch.Tensor]) -> None:
-        for t in tensors:  # the engines receive in names order
-            dist.broadcast(t, group_src=0, group=self._group)
+    def _pack(self, item: tuple[list[tuple[str, torch.Tensor]], bool] | None, slot: int) -> _Packed | None:
+        """A bucket as one flat uint8 tensor in SGLang's flattened-bucket layout.
+
+        No copy when the bucket is one contiguous tensor, or tensors already back to back in one
+        storage; else a copy into a buffer kept between sends (host memory handed back to the
+        OS and faulted in again on every send costs as much as the copy itself)."""
+        if item is None:
+            return None
+        bucket, last = item
+        tensors = [t.detach() for _, t in bucket]
+        order = flat_order(tensors)
+        tensors = [tensors[i] for i in order]
+        names = [bucket[i][0] for i in order]
+        flat = adjacent_bytes(tensors)
+        if flat is None:
+            total = sum(nbytes(t) for t in tensors)
+            device = tensors[0].device
+            buf = self._buffers[slot]
+            if device.type != "cpu":
+                buf = torch.empty(total, dtype=torch.uint8, device=device)  # the caching allocator reuses it
+            elif buf is None or buf.numel() < total:
+                buf = self._buffers[slot] = torch.empty(total, dtype=torch.uint8)
+            flat = flatten_into(tensors, buf)
+        return _Packed(flat, names, [dtype_name(t.dtype) for t in tensors], [list(t.shape) for t in tensors], last)
+
+    def _start_bucket(self, packed: _Packed, version: str) -> tuple[list[Future], Future]:
+        """Announce the bucket to every engine (one POST each) and broadcast it (one broadcast)."""
+        posts = [
+            self._pool.submit(
+                c.update_weights_from_distributed,
+                packed.names,
+                packed.dtypes,
+                packed.shapes,
+                self.group_name,
+                flush_cache=packed.last,
+                weight_version=version if packed.last else None,
+                load_format=FLATTENED_BUCKET,
+            )
+            for c in self.clients
+        ]
+        return posts, self._bcast_pool.submit(self._broadcast, packed.flat)
+
+    def _finish_bucket(self, posts: list[Future], bcast: Future) -> None:
+        # Watch the engines' answers beside the broadcast: an engine that refuses the bucket
+        # (unknown group, bad name) never joins the broadcast, which would otherwise block us
+        # for the whole group timeout before saying why.
+        wait([bcast, *posts], return_when=FIRST_EXCEPTION)
+        if bcast.done() and bcast.exception() is not None:
+            wait(posts, timeout=10)  # an engine's answer explains a broken broadcast better than gloo
+            self._broken = f"a broadcast failed: {bcast.exception()}"
+        elif any(f.done() and f.exception() is not None for f in posts):
+            # Refused after receiving everything (bad name or shape): the broadcast completes
+            # and the group stays usable. Refused before: the broadcast can never complete.
+            wait([bcast], timeout=5)
+            if not bcast.done() or bcast.exception() is not None:
+                self._broken = "an engine refused a bucket while the broadcast was under way"
+        if self._broken:
+            for f, c in zip(posts, self.clients):
+                if f.done() and f.exception() is not None:
+                    self._result(f, c)
+            raise RlhpcError(
+                f"weight broadcast to {[c.base_url for c in self.clients]} failed: {self._broken}",
+                "check the engine logs, restart the engines and connect again",
+            )
+        for f, c in zip(posts, self.clients):
+            self._result(f, c)
+        bcast.result()
+
+    def _broadcast(self, flat: torch.Tensor) -> None:
+        dist.broadcast(flat, group_src=0, group=self._group)
 
     def close(self) -> None:
         if self._group is not None:
@@ -298,6 +352,7 @@ class DistributedWeightSender(_SenderBase):
                 dist.destroy_process_group(self._group)
             self._group = None
         self._store = None
+        self._buffers = [None, None]
         self._bcast_pool.shutdown(wait=False, cancel_futures=True)
         super().close()
 

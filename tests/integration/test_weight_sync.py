@@ -10,6 +10,7 @@ import io
 import os
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,8 +28,12 @@ from rlhpc.rollout.client import EngineClient
 from rlhpc.rollout.tensor_transport import (
     TensorPayloadError,
     TensorUnpickler,
+    adjacent_bytes,
     deserialize_named_tensors,
+    flat_order,
+    flatten_into,
     serialize_named_tensors,
+    unflatten,
 )
 from rlhpc.rollout.weight_sync import (
     DistributedWeightSender,
@@ -37,12 +42,15 @@ from rlhpc.rollout.weight_sync import (
     make_weight_sender,
 )
 
+LOGS: dict[str, Path] = {}  # engine URL -> its server log
+
 
 @pytest.fixture(scope="module")
 def engines(model_path: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[EngineClient]]:
     work = tmp_path_factory.mktemp("engines")
     with ThreadPoolExecutor(2) as pool:  # start both at once: startup is mostly imports
         started = list(pool.map(lambda i: start_server(model_path, work, f"engine{i}"), range(2)))
+    LOGS.update({url: work / f"engine{i}.log" for i, (_, url, _) in enumerate(started)})
     yield [EngineClient(url, timeout_s=60) for _, url, _ in started]
     for proc, _, _ in started:
         stop_server(proc)
@@ -64,6 +72,86 @@ def test_buckets_respect_the_size_and_mark_the_last() -> None:
     assert [last for _, last in out] == [False, False, False, False, True]
     assert [last for _, last in iter_buckets(ts[:1], 80)] == [True]
     assert list(iter_buckets([], 80)) == []
+
+
+# ------------------------------------------------------------------ flattened buckets
+
+
+def test_flattened_bucket_round_trips_bit_exact_in_process() -> None:
+    g = torch.Generator().manual_seed(0)
+    tensors = [
+        torch.randn(3, 5, generator=g),
+        torch.randn(7, generator=g).to(torch.bfloat16),
+        torch.randn(4, 6, generator=g).t(),  # not contiguous: read in place, not cloned
+        torch.randint(0, 100, (3,), generator=g, dtype=torch.int8),
+        torch.tensor(2.5),
+    ]
+    tensors = [tensors[i] for i in flat_order(tensors)]  # widest first: every tensor aligned
+    out = torch.empty(1000, dtype=torch.uint8)
+    flat = flatten_into(tensors, out)
+    assert flat.data_ptr() == out.data_ptr() and flat.numel() == sum(t.numel() * t.element_size() for t in tensors)
+    back = unflatten(flat, [t.dtype for t in tensors], [list(t.shape) for t in tensors])
+    assert all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(tensors, back))
+
+
+def test_tensors_already_back_to_back_are_sent_without_a_copy() -> None:
+    storage = torch.arange(20.0)
+    a, b = storage[:6].view(2, 3), storage[6:10]
+    flat = adjacent_bytes([a, b])
+    assert flat is not None and flat.data_ptr() == a.data_ptr() and flat.numel() == 40
+    assert adjacent_bytes([b, a]) is None  # out of order
+    assert adjacent_bytes([a, storage[11:12]]) is None  # a gap
+    assert adjacent_bytes([storage.view(4, 5).t()]) is None  # not contiguous
+    sender = DistributedWeightSender([EngineClient("http://x")], [1], "127.0.0.1", "gloo", 1 << 20)
+    one = torch.randn(4, 4)
+    assert sender._pack(([("w", one)], True), 0).flat.data_ptr() == one.data_ptr()  # no clone
+    packed = sender._pack(([("x", torch.zeros(3, dtype=torch.bfloat16)), ("w", one)], False), 0)
+    assert packed.names == ["w", "x"] and packed.dtypes == ["float32", "bfloat16"]  # aligned: widest first
+    assert packed.flat.data_ptr() == sender._buffers[0].data_ptr()  # packed into the kept buffer
+    sender.close()
+
+
+def in_place_receives(c: EngineClient) -> int:
+    return LOGS[c.base_url].read_text().count("in place")
+
+
+def test_flattened_buckets_land_in_place_or_through_a_buffer(engines: list[EngineClient], model_path: str) -> None:
+    """In place when the engine's parameters match the bucket's order and dtypes; through a kept
+    receive buffer (and a cast) when they do not; in place again after release + resume."""
+    c = engines[0]
+    model = trainer_model(model_path, seed=8)
+    with torch.no_grad():  # values a bfloat16 carries exactly
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16))
+    sender = DistributedWeightSender([c], [1], "127.0.0.1", "gloo", total_bytes(model) // 3, group_name="flat")
+    try:
+        sender.connect()
+        before = in_place_receives(c)
+        sender.send(named(model), version=40)
+        assert in_place_receives(c) > before
+        assert_engine_holds(c, model)
+
+        model = trainer_model(model_path, seed=9)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(p.to(torch.bfloat16))
+        mixed = [(n, t.to(torch.bfloat16) if i % 2 else t) for i, (n, t) in enumerate(named(model))]
+        before = in_place_receives(c)
+        sender.send(mixed, version=41)
+        assert in_place_receives(c) == before  # the dtypes differ from the engine's: cast after receiving
+        assert c.get_weight_version() == "41"
+        assert_engine_holds(c, model)
+
+        c.release_memory_occupation()
+        c.resume_memory_occupation()
+        model = trainer_model(model_path, seed=10)
+        sender.send(named(model), version=42)
+        assert in_place_receives(c) > before
+        assert c.get_weight_version() == "42"
+        assert_engine_holds(c, model)
+        assert_generation_matches(c, model, model_path)
+    finally:
+        sender.close()
 
 
 # ------------------------------------------------------------------ disaggregated

@@ -4,8 +4,9 @@ The Makefile (`make test`, `make test-fast`) downloads the wheel of the version 
 into ``$(VENV)/wheels`` (SGLang itself needs CUDA, so it is not installed). The readers below
 parse its sources with ``ast``: request structs (``io_struct.py``), sampling params, HTTP routes
 and the body type each route takes (``http_server.py``), ``meta_info`` keys
-(``tokenizer_manager.py``) and the launch flags (``server_args.py`` and the field namespaces it
-assembles ``ServerArgs`` from).
+(``tokenizer_manager.py``), the launch flags (``server_args.py`` and the field namespaces it
+assembles ``ServerArgs`` from) and how a flattened weight bucket is received (``weight_updater.py``,
+``weight_sync/tensor_bucket.py``).
 """
 
 from __future__ import annotations
@@ -243,3 +244,70 @@ def server_flags() -> frozenset[str]:
         if isinstance(node, ast.Call) and _call_name(node.func) == "add_argument":
             flags.update(a.value for a in node.args if isinstance(a, ast.Constant) and str(a.value).startswith("--"))
     return frozenset(flags)
+
+
+# ------------------------------------------------------------------ flattened-bucket weight updates
+
+WEIGHT_UPDATER = "sglang/srt/model_executor/model_runner_components/weight_updater.py"
+TENSOR_BUCKET = "sglang/srt/weight_sync/tensor_bucket.py"
+
+
+def _functions(path: str) -> dict[str, ast.FunctionDef]:
+    return {n.name: n for n in ast.walk(_tree(path)) if isinstance(n, ast.FunctionDef)}
+
+
+def load_formats_compared(path: str, function: str) -> frozenset[str]:
+    """String literals that ``function`` compares ``load_format`` with (``load_format == "..."``)."""
+    found = set()
+    for node in ast.walk(_functions(path)[function]):
+        if isinstance(node, ast.Compare) and isinstance(node.left, ast.Name) and node.left.id == "load_format":
+            found.update(c.value for c in node.comparators if isinstance(c, ast.Constant) and isinstance(c.value, str))
+    return frozenset(found)
+
+
+@dataclass(frozen=True)
+class BucketReceive:
+    """How SGLang receives a flattened bucket over a weight-update group."""
+
+    broadcasts: int  # torch.distributed.broadcast calls in the receive function
+    allocates_with: str | None  # the FlattenedTensorBucket constructor it calls
+    empty_params: tuple[str, ...]  # FlattenedTensorBucket.empty's parameters
+    flat_dtype: str | None  # dtype of the one flat tensor empty() allocates
+    checks_alignment: bool  # empty() refuses a tensor whose byte offset is not a multiple of its itemsize
+    back_to_back: bool  # empty() places each tensor right after the previous one (offset += size)
+
+
+@functools.cache
+def flattened_bucket_receive() -> BucketReceive:
+    fn = _functions(WEIGHT_UPDATER)["_receive_bucketed_weights_from_distributed"]
+    broadcasts = sum(
+        1 for n in ast.walk(fn) if isinstance(n, ast.Call) and ast.unparse(n.func).endswith("distributed.broadcast")
+    )
+    ctor = next(
+        (
+            n.func.attr
+            for n in ast.walk(fn)
+            if isinstance(n, ast.Call)
+            and isinstance(n.func, ast.Attribute)
+            and ast.unparse(n.func.value) == "FlattenedTensorBucket"
+        ),
+        None,
+    )
+    empty = _functions(TENSOR_BUCKET)["empty"]
+    params = tuple(a.arg for a in empty.args.args if a.arg != "cls")
+    flat_dtype = next(
+        (
+            ast.unparse(kw.value)
+            for n in ast.walk(empty)
+            if isinstance(n, ast.Call) and ast.unparse(n.func) == "torch.empty"
+            for kw in n.keywords
+            if kw.arg == "dtype"
+        ),
+        None,
+    )
+    checks_alignment = any(
+        isinstance(n, ast.BinOp) and isinstance(n.op, ast.Mod) and ast.unparse(n) == "offset % dtype.itemsize"
+        for n in ast.walk(empty)
+    )
+    back_to_back = any(isinstance(n, ast.AugAssign) and ast.unparse(n) == "offset += size" for n in ast.walk(empty))
+    return BucketReceive(broadcasts, ctor, params, flat_dtype, checks_alignment, back_to_back)

@@ -100,3 +100,45 @@ def test_launch_flags_exist_in_server_args() -> None:
     emitted = {a for a in cmd if a.startswith("--")}
     assert emitted, cmd
     assert emitted <= flags, f"flags SGLang {P.SGLANG_VERSION} does not know: {emitted - flags}"
+
+
+# ------------------------------------------------------------------ flattened weight buckets
+
+
+def test_flattened_bucket_announce_is_what_sglang_receives() -> None:
+    """The body DistributedWeightSender announces (one per bucket) names SGLang's fields, and its
+    load_format is the value SGLang's receiver branches on to take ONE broadcast of the bucket."""
+    req = P.UpdateWeightsFromDistributedReqInput(
+        names=["a", "b"],
+        dtypes=["float32", "bfloat16"],
+        shapes=[[2, 3], [5]],
+        group_name="g",
+        flush_cache=False,
+        weight_version=None,
+        load_format=P.FLATTENED_BUCKET,
+    )
+    sent = P.body(req)
+    assert set(sent) <= set(sgl.request_structs()["UpdateWeightsFromDistributedReqInput"])
+    assert sent["load_format"] == "flattened_bucket"
+    assert P.FLATTENED_BUCKET in sgl.load_formats_compared(sgl.WEIGHT_UPDATER, "receive_weights_from_distributed")
+    theirs = sgl.flattened_bucket_receive()
+    assert theirs.broadcasts == 1 and theirs.allocates_with == "empty"
+    assert theirs.empty_params == ("names", "dtypes", "shapes", "device")
+    assert theirs.flat_dtype == "torch.uint8"
+
+
+def test_our_flat_layout_follows_sglangs_rules() -> None:
+    """Back to back, no padding, every tensor aligned to its element size (SGLang refuses otherwise)."""
+    import torch
+
+    from rlhpc.rollout.tensor_transport import TensorPayloadError, flat_layout, flat_order
+
+    theirs = sgl.flattened_bucket_receive()
+    assert theirs.back_to_back and theirs.checks_alignment
+    assert flat_layout([torch.float32, torch.bfloat16, torch.int8], [[2, 3], [5], [3]]) == [(0, 24), (24, 34), (34, 37)]
+    with pytest.raises(TensorPayloadError, match="not aligned"):
+        flat_layout([torch.int8, torch.float32], [[3], [1]])
+    tensors = [torch.zeros(3, dtype=torch.int8), torch.zeros(1), torch.zeros(3, dtype=torch.bfloat16)]
+    order = flat_order(tensors)
+    assert order == [1, 2, 0]  # widest first: always aligned
+    flat_layout([tensors[i].dtype for i in order], [list(tensors[i].shape) for i in order])

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import threading
 import time
 from typing import Any
@@ -24,7 +25,13 @@ from rlhpc.rollout import protocol as P
 from rlhpc.rollout.cpu_server.requests import EngineError, Item, ModelLimits, check_tags, normalize_generate
 from rlhpc.rollout.protocol import MetaInfo
 from rlhpc.rollout.sampling import sample
-from rlhpc.rollout.tensor_transport import TensorPayloadError, deserialize_named_tensors
+from rlhpc.rollout.tensor_transport import (
+    TensorPayloadError,
+    adjacent_bytes,
+    deserialize_named_tensors,
+    flat_layout,
+    unflatten,
+)
 from rlhpc.rollout.weight_update_group import init_custom_process_group
 
 log = logging.getLogger("rlhpc.cpu_server")
@@ -43,6 +50,7 @@ class Engine:
                 self.device = torch.device("cuda", 0)
             torch.cuda.set_device(self.device)
         self.model = load_model(model_path, self.device).eval().requires_grad_(False)
+        self._flatten_parameters({n: p.shape for n, p in self.model.named_parameters()}, copy=True)
         self.tokenizer = load_tokenizer(model_path)
         cfg = self.model.config
         self.vocab_size = int(cfg.vocab_size)
@@ -62,6 +70,7 @@ class Engine:
         self._shapes: dict[str, torch.Size] = {}  # of released parameters
         self.groups: dict[str, dist.ProcessGroup] = {}
         self.group_devices: dict[str, torch.device] = {}  # where a group's broadcasts land
+        self._scratch_buffers: dict[str, torch.Tensor] = {}  # per group: flattened buckets land here
         self.busy = False
 
         self._seq = itertools.count()
@@ -252,6 +261,7 @@ class Engine:
     def destroy_group(self, group_name: str) -> str:
         pg = self.groups.pop(group_name, None)
         self.group_devices.pop(group_name, None)
+        self._scratch_buffers.pop(group_name, None)
         if pg is None:
             raise EngineError(f"no weight update group {group_name!r}")
         dist.destroy_process_group(pg)
@@ -260,23 +270,80 @@ class Engine:
     def update_from_distributed(self, req: P.UpdateWeightsFromDistributedReqInput) -> str:
         if not len(req.names) == len(req.dtypes) == len(req.shapes):
             raise EngineError("names, dtypes and shapes differ in length")
+        if req.load_format not in (None, P.FLATTENED_BUCKET):
+            raise EngineError(f"load_format {req.load_format!r} is not supported by the CPU engine")
         pg = self.groups.get(req.group_name)
         if pg is None:
             raise EngineError(f"no weight update group {req.group_name!r}; call init_weights_update_group first")
+        try:
+            dtypes = [getattr(torch, d) for d in req.dtypes]
+            if not all(isinstance(d, torch.dtype) for d in dtypes):
+                raise AttributeError(req.dtypes)
+            spans = flat_layout(dtypes, req.shapes) if req.load_format == P.FLATTENED_BUCKET else None
+        except (AttributeError, TensorPayloadError) as e:  # refused before any broadcast: SGLang does too
+            raise EngineError(f"bad tensor metadata: {e}") from e
         if req.abort_all_requests:
             self.abort(abort_all=True)
         device = self.group_devices[req.group_name]
         if device.type == "cuda":
             torch.cuda.set_device(device)
+        if spans is not None and self._receive_in_place(req, dtypes, pg, device):
+            return f"updated {len(req.names)} tensor(s) in place"
         received = []
         # Receive every tensor even if some will be refused: skipping one would desynchronise
         # the broadcast sequence for the trainer and every other engine in the group.
-        for name, dtype, shape in zip(req.names, req.dtypes, req.shapes):
-            buf = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
-            dist.broadcast(buf, group_src=0, group=pg)
-            received.append((name, buf))
+        if spans is not None:
+            flat = self._scratch(req.group_name, spans[-1][1], device)
+            dist.broadcast(flat, group_src=0, group=pg)
+            received = list(zip(req.names, unflatten(flat, dtypes, req.shapes)))
+        else:
+            for name, dtype, shape in zip(req.names, dtypes, req.shapes):
+                buf = torch.empty(shape, dtype=dtype, device=device)
+                dist.broadcast(buf, group_src=0, group=pg)
+                received.append((name, buf))
         self.load_weights(received, req.weight_version)
         return f"updated {len(received)} tensor(s)"
+
+    def _scratch(self, group_name: str, size: int, device: torch.device) -> torch.Tensor:
+        """A receive buffer kept per group: one bucket of memory, faulted in once, not per update."""
+        buf = self._scratch_buffers.get(group_name)
+        if buf is None or buf.numel() < size or buf.device != device:
+            buf = self._scratch_buffers[group_name] = torch.empty(size, dtype=torch.uint8, device=device)
+        return buf[:size]
+
+    def _receive_in_place(
+        self, req: P.UpdateWeightsFromDistributedReqInput, dtypes: list[torch.dtype], pg: Any, device: torch.device
+    ) -> bool:
+        """Broadcast a flattened bucket straight into the parameters when they lie back to back in
+        the same order, dtypes and device (see ``_flatten_parameters``): no copy at all. False
+        (nothing received) when they do not, or the update would be refused."""
+        table = self._param_table()
+        params = [table.get(name) for name in req.names]
+        if any(
+            p is None or p.dtype != dtype or tuple(p.shape) != tuple(shape) or p.device != device
+            for p, dtype, shape in zip(params, dtypes, req.shapes)
+        ):
+            return False
+        with self.model_lock:
+            if "weights" in self.released:
+                return False
+            flat = adjacent_bytes([p.data for p in params])
+            if flat is None:
+                return False
+            # Written in place: a broadcast that breaks half way leaves this bucket partly new,
+            # as any failed push leaves the engine (paused, to be restarted).
+            dist.broadcast(flat, group_src=0, group=pg)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            self.stale.difference_update(req.names)
+            if req.weight_version is not None:
+                self.weight_version = req.weight_version
+        log.info(
+            "received %d tensor(s) in place%s",
+            len(req.names),
+            f"; weight_version {req.weight_version}" if req.weight_version is not None else "",
+        )
+        return True
 
     def update_from_tensor(self, req: P.UpdateWeightsFromTensorReqInput) -> str:
         if req.load_format not in (None, "direct", "default"):
@@ -328,14 +395,32 @@ class Engine:
         tags = check_tags(tags)
         with self.model_lock:
             if "weights" in tags and "weights" in self.released:
-                for name, p in self.model.named_parameters():
-                    p.data = torch.empty(self._shapes.pop(name), dtype=p.dtype, device=p.device)
-                    self.stale.add(name)
+                self._flatten_parameters(self._shapes, copy=False)
+                self.stale.update(self._shapes)
+                self._shapes.clear()
             self.released.difference_update(tags)
         log.info("resumed %s; %d parameter(s) await new weights", tags, len(self.stale))
 
+    def _flatten_parameters(self, shapes: dict[str, torch.Size], copy: bool) -> None:
+        """Lay the parameters back to back in one buffer per dtype, in ``named_parameters`` order
+        (the trainer's sending order), so a flattened bucket can be received straight into them.
+        ``copy``: keep their values (at load); else they are left uninitialised (at resume)."""
+        params = list(self.model.named_parameters())  # tied weights once
+        for dtype in dict.fromkeys(p.dtype for _, p in params):
+            group = [(n, p) for n, p in params if p.dtype == dtype]
+            sizes = [math.prod(shapes[n]) for n, _ in group]
+            flat = torch.empty(sum(sizes), dtype=dtype, device=self.device)
+            offset = 0
+            for (name, p), size in zip(group, sizes):
+                view = flat[offset : offset + size].view(shapes[name])
+                if copy:
+                    view.copy_(p.data)
+                p.data = view
+                offset += size
+
     def weights_bytes(self) -> int:
-        return sum(p.untyped_storage().nbytes() for p in self.model.parameters())
+        storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in self.model.parameters()}
+        return sum(storages.values())
 
     # -------------------------------------------------------------- info
 
