@@ -255,6 +255,13 @@ class RolloutConfig(Section):
     update_weight_buffer_mb: int = 512  # bucket size for weight sync
     engine_startup_timeout_s: float = 120.0
     max_engine_restarts: int = 3  # per engine: a dead/unhealthy engine is restarted and re-synced
+    # Asynchronous pipeline: generation may run up to this many rollouts ahead of training, so
+    # rollout r is generated with weights no older than version r - max_staleness (the weights
+    # after training rollout r - max_staleness - 1). 0: the synchronous loop (generate, train,
+    # push, repeat). >= 1 needs a disaggregated layout (the engines generate while the actor
+    # trains). With `deterministic: true` the lag is fixed: rollout r uses exactly version
+    # max(0, r - max_staleness), so results do not depend on timing and resume is exact.
+    max_staleness: int = 0
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
 
     def check(self) -> None:
@@ -268,6 +275,9 @@ class RolloutConfig(Section):
             self._refuse("top_p", "must be in (0, 1]", "use 1.0 to sample from the whole distribution")
         self._above(0, "engine_startup_timeout_s", fix="give rollout.engine_startup_timeout_s seconds, e.g. 120")
         self._at_least(0, "max_engine_restarts", fix="set 0 to never restart an engine")
+        self._at_least(
+            0, "max_staleness", fix="set 0 for the synchronous loop, or 1 to overlap generation and training"
+        )
 
 
 @dataclass
@@ -622,6 +632,18 @@ def validate(cfg: Config) -> None:
         raise ConfigError(
             f"a rollout has {r.rollout_batch_size * r.n_samples_per_prompt} samples, fewer than the {c.actor_num_gpus} actor ranks",
             "raise rollout.rollout_batch_size or lower cluster.actor_num_gpus",
+        )
+    if r.max_staleness > 0 and (c.colocate or c.offload):
+        key = "cluster.colocate" if c.colocate else "cluster.offload"
+        why = (
+            "the engines and the actor share the same GPUs, so generation cannot run while the actor trains"
+            if c.colocate
+            else "offload frees the engines' memory while the actor trains, which is when generation runs ahead"
+        )
+        raise ConfigError(
+            f"rollout.max_staleness = {r.max_staleness} (asynchronous generation) with {key} = true: {why}",
+            f"set rollout.max_staleness=0 for the synchronous loop, or {key}=false "
+            "(a disaggregated layout: separate actor and rollout GPUs)",
         )
     if cfg.actor.backend == "megatron":
         _validate_megatron(cfg)

@@ -292,3 +292,17 @@ def test_reading_a_config_imports_neither_torch_nor_transformers(tmp_path):
         "assert not heavy, heavy\n"
     )
     subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, check=True)
+
+
+def test_async_generation_is_refused_on_shared_gpus():
+    msg = error(["rollout.max_staleness=1", "cluster.colocate=true"])
+    assert "rollout.max_staleness = 1" in msg and "cluster.colocate" in msg and "share the same GPUs" in msg
+    assert "rollout.max_staleness=0" in msg  # the fix names what to set
+    assert "cluster.offload" in error(["rollout.max_staleness=2", "cluster.offload=true"])
+    assert "must be >= 0" in error(["rollout.max_staleness=-1"])
+
+
+def test_async_generation_defaults_off_and_loads_disaggregated():
+    assert load_config(None, TINY).rollout.max_staleness == 0
+    assert load_config(None, TINY + ["rollout.max_staleness=2"]).rollout.max_staleness == 2
+    assert load_config(None, TINY + ["cluster.colocate=true"]).rollout.max_staleness == 0
