@@ -23,9 +23,11 @@ $(SGLANG_WHEEL_STAMP): | $(VENV)/.installed
 	$(PY) -m pip download -q --no-deps --dest $(VENV)/wheels sglang==0.5.23
 	touch $@
 
+# make run RUN_DIR=runs/exp2: another run dir (runs/embedded by default; the same one again resumes it).
+RUN_DIR ?=
 run: install
-	$(PY) jobs/submit.py
-	$(PY) tools/plot_metrics.py runs/embedded
+	$(PY) jobs/submit.py $(if $(RUN_DIR),--run-dir $(RUN_DIR))
+	$(PY) tools/plot_metrics.py $(or $(RUN_DIR),runs/embedded)
 
 test: install $(SGLANG_WHEEL_STAMP)
 	bash .ci/install_slurm.sh

@@ -11,6 +11,8 @@ Every path under a run dir is named here, and only here::
     rollouts/              rollout_NNNNNN.h5: one HDF5 dump per rollout id (logging.dump_rollouts)
     restarts.jsonl         one line per start of the job (rlhpc/launch/restarts.py)
     slurm_job_id           the job id, written at submission (jobs/status.py reads it)
+    engine_key             the engine key (0600), new at every start (rlhpc/rollout/engine_key.py)
+    owner.json             the job that owns the run dir, one at a time (rlhpc/launch/run_owner.py)
     ray/job_ID.ATTEMPT/    one Ray state dir per Slurm job and attempt (JobRayState):
                            auth_token (0600), head.json, node_N.json, ray_node_N.log, stop
     logs/submitit/         submitit's pickles and per-task stdout/stderr
@@ -105,6 +107,8 @@ class RunDir:
         self.rollouts_dir = self.path / "rollouts"
         self.restarts_file = self.path / "restarts.jsonl"
         self.job_id_file = self.path / "slurm_job_id"
+        self.engine_key = self.path / "engine_key"
+        self.owner_file = self.path / "owner.json"
         self.ray_root = self.path / "ray"
         self.submitit_dir = self.logs / "submitit"
         self.engine_logs = self.logs / "engines"
@@ -157,21 +161,18 @@ class RunDir:
     def load_config(self) -> Config:
         return config_from_dict(yaml.safe_load(self.config_file.read_text()))
 
-    def prepare(self, cfg: Config, force: bool = False) -> None:
-        """Create or re-open the run dir for ``cfg``. Refuses what would lose or mix results."""
-        try:
-            self.path.mkdir(parents=True, exist_ok=True)
-            probe = self.path / f".write-test-{os.getpid()}"
-            probe.write_text("")
-            probe.unlink()
-        except OSError as e:
+    def check(self, cfg: Config, force: bool = False) -> None:
+        """Refuse what would lose or mix results, reading only: a refused command changes nothing."""
+        if self.path.exists() and not self.path.is_dir():
             raise RunDirError(
-                f"run dir {self.path} is not writable ({e.strerror})", "pass --run-dir on a filesystem you can write to"
-            ) from e
+                f"run dir {self.path} is a file, not a directory",
+                "pass --run-dir a directory (a new one, or the run dir of the run to resume)",
+            )
         if self.is_finished():
             raise RunDirError(
                 f"run dir {self.path} holds a finished run ({self.finished_file.read_text().strip()})",
-                "pass a new --run-dir to train again (the finished run is kept as it is)",
+                "train again in a new run dir: --run-dir runs/NEW (from make: make run RUN_DIR=runs/NEW); the "
+                f"finished run is kept as it is: see it with `rlhpc-status {self.path}`, its plot {self.metrics_plot}",
             )
         if self.config_file.is_file():
             old = yaml.safe_load(self.config_file.read_text())
@@ -182,6 +183,23 @@ class RunDir:
                     "this config would mix two experiments",
                     "pass a new --run-dir, or --force to resume this run under the new config",
                 )
+
+    def create(self) -> None:
+        """Make the directory, or say plainly why it cannot be written."""
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            probe = self.path / f".write-test-{os.getpid()}"
+            probe.write_text("")
+            probe.unlink()
+        except OSError as e:
+            raise RunDirError(
+                f"run dir {self.path} is not writable ({e.strerror})", "pass --run-dir on a filesystem you can write to"
+            ) from e
+
+    def prepare(self, cfg: Config, force: bool = False) -> None:
+        """Create or re-open the run dir for ``cfg``. Refuses what would lose or mix results."""
+        self.check(cfg, force)
+        self.create()
         write_atomic(self.config_file, dump_config(cfg))
         if cfg.model.tiny is not None and not self.base_model.exists():
             from rlhpc.model import build_tiny_model

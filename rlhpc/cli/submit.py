@@ -106,8 +106,10 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging()
     try:
         from rlhpc.config import load_config
+        from rlhpc.launch import run_owner
+        from rlhpc.launch.run_owner import Owner
         from rlhpc.launch.slurm import SlurmOptions, parse_extra, parse_time, preflight
-        from rlhpc.launch.submit import choose_cluster, dry_run, submit_local, submit_slurm
+        from rlhpc.launch.submit import choose_cluster, dry_run, follow, start_local, start_slurm, submit_owned
         from rlhpc.run_dir import RunDir
 
         overrides = list(args.overrides)
@@ -132,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
             signal_grace_s=args.signal_grace,
             extra=parse_extra(args.sbatch),
         )
+        opts.check()
         if args.dry_run:
             print(dry_run(cfg, Path(run_dir).resolve(), opts), end="")
             return 0
@@ -145,17 +148,35 @@ def main(argv: list[str] | None = None) -> int:
                 "submit to Slurm, or set --nodes 1",
             )
         run = RunDir(run_dir)
-        run.prepare(cfg, force=args.force)
-        if args.prepare_only:
+        run.check(cfg, force=args.force)  # every refusal before anything is written
+        # Inside an allocation (a template's --prepare-only) this job may own the run dir already.
+        in_job = os.environ.get("SLURM_JOB_ID")
+        run_owner.check_free(run, Owner.slurm_job(in_job) if in_job else None)
+        if args.prepare_only:  # the job claims the run dir when it starts
+            run.prepare(cfg, force=args.force)
             log.info("run dir %s is ready; start every task with: srun python -m rlhpc.launch.task %s", run, run)
             return 0
         if cluster == "slurm":
-            return submit_slurm(run, opts, wait=bool(args.follow))
+
+            def start():
+                run.prepare(cfg, force=args.force)
+                return start_slurm(run, opts)
+
+            job = submit_owned(run, start, lambda j: Owner.slurm_job(j.job_id))
+            return follow(job) if args.follow else 0
         if args.follow is not False and sys.stdout.isatty():
             os.environ[FORCE_TERMINAL_ENV] = "1"  # the job writes to a file we stream to this terminal
         import torch
 
-        return submit_local(run, time_min, torch.cuda.device_count(), wait=args.follow is not False)
+        def start():
+            run.prepare(cfg, force=args.force)
+            return start_local(run, time_min, torch.cuda.device_count(), cfg.checkpoint.max_restarts)
+
+        job = submit_owned(run, start, lambda j: Owner.local_job(int(j.job_id)))
+        if args.follow is False:
+            log.info("follow it with: tail -f %s", job.paths.stdout)
+            return 0
+        return follow(job)
     except RlhpcError as e:
         log.error("%s", e)
         return 2

@@ -15,25 +15,34 @@ import sys
 import tempfile
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 import submitit
 
 from rlhpc.checkpoint import CheckpointManager
 from rlhpc.config import ClusterConfig, Config
 from rlhpc.errors import RlhpcError
+from rlhpc.launch import run_owner
 from rlhpc.launch.restarts import JobExit, RestartPolicy, hold, read_history, record_start, refuse_reason, requeue
+from rlhpc.launch.run_owner import Owner
 from rlhpc.launch.signals import Stopped, StopRequest, shield_from_user_signal
 from rlhpc.logs import setup_logging
 from rlhpc.run_dir import RunDir
+from rlhpc.util.secrets import write_secret
 
 log = logging.getLogger(__name__)
 
 
 @contextmanager
-def local_ray(cluster: ClusterConfig, slots: int, stop: StopRequest):
+def local_ray(cluster: ClusterConfig, slots: int, stop: StopRequest, token_file: Path | None = None):
     """A private single-node Ray: its own temp dir, no dashboard, GPUs declared if none exist.
 
-    ``stop`` starts listening once Ray's processes exist (they keep USR2 ignored)."""
+    ``stop`` starts listening once Ray's processes exist (they keep USR2 ignored).
+    ``token_file``: token authentication as on Slurm, with a new random token in that 0600 file
+    (``JobRayState.token``); set before ray is first imported, which reads RAY_AUTH_* then."""
+    if token_file is not None:
+        write_secret(token_file)
+        os.environ.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_file)})
     import ray
     import torch
 
@@ -142,6 +151,7 @@ class TrainJob:
 
     def __init__(self, run_dir: str):
         self.run_dir = run_dir
+        self.owner: Owner | None = None  # task 0, once it owns the run dir
 
     def __call__(self) -> dict:
         """The process boundary: the one place a ``JobExit`` (requeue, hold) becomes the exit code."""
@@ -149,9 +159,20 @@ class TrainJob:
         # started from here, inherit an ignored USR2 and live on until the driver has saved.
         shield_from_user_signal()
         try:
-            return self.run()
+            result = self.run()
         except JobExit as e:
+            if e.final:
+                self._release()
             raise SystemExit(e.code) from None
+        except BaseException:  # the job ends here for good; a requeue raises JobExit instead
+            self._release()
+            raise
+        self._release()
+        return result
+
+    def _release(self) -> None:
+        if self.owner is not None:
+            run_owner.release(RunDir(self.run_dir), self.owner)
 
     def run(self) -> dict:
         """Train, or raise ``JobExit`` when this task must end without a result."""
@@ -160,18 +181,20 @@ class TrainJob:
         run = RunDir(self.run_dir)
         cfg = run.load_config()
         console = setup_logging(cfg.logging.level)
+        env = submitit.JobEnvironment()
+        job_id = os.environ.get("SLURM_JOB_ID", str(env.job_id))
+        if env.global_rank == 0:
+            self.owner = self._own_run_dir(run, env.cluster, job_id)
         if run.is_finished():  # a requeue or resubmission of a finished run has nothing to do
             log.info("run %s is already finished", run)
             return {"already_finished": True}
-        env = submitit.JobEnvironment()
-        job_id = os.environ.get("SLURM_JOB_ID", str(env.job_id))
         if env.global_rank == 0:
             self._check_restart_loop(cfg, run, env.cluster, job_id)
         stop = StopRequest()
         cluster = (
             slurm_ray(cfg, run, env, stop)
             if env.cluster == "slurm"
-            else local_ray(cfg.cluster, plan_layout(cfg.cluster).num_slots, stop)
+            else local_ray(cfg.cluster, plan_layout(cfg.cluster).num_slots, stop, run.ray_state(job_id, 0).token)
         )
         try:
             with cluster as head:
@@ -194,6 +217,15 @@ class TrainJob:
         run.mark_finished(summary)
         log.info("run finished: %s", run)
         return summary
+
+    @staticmethod
+    def _own_run_dir(run: RunDir, cluster: str, job_id: str) -> Owner:
+        """Become the run dir's owner, or refuse to run: two jobs of one run can be queued by hand."""
+        # Locally the job id is the pid of submitit's controller, this task's parent.
+        me = Owner.slurm_job(job_id) if cluster == "slurm" else Owner.local_job(int(job_id))
+        run_owner.wait_for_submitter(run)  # a job can start before jobs/submit.py wrote its id
+        run_owner.claim(run, me)
+        return me
 
     @staticmethod
     def _check_restart_loop(cfg: Config, run: RunDir, cluster: str, job_id: str) -> None:

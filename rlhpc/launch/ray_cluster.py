@@ -5,8 +5,12 @@ guess the head IP from the hostname and leave Ray open to anyone on the network.
 
 - the head's address goes through the job's own state dir (shared run dir), never guessed;
 - every node passes ``--node-ip-address``: the address Slurm itself uses for the node;
-- all ports come from a block derived from the job id, outside other jobs' blocks;
-- every node has its own temp dir, named after job and task (never ``/tmp/ray``);
+- all ports come from a block of 100: the job's own block (derived from the whole job id, so
+  array task ``77_3`` is not job ``773``), or, when any of its ports is taken on this node
+  (another job's block, anything else listening), the next free one; the head publishes its
+  block in head.json and the workers start from it (each node checks its own ports);
+- every node has its own temp dir, named after job and task (never ``/tmp/ray``), removed
+  when the task stops;
 - token authentication with a random per-job token in a 0600 file;
 - readiness is polled (all nodes and GPUs registered) against a deadline; nodes that never
   joined are named, with their log files;
@@ -19,11 +23,14 @@ import json
 import logging
 import os
 import secrets
+import shutil
 import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+import zlib
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from rlhpc.errors import RlhpcError
@@ -37,6 +44,13 @@ log = logging.getLogger(__name__)
 PORT_BLOCK = 100  # ports reserved per job
 FIRST_PORT = 10000  # blocks live in 10000..31999, below Linux's ephemeral range (32768+)
 NUM_BLOCKS = 220
+MAX_BLOCK_TRIES = 16  # blocks a node tries, from its first choice on, before giving up
+
+
+def block_index(job_id: str) -> int:
+    """The job's first-choice block. Plain ids: consecutive jobs get consecutive blocks. Any
+    other id (an array task ``77_3``) is hashed whole, so it never aliases a plain id's digits."""
+    return int(job_id) % NUM_BLOCKS if job_id.isdigit() else zlib.crc32(job_id.encode()) % NUM_BLOCKS
 
 
 @dataclass(frozen=True)
@@ -53,14 +67,32 @@ class RayPorts:
     max_worker: int
 
     @classmethod
-    def for_job(cls, job_id: str) -> RayPorts:
-        """A block of ports for this job: two jobs on one node use different blocks."""
-        digits = "".join(c for c in job_id if c.isdigit()) or "0"
-        base = FIRST_PORT + (int(digits) % NUM_BLOCKS) * PORT_BLOCK
+    def block(cls, index: int) -> RayPorts:
+        base = FIRST_PORT + (index % NUM_BLOCKS) * PORT_BLOCK
         # The GCS port must lie outside the worker port range, or ray start refuses it.
         return cls(
             base, base + 1, base + 2, base + 3, base + 4, base + 5, base + 6, base + 7, base + 10, base + PORT_BLOCK - 1
         )
+
+    @classmethod
+    def for_job(cls, job_id: str) -> RayPorts:
+        """The job's first-choice block (``choose_ports`` moves on when it is taken)."""
+        return cls.block(block_index(job_id))
+
+    @classmethod
+    def candidates(cls, first_index: int) -> list[RayPorts]:
+        """The blocks a node tries, in order."""
+        return [cls.block(first_index + i) for i in range(MAX_BLOCK_TRIES)]
+
+    @property
+    def index(self) -> int:
+        return (self.gcs - FIRST_PORT) // PORT_BLOCK
+
+    def all(self) -> range:
+        return range(self.gcs, self.gcs + PORT_BLOCK)
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
 
     def args(self) -> list[str]:
         return [
@@ -73,6 +105,37 @@ class RayPorts:
             f"--min-worker-port={self.min_worker}",
             f"--max-worker-port={self.max_worker}",
         ]
+
+
+def port_free(port: int) -> bool:
+    """Nothing on this node listens on ``port`` (any address): a bind test.
+
+    SO_REUSEADDR so that connections of a finished job in TIME_WAIT do not count as taken; a
+    listener (with or without SO_REUSEPORT, as gRPC sets it) still refuses the bind."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("0.0.0.0", port))
+        except OSError:
+            return False
+    return True
+
+
+def choose_ports(first_index: int, is_free: Callable[[int], bool] = port_free) -> RayPorts:
+    """The first block, from ``first_index`` on, whose ports are all free on this node."""
+    tried = []
+    for ports in RayPorts.candidates(first_index):
+        taken = next((p for p in ports.all() if not is_free(p)), None)
+        if taken is None:
+            if tried:
+                log.info("Ray ports %s taken on this node: using %d-%d", ", ".join(tried), ports.gcs, ports.max_worker)
+            return ports
+        tried.append(f"{ports.gcs}-{ports.max_worker} (port {taken} in use)")
+    raise RlhpcError(
+        f"no free block of Ray ports on {socket.gethostname()}: tried {', '.join(tried)}",
+        "see what listens there (ss -ltnp); other jobs on this node may hold them: resubmit, or exclude the node "
+        "(--sbatch exclude=NODE)",
+    )
 
 
 def node_ip_address() -> str:
@@ -96,7 +159,7 @@ class RayNode:
         self.rank = rank
         self.num_gpus = num_gpus
         self.num_cpus = num_cpus
-        self.ports = RayPorts.for_job(job_id)
+        self.ports: RayPorts | None = None  # chosen when Ray starts (choose_ports)
         self.ip = node_ip_address()
         # Node-local and per job and task: unix socket paths must stay short (< 108 bytes).
         self.temp_dir = Path("/tmp") / f"rlhpc-{job_id}-{rank}"
@@ -106,14 +169,18 @@ class RayNode:
         """Environment for anything that talks to this job's Ray (ray start, the driver)."""
         return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(self.state.token)}
 
-    def _start(self, extra: list[str]) -> None:
+    def _publish(self) -> None:
+        """This node's file: who it is, where its log is, and (once chosen) its ports."""
+        info = {"rank": self.rank, "ip": self.ip, "host": socket.gethostname(), "log": str(self.state.log(self.rank))}
+        if self.ports is not None:
+            info["ports"] = self.ports.to_dict()
+        write_atomic(self.state.node(self.rank), json.dumps(info))
+
+    def _start(self, first_block: int, extra: Callable[[RayPorts], list[str]]) -> None:
+        self._publish()  # first: a node that cannot start is still named, with its log
+        self.ports = choose_ports(first_block)
+        self._publish()
         self.temp_dir.mkdir(parents=True, exist_ok=True)
-        write_atomic(
-            self.state.node(self.rank),
-            json.dumps(
-                {"rank": self.rank, "ip": self.ip, "host": socket.gethostname(), "log": str(self.state.log(self.rank))}
-            ),
-        )
         cmd = [
             sys.executable, "-m", "ray.scripts.scripts", "start", "--block",
             f"--node-ip-address={self.ip}",
@@ -122,7 +189,7 @@ class RayNode:
             f"--temp-dir={self.temp_dir}",
             "--disable-usage-stats",
             *self.ports.args(),
-            *extra,
+            *extra(self.ports),
         ]  # fmt: skip
         logf = open(self.state.log(self.rank), "ab")
         # Own session: the whole Ray tree of this task is one process group we can stop.
@@ -139,15 +206,19 @@ class RayNode:
         for stale in (self.state.head, self.state.stop):
             stale.unlink(missing_ok=True)
         self._start(
-            [
+            block_index(self.job_id),
+            lambda ports: [
                 "--head",
-                f"--port={self.ports.gcs}",
+                f"--port={ports.gcs}",
                 "--include-dashboard=false",
-                f"--ray-client-server-port={self.ports.client_server}",
-            ]
+                f"--ray-client-server-port={ports.client_server}",
+            ],
         )
         address = f"{self.ip}:{self.ports.gcs}"
-        write_atomic(self.state.head, json.dumps({"address": address, "job_id": self.job_id}))
+        # The workers read the head's choice from here, never from the job id.
+        write_atomic(
+            self.state.head, json.dumps({"address": address, "job_id": self.job_id, "ports": self.ports.to_dict()})
+        )
         return address
 
     def start_worker(self, timeout_s: float) -> None:
@@ -163,7 +234,9 @@ class RayNode:
                     f"see task 0's log and {self.state.log(0)}",
                 )
             time.sleep(0.2)
-        self._start([f"--address={head['address']}"])
+        # Start from the head's block; each node moves on if a port is taken on it.
+        first = RayPorts(**head["ports"]).index if "ports" in head else block_index(self.job_id)
+        self._start(first, lambda ports: [f"--address={head['address']}"])
 
     def wait_until_stopped(self, poll_s: float = 0.5) -> int:
         """Worker tasks: block until the driver says stop (or our Ray dies), then stop."""
@@ -174,14 +247,15 @@ class RayNode:
         return 0 if code is None or self.state.stop.exists() else code
 
     def stop(self, grace_s: float = 5.0) -> None:
-        """Stop this task's Ray only: TERM to our process group, a short wait, then KILL.
+        """Stop this task's Ray only: TERM to our process group, a short wait, then KILL; then
+        remove its node-local temp dir.
 
         KILL always follows: ``ray start --block`` may exit on TERM while raylet & co. linger.
         """
-        if self.proc is None:
-            return
-        stop_group(self.proc, grace_s, name=f"task {self.rank}'s ray start")
-        self.proc = None
+        if self.proc is not None:
+            stop_group(self.proc, grace_s, name=f"task {self.rank}'s ray start")
+            self.proc = None
+        shutil.rmtree(self.temp_dir, ignore_errors=True)  # node-local: nobody else cleans it up
 
 
 def wait_for_cluster(

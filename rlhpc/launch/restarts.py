@@ -12,8 +12,13 @@ turns it into ``SystemExit``. A SystemExit passes through submitit (it catches E
 only), so no result file is written and the job is not over:
 
 - requeue under Slurm: 0, after ``scontrol requeue`` (Slurm starts the job again);
-- requeue locally: 144, on which submitit's LocalExecutor starts the task again;
-- hold: 0 under Slurm (``scontrol requeuehold``: the job stays, held), 1 locally (no restart).
+- requeue locally: 144, on which rlhpc's local controller starts the task again
+  (rlhpc/launch/local_controller.py: as often as ``checkpoint.max_restarts`` allows);
+- hold: 0 under Slurm (``scontrol requeuehold``: the job stays, held), 1 locally (no restart);
+- a requeue or hold that Slurm refused: 1, so the job ends FAILED where people (and
+  Slurm's own requeue-on-failure settings) see it, never COMPLETED with the run stopped.
+
+``JobExit.final`` says whether the job is over for good (its run dir owner is released).
 """
 
 from __future__ import annotations
@@ -37,9 +42,15 @@ LOCAL_REQUEUE_EXIT_CODE = 144  # submitit's local executor restarts a task that 
 class JobExit(Exception):
     """This task must end now with ``code`` (a requeue or a hold), without a result."""
 
-    def __init__(self, code: int, message: str):
+    def __init__(self, code: int, message: str, final: bool = False):
         super().__init__(message)
         self.code = code
+        self.final = final  # no start of this job follows: it gives up the run dir
+
+
+# States in which Slurm itself is already taking the job down or back to the queue (e.g. a
+# `scontrol requeue` by hand, preemption): our own requeue is then refused, harmlessly.
+SLURM_ALREADY_REQUEUEING = {"REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD", "PENDING", "PREEMPTED", "COMPLETING"}
 
 
 @dataclass
@@ -81,10 +92,24 @@ def refuse_reason(history: list[dict], policy: RestartPolicy) -> str | None:
 def requeue(cluster: str, job_id: str) -> NoReturn:
     """Put the job back in the queue; raises the ``JobExit`` that ends this task."""
     if cluster == "slurm":
-        # Fails harmlessly when Slurm is already requeueing the job (scontrol requeue, node failure).
         refused = slurm.requeue(job_id)
-        log.info("job %s requeued%s; it resumes from the newest checkpoint", job_id, f" ({refused})" if refused else "")
-        raise JobExit(0, f"job {job_id} requeued")
+        if refused is None:
+            log.info("job %s requeued; it resumes from the newest checkpoint", job_id)
+            raise JobExit(0, f"job {job_id} requeued")
+        state = slurm.job_state(job_id)
+        if state in SLURM_ALREADY_REQUEUEING:
+            log.info(
+                "job %s: Slurm is already ending or requeueing it (state %s; scontrol requeue said: %s); "
+                "once back in the queue it resumes from the newest checkpoint",
+                job_id, state, refused,
+            )  # fmt: skip
+            raise JobExit(0, f"job {job_id} requeued by Slurm")
+        log.error(
+            "job %s was NOT requeued: scontrol requeue failed (%s; job state %s). The run stops here, its "
+            "checkpoint is kept: run the same jobs/submit.py command again to resume",
+            job_id, refused, state or "unknown",
+        )  # fmt: skip
+        raise JobExit(1, f"scontrol requeue of job {job_id} failed: {refused}", final=True)
     log.info("local job %s restarting; it resumes from the newest checkpoint", job_id)
     raise JobExit(LOCAL_REQUEUE_EXIT_CODE, f"local job {job_id} restarting")
 
@@ -92,10 +117,17 @@ def requeue(cluster: str, job_id: str) -> NoReturn:
 def hold(cluster: str, job_id: str, reason: str) -> NoReturn:
     """Stop a restart loop: Slurm keeps the job, held, for a person to look at."""
     if cluster == "slurm":
-        slurm.requeue_hold(job_id)
+        refused = slurm.requeue_hold(job_id)
+        if refused is not None:
+            log.error(
+                "not restarting: %s. Holding job %s failed too (scontrol requeuehold: %s): it ends FAILED. "
+                "Fix the cause, then run the same jobs/submit.py command again to resume",
+                reason, job_id, refused,
+            )  # fmt: skip
+            raise JobExit(1, f"not restarting: {reason}; scontrol requeuehold failed: {refused}", final=True)
         log.error(
             "job %s held (scontrol requeuehold): %s. Fix the cause, then `scontrol release %s`", job_id, reason, job_id
         )
         raise JobExit(0, f"job {job_id} held: {reason}")
     log.error("not restarting: %s", reason)
-    raise JobExit(1, f"not restarting: {reason}")
+    raise JobExit(1, f"not restarting: {reason}", final=True)

@@ -38,6 +38,40 @@ class SlurmOptions:
     signal_grace_s: int = 120  # USR2 this long before the time limit: room for one checkpoint
     extra: dict[str, str | bool] = field(default_factory=dict)  # any other sbatch option
 
+    def check(self) -> None:
+        """Refuse what sbatch would take but the job cannot live with (before anything is written)."""
+        if self.time_min <= 0:
+            raise ConfigError(
+                f"--time {self.time_min} asks for no time: Slurm reads 0 as no limit, a local run is killed at once",
+                "give a time limit, e.g. --time 24:00:00",
+            )
+        if self.signal_grace_s < 0:
+            raise ConfigError(
+                f"--signal-grace {self.signal_grace_s} is negative",
+                "give the seconds before the time limit the job is warned, e.g. --signal-grace 120",
+            )
+        if self.signal_grace_s >= self.time_min * 60:
+            raise ConfigError(
+                f"--signal-grace {self.signal_grace_s}s is not shorter than the time limit ({self.time_min} min): "
+                "the job would be told to stop as it starts",
+                f"use a --signal-grace below {self.time_min * 60} seconds, or a longer --time",
+            )
+        named = {
+            f"--{name.replace('_', '-')}": getattr(self, name)
+            for name in ("partition", "account", "qos", "constraint", "job_name")
+        }
+        named.update({f"--sbatch {key}": f"{key}={value}" for key, value in self.extra.items()})
+        for option, value in named.items():
+            if isinstance(value, str) and _CONTROL.search(value):
+                raise ConfigError(
+                    f"{option} {value!r} holds a control character (a newline ends the #SBATCH line: "
+                    "the options after it would be ignored)",
+                    f"write {option} on one line, without control characters",
+                )
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
 
 def parse_time(text: str) -> int:
     """sbatch time formats -> minutes: ``MM``, ``HH:MM:SS``, ``D-HH``, ``D-HH:MM``, ``D-HH:MM:SS``."""
@@ -149,8 +183,17 @@ def preflight(opts: SlurmOptions) -> None:
         )
 
 
-def slurm_executor(run: RunDir, opts: SlurmOptions) -> submitit.SlurmExecutor:
-    executor = submitit.SlurmExecutor(folder=run.submitit_dir)
+class PreviewExecutor(submitit.SlurmExecutor):
+    """submitit's SlurmExecutor without its check that ``srun`` exists: a dry run previews the
+    sbatch script on a laptop, built by the same executor and parameters as a real submission."""
+
+    @classmethod
+    def affinity(cls) -> int:
+        return 2  # what submitit's own affinity() answers where srun exists
+
+
+def slurm_executor(run: RunDir, opts: SlurmOptions, preview: bool = False) -> submitit.SlurmExecutor:
+    executor = (PreviewExecutor if preview else submitit.SlurmExecutor)(folder=run.submitit_dir)
     params = {
         "job_name": opts.job_name,
         "nodes": opts.nodes,
@@ -224,9 +267,21 @@ def node_addr(node: str) -> str | None:
 def requeue(job_id: str) -> str | None:
     """``scontrol requeue``; Slurm's refusal as text (e.g. already requeueing), None when it accepted."""
     out = _run(["scontrol", "requeue", job_id], timeout=60)
-    return out.stderr.strip() if out.returncode else None
+    return (out.stderr.strip() or f"exit status {out.returncode}") if out.returncode else None
 
 
-def requeue_hold(job_id: str) -> None:
-    """``scontrol requeuehold``: requeue the job held, for a person to release."""
-    subprocess.run(["scontrol", "requeuehold", job_id], timeout=60)
+def requeue_hold(job_id: str) -> str | None:
+    """``scontrol requeuehold``: requeue the job held, for a person to release. Slurm's refusal
+    as text, None when it accepted."""
+    out = _run(["scontrol", "requeuehold", job_id], timeout=60)
+    return (out.stderr.strip() or f"exit status {out.returncode}") if out.returncode else None
+
+
+def hold_reason(info: dict[str, str] | None) -> str | None:
+    """Why the job is held (REQUEUE_HOLD, or pending with a hold reason), None when it is not."""
+    if not info:
+        return None
+    state, reason = info.get("JobState", ""), info.get("Reason", "")
+    if state == "REQUEUE_HOLD" or (state in ("PENDING", "REQUEUED") and "held" in reason.lower()):
+        return reason or state
+    return None

@@ -3,20 +3,26 @@
 from __future__ import annotations
 
 import logging
+import os
 import re
+import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import submitit
+from submitit.local.local import LocalJob
 
 from rlhpc.cluster.layout import describe_layout, plan_layout
 from rlhpc.config import Config
 from rlhpc.errors import RlhpcError
-from rlhpc.launch import slurm
+from rlhpc.launch import run_owner, slurm
 from rlhpc.launch.job import TrainJob
+from rlhpc.launch.run_owner import Owner
 from rlhpc.launch.slurm import SlurmOptions, sbatch_script, slurm_executor
 from rlhpc.run_dir import RunDir
+from rlhpc.util.files import tail
 
 log = logging.getLogger(__name__)
 
@@ -30,8 +36,38 @@ def choose_cluster(requested: str) -> str:
     return "local"
 
 
-def local_executor(run: RunDir, timeout_min: int, gpus: int) -> submitit.LocalExecutor:
-    executor = submitit.LocalExecutor(folder=run.submitit_dir)
+class LocalExecutor(submitit.LocalExecutor):
+    """submitit's LocalExecutor whose controller starts the task up to ``max_starts`` times
+    (rlhpc/launch/local_controller.py says why), with the environment submitit's gives it."""
+
+    def __init__(self, folder: Path, max_starts: int):
+        super().__init__(folder=folder)
+        self.max_starts = max_starts
+
+    def _submit_command(self, command: str) -> LocalJob:
+        p = self.parameters
+        ntasks = p.get("tasks_per_node", 1)
+        env = {
+            **os.environ,
+            "SUBMITIT_LOCAL_NTASKS": str(ntasks),
+            "SUBMITIT_LOCAL_COMMAND": command,
+            "SUBMITIT_LOCAL_TIMEOUT_S": str(int(60 * p.get("timeout_min", 2.0))),
+            "SUBMITIT_LOCAL_SIGNAL_DELAY_S": str(int(p.get("signal_delay_s", 30))),
+            "SUBMITIT_LOCAL_NODEID": "0",
+            "SUBMITIT_LOCAL_JOB_NUM_NODES": "1",
+            "SUBMITIT_STDERR_TO_STDOUT": "1" if p.get("stderr_to_stdout") else "",
+            "SUBMITIT_EXECUTOR": "local",
+            "CUDA_VISIBLE_DEVICES": ",".join(str(k) for k in range(p.get("gpus_per_node", 0))),
+            "SUBMITIT_LOCAL_WITH_SHELL": "",
+        }
+        cmd = [sys.executable, "-m", "rlhpc.launch.local_controller", str(self.folder), str(self.max_starts)]
+        process = subprocess.Popen(cmd, env=env)
+        return LocalJob(folder=self.folder, job_id=str(process.pid), process=process, tasks=list(range(ntasks)))
+
+
+def local_executor(run: RunDir, timeout_min: int, gpus: int, max_restarts: int) -> LocalExecutor:
+    # Starts: the first, max_restarts restarts, and one that rlhpc's restart policy refuses.
+    executor = LocalExecutor(run.submitit_dir, max_starts=max_restarts + 2)
     # gpus=0 makes submitit hide GPUs (CUDA_VISIBLE_DEVICES=""): right on a CPU machine,
     # and on a workstation with GPUs we pass their count so the job sees them.
     executor.update_parameters(timeout_min=timeout_min, gpus_per_node=gpus, tasks_per_node=1, nodes=1)
@@ -42,7 +78,9 @@ def _slurm_done(job: submitit.Job) -> bool:
     # submitit's own watcher asks sacct, which many sites (and the minicluster) do not run.
     if job.paths.result_pickle.exists():
         return True
-    return slurm.job_state(job.job_id) not in slurm.SLURM_ACTIVE
+    info = slurm.show_job(job.job_id)
+    # A held job waits for a person: following it would never end.
+    return info is None or info.get("JobState") not in slurm.SLURM_ACTIVE or slurm.hold_reason(info) is not None
 
 
 def follow(job: submitit.Job, poll_s: float = 0.5) -> int:
@@ -73,10 +111,7 @@ def follow(job: submitit.Job, poll_s: float = 0.5) -> int:
             break
         time.sleep(0.25)
     if not job.paths.result_pickle.exists():
-        raise RlhpcError(
-            f"job {job.job_id} ended without a result (cancelled, or killed by Slurm)",
-            f"see the job log {job.paths.stderr}",
-        )
+        raise _no_result(job)
     outcome, value = submitit.core.utils.pickle_load(job.paths.result_pickle)
     if outcome != "success":  # the job's own traceback is already in its stderr above
         raise RlhpcError(
@@ -85,29 +120,70 @@ def follow(job: submitit.Job, poll_s: float = 0.5) -> int:
     return 0
 
 
+# What rlhpc's job logs when it ends a task on purpose without a result (rlhpc/launch/restarts.py).
+_ENDING = re.compile(r"(not restarting: .*|job \S+ was NOT requeued.*|job \S+ held .*)$", flags=re.M)
+
+
+def _no_result(job: submitit.Job) -> RlhpcError:
+    """Say plainly how a job that left no result ended."""
+    said = _ENDING.findall(tail(job.paths.stderr, 200))
+    why = said[-1].strip() if said else None
+    if isinstance(job, submitit.SlurmJob):
+        info = slurm.show_job(job.job_id)
+        held = slurm.hold_reason(info)
+        if held is not None:
+            return RlhpcError(
+                f"job {job.job_id} is held ({held}){': ' + why if why else ''}",
+                f"fix what its log says ({job.paths.stderr}), then `scontrol release {job.job_id}`: it resumes "
+                f"from the newest checkpoint; or `scancel {job.job_id}`",
+            )
+        state = info.get("JobState") if info else "no longer known to Slurm"
+        return RlhpcError(
+            f"job {job.job_id} ended without a result ({state}): {why or 'cancelled, or killed by Slurm'}",
+            f"see the job log {job.paths.stderr}; run the same command again to resume from the newest checkpoint",
+        )
+    return RlhpcError(
+        f"local job {job.job_id} ended without a result: "
+        f"{why or 'its task was killed (a signal, out of memory, or the --time limit)'}",
+        f"see the job log {job.paths.stderr}; run the same command again to resume from the newest checkpoint",
+    )
+
+
 def _exception_line(text: str) -> str:
     """The ``SomeError: message`` line of a traceback, the part a user reads first."""
     hits = re.findall(r"^\s*([A-Za-z_.]*(?:Error|Exception|Interrupt)\b.*)$", text, flags=re.M)
     return hits[-1].strip() if hits else text.strip().splitlines()[-1] if text.strip() else "no error text"
 
 
-def submit_local(run: RunDir, timeout_min: int, gpus: int, wait: bool) -> int:
-    job = local_executor(run, timeout_min, gpus).submit(TrainJob(str(run.path)))
+def submit_owned(
+    run: RunDir, start: Callable[[], submitit.Job], owner_of: Callable[[submitit.Job], Owner]
+) -> submitit.Job:
+    """Claim the run dir, ``start`` the job, hand the run dir to it. Refused, before anything is
+    written or submitted, when another live job owns the run dir (rlhpc/launch/run_owner.py)."""
+    me = Owner.submitter()
+    run_owner.claim(run, me)
+    try:
+        job = start()
+    except BaseException:
+        run_owner.release(run, me)
+        raise
+    run_owner.hand_over(run, me, owner_of(job))
+    return job
+
+
+def start_local(run: RunDir, timeout_min: int, gpus: int, max_restarts: int) -> submitit.Job:
+    job = local_executor(run, timeout_min, gpus, max_restarts).submit(TrainJob(str(run.path)))
     log.info("local job %s started; log: %s", job.job_id, job.paths.stdout)
-    if not wait:
-        log.info("follow it with: tail -f %s", job.paths.stdout)
-        return 0
-    return follow(job)
+    return job
 
 
-def submit_slurm(run: RunDir, opts: SlurmOptions, wait: bool) -> int:
-    executor = slurm_executor(run, opts)
-    job = executor.submit(TrainJob(str(run.path)))
+def start_slurm(run: RunDir, opts: SlurmOptions) -> submitit.Job:
+    job = slurm_executor(run, opts).submit(TrainJob(str(run.path)))
     run.write_job_id(job.job_id)
     log.info("submitted Slurm job %s (%d node(s) x %d GPU(s))", job.job_id, opts.nodes, opts.gpus_per_node)
     log.info("logs: %s (task 0), %s", job.paths.stdout, run.submitit_dir)
     log.info("follow: tail -f %s    status: python jobs/status.py %s", job.paths.stdout, run.path)
-    return follow(job) if wait else 0
+    return job
 
 
 def dry_run(cfg: Config, run_dir: Path, opts: SlurmOptions) -> str:
@@ -115,6 +191,6 @@ def dry_run(cfg: Config, run_dir: Path, opts: SlurmOptions) -> str:
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:  # submitit wants a folder; the real one stays untouched
-        script = sbatch_script(slurm_executor(RunDir(tmp), opts)).replace(tmp, str(run_dir))
+        script = sbatch_script(slurm_executor(RunDir(tmp), opts, preview=True)).replace(tmp, str(run_dir))
     layout = describe_layout(plan_layout(cfg.cluster), cfg.cluster.gpus_per_node)
     return f"{script}\n\n{layout}\n"

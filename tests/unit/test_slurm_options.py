@@ -1,13 +1,15 @@
 """Submission-side pieces that need no cluster: time formats, passthrough, ports, dry run."""
 
+import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from rlhpc.errors import ConfigError
-from rlhpc.launch.ray_cluster import FIRST_PORT, NUM_BLOCKS, PORT_BLOCK, RayPorts
+from rlhpc.errors import ConfigError, RlhpcError
+from rlhpc.launch.ray_cluster import FIRST_PORT, NUM_BLOCKS, PORT_BLOCK, RayNode, RayPorts, block_index, choose_ports
 from rlhpc.launch.slurm import parse_extra, parse_time
 
 REPO = Path(__file__).resolve().parents[2]
@@ -50,7 +52,38 @@ def test_port_blocks_per_job():
     assert not (set(range(a.gcs, a.gcs + PORT_BLOCK)) & set(range(b.gcs, b.gcs + PORT_BLOCK)))
     assert not a.min_worker <= a.gcs <= a.max_worker  # ray start refuses a GCS port in the worker range
     assert FIRST_PORT <= a.gcs and a.max_worker < FIRST_PORT + NUM_BLOCKS * PORT_BLOCK <= 32768  # below ephemeral ports
-    assert RayPorts.for_job("77_3") == RayPorts.for_job("773")  # array ids use their digits
+
+
+def test_array_task_ids_do_not_alias_plain_ids():
+    blocks = {RayPorts.for_job(j).gcs for j in ("77_3", "773", "77_4", "7_73")}
+    assert len(blocks) == 4
+
+
+def test_taken_ports_move_to_the_next_free_block():
+    # Jobs 1234 and 1454 share a first choice (220 blocks); the second finds it taken and moves.
+    assert block_index("1234") == block_index("1454")
+    first = RayPorts.for_job("1234")
+    taken = set(first.all())
+    ports = choose_ports(block_index("1454"), is_free=lambda p: p not in taken)
+    assert ports.index == first.index + 1 and not taken & set(ports.all())
+    # A real listener on one port of a block (here the raylet's) is seen by the bind test.
+    block = RayPorts.block(123)
+    with socket.socket() as s:
+        s.bind(("0.0.0.0", block.node_manager))
+        s.listen()
+        assert choose_ports(123).index != 123
+
+
+def test_no_free_block_is_a_clear_error():
+    with pytest.raises(RlhpcError, match="no free block of Ray ports"):
+        choose_ports(0, is_free=lambda p: False)
+
+
+def test_node_temp_dir_is_removed_when_the_task_stops(tmp_path):
+    node = RayNode(tmp_path / "ray" / "job_1.0", f"t{os.getpid()}", 3, 0, 1)
+    (node.temp_dir / "session").mkdir(parents=True)
+    node.stop()
+    assert not node.temp_dir.exists()
 
 
 def test_dry_run_prints_script_and_plan_and_writes_nothing(tmp_path):
@@ -76,6 +109,69 @@ def test_dry_run_prints_script_and_plan_and_writes_nothing(tmp_path):
         assert line in p.stdout
     assert "actor rank 15  -> node1:gpu7" in p.stdout and "engine 7   (tp=1) -> node2:gpu7" in p.stdout
     assert not run.exists()
+
+
+def test_dry_run_needs_no_slurm_on_this_machine(tmp_path):
+    args = [sys.executable, str(REPO / "jobs" / "submit.py"), "--dry-run", "--run-dir", str(tmp_path / "run"),
+            "--gpus-per-node", "8", "--partition", "gpu"]  # fmt: skip
+    empty = tmp_path / "bin"  # a PATH without srun, sinfo or sbatch: a laptop
+    empty.mkdir()
+    laptop = subprocess.run(args, capture_output=True, text=True, timeout=120, env={**os.environ, "PATH": str(empty)})
+    assert laptop.returncode == 0, laptop.stderr
+    assert "#SBATCH --partition=gpu" in laptop.stdout and "srun --unbuffered" in laptop.stdout
+    here = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert here.stdout == laptop.stdout  # the preview is the same script, srun or not
+
+
+def submit_refused(args: list[str], run: Path) -> str:
+    p = subprocess.run(
+        [sys.executable, str(REPO / "jobs" / "submit.py"), "--cluster", "local", "--run-dir", str(run), *args],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    out = " ".join((p.stdout + p.stderr).split())
+    assert p.returncode == 2 and "fix:" in out and "Traceback" not in out, out[-2000:]
+    return out
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--time", "0"], "--time 0 asks for no time"),
+        (["--signal-grace", "-5"], "--signal-grace -5 is negative"),
+        (["--time", "2", "--signal-grace", "120"], "is not shorter than the time limit"),
+        (["--job-name", "a\n#SBATCH --x"], "--job-name 'a\\n#SBATCH --x' holds a control character"),
+        (["--sbatch", "comment=a\nb"], "--sbatch comment"),
+        (["--partition", "gpu\t"], "--partition 'gpu\\t' holds a control character"),
+    ],
+    ids=["time-0", "negative-grace", "grace-over-time", "newline-job-name", "newline-sbatch", "tab-partition"],
+)
+def test_bad_slurm_options_are_refused_before_anything_is_written(tmp_path, args, message):
+    run = tmp_path / "run"
+    assert message in submit_refused(args, run)
+    assert not run.exists()
+    assert message in submit_refused([*args, "--dry-run"], run)  # the preview refuses them too
+
+
+def test_run_dir_that_is_a_file(tmp_path):
+    run = tmp_path / "run"
+    run.write_text("mine\n")
+    assert "is a file, not a directory" in submit_refused([], run)
+    assert run.read_text() == "mine\n"
+
+
+def test_a_finished_run_says_how_to_go_on_from_make(tmp_path):
+    from rlhpc.config import load_config
+    from rlhpc.errors import RunDirError
+    from rlhpc.run_dir import RunDir
+
+    run = RunDir(tmp_path / "run")
+    run.path.mkdir()
+    run.finished_file.write_text("{}\n")
+    with pytest.raises(RunDirError) as e:
+        run.check(load_config(REPO / "jobs" / "configs" / "embedded.yaml", []))
+    assert "make run RUN_DIR=" in e.value.fix and f"rlhpc-status {run.path}" in e.value.fix
+    make = subprocess.run(["make", "-n", "run", "RUN_DIR=runs/exp2"], capture_output=True, text=True, cwd=REPO)
+    assert "jobs/submit.py --run-dir runs/exp2" in make.stdout and "plot_metrics.py runs/exp2" in make.stdout
 
 
 def test_dry_run_refuses_a_layout_bigger_than_the_allocation(tmp_path):

@@ -1,0 +1,89 @@
+"""Requeue and hold outcomes said plainly (Slurm answers faked), and the local restart cap."""
+
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from rlhpc.launch import restarts, slurm
+from rlhpc.launch.restarts import JobExit, hold, requeue
+from rlhpc.launch.submit import LocalExecutor, _slurm_done
+
+
+def fake_scontrol(monkeypatch, returncode: int, stderr: str = "") -> list[list[str]]:
+    calls = []
+
+    def run(cmd, timeout):
+        calls.append(cmd)
+        return subprocess.CompletedProcess(cmd, returncode, "", stderr)
+
+    monkeypatch.setattr(slurm, "_run", run)
+    return calls
+
+
+def test_a_refused_requeue_is_not_called_requeued(monkeypatch, caplog):
+    fake_scontrol(monkeypatch, 1, "scontrol: error: Requested operation is presently disabled")
+    monkeypatch.setattr(slurm, "job_state", lambda job_id: "RUNNING")
+    with pytest.raises(JobExit) as e:
+        requeue("slurm", "42")
+    assert e.value.code != 0 and e.value.final  # the job ends FAILED, not COMPLETED
+    assert "job 42 was NOT requeued" in caplog.text and "presently disabled" in caplog.text
+    assert "job 42 requeued" not in caplog.text
+
+
+def test_a_requeue_slurm_already_does_is_fine(monkeypatch):
+    fake_scontrol(monkeypatch, 1, "scontrol: error: Job is pending execution")
+    monkeypatch.setattr(slurm, "job_state", lambda job_id: "REQUEUED")
+    with pytest.raises(JobExit) as e:
+        requeue("slurm", "42")
+    assert e.value.code == 0 and not e.value.final
+
+
+def test_a_failed_requeuehold_ends_the_job_failed(monkeypatch, caplog):
+    calls = fake_scontrol(monkeypatch, 1, "scontrol: error: Access/permission denied")
+    with pytest.raises(JobExit) as e:
+        hold("slurm", "42", "a restart loop")
+    assert calls == [["scontrol", "requeuehold", "42"]]
+    assert e.value.code == 1 and e.value.final and "permission denied" in caplog.text
+
+
+def test_an_accepted_hold_keeps_the_job(monkeypatch):
+    fake_scontrol(monkeypatch, 0)
+    with pytest.raises(JobExit) as e:
+        hold("slurm", "42", "a restart loop")
+    assert e.value.code == 0 and not e.value.final
+
+
+@pytest.mark.parametrize(
+    "info,held",
+    [
+        ({"JobState": "REQUEUE_HOLD", "Reason": "None"}, True),
+        ({"JobState": "PENDING", "Reason": "JobHeldAdmin"}, True),
+        ({"JobState": "PENDING", "Reason": "JobHeldUser"}, True),
+        ({"JobState": "PENDING", "Reason": "Resources"}, False),
+        ({"JobState": "RUNNING", "Reason": "None"}, False),
+    ],
+)
+def test_following_ends_at_a_held_job(monkeypatch, tmp_path, info, held):
+    monkeypatch.setattr(slurm, "show_job", lambda job_id: info)
+    job = SimpleNamespace(job_id="42", paths=SimpleNamespace(result_pickle=tmp_path / "none.pkl"))
+    assert _slurm_done(job) is held
+    assert (slurm.hold_reason(info) is not None) is held
+
+
+def test_local_restarts_are_not_capped_at_submitits_six(tmp_path):
+    # A task that always asks for a restart (exit 144): started max_starts times, not 6.
+    executor = LocalExecutor(tmp_path / "submitit", max_starts=9)
+    executor.update_parameters(timeout_min=5, tasks_per_node=1, nodes=1)
+    job = executor.submit(sys.exit, restarts.LOCAL_REQUEUE_EXIT_CODE)
+    job._process.wait(timeout=120)
+    assert job.paths.stdout.read_text().count("Starting with JobEnvironment") == 9
+
+
+def test_local_executor_allows_the_configured_restarts(tmp_path):
+    from rlhpc.launch.submit import local_executor
+    from rlhpc.run_dir import RunDir
+
+    # the first start, 10 restarts, and the start rlhpc's own policy refuses
+    assert local_executor(RunDir(tmp_path), 60, 0, max_restarts=10).max_starts == 12

@@ -1,0 +1,89 @@
+"""One live job per run dir: owner file claimed, refused while its job lives, stale ones taken over."""
+
+import json
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from rlhpc.errors import RunDirError
+from rlhpc.launch import run_owner, slurm
+from rlhpc.launch.run_owner import Owner
+from rlhpc.run_dir import RunDir
+
+
+@pytest.fixture
+def sleeper():
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def test_claim_refuse_while_alive_take_over_when_gone(tmp_path, sleeper, caplog):
+    run = RunDir(tmp_path / "run")
+    first = Owner.local_job(sleeper.pid)
+    run_owner.claim(run, first)
+    assert json.loads(run.owner_file.read_text())["pid"] == sleeper.pid
+    run_owner.claim(run, first)  # the owner itself (a restart) is welcome
+    with pytest.raises(RunDirError) as e:
+        run_owner.claim(run, Owner.submitter())
+    assert f"local job {sleeper.pid}" in e.value.problem and socket.gethostname() in e.value.problem
+    assert "wait" in e.value.fix and "--run-dir" in e.value.fix
+    with pytest.raises(RunDirError):
+        run_owner.check_free(run)
+    sleeper.kill()
+    sleeper.wait()
+    me = Owner.submitter()
+    run_owner.check_free(run)
+    run_owner.claim(run, me)
+    assert "which is gone" in caplog.text and "taking it over" in caplog.text
+    assert Owner.from_json(run.owner_file.read_text()).same_as(me)
+    assert sorted(p.name for p in run.path.iterdir()) == ["owner.json"]  # nothing left aside
+
+
+def test_a_reused_pid_is_not_the_owner(tmp_path):
+    run = RunDir(tmp_path / "run")
+    me = Owner.submitter()
+    run.path.mkdir()
+    run.owner_file.write_text(Owner("local", "1", me.host, me.pid, me.started - 1000).to_json())
+    run_owner.claim(run, me)  # same pid, another start time: stale
+
+
+def test_an_owner_on_another_host_is_named(tmp_path):
+    run = RunDir(tmp_path / "run")
+    run.path.mkdir()
+    run.owner_file.write_text(Owner("local", "77", "elsewhere", 77, 1.0).to_json())
+    with pytest.raises(RunDirError) as e:
+        run_owner.claim(run, Owner.submitter())
+    assert "host elsewhere" in e.value.problem and "cannot be checked from here" in e.value.problem
+
+
+@pytest.mark.parametrize("state", ["PENDING", "RUNNING", "REQUEUED", "REQUEUE_HOLD", "SUSPENDED", "COMPLETING"])
+def test_a_live_slurm_job_owns_the_run_dir(tmp_path, monkeypatch, state):
+    run = RunDir(tmp_path / "run")
+    run_owner.claim(run, Owner.slurm_job("4242"))
+    monkeypatch.setattr(slurm, "job_state", lambda job_id: state)
+    with pytest.raises(RunDirError) as e:
+        run_owner.claim(run, Owner.submitter())
+    assert "Slurm job 4242" in e.value.problem and state in e.value.problem and "scancel 4242" in e.value.fix
+    run_owner.claim(run, Owner.slurm_job("4242"))  # the job itself, starting (or restarting)
+
+
+@pytest.mark.parametrize("state", ["COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", None])
+def test_an_ended_slurm_job_is_taken_over(tmp_path, monkeypatch, state):
+    run = RunDir(tmp_path / "run")
+    run_owner.claim(run, Owner.slurm_job("4242"))
+    monkeypatch.setattr(slurm, "job_state", lambda job_id: state)
+    run_owner.claim(run, Owner.slurm_job("4243"))
+    assert run_owner.read(run) == Owner.slurm_job("4243")
+
+
+def test_release_only_by_the_owner(tmp_path):
+    run = RunDir(tmp_path / "run")
+    run_owner.claim(run, Owner.slurm_job("1"))
+    run_owner.release(run, Owner.slurm_job("2"))
+    assert run.owner_file.exists()
+    run_owner.release(run, Owner.slurm_job("1"))
+    assert not run.owner_file.exists()
