@@ -119,8 +119,10 @@ class ActorGroup:
         """All ranks write into ``ckpt_dir/actor/``; returns when every rank has finished."""
         self._call("save", ckpt_dir)
 
-    def connect_rollout(self, engine_urls: list[str], engine_world_sizes: list[int], colocate: bool) -> None:
-        self._call("connect_rollout", engine_urls, engine_world_sizes, colocate)
+    def connect_rollout(
+        self, engine_urls: list[str], engine_world_sizes: list[int], colocate: bool, key_file: str | None = None
+    ) -> None:
+        self._call("connect_rollout", engine_urls, engine_world_sizes, colocate, key_file)
 
     def update_weights(self, version: int) -> None:
         """Raises ``WeightPushFailed`` when the engines' side failed; the ranks stay usable."""

@@ -337,16 +337,21 @@ class RankBase:
 
     # ------------------------------------------------------------------ weight sync
 
-    def connect_rollout(self, engine_urls: list[str], engine_world_sizes: list[int], colocate: bool) -> None:
-        """Rank 0 opens the weight-sync channel to the engines; the other ranks have no part in it."""
+    def connect_rollout(
+        self, engine_urls: list[str], engine_world_sizes: list[int], colocate: bool, key_file: str | None = None
+    ) -> None:
+        """Rank 0 opens the weight-sync channel to the engines; the other ranks have no part in it.
+        ``key_file``: the job's engine key (``rlhpc.rollout.engine_key``), sent on every engine call."""
         if self.rank != 0:
             return
         if self.sender is not None:  # reconnecting (e.g. after an engine restart): drop the old channel
             self._close_sender()
         from rlhpc.rollout.client import EngineClient  # late: training never needs the rollout side
+        from rlhpc.rollout.engine_key import read_key
         from rlhpc.rollout.weight_sync import make_weight_sender
 
-        clients = [EngineClient(url) for url in engine_urls]
+        key = read_key(key_file) if key_file else None
+        clients = [EngineClient(url, api_key=key) for url in engine_urls]
         self.sender = make_weight_sender(
             clients,
             engine_world_sizes,

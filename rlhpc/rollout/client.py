@@ -15,6 +15,7 @@ import requests
 
 from rlhpc.errors import RlhpcError
 from rlhpc.rollout import protocol as P
+from rlhpc.rollout.engine_key import auth_headers
 from rlhpc.rollout.protocol import Route
 
 log = logging.getLogger(__name__)
@@ -30,10 +31,12 @@ class EngineUnavailable(RlhpcError):
 class EngineClient:
     """One engine's HTTP API. Methods raise RlhpcError on connection failure, non-200 or success=false."""
 
-    def __init__(self, base_url: str, timeout_s: float = 600.0):
+    def __init__(self, base_url: str, timeout_s: float = 600.0, api_key: str | None = None):
+        """``api_key``: the job's engine key (``rlhpc.rollout.engine_key``), sent on every request."""
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
         self._session = requests.Session()
+        self._session.headers.update(auth_headers(api_key))
 
     def __repr__(self) -> str:
         return f"EngineClient({self.base_url!r})"

@@ -8,6 +8,11 @@ fixed one, picked free and picked again if it was lost to a race (see ``sglang_s
 engine spanning nodes has one actor per node; only node rank 0 serves HTTP. The server dies
 with the actor: PR_SET_PDEATHSIG when the actor forks from its main thread (Ray runs a plain
 actor's methods there), plus the CPU server's own ``--parent-pid`` watchdog.
+
+Every route of the server requires the job's engine key (``key_file``, see
+``rlhpc.rollout.engine_key``): the CPU server reads the file itself (``--api-key-file``), SGLang
+from a 0600 ``--config`` file in the actor's private temp dir, so the key is on no command line.
+The server listens on ``host`` (loopback when every peer is on this node), else the node's IP.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import ray
 from rlhpc.errors import RlhpcError
 from rlhpc.rollout import sglang_server
 from rlhpc.rollout.client import EngineClient
+from rlhpc.rollout.engine_key import read_key
 from rlhpc.rollout.sglang_server import SGLangSpec
 from rlhpc.util.files import tail
 from rlhpc.util.net import http_url, url_host
@@ -61,6 +67,8 @@ class EngineActor:
         env: dict | None = None,
         sglang: SGLangSpec | None = None,
         start: bool = True,
+        key_file: str | None = None,
+        host: str | None = None,
     ):
         self.model_path = model_path
         self.engine_id = engine_id
@@ -70,7 +78,11 @@ class EngineActor:
         part = f"_node{sglang.node_rank}" if sglang is not None and sglang.nnodes > 1 else ""
         self.log_path = Path(log_dir) / f"engine_{engine_id}{part}.log"
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self.host = ray.util.get_node_ip_address()
+        self.node_ip = ray.util.get_node_ip_address()  # what other nodes reach (SGLang's dist-init)
+        # Without a key the server must not be reachable from other machines: loopback only.
+        self.host = host or (self.node_ip if key_file else "127.0.0.1")
+        self.key_file = key_file
+        self.api_key = read_key(key_file) if key_file else None
         self.tmp_dir = Path(tempfile.mkdtemp(prefix=f"rlhpc-engine{engine_id}-"))
         self.ready_file = self.tmp_dir / "ready.json"
         self.proc: subprocess.Popen | None = None
@@ -84,6 +96,7 @@ class EngineActor:
     # -------------------------------------------------------------- lifecycle
 
     def _command(self) -> list[str]:
+        key = ["--api-key-file", self.key_file] if self.key_file else []
         return [
             sys.executable,
             "-m",
@@ -100,6 +113,7 @@ class EngineActor:
             str(os.getpid()),
             "--threads",
             self.extra_env.get("OMP_NUM_THREADS", "1"),
+            *key,
         ]
 
     def _env(self) -> dict[str, str]:
@@ -150,7 +164,7 @@ class EngineActor:
             time.sleep(0.05)
         info = json.loads(self.ready_file.read_text())
         url = http_url(info["host"], info["port"])
-        EngineClient(url).wait_healthy(max(5.0, deadline - time.monotonic()))
+        EngineClient(url, api_key=self.api_key).wait_healthy(max(5.0, deadline - time.monotonic()))
         log.info("engine %d ready at %s", self.engine_id, url)
         return url
 
@@ -161,10 +175,14 @@ class EngineActor:
         env = sglang_server.server_env(self._env(), gpu_ids)
         name = f"engine {self.engine_id}" + (f" node rank {spec.node_rank}" if spec.nnodes > 1 else "")
 
+        config = None
+        if self.api_key and spec.serves_http:  # a 0600 file in our 0700 temp dir: not on the command line
+            config = sglang_server.write_key_config(self.tmp_dir / "sglang_key.yaml", self.api_key)
+
         def command(port: int) -> list[str]:
             nccl_port = sglang_server.free_port(self.host)
             return sglang_server.launch_server_command(
-                sys.executable, self.model_path, self.host, port, nccl_port, spec, self._dist_init_addr
+                sys.executable, self.model_path, self.host, port, nccl_port, spec, self._dist_init_addr, config
             )
 
         if not spec.serves_http:
@@ -192,6 +210,7 @@ class EngineActor:
             env,
             self.startup_timeout_s,
             preexec_fn=_die_with_parent if main else None,
+            api_key=self.api_key,
         )
         self._url = http_url(self.host, port)
         log.info(
@@ -234,7 +253,7 @@ class EngineActor:
             return False
         if self.sglang is not None and not self.sglang.serves_http:
             return True
-        return self._url is not None and EngineClient(self._url).health()
+        return self._url is not None and EngineClient(self._url, api_key=self.api_key).health()
 
     # -------------------------------------------------------------- engines over several nodes
 
@@ -244,7 +263,7 @@ class EngineActor:
         SGLang derives a few more ports from it (port + 1 ...); a lost race shows as a start-up
         failure of the whole engine, which the engine pool reports with the log.
         """
-        return f"{url_host(self.host)}:{sglang_server.free_port(self.host)}"
+        return f"{url_host(self.node_ip)}:{sglang_server.free_port(self.node_ip)}"
 
     def start(self, dist_init_addr: str | None = None) -> str | None:
         """Start a part created with ``start=False`` (every part of an engine at once); node rank 0

@@ -11,11 +11,18 @@ weight source it was connected to (``connect_weights``, the actor): the weight-s
 opened again over all engines, since they share one group, and the current version is pushed.
 Generation requests that failed on it are sent again; every sample has its own seed, so they
 give the same tokens.
+
+Every engine route requires the job's engine key (``rlhpc.rollout.engine_key``): a fresh one is
+written to ``key_file`` when the pool starts, the engines, the router and the weight source get
+the file (its path), and the pool's clients send it. Engines listen on loopback when every slot
+of the placement is on the driver's node (nobody else needs to reach them), else on the node's IP.
 """
 
 from __future__ import annotations
 
 import logging
+import shutil
+import tempfile
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from pathlib import Path
@@ -26,6 +33,7 @@ import ray
 from rlhpc.errors import RlhpcError, WeightPushFailed
 from rlhpc.rollout.client import EngineClient, EngineUnavailable
 from rlhpc.rollout.engine import EngineActor
+from rlhpc.rollout.engine_key import new_key
 from rlhpc.rollout.generation import GenerationAborted, Request
 from rlhpc.rollout.sglang_server import Router, engine_parts
 from rlhpc.util.files import tail
@@ -45,7 +53,9 @@ COLOCATED_ENGINE_GPU = 0.2
 class WeightSource(Protocol):
     """What pushes trained weights to the engines (``rlhpc.actor.group.ActorGroup``)."""
 
-    def connect_rollout(self, engine_urls: list[str], engine_world_sizes: list[int], colocate: bool) -> None: ...
+    def connect_rollout(
+        self, engine_urls: list[str], engine_world_sizes: list[int], colocate: bool, key_file: str | None = None
+    ) -> None: ...
 
     def update_weights(self, version: int) -> None: ...
 
@@ -54,6 +64,7 @@ class EnginePool:
     """Start, watch, restart, feed and stop the rollout engines.
 
     ``stop`` is the job's stop request: generation in flight is aborted when it is set.
+    ``key_file``: where the engine key is written (``RunDir.engine_key``); None: a private temp dir.
     """
 
     def __init__(
@@ -66,9 +77,16 @@ class EnginePool:
         layout: Layout,
         log_dir: Path,
         stop: StopRequest | None = None,
+        key_file: Path | None = None,
     ):
         self.rollout_cfg, self.cluster_cfg, self.seed = rollout, cluster, seed
         self.stop = stop
+        self._key_dir = None if key_file is not None else Path(tempfile.mkdtemp(prefix="rlhpc-engine-key-"))
+        self.key_file = Path(key_file) if key_file is not None else self._key_dir / "engine_key"
+        self.api_key = new_key(self.key_file)  # a new one at every start of the job
+        here = ray.util.get_node_ip_address()
+        # Loopback when every engine and actor rank is on the driver's node (the embedded default).
+        self.engine_host = "127.0.0.1" if all(ip == here for ip, _ in placement.location_of_slot) else None
         self.engine_world_sizes = [len(slots) for slots in layout.engine_slots]
         # engine e's actors, one per node it spans (node rank 0 first, the one serving HTTP)
         self.engine_parts = [
@@ -77,14 +95,14 @@ class EnginePool:
         ]
         self.engines = [parts[0] for parts in self.engine_parts]
         urls = ray.get([e.url.remote() for e in self.engines])
-        self.clients = [EngineClient(url) for url in urls]
+        self.clients = [EngineClient(url, api_key=self.api_key) for url in urls]
         self.engine_logs: list[str] = ray.get([e.log_file.remote() for e in self.engines])
         log.info("rollout engines up: %s", ", ".join(urls))
         self.router: Router | None = None
         self.router_client: EngineClient | None = None  # generation goes through it when set
         if rollout.backend == "sglang" and rollout.sglang.router:
-            self.router = Router(ray.util.get_node_ip_address(), log_dir / "router.log", 60.0)
-            self.router_client = EngineClient(self.router.start(urls))
+            self.router = Router("127.0.0.1", log_dir / "router.log", 60.0, self.api_key)
+            self.router_client = EngineClient(self.router.start(urls), api_key=self.api_key)
         self.restarts = [0] * len(self.engines)  # per engine, bounded by rollout.max_engine_restarts
         self.weight_version: int | None = None  # what the engines hold (None: the weights on disk)
         self._weights: WeightSource | None = None
@@ -108,7 +126,15 @@ class EnginePool:
         multi = len(parts) > 1
         actors = [
             EngineActor.options(num_gpus=gpu, num_cpus=0.5, scheduling_strategy=placement.strategy(slot)).remote(
-                model_path, str(log_dir), e, r.engine_startup_timeout_s, None, spec, not multi
+                model_path,
+                str(log_dir),
+                e,
+                r.engine_startup_timeout_s,
+                None,
+                spec,
+                not multi,
+                key_file=str(self.key_file),
+                host=self.engine_host,
             )
             for slot, spec in parts
         ]
@@ -192,7 +218,7 @@ class EnginePool:
         """Open the weight-sync channel from ``source`` (the actor) to every engine; ``source`` is
         also how a restarted engine gets the current weights back."""
         self._weights = source
-        source.connect_rollout(self.engine_urls, self.engine_world_sizes, self.cluster_cfg.colocate)
+        source.connect_rollout(self.engine_urls, self.engine_world_sizes, self.cluster_cfg.colocate, str(self.key_file))
         self._reconnect = False
 
     def sync_weights(self, version: int) -> None:
@@ -233,7 +259,7 @@ class EnginePool:
             self._restart(e)
         if self.router is not None and (dead or not self.router_client.health()):
             # the router knows engines by URL, and a restarted engine has a new one
-            self.router_client = EngineClient(self.router.start(self.engine_urls))
+            self.router_client = EngineClient(self.router.start(self.engine_urls), api_key=self.api_key)
         return dead
 
     def _restart(self, e: int) -> None:
@@ -264,7 +290,7 @@ class EnginePool:
                 "check that the engine's node is still up; the job can resume from the last checkpoint",
             ) from err
         self.clients[e].close()
-        self.clients[e] = EngineClient(url)
+        self.clients[e] = EngineClient(url, api_key=self.api_key)
         self._reconnect = True  # the old weight-sync group is gone with the server
         log.warning("rollout engine %d is back at %s", e, url)
 
@@ -315,3 +341,5 @@ class EnginePool:
                 ray.get(engine.shutdown.remote(), timeout=30)
             except Exception as e:  # a dead engine has nothing left to stop
                 log.debug("engine shutdown: %s", e)
+        if self._key_dir is not None:
+            shutil.rmtree(self._key_dir, ignore_errors=True)

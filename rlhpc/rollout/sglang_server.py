@@ -8,6 +8,15 @@ Ports: SGLang takes a fixed ``--port`` (no port 0 + ready file as the CPU server
 port is picked and, if the server dies during start-up because the port was taken in between,
 another one is picked (a bounded number of times). Its internal NCCL port is passed explicitly
 (``--nccl-port``), also picked free, so two engines on one node never pick the same one.
+
+The engine key (``rlhpc.rollout.engine_key``): SGLang takes ``--api-key`` only as a server
+argument, and reads its server arguments also from a YAML ``--config`` file, so the key goes
+there (a 0600 file), not onto the command line. SGLang then requires ``Authorization: Bearer KEY``
+on every route except /health*, /ready* and /metrics* (probes), and logs its server arguments,
+key included, at start-up: its output reaches the log through ``_RedactingPump``, which
+replaces the key. sglang_router takes the key (``--api-key``) for its calls to the engines on its
+command line only: it listens on loopback (the driver beside it is its one client), and its
+command line, visible to the node's users in ``ps``, is the one place the key appears.
 """
 
 from __future__ import annotations
@@ -19,16 +28,20 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import requests
+import yaml
 
 from rlhpc.errors import RlhpcError
+from rlhpc.rollout.engine_key import auth_headers
 from rlhpc.util.net import http_url
 from rlhpc.util.processes import stop_group
+from rlhpc.util.secrets import write_secret
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +94,11 @@ def launch_server_command(
     nccl_port: int,
     spec: SGLangSpec,
     dist_init_addr: str | None = None,
+    config_file: Path | None = None,
 ) -> list[str]:
-    """``python -m sglang.launch_server ...`` for one engine (or one node's part of it)."""
+    """``python -m sglang.launch_server ...`` for one engine (or one node's part of it).
+
+    ``config_file``: SGLang's ``--config`` YAML holding the engine key (``write_key_config``)."""
     cmd = [
         python, "-m", SERVER_MODULE,
         "--model-path", model_path,
@@ -96,6 +112,8 @@ def launch_server_command(
     ]  # fmt: skip
     if spec.memory_saver:
         cmd.append("--enable-memory-saver")
+    if config_file is not None:
+        cmd += ["--config", str(config_file)]
     if spec.nnodes > 1:
         if not dist_init_addr:
             raise RlhpcError(
@@ -106,7 +124,15 @@ def launch_server_command(
     return cmd + list(spec.extra_args)  # last: the user's extra args win where SGLang takes the last value
 
 
-def router_command(python: str, worker_urls: Sequence[str], host: str, port: int) -> list[str]:
+def write_key_config(path: Path, api_key: str) -> Path:
+    """SGLang's ``--config`` file (0600) carrying ``api-key``: the key stays off the command line."""
+    write_secret(path, yaml.safe_dump({"api-key": api_key}))
+    return path
+
+
+def router_command(
+    python: str, worker_urls: Sequence[str], host: str, port: int, api_key: str | None = None
+) -> list[str]:
     """``python -m sglang_router.launch_router`` in front of the engines.
 
     Round robin: every sample carries its own seed, so which engine serves it does not matter,
@@ -120,6 +146,7 @@ def router_command(python: str, worker_urls: Sequence[str], host: str, port: int
         "--host", host,
         "--port", str(port),
         "--policy", "round_robin",
+        *(["--api-key", api_key] if api_key else []),
     ]  # fmt: skip
 
 
@@ -155,10 +182,19 @@ class ServerExited(RlhpcError):
         self.log_text = log_text
 
 
-def wait_healthy(proc: subprocess.Popen, url: str, name: str, log_path: Path, offset: int, timeout_s: float) -> None:
+def wait_healthy(
+    proc: subprocess.Popen,
+    url: str,
+    name: str,
+    log_path: Path,
+    offset: int,
+    timeout_s: float,
+    api_key: str | None = None,
+) -> None:
     """Block until ``url``/health answers 200 while ``proc`` runs; raise ServerExited if it ends."""
     deadline = time.monotonic() + timeout_s
     session = requests.Session()
+    session.headers.update(auth_headers(api_key))
     while True:
         code = proc.poll()
         if code is not None:
@@ -187,9 +223,12 @@ def start_on_free_port(
     preexec_fn: Callable[[], None] | None = None,
     pick_port: Callable[[str], int] = free_port,
     attempts: int = PORT_ATTEMPTS,
+    api_key: str | None = None,
 ) -> tuple[subprocess.Popen, int]:
     """Start ``command(port)`` on a free port and wait for /health; on an address-in-use death, retry
-    on another port (``attempts`` in all). Returns the running process and its port."""
+    on another port (``attempts`` in all). Returns the running process and its port.
+
+    ``api_key``: sent on /health, and replaced in whatever the process writes to its log."""
     for attempt in range(1, attempts + 1):
         port = pick_port(host)
         offset = log_path.stat().st_size if log_path.exists() else 0
@@ -199,14 +238,23 @@ def start_on_free_port(
             proc = subprocess.Popen(
                 command(port),
                 stdin=subprocess.DEVNULL,
-                stdout=logf,
+                stdout=subprocess.PIPE if api_key else logf,
                 stderr=subprocess.STDOUT,
                 env=dict(env),
                 preexec_fn=preexec_fn,
                 start_new_session=True,  # its own process group: stop() ends SGLang's children too
             )
+        pump = _RedactingPump(proc, log_path, api_key) if api_key else None
+        if pump is not None:
+            pump.start()
         try:
-            wait_healthy(proc, http_url(host, port), name, log_path, offset, timeout_s)
+            try:
+                wait_healthy(proc, http_url(host, port), name, log_path, offset, timeout_s, api_key)
+            except ServerExited:
+                if pump is None:
+                    raise
+                pump.join(5.0)  # the last lines, which name the cause, are still in the pipe
+                raise ServerExited(name, proc.returncode, log_path, _read_from(log_path, offset)) from None
         except ServerExited as e:
             if attempt < attempts and port_conflict(e.log_text):
                 log.warning("%s: port %d was taken (attempt %d of %d); trying another", name, port, attempt, attempts)
@@ -217,6 +265,25 @@ def start_on_free_port(
             raise
         return proc, port
     raise AssertionError("unreachable")  # the last attempt returns or raises
+
+
+class _RedactingPump(threading.Thread):
+    """Copy a server's output into its log line by line, with the engine key replaced."""
+
+    def __init__(self, proc: subprocess.Popen, log_path: Path, secret: str):
+        super().__init__(name=f"log-pump-{proc.pid}", daemon=True)
+        self.proc, self.log_path, self.secret = proc, log_path, secret.encode()
+
+    def run(self) -> None:
+        with open(self.log_path, "ab") as logf:
+            for line in iter(self.proc.stdout.readline, b""):
+                logf.write(redact(line, self.secret))
+                logf.flush()
+        self.proc.stdout.close()
+
+
+def redact(data: bytes, secret: bytes) -> bytes:
+    return data.replace(secret, b"<engine key>") if secret else data
 
 
 def stop(proc: subprocess.Popen, grace_s: float = 10.0, name: str = "server") -> None:
@@ -279,15 +346,16 @@ class Router:
     """sglang_router in front of the engines, run by the driver: generation goes through it,
     weight updates and memory calls go to each engine directly."""
 
-    def __init__(self, host: str, log_path: Path, startup_timeout_s: float):
+    def __init__(self, host: str, log_path: Path, startup_timeout_s: float, api_key: str | None = None):
         require_module(
             "sglang_router",
             "sglang_router for rollout.sglang.router: true",
             "pip install sglang-router into the job's environment, or set rollout.sglang.router: false",
         )
-        self.host = host
+        self.host = host  # loopback: the driver, beside it, is its one client
         self.log_path = log_path
         self.startup_timeout_s = startup_timeout_s
+        self.api_key = api_key
         self.proc: subprocess.Popen | None = None
         self.url: str | None = None
 
@@ -296,12 +364,13 @@ class Router:
         self.stop()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.proc, port = start_on_free_port(
-            lambda p: router_command(sys.executable, worker_urls, self.host, p),
+            lambda p: router_command(sys.executable, worker_urls, self.host, p, self.api_key),
             self.host,
             "sglang router",
             self.log_path,
             os.environ,
             self.startup_timeout_s,
+            api_key=self.api_key,
         )
         self.url = http_url(self.host, port)
         log.info("sglang router at %s over %d engine(s), log %s", self.url, len(worker_urls), self.log_path)

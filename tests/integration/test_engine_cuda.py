@@ -15,6 +15,7 @@ import torch
 from support.engines import (
     assert_engine_holds,
     assert_generation_matches,
+    engine_client,
     named,
     start_server,
     stop_server,
@@ -41,7 +42,7 @@ def model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
 def engine(model_path: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineClient]:
     work = tmp_path_factory.mktemp("engine")
     proc, url, _ = start_server(model_path, work, "gpu", ["--device", "cuda"])
-    yield EngineClient(url, timeout_s=120)
+    yield engine_client(url, timeout_s=120)
     stop_server(proc)
     assert proc.returncode == 0, Path(work / "gpu.log").read_text()
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import ray
 import torch
-from support.engines import start_server, stop_server
+from support.engines import engine_client, start_server, stop_server
 
 from rlhpc.errors import RlhpcError
 from rlhpc.model import load_model, load_tokenizer
@@ -40,7 +40,7 @@ def server(model_path: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 
 @pytest.fixture(scope="module")
 def client(server: tuple[subprocess.Popen, str, Path]) -> EngineClient:
-    return EngineClient(server[1], timeout_s=60)
+    return engine_client(server[1], timeout_s=60)
 
 
 def prompts(tok, texts: list[str]) -> list[list[int]]:

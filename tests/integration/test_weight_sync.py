@@ -17,6 +17,7 @@ import torch
 from support.engines import (
     assert_engine_holds,
     assert_generation_matches,
+    engine_client,
     named,
     start_server,
     stop_server,
@@ -51,7 +52,7 @@ def engines(model_path: str, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     with ThreadPoolExecutor(2) as pool:  # start both at once: startup is mostly imports
         started = list(pool.map(lambda i: start_server(model_path, work, f"engine{i}"), range(2)))
     LOGS.update({url: work / f"engine{i}.log" for i, (_, url, _) in enumerate(started)})
-    yield [EngineClient(url, timeout_s=60) for _, url, _ in started]
+    yield [engine_client(url, timeout_s=60) for _, url, _ in started]
     for proc, _, _ in started:
         stop_server(proc)
     for proc, _, _ in started:

@@ -13,18 +13,29 @@ import torch
 
 from rlhpc.model import load_model, load_tokenizer
 from rlhpc.rollout.client import EngineClient
+from rlhpc.rollout.engine_key import new_key
 from rlhpc.rollout.sampling import sample
+
+# url -> the engine key its server requires (``engine_client`` sends it)
+KEYS: dict[str, str] = {}
+
+
+def key_file(work: Path, name: str) -> Path:
+    return work / f"{name}.engine_key"
 
 
 def start_server(
     model_path: str, work: Path, name: str, extra_args: list[str] | None = None
 ) -> tuple[subprocess.Popen, str, Path]:
-    """Start a CPU engine server on port 0; return (process, url, ready file)."""
+    """Start a CPU engine server on port 0 that requires a fresh engine key (``key_file``, and
+    ``engine_client(url)`` sends it); return (process, url, ready file)."""
     ready = work / f"{name}.ready.json"
+    key = new_key(key_file(work, name))
     log = open(work / f"{name}.log", "wb")  # noqa: SIM115 - lives as long as the server
     proc = subprocess.Popen(
         [sys.executable, "-m", "rlhpc.rollout.cpu_server", "--model-path", model_path, "--port", "0"]
-        + ["--ready-file", str(ready), "--parent-pid", str(os.getpid()), *(extra_args or [])],
+        + ["--ready-file", str(ready), "--parent-pid", str(os.getpid())]
+        + ["--api-key-file", str(key_file(work, name)), *(extra_args or [])],
         stdout=log,
         stderr=subprocess.STDOUT,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
@@ -35,7 +46,14 @@ def start_server(
         assert time.monotonic() < deadline, "server did not get ready"
         time.sleep(0.05)
     info = json.loads(ready.read_text())
-    return proc, f"http://{info['host']}:{info['port']}", ready
+    url = f"http://{info['host']}:{info['port']}"
+    KEYS[url] = key
+    return proc, url, ready
+
+
+def engine_client(url: str, timeout_s: float = 600.0) -> EngineClient:
+    """A client of a server ``start_server`` started, sending its key."""
+    return EngineClient(url, timeout_s, api_key=KEYS[url])
 
 
 def stop_server(proc: subprocess.Popen) -> None:

@@ -7,6 +7,7 @@ wheel's sources. A renamed or removed field, route, sampling param or flag in SG
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 from support import sglang_wheel as sgl
@@ -100,6 +101,9 @@ def test_launch_flags_exist_in_server_args() -> None:
     emitted = {a for a in cmd if a.startswith("--")}
     assert emitted, cmd
     assert emitted <= flags, f"flags SGLang {P.SGLANG_VERSION} does not know: {emitted - flags}"
+    # the engine key: --config FILE.yaml holding api-key (a server flag), not --api-key on the command line
+    keyed = sglang_server.launch_server_command("/py", "/m", "h", 1, 2, every_option, "h:3", Path("/k.yaml"))
+    assert {"--config", "--api-key"} <= flags and "--config" in keyed
 
 
 # ------------------------------------------------------------------ flattened weight buckets

@@ -3,6 +3,10 @@
 Request bodies are validated as the protocol's dataclasses (SGLang's field names; fields SGLang
 clients may send and we do not use are ignored). /generate bodies are read by hand, since SGLang
 answers a single prompt with a dict and a batch with a list.
+
+With a key (``build_app(..., api_key=KEY)``) every request, to every path, must carry
+``Authorization: Bearer KEY`` or is answered 401: the check is middleware in front of the router,
+so no route can be added without it. Unlike SGLang, /health is not exempt (no probe needs it).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from pydantic import TypeAdapter
 from rlhpc.rollout import protocol as P
 from rlhpc.rollout.cpu_server.engine import Engine
 from rlhpc.rollout.cpu_server.requests import EngineError
+from rlhpc.rollout.engine_key import HEADER, authorized
 from rlhpc.rollout.protocol import PAUSE_MODES, Route
 
 log = logging.getLogger("rlhpc.cpu_server")
@@ -31,9 +36,28 @@ def error_response(message: str, status: int = 400) -> JSONResponse:
     return JSONResponse({"error": {"message": message}}, status_code=status)
 
 
-def build_app(engine: Engine, address: dict[str, Any]) -> FastAPI:
-    """FastAPI app with SGLang's native routes. ``address`` holds host/port once bound."""
+class RequireKey:
+    """ASGI middleware: a request without the engine key never reaches a route (401)."""
+
+    def __init__(self, app: Any, api_key: str):
+        self.app = app
+        self.api_key = api_key
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            header = next((v for k, v in scope["headers"] if k.decode("latin-1").lower() == HEADER.lower()), None)
+            if not authorized(header.decode("latin-1") if header is not None else None, self.api_key):
+                await error_response("missing or wrong engine key", 401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def build_app(engine: Engine, address: dict[str, Any], api_key: str | None = None) -> FastAPI:
+    """FastAPI app with SGLang's native routes. ``address`` holds host/port once bound.
+    ``api_key``: required on every request (None: no check; the server allows that on loopback only)."""
     app = FastAPI(openapi_url=None)
+    if api_key is not None:
+        app.add_middleware(RequireKey, api_key=api_key)
     gen_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="generate")  # one batch at a time
     ctl_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="control")  # weight/memory ops in order
     state = {"shutting_down": False}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import json
 import logging
 import os
@@ -20,6 +21,7 @@ import uvicorn
 
 from rlhpc.rollout.cpu_server.app import build_app
 from rlhpc.rollout.cpu_server.engine import Engine
+from rlhpc.rollout.engine_key import read_key
 from rlhpc.util.files import write_atomic
 
 log = logging.getLogger("rlhpc.cpu_server")
@@ -41,6 +43,13 @@ def _bind(host: str, port: int) -> socket.socket:
     sock.bind((host, port))  # port 0: the kernel picks a free port, no probe-then-bind race
     sock.set_inheritable(False)
     return sock
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def _watch_parent(parent_pid: int, server: uvicorn.Server) -> None:
@@ -65,7 +74,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: the model on cuda:0")
     p.add_argument("--log-level", default="INFO")
+    p.add_argument(
+        "--api-key-file",
+        type=Path,
+        help="a file holding the key every request must carry (Authorization: Bearer KEY); required unless "
+        "--host is a loopback address. A path, not the key: command lines are visible to every user",
+    )
     args = p.parse_args(argv)
+    if args.api_key_file is None and not is_loopback(args.host):
+        p.error(f"--host {args.host} is reachable from other machines: pass --api-key-file (or a loopback --host)")
+    if args.api_key_file is not None and not args.api_key_file.is_file():
+        p.error(f"--api-key-file {args.api_key_file} does not exist")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda but torch sees no CUDA device (a CPU build of torch, or no GPU visible)")
     return args
@@ -88,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     sock = _bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
     address = {"host": args.host, "port": port}
-    app = build_app(engine, address)
+    app = build_app(engine, address, read_key(args.api_key_file) if args.api_key_file is not None else None)
     config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=3, lifespan="off")
     server = uvicorn.Server(config)
     if args.parent_pid:
@@ -99,7 +118,10 @@ def main(argv: list[str] | None = None) -> None:
         while not server.started and not task.done():
             await asyncio.sleep(0.01)
         if server.started:
-            log.info("serving %s on %s:%d (weight_version %s)", args.model_path, host, port, engine.weight_version)
+            log.info(
+                "serving %s on %s:%d (weight_version %s, %s)", args.model_path, host, port, engine.weight_version,
+                "engine key required" if args.api_key_file is not None else "no key: loopback only",
+            )  # fmt: skip
             if args.ready_file:
                 _write_ready_file(args.ready_file, {"host": args.host, "port": port, "pid": os.getpid()})
         await task

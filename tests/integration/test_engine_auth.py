@@ -1,0 +1,59 @@
+"""The engine key: no route of a CPU engine server answers without it (issue 12, item 1)."""
+
+from __future__ import annotations
+
+import stat
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import requests
+from support.engines import engine_client, key_file, start_server, stop_server
+
+from rlhpc.rollout.cpu_server.server import parse_args
+from rlhpc.rollout.protocol import Route
+
+
+@pytest.fixture(scope="module")
+def server(model_path: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    work = tmp_path_factory.mktemp("auth")
+    proc, url, _ = start_server(model_path, work, "engine")
+    try:
+        yield url, work
+    finally:
+        stop_server(proc)
+
+
+@pytest.mark.parametrize("route", sorted(set(Route.all().values())) + ["/docs", "/openapi.json", "/no_such_route"])
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": "wrong"}])
+def test_every_route_refuses_a_request_without_the_key(server: tuple[str, Path], route: str, headers: dict) -> None:
+    url, _ = server
+    for method in ("GET", "POST"):
+        resp = requests.request(method, url + route, json={}, headers=headers, timeout=30)
+        assert resp.status_code == 401, (method, route, resp.status_code, resp.text)
+
+
+def test_the_client_with_the_key_is_served(server: tuple[str, Path]) -> None:
+    url, work = server
+    client = engine_client(url, timeout_s=60)
+    assert client.health()
+    assert client.get_weight_version() == "default"
+    client.pause_generation("in_place")
+    client.continue_generation()
+    assert stat.S_IMODE(key_file(work, "engine").stat().st_mode) == 0o600
+    key = key_file(work, "engine").read_text().strip()
+    assert key not in (work / "engine.log").read_text()
+
+
+def test_without_a_key_the_server_only_listens_on_loopback(model_path: str) -> None:
+    assert parse_args(["--model-path", model_path]).api_key_file is None  # 127.0.0.1 by default
+    with pytest.raises(SystemExit):
+        parse_args(["--model-path", model_path, "--host", "0.0.0.0"])
+
+
+def test_the_key_is_not_on_the_command_line(server: tuple[str, Path]) -> None:
+    url, work = server
+    key = key_file(work, "engine").read_text().strip()
+    ps = subprocess.run(["ps", "-ww", "-eo", "args"], capture_output=True, text=True, check=True).stdout
+    assert "--api-key-file" in ps and key not in ps
