@@ -199,7 +199,12 @@ class CheckpointManager:
         save in progress is also a staging directory).
         """
         for p in self.root.iterdir():
-            if p.name.startswith(STAGING) or p.name.startswith(f".{LATEST}.tmp-"):
+            replaced = self.root / p.name.removeprefix(f"{STAGING}old-")
+            if p.name.startswith(f"{STAGING}old-") and not replaced.exists() and validate(p, content=False) is None:
+                # killed between the two renames of a re-save: this is the only copy of that rollout
+                os.replace(p, replaced)
+                log.warning("restored %s from an interrupted re-save", replaced.name)
+            elif p.name.startswith(STAGING) or p.name.startswith(f".{LATEST}.tmp-"):
                 log.info("removing %s left by an interrupted save", p)
                 if p.is_dir() and not p.is_symlink():
                     shutil.rmtree(p, ignore_errors=True)

@@ -216,10 +216,19 @@ def test_clean_debris_at_start(tmp_path):
     save(mgr, 1)
     (tmp_path / ".staging-rollout_000002").mkdir()  # a save killed (SIGKILL, node lost)
     (tmp_path / ".staging-rollout_000002" / "model.bin").write_bytes(b"x" * 100)
-    (tmp_path / ".staging-old-rollout_000001").mkdir()
+    (tmp_path / ".staging-old-rollout_000001").mkdir()  # the old copy of a re-save that completed
     (tmp_path / ".latest.tmp-4242").write_text("rollout_000002\n")
     CheckpointManager(tmp_path, keep_last=2).clean_debris()
     assert debris(tmp_path) == [] and mgr.latest().rollout_id == 1
+
+
+def test_clean_debris_restores_a_checkpoint_caught_between_the_renames_of_a_resave(tmp_path):
+    mgr = CheckpointManager(tmp_path, keep_last=2)
+    save(mgr, 1)
+    ck = save(mgr, 2)
+    ck.path.rename(tmp_path / ".staging-old-rollout_000002")  # killed right after moving the old copy away
+    mgr.clean_debris()
+    assert debris(tmp_path) == [] and mgr.latest().rollout_id == 2
 
 
 # ------------------------------------------------------------ the manifest (issue 12, item 12)
