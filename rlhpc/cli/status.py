@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
             head = json.loads(ray.head.read_text())["address"]
             stopped = " (stopped)" if ray.stop.exists() else ""
             print(f"ray          head {head}, {len(ray.nodes())} node(s) started{stopped} (attempt {ray.attempt})")
-    ck = CheckpointManager(run.checkpoints, keep_last=2).latest() if run.checkpoints.is_dir() else None
+    ck = CheckpointManager(run.checkpoints, keep_last=2).latest(content=False) if run.checkpoints.is_dir() else None
     print(f"checkpoint   {ck.path.name + f' (next rollout {ck.next_rollout_id})' if ck else 'none yet'}")
     records = read_metrics(run)
     if records:

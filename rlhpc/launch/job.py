@@ -230,7 +230,8 @@ class TrainJob:
     @staticmethod
     def _check_restart_loop(cfg: Config, run: RunDir, cluster: str, job_id: str) -> None:
         """Record this start; hold the job if it keeps restarting without progress."""
-        latest = CheckpointManager(run.checkpoints, cfg.checkpoint.keep_last).latest()
+        # sizes only: the driver checks the content of the one it resumes from
+        latest = CheckpointManager(run.checkpoints, cfg.checkpoint.keep_last).latest(content=False)
         # Counted from the run's own history: Slurm keeps the job id across requeues, and the
         # local executor has no SLURM_RESTART_COUNT.
         restarts = sum(1 for h in read_history(run) if h["job_id"] == job_id)
