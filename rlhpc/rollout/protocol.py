@@ -156,6 +156,12 @@ ROUTE_BODIES: dict[str, type] = {
 }
 
 
+def weight_version_note(version: str) -> str:
+    """What SGLang appends to a weight update's success message once it has set ``weight_version``
+    (so the answer itself confirms the version, without asking again)."""
+    return f" Weight version updated to {version}."
+
+
 def body(req: Any, drop_none: tuple[str, ...] = ()) -> dict[str, Any]:
     """A request dataclass as its JSON body; fields named in ``drop_none`` are left out when None."""
     # not dataclasses.asdict: it deep-copies every list (token ids, base64 tensor payloads)

@@ -98,6 +98,26 @@ def adjacent_bytes(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     return torch.empty(0, dtype=torch.uint8, device=first.device).set_(storage, start, (total,))
 
 
+def flatten_parameters(module: torch.nn.Module, shapes: dict[str, torch.Size] | None = None) -> None:
+    """Lay a module's parameters back to back in one buffer per dtype, in ``named_parameters``
+    order (the order a trainer sends them in), so a flattened bucket of them is a view: sent
+    or received with no copy (see ``adjacent_bytes``). The Parameter objects stay (tied weights
+    too). ``shapes``: allocate those shapes uninitialised instead of keeping the values."""
+    params = list(module.named_parameters())  # tied weights once
+    for dtype in dict.fromkeys(p.dtype for _, p in params):
+        group = [(n, p) for n, p in params if p.dtype == dtype]
+        want = [p.shape if shapes is None else shapes[n] for n, p in group]
+        flat = torch.empty(sum(math.prod(s) for s in want), dtype=dtype, device=group[0][1].device)
+        offset = 0
+        for (_, p), shape in zip(group, want):
+            size = math.prod(shape)
+            view = flat[offset : offset + size].view(shape)
+            if shapes is None:
+                view.copy_(p.data)
+            p.data = view
+            offset += size
+
+
 def flatten_into(tensors: list[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
     """Copy the tensors back to back into ``out`` (uint8, at least their size); return the used part."""
     total = sum(nbytes(t) for t in tensors)
@@ -134,15 +154,74 @@ def _file_system_sharing() -> Iterator[None]:
             torch_mp.set_sharing_strategy(before)
 
 
-def serialize_named_tensors(named_tensors: list[tuple[str, torch.Tensor]]) -> tuple[str, list[torch.Tensor]]:
-    """Return (base64 payload, the tensors that must stay alive until the engine has loaded them)."""
+def serialize_named_tensors(
+    named_tensors: list[tuple[str, torch.Tensor]], clone: bool = True, receivers: int = 1
+) -> tuple[str, list[torch.Tensor]]:
+    """Return (base64 payload, the tensors that must stay alive until the engine has loaded them).
+
+    ``clone=False``: the tensors are pickled as they are, for CPU tensors already in shared
+    memory (``SharedStaging``, ``share_memory_by_name``) or CUDA tensors the caller keeps unchanged
+    until the engines answered. ``receivers``: how many processes unpickle this one payload
+    (every TP rank of every engine)."""
     from multiprocessing.reduction import ForkingPickler
 
-    keep = [t.detach().clone(memory_format=torch.contiguous_format) for _, t in named_tensors]
+    if clone:
+        keep = [t.detach().clone(memory_format=torch.contiguous_format) for _, t in named_tensors]
+    else:
+        keep = [t.detach() for _, t in named_tensors]
     buf = io.BytesIO()
     with _file_system_sharing():
         ForkingPickler(buf).dump([(name, t) for (name, _), t in zip(named_tensors, keep)])
+    # Pickling a shared CPU storage counts one reference and every unpickling drops one; with
+    # more than one receiver the count would reach zero early and unlink a segment the sender
+    # keeps using (a staging buffer, shared weights), so count the other receivers too.
+    for t in keep:
+        if not t.is_cuda:
+            for _ in range(receivers - 1):
+                t.untyped_storage()._shared_incref()
     return base64.b64encode(buf.getvalue()).decode("ascii"), keep
+
+
+def share_memory_by_name(module: torch.nn.Module) -> None:
+    """Move a CPU module's parameters into shared memory that any process of this user can map
+    (the "file_system" strategy): a colocated push then sends their handles as they are, and each
+    engine copies the bytes once. Do it before building the optimizer (storages move)."""
+    with _file_system_sharing():
+        module.share_memory()
+
+
+def sendable_as_is(tensors: list[torch.Tensor]) -> bool:
+    """CPU tensors already in shared memory need neither a clone nor a staging copy."""
+    return all(t.device.type == "cpu" and t.is_shared() for t in tensors)
+
+
+class SharedStaging:
+    """A host buffer in shared memory, kept between pushes: a bucket is copied into it once and
+    the engines map it by name. A fresh segment per bucket would cost a shm allocation and a page
+    fault per 4 KiB on both sides, as much as the copy itself; a kept one is mapped once by each
+    engine (which holds on to it, see ``rlhpc.rollout.cpu_server``)."""
+
+    def __init__(self) -> None:
+        self._buf: torch.Tensor | None = None
+
+    def pack(self, named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        """The tensors copied back to back into the buffer; returns views of it, by name."""
+        tensors = [t.detach() for _, t in named]
+        order = flat_order(tensors)
+        tensors = [tensors[i] for i in order]
+        total = sum(nbytes(t) for t in tensors)
+        if self._buf is None or self._buf.numel() < total:
+            self._buf = None  # drop the old segment before mapping a bigger one
+            buf = torch.empty(total, dtype=torch.uint8)
+            with _file_system_sharing():
+                buf.share_memory_()
+            self._buf = buf
+        flat = flatten_into(tensors, self._buf)
+        views = unflatten(flat, [t.dtype for t in tensors], [list(t.shape) for t in tensors])
+        return [(named[i][0], v) for i, v in zip(order, views)]
+
+    def close(self) -> None:
+        self._buf = None
 
 
 # ------------------------------------------------------------------ receiver

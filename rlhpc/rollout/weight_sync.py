@@ -9,10 +9,12 @@ Two channels, chosen by placement:
   rank 0 as ONE flat tensor (SGLang's FlattenedTensorBucket layout); the next bucket is packed
   while this one is on the wire.
 - colocate (``TensorWeightSender``): engines share the trainer's node, so tensors travel as
-  shared-memory handles inside ``/update_weights_from_tensor`` (see ``rlhpc.rollout.tensor_transport``).
+  shared-memory handles inside ``/update_weights_from_tensor`` (see ``rlhpc.rollout.tensor_transport``):
+  from a staging buffer kept between pushes, or, for weights already in shared memory, as they are.
 
 Both pause generation first, tag the last bucket with ``flush_cache`` and the new
-``weight_version``, check that every engine reports that version, then continue generation.
+``weight_version``, check that every engine set that version (its answer to the last bucket
+says so, as SGLang's does; else it is asked), then continue generation.
 Only one trainer process (rank 0, holding full HF-named tensors) sends.
 """
 
@@ -31,12 +33,14 @@ import torch.distributed as dist
 
 from rlhpc.errors import RlhpcError
 from rlhpc.rollout.client import EngineClient
-from rlhpc.rollout.protocol import FLATTENED_BUCKET
+from rlhpc.rollout.protocol import FLATTENED_BUCKET, weight_version_note
 from rlhpc.rollout.tensor_transport import (
+    SharedStaging,
     adjacent_bytes,
     flat_order,
     flatten_into,
     nbytes,
+    sendable_as_is,
     serialize_named_tensors,
 )
 from rlhpc.rollout.weight_update_group import (
@@ -90,6 +94,16 @@ def iter_buckets(
 # ------------------------------------------------------------------ senders
 
 
+def _done(fn: Callable[[EngineClient], Any], client: EngineClient) -> Future:
+    """fn(client) run here, as a finished future (so errors are reported like the pool's)."""
+    future: Future = Future()
+    try:
+        future.set_result(fn(client))
+    except Exception as e:
+        future.set_exception(e)
+    return future
+
+
 @dataclass
 class _Packed:
     """One bucket ready for the wire: its bytes and the announce's metadata, in sending order."""
@@ -113,12 +127,16 @@ class _SenderBase:
         self.clients = clients
         self.engine_world_sizes = list(engine_world_sizes)
         self.bucket_bytes = int(bucket_bytes)
+        self._last_answers: list[Any] = []  # every engine's answer to the latest bucket
         self._pool = ThreadPoolExecutor(max_workers=max(2, 2 * len(clients)), thread_name_prefix="weight-sync")
 
-    def _on_all(self, fn: Callable[[EngineClient], Any]) -> list[Any]:
+    def _on_all(self, fn: Callable[[EngineClient], Any], clients: list[EngineClient] | None = None) -> list[Any]:
         """Run fn on every engine concurrently; raise the first failure, naming the engine."""
-        futures = [self._pool.submit(fn, c) for c in self.clients]
-        return [self._result(f, c) for f, c in zip(futures, self.clients)]
+        clients = self.clients if clients is None else clients
+        if len(clients) == 1:  # no thread hop: a tiny push is a handful of round trips
+            return [self._result(_done(fn, clients[0]), clients[0])]
+        futures = [self._pool.submit(fn, c) for c in clients]
+        return [self._result(f, c) for f, c in zip(futures, clients)]
 
     @staticmethod
     def _result(future: Future, client: EngineClient) -> Any:
@@ -144,11 +162,19 @@ class _SenderBase:
         """
         v = str(version)
         self._on_all(lambda c: c.pause_generation())
+        self._last_answers = []
         n = self._send_buckets(iter_buckets(named_tensors, self.bucket_bytes), v)
         if n == 0:
             raise RlhpcError("weight sync got no tensors to send", "pass the model's named parameters")
-        versions = self._on_all(lambda c: c.get_weight_version())
-        wrong = [(c.base_url, got) for c, got in zip(self.clients, versions) if got != v]
+        # The last bucket's answer says the version was set (SGLang and the CPU engine append
+        # weight_version_note on success); ask only engines whose answer did not.
+        unconfirmed = [
+            c
+            for c, answer in zip(self.clients, self._last_answers or [None] * len(self.clients))
+            if not (isinstance(answer, dict) and weight_version_note(v) in str(answer.get("message", "")))
+        ]
+        versions = self._on_all(lambda c: c.get_weight_version(), unconfirmed) if unconfirmed else []
+        wrong = [(c.base_url, got) for c, got in zip(unconfirmed, versions) if got != v]
         if wrong:
             raise RlhpcError(
                 f"engines report the wrong weight version after sync (want {v}): {wrong}", "check the engine logs"
@@ -334,8 +360,7 @@ class DistributedWeightSender(_SenderBase):
                 f"weight broadcast to {[c.base_url for c in self.clients]} failed: {self._broken}",
                 "check the engine logs, restart the engines and connect again",
             )
-        for f, c in zip(posts, self.clients):
-            self._result(f, c)
+        self._last_answers = [self._result(f, c) for f, c in zip(posts, self.clients)]
         bcast.result()
 
     def _broadcast(self, flat: torch.Tensor) -> None:
@@ -359,12 +384,27 @@ class DistributedWeightSender(_SenderBase):
 
 class TensorWeightSender(_SenderBase):
     """Colocated engines (same node): tensors as shared-memory handles (CPU) or CUDA IPC handles
-    (GPU), no second copy over HTTP."""
+    (GPU), no second copy over HTTP.
+
+    CPU tensors already in shared memory (``share_memory_by_name``) go as they are; others are
+    copied once into a shared staging buffer kept between pushes (one bucket). CUDA tensors are
+    cloned per bucket and travel as IPC handles."""
+
+    def __init__(self, clients: list[EngineClient], engine_world_sizes: list[int], bucket_bytes: int):
+        super().__init__(clients, engine_world_sizes, bucket_bytes)
+        self._staging = SharedStaging()
 
     def _send_buckets(self, buckets: Iterator[tuple[list[tuple[str, torch.Tensor]], bool]], version: str) -> int:
         n = 0
         for bucket, last in buckets:
-            payload, keep = serialize_named_tensors(bucket)
+            tensors = [t for _, t in bucket]
+            receivers = sum(self.engine_world_sizes)
+            if sendable_as_is(tensors):
+                payload, keep = serialize_named_tensors(bucket, clone=False, receivers=receivers)
+            elif all(t.device.type == "cpu" for t in tensors):
+                payload, keep = serialize_named_tensors(self._staging.pack(bucket), False, receivers)
+            else:
+                payload, keep = serialize_named_tensors(bucket, receivers=receivers)
             posts = [
                 self._pool.submit(
                     c.update_weights_from_tensor,
@@ -374,14 +414,17 @@ class TensorWeightSender(_SenderBase):
                 )
                 for c, tp in zip(self.clients, self.engine_world_sizes)
             ]
-            for f, c in zip(posts, self.clients):
-                self._result(f, c)
+            self._last_answers = [self._result(f, c) for f, c in zip(posts, self.clients)]
             on_gpu = any(t.is_cuda for t in keep)
             del keep  # every engine has copied its weights out of shared memory by now
             if on_gpu:
                 torch.cuda.ipc_collect()  # free clones whose handles the engines have closed
             n += 1
         return n
+
+    def close(self) -> None:
+        self._staging.close()
+        super().close()
 
 
 def make_weight_sender(

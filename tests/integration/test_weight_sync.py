@@ -25,6 +25,7 @@ from support.engines import (
 )
 
 from rlhpc.errors import RlhpcError
+from rlhpc.rollout import protocol as P
 from rlhpc.rollout.client import EngineClient
 from rlhpc.rollout.tensor_transport import (
     TensorPayloadError,
@@ -34,6 +35,7 @@ from rlhpc.rollout.tensor_transport import (
     flat_order,
     flatten_into,
     serialize_named_tensors,
+    share_memory_by_name,
     unflatten,
 )
 from rlhpc.rollout.weight_sync import (
@@ -247,6 +249,47 @@ def test_distributed_sync_refuses_a_wrong_tp_size(engines: list[EngineClient]) -
     sender.close()
 
 
+# ------------------------------------------------------------------ version confirmation
+
+
+class _StubEngine:
+    """Answers a colocated push like an engine; ``note`` decides whether the answer names the version."""
+
+    def __init__(self, note: bool, reports: str | None = None):
+        self.base_url, self.note, self.reports, self.asked = "http://stub", note, reports, 0
+        self.calls: list[str] = []
+
+    def pause_generation(self) -> None:
+        self.calls.append("pause")
+
+    def update_weights_from_tensor(self, payloads: list[str], flush_cache: bool, weight_version: str | None) -> dict:
+        self.version = weight_version or getattr(self, "version", None)
+        note = P.weight_version_note(weight_version) if self.note and weight_version else ""
+        return {"success": True, "message": f"ok.{note}"}
+
+    def get_weight_version(self) -> str:
+        self.asked += 1
+        return self.reports or self.version
+
+    def continue_generation(self) -> None:
+        self.calls.append("continue")
+
+
+def test_the_version_is_read_from_the_answer_or_else_asked() -> None:
+    tensors = [("w", torch.ones(4))]
+    confirming, silent, wrong = _StubEngine(note=True), _StubEngine(note=False), _StubEngine(False, reports="old")
+    sender = TensorWeightSender([confirming, silent], [1, 1], 1 << 20)
+    sender.send(tensors, version=3)
+    sender.close()
+    assert (confirming.asked, silent.asked) == (0, 1)  # only the engine whose answer did not say
+    assert confirming.calls == silent.calls == ["pause", "continue"]
+    sender = TensorWeightSender([wrong], [1], 1 << 20)
+    with pytest.raises(RlhpcError, match="wrong weight version"):
+        sender.send(tensors, version=4)
+    sender.close()
+    assert wrong.calls == ["pause"]  # left paused
+
+
 # ------------------------------------------------------------------ colocate
 
 
@@ -267,6 +310,33 @@ def test_tensor_sync_is_bit_exact(engines: list[EngineClient], model_path: str) 
     for n, p in model.named_parameters():
         assert torch.equal(p.detach(), before[n]) and not p.is_shared()
     assert_generation_matches(engines[1], model, model_path)
+
+
+def test_colocated_pushes_reuse_the_staging_buffer_or_send_shared_weights_as_they_are(
+    engines: list[EngineClient], model_path: str
+) -> None:
+    sender = TensorWeightSender(engines, [1, 1], bucket_bytes=1 << 16)  # several buckets, one staging buffer
+    for seed, version in ((20, 50), (21, 51)):  # the engines map the kept buffer again: no stale bytes
+        model = trainer_model(model_path, seed=seed)
+        sender.send(named(model), version=version)
+        for c in engines:
+            assert c.get_weight_version() == str(version)
+            assert_engine_holds(c, model)
+    staged = sender._staging._buf
+    assert staged is not None and staged.is_shared()
+
+    share_memory_by_name(model)  # the trainer's weights in shared memory: handles sent as they are
+    for version in (52, 53):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.25)
+        sender.send(named(model), version=version)
+        assert sender._staging._buf is staged  # not used, not grown
+        for c in engines:
+            assert c.get_weight_version() == str(version)
+            assert_engine_holds(c, model)
+    assert_generation_matches(engines[0], model, model_path)
+    sender.close()
 
 
 def test_tensor_payload_refuses_arbitrary_pickles(engines: list[EngineClient]) -> None:

@@ -311,3 +311,23 @@ def flattened_bucket_receive() -> BucketReceive:
     )
     back_to_back = any(isinstance(n, ast.AugAssign) and ast.unparse(n) == "offset += size" for n in ast.walk(empty))
     return BucketReceive(broadcasts, ctor, params, flat_dtype, checks_alignment, back_to_back)
+
+
+TOKENIZER_CONTROL = "sglang/srt/managers/tokenizer_control_mixin.py"
+
+
+def weight_version_notes(function: str) -> list[tuple[str, str, str]]:
+    """(text before, formatted expression, text after) of every f-string ``function`` appends to
+    ``message`` (``message += f"..."``) in the tokenizer manager's weight-update code."""
+    fn = next(
+        n
+        for n in ast.walk(_tree(TOKENIZER_CONTROL))
+        if isinstance(n, ast.AsyncFunctionDef | ast.FunctionDef) and n.name == function
+    )
+    notes = []
+    for n in ast.walk(fn):
+        if isinstance(n, ast.AugAssign) and ast.unparse(n.target) == "message" and isinstance(n.value, ast.JoinedStr):
+            parts = n.value.values
+            if len(parts) == 3 and isinstance(parts[1], ast.FormattedValue):
+                notes.append((parts[0].value, ast.unparse(parts[1].value), parts[2].value))
+    return notes

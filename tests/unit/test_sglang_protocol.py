@@ -146,3 +146,13 @@ def test_our_flat_layout_follows_sglangs_rules() -> None:
     order = flat_order(tensors)
     assert order == [1, 2, 0]  # widest first: always aligned
     flat_layout([tensors[i].dtype for i in order], [list(tensors[i].shape) for i in order])
+
+
+@pytest.mark.parametrize("function", ["update_weights_from_distributed", "update_weights_from_tensor"])
+def test_a_weight_update_answer_confirms_the_version_as_sglangs_does(function: str) -> None:
+    """The sender reads the version from the last bucket's answer instead of asking again."""
+    notes = sgl.weight_version_notes(function)
+    assert len(notes) == 1, notes
+    before, expr, after = notes[0]
+    assert expr == "obj.weight_version"
+    assert P.weight_version_note("17") == f"{before}17{after}"

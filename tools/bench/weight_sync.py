@@ -16,6 +16,9 @@ ready file, one torch thread each, as the loop starts them). Timed, side by side
   they are the same kind of process on the same host over the same kind of group;
 - disaggregated: ``DistributedWeightSender.send`` over a gloo group to N engines;
 - colocate: ``TensorWeightSender.send`` (shared-memory handles over HTTP, the engines copy);
+- the same two with the trainer-side levers: parameters laid out flat (``flatten_parameters``:
+  a bucket is a view, nothing packed) and parameters living in shared memory
+  (``share_memory_by_name``: handles sent as they are, nothing staged);
 - fixed cost: one HTTP round trip (``/model_info``, the route the version check uses) to an
   engine holding the test-sized tiny model, and that tiny model's whole push (both channels).
 
@@ -28,7 +31,9 @@ generation exactly as this process does with the trainer's weights.
 The last line is one JSON object of ratios (speed ratios: 1 = as fast as the baseline):
 ``push_vs_transport`` = raw broadcast time / disaggregated push time (worst over engine
 counts), ``colocate_vs_copy`` = copy time / colocated push time (one engine),
-``push_vs_rtt`` = tiny model's disaggregated push time / one HTTP round trip (a cost ratio).
+``push_vs_rtt`` = tiny model's disaggregated push time / one HTTP round trip (a cost ratio);
+``push_flat_trainer_vs_transport`` and ``colocate_shm_trainer_vs_copy`` the same with the
+trainer-side levers (the loop's actor does not use them yet).
 
     python tools/bench/weight_sync.py
     python tools/bench/weight_sync.py --model-mb 1000 --repeats 5 --engines 1 2 4 --bucket-mb 128
@@ -61,6 +66,7 @@ from rlhpc.config import RolloutConfig, TinyModelConfig  # noqa: E402
 from rlhpc.model import build_tiny_model, load_model, load_tokenizer  # noqa: E402
 from rlhpc.rollout.client import EngineClient  # noqa: E402
 from rlhpc.rollout.sampling import sample  # noqa: E402
+from rlhpc.rollout.tensor_transport import flatten_parameters, share_memory_by_name  # noqa: E402
 from rlhpc.rollout.weight_sync import DistributedWeightSender, TensorWeightSender  # noqa: E402
 from rlhpc.rollout.weight_update_group import create_master_store, init_custom_process_group  # noqa: E402
 
@@ -216,7 +222,6 @@ class Trainer:
         for t in self.model.parameters():  # the trainer a few steps ahead of the engines' weights
             t.add_(torch.randn(t.shape, generator=g), alpha=0.02)
         self.params = [t for _, t in self.model.named_parameters()]
-        self.named = [(n, t.detach()) for n, t in self.model.named_parameters()]
         self.nbytes = sum(t.numel() * t.element_size() for t in self.params)
         self.version = 0
         self._versions, self._sentinels = versions, sentinels
@@ -232,7 +237,8 @@ class Trainer:
     def time_sends(self, sender: DistributedWeightSender | TensorWeightSender, repeats: int) -> list[float]:
         try:
             sender.connect()
-            return timed(repeats, lambda: sender.send(self.named, self.version), self.bump)
+            named = [(n, t.detach()) for n, t in self.model.named_parameters()]  # storages may have moved
+            return timed(repeats, lambda: sender.send(named, self.version), self.bump)
         finally:
             sender.close()
 
@@ -307,6 +313,20 @@ def main() -> int:
             big.check(group)
             rows.append(("colocate (shared memory)", n, colo[n]))
 
+        # the trainer-side levers: parameters laid out flat (a bucket is a view, no packing) and,
+        # for colocate, parameters that live in shared memory (handles as they are, no staging)
+        flatten_parameters(big.model)
+        n_flat = max(args.engines)
+        group = clients[:n_flat]
+        sender = DistributedWeightSender(group, [1] * n_flat, "127.0.0.1", "gloo", bucket, group_name="bench_flat")
+        push_flat = big.time_sends(sender, args.repeats)
+        big.check(group)
+        rows.append(("disaggregated, flat trainer", n_flat, push_flat))
+        share_memory_by_name(big.model)
+        colo_shared = big.time_sends(TensorWeightSender(clients[:1], [1], bucket), args.repeats)
+        big.check(clients[:1])
+        rows.append(("colocate, trainer in shm", 1, colo_shared))
+
         # fixed cost: a model of a few hundred KB, where a push is all round trips and bookkeeping
         small = Trainer(small_path, versions, sentinels)
         rtt = timed(5 * args.tiny_repeats, small_client.get_model_info)
@@ -336,14 +356,14 @@ def main() -> int:
         med = {k: statistics.median(v) for k, v in (("copy", copy_times),)}
         base = med["copy"]
         print(
-            f"| {'case':<24} | engines | {'MB':>6} | {'s (median)':>10} | {'GB/s':>6} | {'x copy':>6} | {'x raw':>6} | all (s)"
+            f"| {'case':<28} | engines | {'MB':>6} | {'s (median)':>10} | {'GB/s':>6} | {'x copy':>6} | {'x raw':>6} | all (s)"
         )
-        print(f"|{'-' * 26}|---------|{'-' * 8}|{'-' * 12}|{'-' * 8}|{'-' * 8}|{'-' * 8}|---------")
+        print(f"|{'-' * 30}|---------|{'-' * 8}|{'-' * 12}|{'-' * 8}|{'-' * 8}|{'-' * 8}|---------")
         for case, n, times in rows:
             m = statistics.median(times)
             xraw = f"{statistics.median(raw[n]) / m:6.3f}" if n in raw else f"{'-':>6}"
             print(
-                f"| {case:<24} | {n if n else '-':>7} | {nbytes / 1e6:6.1f} | {m:10.3f} | {nbytes / m / 1e9:6.2f} "
+                f"| {case:<28} | {n if n else '-':>7} | {nbytes / 1e6:6.1f} | {m:10.3f} | {nbytes / m / 1e9:6.2f} "
                 f"| {base / m:6.3f} | {xraw} | {' '.join(f'{t:.3f}' for t in times)}"
             )
         rtt_s = statistics.median(rtt)
@@ -365,6 +385,8 @@ def main() -> int:
             "colocate_vs_copy": base / statistics.median(colo[min(args.engines)]),
             "push_vs_rtt": statistics.median(tiny_dis) / rtt_s,
             "colocate_push_vs_rtt": statistics.median(tiny_colo) / rtt_s,
+            "push_flat_trainer_vs_transport": statistics.median(raw[n_flat]) / statistics.median(push_flat),
+            "colocate_shm_trainer_vs_copy": base / statistics.median(colo_shared),
         }
         for n in args.engines:
             ratios[f"push_vs_transport_{n}"] = statistics.median(raw[n]) / statistics.median(push[n])

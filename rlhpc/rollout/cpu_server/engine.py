@@ -10,9 +10,9 @@ ends it) until continued.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
-import math
 import threading
 import time
 from typing import Any
@@ -30,6 +30,7 @@ from rlhpc.rollout.tensor_transport import (
     adjacent_bytes,
     deserialize_named_tensors,
     flat_layout,
+    flatten_parameters,
     unflatten,
 )
 from rlhpc.rollout.weight_update_group import init_custom_process_group
@@ -50,7 +51,7 @@ class Engine:
                 self.device = torch.device("cuda", 0)
             torch.cuda.set_device(self.device)
         self.model = load_model(model_path, self.device).eval().requires_grad_(False)
-        self._flatten_parameters({n: p.shape for n, p in self.model.named_parameters()}, copy=True)
+        flatten_parameters(self.model)  # so that flattened buckets land in place
         self.tokenizer = load_tokenizer(model_path)
         cfg = self.model.config
         self.vocab_size = int(cfg.vocab_size)
@@ -71,6 +72,7 @@ class Engine:
         self.groups: dict[str, dist.ProcessGroup] = {}
         self.group_devices: dict[str, torch.device] = {}  # where a group's broadcasts land
         self._scratch_buffers: dict[str, torch.Tensor] = {}  # per group: flattened buckets land here
+        self._mapped: collections.deque = collections.deque(maxlen=2)  # see update_from_tensor
         self.busy = False
 
         self._seq = itertools.count()
@@ -287,8 +289,9 @@ class Engine:
         device = self.group_devices[req.group_name]
         if device.type == "cuda":
             torch.cuda.set_device(device)
+        note = P.weight_version_note(req.weight_version) if req.weight_version is not None else ""
         if spans is not None and self._receive_in_place(req, dtypes, pg, device):
-            return f"updated {len(req.names)} tensor(s) in place"
+            return f"updated {len(req.names)} tensor(s) in place.{note}"
         received = []
         # Receive every tensor even if some will be refused: skipping one would desynchronise
         # the broadcast sequence for the trainer and every other engine in the group.
@@ -302,7 +305,7 @@ class Engine:
                 dist.broadcast(buf, group_src=0, group=pg)
                 received.append((name, buf))
         self.load_weights(received, req.weight_version)
-        return f"updated {len(received)} tensor(s)"
+        return f"updated {len(received)} tensor(s).{note}"
 
     def _scratch(self, group_name: str, size: int, device: torch.device) -> torch.Tensor:
         """A receive buffer kept per group: one bucket of memory, faulted in once, not per update."""
@@ -315,7 +318,7 @@ class Engine:
         self, req: P.UpdateWeightsFromDistributedReqInput, dtypes: list[torch.dtype], pg: Any, device: torch.device
     ) -> bool:
         """Broadcast a flattened bucket straight into the parameters when they lie back to back in
-        the same order, dtypes and device (see ``_flatten_parameters``): no copy at all. False
+        the same order, dtypes and device (see ``flatten_parameters``): no copy at all. False
         (nothing received) when they do not, or the update would be refused."""
         table = self._param_table()
         params = [table.get(name) for name in req.names]
@@ -358,7 +361,13 @@ class Engine:
         except TensorPayloadError as e:
             raise EngineError(str(e)) from e
         self.load_weights(named, req.weight_version)
-        return f"updated {len(named)} tensor(s)"
+        # Hold on to the shared-memory segments of the last two requests: a sender's kept staging
+        # buffer then maps from torch's cache next time, without a new mmap and a page fault per
+        # 4 KiB; a sender's one-off segments are freed two requests later. (Not CUDA: an open IPC
+        # handle would keep the sender's memory.)
+        self._mapped.append({t.untyped_storage().data_ptr(): t.untyped_storage() for _, t in named if not t.is_cuda})
+        note = P.weight_version_note(req.weight_version) if req.weight_version is not None else ""
+        return f"updated {len(named)} tensor(s).{note}"
 
     def get_weights_by_name(self, name: str, truncate_size: int) -> list:
         with self.model_lock:
@@ -382,6 +391,7 @@ class Engine:
                 for name, p in self.model.named_parameters():
                     self._shapes[name] = p.shape
                     p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+                self._mapped.clear()  # shared-memory segments held for the next colocated push
             # kv_cache: sample() builds its cache per batch and frees it after, so nothing is
             # resident between requests; the tag is recorded to refuse generation like SGLang.
             self.released.update(tags)
@@ -395,28 +405,11 @@ class Engine:
         tags = check_tags(tags)
         with self.model_lock:
             if "weights" in tags and "weights" in self.released:
-                self._flatten_parameters(self._shapes, copy=False)
+                flatten_parameters(self.model, self._shapes)
                 self.stale.update(self._shapes)
                 self._shapes.clear()
             self.released.difference_update(tags)
         log.info("resumed %s; %d parameter(s) await new weights", tags, len(self.stale))
-
-    def _flatten_parameters(self, shapes: dict[str, torch.Size], copy: bool) -> None:
-        """Lay the parameters back to back in one buffer per dtype, in ``named_parameters`` order
-        (the trainer's sending order), so a flattened bucket can be received straight into them.
-        ``copy``: keep their values (at load); else they are left uninitialised (at resume)."""
-        params = list(self.model.named_parameters())  # tied weights once
-        for dtype in dict.fromkeys(p.dtype for _, p in params):
-            group = [(n, p) for n, p in params if p.dtype == dtype]
-            sizes = [math.prod(shapes[n]) for n, _ in group]
-            flat = torch.empty(sum(sizes), dtype=dtype, device=self.device)
-            offset = 0
-            for (name, p), size in zip(group, sizes):
-                view = flat[offset : offset + size].view(shapes[name])
-                if copy:
-                    view.copy_(p.data)
-                p.data = view
-                offset += size
 
     def weights_bytes(self) -> int:
         storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in self.model.parameters()}
