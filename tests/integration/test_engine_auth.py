@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import requests
 from support.engines import engine_client, key_file, start_server, stop_server
+from support.jobs import REPO, job_args, submit
 
 from rlhpc.rollout.cpu_server.server import parse_args
 from rlhpc.rollout.protocol import Route
@@ -57,3 +58,26 @@ def test_the_key_is_not_on_the_command_line(server: tuple[str, Path]) -> None:
     key = key_file(work, "engine").read_text().strip()
     ps = subprocess.run(["ps", "-ww", "-eo", "args"], capture_output=True, text=True, check=True).stdout
     assert "--api-key-file" in ps and key not in ps
+
+
+def test_a_finished_local_job_keeps_its_keys_out_of_every_log(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    p = submit(run, "rollout.num_rollout=1")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    secrets = {run / "engine_key": (run / "engine_key").read_text().strip()}
+    secrets.update({t: t.read_text().strip() for t in (run / "ray").glob("*/auth_token")})
+    assert len(secrets) == 2, secrets.keys()  # the engine key and the local Ray's token
+    for path in secrets:
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
+    texts = {f: f.read_bytes() for f in run.rglob("*") if f.is_file() and f not in secrets}
+    assert any("logs" in f.parts for f in texts)
+    for f, data in texts.items():
+        for secret in secrets.values():
+            assert secret.encode() not in data, f"{f} holds a secret"
+    assert all(secret not in p.stdout + p.stderr for secret in secrets.values())
+    dry = subprocess.run(
+        [*job_args(tmp_path / "other"), "--dry-run"], capture_output=True, text=True, timeout=120, cwd=REPO
+    )
+    assert dry.returncode == 0, dry.stderr
+    assert all(secret not in dry.stdout for secret in secrets.values())
+    assert "api-key" not in dry.stdout and "RAY_AUTH_TOKEN=" not in dry.stdout
