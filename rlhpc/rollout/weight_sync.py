@@ -12,15 +12,17 @@ Two channels, chosen by placement:
   shared-memory handles inside ``/update_weights_from_tensor`` (see ``rlhpc.rollout.tensor_transport``):
   from a staging buffer kept between pushes, or, for weights already in shared memory, as they are.
 
-Both pause generation first, tag the last bucket with ``flush_cache`` and the new
-``weight_version``, check that every engine set that version (its answer to the last bucket
-says so, as SGLang's does; else it is asked), then continue generation.
+Both pause generation first (a push of one bucket sends it with ``abort_all_requests`` instead),
+tag the last bucket with ``flush_cache`` and the new ``weight_version``, check that every engine
+set that version (its answer to the last bucket says so, as SGLang's does; else it is asked),
+then continue generation.
 Only one trainer process (rank 0, holding full HF-named tensors) sends.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
@@ -150,22 +152,46 @@ class _SenderBase:
     def connect(self) -> None:
         """Open the channel (no-op for channels without one)."""
 
-    def _send_buckets(self, buckets: Iterator[tuple[list[tuple[str, torch.Tensor]], bool]], version: str) -> int:
+    def _send_buckets(
+        self, buckets: Iterator[tuple[list[tuple[str, torch.Tensor]], bool]], version: str, abort_all: bool
+    ) -> int:
+        """Send every bucket (the last tagged with ``version``); ``abort_all``: ask the engines to
+        abort in-flight requests before the update. Returns the number of buckets."""
         raise NotImplementedError
 
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Push HF-named tensors to every engine; afterwards all report ``weight_version == str(version)``.
 
-        Generation is paused for the update (SGLang's default pause mode aborts in-flight
-        requests, so no sample mixes old and new weights) and continued only on success: after
-        a failure the engines hold partly updated weights and stay paused, to be restarted.
+        No sample mixes old and new weights: a push of several buckets pauses generation first
+        (SGLang's default pause mode aborts in-flight requests) and continues it only on
+        success; a push of one bucket instead sends it with ``abort_all_requests``, which
+        aborts in-flight requests and holds new ones until that one update is done (SGLang's
+        model-update lock, the CPU engine's model lock): the same guarantee, two round trips
+        fewer. After a failure the engines hold partly updated weights and are left paused,
+        to be restarted.
         """
         v = str(version)
-        self._on_all(lambda c: c.pause_generation())
-        self._last_answers = []
-        n = self._send_buckets(iter_buckets(named_tensors, self.bucket_bytes), v)
-        if n == 0:
+        buckets = iter_buckets(named_tensors, self.bucket_bytes)
+        first = next(buckets, None)
+        if first is None:
             raise RlhpcError("weight sync got no tensors to send", "pass the model's named parameters")
+        single = first[1]
+        if not single:
+            self._on_all(lambda c: c.pause_generation())
+        self._last_answers = []
+        try:
+            n = self._send_buckets(itertools.chain([first], buckets), v, abort_all=single)
+            self._check_versions(v)
+        except BaseException:
+            if single:  # best effort: an engine that refused stays off its partly updated weights
+                with contextlib.suppress(Exception):
+                    self._on_all(lambda c: c.pause_generation())
+            raise
+        if not single:
+            self._on_all(lambda c: c.continue_generation())
+        log.debug("weights version %s sent to %d engine(s) in %d bucket(s)", v, len(self.clients), n)
+
+    def _check_versions(self, v: str) -> None:
         # The last bucket's answer says the version was set (SGLang and the CPU engine append
         # weight_version_note on success); ask only engines whose answer did not.
         unconfirmed = [
@@ -179,8 +205,6 @@ class _SenderBase:
             raise RlhpcError(
                 f"engines report the wrong weight version after sync (want {v}): {wrong}", "check the engine logs"
             )
-        self._on_all(lambda c: c.continue_generation())
-        log.debug("weights version %s sent to %d engine(s) in %d bucket(s)", v, len(self.clients), n)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -276,7 +300,9 @@ class DistributedWeightSender(_SenderBase):
             log.warning("replacing weight sync group %r left open in this process", self.group_name)
             dist.destroy_process_group(pg)
 
-    def _send_buckets(self, buckets: Iterator[tuple[list[tuple[str, torch.Tensor]], bool]], version: str) -> int:
+    def _send_buckets(
+        self, buckets: Iterator[tuple[list[tuple[str, torch.Tensor]], bool]], version: str, abort_all: bool
+    ) -> int:
         if self._broken:
             raise RlhpcError(f"weight sync group unusable: {self._broken}", "restart the engines and connect again")
         if self._group is None:
@@ -284,7 +310,7 @@ class DistributedWeightSender(_SenderBase):
         n = 0
         packed = self._pack(next(buckets, None), slot=0)
         while packed is not None:
-            posts, bcast = self._start_bucket(packed, version)
+            posts, bcast = self._start_bucket(packed, version, abort_all)
             # pack bucket n + 1 into the other buffer while bucket n is on the wire
             try:
                 following = self._pack(next(buckets, None), slot=(n + 1) % 2)
@@ -321,7 +347,7 @@ class DistributedWeightSender(_SenderBase):
             flat = flatten_into(tensors, buf)
         return _Packed(flat, names, [dtype_name(t.dtype) for t in tensors], [list(t.shape) for t in tensors], last)
 
-    def _start_bucket(self, packed: _Packed, version: str) -> tuple[list[Future], Future]:
+    def _start_bucket(self, packed: _Packed, version: str, abort_all: bool) -> tuple[list[Future], Future]:
         """Announce the bucket to every engine (one POST each) and broadcast it (one broadcast)."""
         posts = [
             self._pool.submit(
@@ -331,6 +357,7 @@ class DistributedWeightSender(_SenderBase):
                 packed.shapes,
                 self.group_name,
                 flush_cache=packed.last,
+                abort_all_requests=abort_all,
                 weight_version=version if packed.last else None,
                 load_format=FLATTENED_BUCKET,
             )
@@ -394,7 +421,9 @@ class TensorWeightSender(_SenderBase):
         super().__init__(clients, engine_world_sizes, bucket_bytes)
         self._staging = SharedStaging()
 
-    def _send_buckets(self, buckets: Iterator[tuple[list[tuple[str, torch.Tensor]], bool]], version: str) -> int:
+    def _send_buckets(
+        self, buckets: Iterator[tuple[list[tuple[str, torch.Tensor]], bool]], version: str, abort_all: bool
+    ) -> int:
         n = 0
         for bucket, last in buckets:
             tensors = [t for _, t in bucket]
@@ -410,6 +439,7 @@ class TensorWeightSender(_SenderBase):
                     c.update_weights_from_tensor,
                     [payload] * tp,  # SGLang wants one entry per TP rank
                     flush_cache=last,
+                    abort_all_requests=abort_all,
                     weight_version=version if last else None,
                 )
                 for c, tp in zip(self.clients, self.engine_world_sizes)

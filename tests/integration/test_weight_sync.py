@@ -258,12 +258,16 @@ class _StubEngine:
     def __init__(self, note: bool, reports: str | None = None):
         self.base_url, self.note, self.reports, self.asked = "http://stub", note, reports, 0
         self.calls: list[str] = []
+        self.version: str | None = None
 
     def pause_generation(self) -> None:
         self.calls.append("pause")
 
-    def update_weights_from_tensor(self, payloads: list[str], flush_cache: bool, weight_version: str | None) -> dict:
-        self.version = weight_version or getattr(self, "version", None)
+    def update_weights_from_tensor(
+        self, payloads: list[str], flush_cache: bool, abort_all_requests: bool, weight_version: str | None
+    ) -> dict:
+        self.calls.append("update, abort all" if abort_all_requests else "update")
+        self.version = weight_version or self.version
         note = P.weight_version_note(weight_version) if self.note and weight_version else ""
         return {"success": True, "message": f"ok.{note}"}
 
@@ -276,18 +280,33 @@ class _StubEngine:
 
 
 def test_the_version_is_read_from_the_answer_or_else_asked() -> None:
-    tensors = [("w", torch.ones(4))]
-    confirming, silent, wrong = _StubEngine(note=True), _StubEngine(note=False), _StubEngine(False, reports="old")
-    sender = TensorWeightSender([confirming, silent], [1, 1], 1 << 20)
-    sender.send(tensors, version=3)
+    two_buckets = [("w", torch.ones(4)), ("b", torch.ones(4))]
+    confirming, silent = _StubEngine(note=True), _StubEngine(note=False)
+    sender = TensorWeightSender([confirming, silent], [1, 1], bucket_bytes=16)
+    sender.send(two_buckets, version=3)
     sender.close()
     assert (confirming.asked, silent.asked) == (0, 1)  # only the engine whose answer did not say
-    assert confirming.calls == silent.calls == ["pause", "continue"]
-    sender = TensorWeightSender([wrong], [1], 1 << 20)
+    assert confirming.calls == silent.calls == ["pause", "update", "update", "continue"]
+
+    wrong = _StubEngine(False, reports="old")
+    sender = TensorWeightSender([wrong], [1], bucket_bytes=16)
     with pytest.raises(RlhpcError, match="wrong weight version"):
-        sender.send(tensors, version=4)
+        sender.send(two_buckets, version=4)
     sender.close()
-    assert wrong.calls == ["pause"]  # left paused
+    assert wrong.calls == ["pause", "update", "update"]  # left paused
+
+
+def test_a_push_of_one_bucket_aborts_in_flight_requests_instead_of_pausing() -> None:
+    engine = _StubEngine(note=True)
+    sender = TensorWeightSender([engine], [1], bucket_bytes=1 << 20)
+    sender.send([("w", torch.ones(4)), ("b", torch.ones(4))], version=5)
+    assert engine.calls == ["update, abort all"] and engine.asked == 0
+    engine.reports = "old"
+    engine.note = False
+    with pytest.raises(RlhpcError, match="wrong weight version"):
+        sender.send([("w", torch.ones(4))], version=6)
+    assert engine.calls[-2:] == ["update, abort all", "pause"]  # a failed push leaves it paused
+    sender.close()
 
 
 # ------------------------------------------------------------------ colocate
