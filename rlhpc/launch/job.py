@@ -32,6 +32,8 @@ from rlhpc.util.secrets import write_secret
 
 log = logging.getLogger(__name__)
 
+ENDED_LINE = "rlhpc: task ended without a result: "
+
 
 @contextmanager
 def local_ray(cluster: ClusterConfig, slots: int, stop: StopRequest, token_file: Path | None = None):
@@ -163,6 +165,8 @@ class TrainJob:
         except JobExit as e:
             if e.final:
                 self._release()
+            # One unwrapped line (the log may wrap): jobs/submit.py --follow quotes it (ENDED_LINE).
+            print(f"{ENDED_LINE}{e}", file=sys.stderr, flush=True)
             raise SystemExit(e.code) from None
         except BaseException:  # the job ends here for good; a requeue raises JobExit instead
             self._release()

@@ -115,7 +115,7 @@ def liveness(owner: Owner) -> Liveness:
 def read(run: RunDir | str | Path) -> Owner | None:
     try:
         return Owner.from_json(RunDir.of(run).owner_file.read_text())
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # no owner (or no run dir: create() says why)
         return None
     except (ValueError, KeyError):  # not ours to interpret: treated as a stale owner
         return Owner("unreadable")

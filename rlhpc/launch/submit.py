@@ -18,7 +18,7 @@ from rlhpc.cluster.layout import describe_layout, plan_layout
 from rlhpc.config import Config
 from rlhpc.errors import RlhpcError
 from rlhpc.launch import run_owner, slurm
-from rlhpc.launch.job import TrainJob
+from rlhpc.launch.job import ENDED_LINE, TrainJob
 from rlhpc.launch.run_owner import Owner
 from rlhpc.launch.slurm import SlurmOptions, sbatch_script, slurm_executor
 from rlhpc.run_dir import RunDir
@@ -120,8 +120,8 @@ def follow(job: submitit.Job, poll_s: float = 0.5) -> int:
     return 0
 
 
-# What rlhpc's job logs when it ends a task on purpose without a result (rlhpc/launch/restarts.py).
-_ENDING = re.compile(r"(not restarting: .*|job \S+ was NOT requeued.*|job \S+ held .*)$", flags=re.M)
+# The line a task writes when it ends on purpose without a result (a hold, a refused requeue).
+_ENDING = re.compile(rf"^{re.escape(ENDED_LINE)}(.*)$", flags=re.M)
 
 
 def _no_result(job: submitit.Job) -> RlhpcError:

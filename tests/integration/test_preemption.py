@@ -146,7 +146,9 @@ def test_restart_loop_is_held_with_a_message(tmp_path):
     os.kill(task_pid(run), signal.SIGUSR2)
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 2, out[-4000:]
-    assert "no rollout was trained in between (a restart loop)" in " ".join(out.split())  # unwrap rich lines
+    said = " ".join(out.split())  # unwrap rich lines
+    assert "no rollout was trained in between (a restart loop)" in said
+    assert "ended without a result: not restarting: the last" in said  # how the local job ended, plainly
     history = read_history(run)
     # one good start, then the starts at the same rollout; the last is refused
     assert len({h["next_rollout_id"] for h in history[1:]}) == 1 and len(history) == 5

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from rlhpc.launch.ray_cluster import RayPorts
+from rlhpc.launch.ray_cluster import RayPorts, block_index
 from rlhpc.metrics import read_metrics
 
 pytestmark = pytest.mark.slurm
@@ -123,13 +123,16 @@ def test_two_jobs_share_a_node(minicluster, tmp_path):
         p = submit(run, "--nodes", "1", "--gpus-per-node", "2", "--sbatch", "nodelist=node0", follow=False)
         assert p.returncode == 0, p.stderr
     ids = [(run / "slurm_job_id").read_text().strip() for run in runs]
-    assert RayPorts.for_job(ids[0]).gcs != RayPorts.for_job(ids[1]).gcs
     for job_id in ids:
         wait_gone(job_id)
     for run in runs:
         assert (run / "FINISHED").is_file(), job_log(run)[-3000:]
         assert [r["rollout_id"] for r in read_metrics(run) if r["kind"] == "rollout"] == [0, 1]
+    # the ports each head chose (and published for its workers) differ
+    heads = [json.loads((run / "ray" / f"job_{j}.0" / "head.json").read_text()) for run, j in zip(runs, ids)]
+    assert heads[0]["ports"]["gcs"] != heads[1]["ports"]["gcs"]
     assert all(no_ray_left(j) for j in ids)
+    assert not [p for j in ids for p in Path("/tmp").glob(f"rlhpc-{j}-*")]  # node-local temp dirs removed
 
 
 def test_node_whose_ray_cannot_start_fails_clearly(minicluster, tmp_path):
@@ -150,11 +153,16 @@ def test_node_whose_ray_cannot_start_fails_clearly(minicluster, tmp_path):
     )
     assert p.returncode == 0, p.stderr
     job_id = (run / "slurm_job_id").read_text().strip()
-    port = RayPorts.for_job(job_id).node_manager
-    # Something else on node1 holds the port its raylet needs: that node's Ray cannot start.
+    # Something else on node1 holds the raylet port of every block its Ray may use (a taken
+    # block is skipped for the next): that node's Ray cannot start.
+    ports = [b.node_manager for b in RayPorts.candidates(block_index(job_id))]
     squatter = subprocess.Popen(
         ["nsenter", f"--net=/var/run/netns/{minicluster.netns('node1')}", sys.executable, "-c",
-         f"import socket,time; s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(('0.0.0.0', {port})); s.listen(); time.sleep(300)"],
+         "import socket,time\nheld = []\n"
+         f"for port in {ports}:\n"
+         "    s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+         "    s.bind(('0.0.0.0', port)); s.listen(); held.append(s)\n"
+         "time.sleep(300)"],
     )  # fmt: skip
     try:
         time.sleep(1)
@@ -169,6 +177,32 @@ def test_node_whose_ray_cannot_start_fails_clearly(minicluster, tmp_path):
     # FAILED at the Ray deadline; the time limit would have ended it TIMEOUT
     assert not (run / "FINISHED").exists() and state == "FAILED"
     assert no_ray_left(job_id)
+
+
+def test_a_run_dir_with_a_live_job_is_refused_and_following_a_held_job_returns(minicluster, tmp_path):
+    run = tmp_path / "run"
+    small = ["--nodes", "1", "--gpus-per-node", "2"]
+    # --follow on a job held from the start returns, saying it is held and how to release it
+    p = submit(run, *small, "--sbatch", "hold", timeout=120)
+    out = " ".join((p.stdout + p.stderr).split())
+    job_id = (run / "slurm_job_id").read_text().strip()
+    try:
+        assert p.returncode == 2 and f"job {job_id} is held" in out and f"scontrol release {job_id}" in out, out
+        before = {f: (run / f).read_text() for f in ("config.yaml", "owner.json", "slurm_job_id")}
+        queued = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout
+        again = submit(run, *small, follow=False, timeout=120)
+        out = " ".join((again.stdout + again.stderr).split())
+        assert again.returncode == 2 and f"in use by Slurm job {job_id}" in out and f"scancel {job_id}" in out, out
+        assert {f: (run / f).read_text() for f in before} == before  # nothing written
+        assert subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout == queued
+    finally:
+        subprocess.run(["scancel", job_id])
+    wait_gone(job_id)
+    third = submit(run, *small, "--sbatch", "hold", follow=False, timeout=120)  # the owner is gone: accepted
+    new_id = (run / "slurm_job_id").read_text().strip()
+    subprocess.run(["scancel", new_id])
+    assert third.returncode == 0 and new_id != job_id, third.stderr[-2000:]
+    assert "which is gone" in third.stdout + third.stderr
 
 
 @pytest.mark.parametrize(
