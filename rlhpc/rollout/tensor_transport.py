@@ -10,8 +10,11 @@ default "file_descriptor" strategy passes fds through a socket that only the pic
 multiprocessing children may use (it checks the parent's authkey), so an unrelated server process
 cannot open them. The "file_system" strategy instead names a /dev/shm segment that any process of
 the same user on the node can map: one copy into shared memory on the sender, none over HTTP, and
-torch_shm_manager unlinks the segment once both sides dropped it. We clone first, because sharing
-moves a tensor's storage into shm in place and must not do that to the trainer's live parameters.
+torch_shm_manager unlinks the segment once both sides dropped it. Sharing moves a tensor's storage
+into shm in place, which must not happen to the trainer's live parameters behind its back, so
+CPU tensors go either through ``SharedStaging`` (one copy into a segment kept between pushes) or,
+when the trainer put its weights in shared memory itself (``share_memory_by_name``), as they are:
+then each engine copies the bytes once and nothing else moves them.
 
 CUDA tensors stay on their GPU (the clone is a device copy, about one bucket of extra memory):
 ForkingPickler turns them into IPC handles whatever the sharing strategy, with an event the

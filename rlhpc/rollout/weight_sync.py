@@ -12,7 +12,7 @@ Two channels, chosen by placement:
   shared-memory handles inside ``/update_weights_from_tensor`` (see ``rlhpc.rollout.tensor_transport``):
   from a staging buffer kept between pushes, or, for weights already in shared memory, as they are.
 
-Both pause generation first (a push of one bucket sends it with ``abort_all_requests`` instead),
+Both pause generation first (a colocated push of one bucket sends it with ``abort_all_requests`` instead),
 tag the last bucket with ``flush_cache`` and the new ``weight_version``, check that every engine
 set that version (its answer to the last bucket says so, as SGLang's does; else it is asked),
 then continue generation.
@@ -118,6 +118,8 @@ class _Packed:
 
 
 class _SenderBase:
+    _fold_pause = True  # see send()
+
     def __init__(self, clients: list[EngineClient], engine_world_sizes: list[int], bucket_bytes: int):
         if len(clients) != len(engine_world_sizes):
             raise RlhpcError(
@@ -162,20 +164,20 @@ class _SenderBase:
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Push HF-named tensors to every engine; afterwards all report ``weight_version == str(version)``.
 
-        No sample mixes old and new weights: a push of several buckets pauses generation first
-        (SGLang's default pause mode aborts in-flight requests) and continues it only on
-        success; a push of one bucket instead sends it with ``abort_all_requests``, which
-        aborts in-flight requests and holds new ones until that one update is done (SGLang's
-        model-update lock, the CPU engine's model lock): the same guarantee, two round trips
-        fewer. After a failure the engines hold partly updated weights and are left paused,
-        to be restarted.
+        No sample mixes old and new weights: generation is paused first (SGLang's default pause
+        mode aborts in-flight requests) and continued only on success. Where a channel allows
+        (``_fold_pause``), a push of one bucket instead sends it with ``abort_all_requests``,
+        which aborts in-flight requests and holds new ones until that one update is done
+        (SGLang's model-update lock, the CPU engine's model lock): the same guarantee, two round
+        trips fewer. After a failure the engines hold partly updated weights and are left
+        paused, to be restarted.
         """
         v = str(version)
         buckets = iter_buckets(named_tensors, self.bucket_bytes)
         first = next(buckets, None)
         if first is None:
             raise RlhpcError("weight sync got no tensors to send", "pass the model's named parameters")
-        single = first[1]
+        single = first[1] and self._fold_pause
         if not single:
             self._on_all(lambda c: c.pause_generation())
         self._last_answers = []
@@ -212,6 +214,12 @@ class _SenderBase:
 
 class DistributedWeightSender(_SenderBase):
     """Disaggregated engines: one broadcast group, trainer rank 0, one rank per engine GPU."""
+
+    # Always pause first: the pause is also the check that every engine is alive before any of
+    # them enters a broadcast. Announced straight away, the live engines would join a broadcast
+    # a dead one can never complete and sit in it until the group timeout, deaf to the
+    # reconnect that follows the dead engine's restart.
+    _fold_pause = False
 
     def __init__(
         self,

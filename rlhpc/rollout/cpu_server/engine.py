@@ -392,6 +392,7 @@ class Engine:
                     self._shapes[name] = p.shape
                     p.data = torch.empty(0, dtype=p.dtype, device=p.device)
                 self._mapped.clear()  # shared-memory segments held for the next colocated push
+                self._scratch_buffers.clear()  # receive buffers: one bucket each
             # kv_cache: sample() builds its cache per batch and frees it after, so nothing is
             # resident between requests; the tag is recorded to refuse generation like SGLang.
             self.released.update(tags)
