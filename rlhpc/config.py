@@ -348,9 +348,17 @@ class AlgoConfig(Section):
     eps_clip: float = 0.2
     eps_clip_high: float = 0.28
     kl_coef: float = 0.0  # > 0 adds a k3 KL penalty to the reference model (loaded then)
+    # Off-policy correction (truncated importance sampling): each token's loss is weighted by
+    # min(pi_old / pi_engine, tis_clip), where pi_engine is the probability the engine sampled
+    # it with (its own logprobs: older weights with rollout.max_staleness >= 1, and a different
+    # implementation in any case) and pi_old the trainer's policy before the rollout's steps.
+    # Reported: tis_clipfrac (share of tokens truncated) and tis_weight (mean weight).
+    tis: bool = False
+    tis_clip: float = 2.0
 
     def check(self) -> None:
         self._at_least(0, "eps_clip", "eps_clip_high")
+        self._above(0, "tis_clip", fix="set the truncation of the importance weights, e.g. 2.0")
         self._at_least(0, "kl_coef", fix="set 0 for no KL penalty, or a positive weight")
 
 

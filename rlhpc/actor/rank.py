@@ -30,7 +30,7 @@ import torch.distributed as dist
 from rlhpc.actor.checkpoint_dir import rng_file
 from rlhpc.actor.rng import get_rng_state, seed_everything, set_rng_state
 from rlhpc.actor.spec import ActorSpec
-from rlhpc.algo.grpo import kl_k3, masked_mean, policy_loss
+from rlhpc.algo.grpo import kl_k3, masked_mean, policy_loss, truncated_is_weights
 from rlhpc.batch import RolloutBatch
 from rlhpc.errors import RlhpcError
 from rlhpc.model import load_tokenizer
@@ -85,6 +85,7 @@ class MicroBatch:
     advantages: torch.Tensor  # [N]
     old_logprobs: torch.Tensor | None = None  # [N, L-1] the policy before this rollout's steps
     ref_logprobs: torch.Tensor | None = None  # [N, L-1] the initial model (KL penalty only)
+    tis_weights: torch.Tensor | None = None  # [N, L-1] truncated importance weights (algo.tis only)
 
     @property
     def tokens(self) -> float:
@@ -232,6 +233,9 @@ class RankBase:
         reference) logprobs; the rollout's entropy and engine-mismatch sums; this rank's tokens."""
         steps: list[list[MicroBatch]] = []
         sums = {"entropy": 0.0, "rollout_logprob_abs_diff": 0.0}
+        algo = self.spec.algo
+        if algo.tis:
+            sums.update({"tis_clipfrac": 0.0, "tis_weight": 0.0})
         local_tokens = 0.0
         with torch.no_grad():
             for rollout_mbs in self._micro_batches(batch):
@@ -247,6 +251,10 @@ class RankBase:
                     rollout_lp = _rollout_logprob_tensor(rmb, mask.shape).to(self.device)
                     sums["entropy"] += float((entropy * mask).sum())
                     sums["rollout_logprob_abs_diff"] += float(((mb.old_logprobs - rollout_lp).abs() * mask).sum())
+                    if algo.tis:  # the engines' logprobs are the behaviour policy
+                        mb.tis_weights, clipped = truncated_is_weights(mb.old_logprobs, rollout_lp, mask, algo.tis_clip)
+                        sums["tis_clipfrac"] += float(clipped) * mb.tokens
+                        sums["tis_weight"] += float(mb.tis_weights.sum())
                     local_tokens += mb.tokens
                     steps[-1].append(mb)
                     del logits, entropy
@@ -256,7 +264,9 @@ class RankBase:
         """A micro-batch's loss (policy + KL penalty); adds its token-weighted terms to ``sums``."""
         algo = self.spec.algo
         tokens = mb.tokens
-        pg, clipfrac = policy_loss(logprobs, mb.old_logprobs, mb.advantages, mb.mask, algo.eps_clip, algo.eps_clip_high)
+        pg, clipfrac = policy_loss(
+            logprobs, mb.old_logprobs, mb.advantages, mb.mask, algo.eps_clip, algo.eps_clip_high, mb.tis_weights
+        )
         loss = pg
         if mb.ref_logprobs is not None:
             kl = masked_mean(kl_k3(logprobs, mb.ref_logprobs), mb.mask)

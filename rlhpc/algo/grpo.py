@@ -54,19 +54,42 @@ def policy_loss(
     mask: torch.Tensor,
     eps_clip: float,
     eps_clip_high: float,
+    tis_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO clipped surrogate, averaged over response tokens. Returns (loss, clip fraction).
 
     ``advantages`` is per sample ``[batch]`` (broadcast over tokens) or per token.
+    ``tis_weights`` (per token, no grad; see ``truncated_is_weights``) reweight each token's
+    surrogate for samples drawn from another policy than ``old_logprobs``'.
     """
     if advantages.dim() == 1:
         advantages = advantages[:, None]
     ratio = torch.exp(logprobs - old_logprobs)
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - eps_clip, 1.0 + eps_clip_high)
-    loss = masked_mean(torch.maximum(unclipped, clipped), mask)
+    per_token = torch.maximum(unclipped, clipped)
+    if tis_weights is not None:
+        per_token = per_token * tis_weights
+    loss = masked_mean(per_token, mask)
     clipfrac = masked_mean((clipped > unclipped).float(), mask)
     return loss, clipfrac
+
+
+def truncated_is_weights(
+    old_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, mask: torch.Tensor, clip: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Truncated importance weights min(pi_old / pi_behaviour, clip) per token, and the share of
+    response tokens whose weight was truncated.
+
+    The behaviour policy is what generated the tokens (the engines' own logprobs: older weights
+    in the asynchronous pipeline, and a different numerical implementation in any case);
+    ``old_logprobs`` is the trainer's policy before this rollout's steps. Truncating at ``clip``
+    bounds the variance a rare token could add, at the price of some bias.
+    """
+    raw = torch.exp(old_logprobs - behaviour_logprobs)
+    weights = raw.clamp(max=clip) * mask
+    clipped = masked_mean((raw > clip).float(), mask)
+    return weights.detach(), clipped
 
 
 def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:

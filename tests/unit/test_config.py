@@ -306,3 +306,10 @@ def test_async_generation_defaults_off_and_loads_disaggregated():
     assert load_config(None, TINY).rollout.max_staleness == 0
     assert load_config(None, TINY + ["rollout.max_staleness=2"]).rollout.max_staleness == 2
     assert load_config(None, TINY + ["cluster.colocate=true"]).rollout.max_staleness == 0
+
+
+def test_tis_keys():
+    cfg = load_config(None, TINY)
+    assert cfg.algo.tis is False and cfg.algo.tis_clip == 2.0
+    assert load_config(None, TINY + ["algo.tis=true", "algo.tis_clip=1.5"]).algo.tis_clip == 1.5
+    assert "algo.tis_clip" in error(["algo.tis_clip=0"])

@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from rlhpc.algo.grpo import grpo_advantages, kl_k3, policy_loss, rloo_advantages
+from rlhpc.algo.grpo import grpo_advantages, kl_k3, policy_loss, rloo_advantages, truncated_is_weights
 
 
 def test_group_normalised_advantages_by_hand():
@@ -58,3 +58,26 @@ def test_k3_kl_by_hand():
     lp, ref = torch.tensor([0.0, -1.0]), torch.tensor([0.0, 0.0])
     # x = ref - lp = [0, 1]: e^x - x - 1 = [0, e - 2]
     assert torch.allclose(kl_k3(lp, ref), torch.tensor([0.0, math.e - 2]))
+
+
+def test_truncated_importance_weights_by_hand():
+    old = torch.tensor([[0.0, -1.0, -2.0, 0.0]])
+    behaviour = torch.tensor([[0.0, -2.0, -1.0, -5.0]])  # ratios 1, e, 1/e, e^5 (last token masked)
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    w, clipped = truncated_is_weights(old, behaviour, mask, clip=2.0)
+    assert torch.allclose(w, torch.tensor([[1.0, 2.0, math.exp(-1.0), 0.0]]))
+    assert math.isclose(clipped.item(), 1 / 3, rel_tol=1e-6)  # e > 2 on one of three response tokens
+    assert not w.requires_grad
+
+
+def test_tis_weights_scale_each_tokens_surrogate():
+    new = torch.tensor([[0.1, -0.1, 0.0]])
+    old = torch.zeros(1, 3)
+    mask = torch.ones(1, 3)
+    adv = torch.tensor([1.0])
+    plain, _ = policy_loss(new, old, adv, mask, 0.2, 0.28)
+    ones, _ = policy_loss(new, old, adv, mask, 0.2, 0.28, tis_weights=torch.ones(1, 3))
+    assert torch.equal(plain, ones)
+    halved, _ = policy_loss(new, old, adv, mask, 0.2, 0.28, tis_weights=torch.tensor([[0.5, 1.0, 0.0]]))
+    expected = (-0.5 * math.exp(0.1) - math.exp(-0.1) - 0.0) / 3
+    assert math.isclose(halved.item(), expected, rel_tol=1e-6)
