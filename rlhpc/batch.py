@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -17,6 +17,9 @@ class RolloutBatch:
     rewards: torch.Tensor  # [N] float32
     advantages: torch.Tensor  # [N] float32, per sample (broadcast over its tokens)
     group_size: int
+    # The weight version each sample was generated with (as the engine reported it); empty when
+    # unknown. Rollout r's staleness is r - version: 0 in the synchronous loop.
+    weight_versions: list[int] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
@@ -34,6 +37,7 @@ class RolloutBatch:
             rewards=self.rewards[start:stop],
             advantages=self.advantages[start:stop],
             group_size=self.group_size,
+            weight_versions=self.weight_versions[start:stop],
         )
 
     def to_padded(self, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -9,24 +9,27 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
+from pathlib import Path
 
+import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from rlhpc.actor.group import ActorGroup, ActorSpec
-from rlhpc.batch import RolloutBatch
 from rlhpc.checkpoint import CheckpointManager
 from rlhpc.cluster.layout import describe_layout, plan_layout
 from rlhpc.cluster.placement import create_placement
 from rlhpc.config import Config, config_to_dict
 from rlhpc.launch.restarts import read_history
 from rlhpc.launch.signals import Stopped, StopRequest
-from rlhpc.metrics import MetricsLogger
+from rlhpc.metrics import MetricsLogger, read_metrics
 from rlhpc.model import load_tokenizer
 from rlhpc.rollout.buffer import load_data
 from rlhpc.rollout.engine_pool import EnginePool
 from rlhpc.rollout.generation import Generation, GenerationAborted, task_reward
 from rlhpc.run_dir import RunDir
+from rlhpc.schedule import AsyncRollouts, BusyClock, Generated, SyncRollouts
 
 log = logging.getLogger(__name__)
 
@@ -45,23 +48,70 @@ def every(interval: int | None, rollout_id: int, epoch_end: bool) -> bool:
     return interval is not None and ((rollout_id + 1) % interval == 0 or epoch_end)
 
 
+PENDING_FILE = "pending_rollouts.pt"  # generated, not yet trained rollouts (async pipeline)
+
+
+def save_pending(staging: Path, pending: dict[int, Generated]) -> None:
+    if pending:
+        torch.save([g.state_dict() for g in pending.values()], staging / PENDING_FILE)
+
+
+def load_pending(ckpt: Path) -> dict[int, Generated]:
+    path = ckpt / PENDING_FILE
+    if not path.is_file():
+        return {}
+    return {d["rollout_id"]: Generated.from_state_dict(d) for d in torch.load(path, weights_only=True)}
+
+
+class _AbortWhen:
+    """The engine pool's stop request, decided by the schedule (what a stop may drop)."""
+
+    def __init__(self, requested: Callable[[], bool]):
+        self._requested = requested
+
+    @property
+    def requested(self) -> bool:
+        return self._requested()
+
+
 def train(cfg: Config, run: RunDir, progress: Progress | None = None, stop: StopRequest | None = None) -> dict:
     layout = plan_layout(cfg.cluster)
     log.info(describe_layout(layout, cfg.cluster.gpus_per_node))
     placement = create_placement(layout.num_slots)
     model_path = run.model_path(cfg)
     buffer, eval_rows = load_data(cfg.data, cfg.rollout.rollout_batch_size, cfg.seed)
+    num_rollout = cfg.rollout.num_rollout or buffer.num_rollout_per_epoch * cfg.rollout.num_epoch
     actor = ActorGroup(ActorSpec.from_config(cfg), model_path, placement, layout.actor_slots, cfg.cluster.colocate)
+
+    def generate(rollout_id: int) -> Generated:
+        start_s = time.perf_counter()
+        batch, rollout_metrics, texts = generation.rollout(rollout_id, buffer.batch(rollout_id))
+        return Generated(rollout_id, batch, {**rollout_metrics, "time/generate": time.perf_counter() - start_s}, texts)
+
+    def push(version: int) -> None:
+        engines.sync_weights(version=version)
+
+    # When each rollout is generated (rlhpc/schedule.py): inline, or ahead of training in a thread.
+    clock = BusyClock()
+    staleness = cfg.rollout.max_staleness
+    if staleness == 0:
+        schedule: SyncRollouts | AsyncRollouts = SyncRollouts(generate, push, clock)
+        pool_stop = stop
+    else:
+        requested = (lambda: stop.requested) if stop is not None else (lambda: False)
+        schedule = AsyncRollouts(generate, push, clock, staleness, num_rollout, cfg.deterministic, requested)
+        pool_stop = _AbortWhen(schedule.abort_requested)
     engines = EnginePool(
-        cfg.rollout, cfg.cluster, cfg.seed, model_path, placement, layout, run.engine_logs, stop, run.engine_key
+        cfg.rollout, cfg.cluster, cfg.seed, model_path, placement, layout, run.engine_logs, pool_stop, run.engine_key
     )
     generation = Generation(
         load_tokenizer(model_path), task_reward(cfg.data), cfg.rollout, cfg.eval, cfg.algo, cfg.seed,
         send=engines.generate, progress=progress,
     )  # fmt: skip
     checkpoints = CheckpointManager(run.checkpoints, cfg.checkpoint.keep_last)
-
-    num_rollout = cfg.rollout.num_rollout or buffer.num_rollout_per_epoch * cfg.rollout.num_epoch
+    checkpoints.clean_debris()  # staging left by a killed save
+    if cfg.checkpoint.resume == "never":
+        checkpoints.start_fresh()  # older checkpoints go to checkpoints/superseded-*/: never resumed from or deleted
 
     # Resume: everything comes from the newest valid checkpoint on disk, nothing from the submission.
     resume = checkpoints.latest() if cfg.checkpoint.resume == "auto" else None
@@ -70,6 +120,7 @@ def train(cfg: Config, run: RunDir, progress: Progress | None = None, stop: Stop
         log.info("resuming from %s: next rollout %d of %d", resume.path.name, resume.next_rollout_id, num_rollout)
     start = resume.next_rollout_id if resume else 0
     actor.load(str(resume.path) if resume else None)
+    pending = load_pending(resume.path) if resume else {}  # generated before the stop with weights now gone
     metrics = MetricsLogger(
         run, cfg.logging, config_to_dict(cfg), num_rollout, resume.state.get("wandb_id") if resume else None
     )
@@ -87,16 +138,21 @@ def train(cfg: Config, run: RunDir, progress: Progress | None = None, stop: Stop
 
     def save(rollout_id: int) -> None:
         nonlocal saved
-        staging = checkpoints.stage(rollout_id)
-        actor.save(str(staging))
+        generated = schedule.pending(rollout_id)  # deterministic async: waits for what needs older weights
         state = {
             "data": buffer.state_dict(rollout_id + 1),
             "weight_version": rollout_id + 1,
+            "pending_rollouts": sorted(generated),
             "wandb_id": metrics.wandb_id,
             "metrics": record,  # restored if the job dies before the record reaches metrics.jsonl
             "restarts": read_history(run),
         }
-        checkpoints.commit(staging, rollout_id, state)
+
+        def write(staging) -> None:
+            actor.save(str(staging))
+            save_pending(staging, generated)
+
+        checkpoints.save(rollout_id, write, state)  # a failed save leaves nothing half-written
         saved = rollout_id
 
     def stop_if_requested(next_rollout_id: int) -> None:
@@ -108,24 +164,52 @@ def train(cfg: Config, run: RunDir, progress: Progress | None = None, stop: Stop
             save(next_rollout_id - 1)
         raise Stopped(next_rollout_id, stop.name)
 
-    def generate(rollout_id: int) -> tuple[RolloutBatch, dict[str, float], dict[str, list[str]]]:
+    def get(rollout_id: int) -> Generated:
         try:
-            return generation.rollout(rollout_id, buffer.batch(rollout_id))
+            return schedule.get(rollout_id)
         except GenerationAborted:  # cut short by a stop request: save what is trained, then stop
             stop_if_requested(rollout_id)
             raise
 
+    def evaluate(rollout_id: int) -> None:
+        try:
+            with schedule.exclusive():  # between two rollouts: the engines hold the newest weights
+                values = generation.evaluate(rollout_id, eval_rows)
+        except GenerationAborted:
+            stop_if_requested(rollout_id + 1)
+            raise
+        metrics.log("eval", rollout_id, values)
+
+    def eval_due(rollout_id: int) -> bool:
+        last = rollout_id == num_rollout - 1
+        return every(cfg.eval.interval, rollout_id, buffer.is_epoch_end(rollout_id)) or (
+            last and cfg.eval.interval is not None
+        )
+
     bar = progress.add_task("training", total=num_rollout, completed=start) if progress else None
     try:
+        if cfg.eval.interval is not None and start == 0:
+            stop_if_requested(0)
+            evaluate(-1)  # the untrained baseline
+        if resume is not None and eval_due(resume.rollout_id):
+            # A stop (or a kill) between the checkpoint and its evaluation: the engines hold the
+            # same weights again, so the evaluation is run now, once.
+            if not any(m["kind"] == "eval" and m["rollout_id"] == resume.rollout_id for m in read_metrics(run)):
+                stop_if_requested(start)
+                evaluate(resume.rollout_id)
+        schedule.start(start, pending)
         for rollout_id in range(start, num_rollout):
             stop_if_requested(rollout_id)
-            if cfg.eval.interval is not None and rollout_id == 0:
-                metrics.log("eval", -1, generation.evaluate(-1, eval_rows))  # the untrained baseline
 
             timer = Timer()
+            step_start = time.perf_counter()
             with timer("step"):
-                with timer("generate"):
-                    batch, rollout_metrics, texts = generate(rollout_id)
+                with timer("generate" if staleness == 0 else "wait_rollout"):
+                    generated = get(rollout_id)
+                batch, texts = generated.batch, generated.texts
+                rollout_metrics = {k: v for k, v in generated.metrics.items() if k != "time/generate"}
+                if staleness > 0:
+                    timer["time/generate"] = generated.metrics["time/generate"]
                 if cfg.cluster.offload:
                     engines.offload()
                 with timer("train"):
@@ -140,15 +224,19 @@ def train(cfg: Config, run: RunDir, progress: Progress | None = None, stop: Stop
                     actor.offload()
                     engines.onload()
                 with timer("update_weights"):
-                    engines.sync_weights(version=rollout_id + 1)
+                    schedule.push(rollout_id + 1)
+            step = timer["time/step"]
+            timer["time/actor_idle"] = max(0.0, 1.0 - (timer["time/train"] + timer.get("time/save", 0.0)) / step)
+            timer["time/rollout_idle"] = clock.idle_fraction(step_start, step_start + step)
             record = {**rollout_metrics, **train_metrics, **timer}
             metrics.log("rollout", rollout_id, record)
             metrics.dump_rollout(rollout_id, batch, texts)
-            if every(cfg.eval.interval, rollout_id, epoch_end) or (last and cfg.eval.interval is not None):
-                metrics.log("eval", rollout_id, generation.evaluate(rollout_id, eval_rows))
+            if eval_due(rollout_id):
+                evaluate(rollout_id)
             if bar is not None:
                 progress.advance(bar)
     finally:
+        schedule.close()
         metrics.close()
 
     engines.shutdown()

@@ -161,6 +161,8 @@ class MetricsLogger:
             _ragged(f, "rollout_logprobs", batch.rollout_logprobs, np.float32)
             f.create_dataset("rewards", data=batch.rewards.numpy())
             f.create_dataset("advantages", data=batch.advantages.numpy())
+            if batch.weight_versions:  # the weights each sample was generated with
+                f.create_dataset("weight_versions", data=np.asarray(batch.weight_versions, dtype=np.int64))
             for name, values in texts.items():
                 f.create_dataset(name, data=values, dtype=h5py.string_dtype())
         os.replace(tmp, path)

@@ -18,6 +18,7 @@ import torch
 
 from rlhpc.algo.grpo import ADVANTAGE_ESTIMATORS
 from rlhpc.batch import RolloutBatch
+from rlhpc.rollout.protocol import MetaInfo
 from rlhpc.tasks import TASKS, RewardFn, resolve_reward
 
 if TYPE_CHECKING:
@@ -36,6 +37,16 @@ class GenerationAborted(Exception):
 def sample_seed(*parts: object) -> int:
     """A stable per-sample seed: same run seed, rollout and sample -> same tokens on rerun."""
     return random.Random(":".join(map(str, parts))).getrandbits(62)
+
+
+def weight_version(meta_info: dict) -> int:
+    """The weight version an engine reports in a sample's meta_info, as the int the driver pushed
+    (0 for an engine still on the weights on disk: SGLang calls that version "default")."""
+    version = meta_info.get(MetaInfo.WEIGHT_VERSION)
+    try:
+        return int(version)
+    except (TypeError, ValueError):
+        return 0
 
 
 def task_reward(data: DataConfig) -> RewardFn:
@@ -94,6 +105,7 @@ class Samples:
     logprobs: list[list[float]]
     rewards: torch.Tensor
     texts: dict[str, list[str]]  # "prompt", "response", "answer" per sample
+    weight_versions: list[int]  # the weights each sample was generated with
 
 
 class Generation:
@@ -180,7 +192,8 @@ class Generation:
             float(self.reward_fn(p, r, a)) for p, r, a in zip(texts["prompt"], texts["response"], texts["answer"])
         ]
         prompt_ids = [prompts[k // n] for k in range(len(outputs))]
-        return Samples(prompt_ids, response_ids, logprobs, torch.tensor(rewards, dtype=torch.float32), texts)
+        versions = [weight_version(out["meta_info"]) for out in outputs]
+        return Samples(prompt_ids, response_ids, logprobs, torch.tensor(rewards, dtype=torch.float32), texts, versions)
 
     def rollout(self, rollout_id: int, rows: list[dict]) -> tuple[RolloutBatch, dict[str, float], dict[str, list[str]]]:
         """One rollout of ``rows``: the training batch, its metrics and its texts."""
@@ -188,13 +201,16 @@ class Generation:
         n = r.n_samples_per_prompt
         s = self.sample(rows, n, r.temperature, r.max_new_tokens, rollout_id, f"rollout {rollout_id}")
         advantages = ADVANTAGE_ESTIMATORS[algo.advantage_estimator](s.rewards, n, algo.normalize_std)
-        batch = RolloutBatch(s.prompt_ids, s.response_ids, s.logprobs, s.rewards, advantages, n)
+        batch = RolloutBatch(s.prompt_ids, s.response_ids, s.logprobs, s.rewards, advantages, n, s.weight_versions)
         lengths = torch.tensor([len(x) for x in s.response_ids], dtype=torch.float32)
+        staleness = [rollout_id - v for v in s.weight_versions]
         metrics = {
             "reward": s.rewards.mean().item(),
             "reward_std": s.rewards.std(unbiased=False).item(),
             "response_len": lengths.mean().item(),
             "samples": float(len(batch)),
+            "staleness/mean": sum(staleness) / max(len(staleness), 1),
+            "staleness/max": float(max(staleness, default=0)),
         }
         return batch, metrics, s.texts
 

@@ -1,0 +1,311 @@
+"""When each rollout is generated, and with which weights: the synchronous loop or the async pipeline.
+
+Weight version v is the policy after training rollouts 0 .. v-1 (version 0: the initial model).
+The driver asks a schedule for rollout r's generated batch (``get``), trains it, and pushes
+version r + 1 through the schedule (``push``), which decides when the engines may take it.
+
+- ``SyncRollouts`` (``rollout.max_staleness: 0``): generation runs inline in ``get``, with the
+  version pushed after the previous rollout: rollout r uses version r, the engines idle while
+  the actor trains and the actor idles while they generate.
+- ``AsyncRollouts`` (``max_staleness`` K >= 1): a thread of the driver generates rollouts ahead
+  while the main thread trains; the engines are HTTP servers, so the two overlap. Rollout r
+  is generated with version >= r - K (``deterministic``: exactly max(0, r - K), a fixed lag, so
+  nothing depends on timing). One rollout is generated at a time, and weight pushes and
+  evaluations take the engines only between rollouts (``exclusive``), so a generation never
+  sees half-pushed weights and its requests are batched as in the synchronous loop.
+
+Generated but untrained rollouts are part of the run's state: ``pending`` hands them to the
+checkpoint, and a resumed schedule starts from them (their weights no longer exist).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from rlhpc.batch import RolloutBatch
+from rlhpc.rollout.generation import GenerationAborted
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Generated:
+    """One generated rollout: the training batch, its generation metrics and its texts."""
+
+    rollout_id: int
+    batch: RolloutBatch
+    metrics: dict[str, float]
+    texts: dict[str, list[str]]
+
+    def state_dict(self) -> dict:
+        b = self.batch
+        return {
+            "rollout_id": self.rollout_id,
+            "prompt_ids": b.prompt_ids,
+            "response_ids": b.response_ids,
+            "rollout_logprobs": b.rollout_logprobs,
+            "rewards": b.rewards,
+            "advantages": b.advantages,
+            "group_size": b.group_size,
+            "weight_versions": b.weight_versions,
+            "metrics": self.metrics,
+            "texts": self.texts,
+        }
+
+    @classmethod
+    def from_state_dict(cls, d: dict) -> Generated:
+        batch = RolloutBatch(
+            d["prompt_ids"], d["response_ids"], d["rollout_logprobs"], d["rewards"], d["advantages"],
+            d["group_size"], d["weight_versions"],
+        )  # fmt: skip
+        return cls(d["rollout_id"], batch, d["metrics"], d["texts"])
+
+
+@dataclass
+class BusyClock:
+    """The intervals a group worked, to tell how much of a step window it idled."""
+
+    intervals: list[tuple[float, float]] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @contextmanager
+    def busy(self) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.intervals.append((start, time.perf_counter()))
+
+    def idle_fraction(self, start: float, stop: float) -> float:
+        """Share of ``[start, stop]`` not covered by busy intervals; forgets intervals before ``start``."""
+        with self._lock:
+            busy = sum(max(0.0, min(b, stop) - max(a, start)) for a, b in self.intervals)
+            self.intervals = [(a, b) for a, b in self.intervals if b > stop]
+        span = stop - start
+        return max(0.0, 1.0 - busy / span) if span > 0 else 0.0
+
+
+Generate = Callable[[int], Generated]
+Push = Callable[[int], None]
+
+
+class SyncRollouts:
+    """Generate rollout r when training asks for it, with the weights pushed after rollout r - 1."""
+
+    max_staleness = 0
+
+    def __init__(self, generate: Generate, push: Push, clock: BusyClock):
+        self._generate, self._push, self.clock = generate, push, clock
+
+    def start(self, first: int, pending: dict[int, Generated]) -> None:
+        if pending:  # a checkpoint of an async run resumed synchronously: train what it generated
+            log.info("training %d rollout(s) generated before the checkpoint first", len(pending))
+        self._pending = dict(pending)
+
+    def get(self, rollout_id: int) -> Generated:
+        if rollout_id in self._pending:
+            return self._pending.pop(rollout_id)
+        with self.clock.busy():
+            return self._generate(rollout_id)
+
+    def pending(self, trained: int) -> dict[int, Generated]:
+        return {r: g for r, g in self._pending.items() if r > trained}
+
+    def push(self, version: int) -> None:
+        self._push(version)
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        yield
+
+    def close(self) -> None:
+        pass
+
+
+class AsyncRollouts:
+    """Generate up to ``max_staleness`` rollouts ahead of training in a background thread.
+
+    ``stop`` is the job's stop request. Generation that a stop makes unnecessary is aborted
+    (``abort_requested``, which the engine pool polls); in deterministic mode the rollouts the
+    next checkpoint must hold (those generated with older weights than it has) are finished first.
+    """
+
+    def __init__(
+        self,
+        generate: Generate,
+        push: Push,
+        clock: BusyClock,
+        max_staleness: int,
+        num_rollout: int,
+        deterministic: bool,
+        stop_requested: Callable[[], bool] = lambda: False,
+    ):
+        self._generate, self._push, self.clock = generate, push, clock
+        self.max_staleness, self.num_rollout, self.deterministic = max_staleness, num_rollout, deterministic
+        self._stop_requested = stop_requested
+        self._cond = threading.Condition()
+        self._ready: dict[int, Generated] = {}
+        self._next = 0  # the next rollout the thread generates
+        self._current: int | None = None  # the rollout being generated
+        self._version = 0  # the version on the engines
+        self._floor = 0  # the oldest version the engines can still be given (the one they started with)
+        self._taken = -1  # the newest rollout handed to training (it will be trained before any stop)
+        self._exclusive = 0  # the main thread wants or holds the engines
+        self._aborted = False
+        self._error: BaseException | None = None
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------ the generation thread
+
+    def start(self, first: int, pending: dict[int, Generated]) -> None:
+        """Begin with rollout ``first`` (the engines hold version ``first``), after the rollouts in ``pending``."""
+        self._ready = {r: g for r, g in pending.items() if r >= first}
+        self._next = max([first - 1, *self._ready]) + 1
+        self._version = self._floor = first
+        self._taken = first - 1
+        self._thread = threading.Thread(target=self._run, name="rollout-generation", daemon=True)
+        self._thread.start()
+
+    def _allowed(self, r: int) -> bool:
+        """May rollout r be generated with the version on the engines now? (Versions older than the
+        engines' first are gone: a rollout that would need one, after a resume from a checkpoint
+        that does not hold it, takes the oldest there is.)"""
+        lag = max(self._floor, r - self.max_staleness)
+        return self._version == lag if self.deterministic else self._version >= lag
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(
+                    lambda: (
+                        self._closed
+                        or self._aborted
+                        or (self._next < self.num_rollout and not self._exclusive and self._allowed(self._next))
+                    )
+                )
+                if self._closed or self._aborted:
+                    return
+                if self._stop_requested() and not self._needed(self._next):
+                    log.info("stop requested: rollout %d is not generated", self._next)
+                    self._aborted = True
+                    self._cond.notify_all()
+                    return
+                r = self._current = self._next
+            try:
+                with self.clock.busy():
+                    generated = self._generate(r)
+            except GenerationAborted:
+                with self._cond:
+                    log.info("generation of rollout %d aborted for the stop request", r)
+                    self._aborted, self._current = True, None
+                    self._cond.notify_all()
+                return
+            except BaseException as e:  # handed to the main thread, which raises it
+                with self._cond:
+                    self._error, self._current = e, None
+                    self._cond.notify_all()
+                return
+            with self._cond:
+                self._ready[r] = generated
+                self._next, self._current = r + 1, None
+                self._cond.notify_all()
+
+    def _needed(self, r: int) -> bool:
+        """Deterministic: rollout r needs weights older than the next checkpoint's (the one after
+        the newest rollout handed to training), so that checkpoint must hold it, stop or no stop."""
+        return self.deterministic and r <= self._taken + self.max_staleness
+
+    def abort_requested(self) -> bool:
+        """For the engine pool: drop the generation in flight? Only on a stop, and (deterministic)
+        only a rollout no checkpoint before the stop will need."""
+        if not self._stop_requested():
+            return False
+        with self._cond:
+            if self._current is not None and self._needed(self._current):
+                return False
+            self._aborted = True  # decided under the lock: training takes nothing more from now on
+            return True
+
+    # ------------------------------------------------------------ the main thread
+
+    def _wait(self, cond: Callable[[], bool], what: str) -> None:
+        """Wait (holding the condition) until ``cond``; raise what the generation thread hit."""
+
+        def done() -> bool:
+            return cond() or self._error is not None or (self._aborted and self._current is None)
+
+        self._cond.wait_for(done)
+        if cond():
+            return
+        if self._error is not None:
+            raise self._error
+        raise GenerationAborted(f"generation stopped before {what}")
+
+    def get(self, rollout_id: int) -> Generated:
+        """Rollout ``rollout_id``'s generated batch, once it is ready."""
+        with self._cond:
+            # Once a stop dropped a rollout, training takes none: the next checkpoint must be one
+            # whose pending rollouts are all generated.
+            self._wait(lambda: rollout_id in self._ready or self._aborted, f"rollout {rollout_id}")
+            if self._aborted:
+                raise GenerationAborted(f"stop requested before rollout {rollout_id} was trained")
+            self._taken = rollout_id
+            return self._ready.pop(rollout_id)
+
+    def _needed_done(self, trained: int) -> Callable[[], bool]:
+        """Every rollout that needs a version older than ``trained + 1`` is generated."""
+        last = min(trained + self.max_staleness, self.num_rollout - 1)
+        return lambda: self._next > last
+
+    def pending(self, trained: int) -> dict[int, Generated]:
+        """The generated rollouts after ``trained``, for its checkpoint. Deterministic: waits until
+        every rollout that needs weights older than the checkpoint's is among them."""
+        with self._cond:
+            if self.deterministic:
+                self._wait(self._needed_done(trained), f"the checkpoint of rollout {trained}")
+            return {r: g for r, g in sorted(self._ready.items()) if r > trained}
+
+    def push(self, version: int) -> None:
+        """Put ``version`` (the weights after rollout ``version - 1``) on the engines between rollouts."""
+        needed = self._needed_done(version - 1) if self.deterministic else (lambda: True)
+        with self._engines(needed, f"weight version {version}"):
+            self._push(version)
+            self._version = version  # read by the thread only under the condition, after we release
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """The engines to the caller alone (an evaluation), between two rollouts."""
+        with self._engines(lambda: True, "an evaluation"):
+            yield
+
+    @contextmanager
+    def _engines(self, ready: Callable[[], bool], what: str) -> Iterator[None]:
+        with self._cond:
+            self._wait(ready, what)  # first let the thread generate what must precede this
+            self._exclusive += 1  # then it starts no new rollout
+            try:
+                self._wait(lambda: self._current is None, what)
+            except BaseException:
+                self._exclusive -= 1
+                self._cond.notify_all()
+                raise
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._exclusive -= 1
+                self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)  # idle unless a stop or an error cut the run short

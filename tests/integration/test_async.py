@@ -1,0 +1,123 @@
+"""The asynchronous pipeline (rollout.max_staleness >= 1) as whole local jobs: staleness bounded
+(read from the versions each sample recorded, never from timings), the fixed-lag schedule
+reproducible bit for bit, and a stop signal or SIGKILL at any moment ending exactly like the
+uninterrupted run."""
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import h5py
+import pytest
+from support.jobs import REPO, job_args, kill_when, rollouts
+
+from rlhpc.checkpoint import CheckpointManager
+from rlhpc.launch.restarts import read_history
+from rlhpc.metrics import read_metrics
+
+K = 1
+N = 8
+ASYNC = (
+    f"rollout.max_staleness={K}", f"rollout.num_rollout={N}", "deterministic=true", "checkpoint.save_interval=2",
+    "eval.interval=4", "data.num_eval=16",
+)  # fmt: skip
+
+
+def run_job(run: Path, *overrides: str) -> subprocess.CompletedProcess:
+    p = subprocess.run(job_args(run, *overrides), capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return p
+
+
+def comparable(run: Path) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in read_metrics(run)]
+
+
+def final_weights(run: Path) -> bytes:
+    ck = CheckpointManager(run / "checkpoints", 2).latest()
+    return (ck.path / "actor" / "model.safetensors").read_bytes()
+
+
+def versions(run: Path, rollout_id: int) -> list[int]:
+    with h5py.File(run / "rollouts" / f"rollout_{rollout_id:06d}.h5") as f:
+        return f["weight_versions"][:].tolist()
+
+
+def task_pid(run: Path) -> int:
+    """The job's task process (what Slurm would signal), not submit.py or the local controller."""
+    out = subprocess.run(["pgrep", "-f", f"submitit.core._submit {run}/logs/submitit"], capture_output=True, text=True)
+    pids = [int(p) for p in out.stdout.split()]
+    assert len(pids) == 1, out.stdout
+    return pids[0]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("async") / "run"
+    run_job(run, *ASYNC)
+    return run
+
+
+def test_fixed_lag_generates_rollout_r_with_version_r_minus_k(uninterrupted):
+    assert rollouts(uninterrupted) == list(range(N))
+    for r in range(N):
+        assert set(versions(uninterrupted, r)) == {max(0, r - K)}  # every sample, as the engine reported it
+    records = [m for m in read_metrics(uninterrupted) if m["kind"] == "rollout"]
+    assert [m["staleness/max"] for m in records] == [float(min(r, K)) for r in range(N)]
+    for m in records:
+        assert 0.0 <= m["time/actor_idle"] <= 1.0 and 0.0 <= m["time/rollout_idle"] <= 1.0
+    evals = [m["rollout_id"] for m in read_metrics(uninterrupted) if m["kind"] == "eval"]
+    assert evals == [-1, 3, 7]
+
+
+def test_fixed_lag_reproduces_bit_for_bit(uninterrupted, tmp_path):
+    run = tmp_path / "run"
+    run_job(run, *ASYNC)
+    assert comparable(run) == comparable(uninterrupted)
+    assert final_weights(run) == final_weights(uninterrupted)
+
+
+def test_stop_signal_ends_like_the_uninterrupted_async_run(uninterrupted, tmp_path):
+    run = tmp_path / "run"
+    proc = subprocess.Popen(
+        job_args(run, *ASYNC), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    deadline = time.time() + 240
+    while len(rollouts(run)) < 3:  # mid-run, with the next rollout generated or being generated
+        assert proc.poll() is None and time.time() < deadline, proc.stdout.read()[-4000:]
+        time.sleep(0.05)
+    os.kill(task_pid(run), signal.SIGUSR2)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-4000:]
+    history = read_history(run)
+    assert len(history) == 2 and 3 <= history[1]["next_rollout_id"] < N
+    assert rollouts(run) == list(range(N))  # nothing logged twice, nothing skipped
+    assert comparable(run) == comparable(uninterrupted)
+    assert final_weights(run) == final_weights(uninterrupted)
+
+
+def test_sigkill_ends_like_the_uninterrupted_async_run(uninterrupted, tmp_path):
+    run = tmp_path / "run"
+    args = job_args(run, *ASYNC)
+    kill_when(args, run / "checkpoints" / "rollout_000003")  # its rollout 4 was generated with version 3
+    ck = CheckpointManager(run / "checkpoints", 2).latest()
+    assert ck is not None and ck.rollout_id < N - 1
+    assert ck.state["pending_rollouts"] == [ck.rollout_id + 1]
+    p = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert f"resuming from {ck.path.name}" in p.stdout
+    assert rollouts(run) == list(range(N))
+    assert comparable(run) == comparable(uninterrupted)
+    assert final_weights(run) == final_weights(uninterrupted)
+
+
+def test_freshest_weights_stay_within_the_staleness_bound(tmp_path):
+    run = tmp_path / "run"
+    run_job(run, "rollout.max_staleness=2", "rollout.num_rollout=6", "checkpoint.save_interval=null", "algo.tis=true")
+    for r in range(6):
+        assert all(0 <= r - v <= 2 for v in versions(run, r)), (r, versions(run, r))
+    records = [m for m in read_metrics(run) if m["kind"] == "rollout"]
+    assert all(0.0 <= m["tis_clipfrac"] <= 1.0 and m["tis_weight"] > 0 for m in records)  # algo.tis reports

@@ -1,0 +1,155 @@
+"""The async schedule without Ray or engines: which weight version each rollout is generated
+with, what a checkpoint must hold, what a stop may drop. Versions are asserted, not timings."""
+
+import random
+import threading
+import time
+
+import pytest
+import torch
+
+from rlhpc.batch import RolloutBatch
+from rlhpc.rollout.generation import GenerationAborted
+from rlhpc.schedule import AsyncRollouts, BusyClock, Generated, SyncRollouts
+
+
+class FakeEngines:
+    """Generation records the version on the 'engines'; a push changes it (never during a generation)."""
+
+    def __init__(self, jitter: float = 0.002, abort=None):
+        self.version = 0
+        self.generating = 0
+        self.log: list[tuple[int, int]] = []  # (rollout, version)
+        self.jitter = jitter
+        self.abort = abort
+        self.rng = random.Random(0)
+
+    def generate(self, r: int) -> Generated:
+        self.generating += 1
+        v = self.version
+        time.sleep(self.rng.random() * self.jitter)
+        if self.abort is not None and self.abort():
+            self.generating -= 1
+            raise GenerationAborted()
+        assert self.version == v, "weights changed during a generation"
+        self.generating -= 1
+        self.log.append((r, v))
+        batch = RolloutBatch([[1]], [[2]], [[-0.5]], torch.zeros(1), torch.zeros(1), 1, [v])
+        return Generated(r, batch, {"staleness/max": float(r - v)}, {"response": ["x"]})
+
+    def push(self, version: int) -> None:
+        assert self.generating == 0, "a push during a generation"
+        time.sleep(self.rng.random() * self.jitter)
+        self.version = version
+
+
+def drive(schedule, engines, num_rollout: int, start: int = 0, pending=None, train_s: float = 0.002):
+    schedule.start(start, pending or {})
+    got = []
+    try:
+        for r in range(start, num_rollout):
+            g = schedule.get(r)
+            got.append((r, g.batch.weight_versions[0]))
+            time.sleep(train_s * random.random())
+            schedule.push(r + 1)
+    finally:
+        schedule.close()
+    return got
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_fixed_lag_uses_exactly_version_r_minus_k(k):
+    engines = FakeEngines()
+    s = AsyncRollouts(engines.generate, engines.push, BusyClock(), k, 12, deterministic=True)
+    got = drive(s, engines, 12)
+    assert got == [(r, max(0, r - k)) for r in range(12)]
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_freshest_weights_never_older_than_k(k):
+    engines = FakeEngines(jitter=0.005)
+    s = AsyncRollouts(engines.generate, engines.push, BusyClock(), k, 15, deterministic=False)
+    got = drive(s, engines, 15, train_s=0.01)
+    assert [r for r, _ in got] == list(range(15))
+    assert all(0 <= r - v <= k for r, v in got), got
+
+
+def test_sync_schedule_generates_with_the_newest_weights():
+    engines = FakeEngines()
+    s = SyncRollouts(engines.generate, engines.push, BusyClock())
+    assert drive(s, engines, 5) == [(r, r) for r in range(5)]
+
+
+def test_pending_holds_what_needs_older_weights_and_resume_continues_the_same_schedule():
+    k, n = 2, 10
+    engines = FakeEngines()
+    s = AsyncRollouts(engines.generate, engines.push, BusyClock(), k, n, deterministic=True)
+    s.start(0, {})
+    for r in range(4):
+        s.get(r)
+        s.push(r + 1) if r < 3 else None
+    pending = s.pending(3)  # the checkpoint of rollout 3 (weights version 4)
+    assert sorted(pending) == [4, 5]  # generated with versions 2 and 3, which the resumed job lacks
+    assert [g.batch.weight_versions[0] for g in pending.values()] == [2, 3]
+    s.close()
+    # resumed: the engines hold version 4; rollouts 4, 5 come from the checkpoint, 6.. use r - 2
+    engines2 = FakeEngines()
+    engines2.version = 4
+    s2 = AsyncRollouts(engines2.generate, engines2.push, BusyClock(), k, n, deterministic=True)
+    got = drive(s2, engines2, n, start=4, pending=pending)
+    assert got == [(r, r - k) for r in range(4, n)]
+    assert [r for r, _ in engines2.log] == list(range(6, n))  # nothing generated twice
+
+
+def test_stop_keeps_what_the_checkpoint_needs_and_drops_the_rest():
+    stop = threading.Event()
+    engines = FakeEngines(jitter=0.0)
+    s = AsyncRollouts(
+        engines.generate, engines.push, BusyClock(), 1, 20, deterministic=True, stop_requested=stop.is_set
+    )
+    engines.abort = s.abort_requested
+    s.start(0, {})
+    s.get(0)
+    s.push(1)
+    s.get(1)  # being trained when the stop comes
+    stop.set()
+    pending = s.pending(1)  # rollout 2 was generated with version 1, older than the checkpoint's 2
+    assert sorted(pending) == [2]
+    s.push(2)
+    # Either the stop dropped rollout 3 first (then nothing more is trained), or training took
+    # rollout 2 first (then its checkpoint needs rollout 3, which is generated): never half of it.
+    try:
+        s.get(2)
+    except GenerationAborted:
+        assert 3 not in [r for r, _ in engines.log]
+    else:
+        assert sorted(s.pending(2)) == [3]
+    s.close()
+    assert max(r for r, _ in engines.log) <= 3
+
+
+def test_a_generation_error_reaches_the_main_thread():
+    def boom(r):
+        raise ValueError("reward crashed")
+
+    s = AsyncRollouts(boom, lambda v: None, BusyClock(), 1, 5, deterministic=True)
+    s.start(0, {})
+    with pytest.raises(ValueError, match="reward crashed"):
+        s.get(0)
+    s.close()
+
+
+def test_busy_clock_idle_fraction():
+    c = BusyClock()
+    c.intervals = [(0.0, 1.0), (2.0, 3.0), (3.5, 10.0)]
+    assert c.idle_fraction(0.5, 4.5) == pytest.approx(1 - (0.5 + 1.0 + 1.0) / 4.0)
+    assert c.intervals == [(3.5, 10.0)]
+
+
+def test_generated_round_trips_through_torch_save(tmp_path):
+    batch = RolloutBatch([[1, 2]], [[3]], [[-0.1]], torch.ones(1), torch.zeros(1), 1, [7])
+    g = Generated(9, batch, {"reward": 1.0}, {"prompt": ["p"]})
+    torch.save([g.state_dict()], tmp_path / "p.pt")
+    (back,) = [Generated.from_state_dict(d) for d in torch.load(tmp_path / "p.pt", weights_only=True)]
+    assert back.rollout_id == 9 and back.batch.weight_versions == [7] and back.texts == g.texts
+    assert torch.equal(back.batch.rewards, batch.rewards) and back.metrics == g.metrics
