@@ -1,0 +1,134 @@
+"""The asynchronous pipeline's speed-up: the same job run synchronously, with K = 1 and K = 2.
+
+Each mode is a whole local job (jobs/submit.py --cluster local: one CPU engine server, one CPU
+training rank), run one after the other on this machine. Per mode it prints rollouts per
+second (over the rollouts after the first ``--warmup``, from the per-rollout step times the
+driver logs), the mean idle fraction of each group (``time/actor_idle``, ``time/rollout_idle``),
+the mean generation / training / weight-push seconds, and the final greedy eval reward.
+
+The configuration is the embedded task (single-digit addition, a tiny Llama) with
+``rollout_batch_size`` raised so that one rollout's generation (prompts x samples through the
+engine) and its training (two optimizer steps on them) take comparable time, which is where
+overlapping them pays. The weight push after each rollout runs in neither group's shadow (the
+engines must not generate while their weights change, and the actor must not train while its
+weights are read), so the ideal K = 1 speed-up is (G + T + P) / (max(G, T) + P).
+
+    python tools/bench/async_speedup.py [--num-rollout 60] [--rollout-batch-size 128] [--keep DIR]
+
+The last line is one JSON object (speedup_k1, speedup_k2, eval_reward_sync, eval_reward_k1,
+eval_reward_k2, and the per-mode figures).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from rlhpc.metrics import read_metrics
+
+REPO = Path(__file__).resolve().parents[2]
+log = logging.getLogger("async_speedup")
+
+
+def job(run: Path, args: argparse.Namespace, staleness: int) -> dict:
+    overrides = [
+        f"rollout.max_staleness={staleness}",
+        f"rollout.num_rollout={args.num_rollout}",
+        f"rollout.rollout_batch_size={args.rollout_batch_size}",
+        f"data.num_train={args.rollout_batch_size * args.num_rollout}",
+        f"eval.interval={args.num_rollout}",
+        "checkpoint.save_interval=null",
+        "logging.wandb_mode=disabled",
+        "logging.dump_rollouts=false",
+        f"seed={args.seed}",
+    ]
+    cmd = [sys.executable, str(REPO / "jobs" / "submit.py"), "--cluster", "local", "--run-dir", str(run)]
+    cmd += ["--config", str(REPO / "jobs" / "configs" / "embedded.yaml")]
+    for o in overrides:
+        cmd += ["--set", o]
+    start = time.perf_counter()
+    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    if p.returncode != 0:
+        raise RuntimeError(f"K={staleness} job failed:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+    wall = time.perf_counter() - start
+    records = read_metrics(run)
+    steps = [r for r in records if r["kind"] == "rollout"][args.warmup :]
+    evals = [r for r in records if r["kind"] == "eval"]
+
+    def mean(key: str) -> float:
+        values = [r[key] for r in steps if key in r]
+        return sum(values) / len(values) if values else float("nan")
+
+    loop_s = sum(r["time/step"] for r in steps)
+    return {
+        "max_staleness": staleness,
+        "rollouts_per_s": len(steps) / loop_s,
+        "actor_idle": mean("time/actor_idle"),
+        "rollout_idle": mean("time/rollout_idle"),
+        "generate_s": mean("time/generate"),
+        "train_s": mean("time/train"),
+        "update_weights_s": mean("time/update_weights"),
+        "staleness_mean": mean("staleness/mean"),
+        "eval_reward": evals[-1]["reward"] if evals else float("nan"),
+        "eval_reward_start": evals[0]["reward"] if evals else float("nan"),
+        "job_wall_s": wall,
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--num-rollout", type=int, default=60)
+    ap.add_argument("--rollout-batch-size", type=int, default=128, help="prompts per rollout (x 8 samples)")
+    ap.add_argument("--warmup", type=int, default=3, help="first rollouts left out of the rate")
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--keep", type=Path, help="keep the three run dirs here")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+
+    root = args.keep or Path(tempfile.mkdtemp(prefix="async-bench-"))
+    root.mkdir(parents=True, exist_ok=True)
+    results = {}
+    try:
+        for k in (0, 1, 2):
+            log.info("running K=%d (%d rollouts of %d prompts x 8) ...", k, args.num_rollout, args.rollout_batch_size)
+            results[k] = job(root / f"k{k}", args, k)
+    finally:
+        if args.keep is None:
+            shutil.rmtree(root, ignore_errors=True)
+
+    sync = results[0]
+    log.info(
+        "%-6s %10s %8s %11s %12s %7s %7s %7s %12s",
+        "mode", "rollouts/s", "speedup", "actor idle", "rollout idle", "gen s", "train s", "push s", "eval reward",
+    )  # fmt: skip
+    for k, r in results.items():
+        log.info(
+            "%-6s %10.3f %7.2fx %11.2f %12.2f %7.3f %7.3f %7.3f %12.3f",
+            "sync" if k == 0 else f"K={k}", r["rollouts_per_s"], r["rollouts_per_s"] / sync["rollouts_per_s"],
+            r["actor_idle"], r["rollout_idle"], r["generate_s"], r["train_s"], r["update_weights_s"], r["eval_reward"],
+        )  # fmt: skip
+    g, t, p = sync["generate_s"], sync["train_s"], sync["update_weights_s"]
+    ideal = (g + t + p) / (max(g, t) + p)
+    log.info("ideal K=1 speed-up from the sync step's parts (G+T+P)/(max(G,T)+P) = %.2fx", ideal)
+    summary = {
+        "speedup_k1": results[1]["rollouts_per_s"] / sync["rollouts_per_s"],
+        "speedup_k2": results[2]["rollouts_per_s"] / sync["rollouts_per_s"],
+        "eval_reward_sync": sync["eval_reward"],
+        "eval_reward_k1": results[1]["eval_reward"],
+        "eval_reward_k2": results[2]["eval_reward"],
+        "ideal_speedup_k1": ideal,
+        "modes": {f"k{k}": r for k, r in results.items()},
+    }
+    print(json.dumps(summary))
+    return summary
+
+
+if __name__ == "__main__":
+    main()
