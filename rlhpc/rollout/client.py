@@ -170,61 +170,20 @@ class EngineClient:
 
     # -------------------------------------------------------------- weights
 
-    def init_weights_update_group(
-        self, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str, backend: str
-    ) -> dict[str, Any]:
-        req = P.InitWeightsUpdateGroupReqInput(
-            master_address=master_address,
-            master_port=master_port,
-            rank_offset=rank_offset,
-            world_size=world_size,
-            group_name=group_name,
-            backend=backend,
-        )
+    # The three weight updates take their request as the protocol defines it (fields and defaults
+    # written once, in rlhpc.rollout.protocol), not as keyword arguments repeating them.
+
+    def init_weights_update_group(self, req: P.InitWeightsUpdateGroupReqInput) -> dict[str, Any]:
         return self._checked(Route.INIT_WEIGHTS_UPDATE_GROUP, P.body(req))
 
     def destroy_weights_update_group(self, group_name: str) -> dict[str, Any]:
         req = P.DestroyWeightsUpdateGroupReqInput(group_name=group_name)
         return self._checked(Route.DESTROY_WEIGHTS_UPDATE_GROUP, P.body(req))
 
-    def update_weights_from_distributed(
-        self,
-        names: list[str],
-        dtypes: list[str],
-        shapes: list[list[int]],
-        group_name: str,
-        flush_cache: bool = True,
-        abort_all_requests: bool = False,
-        weight_version: str | None = None,
-        load_format: str | None = None,
-    ) -> dict[str, Any]:
-        req = P.UpdateWeightsFromDistributedReqInput(
-            names=names,
-            dtypes=dtypes,
-            shapes=shapes,
-            group_name=group_name,
-            flush_cache=flush_cache,
-            abort_all_requests=abort_all_requests,
-            weight_version=weight_version,
-            load_format=load_format,
-        )
+    def update_weights_from_distributed(self, req: P.UpdateWeightsFromDistributedReqInput) -> dict[str, Any]:
         return self._checked(Route.UPDATE_WEIGHTS_FROM_DISTRIBUTED, P.body(req))
 
-    def update_weights_from_tensor(
-        self,
-        serialized_named_tensors: list[str],
-        load_format: str | None = None,
-        flush_cache: bool = True,
-        abort_all_requests: bool = False,
-        weight_version: str | None = None,
-    ) -> dict[str, Any]:
-        req = P.UpdateWeightsFromTensorReqInput(
-            serialized_named_tensors=serialized_named_tensors,
-            load_format=load_format,
-            flush_cache=flush_cache,
-            abort_all_requests=abort_all_requests,
-            weight_version=weight_version,
-        )
+    def update_weights_from_tensor(self, req: P.UpdateWeightsFromTensorReqInput) -> dict[str, Any]:
         return self._checked(Route.UPDATE_WEIGHTS_FROM_TENSOR, P.body(req))
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from rlhpc.errors import RlhpcError
+from rlhpc.rollout import protocol as P
 from rlhpc.rollout.client import EngineClient
 from rlhpc.rollout.protocol import FLATTENED_BUCKET, weight_version_note
 from rlhpc.rollout.tensor_transport import (
@@ -272,12 +273,14 @@ class DistributedWeightSender(_SenderBase):
         joins = [
             self._pool.submit(
                 c.init_weights_update_group,
-                self.master_address,
-                self.master_port,
-                off,
-                self.world_size,
-                self.group_name,
-                self.backend,
+                P.InitWeightsUpdateGroupReqInput(
+                    master_address=self.master_address,
+                    master_port=self.master_port,
+                    rank_offset=off,
+                    world_size=self.world_size,
+                    group_name=self.group_name,
+                    backend=self.backend,
+                ),
             )
             for c, off in zip(self.clients, self.rank_offsets)
         ]
@@ -357,20 +360,17 @@ class DistributedWeightSender(_SenderBase):
 
     def _start_bucket(self, packed: _Packed, version: str, abort_all: bool) -> tuple[list[Future], Future]:
         """Announce the bucket to every engine (one POST each) and broadcast it (one broadcast)."""
-        posts = [
-            self._pool.submit(
-                c.update_weights_from_distributed,
-                packed.names,
-                packed.dtypes,
-                packed.shapes,
-                self.group_name,
-                flush_cache=packed.last,
-                abort_all_requests=abort_all,
-                weight_version=version if packed.last else None,
-                load_format=FLATTENED_BUCKET,
-            )
-            for c in self.clients
-        ]
+        announce = P.UpdateWeightsFromDistributedReqInput(
+            names=packed.names,
+            dtypes=packed.dtypes,
+            shapes=packed.shapes,
+            group_name=self.group_name,
+            flush_cache=packed.last,
+            abort_all_requests=abort_all,
+            weight_version=version if packed.last else None,
+            load_format=FLATTENED_BUCKET,
+        )
+        posts = [self._pool.submit(c.update_weights_from_distributed, announce) for c in self.clients]
         return posts, self._bcast_pool.submit(self._broadcast, packed.flat)
 
     def _finish_bucket(self, posts: list[Future], bcast: Future) -> None:
@@ -445,10 +445,12 @@ class TensorWeightSender(_SenderBase):
             posts = [
                 self._pool.submit(
                     c.update_weights_from_tensor,
-                    [payload] * tp,  # SGLang wants one entry per TP rank
-                    flush_cache=last,
-                    abort_all_requests=abort_all,
-                    weight_version=version if last else None,
+                    P.UpdateWeightsFromTensorReqInput(
+                        serialized_named_tensors=[payload] * tp,  # SGLang wants one entry per TP rank
+                        flush_cache=last,
+                        abort_all_requests=abort_all,
+                        weight_version=version if last else None,
+                    ),
                 )
                 for c, tp in zip(self.clients, self.engine_world_sizes)
             ]

@@ -263,12 +263,10 @@ class _StubEngine:
     def pause_generation(self) -> None:
         self.calls.append("pause")
 
-    def update_weights_from_tensor(
-        self, payloads: list[str], flush_cache: bool, abort_all_requests: bool, weight_version: str | None
-    ) -> dict:
-        self.calls.append("update, abort all" if abort_all_requests else "update")
-        self.version = weight_version or self.version
-        note = P.weight_version_note(weight_version) if self.note and weight_version else ""
+    def update_weights_from_tensor(self, req: P.UpdateWeightsFromTensorReqInput) -> dict:
+        self.calls.append("update, abort all" if req.abort_all_requests else "update")
+        self.version = req.weight_version or self.version
+        note = P.weight_version_note(req.weight_version) if self.note and req.weight_version else ""
         return {"success": True, "message": f"ok.{note}"}
 
     def get_weight_version(self) -> str:
@@ -367,7 +365,7 @@ def test_tensor_payload_refuses_arbitrary_pickles(engines: list[EngineClient]) -
 
     evil = base64.b64encode(pickle.dumps([("x", os.getcwd)])).decode()
     with pytest.raises(RlhpcError, match="refusing to unpickle"):
-        engines[0].update_weights_from_tensor([evil])
+        engines[0].update_weights_from_tensor(P.UpdateWeightsFromTensorReqInput(serialized_named_tensors=[evil]))
 
 
 class _CudaTensorStandIn:
@@ -387,7 +385,7 @@ def test_cpu_engine_refuses_cuda_tensors(engines: list[EngineClient]) -> None:
 
     payload = base64.b64encode(pickle.dumps([("model.norm.weight", _CudaTensorStandIn())])).decode()
     with pytest.raises(RlhpcError, match="CUDA tensors cannot be loaded by the CPU engine"):
-        engines[0].update_weights_from_tensor([payload])
+        engines[0].update_weights_from_tensor(P.UpdateWeightsFromTensorReqInput(serialized_named_tensors=[payload]))
 
 
 def test_cuda_ipc_tensors_are_unpickled_only_on_a_gpu_engine() -> None:
@@ -412,7 +410,16 @@ def test_serialized_tensors_round_trip_in_process() -> None:
 
 def test_cpu_engine_refuses_nccl(engines: list[EngineClient]) -> None:
     with pytest.raises(RlhpcError, match="'nccl' needs an engine on CUDA"):
-        engines[0].init_weights_update_group("127.0.0.1", 1, 1, 2, "nccl_group", "nccl")
+        engines[0].init_weights_update_group(
+            P.InitWeightsUpdateGroupReqInput(
+                master_address="127.0.0.1",
+                master_port=1,
+                rank_offset=1,
+                world_size=2,
+                group_name="nccl_group",
+                backend="nccl",
+            )
+        )
     assert engines[0].get_server_info()["internal_states"][0]["weight_update_groups"] == []
 
 
