@@ -35,9 +35,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import torch  # noqa: E402
+import torch
 
-from rlhpc.actor.checkpoint_dir import (  # noqa: E402
+from rlhpc.actor.checkpoint_dir import (
     ACTOR_SUBDIR,
     DIST_SUBDIR,
     MEGATRON_BACKEND,
@@ -45,7 +45,7 @@ from rlhpc.actor.checkpoint_dir import (  # noqa: E402
     read_meta,
     write_meta,
 )
-from rlhpc.errors import RlhpcError  # noqa: E402
+from rlhpc.errors import RlhpcError
 
 log = logging.getLogger("convert_checkpoint")
 

@@ -28,14 +28,14 @@ from pathlib import Path
 
 import torch
 
-from rlhpc.actor.megatron.worker import MegatronTrainWorker  # noqa: E402
-from rlhpc.actor.spec import ActorSpec  # noqa: E402
-from rlhpc.config import Config  # noqa: E402
-from rlhpc.model import TinyModelConfig, build_tiny_model, load_tokenizer  # noqa: E402
-from rlhpc.rollout.client import EngineClient  # noqa: E402
-from rlhpc.rollout.generation import Generation, one_batch  # noqa: E402
-from rlhpc.tasks import TASKS  # noqa: E402
-from rlhpc.util.net import http_url  # noqa: E402
+from rlhpc.actor.megatron.worker import MegatronTrainWorker
+from rlhpc.actor.spec import ActorSpec
+from rlhpc.config import Config
+from rlhpc.model import TinyModelConfig, build_tiny_model, load_tokenizer
+from rlhpc.rollout.client import EngineClient
+from rlhpc.rollout.generation import Generation, one_batch
+from rlhpc.tasks import TASKS
+from rlhpc.util.net import http_url
 
 log = logging.getLogger("gpu_check")
 GiB = 2**30

@@ -12,6 +12,7 @@ HTTP, a training rank over torch.distributed, bucketed weight sync every rollout
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import statistics
 import sys
@@ -19,17 +20,17 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch  # noqa: E402
+import torch
 
-from rlhpc.algo.grpo import ADVANTAGE_ESTIMATORS, policy_loss  # noqa: E402
-from rlhpc.config import Config, load_config  # noqa: E402
-from rlhpc.logs import setup_logging  # noqa: E402
-from rlhpc.model import load_model, load_tokenizer  # noqa: E402
-from rlhpc.rollout.buffer import DataBuffer  # noqa: E402
-from rlhpc.rollout.generation import sample_seed  # noqa: E402
-from rlhpc.rollout.sampling import sample  # noqa: E402
-from rlhpc.run_dir import RunDir  # noqa: E402
-from rlhpc.tasks import TASKS, load_split  # noqa: E402
+from rlhpc.algo.grpo import ADVANTAGE_ESTIMATORS, policy_loss
+from rlhpc.config import Config, load_config
+from rlhpc.logs import setup_logging
+from rlhpc.model import load_model, load_tokenizer
+from rlhpc.rollout.buffer import DataBuffer
+from rlhpc.rollout.generation import sample_seed
+from rlhpc.rollout.sampling import sample
+from rlhpc.run_dir import RunDir
+from rlhpc.tasks import TASKS, load_split
 
 CONFIG = Path(__file__).resolve().parents[2] / "jobs" / "configs" / "embedded.yaml"
 
@@ -135,6 +136,12 @@ def main() -> int:
     print(f"plain single process : {b * 1000:8.1f} ms/rollout (median)")
     print(f"rlhpc full loop      : {f * 1000:8.1f} ms/rollout (median)")
     print(f"overhead ratio       : {f / b:8.2f}x")
+    # one JSON line of ratios, comparable run to run
+    print(
+        json.dumps(
+            {"plain_over_rlhpc": round(b / f, 4), "plain_ms": round(b * 1000, 2), "rlhpc_ms": round(f * 1000, 2)}
+        )
+    )
     return 0
 
 

@@ -57,19 +57,18 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+
+from rlhpc.config import RolloutConfig, TinyModelConfig
+from rlhpc.model import build_tiny_model, load_model, load_tokenizer
+from rlhpc.rollout.client import EngineClient
+from rlhpc.rollout.sampling import sample
+from rlhpc.rollout.tensor_transport import flatten_parameters, share_memory_by_name
+from rlhpc.rollout.weight_sync import DistributedWeightSender, TensorWeightSender
+from rlhpc.rollout.weight_update_group import create_master_store, init_custom_process_group
+
 REPO = Path(__file__).resolve().parents[2]
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from rlhpc.config import RolloutConfig, TinyModelConfig  # noqa: E402
-from rlhpc.model import build_tiny_model, load_model, load_tokenizer  # noqa: E402
-from rlhpc.rollout.client import EngineClient  # noqa: E402
-from rlhpc.rollout.sampling import sample  # noqa: E402
-from rlhpc.rollout.tensor_transport import flatten_parameters, share_memory_by_name  # noqa: E402
-from rlhpc.rollout.weight_sync import DistributedWeightSender, TensorWeightSender  # noqa: E402
-from rlhpc.rollout.weight_update_group import create_master_store, init_custom_process_group  # noqa: E402
-
 log = logging.getLogger("bench.weight_sync")
 
 LAYERS = 4
