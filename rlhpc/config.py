@@ -324,6 +324,10 @@ class ActorConfig(Section):
     grad_clip: float = 1.0
     num_steps_per_rollout: int = 1  # optimizer steps (minibatches) per rollout batch
     micro_batch_size: int = 64  # samples per forward/backward on one rank
+    # Longest wait for one call on the training ranks (load, train, save, weight push, ...): a
+    # rank silent for this long is taken as hung, the call fails naming it and the job requeues
+    # (checkpoint.requeue_on_failure). Generous: a whole train step or checkpoint save must fit.
+    call_timeout_s: float = 3600.0
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
 
     def check(self) -> None:
@@ -337,6 +341,7 @@ class ActorConfig(Section):
         self._above(0, "adam_eps", fix="set a small positive value, e.g. 1e-8")
         self._above(0, "grad_clip", fix="set the gradient-norm clip, e.g. 1.0")
         self._at_least(1, "num_steps_per_rollout", "micro_batch_size")
+        self._above(0, "call_timeout_s", fix="give actor.call_timeout_s seconds, e.g. 3600")
 
 
 @dataclass

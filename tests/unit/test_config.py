@@ -176,6 +176,9 @@ REFUSED = [
     ("actor.weight_decay=-0.1", "actor.weight_decay = -0.1 must be >= 0"),
     ("actor.grad_clip=0", "actor.grad_clip = 0.0 must be > 0"),
     ("actor.adam_eps=0", "actor.adam_eps = 0.0 must be > 0"),
+    ("actor.call_timeout_s=0", "actor.call_timeout_s = 0.0 must be > 0"),
+    ("actor.call_timeout_s=-1", "actor.call_timeout_s = -1.0 must be > 0"),
+    ("actor.call_timeout_s=.inf", "actor.call_timeout_s = inf is not a finite number"),
     ("actor.adam_betas=[0.9, 1.0]", "actor.adam_betas[1] = 1.0 must be in [0, 1)"),
     ("actor.adam_betas=[-0.1, 0.9]", "actor.adam_betas[0] = -0.1 must be in [0, 1)"),
     ("data.num_train=0", "data.num_train = 0 must be >= 1"),
@@ -313,3 +316,13 @@ def test_tis_keys():
     assert cfg.algo.tis is False and cfg.algo.tis_clip == 2.0
     assert load_config(None, TINY + ["algo.tis=true", "algo.tis_clip=1.5"]).algo.tis_clip == 1.5
     assert "algo.tis_clip" in error(["algo.tis_clip=0"])
+
+
+def test_actor_call_timeout_key():
+    from rlhpc.config import ActorConfig
+
+    assert load_config(None, TINY).actor.call_timeout_s == 3600.0  # generous: a whole train step or save
+    cfg = load_config(None, TINY + ["actor.call_timeout_s=90"])
+    assert cfg.actor.call_timeout_s == 90.0 and isinstance(cfg.actor.call_timeout_s, float)
+    with pytest.raises(ConfigError, match=r"actor\.call_timeout_s = 0 must be > 0"):
+        ActorConfig(call_timeout_s=0)
