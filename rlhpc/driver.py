@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -85,7 +85,9 @@ def train(cfg: Config, run: RunDir, progress: Progress | None = None, stop: Stop
 
     def generate(rollout_id: int) -> Generated:
         start_s = time.perf_counter()
-        batch, rollout_metrics, texts = generation.rollout(rollout_id, buffer.batch(rollout_id))
+        # Async: this runs beside training, so a dead engine is restarted by the main thread, between rollouts.
+        with engines.restarts_deferred() if staleness > 0 else nullcontext():
+            batch, rollout_metrics, texts = generation.rollout(rollout_id, buffer.batch(rollout_id))
         return Generated(rollout_id, batch, {**rollout_metrics, "time/generate": time.perf_counter() - start_s}, texts)
 
     def push(version: int) -> None:
@@ -99,7 +101,10 @@ def train(cfg: Config, run: RunDir, progress: Progress | None = None, stop: Stop
         pool_stop = stop
     else:
         requested = (lambda: stop.requested) if stop is not None else (lambda: False)
-        schedule = AsyncRollouts(generate, push, clock, staleness, num_rollout, cfg.deterministic, requested)
+        schedule = AsyncRollouts(
+            generate, push, clock, staleness, num_rollout, cfg.deterministic, requested,
+            repair=lambda: engines.ensure_engines(),
+        )  # fmt: skip
         pool_stop = _AbortWhen(schedule.abort_requested)
     engines = EnginePool(
         cfg.rollout, cfg.cluster, cfg.seed, model_path, placement, layout, run.engine_logs, pool_stop, run.engine_key

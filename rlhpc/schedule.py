@@ -14,6 +14,17 @@ version r + 1 through the schedule (``push``), which decides when the engines ma
   evaluations take the engines only between rollouts (``exclusive``), so a generation never
   sees half-pushed weights and its requests are batched as in the synchronous loop.
 
+Engine restarts (``rlhpc.rollout.engine_pool``) happen only in the gaps between rollouts, on the
+main thread, which pushes the weights: a restarted engine must get the version the others hold,
+and the actor holds it only before it trains again. The generation thread never restarts an
+engine: it sends a dead engine's requests to the healthy ones (same weights, same tokens), or,
+with none left (``EnginesDown``), waits for the main thread: ``get`` and ``exclusive`` restart
+and re-sync the engines to the version they held (the actor is idle on it), a ``push`` restarts
+them with the new one. Deterministic, a rollout may only be generated with its own version, so a
+push (or a checkpoint) that waits for such a rollout cannot restart the engines for it: that
+version is gone from the actor, and the job stops (``RolloutWeightsLost``) to resume from its
+last checkpoint, which holds everything needed to go on exactly.
+
 Generated but untrained rollouts are part of the run's state: ``pending`` hands them to the
 checkpoint, and a resumed schedule starts from them (their weights no longer exist).
 """
@@ -28,6 +39,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from rlhpc.batch import RolloutBatch
+from rlhpc.errors import RlhpcError
+from rlhpc.rollout.engine_pool import EnginesDown
 from rlhpc.rollout.generation import GenerationAborted
 
 log = logging.getLogger(__name__)
@@ -95,6 +108,22 @@ Generate = Callable[[int], Generated]
 Push = Callable[[int], None]
 
 
+class RolloutWeightsLost(RlhpcError):
+    """Deterministic async: every engine died while generating a rollout with weights the actor
+    has since trained past, so the rollout cannot be generated as the fixed lag requires."""
+
+    transient = True  # the last checkpoint holds all that is needed: resume from it
+
+    def __init__(self, rollout_id: int, version: int, what: str):
+        super().__init__(
+            f"every rollout engine died while rollout {rollout_id} was generated with weight version "
+            f"{version}, which {what} needs and the actor no longer holds (it has trained since): "
+            "the job stops and resumes from its last checkpoint, with the same results",
+            "nothing to do if it is rare; more engines (cluster.rollout_num_gpus) let generation go on "
+            "on the healthy ones, which loses nothing",
+        )
+
+
 class SyncRollouts:
     """Generate rollout r when training asks for it, with the weights pushed after rollout r - 1."""
 
@@ -145,8 +174,12 @@ class AsyncRollouts:
         num_rollout: int,
         deterministic: bool,
         stop_requested: Callable[[], bool] = lambda: False,
+        repair: Callable[[], None] = lambda: None,
     ):
+        """``repair``: restart dead engines and re-sync them to the version they held (the main
+        thread calls it in a gap, with the actor on that version: ``EnginePool.ensure_engines``)."""
         self._generate, self._push, self.clock = generate, push, clock
+        self._repair = repair
         self.max_staleness, self.num_rollout, self.deterministic = max_staleness, num_rollout, deterministic
         self._stop_requested = stop_requested
         self._cond = threading.Condition()
@@ -158,6 +191,7 @@ class AsyncRollouts:
         self._taken = -1  # the newest rollout handed to training (it will be trained before any stop)
         self._exclusive = 0  # the main thread wants or holds the engines
         self._aborted = False
+        self._down = False  # no engine left for the generation thread: it waits for a restart in a gap
         self._error: BaseException | None = None
         self._closed = False
         self._thread: threading.Thread | None = None
@@ -187,7 +221,12 @@ class AsyncRollouts:
                     lambda: (
                         self._closed
                         or self._aborted
-                        or (self._next < self.num_rollout and not self._exclusive and self._allowed(self._next))
+                        or (
+                            self._next < self.num_rollout
+                            and not self._exclusive
+                            and not self._down
+                            and self._allowed(self._next)
+                        )
                     )
                 )
                 if self._closed or self._aborted:
@@ -201,6 +240,12 @@ class AsyncRollouts:
             try:
                 with self.clock.busy():
                     generated = self._generate(r)
+            except EnginesDown as e:  # rollout r is generated again, once the main thread restarted them
+                with self._cond:
+                    log.warning("rollout %d waits for the engines' restart between rollouts: %s", r, e.problem)
+                    self._down, self._current = True, None
+                    self._cond.notify_all()
+                continue
             except GenerationAborted:
                 with self._cond:
                     log.info("generation of rollout %d aborted for the stop request", r)
@@ -235,25 +280,43 @@ class AsyncRollouts:
 
     # ------------------------------------------------------------ the main thread
 
-    def _wait(self, cond: Callable[[], bool], what: str) -> None:
-        """Wait (holding the condition) until ``cond``; raise what the generation thread hit."""
+    def _wait(self, cond: Callable[[], bool], what: str, may_repair: bool = False) -> None:
+        """Wait (holding the condition) until ``cond``; raise what the generation thread hit. If it
+        waits for restarted engines: restart them here (``may_repair``: the actor holds the version
+        the engines had), or give up."""
 
         def done() -> bool:
-            return cond() or self._error is not None or (self._aborted and self._current is None)
+            return cond() or self._error is not None or (self._current is None and (self._aborted or self._down))
 
-        self._cond.wait_for(done)
-        if cond():
-            return
-        if self._error is not None:
-            raise self._error
-        raise GenerationAborted(f"generation stopped before {what}")
+        while True:
+            self._cond.wait_for(done)
+            if cond():
+                return
+            if self._error is not None:
+                raise self._error
+            if self._aborted:
+                raise GenerationAborted(f"generation stopped before {what}")
+            if not may_repair:
+                raise RolloutWeightsLost(self._next, self._version, what)
+            self._repair_engines()
+
+    def _repair_engines(self) -> None:
+        """Restart the dead engines on the version they held (called holding the condition: the
+        generation thread waits for it anyway)."""
+        log.warning("restarting the rollout engines between rollouts, on weight version %d", self._version)
+        self._repair()
+        self._down = False
+        self._cond.notify_all()
 
     def get(self, rollout_id: int) -> Generated:
         """Rollout ``rollout_id``'s generated batch, once it is ready."""
         with self._cond:
             # Once a stop dropped a rollout, training takes none: the next checkpoint must be one
             # whose pending rollouts are all generated.
-            self._wait(lambda: rollout_id in self._ready or self._aborted, f"rollout {rollout_id}")
+            # Between push and train: the actor holds the engines' version, so a restart may happen here.
+            self._wait(lambda: rollout_id in self._ready or self._aborted, f"rollout {rollout_id}", may_repair=True)
+            if self._down:
+                self._repair_engines()
             if self._aborted:
                 raise GenerationAborted(f"stop requested before rollout {rollout_id} was trained")
             self._taken = rollout_id
@@ -273,16 +336,21 @@ class AsyncRollouts:
             return {r: g for r, g in sorted(self._ready.items()) if r > trained}
 
     def push(self, version: int) -> None:
-        """Put ``version`` (the weights after rollout ``version - 1``) on the engines between rollouts."""
+        """Put ``version`` (the weights after rollout ``version - 1``) on the engines between rollouts;
+        dead engines are restarted with it."""
         needed = self._needed_done(version - 1) if self.deterministic else (lambda: True)
         with self._engines(needed, f"weight version {version}"):
             self._push(version)
             self._version = version  # read by the thread only under the condition, after we release
+            self._down = False  # the push restarted every dead engine
 
     @contextmanager
     def exclusive(self) -> Iterator[None]:
         """The engines to the caller alone (an evaluation), between two rollouts."""
         with self._engines(lambda: True, "an evaluation"):
+            if self._down:  # between push and train, as in get: restart them on the version they held
+                with self._cond:
+                    self._repair_engines()
             yield
 
     @contextmanager

@@ -12,6 +12,15 @@ opened again over all engines, since they share one group, and the current versi
 Generation requests that failed on it are sent again; every sample has its own seed, so they
 give the same tokens.
 
+Restarts wait for a safe moment. A restarted engine must get the weights the others hold, and
+only the actor has them, and only while it is not training. Generation in the async pipeline
+runs beside training (``restarts_deferred``): an engine it finds dead is only marked down, its
+requests go to the healthy engines (same weights, same tokens), and the restart waits for the
+next gap, where the thread that pushes weights calls ``sync_weights`` or ``ensure_engines``.
+With no healthy engine left such a generation raises ``EnginesDown`` for the schedule.
+The router (SGLang backend) is restarted when it dies, at most ``rollout.max_engine_restarts``
+times as well.
+
 Every engine route requires the job's engine key (``rlhpc.rollout.engine_key``): a fresh one is
 written to ``key_file`` when the pool starts, the engines, the router and the weight source get
 the file (its path), and the pool's clients send it. Engines listen on loopback when every slot
@@ -23,8 +32,10 @@ from __future__ import annotations
 import logging
 import shutil
 import tempfile
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -48,6 +59,21 @@ log = logging.getLogger(__name__)
 
 # Share of a GPU an engine takes when it sits beside an actor rank (colocate).
 COLOCATED_ENGINE_GPU = 0.2
+
+
+class EnginesDown(RlhpcError):
+    """No engine can serve generation until the dead ones are restarted, which only the thread
+    that pushes weights may do (between rollouts, when the actor holds the engines' version)."""
+
+    transient = True  # if it ends the job, a resume from the last checkpoint loses nothing
+
+    def __init__(self, dead: list[int], version: int | None):
+        super().__init__(
+            f"rollout engine(s) {dead} died while a rollout was generated with weight version {version}, "
+            "and no engine is left to finish it",
+            "nothing to do: they are restarted between rollouts (rollout.max_engine_restarts bounds it)",
+        )
+        self.dead, self.version = dead, version
 
 
 class WeightSource(Protocol):
@@ -100,10 +126,16 @@ class EnginePool:
         log.info("rollout engines up: %s", ", ".join(urls))
         self.router: Router | None = None
         self.router_client: EngineClient | None = None  # generation goes through it when set
+        self.router_restarts = 0  # after it died, bounded by rollout.max_engine_restarts
         if rollout.backend == "sglang" and rollout.sglang.router:
             self.router = Router("127.0.0.1", log_dir / "router.log", 60.0, self.api_key)
             self.router_client = EngineClient(self.router.start(urls), api_key=self.api_key)
         self.restarts = [0] * len(self.engines)  # per engine, bounded by rollout.max_engine_restarts
+        # Found dead by a generation that may not restart them (restarts_deferred): served by none
+        # until the next restart point. The router too, when it is dead.
+        self.down: set[int] = set()
+        self._router_down = False
+        self._deferred = threading.local()
         self.weight_version: int | None = None  # what the engines hold (None: the weights on disk)
         self._weights: WeightSource | None = None
         self._reconnect = False  # an engine came back since the weight-sync channel was opened
@@ -154,27 +186,46 @@ class EnginePool:
 
     # ------------------------------------------------------------ generation
 
+    @contextmanager
+    def restarts_deferred(self) -> Iterator[None]:
+        """In this thread, engines found dead are marked down, not restarted (see the module doc)."""
+        self._deferred.on = True
+        try:
+            yield
+        finally:
+            self._deferred.on = False
+
+    def _deferring(self) -> bool:
+        return getattr(self._deferred, "on", False)
+
     def generate(self, requests: Sequence[Request], done: Callable[[int], None] | None = None) -> list[list[dict]]:
         """A ``generation.Send``: bring dead engines back first (cheap when all answer), then ``send``."""
         self.ensure_engines()
         return self.send(requests, done)
 
+    def _targets(self) -> list[EngineClient]:
+        """Where requests go: the router, or the engines not marked down."""
+        if self.router_client is not None and not self.down and not self._router_down:
+            return [self.router_client]
+        return [c for e, c in enumerate(self.clients) if e not in self.down]
+
     def send(self, requests: Sequence[Request], done: Callable[[int], None] | None = None) -> list[list[dict]]:
         """Send request c to engine c mod the engine count (or to the router), all at once; the
         answers in request order. Requests that failed on an engine found dead are sent again
-        once it is back on the current weights; ``done(c)`` runs as request c succeeds."""
+        once it is back on the current weights, or (``restarts_deferred``) to the healthy engines;
+        ``done(c)`` runs as request c succeeds."""
 
-        def request(c: int) -> list[dict]:
-            client = self.router_client or self.clients[c % len(self.clients)]
+        def request(c: int, targets: list[EngineClient]) -> list[dict]:
             r = requests[c]
-            return client.generate(
+            return targets[c % len(targets)].generate(
                 input_ids=r.input_ids, sampling_params=r.sampling_params, return_logprob=r.return_logprob
             )
 
         answers: list[list[dict]] = [[] for _ in requests]
         pending = list(range(len(requests)))
         while pending:
-            futures = {self._threads.submit(request, c): c for c in pending}
+            targets = self._targets()
+            futures = {self._threads.submit(request, c, targets): c for c in pending}
             failed: list[int] = []
             error: EngineUnavailable | None = None
             for fut in as_completed(futures):
@@ -191,13 +242,19 @@ class EnginePool:
                     done(c)
             if failed:
                 # Nothing is in flight now, so re-syncing (which pauses every engine) loses nothing.
-                router = self.router_client
-                dead = self._restart_dead()
-                if not dead and self.router_client is router:  # nothing was down: a real error
-                    raise error
-                if dead:
-                    self._resync()
-                log.warning("sending %d generation request(s) again after the engine restart", len(failed))
+                if self._deferring():
+                    if not self._mark_down():
+                        raise error  # every engine and the router answer: a real error
+                    where = "the healthy engine(s)"
+                else:
+                    router = self.router_client
+                    dead = self._restart_dead()
+                    if not dead and self.router_client is router:  # nothing was down: a real error
+                        raise error
+                    if dead:
+                        self._resync()
+                    where = "the restarted engine(s)"
+                log.warning("sending %d generation request(s) again to %s", len(failed), where)
             pending = sorted(failed)
         return answers
 
@@ -247,20 +304,67 @@ class EnginePool:
                 self.connect_weights(self._weights)
 
     def ensure_engines(self) -> None:
-        """Cheap check before generating: restart engines that are down, bring them to the current weights."""
-        if self._restart_dead() or self._reconnect:
+        """Cheap check before generating: restart engines that are down, bring them to the current
+        weights (``restarts_deferred``: mark them down, raise ``EnginesDown`` if none is left)."""
+        if self._deferring():
+            self._mark_down()
+        elif self._restart_dead() or self._reconnect:
             self._resync()
 
-    def _restart_dead(self) -> list[int]:
-        """Restart every engine that does not answer /health; returns their indices."""
+    def _dead(self) -> list[int]:
         healthy = list(self._threads.map(lambda c: c.health(), self.clients))
-        dead = [e for e, ok in enumerate(healthy) if not ok]
+        return [e for e, ok in enumerate(healthy) if not ok]
+
+    def _mark_down(self) -> bool:
+        """Mark the engines (and the router) that do not answer as down, without restarting them;
+        whether any was newly marked. No engine left: ``EnginesDown``."""
+        new = sorted(set(self._dead()) - self.down)
+        if new:
+            log.warning(
+                "rollout engine(s) %s down during generation: restarted between rollouts, "
+                "their requests go to the others meanwhile",
+                new,
+            )
+        self.down.update(new)
+        router_died = self.router_client is not None and not self._router_down and not self.router_client.health()
+        if router_died:
+            log.warning("the router is down during generation: restarted between rollouts, engines used directly")
+            self._router_down = True
+        if len(self.down) == len(self.clients):
+            raise EnginesDown(sorted(self.down), self.weight_version)
+        return bool(new) or router_died
+
+    def _restart_dead(self) -> list[int]:
+        """Restart every engine that does not answer /health (and the router); returns their indices."""
+        dead = self._dead()
         for e in dead:
             self._restart(e)
-        if self.router is not None and (dead or not self.router_client.health()):
-            # the router knows engines by URL, and a restarted engine has a new one
-            self.router_client = EngineClient(self.router.start(self.engine_urls), api_key=self.api_key)
+        self.down.clear()  # those that answered came back by themselves, the others were restarted
+        if self.router is not None:
+            if not self.router_client.health():
+                self._restart_router()
+            elif dead:  # the router knows engines by URL, and a restarted engine has a new one
+                self.router_client = EngineClient(self.router.start(self.engine_urls), api_key=self.api_key)
+            self._router_down = False
         return dead
+
+    def _restart_router(self) -> None:
+        """Start the router again after it died, at most ``rollout.max_engine_restarts`` times."""
+        limit, log_file = self.rollout_cfg.max_engine_restarts, self.router.log_path
+        if self.router_restarts >= limit:
+            raise RlhpcError(
+                f"the sglang router ({self.router_client.base_url}) died or stopped answering /health after "
+                f"{self.router_restarts} restart(s), the most rollout.max_engine_restarts = {limit} allows; "
+                f"its log {log_file} ends with:\n{tail(Path(log_file), 15)}",
+                f"read {log_file} for why it stopped; set rollout.sglang.router: false to send requests to "
+                "the engines directly, or raise rollout.max_engine_restarts if such failures are transient",
+            )
+        self.router_restarts += 1
+        log.warning(
+            "the sglang router is down; restart %d of at most %d (log %s)", self.router_restarts, limit, log_file
+        )
+        self.router_client.close()
+        self.router_client = EngineClient(self.router.start(self.engine_urls), api_key=self.api_key)
 
     def _restart(self, e: int) -> None:
         limit, log_file = self.rollout_cfg.max_engine_restarts, self.engine_logs[e]

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from rlhpc.batch import RolloutBatch
+from rlhpc.rollout.engine_pool import EnginesDown
 from rlhpc.rollout.generation import GenerationAborted
-from rlhpc.schedule import AsyncRollouts, BusyClock, Generated, SyncRollouts
+from rlhpc.schedule import AsyncRollouts, BusyClock, Generated, RolloutWeightsLost, SyncRollouts
 
 
 class FakeEngines:
@@ -153,3 +154,89 @@ def test_generated_round_trips_through_torch_save(tmp_path):
     (back,) = [Generated.from_state_dict(d) for d in torch.load(tmp_path / "p.pt", weights_only=True)]
     assert back.rollout_id == 9 and back.batch.weight_versions == [7] and back.texts == g.texts
     assert torch.equal(back.batch.rewards, batch.rewards) and back.metrics == g.metrics
+
+
+class DyingEngines(FakeEngines):
+    """Every engine dies at rollout ``at``'s first attempt, once training took rollout ``after``
+    (``taken``): the generation thread must not restart them; the main thread does, in a gap."""
+
+    def __init__(self, at: int, after: int | None = None):
+        super().__init__(jitter=0.0)
+        self.at, self.after, self.down = at, after, False
+        self.taken = {r: threading.Event() for r in range(20)}
+        self.repairs: list[int] = []  # the version the engines were re-synced to
+        self.pushes_while_down: list[int] = []
+
+    def generate(self, r: int) -> Generated:
+        if r == self.at and not self.repairs and not self.pushes_while_down:
+            if self.after is not None:
+                self.taken[self.after].wait(5)
+            self.down = True
+        if self.down:
+            raise EnginesDown([0], self.version)
+        return super().generate(r)
+
+    def repair(self) -> None:
+        assert self.down
+        self.down = False
+        self.repairs.append(self.version)
+
+    def push(self, version: int) -> None:
+        if self.down:  # the push restarts the dead engines with the new version
+            self.down = False
+            self.pushes_while_down.append(version)
+        super().push(version)
+
+
+def drive_marking(schedule, engines, num_rollout: int):
+    """``drive`` that tells the engines when training took each rollout."""
+    schedule.start(0, {})
+    got = []
+    try:
+        for r in range(num_rollout):
+            g = schedule.get(r)
+            engines.taken[r].set()
+            got.append((r, g.batch.weight_versions[0]))
+            schedule.push(r + 1)
+    finally:
+        schedule.close()
+    return got
+
+
+def test_dead_engines_before_training_takes_a_rollout_are_repaired_on_the_same_version():
+    """Rollout 0 fails while the main thread waits for it (the actor idles on version 0): it
+    restarts the engines on version 0, and the fixed lag holds."""
+    engines = DyingEngines(at=0)
+    s = AsyncRollouts(
+        engines.generate, engines.push, BusyClock(), 1, 6, deterministic=True, repair=engines.repair
+    )  # fmt: skip
+    assert drive_marking(s, engines, 6) == [(r, max(0, r - 1)) for r in range(6)]
+    assert engines.repairs == [0] and engines.pushes_while_down == []
+    assert [r for r, _ in engines.log] == list(range(6))  # every rollout generated once
+
+
+def test_deterministic_dead_engines_during_training_stop_the_job_for_a_resume():
+    """Rollout 3 needs version 2; the engines die once the actor trains rollout 2 (version 2 is
+    gone): the push of version 3 cannot wait for rollout 3, nor restart the engines for it."""
+    engines = DyingEngines(at=3, after=2)
+    s = AsyncRollouts(
+        engines.generate, engines.push, BusyClock(), 1, 6, deterministic=True, repair=engines.repair
+    )  # fmt: skip
+    with pytest.raises(RolloutWeightsLost, match="rollout 3 was generated with weight version 2") as err:
+        drive_marking(s, engines, 6)
+    assert err.value.transient and "fix:" in str(err.value)
+    assert engines.repairs == [] and engines.pushes_while_down == []  # never restarted behind training
+    assert [r for r, _ in engines.log] == [0, 1, 2]
+
+
+def test_freshest_weights_dead_engines_during_training_wait_for_the_next_push():
+    """Not deterministic: rollout 3 is generated after the push of version 3 restarted the engines."""
+    engines = DyingEngines(at=3, after=2)
+    s = AsyncRollouts(
+        engines.generate, engines.push, BusyClock(), 1, 6, deterministic=False, repair=engines.repair
+    )  # fmt: skip
+    got = drive_marking(s, engines, 6)
+    assert [r for r, _ in got] == list(range(6)) and all(0 <= r - v <= 1 for r, v in got)
+    # restarted by the push of version 3, or (if it came first) while training waited for rollout 3
+    assert engines.pushes_while_down + engines.repairs == [3]
+    assert (3, 3) in engines.log
