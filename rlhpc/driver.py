@@ -81,7 +81,9 @@ def train(cfg: Config, run: RunDir, progress: Progress | None = None, stop: Stop
     model_path = run.model_path(cfg)
     buffer, eval_rows = load_data(cfg.data, cfg.rollout.rollout_batch_size, cfg.seed)
     num_rollout = cfg.rollout.num_rollout or buffer.num_rollout_per_epoch * cfg.rollout.num_epoch
-    actor = ActorGroup(ActorSpec.from_config(cfg), model_path, placement, layout.actor_slots, cfg.cluster.colocate)
+    actor = ActorGroup(
+        ActorSpec.from_config(cfg), model_path, placement, layout.actor_slots, cfg.cluster.colocate, stop
+    )
 
     def generate(rollout_id: int) -> Generated:
         start_s = time.perf_counter()

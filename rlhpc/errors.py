@@ -2,6 +2,10 @@
 
 
 class RlhpcError(Exception):
+    # Most named problems (config, cluster state) come back after a requeue; a transient one
+    # (a hung rank) may not, so the job requeues on it as on a crash (checkpoint.requeue_on_failure).
+    transient = False
+
     def __init__(self, problem: str, fix: str):
         super().__init__(f"{problem}\n  fix: {fix}")
         self.problem = problem

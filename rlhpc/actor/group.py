@@ -7,13 +7,17 @@ config sections the ranks read), re-exported here.
 
 Every method waits for all ranks. If a rank fails, the first failure is raised at once as
 ``ActorRankError`` naming the rank (the surviving ranks may be stuck in a collective; the
-driver is expected to ``shutdown()`` the group).
+driver is expected to ``shutdown()`` the group). No call waits forever: a rank silent for
+``actor.call_timeout_s`` is taken as hung, and so is one still silent ``STOP_WAIT_S`` after a
+stop request (the job must requeue before Slurm's time limit ends it); the group's ranks are
+then killed and ``ActorCallTimeout`` names the call, the ranks and their nodes.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+import time
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import ray
 
@@ -24,12 +28,20 @@ from rlhpc.batch import RolloutBatch
 from rlhpc.cluster.placement import Placement
 from rlhpc.errors import RlhpcError, WeightPushFailed
 
+if TYPE_CHECKING:
+    from rlhpc.launch.signals import StopRequest
+
 log = logging.getLogger(__name__)
 
 # Colocated: the actor takes this share of its slot's GPU and the engine(s) the rest.
 COLOCATE_GPU_FRACTION = 0.4
 # A bundle is {"GPU": 1, "CPU": 1}; a fractional CPU leaves room for an engine or helper beside it.
 WORKER_NUM_CPUS = 0.4
+# Calls wait in slices this long, so a stop request is seen while a call runs.
+WAIT_SLICE_S = 1.0
+# After a stop request a call gets this much longer: a healthy train step and its save fit in it,
+# and a hung rank still leaves time to requeue within Slurm's default warning (--signal-grace 120).
+STOP_WAIT_S = 60.0
 
 
 class ActorRankError(RlhpcError):
@@ -46,6 +58,22 @@ class ActorRankError(RlhpcError):
         self.method = method
 
 
+class ActorCallTimeout(RlhpcError):
+    """Training ranks did not answer a call in time: hung (a stuck collective, a stopped process)."""
+
+    transient = True  # a fresh start on fresh processes may well get through: requeued like a crash
+
+    def __init__(self, method: str, silent: dict[int, str], waited_s: float, why: str):
+        ranks = ", ".join(f"rank {rank} on {where}" for rank, where in silent.items())
+        super().__init__(
+            f"actor call {method} got no answer from {ranks} within {waited_s:.0f} s ({why})",
+            "see those ranks' logs (a stuck collective, a dead peer or network, a stopped process); the job "
+            "requeues and resumes from the last checkpoint; raise actor.call_timeout_s if the call is just slow",
+        )
+        self.method = method
+        self.ranks = sorted(silent)
+
+
 def rank_class(backend: str) -> type[RankBase]:
     """The rank class of ``actor.backend``."""
     if backend == "megatron":
@@ -58,9 +86,20 @@ def rank_class(backend: str) -> type[RankBase]:
 class ActorGroup:
     """One rank per slot of ``placement``; ``colocate``: the slots' GPUs are shared with engines."""
 
-    def __init__(self, spec: ActorSpec, model_path: str, placement: Placement, slots: tuple[int, ...], colocate: bool):
+    def __init__(
+        self,
+        spec: ActorSpec,
+        model_path: str,
+        placement: Placement,
+        slots: tuple[int, ...],
+        colocate: bool,
+        stop: StopRequest | None = None,
+    ):
         self.slots = tuple(slots)
         self.world_size = len(self.slots)
+        self.call_timeout_s = spec.actor.call_timeout_s
+        self.stop = stop  # seen between wait slices: a stop shortens the wait for a hung rank
+        self.nodes = [f"{ip} (GPU {gpu})" for ip, gpu in (placement.location_of_slot[s] for s in self.slots)]
         # Ranks of one tensor-parallel group see the same data: megatron orders ranks TP-fastest.
         self.tp_size = spec.tp_size
         self.dp_size = self.world_size // self.tp_size
@@ -81,18 +120,40 @@ class ActorGroup:
     # ------------------------------------------------------------------ fan-out
 
     def _get(self, refs: list[ray.ObjectRef], method: str) -> list[Any]:
-        """Results in rank order; the first rank to fail raises at once (no waiting on the rest)."""
+        """Results in rank order; the first rank to fail raises at once (no waiting on the rest).
+
+        Raises ``ActorCallTimeout`` when ranks stay silent past ``call_timeout_s``, or past
+        ``STOP_WAIT_S`` after a stop request (counted from the later of the request and the call)."""
         rank_of = {ref: rank for rank, ref in enumerate(refs)}
         results: dict[int, Any] = {}
         pending = list(refs)
+        started = time.monotonic()
         while pending:
-            ready, pending = ray.wait(pending, num_returns=1)
+            now = time.monotonic()
+            limit, why = started + self.call_timeout_s, f"actor.call_timeout_s = {self.call_timeout_s:g}"
+            if self.stop is not None and self.stop.requested:
+                after_stop = max(self.stop.at or started, started) + STOP_WAIT_S
+                if after_stop < limit:
+                    limit, why = after_stop, f"{self.stop.name} asked the job to stop; waited {STOP_WAIT_S:g} s more"
+            if now >= limit:
+                self._hung(method, sorted(rank_of[r] for r in pending), now - started, why)
+            ready, pending = ray.wait(pending, num_returns=1, timeout=min(WAIT_SLICE_S, limit - now))
+            if not ready:
+                continue
             rank = rank_of[ready[0]]
             try:
                 results[rank] = ray.get(ready[0])
             except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
                 raise ActorRankError(rank, method, e) from e
         return [results[r] for r in range(len(refs))]
+
+    def _hung(self, method: str, silent: list[int], waited_s: float, why: str) -> NoReturn:
+        """The group is lost (its live ranks may wait in a collective on the silent ones): kill it, say who."""
+        error = ActorCallTimeout(method, {r: self.nodes[r] for r in silent}, waited_s, why)
+        for w in self.workers:
+            ray.kill(w)  # a stopped or stuck process is SIGKILLed, not left holding its GPU
+        self.workers = []
+        raise error
 
     def _call(self, method: str, *args: Any) -> list[Any]:
         refs = [getattr(w, method).remote(*args) for w in self.workers]

@@ -211,9 +211,9 @@ class TrainJob:
         except Stopped as e:  # Ray is down by now, on every node
             log.warning("%s; requeueing", e)
             requeue(env.cluster, job_id)
-        except RlhpcError:  # a clear, named problem (config, cluster state): a requeue would not fix it
-            raise
-        except Exception:
+        except Exception as e:
+            if isinstance(e, RlhpcError) and not e.transient:  # a clear, named problem: a requeue would not fix it
+                raise
             if not cfg.checkpoint.requeue_on_failure or env.global_rank != 0:
                 raise
             log.exception("the job failed; requeueing (checkpoint.requeue_on_failure)")

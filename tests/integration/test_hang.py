@@ -1,0 +1,128 @@
+"""A training rank that hangs (its process SIGSTOPped, for real) in a local job: the call waiting on
+it fails within actor.call_timeout_s, or soon after a stop request, naming the call, the rank and
+its node; the rank is killed and the job requeues and finishes with every rollout logged once."""
+
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from support.jobs import REPO, job_args, rollouts
+
+from rlhpc.launch.restarts import read_history
+
+OVERRIDES = ("rollout.num_rollout=6", "checkpoint.save_interval=2", "eval.interval=null")
+
+
+def start(run: Path, *overrides: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        job_args(run, *OVERRIDES, *overrides), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+
+
+def processes() -> dict[int, tuple[int, str]]:
+    """pid -> (parent pid, command line as the process shows it)."""
+    out = subprocess.run(["ps", "-ww", "-eo", "pid=,ppid=,args="], capture_output=True, text=True, check=True).stdout
+    rows = (line.split(None, 2) for line in out.splitlines())
+    return {int(r[0]): (int(r[1]), r[2] if len(r) > 2 else "") for r in rows}
+
+
+def task_pid(run: Path) -> int:
+    """The job's task process (what Slurm would signal), not submit.py or the local controller."""
+    cmd = f"submitit.core._submit {run}/logs/submitit"
+    pids = [pid for pid, (_, args) in processes().items() if cmd in args and "pgrep" not in args]
+    assert len(pids) == 1, pids
+    return pids[0]
+
+
+def rank_pid(run: Path) -> int:
+    """The training rank's Ray worker: a descendant of this job's task named ray::TrainWorker."""
+    procs = processes()
+    family = {task_pid(run)}
+    for _ in range(6):  # task -> raylet -> worker, a few levels at most
+        family |= {pid for pid, (ppid, _) in procs.items() if ppid in family}
+    ranks = [pid for pid in family if procs[pid][1].startswith("ray::TrainWorker")]
+    assert len(ranks) == 1, [procs[p] for p in family]
+    return ranks[0]
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return False
+    return state != "Z"
+
+
+def hang_a_rank(run: Path, proc: subprocess.Popen) -> int:
+    """Once rollouts 0-2 are trained (rollout 1 saved), SIGSTOP the rank: it answers nothing from now on."""
+    deadline = time.time() + 300
+    while len(rollouts(run)) < 3:
+        assert proc.poll() is None, proc.stdout.read()[-4000:]
+        assert time.time() < deadline, "no 3 rollouts trained"
+        time.sleep(0.1)
+    pid = rank_pid(run)
+    os.kill(pid, signal.SIGSTOP)
+    return pid
+
+
+def finish(proc: subprocess.Popen, hung: int | None) -> str:
+    try:
+        out, _ = proc.communicate(timeout=900)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        if hung is not None and alive(hung):
+            os.kill(hung, signal.SIGKILL)
+    return out
+
+
+def check_requeued_and_finished(run: Path, proc: subprocess.Popen, out: str, hung: int) -> str:
+    assert proc.returncode == 0, out[-4000:]
+    said = " ".join(out.split())  # unwrap rich lines
+    assert "the job failed; requeueing (checkpoint.requeue_on_failure)" in said
+    history = read_history(run)
+    assert len(history) == 2 and history[1]["restart_count"] == 1
+    assert rollouts(run) == list(range(6))  # every rollout logged exactly once
+    assert not alive(hung)  # killed with its group, not left stopped holding its GPU
+    assert not list((run / "checkpoints").glob(".staging-*"))
+    return said
+
+
+def test_a_hung_rank_fails_the_call_naming_it_and_the_job_requeues(tmp_path):
+    run = tmp_path / "run"
+    proc = start(run, "actor.call_timeout_s=60")
+    hung = None
+    try:
+        hung = hang_a_rank(run, proc)
+    finally:
+        out = finish(proc, hung)
+    said = check_requeued_and_finished(run, proc, out, hung)
+    # Which call hangs depends on when the signal landed (train, save, weight push); it is named.
+    assert re.search(
+        r"actor call \w+ got no answer from rank 0 on [\d.]+ \(GPU \d+\) within 6\d s \(actor\.call_timeout_s = 60\)",
+        said,
+    ), out[-4000:]
+
+
+def test_a_stop_request_is_honoured_while_a_rank_hangs(tmp_path):
+    """The default call_timeout_s (an hour) would outlast Slurm's warning: the stop shortens the wait."""
+    run = tmp_path / "run"
+    proc = start(run)
+    hung = None
+    try:
+        hung = hang_a_rank(run, proc)
+        os.kill(task_pid(run), signal.SIGUSR2)  # a preemption warning while the rank hangs
+    finally:
+        out = finish(proc, hung)
+    said = check_requeued_and_finished(run, proc, out, hung)
+    assert "got SIGUSR2: stopping at the next safe point" in said
+    assert re.search(
+        r"actor call \w+ got no answer from rank 0 on [\d.]+ \(GPU \d+\) within \d+ s "
+        r"\(SIGUSR2 asked the job to stop; waited 60 s more\)",
+        said,
+    ), out[-4000:]
