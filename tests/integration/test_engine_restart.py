@@ -30,7 +30,7 @@ from rlhpc.errors import RlhpcError
 from rlhpc.metrics import read_metrics
 from rlhpc.model import load_tokenizer
 from rlhpc.rollout.buffer import DataBuffer, load_data
-from rlhpc.rollout.engine_pool import EnginePool
+from rlhpc.rollout.engine_pool import EnginePool, EnginesDown
 from rlhpc.rollout.generation import Generation, task_reward
 
 pytestmark = pytest.mark.ray
@@ -155,6 +155,43 @@ def test_dead_engines_are_restarted_resynced_and_limited(model_path: str, tmp_pa
         msg = str(err.value)
         assert "rollout engine 1" in msg and engines.engine_logs[1] in msg
         assert "rollout.max_engine_restarts = 1" in msg and "fix:" in msg
+
+
+def test_async_generation_leaves_dead_engines_to_the_gap(model_path: str, tmp_path: Path) -> None:
+    """As the async pipeline's generation thread (beside training): a dead engine is not restarted
+    there (its re-sync would queue behind the actor's training and label trained weights with the
+    old version); its requests go to the other engine, and the restart waits for the next push."""
+    with groups(restart_cfg(actor_gpus=1), model_path, tmp_path / "engines") as (actor, rollout):
+        engines = rollout.engines
+        engines.connect_weights(actor)
+        engines.sync_weights(0)
+        batch = rollout.generate(0)
+        rows = rollout.eval_rows[:32]  # two requests of 16 rows, one per engine
+        before = rollout.sample_unchecked(rows)
+
+        kill_engine(engines, 1)
+        with engines.restarts_deferred():
+            assert rollout.sample_unchecked(rows) == before  # engine 0 served both, same weights, same tokens
+            rollout.generate(1)  # the /health check first: marked down, not restarted
+        assert engines.restarts == [0, 0] and engines.down == {1}
+
+        actor.train(0, batch)
+        engines.sync_weights(1)  # the gap: restarted, and given version 1 under its own label
+        assert engines.restarts == [0, 1] and engines.down == set()
+        for e in (0, 1):
+            assert_engine_matches_actor(engines, e, actor, 1)
+
+        # Every engine dead: the generation thread cannot go on, the main thread restarts them
+        # on the version they held (the actor idles on it).
+        kill_engine(engines, 0)
+        kill_engine(engines, 1)
+        with engines.restarts_deferred(), pytest.raises(EnginesDown) as err:
+            rollout.generate(2)
+        assert err.value.dead == [0, 1] and err.value.version == 1 and engines.restarts == [0, 1]
+        engines.ensure_engines()
+        assert engines.restarts == [1, 2]
+        for e in (0, 1):
+            assert_engine_matches_actor(engines, e, actor, 1)
 
 
 class KillBeforePush:
