@@ -183,6 +183,7 @@ def train(cfg: Config, run: RunDir, progress: Progress | None = None, stop: Stop
             with schedule.exclusive():  # between two rollouts: the engines hold the newest weights
                 values = generation.evaluate(rollout_id, eval_rows)
         except GenerationAborted:
+            log.warning("evaluation after rollout %d cut short by a stop request; it runs again at resume", rollout_id)
             stop_if_requested(rollout_id + 1)
             raise
         metrics.log("eval", rollout_id, values)

@@ -106,6 +106,47 @@ def test_stop_signal_saves_requeues_and_ends_like_an_uninterrupted_run(uninterru
     assert len(runs) == 1 and len(list((run / "wandb").glob("offline-run-*"))) == 2
 
 
+# Long evaluations (8 requests of 64 prompts x 32 tokens after every rollout): a stop sent as one
+# begins lands inside it.
+EVALS = ("rollout.num_rollout=6", "checkpoint.save_interval=100", "eval.interval=1", "data.num_eval=512",
+         "eval.max_new_tokens=32")  # fmt: skip
+
+
+def evaluated(run: Path) -> list[int]:
+    return [r["rollout_id"] for r in read_metrics(run) if r["kind"] == "eval"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_with_evals(tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("uninterrupted-evals") / "run"
+    p = subprocess.run(command(run, *EVALS), cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return run
+
+
+def test_stop_signal_during_an_evaluation_is_a_safe_point(uninterrupted_with_evals, tmp_path):
+    run = tmp_path / "run"
+    proc = start(run, *EVALS)
+    # Rollout 2 is logged right before its evaluation starts: stop once it is, and not yet its eval.
+    wait_for(lambda: 2 in trained(run), proc)
+    assert 2 not in evaluated(run)
+    os.kill(task_pid(run), signal.SIGUSR2)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-4000:]
+    said = " ".join(out.split())  # unwrap rich lines
+    # The stop landed inside the evaluation (not at the next rollout): it was cut short, rollout 2
+    # saved, and the job requeued, not failed.
+    assert "evaluation after rollout 2 cut short by a stop request" in said, out[-4000:]
+    assert "saving rollout 2 before stopping" in said
+    history = read_history(run)
+    assert len(history) == 2 and history[1]["next_rollout_id"] == 3
+    # At resume the cut evaluation ran once; every rollout and every eval logged exactly once.
+    assert trained(run) == list(range(6))
+    assert evaluated(run) == list(range(-1, 6))
+    assert final_weights(run) == final_weights(uninterrupted_with_evals)
+    assert comparable(run) == comparable(uninterrupted_with_evals)
+
+
 def test_sigkill_during_a_checkpoint_write_resumes_from_the_previous_one(tmp_path):
     run = tmp_path / "run"
     overrides = ("rollout.num_rollout=12", "checkpoint.save_interval=1", "checkpoint.keep_last=3")
