@@ -1,9 +1,10 @@
 """The asynchronous pipeline (rollout.max_staleness >= 1) as whole local jobs: staleness bounded
 (read from the versions each sample recorded, never from timings), the fixed-lag schedule
-reproducible bit for bit, and a stop signal or SIGKILL at any moment ending exactly like the
-uninterrupted run."""
+reproducible bit for bit, and a stop signal, a SIGKILL or a killed engine at any moment ending
+exactly like the uninterrupted run."""
 
 import os
+import re
 import signal
 import subprocess
 import time
@@ -110,6 +111,39 @@ def test_sigkill_ends_like_the_uninterrupted_async_run(uninterrupted, tmp_path):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert f"resuming from {ck.path.name}" in p.stdout
     assert rollouts(run) == list(range(N))
+    assert comparable(run) == comparable(uninterrupted)
+    assert final_weights(run) == final_weights(uninterrupted)
+
+
+def test_engine_killed_mid_run_ends_like_the_uninterrupted_async_run(uninterrupted, tmp_path):
+    """Two engines; engine 0 (which serves every request of these small rollouts) is SIGKILLed
+    while generation runs beside training: its requests go to engine 1 (same weights), and it is
+    restarted between rollouts on the main thread, never behind training with stale labels. A
+    request's tokens do not depend on the engine, so the run is the one-engine run exactly."""
+    run = tmp_path / "run"
+    proc = subprocess.Popen(
+        job_args(run, *ASYNC, "cluster.gpus_per_node=3", "cluster.rollout_num_gpus=2"), cwd=REPO,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )  # fmt: skip
+    engine_log = run / "logs" / "engines" / "engine_0.log"
+    try:
+        deadline = time.time() + 240
+        while len(rollouts(run)) < 3:  # mid-run: rollout 3 or 4 is being generated
+            assert proc.poll() is None and time.time() < deadline, proc.stdout.read()[-4000:]
+            time.sleep(0.05)
+        os.kill(int(re.findall(r"cpu_server\[(\d+)\]", engine_log.read_text())[-1]), signal.SIGKILL)
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, out[-4000:]
+    assert "rollout engine 0" in out and "restart 1 of at most" in out, out[-4000:]  # the recorded restart
+    assert engine_log.read_text().count("starting at") == 2
+    assert len(read_history(run)) == 1  # the job itself never restarted
+    assert rollouts(run) == list(range(N))  # every rollout once
+    for r in range(N):
+        assert set(versions(run, r)) == {max(0, r - K)}
     assert comparable(run) == comparable(uninterrupted)
     assert final_weights(run) == final_weights(uninterrupted)
 
