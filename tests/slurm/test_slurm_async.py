@@ -1,0 +1,110 @@
+"""The asynchronous pipeline (rollout.max_staleness = 1, deterministic) preempted by the real
+Slurm of the minicluster ends exactly like the uninterrupted async run: same final weights (bit
+for bit), same per-rollout metrics, every rollout trained once with weight version r - 1. Kept
+short (the suite runs on 2 cores in CI): one job pair of small batches, a fraction of a second
+per rollout."""
+
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import h5py
+import pytest
+
+from rlhpc.checkpoint import CheckpointManager
+from rlhpc.launch.restarts import read_history
+from rlhpc.metrics import read_metrics
+
+pytestmark = pytest.mark.slurm
+
+REPO = Path(__file__).resolve().parents[2]
+K = 1
+NUM_ROLLOUT = 100  # small rollouts take ~0.03 s here: enough for a preemption to land mid-run
+CONFIG = [
+    "data.num_train=64",
+    "rollout.rollout_batch_size=8",
+    "rollout.n_samples_per_prompt=4",
+    f"rollout.num_rollout={NUM_ROLLOUT}",
+    f"rollout.max_staleness={K}",
+    "eval.interval=null",
+    "logging.wandb_mode=disabled",
+    "deterministic=true",
+    "checkpoint.save_interval=20",
+]
+
+
+def submit(run: Path, *args: str, follow: bool) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, str(REPO / "jobs" / "submit.py"), "--cluster", "slurm", "--run-dir", str(run)]
+    cmd += ["--nodes", "1", "--gpus-per-node", "2"]
+    for o in CONFIG:
+        cmd += ["--set", o]
+    cmd += [*args, "--follow" if follow else "--no-follow"]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=REPO)
+
+
+def trained(run: Path) -> list[int]:
+    try:
+        return [r["rollout_id"] for r in read_metrics(run) if r["kind"] == "rollout"]
+    except (FileNotFoundError, ValueError):  # not written yet, or a line half-written
+        return []
+
+
+def wait(cond, timeout: float, what: str) -> None:
+    deadline = time.time() + timeout
+    while not cond():
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def job_log(run: Path) -> str:
+    return " ".join("".join(p.read_text() for p in sorted((run / "logs" / "submitit").glob("*_0_log.*"))).split())
+
+
+def comparable(run: Path) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in read_metrics(run)]
+
+
+def final_weights(run: Path) -> bytes:
+    return (CheckpointManager(run / "checkpoints", 2).latest().path / "actor" / "model.safetensors").read_bytes()
+
+
+def versions(run: Path, rollout_id: int) -> set[int]:
+    with h5py.File(run / "rollouts" / f"rollout_{rollout_id:06d}.h5") as f:
+        return set(f["weight_versions"][:].tolist())
+
+
+@pytest.fixture(scope="module")
+def baseline(minicluster, tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("async-baseline") / "run"
+    p = submit(run, "--sbatch", "nodelist=node1", follow=True)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return run
+
+
+def test_async_preempted_by_a_high_priority_job(baseline, minicluster, tmp_path):
+    run = tmp_path / "run"
+    assert submit(run, "--partition", "low", "--sbatch", "nodelist=node0", follow=False).returncode == 0
+    wait(lambda: len(trained(run)) >= 3, 240, "3 trained rollouts")
+    # A job in the high partition that needs all of node0's GPUs: Slurm preempts ours while the
+    # next rollout is generated beside the training of this one.
+    subprocess.run(
+        ["sbatch", "-p", "high", "-w", "node0", "--gpus-per-node=8", "-o", "/dev/null", "--wrap", "sleep 2"],
+        check=True,
+        capture_output=True,
+    )
+    wait(lambda: (run / "FINISHED").is_file(), 360, "the preempted run to finish")
+    log = job_log(run)
+    assert "got SIGUSR2: stopping at the next safe point" in log
+    stopped = re.search(r"stopped before rollout (\d+)", log)
+    assert stopped, "the preemption came after the last rollout: raise NUM_ROLLOUT\n" + log[-3000:]
+    stopped_before = int(stopped.group(1))
+    assert stopped_before < NUM_ROLLOUT
+    history = read_history(run)
+    assert len(history) == 2 and history[1]["next_rollout_id"] == stopped_before  # no trained work lost
+    assert trained(run) == list(range(NUM_ROLLOUT))  # each rollout logged exactly once
+    for r in range(NUM_ROLLOUT):
+        assert versions(run, r) == {max(0, r - K)}  # the fixed lag across the preemption
+    assert final_weights(run) == final_weights(baseline)
+    assert comparable(run) == comparable(baseline)
