@@ -125,8 +125,10 @@ def test_scontrol_requeue_at_an_arbitrary_moment(baseline, minicluster, tmp_path
 
 
 def test_time_limit_mid_run(minicluster, tmp_path):
-    # A 3-minute limit with USR2 120 s before it: each allocation trains for about a minute,
-    # then is stopped, saved and requeued, until the 300 rollouts are done.
+    # A 3-minute limit with USR2 120 s before it: each allocation trains for under a minute,
+    # then is stopped, saved and requeued, until the 400 rollouts are done. Rollouts of 64
+    # prompts x 8 samples x 4 tokens (~0.35 s each here) make the run need several
+    # allocations even on a machine twice as fast; the small default batch trains 300 in 16 s.
     run = tmp_path / "run"
     p = submit(
         run,
@@ -137,15 +139,21 @@ def test_time_limit_mid_run(minicluster, tmp_path):
         "--sbatch",
         "nodelist=node3",
         "--set",
-        "rollout.num_rollout=300",
+        "rollout.num_rollout=400",
+        "--set",
+        "rollout.rollout_batch_size=64",
+        "--set",
+        "rollout.n_samples_per_prompt=8",
+        "--set",
+        "rollout.max_new_tokens=4",
         "--set",
         "checkpoint.save_interval=100",
         follow=False,
     )
     assert p.returncode == 0, p.stderr
-    wait(lambda: (run / "FINISHED").is_file(), 600, "the time-limited run to finish")
+    wait(lambda: (run / "FINISHED").is_file(), 900, "the time-limited run to finish")
     history = read_history(run)
     assert len(history) >= 2, job_log(run)[-3000:]
     stops = [int(n) for n in re.findall(r"stopped before rollout (\d+)", job_log(run))]
     assert stops == [h["next_rollout_id"] for h in history[1:]]  # every restart resumed where it stopped: 0 lost
-    assert trained(run) == list(range(300))
+    assert trained(run) == list(range(400))
