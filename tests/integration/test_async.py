@@ -12,7 +12,7 @@ from pathlib import Path
 
 import h5py
 import pytest
-from support.jobs import REPO, job_args, kill_when, rollouts
+from support.jobs import REPO, comparable, final_weights, job_args, kill_when, rollouts
 
 from rlhpc.checkpoint import CheckpointManager
 from rlhpc.launch.restarts import read_history
@@ -30,15 +30,6 @@ def run_job(run: Path, *overrides: str) -> subprocess.CompletedProcess:
     p = subprocess.run(job_args(run, *overrides), capture_output=True, text=True, timeout=300, cwd=REPO)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return p
-
-
-def comparable(run: Path) -> list[dict]:
-    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in read_metrics(run)]
-
-
-def final_weights(run: Path) -> bytes:
-    ck = CheckpointManager(run / "checkpoints", 2).latest()
-    return (ck.path / "actor" / "model.safetensors").read_bytes()
 
 
 def versions(run: Path, rollout_id: int) -> list[int]:

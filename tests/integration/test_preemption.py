@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from support.jobs import comparable, final_weights
 
 from rlhpc.checkpoint import CheckpointManager
 from rlhpc.launch.restarts import read_history
@@ -58,15 +59,6 @@ def wait_for(cond, proc: subprocess.Popen, timeout: float = 240) -> None:
         assert proc.poll() is None, proc.stdout.read()[-4000:]
         assert time.time() < deadline, "timed out"
         time.sleep(0.05)
-
-
-def comparable(run: Path) -> list[dict]:
-    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in read_metrics(run)]
-
-
-def final_weights(run: Path) -> bytes:
-    ck = CheckpointManager(run / "checkpoints", 2).latest()
-    return (ck.path / "actor" / "model.safetensors").read_bytes()
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
+from support.jobs import comparable, final_weights
 
-from rlhpc.checkpoint import CheckpointManager
 from rlhpc.launch.restarts import read_history
 from rlhpc.metrics import read_metrics
 
@@ -64,14 +64,6 @@ def wait(cond, timeout: float, what: str) -> None:
 
 def job_log(run: Path) -> str:
     return " ".join("".join(p.read_text() for p in sorted((run / "logs" / "submitit").glob("*_0_log.*"))).split())
-
-
-def comparable(run: Path) -> list[dict]:
-    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in read_metrics(run)]
-
-
-def final_weights(run: Path) -> bytes:
-    return (CheckpointManager(run / "checkpoints", 2).latest().path / "actor" / "model.safetensors").read_bytes()
 
 
 def check_same_as(run: Path, baseline: Path) -> None:

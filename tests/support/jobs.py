@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+from rlhpc.checkpoint import CheckpointManager
 from rlhpc.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]  # the checkout
@@ -49,3 +50,13 @@ def kill_when(args: list[str], path: Path, timeout: float = 300) -> None:
         time.sleep(0.2)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+
+
+def comparable(run: Path) -> list[dict]:
+    """A run's metrics without timings: what must equal an undisturbed run's."""
+    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in read_metrics(run)]
+
+
+def final_weights(run: Path) -> bytes:
+    """The newest checkpoint's weights, byte for byte."""
+    return (CheckpointManager(run / "checkpoints", 2).latest().path / "actor" / "model.safetensors").read_bytes()
