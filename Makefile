@@ -29,9 +29,10 @@ run: install
 	$(PY) jobs/submit.py $(if $(RUN_DIR),--run-dir $(RUN_DIR))
 	$(PY) tools/plot_metrics.py $(or $(RUN_DIR),runs/embedded)
 
+# Two workers: the Slurm tests on one, the other modules on the other (tests/conftest.py says why).
 test: install $(SGLANG_WHEEL_STAMP)
 	bash .ci/install_slurm.sh
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --no-loadscope-reorder
 
 # Everyday work: the unit tests (no Ray, no Slurm, no engine servers), under two minutes.
 test-fast: install $(SGLANG_WHEEL_STAMP)

@@ -17,9 +17,13 @@ class RolloutBatch:
     rewards: torch.Tensor  # [N] float32
     advantages: torch.Tensor  # [N] float32, per sample (broadcast over its tokens)
     group_size: int
-    # The weight version each sample was generated with (as the engine reported it); empty when
-    # unknown. Rollout r's staleness is r - version: 0 in the synchronous loop.
+    # The weight version each sample was generated with (as the engine reported it; the oldest of
+    # its tokens' when a partial rollout straddled a weight push); empty when unknown. Rollout r's
+    # staleness is r - version: 0 in the synchronous loop.
     weight_versions: list[int] = field(default_factory=list)
+    # Per response token, the version it was sampled with (SGLang's meta_info "weight_versions"
+    # spans); empty when unknown. Differs within a sample only with rollout.partial_rollout.
+    token_versions: list[list[int]] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
@@ -38,6 +42,7 @@ class RolloutBatch:
             advantages=self.advantages[start:stop],
             group_size=self.group_size,
             weight_versions=self.weight_versions[start:stop],
+            token_versions=self.token_versions[start:stop],
         )
 
     def to_padded(self, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -15,6 +15,14 @@ are on disk, so a crash at any moment leaves either the previous checkpoint or t
 A save that fails (a full disk: ENOSPC, a quota) removes its staging directory and says which
 filesystem is full; staging left by a killed job is removed at the next start (``clean_debris``).
 
+Asynchronous saves (``save_async``, ``checkpoint.async_save``): the caller waits only for the
+snapshot step (the actor ranks copy their state to host memory); the rest of the write and the
+commit run on a background thread. At most one save is in flight: the next save, a stop and
+the end of the run ``wait`` for it, and a background save that failed raises there. The commit
+is the same as a blocking save's, so a crash at any moment still leaves the previous checkpoint
+or the new one. Writers that sum their files as they write them (the actor ranks) hand the
+sizes and CRC-32s to the commit, which then does not read those files back.
+
 Loading checks every file against the manifest: its size, and its CRC-32 (manifests written
 before checksums were added are checked by size only). A damaged checkpoint is skipped with a
 warning and the previous one is used.
@@ -38,11 +46,13 @@ import json
 import logging
 import os
 import shutil
+import threading
 import time
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+from typing import NoReturn
 
 from rlhpc.errors import RlhpcError
 from rlhpc.util.files import fsync_dir, write_atomic
@@ -93,15 +103,23 @@ def _sync_and_sum(path: Path, buf: bytearray) -> int:
     return crc
 
 
-def _manifest(root: Path) -> dict:
-    """Every file under ``root`` (but the marker) with its size and CRC-32; every file fsynced."""
+def _manifest(root: Path, known: dict[str, tuple[int, int]] | None = None) -> dict:
+    """Every file under ``root`` (but the marker) with its size and CRC-32; every file fsynced.
+
+    ``known``: (size, CRC-32) of files their writer already fsynced and summed from memory;
+    those are not read back (where the size on disk matches)."""
     sizes, sums = {}, {}
+    known = known or {}
     buf = bytearray(CHUNK)
     for p in sorted(root.rglob("*")):
         if p.is_file() and p.name != MARKER:
             rel = p.relative_to(root).as_posix()
-            sums[rel] = _sync_and_sum(p, buf)
-            sizes[rel] = p.stat().st_size
+            size = p.stat().st_size
+            if rel in known and tuple(known[rel])[0] == size:
+                sums[rel] = tuple(known[rel])[1]
+            else:
+                sums[rel] = _sync_and_sum(p, buf)
+            sizes[rel] = size
     # "files" keeps the previous version's shape (name -> size), so older code can still read it.
     return {"files": sizes, "crc32": sums}
 
@@ -184,10 +202,23 @@ def _disk_space(path: Path) -> str:
     return f"the filesystem mounted at {_mount_point(path)} (holding {path}) has {free} bytes free of {total}"
 
 
+@dataclass
+class _InFlight:
+    """A save whose write and commit run on a background thread."""
+
+    rollout_id: int
+    thread: threading.Thread | None = None
+    checkpoint: Checkpoint | None = None
+    error: BaseException | None = None
+    seconds: float = 0.0
+
+
 class CheckpointManager:
     def __init__(self, root: str | Path, keep_last: int):
         self.root = Path(root)
         self.keep_last = keep_last
+        self._in_flight: _InFlight | None = None
+        self.last_write_s: float | None = None  # write + commit of the last save waited for
         self.root.mkdir(parents=True, exist_ok=True)
 
     # ------------------------------------------------------------ starting
@@ -253,24 +284,96 @@ class CheckpointManager:
 
     def save(self, rollout_id: int, write: Callable[[Path], object], state: dict) -> Checkpoint:
         """Stage, let ``write`` fill the staging directory, commit; a failed save leaves nothing behind."""
+        self.save_async(rollout_id, lambda staging: lambda: write(staging), state, background=False)
+        return self.wait()
+
+    def save_async(
+        self,
+        rollout_id: int,
+        snapshot: Callable[[Path], Callable[[], object]],
+        state: dict,
+        background: bool = True,
+    ) -> None:
+        """Stage; ``snapshot(staging)`` runs now and returns the rest of the write, which runs on a
+        background thread and is followed by the commit. The write may return the (size, CRC-32)
+        of files it fsynced and summed itself (by path relative to the staging directory).
+
+        The caller waits only for ``snapshot``. At most one save is in flight: this first waits
+        for the previous one to commit (raising its error, if it failed). ``wait`` returns the
+        committed checkpoint or raises why the save failed; either way nothing half-written is
+        left behind, and the previous checkpoint stays valid until the new one is committed.
+        """
+        self.wait()
         staging = None
         try:
             staging = self.stage(rollout_id)
-            write(staging)
-            return self.commit(staging, rollout_id, state)
-        except CheckpointSaveError:
-            raise  # from commit, which cleaned up
+            finish = snapshot(staging)
         except BaseException as e:
-            # Measured before the cleanup frees space: the error shows the full disk as it was.
-            err = self._save_failed(rollout_id, e) if isinstance(e, OSError) else None  # Ray wraps OSErrors as OSErrors
-            if staging is not None:
-                shutil.rmtree(staging, ignore_errors=True)
-            if err is not None:
-                raise err from e
-            raise
+            self._abandon(rollout_id, staging, e)
+        job = _InFlight(rollout_id)
+        self._in_flight = job
+        if background:
+            job.thread = threading.Thread(
+                target=self._write_and_commit, args=(job, staging, finish, state), name=f"checkpoint-{rollout_id}"
+            )
+            job.thread.start()
+        else:
+            self._write_and_commit(job, staging, finish, state)
 
-    def commit(self, staging: Path, rollout_id: int, state: dict) -> Checkpoint:
+    def _write_and_commit(self, job: _InFlight, staging: Path, finish: Callable[[], object], state: dict) -> None:
+        start = time.perf_counter()
+        try:
+            try:
+                known = finish()
+            except BaseException as e:
+                self._abandon(job.rollout_id, staging, e)
+            job.checkpoint = self.commit(staging, job.rollout_id, state, known if isinstance(known, dict) else None)
+        except BaseException as e:  # raised to the caller of wait()
+            job.error = e
+        job.seconds = time.perf_counter() - start
+
+    @property
+    def in_flight(self) -> int | None:
+        """The rollout id of the save not yet waited for, or None."""
+        return self._in_flight.rollout_id if self._in_flight is not None else None
+
+    def wait(self) -> Checkpoint | None:
+        """Wait for the save in flight to commit; the checkpoint (None if there was no save in
+        flight), or the save's error. ``last_write_s`` is then how long its write + commit took."""
+        job, self._in_flight = self._in_flight, None
+        if job is None:
+            return None
+        if job.thread is not None:
+            job.thread.join()
+        self.last_write_s = job.seconds
+        if job.error is not None:
+            raise job.error
+        return job.checkpoint
+
+    def collect(self) -> float | None:
+        """Without blocking: ``wait`` for the save in flight if it has finished (raising its
+        error); the write + commit seconds of the save waited for since the last call, or None."""
+        job = self._in_flight
+        if job is not None and (job.thread is None or not job.thread.is_alive()):
+            self.wait()
+        seconds, self.last_write_s = self.last_write_s, None
+        return seconds
+
+    def _abandon(self, rollout_id: int, staging: Path | None, e: BaseException) -> NoReturn:
+        """A save failed before its commit: remove its staging directory, raise a clear error."""
+        # Measured before the cleanup frees space: the error shows the full disk as it was.
+        err = self._save_failed(rollout_id, e) if isinstance(e, OSError) else None  # Ray wraps OSErrors as OSErrors
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+        if err is not None:
+            raise err from e
+        raise e
+
+    def commit(
+        self, staging: Path, rollout_id: int, state: dict, known: dict[str, tuple[int, int]] | None = None
+    ) -> Checkpoint:
         """Seal a staged checkpoint: state, fsync + checksums, manifest, rename, ``latest``, retention.
+        ``known``: (size, CRC-32) by relative path of files already fsynced and summed by their writer.
 
         On an error before the rename the staging directory is removed and the previous
         checkpoints are untouched.
@@ -279,7 +382,7 @@ class CheckpointManager:
         final = self.root / checkpoint_name(rollout_id)
         try:
             (staging / STATE).write_text(json.dumps(state, indent=1))
-            manifest = {"rollout_id": rollout_id, **_manifest(staging)}
+            manifest = {"rollout_id": rollout_id, **_manifest(staging, known)}
             write_atomic(staging / MARKER, json.dumps(manifest, indent=1))
             if final.exists():  # the same rollout saved again after a resume: replace it whole
                 trash = self.root / f"{STAGING}old-{final.name}"

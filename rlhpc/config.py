@@ -27,6 +27,7 @@ from typing import Any, ClassVar, Literal
 import yaml
 
 from rlhpc.errors import ConfigError
+from rlhpc.rollout.dynamic_sampling import resolve_filter
 from rlhpc.tasks import TASKS, resolve_reward
 
 # ---------------------------------------------------------------- sections
@@ -99,49 +100,162 @@ class ClusterConfig(Section):
 
     num_nodes: int = 1
     gpus_per_node: int = 2  # on a machine without GPUs these are declared to Ray, not real
-    actor_num_gpus: int = 1
-    rollout_num_gpus: int = 1
+    # None (the default): the split of the whole allocation that ``split`` documents.
+    actor_num_gpus: int | None = None
+    rollout_num_gpus: int | None = None
     rollout_gpus_per_engine: int = 1
     colocate: bool = False  # actor and engines share the same GPUs
     offload: bool = False  # free engine memory during training (and the actor's during generation)
     ray_start_timeout_s: float = 300.0  # all nodes must join Ray within this, or the job fails naming them
+    replace_lost_nodes: bool = True  # Slurm: a one-node job per lost node, whose Ray worker rejoins the run
+    # A Slurm heterogeneous job: the actor on num_nodes x gpus_per_node (component 0), the engines
+    # on rollout_nodes x rollout_gpus_per_node (component 1), from rollout_partition. None: one
+    # homogeneous allocation that both groups share.
+    rollout_nodes: int | None = None
+    rollout_gpus_per_node: int | None = None  # None: gpus_per_node
+    rollout_partition: str | None = None  # None: the job's own partition
+    # Staged start (rlhpc/launch/staging.py): a node-local path ($VARS expanded on the node) the
+    # base model and the checkpoint resumed from are copied to before anything loads them. None: off.
+    stage_dir: str | None = None
+    stage_with: Literal["auto", "sbcast", "copy"] = "auto"  # auto: sbcast where Slurm has it
+
+    @property
+    def heterogeneous(self) -> bool:
+        return self.rollout_nodes is not None
+
+    @property
+    def rollout_node_gpus(self) -> int:
+        """GPUs per node of the rollout component (het jobs), else of every node."""
+        return self.rollout_gpus_per_node if self.rollout_gpus_per_node is not None else self.gpus_per_node
+
+    @property
+    def total_nodes(self) -> int:
+        return self.num_nodes + (self.rollout_nodes or 0)
+
+    @property
+    def node_gpus(self) -> tuple[int, ...]:
+        """GPUs of each node of the allocation, in order: the actor component first (het jobs)."""
+        return (self.gpus_per_node,) * self.num_nodes + (self.rollout_node_gpus,) * (self.rollout_nodes or 0)
+
+    @property
+    def total_gpus(self) -> int:
+        return sum(self.node_gpus)
+
+    def split(self, tp: int = 1) -> tuple[int, int]:
+        """(actor GPUs, rollout GPUs): the values set, and for those left unset (None) the default
+        split of the whole allocation, the one place it is decided:
+
+        - disaggregated: the engines get half of the GPUs, rounded down to whole engines (at least
+          one engine); the actor gets the rest, rounded down to whole tensor-parallel groups (``tp``);
+          one of the two set: the other gets what is left, rounded the same way;
+        - colocated: the actor gets every GPU (whole TP groups), the engines as many whole engines
+          as fit on the actor's GPUs.
+
+        - heterogeneous (``rollout_nodes`` set): each group takes its own component, the actor all
+          of component 0 (whole TP groups), the engines as many whole engines as component 1 holds.
+
+        The embedded default (1 node x 2 GPUs) is 1 actor rank + 1 engine; 2 x 4 is 4 + 4.
+        """
+        total, per = self.total_gpus, self.rollout_gpus_per_engine
+        actor, rollout = self.actor_num_gpus, self.rollout_num_gpus
+        if self.heterogeneous:
+            actor = actor if actor is not None else self.num_nodes * self.gpus_per_node // tp * tp
+            own = (self.rollout_nodes or 0) * self.rollout_node_gpus
+            return actor, rollout if rollout is not None else max(per, own // per * per)
+        if self.colocate:
+            actor = actor if actor is not None else total // tp * tp
+            return actor, rollout if rollout is not None else max(per, actor // per * per)
+        if rollout is None:
+            room = total // 2 if actor is None else total - actor
+            rollout = max(per, room // per * per)
+        if actor is None:
+            actor = max(0, total - rollout) // tp * tp
+        return actor, rollout
+
+    def idle_gpus(self) -> int:
+        """GPUs of the allocation that neither the actor nor an engine uses."""
+        actor, rollout = self.split()
+        return self.total_gpus - (actor if self.colocate else actor + rollout)
 
     def check(self) -> None:
         # The GPU layout reads only cluster.* keys, so its rules live here.
         counts = ("num_nodes", "gpus_per_node", "actor_num_gpus", "rollout_num_gpus", "rollout_gpus_per_engine")
-        for name in counts:
+        for name in (*counts, "rollout_nodes", "rollout_gpus_per_node"):
             self._at_least(1, name, fix=f"set {self.key(name)} to a positive count")
         self._above(0, "ray_start_timeout_s", fix=f"give {self.key('ray_start_timeout_s')} seconds, e.g. 300")
-        if self.rollout_num_gpus % self.rollout_gpus_per_engine:
+        if self.stage_dir is not None and not self.stage_dir.startswith(("/", "~", "$")):
             raise ConfigError(
-                f"cluster.rollout_num_gpus = {self.rollout_num_gpus} is not a multiple of "
+                f"{self.key('stage_dir')} = {self.stage_dir!r} is not an absolute path",
+                "give a node-local directory such as /tmp, /local/scratch/$USER or $TMPDIR (expanded on each node)",
+            )
+        if self.heterogeneous:
+            self._check_heterogeneous()
+        elif self.rollout_gpus_per_node is not None or self.rollout_partition is not None:
+            key = "rollout_gpus_per_node" if self.rollout_gpus_per_node is not None else "rollout_partition"
+            raise ConfigError(
+                f"{self.key(key)} is set but cluster.rollout_nodes is not: the engines have no nodes of their own",
+                "set cluster.rollout_nodes (--rollout-nodes N) for a heterogeneous job, or drop the key",
+            )
+        actor, rollout = self.split()
+        if rollout % self.rollout_gpus_per_engine:
+            raise ConfigError(
+                f"cluster.rollout_num_gpus = {rollout} is not a multiple of "
                 f"cluster.rollout_gpus_per_engine = {self.rollout_gpus_per_engine}",
                 "make the rollout GPUs a whole number of engines",
             )
-        total = self.num_nodes * self.gpus_per_node
+        total = self.total_gpus
+        if actor < 1:
+            raise ConfigError(
+                f"the job has {total} GPUs (cluster.num_nodes={self.num_nodes} x cluster.gpus_per_node="
+                f"{self.gpus_per_node}): none left for the actor after {rollout} rollout GPUs",
+                "ask for more nodes/GPUs, or set cluster.rollout_num_gpus / cluster.rollout_gpus_per_engine lower",
+            )
         if self.colocate:
-            if self.rollout_num_gpus > self.actor_num_gpus:
+            if rollout > actor:
                 raise ConfigError(
-                    f"colocate: cluster.rollout_num_gpus = {self.rollout_num_gpus} > "
-                    f"cluster.actor_num_gpus = {self.actor_num_gpus}",
+                    f"colocate: cluster.rollout_num_gpus = {rollout} > cluster.actor_num_gpus = {actor}",
                     "in colocate mode the engines live on the actor's GPUs: use at most as many rollout GPUs",
                 )
-            needed = self.actor_num_gpus
+            needed = actor
         else:
-            needed = self.actor_num_gpus + self.rollout_num_gpus
+            needed = actor + rollout
         if needed > total:
             raise ConfigError(
-                f"the layout needs {needed} GPUs (actor {self.actor_num_gpus} + rollout {self.rollout_num_gpus}"
+                f"the layout needs {needed} GPUs (actor {actor} + rollout {rollout}"
                 f"{', colocated' if self.colocate else ''}) but the job has {total} "
                 f"(cluster.num_nodes={self.num_nodes} x cluster.gpus_per_node={self.gpus_per_node})",
                 "ask for more nodes/GPUs, or shrink cluster.actor_num_gpus / cluster.rollout_num_gpus",
             )
-        if self.rollout_gpus_per_engine > self.gpus_per_node and self.rollout_gpus_per_engine % self.gpus_per_node:
+        per, node = self.rollout_gpus_per_engine, self.rollout_node_gpus
+        if per > node and per % node:
+            name = "rollout_gpus_per_node" if self.heterogeneous else "gpus_per_node"
             raise ConfigError(
-                f"cluster.rollout_gpus_per_engine = {self.rollout_gpus_per_engine} spans nodes unevenly "
-                f"(gpus_per_node = {self.gpus_per_node})",
-                "use a divisor or a multiple of cluster.gpus_per_node",
+                f"cluster.rollout_gpus_per_engine = {per} spans nodes unevenly ({name} = {node})",
+                f"use a divisor or a multiple of cluster.{name}",
             )
+
+    def _check_heterogeneous(self) -> None:
+        """Each group lives on its own component: nothing is shared, each must fit its own."""
+        if self.colocate or self.offload:
+            key = "colocate" if self.colocate else "offload"
+            raise ConfigError(
+                f"{self.key(key)} with cluster.rollout_nodes: in a heterogeneous job the actor and the engines "
+                "have nodes of their own, there is no GPU to share",
+                f"drop {self.key(key)}, or cluster.rollout_nodes for one allocation both groups share",
+            )
+        if self.rollout_partition is not None and not re.fullmatch(r"[\w.-]+", self.rollout_partition):
+            self._refuse("rollout_partition", "is not a partition name", "give the name sinfo lists, e.g. gen")
+        actor, rollout = self.split()
+        for group, used, nodes, per_node, keys in (
+            ("actor", actor, self.num_nodes, self.gpus_per_node, "cluster.num_nodes x cluster.gpus_per_node"),
+            ("rollout", rollout, self.rollout_nodes, self.rollout_node_gpus,
+             "cluster.rollout_nodes x cluster.rollout_gpus_per_node"),
+        ):  # fmt: skip
+            if used > nodes * per_node:
+                raise ConfigError(
+                    f"cluster.{group}_num_gpus = {used} but its component has {nodes * per_node} GPUs ({keys})",
+                    f"ask for more nodes/GPUs for the {group}, or lower cluster.{group}_num_gpus",
+                )
 
 
 @dataclass
@@ -241,6 +355,32 @@ class SGLangConfig(Section):
 
 
 @dataclass
+class DynamicSamplingConfig(Section):
+    """Drop prompt groups that cannot teach anything and generate more prompts to refill the batch.
+
+    ``filter`` keeps a group (a prompt's ``n_samples_per_prompt`` samples) when it returns True:
+    the built-in ``"nonzero_std"`` keeps groups whose rewards differ (all-equal rewards give zero
+    advantage, so no gradient), or any importable ``"module:function"`` taking a
+    ``rlhpc.rollout.dynamic_sampling.Group``. Each round generates ``over_sampling_batch_size``
+    prompts until ``rollout.rollout_batch_size`` groups are kept, at most ``max_rounds`` rounds
+    (then the batch is filled up with dropped groups, and ``dynamic_sampling/short`` says how many).
+    The extra prompts are a pure function of (seed, rollout id, round), so reruns and resumes match.
+    """
+
+    SECTION: ClassVar[str] = "rollout.dynamic_sampling"
+
+    filter: str | None = None  # None: off
+    over_sampling_batch_size: int | None = None  # prompts per round; None: rollout.rollout_batch_size
+    max_rounds: int = 4
+
+    def check(self) -> None:
+        self._at_least(
+            1, "over_sampling_batch_size", fix="generate at least rollout.rollout_batch_size prompts per round"
+        )
+        self._at_least(1, "max_rounds", fix="allow at least 1 round, e.g. 4")
+
+
+@dataclass
 class RolloutConfig(Section):
     SECTION: ClassVar[str] = "rollout"
 
@@ -262,6 +402,12 @@ class RolloutConfig(Section):
     # trains). With `deterministic: true` the lag is fixed: rollout r uses exactly version
     # max(0, r - max_staleness), so results do not depend on timing and resume is exact.
     max_staleness: int = 0
+    # Partial rollouts (needs max_staleness >= 1): a weight push does not wait for the rollout in
+    # flight; its requests pause (SGLang's pause mode "retract"), the weights change, they go on.
+    # Each token records the weight version it was sampled with. Not with `deterministic: true`:
+    # where a push lands in a generation depends on timing.
+    partial_rollout: bool = False
+    dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
 
     def check(self) -> None:
@@ -278,6 +424,19 @@ class RolloutConfig(Section):
         self._at_least(
             0, "max_staleness", fix="set 0 for the synchronous loop, or 1 to overlap generation and training"
         )
+        if self.partial_rollout and self.max_staleness < 1:
+            self._refuse(
+                "partial_rollout",
+                "needs rollout.max_staleness >= 1 (in the synchronous loop no generation runs during a weight push)",
+                "set rollout.max_staleness=1 (or more), or rollout.partial_rollout=false",
+            )
+        over = self.dynamic_sampling.over_sampling_batch_size
+        if over is not None and over < self.rollout_batch_size:
+            raise ConfigError(
+                f"rollout.dynamic_sampling.over_sampling_batch_size = {over} < rollout.rollout_batch_size = "
+                f"{self.rollout_batch_size}: a round must generate at least a batch of prompts",
+                "raise over_sampling_batch_size (e.g. 2x rollout_batch_size) or leave it null",
+            )
 
 
 @dataclass
@@ -377,6 +536,10 @@ class CheckpointConfig(Section):
     max_restarts: int = 20  # requeues (preemption, time limit, failure) before the job is held
     max_starts_without_progress: int = 3  # restarts that train no rollout before the job is held
     requeue_on_failure: bool = True  # a crashed job requeues itself (bounded by the two limits above)
+    # The loop waits only for the ranks' copy of their state to host memory; the files are written,
+    # fsynced and committed in the background (at most one save in flight). The megatron actor's
+    # save blocks either way.
+    async_save: bool = True
 
     def check(self) -> None:
         self._at_least(1, "save_interval", fix="set a positive interval, or null to save only at the end")
@@ -613,6 +776,11 @@ def validate(cfg: Config) -> None:
     for section in _sections(cfg):
         section.__post_init__()
     c, r = cfg.cluster, cfg.rollout
+    # An open split is resolved once, here, with the actor's TP size, and written to the run
+    # dir's config.yaml as numbers: a resume gets exactly the layout of the first start.
+    tp = cfg.actor.megatron.tensor_model_parallel_size if cfg.actor.backend == "megatron" else 1
+    c.actor_num_gpus, c.rollout_num_gpus = c.split(tp)
+    c.__post_init__()
 
     m = cfg.model
     if (m.path is None) == (m.tiny is None):
@@ -635,6 +803,15 @@ def validate(cfg: Config) -> None:
             )
     if d.reward is not None:
         resolve_reward(d.reward)
+    if r.dynamic_sampling.filter is not None:
+        resolve_filter(r.dynamic_sampling.filter)
+    if r.partial_rollout and cfg.deterministic:
+        raise ConfigError(
+            "rollout.partial_rollout = true with deterministic = true: a weight push lands in the middle of a "
+            "generation at a moment that depends on timing, so which tokens get which weights (and the results) "
+            "would differ between reruns and on resume",
+            "set rollout.partial_rollout=false (the fixed-lag async pipeline is reproducible), or deterministic=false",
+        )
 
     if cfg.algo.advantage_estimator == "rloo" and r.n_samples_per_prompt < 2:
         raise ConfigError(

@@ -18,11 +18,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from rlhpc.actor.group import ActorGroup, ActorSpec
 from rlhpc.checkpoint import CheckpointManager
-from rlhpc.cluster.layout import describe_layout, plan_layout
+from rlhpc.cluster.layout import plan_layout, summarize_layout
 from rlhpc.cluster.placement import create_placement
 from rlhpc.config import Config, config_to_dict
 from rlhpc.launch.restarts import read_history
 from rlhpc.launch.signals import Stopped, StopRequest
+from rlhpc.launch.staging import NOT_STAGED, Staged
+from rlhpc.launch.startup import StartupClock
 from rlhpc.metrics import MetricsLogger, read_metrics
 from rlhpc.model import load_tokenizer
 from rlhpc.rollout.buffer import load_data
@@ -74,23 +76,39 @@ class _AbortWhen:
         return self._requested()
 
 
-def train(cfg: Config, run: RunDir, progress: Progress | None = None, stop: StopRequest | None = None) -> dict:
+def train(
+    cfg: Config,
+    run: RunDir,
+    progress: Progress | None = None,
+    stop: StopRequest | None = None,
+    startup: StartupClock | None = None,
+    staged: Staged = NOT_STAGED,
+) -> dict:
+    """``startup``: the job's start-up clock (``rlhpc.launch.job`` starts it before Ray); None: from now.
+    ``staged``: this node's copies of the model and the checkpoint to resume from (cluster.stage_dir)."""
+    startup = startup if startup is not None else StartupClock(run)
     layout = plan_layout(cfg.cluster)
-    log.info(describe_layout(layout, cfg.cluster.gpus_per_node))
-    placement = create_placement(layout.num_slots)
-    model_path = run.model_path(cfg)
+    log.info(
+        "%s\n  full map: %s",
+        summarize_layout(layout),
+        run.layout_file,
+    )
+    with startup.phase("placement"):
+        placement = create_placement(layout.num_slots, layout.slot_groups if layout.heterogeneous else None)
+    model_path = staged.get(run.model_path(cfg))
     buffer, eval_rows = load_data(cfg.data, cfg.rollout.rollout_batch_size, cfg.seed)
     num_rollout = cfg.rollout.num_rollout or buffer.num_rollout_per_epoch * cfg.rollout.num_epoch
-    actor = ActorGroup(
-        ActorSpec.from_config(cfg), model_path, placement, layout.actor_slots, cfg.cluster.colocate, stop
-    )
 
     def generate(rollout_id: int) -> Generated:
         start_s = time.perf_counter()
         # Async: this runs beside training, so a dead engine is restarted by the main thread, between rollouts.
         with engines.restarts_deferred() if staleness > 0 else nullcontext():
-            batch, rollout_metrics, texts = generation.rollout(rollout_id, buffer.batch(rollout_id))
-        return Generated(rollout_id, batch, {**rollout_metrics, "time/generate": time.perf_counter() - start_s}, texts)
+            batch, rollout_metrics, texts = generation.rollout(
+                rollout_id, buffer.batch(rollout_id), lambda k, count: buffer.extra_rows(rollout_id, k, count)
+            )
+        # engines serving at the end of the rollout: fewer after a node loss, back after it rejoined
+        extra = {"rollout/num_engines": engines.num_engines, "time/generate": time.perf_counter() - start_s}
+        return Generated(rollout_id, batch, {**rollout_metrics, **extra}, texts)
 
     def push(version: int) -> None:
         engines.sync_weights(version=version)
@@ -105,16 +123,24 @@ def train(cfg: Config, run: RunDir, progress: Progress | None = None, stop: Stop
         requested = (lambda: stop.requested) if stop is not None else (lambda: False)
         schedule = AsyncRollouts(
             generate, push, clock, staleness, num_rollout, cfg.deterministic, requested,
-            repair=lambda: engines.ensure_engines(),
+            repair=lambda: engines.ensure_engines(), partial=cfg.rollout.partial_rollout,
         )  # fmt: skip
         pool_stop = _AbortWhen(schedule.abort_requested)
-    engines = EnginePool(
-        cfg.rollout, cfg.cluster, cfg.seed, model_path, placement, layout, run.engine_logs, pool_stop, run.engine_key
-    )
-    generation = Generation(
-        load_tokenizer(model_path), task_reward(cfg.data), cfg.rollout, cfg.eval, cfg.algo, cfg.seed,
-        send=engines.generate, progress=progress,
-    )  # fmt: skip
+
+    def start_engines() -> EnginePool:
+        return EnginePool(
+            cfg.rollout, cfg.cluster, cfg.seed, model_path, placement, layout, run.engine_logs, pool_stop,
+            run.engine_key,
+        )  # fmt: skip
+
+    # The engines start in a thread while the actor ranks start and load here: neither needs the
+    # other until the weight channel opens. Not when they share GPUs: an engine sizes its memory
+    # by what the actor left free.
+    engines_up = None if layout.colocate else startup.background("engines_up", start_engines)
+    with startup.phase("actor_up"):
+        actor = ActorGroup(
+            ActorSpec.from_config(cfg), model_path, placement, layout.actor_slots, cfg.cluster.colocate, stop
+        )
     checkpoints = CheckpointManager(run.checkpoints, cfg.checkpoint.keep_last)
     checkpoints.clean_debris()  # staging left by a killed save
     if cfg.checkpoint.resume == "never":
@@ -126,7 +152,8 @@ def train(cfg: Config, run: RunDir, progress: Progress | None = None, stop: Stop
         buffer.check_resume(resume.state["data"])
         log.info("resuming from %s: next rollout %d of %d", resume.path.name, resume.next_rollout_id, num_rollout)
     start = resume.next_rollout_id if resume else 0
-    actor.load(str(resume.path) if resume else None)
+    with startup.phase("actor_load"):
+        actor.load(staged.get(resume.path) if resume else None)  # the staged copy, if this one was staged
     pending = load_pending(resume.path) if resume else {}  # generated before the stop with weights now gone
     metrics = MetricsLogger(
         run, cfg.logging, config_to_dict(cfg), num_rollout, resume.state.get("wandb_id") if resume else None
@@ -135,10 +162,21 @@ def train(cfg: Config, run: RunDir, progress: Progress | None = None, stop: Stop
     if resume is not None:
         metrics.restore(resume.rollout_id, resume.state["metrics"])
 
-    engines.connect_weights(actor)  # the actor is the engines' one weight source, restarted engines included
-    if cfg.cluster.offload:
-        engines.onload()
-    engines.sync_weights(version=start)  # engines always start from the trained weights
+    if engines_up is None:
+        with startup.phase("engines_up"):
+            engines = start_engines()
+    else:
+        engines = engines_up.result()
+    generation = Generation(
+        load_tokenizer(model_path), task_reward(cfg.data), cfg.rollout, cfg.eval, cfg.algo, cfg.seed,
+        send=engines.generate, progress=progress,
+    )  # fmt: skip
+    with startup.phase("weight_channel"):
+        engines.connect_weights(actor)  # the actor is the engines' one weight source, restarted engines included
+    with startup.phase("first_push"):
+        if cfg.cluster.offload:
+            engines.onload()
+        engines.sync_weights(version=start)  # engines always start from the trained weights
 
     saved = resume.rollout_id if resume else -1  # newest rollout whose training is on disk
     record: dict = {}  # metrics of the newest trained rollout
@@ -155,11 +193,15 @@ def train(cfg: Config, run: RunDir, progress: Progress | None = None, stop: Stop
             "restarts": read_history(run),
         }
 
-        def write(staging) -> None:
-            actor.save(str(staging))
+        def snapshot(staging: Path) -> Callable[[], dict]:
+            actor.snapshot(str(staging))  # the ranks' state in host memory: all the loop waits for
             save_pending(staging, generated)
+            return actor.write_snapshot  # the ranks write it on their checkpoint threads
 
-        checkpoints.save(rollout_id, write, state)  # a failed save leaves nothing half-written
+        # A failed save leaves nothing half-written; a background one raises at the next wait.
+        checkpoints.save_async(rollout_id, snapshot, state, background=cfg.checkpoint.async_save)
+        if not cfg.checkpoint.async_save:
+            checkpoints.wait()
         saved = rollout_id
 
     def stop_if_requested(next_rollout_id: int) -> None:
@@ -169,6 +211,7 @@ def train(cfg: Config, run: RunDir, progress: Progress | None = None, stop: Stop
         if next_rollout_id - 1 > saved:
             log.warning("%s: saving rollout %d before stopping", stop.name, next_rollout_id - 1)
             save(next_rollout_id - 1)
+        checkpoints.wait()  # the save in flight commits before the job requeues
         raise Stopped(next_rollout_id, stop.name)
 
     def get(rollout_id: int) -> Generated:
@@ -196,15 +239,20 @@ def train(cfg: Config, run: RunDir, progress: Progress | None = None, stop: Stop
 
     bar = progress.add_task("training", total=num_rollout, completed=start) if progress else None
     try:
-        if cfg.eval.interval is not None and start == 0:
+        # once: a job killed before its first checkpoint logged it already (rewind keeps it)
+        baseline_logged = any(m["kind"] == "eval" and m["rollout_id"] == -1 for m in read_metrics(run))
+        if cfg.eval.interval is not None and start == 0 and not baseline_logged:
             stop_if_requested(0)
-            evaluate(-1)  # the untrained baseline
+            with startup.phase("first_eval"):
+                evaluate(-1)  # the untrained baseline
         if resume is not None and eval_due(resume.rollout_id):
             # A stop (or a kill) between the checkpoint and its evaluation: the engines hold the
             # same weights again, so the evaluation is run now, once.
             if not any(m["kind"] == "eval" and m["rollout_id"] == resume.rollout_id for m in read_metrics(run)):
                 stop_if_requested(start)
-                evaluate(resume.rollout_id)
+                with startup.phase("first_eval"):
+                    evaluate(resume.rollout_id)
+        loop_began = time.monotonic()
         schedule.start(start, pending)
         for rollout_id in range(start, num_rollout):
             stop_if_requested(rollout_id)
@@ -233,17 +281,26 @@ def train(cfg: Config, run: RunDir, progress: Progress | None = None, stop: Stop
                     engines.onload()
                 with timer("update_weights"):
                     schedule.push(rollout_id + 1)
+            if (write_s := checkpoints.collect()) is not None:  # a save's background write + commit
+                timer["time/save_write"] = write_s
             step = timer["time/step"]
             timer["time/actor_idle"] = max(0.0, 1.0 - (timer["time/train"] + timer.get("time/save", 0.0)) / step)
             timer["time/rollout_idle"] = clock.idle_fraction(step_start, step_start + step)
             record = {**rollout_metrics, **train_metrics, **timer}
             metrics.log("rollout", rollout_id, record)
+            startup.first_rollout_done(loop_began)  # once per start
             metrics.dump_rollout(rollout_id, batch, texts)
             if eval_due(rollout_id):
                 evaluate(rollout_id)
             if bar is not None:
                 progress.advance(bar)
+        checkpoints.wait()  # the last checkpoint is committed before the run counts as finished
     finally:
+        if checkpoints.in_flight is not None:  # leaving on an error: the save in flight still commits if it can
+            try:
+                checkpoints.wait()
+            except Exception as e:
+                log.warning("the checkpoint save in flight failed too: %s", e)
         schedule.close()
         metrics.close()
 

@@ -163,6 +163,8 @@ class MetricsLogger:
             f.create_dataset("advantages", data=batch.advantages.numpy())
             if batch.weight_versions:  # the weights each sample was generated with
                 f.create_dataset("weight_versions", data=np.asarray(batch.weight_versions, dtype=np.int64))
+            if batch.token_versions:  # per response token (partial rollouts: a sample may span versions)
+                _ragged(f, "token_versions", batch.token_versions, np.int64)
             for name, values in texts.items():
                 f.create_dataset(name, data=values, dtype=h5py.string_dtype())
         os.replace(tmp, path)

@@ -4,12 +4,14 @@ Every path under a run dir is named here, and only here::
 
   RUN_DIR/
     config.yaml            the resolved config (written before submission)
+    layout.txt             the full GPU map: node/GPU of every actor rank and engine (the log has a summary)
     base_model/            the tiny model built at submit time, when ``model.tiny`` is used
     checkpoints/           see rlhpc/checkpoint.py
     metrics.jsonl          one JSON object per rollout and per eval (rlhpc/metrics.py)
     metrics.png            tools/plot_metrics.py's default output
     rollouts/              rollout_NNNNNN.h5: one HDF5 dump per rollout id (logging.dump_rollouts)
     restarts.jsonl         one line per start of the job (rlhpc/launch/restarts.py)
+    startup.jsonl          one line per start-up phase of every start (rlhpc/launch/startup.py)
     slurm_job_id           the job id, written at submission (jobs/status.py reads it)
     engine_key             the engine key (0600), new at every start (rlhpc/rollout/engine_key.py)
     owner.json             the job that owns the run dir, one at a time (rlhpc/launch/run_owner.py)
@@ -17,8 +19,18 @@ Every path under a run dir is named here, and only here::
                            auth_token (0600), head.json, node_N.json, ray_node_N.log, stop
     logs/submitit/         submitit's pickles and per-task stdout/stderr
     logs/engines/          engine server logs
+    logs/then/             the --then follow-up jobs: submitit's files and their logs
     wandb/                 wandb's own files (logging.wandb_mode)
     FINISHED               written when the last rollout is saved
+
+A sweep dir (``--sweep``, SweepDir) holds one run dir per task and the array's own files::
+
+  SWEEP_DIR/
+    sweep.json             the tasks: index, overrides, run dir name (written before submission)
+    task_NNN/              a run dir, as above, with the task's overrides in its config.yaml
+    slurm_job_id           the array's job id
+    logs/submitit/         the array's submitit files and per-task logs (ID_TASK_0_log.out)
+    metrics.png            tools/plot_metrics.py's overlay of the tasks
 """
 
 from __future__ import annotations
@@ -43,6 +55,8 @@ RESUMABLE_CHANGES = (
     "logging.",
     "checkpoint.save_interval",
     "checkpoint.keep_last",
+    "cluster.stage_dir",  # where the inputs are read from changes nothing a run computes
+    "cluster.stage_with",
 )
 
 
@@ -98,6 +112,7 @@ class RunDir:
     def __init__(self, path: str | Path):
         self.path = Path(path).resolve()
         self.config_file = self.path / "config.yaml"
+        self.layout_file = self.path / "layout.txt"
         self.checkpoints = self.path / "checkpoints"
         self.logs = self.path / "logs"
         self.base_model = self.path / "base_model"
@@ -106,12 +121,14 @@ class RunDir:
         self.metrics_plot = self.path / "metrics.png"
         self.rollouts_dir = self.path / "rollouts"
         self.restarts_file = self.path / "restarts.jsonl"
+        self.startup_file = self.path / "startup.jsonl"
         self.job_id_file = self.path / "slurm_job_id"
         self.engine_key = self.path / "engine_key"
         self.owner_file = self.path / "owner.json"
         self.ray_root = self.path / "ray"
         self.submitit_dir = self.logs / "submitit"
         self.engine_logs = self.logs / "engines"
+        self.followup_dir = self.logs / "then"
 
     @classmethod
     def of(cls, run: RunDir | str | Path) -> RunDir:
@@ -201,6 +218,9 @@ class RunDir:
         self.check(cfg, force)
         self.create()
         write_atomic(self.config_file, dump_config(cfg))
+        from rlhpc.cluster.layout import describe_layout, plan_layout
+
+        write_atomic(self.layout_file, describe_layout(plan_layout(cfg.cluster)) + "\n")
         if cfg.model.tiny is not None and not self.base_model.exists():
             from rlhpc.model import build_tiny_model
 
@@ -211,3 +231,39 @@ class RunDir:
         write_atomic(
             self.finished_file, json.dumps({**summary, "finished_at": time.strftime("%Y-%m-%d %H:%M:%S")}) + "\n"
         )
+
+
+class SweepDir:
+    """A sweep's directory: one run dir per task (``task_NNN``) and ``sweep.json`` naming them."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path).resolve()
+        self.spec_file = self.path / "sweep.json"
+        self.job_id_file = self.path / "slurm_job_id"
+        self.logs = self.path / "logs"
+        self.submitit_dir = self.logs / "submitit"
+        self.metrics_plot = self.path / "metrics.png"
+
+    @staticmethod
+    def is_sweep(path: str | Path) -> bool:
+        return (Path(path) / "sweep.json").is_file()
+
+    def task(self, index: int) -> RunDir:
+        return RunDir(self.path / f"task_{index:03d}")
+
+    def read_spec(self) -> list[list[str]] | None:
+        """Each task's overrides, in task order; None when this is no sweep dir (yet)."""
+        if not self.spec_file.is_file():
+            return None
+        return [t["overrides"] for t in json.loads(self.spec_file.read_text())["tasks"]]
+
+    def write_spec(self, tasks: list[list[str]]) -> None:
+        self.path.mkdir(parents=True, exist_ok=True)
+        spec = {"tasks": [{"index": i, "overrides": o, "run_dir": self.task(i).path.name} for i, o in enumerate(tasks)]}
+        write_atomic(self.spec_file, json.dumps(spec, indent=1) + "\n")
+
+    def write_job_id(self, job_id: str) -> None:
+        write_atomic(self.job_id_file, f"{job_id}\n")
+
+    def __str__(self) -> str:
+        return str(self.path)

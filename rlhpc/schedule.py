@@ -13,6 +13,10 @@ version r + 1 through the schedule (``push``), which decides when the engines ma
   nothing depends on timing). One rollout is generated at a time, and weight pushes and
   evaluations take the engines only between rollouts (``exclusive``), so a generation never
   sees half-pushed weights and its requests are batched as in the synchronous loop.
+  With partial rollouts (``rollout.partial_rollout``) a push does not wait for the rollout in
+  flight: its requests pause on the engines (pause mode "retract"), the weights change, they go
+  on; every token records the version it was sampled with, and the bound still holds (a push
+  only makes the weights newer). Evaluations still wait for the gap between rollouts.
 
 Engine restarts (``rlhpc.rollout.engine_pool``) happen only in the gaps between rollouts, on the
 main thread, which pushes the weights: a restarted engine must get the version the others hold,
@@ -66,6 +70,7 @@ class Generated:
             "advantages": b.advantages,
             "group_size": b.group_size,
             "weight_versions": b.weight_versions,
+            "token_versions": b.token_versions,
             "metrics": self.metrics,
             "texts": self.texts,
         }
@@ -74,7 +79,7 @@ class Generated:
     def from_state_dict(cls, d: dict) -> Generated:
         batch = RolloutBatch(
             d["prompt_ids"], d["response_ids"], d["rollout_logprobs"], d["rewards"], d["advantages"],
-            d["group_size"], d["weight_versions"],
+            d["group_size"], d["weight_versions"], d.get("token_versions", []),
         )  # fmt: skip
         return cls(d["rollout_id"], batch, d["metrics"], d["texts"])
 
@@ -175,9 +180,19 @@ class AsyncRollouts:
         deterministic: bool,
         stop_requested: Callable[[], bool] = lambda: False,
         repair: Callable[[], None] = lambda: None,
+        partial: bool = False,
     ):
         """``repair``: restart dead engines and re-sync them to the version they held (the main
-        thread calls it in a gap, with the actor on that version: ``EnginePool.ensure_engines``)."""
+        thread calls it in a gap, with the actor on that version: ``EnginePool.ensure_engines``).
+        ``partial`` (``rollout.partial_rollout``, never deterministic): a push does not wait for
+        the rollout in flight; the push pauses its requests on the engines, changes the weights
+        and lets them go on, and the engines tag each token with its version."""
+        if partial and deterministic:
+            raise RlhpcError(
+                "partial rollouts cannot be deterministic: where a push lands in a generation depends on timing",
+                "set rollout.partial_rollout=false or deterministic=false",
+            )
+        self.partial = partial
         self._generate, self._push, self.clock = generate, push, clock
         self._repair = repair
         self.max_staleness, self.num_rollout, self.deterministic = max_staleness, num_rollout, deterministic
@@ -339,7 +354,7 @@ class AsyncRollouts:
         """Put ``version`` (the weights after rollout ``version - 1``) on the engines between rollouts;
         dead engines are restarted with it."""
         needed = self._needed_done(version - 1) if self.deterministic else (lambda: True)
-        with self._engines(needed, f"weight version {version}"):
+        with self._engines(needed, f"weight version {version}", in_flight_ok=self.partial):
             self._push(version)
             self._version = version  # read by the thread only under the condition, after we release
             self._down = False  # the push restarted every dead engine
@@ -354,12 +369,14 @@ class AsyncRollouts:
             yield
 
     @contextmanager
-    def _engines(self, ready: Callable[[], bool], what: str) -> Iterator[None]:
+    def _engines(self, ready: Callable[[], bool], what: str, in_flight_ok: bool = False) -> Iterator[None]:
+        """The engines between two rollouts (``in_flight_ok``: beside the one in flight, which a
+        partial-rollout push pauses and continues)."""
         with self._cond:
             self._wait(ready, what)  # first let the thread generate what must precede this
             self._exclusive += 1  # then it starts no new rollout
             try:
-                self._wait(lambda: self._current is None, what)
+                self._wait(lambda: in_flight_ok or self._current is None, what)
             except BaseException:
                 self._exclusive -= 1
                 self._cond.notify_all()

@@ -6,10 +6,14 @@ its own network namespace with its own IP (`eth0` in the namespace), its own hos
 (`nodeK`, a private UTS namespace) and its own /etc/hosts naming every node (a private
 mount namespace), so a job on node K sees what it would see on a real cluster.
 Every node declares G GPUs (gres with placeholder device files). Two partitions,
-`low` (default) and `high`, with partition-priority preemption by REQUEUE.
+`low` (default) and `high`, with partition-priority preemption by REQUEUE, over every node;
+`--partition NAME:NODES[:GPUS]` adds partitions over the next NODES nodes (optionally with
+another GPU count on them), e.g. for heterogeneous jobs.
 
     python tools/minicluster.py up --nodes 4 --gpus-per-node 8   # last line: export SLURM_CONF=...
+    python tools/minicluster.py up --nodes 3 --gpus-per-node 4 --partition train:1 --partition gen:2:2
     python tools/minicluster.py status
+    python tools/minicluster.py kill-node node2     # power loss; revive-node node2 brings it back
     python tools/minicluster.py down
 
 Everything (config, logs, spool, state) lives in --state-dir; daemons are stopped by the
@@ -52,16 +56,17 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 log = logging.getLogger("minicluster")
 
 DEFAULT_STATE_DIR = Path(os.environ.get("RLHPC_MINICLUSTER_DIR", "/tmp/rlhpc-minicluster"))
-DEFAULT_SUBNET = "10.77.0.0/24"
-# Not Slurm's default 6817, so a site slurmctld on this machine does not collide.
-DEFAULT_PORT = 16817
+DEFAULT_SUBNET = os.environ.get("RLHPC_MINICLUSTER_SUBNET", "10.77.0.0/24")
+# Not Slurm's default 6817, so a site slurmctld on this machine does not collide. The env vars let
+# two clusters (two test sessions) live side by side, each with its own RLHPC_MINICLUSTER_DIR.
+DEFAULT_PORT = int(os.environ.get("RLHPC_MINICLUSTER_PORT", "16817"))
 NETNS_DIR = Path("/var/run/netns")
 MUNGE_KEY = Path("/etc/munge/munge.key")
 APT_HINT = "apt-get update && apt-get install -y --no-install-recommends slurm-wlm munge iproute2 (or run .ci/install_slurm.sh)"
@@ -78,6 +83,7 @@ REQUIRED_BINARIES = {
     "unshare": "util-linux",
 }
 MARKER = ".rlhpc-minicluster"
+SLURMD_TIMEOUT_S = 30  # a silent node is DOWN after this (plus up to a ping interval)
 STATE_FILE = "state.json"
 # Node states (flags of `scontrol show node` State=) that make a node unusable.
 BAD_NODE_FLAGS = {
@@ -95,6 +101,16 @@ BAD_NODE_FLAGS = {
     "POWERING_DOWN",
     "REBOOT_REQUESTED",
 }
+
+
+def _flags(state: str) -> set[str]:
+    """``scontrol show node`` State= (e.g. ``IDLE+DRAIN*``) -> its flags, markers stripped."""
+    return {f.strip("*~#%$@^!-") for f in state.split("+")}
+
+
+def _usable(state: str) -> bool:
+    """Slurm would give the node to a job: no bad flag, and responding (no trailing ``*``)."""
+    return not (BAD_NODE_FLAGS & _flags(state)) and not state.endswith("*")
 
 
 class MiniClusterError(RuntimeError):
@@ -117,6 +133,27 @@ class Spec:
     subnet: str = DEFAULT_SUBNET
     port: int = DEFAULT_PORT
     grace_time: int = 30
+    # Extra partitions over disjoint slices of the nodes, in order: (name, nodes, GPUs per node
+    # of those nodes or None for gpus_per_node), beside low and high over every node.
+    partitions: tuple[tuple[str, int, int | None], ...] = ()
+
+    def node_gpus(self) -> list[int]:
+        """GPUs declared by node k."""
+        gpus = [self.gpus_per_node] * self.nodes
+        first = 0
+        for _, count, per in self.partitions:
+            for k in range(first, first + count):
+                gpus[k] = self.gpus_per_node if per is None else per
+            first += count
+        return gpus
+
+    def partition_nodes(self) -> dict[str, list[int]]:
+        """Extra partition -> the node indices it holds."""
+        out, first = {}, 0
+        for name, count, _ in self.partitions:
+            out[name] = list(range(first, first + count))
+            first += count
+        return out
 
     def validate(self) -> None:
         net = _network(self.subnet)
@@ -134,6 +171,27 @@ class Spec:
             raise MiniClusterError("--grace-time must be >= 0", "fix the argument")
         if not 1024 <= self.port <= 65000:
             raise MiniClusterError(f"--port {self.port} out of range", "pick a port in 1024..65000")
+        names = [name for name, _, _ in self.partitions]
+        for name, count, per in self.partitions:
+            if not re.fullmatch(r"[A-Za-z][\w-]*", name) or name in ("low", "high") or names.count(name) > 1:
+                raise MiniClusterError(
+                    f"--partition {name}: not a new partition name", "use a unique name other than low and high"
+                )
+            if count < 1 or (per is not None and per < 0):
+                raise MiniClusterError(f"--partition {name}: at least one node, GPUs >= 0", "fix the argument")
+        if sum(count for _, count, _ in self.partitions) > self.nodes:
+            raise MiniClusterError(
+                f"the --partition slices hold {sum(c for _, c, _ in self.partitions)} nodes, the cluster {self.nodes}",
+                "give them fewer nodes, or more --nodes",
+            )
+
+
+def parse_partition(text: str) -> tuple[str, int, int | None]:
+    """``train:1`` -> ("train", 1, None); ``gen:2:4`` -> ("gen", 2, 4)."""
+    m = re.fullmatch(r"([^:]+):(\d+)(?::(\d+))?", text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME:NODES[:GPUS_PER_NODE] (e.g. gen:2:4)")
+    return m.group(1), int(m.group(2)), int(m.group(3)) if m.group(3) else None
 
 
 def _network(subnet: str) -> ipaddress.IPv4Network:
@@ -148,7 +206,9 @@ def _network(subnet: str) -> ipaddress.IPv4Network:
 
 def _spec_of(state: dict) -> Spec | None:
     try:
-        return Spec(**state["spec"])
+        fields = dict(state["spec"])
+        fields["partitions"] = tuple(tuple(p) for p in fields.get("partitions", ()))  # JSON has lists
+        return Spec(**fields)
     except (KeyError, TypeError):
         return None
 
@@ -234,9 +294,13 @@ class MiniCluster:
         subnet: str = DEFAULT_SUBNET,
         port: int = DEFAULT_PORT,
         grace_time: int = 30,
+        partitions: Sequence[tuple[str, int, int | None]] = (),
     ):
         self.state_dir = Path(state_dir).absolute()
-        self.spec = Spec(nodes, gpus_per_node, cpus_per_node, mem_per_node_mb, subnet, port, grace_time)
+        self.spec = Spec(
+            nodes, gpus_per_node, cpus_per_node, mem_per_node_mb, subnet, port, grace_time,
+            tuple(tuple(p) for p in partitions),
+        )  # fmt: skip
         self.tag = hashlib.sha1(str(self.state_dir).encode()).hexdigest()[:6]
         self._procs: dict[int, subprocess.Popen[bytes]] = {}
 
@@ -435,6 +499,77 @@ class MiniCluster:
             )
         return text
 
+    def node_pids(self, node: str) -> list[int]:
+        """Every process in the node's network namespace: its slurmd, job steps, what they started."""
+        try:
+            inode = os.stat(NETNS_DIR / self.netns(node)).st_ino
+        except OSError:
+            return []
+        pids = []
+        for proc_dir in Path("/proc").glob("[0-9]*"):
+            with contextlib.suppress(OSError):
+                if os.stat(proc_dir / "ns" / "net").st_ino == inode:
+                    pids.append(int(proc_dir.name))
+        return pids
+
+    def kill_node(self, node: str) -> list[int]:
+        """Power loss of ``node``: its link goes down (peers see silence, not refused
+        connections) and every process in its namespace, slurmd included, gets SIGKILL at
+        once. Slurm marks it DOWN after SlurmdTimeout. Returns the pids killed."""
+        with self._lock():
+            state = self._load_state() or {}
+            if node not in state.get("pids", {}).get("slurmd", {}):
+                raise MiniClusterError(f"no node {node!r} in {self.state_dir}", f"name one of {', '.join(self.nodes)}")
+            k = int(node.removeprefix("node"))
+            _run(["ip", "link", "set", self._veth(k), "down"], check=False)
+            pids = self.node_pids(node)
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and any(_alive(p) for p in pids):
+                time.sleep(0.05)
+            self._update_state(killed=sorted({*state.get("killed", []), node}))
+            log.info("%s killed (%d processes)", node, len(pids))
+            return pids
+
+    def revive_node(self, node: str, timeout: float = 60.0) -> None:
+        """Power ``node`` back on: link up, a fresh slurmd; returns once Slurm sees it again
+        (ReturnToService=2 makes a node that was DOWN for not responding usable at once).
+
+        A killed node boots for longer than SlurmdTimeout, as real nodes do (BIOS, GPUs): this
+        first waits until Slurm has marked it DOWN. A slurmd back sooner is, to Slurm, a slurmd
+        restart whose job steps vanished, and srun aborts the whole step (measured: "srun: error:
+        Cannot communicate with node 2. Aborting job.", exit 137) instead of dropping the node."""
+        with self._lock():
+            state = self._load_state() or {}
+            if node not in state.get("pids", {}).get("slurmd", {}):
+                raise MiniClusterError(f"no node {node!r} in {self.state_dir}", f"name one of {', '.join(self.nodes)}")
+        if node in state.get("killed", []):
+            self._wait_node_state(node, lambda st: "DOWN" in _flags(st), SLURMD_TIMEOUT_S * 3, "DOWN")
+        with self._lock():
+            state = self._load_state() or {}
+            k = int(node.removeprefix("node"))
+            _run(["ip", "link", "set", self._veth(k), "up"])
+            if not self._ours(state["pids"]["slurmd"][node]):
+                self._start_slurmd(state, node)
+            self._update_state(killed=[n for n in state.get("killed", []) if n != node])
+        st = self._wait_node_state(node, _usable, timeout, "back")
+        log.info("%s is back (%s)", node, st)
+
+    def _wait_node_state(self, node: str, ok: Callable[[str], bool], timeout: float, what: str) -> str:
+        """Poll Slurm's state of ``node`` until ``ok(state)``; returns the state."""
+        deadline = time.monotonic() + timeout
+        while True:
+            st = self._node_info().get(node, {}).get("State", "?")
+            if ok(st):
+                return st
+            if time.monotonic() > deadline:
+                raise MiniClusterError(
+                    f"{node} is {st}, not {what}, after {timeout:.0f}s", f"read {self.log_file(node)}"
+                )
+            time.sleep(0.2)
+
     # ---- bring-up ----------------------------------------------------------------------
     def _up_locked(self, timeout: float) -> None:
         self._check_port()
@@ -498,7 +633,7 @@ class MiniCluster:
             gpu_dir.mkdir(parents=True, exist_ok=True)
             # Slurm drops GPUs without File= and wants a device there: links to /dev/null
             # stand in for /dev/nvidiaN (the number in the name is the GPU index).
-            for i in range(self.spec.gpus_per_node):
+            for i in range(self.spec.node_gpus()[int(name.removeprefix("node"))]):
                 (gpu_dir / f"nvidia{i}").symlink_to("/dev/null")
 
     def _spawn(self, argv: list[str], output: Path, *, user: str | None = None) -> int:
@@ -582,14 +717,20 @@ class MiniCluster:
         s = self.spec
         d = self.state_dir
         ips = self.node_ips
+        gpus = dict(zip(self.nodes, s.node_gpus()))
         node_lines = "\n".join(
             f"NodeName={name} NodeAddr={ip} NodeHostname={name} CPUs={s.cpus_per_node} Boards=1 SocketsPerBoard=1 "
             f"CoresPerSocket={s.cpus_per_node} ThreadsPerCore=1 RealMemory={s.mem_per_node_mb}"
-            + (f" Gres=gpu:{s.gpus_per_node}" if s.gpus_per_node else "")
+            + (f" Gres=gpu:{gpus[name]}" if gpus[name] else "")
             + " State=UNKNOWN"
             for name, ip in ips.items()
         )
         nodelist = f"node[0-{s.nodes - 1}]" if s.nodes > 1 else "node0"
+        extra_partitions = "".join(
+            f"PartitionName={name} Nodes={','.join(f'node{k}' for k in ks)} Default=NO PriorityTier=1 "
+            f"PreemptMode=REQUEUE GraceTime={s.grace_time} OverSubscribe=YES MaxTime=INFINITE State=UP\n"
+            for name, ks in s.partition_nodes().items()
+        )
         conf = f"""\
 # Written by tools/minicluster.py up; rerun `up` to change it, edits are lost.
 ClusterName=rlhpc{self.tag}
@@ -636,21 +777,21 @@ KillWait=5
 InactiveLimit=0
 MessageTimeout=5
 SlurmctldTimeout=10
-SlurmdTimeout=30
+SlurmdTimeout={SLURMD_TIMEOUT_S}
 UnkillableStepTimeout=30
 
 {node_lines}
 
 PartitionName=low Nodes={nodelist} Default=YES PriorityTier=1 PreemptMode=REQUEUE GraceTime={s.grace_time} OverSubscribe=YES MaxTime=INFINITE State=UP
 PartitionName=high Nodes={nodelist} Default=NO PriorityTier=10 OverSubscribe=YES MaxTime=INFINITE State=UP
-"""
+{extra_partitions}"""
         self.slurm_conf.write_text(conf)
         gres = "".join(
-            f"NodeName={name} Name=gpu File={d}/gpu/{name}/nvidia[0-{s.gpus_per_node - 1}]\n"
-            if s.gpus_per_node > 1
+            f"NodeName={name} Name=gpu File={d}/gpu/{name}/nvidia[0-{n - 1}]\n"
+            if n > 1
             else f"NodeName={name} Name=gpu File={d}/gpu/{name}/nvidia0\n"
-            for name in self.nodes
-            if s.gpus_per_node
+            for name, n in gpus.items()
+            if n
         )
         (d / "gres.conf").write_text(gres)
         # Each node gets its own /etc/hosts, nsswitch.conf and resolv.conf (see _start_slurmds).
@@ -689,32 +830,35 @@ PartitionName=high Nodes={nodelist} Default=NO PriorityTier=10 OverSubscribe=YES
     def _start_slurmds(self, state: dict) -> None:
         state["pids"]["slurmd"] = {}
         for name in self.nodes:
-            # nsenter, not `ip netns exec`: the latter remounts /sys and slurmd then finds
-            # no cgroup filesystem. unshare gives the node its own hostname and name files;
-            # slave propagation keeps later unmounts (e.g. `ip netns del`) reaching the node.
-            argv = [
-                "nsenter",
-                f"--net={NETNS_DIR / self.netns(name)}",
-                "--",
-                "unshare",
-                "--mount",
-                "--uts",
-                "--propagation",
-                "slave",
-                "--",
-                "/bin/sh",
-                "-c",
-                "set -e; for f in hosts nsswitch.conf resolv.conf; do"
-                ' if [ -e "/etc/$f" ]; then mount --bind "$1/$f" "/etc/$f"; fi; done;'
-                ' hostname "$2"; exec "$3" -D -N "$2" -f "$4"',
-                "sh",
-                str(self.state_dir),
-                name,
-                shutil.which("slurmd") or "slurmd",
-                str(self.slurm_conf),
-            ]
-            state["pids"]["slurmd"][name] = self._spawn(argv, self._stdout_file(name))
-            self._save_state(state)
+            self._start_slurmd(state, name)
+
+    def _start_slurmd(self, state: dict, name: str) -> None:
+        # nsenter, not `ip netns exec`: the latter remounts /sys and slurmd then finds
+        # no cgroup filesystem. unshare gives the node its own hostname and name files;
+        # slave propagation keeps later unmounts (e.g. `ip netns del`) reaching the node.
+        argv = [
+            "nsenter",
+            f"--net={NETNS_DIR / self.netns(name)}",
+            "--",
+            "unshare",
+            "--mount",
+            "--uts",
+            "--propagation",
+            "slave",
+            "--",
+            "/bin/sh",
+            "-c",
+            "set -e; for f in hosts nsswitch.conf resolv.conf; do"
+            ' if [ -e "/etc/$f" ]; then mount --bind "$1/$f" "/etc/$f"; fi; done;'
+            ' hostname "$2"; exec "$3" -D -N "$2" -f "$4"',
+            "sh",
+            str(self.state_dir),
+            name,
+            shutil.which("slurmd") or "slurmd",
+            str(self.slurm_conf),
+        ]
+        state["pids"]["slurmd"][name] = self._spawn(argv, self._stdout_file(name))
+        self._save_state(state)
 
     def _wait_nodes_idle(self, state: dict, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -775,7 +919,7 @@ PartitionName=high Nodes={nodelist} Default=NO PriorityTier=10 OverSubscribe=YES
             st = info.get(node, {}).get("State")
             if st is None:
                 problems.append(f"{node} unknown to slurmctld")
-            elif BAD_NODE_FLAGS & {f.strip("*~#%$@^!-") for f in st.split("+")} or st.endswith("*"):
+            elif not _usable(st):
                 problems.append(f"{node} is {st}: {info[node].get('Reason', '')}")
         return problems
 
@@ -909,6 +1053,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=30,
         help="GraceTime of the low partition: seconds a preempted job gets before SIGKILL+requeue (default %(default)s)",
     )
+    up.add_argument(
+        "--partition",
+        dest="partitions",
+        type=parse_partition,
+        action="append",
+        default=[],
+        metavar="NAME:NODES[:GPUS_PER_NODE]",
+        help="an extra partition over the next NODES nodes (in order, disjoint), optionally with another "
+        "GPU count on them; repeatable, e.g. --partition train:1 --partition gen:2:2",
+    )
     up.add_argument("--timeout", type=float, default=90.0, help="seconds to wait for all nodes to be idle")
     for name, text in (
         ("status", "show nodes, partitions, state; exit 1 if not up"),
@@ -916,6 +1070,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         ("env", "print export SLURM_CONF=... if up"),
     ):
         _add_common(sub.add_parser(name, help=text))
+    for name, text in (
+        ("kill-node", "power loss of NODE: link down, SIGKILL to its slurmd and every process in its namespace"),
+        ("revive-node", "power NODE back on: link up, a fresh slurmd; returns once Slurm sees it"),
+    ):
+        p = sub.add_parser(name, help=text)
+        _add_common(p)
+        p.add_argument("node", metavar="NODE")
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO, format="minicluster: %(message)s", stream=sys.stderr
@@ -931,6 +1092,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 args.subnet,
                 args.port,
                 args.grace_time,
+                args.partitions,
             )
             if not mc.up(args.timeout):
                 print(f"minicluster already up in {mc.state_dir}: {mc.spec.nodes} nodes x {mc.spec.gpus_per_node} GPUs")
@@ -939,6 +1101,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             if os.geteuid() != 0:
                 preflight()
             MiniCluster(args.state_dir).down()
+        elif args.cmd == "kill-node":
+            pids = MiniCluster.attach(args.state_dir).kill_node(args.node)
+            print(f"{args.node}: killed {len(pids)} processes")
+        elif args.cmd == "revive-node":
+            MiniCluster.attach(args.state_dir).revive_node(args.node)
+            print(f"{args.node}: back")
         elif args.cmd in ("status", "env"):
             mc = MiniCluster(args.state_dir)
             text = mc.status()

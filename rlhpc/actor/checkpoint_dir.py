@@ -3,7 +3,7 @@
 
 Both backends write ``actor_meta.json`` (world size, optimizer steps, initial model, and the
 backend's own keys) and one RNG file per rank; the rest is the backend's: an HF model
-directory plus ``optim.pt`` (torch), or a torch_dist checkpoint under ``dist/`` (megatron).
+directory plus ``optim.safetensors`` (torch; ``optim.pt`` before 2026-12), or a torch_dist checkpoint under ``dist/`` (megatron).
 """
 
 from __future__ import annotations
@@ -18,8 +18,11 @@ DIST_SUBDIR = "dist"  # megatron: torch_dist checkpoint of model + optimizer
 MEGATRON_BACKEND = "megatron"  # meta["backend"] of a megatron checkpoint (absent: torch)
 
 
+RNG_PREFIX = "rng_rank"
+
+
 def rng_file(rank: int) -> str:
-    return f"rng_rank{rank}.pt"
+    return f"{RNG_PREFIX}{rank}.pt"
 
 
 def read_meta(actor_dir: Path) -> dict[str, Any]:

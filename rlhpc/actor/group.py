@@ -37,6 +37,8 @@ log = logging.getLogger(__name__)
 COLOCATE_GPU_FRACTION = 0.4
 # A bundle is {"GPU": 1, "CPU": 1}; a fractional CPU leaves room for an engine or helper beside it.
 WORKER_NUM_CPUS = 0.4
+# The Ray concurrency group (one thread per rank) that writes checkpoints while the default thread trains.
+CHECKPOINT_THREAD = "checkpoint"
 # Calls wait in slices this long, so a stop request is seen while a call runs.
 WAIT_SLICE_S = 1.0
 # After a stop request a call gets this much longer: a healthy train step and its save fit in it,
@@ -52,10 +54,13 @@ class ActorRankError(RlhpcError):
         super().__init__(
             f"actor rank {rank} {'died' if dead else 'failed'} during {method}: {cause}",
             "see that rank's log above (OOM, a crashed node, or the exception shown); "
-            "the job can resume from the last checkpoint",
+            "a dead rank requeues the job, which resumes from the last checkpoint",
         )
         self.rank = rank
         self.method = method
+        # A dead process (SIGKILL, OOM killer, a lost node) is gone at the next start, like a dead
+        # engine: requeued within the restart caps. An exception the rank raised would recur.
+        self.transient = dead
 
 
 class ActorCallTimeout(RlhpcError):
@@ -104,7 +109,8 @@ class ActorGroup:
         self.tp_size = spec.tp_size
         self.dp_size = self.world_size // self.tp_size
         num_gpus = COLOCATE_GPU_FRACTION if colocate else 1
-        remote_cls = ray.remote(rank_class(spec.actor.backend))
+        # Each rank gets a second thread, alive as long as it: checkpoint writes run there beside training.
+        remote_cls = ray.remote(concurrency_groups={CHECKPOINT_THREAD: 1})(rank_class(spec.actor.backend))
         self.workers = [
             remote_cls.options(
                 num_gpus=num_gpus,
@@ -179,6 +185,21 @@ class ActorGroup:
     def save(self, ckpt_dir: str) -> None:
         """All ranks write into ``ckpt_dir/actor/``; returns when every rank has finished."""
         self._call("save", ckpt_dir)
+
+    def snapshot(self, ckpt_dir: str) -> None:
+        """Every rank copies its checkpoint state to host memory (the part of a save that blocks)."""
+        self._call("snapshot", ckpt_dir)
+
+    def write_snapshot(self) -> dict[str, tuple[int, int]]:
+        """Every rank writes its last snapshot into ``ckpt_dir/actor/`` on its checkpoint thread;
+        returns when all have, with the (size, CRC-32) of the files the ranks summed as they wrote
+        (paths relative to ``ckpt_dir``). Safe to wait for from another thread while the ranks train."""
+        workers = self.workers  # the list is replaced (emptied) if a hung call kills the ranks meanwhile
+        refs = [w.write_snapshot.options(concurrency_group=CHECKPOINT_THREAD).remote() for w in workers]
+        known: dict[str, tuple[int, int]] = {}
+        for sums in self._get(refs, "write_snapshot"):
+            known.update(sums or {})
+        return known
 
     def connect_rollout(
         self, engine_urls: list[str], engine_world_sizes: list[int], colocate: bool, key_file: str | None = None

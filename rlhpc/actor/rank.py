@@ -93,8 +93,8 @@ class MicroBatch:
 
 
 class RankBase:
-    """One training rank. Subclasses implement ``init_process_group``, ``load``, ``save``,
-    ``offload``, ``onload``, ``_hf_named`` and the train-step hooks below ``train``."""
+    """One training rank. Subclasses implement ``init_process_group``, ``load``, ``snapshot``,
+    ``write_snapshot``, ``offload``, ``onload``, ``_hf_named`` and the train-step hooks below ``train``."""
 
     def __init__(self, spec: ActorSpec, model_path: str, rank: int, world_size: int):
         logging.basicConfig(level=spec.log_level, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
@@ -160,6 +160,28 @@ class RankBase:
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
         dist.all_reduce(t, group=group)
         return t.tolist()
+
+    # ------------------------------------------------------------------ checkpoint
+
+    # A save is two calls: ``snapshot`` copies this rank's state to host memory (the only part
+    # the train loop waits for; it may run collectives), then ``write_snapshot`` writes and
+    # fsyncs it. The group runs ``write_snapshot`` on the rank's checkpoint thread (a Ray
+    # concurrency group of one thread, alive as long as the rank) while training goes on, so
+    # it must never run a collective.
+
+    def snapshot(self, ckpt_dir: str) -> None:
+        """Copy what ``write_snapshot`` will write into ``ckpt_dir/actor/`` to host memory."""
+        raise NotImplementedError
+
+    def write_snapshot(self) -> dict[str, tuple[int, int]] | None:
+        """Write and fsync the last snapshot (no collectives: this runs beside training). May
+        return the (size, CRC-32) of files it summed from memory, by path under the checkpoint."""
+        raise NotImplementedError
+
+    def save(self, ckpt_dir: str) -> None:
+        """A blocking save: snapshot, then write, on this thread."""
+        self.snapshot(ckpt_dir)
+        self.write_snapshot()
 
     # ------------------------------------------------------------------ checkpoint (RNG)
 
@@ -369,6 +391,7 @@ class RankBase:
             master_address=self.node_ip(),
             backend=self.backend,
             bucket_bytes=self.spec.weight_bucket_mb * 2**20,
+            pause_mode=self.spec.weight_pause_mode,
         )
         self.sender.connect()
         log.info("rank 0: weight sync connected to %d engine(s)", len(clients))

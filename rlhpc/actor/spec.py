@@ -17,6 +17,8 @@ class ActorSpec:
     deterministic: bool
     weight_bucket_mb: int  # rollout.update_weight_buffer_mb: the weight-sync bucket size
     log_level: str  # logging.level: each rank is a process of its own
+    # rollout.partial_rollout: a weight push pauses generation with "retract", keeping requests in flight
+    weight_pause_mode: str = "abort"
 
     @classmethod
     def from_config(cls, cfg: Config) -> ActorSpec:
@@ -27,6 +29,7 @@ class ActorSpec:
             deterministic=cfg.deterministic,
             weight_bucket_mb=cfg.rollout.update_weight_buffer_mb,
             log_level=cfg.logging.level,
+            weight_pause_mode="retract" if cfg.rollout.partial_rollout else "abort",
         )
 
     @property

@@ -8,6 +8,7 @@ the optimizer state) and the DDP steps of the loop. Every rank is a data-paralle
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from collections.abc import Iterator
@@ -17,14 +18,44 @@ from pathlib import Path
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from rlhpc.actor.checkpoint_dir import ACTOR_SUBDIR, read_meta, write_meta
+from rlhpc.actor.checkpoint_dir import ACTOR_SUBDIR, RNG_PREFIX, read_meta, rng_file, write_meta
 from rlhpc.actor.rank import MicroBatch, RankBase
+from rlhpc.actor.rng import get_rng_state
+from rlhpc.actor.snapshot import FlatTensors, fsync_files, read_safetensors
 from rlhpc.actor.spec import ActorSpec
+from rlhpc.errors import RlhpcError
 from rlhpc.model import load_model
 
 log = logging.getLogger(__name__)
 
-OPTIM_FILE = "optim.pt"
+MODEL_FILE = "model.safetensors"
+OPTIM_FILE = "optim.safetensors"  # the optimizer's tensors; the rest of its state dict is in the metadata
+OLD_OPTIM_FILE = "optim.pt"  # torch.save of the whole state dict, written before 2026-12
+
+
+def flatten_optimizer(sd: dict) -> tuple[dict[str, torch.Tensor], dict]:
+    """An optimizer state dict as tensors named ``state.<param>.<key>`` and the rest (JSON-able)."""
+    tensors, values = {}, {}
+    for idx, state in sd["state"].items():
+        for key, v in state.items():
+            if isinstance(v, torch.Tensor):
+                tensors[f"state.{idx}.{key}"] = v
+            else:
+                values.setdefault(str(idx), {})[key] = v
+    return tensors, {"state": values, "param_groups": sd["param_groups"]}
+
+
+def read_optimizer(actor_dir: Path) -> dict:
+    """The optimizer state dict of an actor checkpoint (tensors on the CPU)."""
+    if not (actor_dir / OPTIM_FILE).is_file():
+        return torch.load(actor_dir / OLD_OPTIM_FILE, map_location="cpu", weights_only=True)
+    tensors, metadata = read_safetensors(actor_dir / OPTIM_FILE)
+    rest = json.loads(metadata["optimizer"])
+    state: dict[int, dict] = {int(idx): dict(values) for idx, values in rest["state"].items()}
+    for name, t in tensors.items():
+        _, idx, key = name.split(".", 2)
+        state.setdefault(int(idx), {})[key] = t
+    return {"state": state, "param_groups": rest["param_groups"]}
 
 
 class TrainWorker(RankBase):
@@ -36,6 +67,10 @@ class TrainWorker(RankBase):
         super().__init__(spec, model_path, rank, world_size)
         self.module: torch.nn.Module | None = None  # the unwrapped HF model
         self.ddp: DDP | None = None
+        # the checkpoint snapshot: host buffers kept between saves, and what the next write needs
+        self._model_snap = FlatTensors(pin=self.device.type == "cuda")
+        self._optim_snap = FlatTensors(pin=self.device.type == "cuda")
+        self._snapshot: dict | None = None
 
     def init_process_group(self, master_addr: str, master_port: int) -> None:
         """Join torch.distributed, load the model, wrap it in DDP, build AdamW (+ the ref model)."""
@@ -70,39 +105,92 @@ class TrainWorker(RankBase):
     def load(self, ckpt_dir: str | None) -> None:
         """Restore weights, optimizer and this rank's RNG from ``ckpt_dir/actor/`` (None: fresh).
 
-        The reference model stays the initial model: KL is measured to where training started.
+        Each file is read once, in one pass, and its tensors copied into the model (no second
+        model is built). The reference model stays the initial model: KL is measured to where
+        training started.
         """
         if ckpt_dir is None:
             return
         d = Path(ckpt_dir) / ACTOR_SUBDIR
-        for name in ("config.json", OPTIM_FILE):
-            if not (d / name).is_file():
-                raise FileNotFoundError(f"checkpoint {d} has no {name}: incomplete or not an actor checkpoint")
-        saved = load_model(d, "cpu")
-        with torch.no_grad():
-            self.module.load_state_dict(saved.state_dict())
-        del saved
-        self.optimizer.load_state_dict(torch.load(d / OPTIM_FILE, map_location=self.device, weights_only=True))
+        if not (d / "config.json").is_file() or not any((d / f).is_file() for f in (OPTIM_FILE, OLD_OPTIM_FILE)):
+            raise FileNotFoundError(f"checkpoint {d} has no config.json or optimizer state: not an actor checkpoint")
+        self._load_weights(d)
+        self.optimizer.load_state_dict(read_optimizer(d))
         self.optimizer_steps = int(read_meta(d).get("optimizer_steps", 0))
         self._restore_rng(d)  # on more ranks than saved, the extra ranks keep their fresh seed
         log.info("rank %d: restored actor state from %s", self.rank, d)
 
-    def save(self, ckpt_dir: str) -> None:
-        """Write ``ckpt_dir/actor/``: HF model + tokenizer, optimizer (rank 0), RNG (every rank)."""
+    def _load_weights(self, d: Path) -> None:
+        """Copy the HF safetensors file(s) of ``d`` into the parameters."""
+        files = sorted(d.glob("*.safetensors"))
+        if not (d / MODEL_FILE).is_file():  # written by another tool: sharded, or pytorch_model.bin
+            saved = load_model(d, "cpu")
+            with torch.no_grad():
+                self.module.load_state_dict(saved.state_dict())
+            return
+        targets = self.module.state_dict()
+        tensors, _ = read_safetensors(d / MODEL_FILE)
+        unknown = [n for n in tensors if n not in targets]
+        # Tied weights (an output layer sharing the embeddings) are saved once.
+        stored = {targets[n].data_ptr() for n in tensors if n in targets}
+        missing = [n for n in targets if n not in tensors and targets[n].data_ptr() not in stored]
+        if unknown or missing:
+            raise RlhpcError(
+                f"checkpoint {d} does not fit the model: {len(unknown)} unknown tensors "
+                f"({', '.join(unknown[:3])}), {len(missing)} missing ({', '.join(missing[:3])}); files {files}",
+                "resume with the model the run was started with",
+            )
+        with torch.no_grad():
+            for name, t in tensors.items():
+                targets[name].copy_(t)
+
+    def snapshot(self, ckpt_dir: str) -> None:
+        """Host copies of the weights, optimizer state (rank 0) and this rank's RNG."""
         d = Path(ckpt_dir) / ACTOR_SUBDIR
         d.mkdir(parents=True, exist_ok=True)
         if self.rank == 0:
-            self.module.save_pretrained(d)
-            self.tokenizer.save_pretrained(d)
-            torch.save(self.optimizer.state_dict(), d / OPTIM_FILE)
-            meta = {
+            weights, seen = {}, set()
+            for name, t in self.module.state_dict().items():
+                if t.data_ptr() not in seen:  # tied weights once, as transformers saves them
+                    seen.add(t.data_ptr())
+                    weights[name] = t
+            self._model_snap.fill(weights, {"format": "pt"})
+            tensors, rest = flatten_optimizer(self.optimizer.state_dict())
+            self._optim_snap.fill(tensors, {"format": "pt", "optimizer": json.dumps(rest)})
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()  # the copies were non-blocking
+        self._snapshot = {
+            "dir": d,
+            "rng": get_rng_state(),
+            "meta": {
                 "world_size": self.world_size,
                 "optimizer_steps": self.optimizer_steps,
                 "initial_model": self.model_path,
-            }
-            write_meta(d, meta)
-        self._save_rng(d)
-        self._barrier()
+            },
+        }
+
+    def write_snapshot(self) -> dict[str, tuple[int, int]]:
+        """``actor/``: HF model + tokenizer, optimizer (rank 0), RNG (every rank); each file fsynced.
+        Returns the size and CRC-32 of the large files, for the manifest."""
+        snap, self._snapshot = self._snapshot, None
+        if snap is None:
+            raise RuntimeError("write_snapshot without a snapshot")
+        d = snap["dir"]
+        sums, small = {}, []
+        if self.rank == 0:
+            for name, flat in ((MODEL_FILE, self._model_snap), (OPTIM_FILE, self._optim_snap)):
+                sums[f"{ACTOR_SUBDIR}/{name}"] = flat.write(d / name)
+            self.module.config.save_pretrained(d)
+            if self.module.can_generate():
+                self.module.generation_config.save_pretrained(d)
+            self.tokenizer.save_pretrained(d)
+            write_meta(d, snap["meta"])
+            small = [p for p in d.iterdir() if p.is_file() and not p.name.startswith(RNG_PREFIX)]
+            small = [p for p in small if f"{ACTOR_SUBDIR}/{p.name}" not in sums]
+        rng = d / rng_file(self.rank)
+        torch.save(snap["rng"], rng)
+        fsync_files([*small, rng])
+        return sums
 
     # ------------------------------------------------------------------ train-step hooks (RankBase.train)
 

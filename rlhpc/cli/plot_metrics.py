@@ -1,6 +1,7 @@
 """Plot a run's metrics.jsonl to a PNG: train and eval reward, response length, loss, step time.
 
 python tools/plot_metrics.py runs/embedded            # writes runs/embedded/metrics.png
+python tools/plot_metrics.py runs/sweep1              # a sweep dir: its tasks overlaid, runs/sweep1/metrics.png
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from pathlib import Path
 
 from rlhpc.errors import RlhpcError
 from rlhpc.metrics import read_metrics
-from rlhpc.run_dir import RunDir
+from rlhpc.run_dir import RunDir, SweepDir
 
 
 def plot(run: RunDir, out: Path) -> Path:
@@ -49,13 +50,51 @@ def plot(run: RunDir, out: Path) -> Path:
     return out
 
 
+def plot_sweep(sweep: SweepDir, out: Path) -> Path:
+    """The tasks of a sweep overlaid: train and eval reward, one line per task (its overrides)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = [(i, ", ".join(o), read_metrics(sweep.task(i))) for i, o in enumerate(sweep.read_spec() or [])]
+    if not any(records for _, _, records in tasks):
+        raise RlhpcError(f"no task of sweep {sweep.path} has metrics yet", "wait until a task trained a rollout")
+    fig, (train_ax, eval_ax) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for i, label, records in tasks:
+        train = [r for r in records if r["kind"] == "rollout"]
+        evals = [r for r in records if r["kind"] == "eval"]
+        color = f"C{i % 10}"
+        train_ax.plot(
+            [r["rollout_id"] + 1 for r in train],
+            [r["reward"] for r in train],
+            lw=0.8,
+            color=color,
+            label=f"{i}: {label}",
+        )
+        eval_ax.plot(
+            [r["rollout_id"] + 1 for r in evals], [r["reward"] for r in evals], "o-", color=color, label=f"{i}: {label}"
+        )
+    train_ax.set(title="train reward (sampled)", xlabel="rollouts trained", ylim=(-0.02, 1.02))
+    eval_ax.set(title="eval reward (greedy)", xlabel="rollouts trained", ylim=(-0.02, 1.02))
+    train_ax.legend(fontsize="small")
+    fig.suptitle(f"rlhpc sweep {sweep.path.name}: {len(tasks)} tasks")
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dir", type=Path)
     p.add_argument("-o", "--out", type=Path, help="PNG path (default: RUN_DIR/metrics.png)")
     args = p.parse_args(argv)
-    run = RunDir(args.run_dir)
     try:
+        if SweepDir.is_sweep(args.run_dir):
+            sweep = SweepDir(args.run_dir)
+            print(plot_sweep(sweep, args.out or sweep.metrics_plot))
+            return 0
+        run = RunDir(args.run_dir)
         print(plot(run, args.out or run.metrics_plot))
     except RlhpcError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -1,7 +1,8 @@
-"""Where a run stands: Slurm state and restarts, Ray readiness, newest checkpoint, last metrics.
+"""Where a run stands: Slurm state and restarts, Ray readiness, start-up phases, newest checkpoint, last metrics.
 
 python jobs/status.py runs/exp1        # a run dir
 python jobs/status.py 4242             # a Slurm job id
+python jobs/status.py runs/sweep1      # a sweep dir: one row per task
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ from pathlib import Path
 
 from rlhpc.checkpoint import CheckpointManager
 from rlhpc.launch import slurm
+from rlhpc.launch.startup import read_startup
 from rlhpc.metrics import read_metrics
-from rlhpc.run_dir import RunDir
+from rlhpc.run_dir import RunDir, SweepDir
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,6 +24,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     target = Path(args.target)
+    if SweepDir.is_sweep(target):
+        print_sweep(SweepDir(target))
+        return 0
     info = None
     if target.is_dir():
         run = RunDir(target)
@@ -51,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
             head = json.loads(ray.head.read_text())["address"]
             stopped = " (stopped)" if ray.stop.exists() else ""
             print(f"ray          head {head}, {len(ray.nodes())} node(s) started{stopped} (attempt {ray.attempt})")
+    for line in startup_lines(run):
+        print(line)
     ck = CheckpointManager(run.checkpoints, keep_last=2).latest(content=False) if run.checkpoints.is_dir() else None
     print(f"checkpoint   {ck.path.name + f' (next rollout {ck.next_rollout_id})' if ck else 'none yet'}")
     records = read_metrics(run)
@@ -60,3 +67,55 @@ def main(argv: list[str] | None = None) -> int:
         print(f"last metrics {json.dumps(shown)}")
     print(f"finished     {run.finished_file.read_text().strip() if run.is_finished() else 'no'}")
     return 0
+
+
+def task_row(run: RunDir) -> dict[str, str]:
+    """One sweep task at a glance: Slurm state, restarts, rollouts trained, last eval reward."""
+    from rlhpc.launch.restarts import read_history
+
+    job_id = run.read_job_id()
+    info = slurm.show_job(job_id) if job_id else None
+    if run.is_finished():
+        state = "FINISHED"
+    elif info:
+        state = info.get("JobState", "?") + (" (held)" if slurm.hold_reason(info) else "")
+    else:
+        state = "not running" if job_id else "not started"
+    records = read_metrics(run) if run.metrics_file.is_file() else []
+    trained = [r["rollout_id"] for r in records if r["kind"] == "rollout"]
+    evals = [r for r in records if r["kind"] == "eval"]
+    return {
+        "job": job_id or "-",
+        "state": state,
+        "restarts": str(max(0, len(read_history(run)) - 1)),
+        "rollouts": str(max(trained) + 1 if trained else 0),
+        "eval reward": f"{evals[-1]['reward']:.3f}" if evals else "-",
+    }
+
+
+def print_sweep(sweep: SweepDir) -> None:
+    spec = sweep.read_spec() or []
+    print(
+        f"sweep dir    {sweep} ({len(spec)} tasks, job array {sweep.job_id_file.read_text().strip() if sweep.job_id_file.is_file() else '-'})"
+    )
+    rows = [{"task": str(i), **task_row(sweep.task(i)), "overrides": ", ".join(o)} for i, o in enumerate(spec)]
+    if not rows:
+        return
+    widths = {k: max(len(k), *(len(r[k]) for r in rows)) for k in rows[0]}
+    print("  ".join(k.ljust(w) for k, w in widths.items()))
+    for r in rows:
+        print("  ".join(r[k].ljust(w) for k, w in widths.items()))
+
+
+def startup_lines(run: RunDir) -> list[str]:
+    """The newest start's phases: when each began and ended, in seconds since the job started."""
+    phases = read_startup(run)
+    if not phases:
+        return []
+    newest = max(phases, key=lambda p: p["ended_s"])
+    reached = "first rollout" if newest["phase"] == "first_rollout" else f"still starting, {newest['phase']} done"
+    where = f"job {newest['job_id'] or '-'} started {newest['started_at']}"
+    lines = [f"start-up     {where}: {reached} after {newest['ended_s']:.1f} s"]
+    for p in phases:
+        lines.append(f"  {p['phase']:<15} {p['began_s']:7.1f} -> {p['ended_s']:7.1f} s  ({p['seconds']:.1f} s)")
+    return lines

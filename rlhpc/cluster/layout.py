@@ -2,6 +2,9 @@
 
 Slots are logical GPU indices 0..N-1 of the job. After placement (see ``placement.py``) slot
 ``k`` is the k-th GPU in (node IP, GPU id) order, so slot k lives on node ``k // gpus_per_node``.
+In a heterogeneous job (``cluster.rollout_nodes``) each slot also belongs to a group: the actor's
+slots to component 0, the engines' to component 1, each group in its own (IP, GPU) order; the
+Ray nodes of each component offer ``GROUP_RESOURCES[group]`` and each bundle asks for it.
 """
 
 from __future__ import annotations
@@ -10,6 +13,9 @@ from dataclasses import dataclass
 
 from rlhpc.config import ClusterConfig
 
+# Ray custom resources that pin each group's bundles to its component of a heterogeneous job.
+GROUP_RESOURCES = ("rlhpc_actor_node", "rlhpc_rollout_node")
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -17,37 +23,158 @@ class Layout:
     actor_slots: tuple[int, ...]  # slot of actor rank r
     engine_slots: tuple[tuple[int, ...], ...]  # slots of engine e (tensor-parallel group)
     colocate: bool
+    node_gpus: tuple[int, ...]  # GPUs of each node of the allocation, in order
+    slot_homes: tuple[tuple[int, int], ...]  # slot -> (node index, GPU index): the plan before placement
+    slot_groups: tuple[int, ...]  # slot -> its group (0 for every slot unless heterogeneous)
 
     @property
     def rollout_slots(self) -> tuple[int, ...]:
         return tuple(s for engine in self.engine_slots for s in engine)
 
+    @property
+    def heterogeneous(self) -> bool:
+        return any(self.slot_groups)
+
 
 def plan_layout(c: ClusterConfig) -> Layout:
-    """Actor first, rollout after it (disaggregated) or on the same slots (colocate)."""
-    actor = tuple(range(c.actor_num_gpus))
-    offset = 0 if c.colocate else c.actor_num_gpus
+    """Actor first, rollout after it (disaggregated, or on the engines' own nodes in a
+    heterogeneous job) or on the same slots (colocate)."""
+    actor_gpus, rollout_gpus = c.split()  # as resolved by the config (an open split: the default)
+    actor = tuple(range(actor_gpus))
+    offset = 0 if c.colocate else actor_gpus
     per = c.rollout_gpus_per_engine
-    engines = tuple(tuple(range(offset + e * per, offset + (e + 1) * per)) for e in range(c.rollout_num_gpus // per))
+    engines = tuple(tuple(range(offset + e * per, offset + (e + 1) * per)) for e in range(rollout_gpus // per))
     num_slots = max(actor[-1], engines[-1][-1]) + 1
-    return Layout(num_slots=num_slots, actor_slots=actor, engine_slots=engines, colocate=c.colocate)
+    if c.heterogeneous:  # the engines' slots count from the first GPU of the rollout component
+        homes = [(k // c.gpus_per_node, k % c.gpus_per_node) for k in actor]
+        homes += [(c.num_nodes + j // c.rollout_node_gpus, j % c.rollout_node_gpus) for j in range(rollout_gpus)]
+        groups = (0,) * actor_gpus + (1,) * rollout_gpus
+    else:
+        homes = [(k // c.gpus_per_node, k % c.gpus_per_node) for k in range(num_slots)]
+        groups = (0,) * num_slots
+    return Layout(num_slots, actor, engines, c.colocate, c.node_gpus, tuple(homes), groups)
 
 
-def slot_location(slot: int, gpus_per_node: int) -> tuple[int, int]:
-    """(node index, GPU index on that node) of a slot, for plans printed before submission."""
-    return slot // gpus_per_node, slot % gpus_per_node
+def idle_note(c: ClusterConfig) -> str | None:
+    """What to say when the layout leaves GPUs of the allocation idle; None when it uses them all."""
+    idle = c.idle_gpus()
+    if idle <= 0:
+        return None
+    actor, rollout = c.split()
+    if c.heterogeneous:
+        parts = [
+            f"{group} uses {used} of its component's {have}"
+            for group, used, have in (
+                ("the actor", actor, c.num_nodes * c.gpus_per_node),
+                ("the rollout", rollout, (c.rollout_nodes or 0) * c.rollout_node_gpus),
+            )
+            if used < have
+        ]
+        return (
+            f"{idle} of the {c.total_gpus} GPUs sit idle: {' and '.join(parts)}. To use them, leave "
+            "cluster.actor_num_gpus and cluster.rollout_num_gpus unset (each group then takes its whole "
+            "component) or raise them; or ask for fewer nodes or GPUs per node for that component"
+        )
+    used = actor if c.colocate else actor + rollout
+    if used <= c.gpus_per_node:
+        fewer = f"--nodes 1 --gpus-per-node {used}"
+    elif -(-used // c.gpus_per_node) < c.num_nodes:
+        fewer = f"--nodes {-(-used // c.gpus_per_node)} --gpus-per-node {c.gpus_per_node}"
+    else:  # every node is needed: only a whole-allocation split uses the rest
+        fewer = None
+    return (
+        f"{idle} of the {c.total_gpus} GPUs sit idle: the layout uses {used} (actor {actor} + rollout {rollout}"
+        f"{', colocated' if c.colocate else ''}). To use them, leave cluster.actor_num_gpus and "
+        "cluster.rollout_num_gpus unset (the default split takes the whole allocation) or raise them"
+        + (f"; or ask for fewer: {fewer}" if fewer else "")
+    )
 
 
-def describe_layout(layout: Layout, gpus_per_node: int, node_names: list[str] | None = None) -> str:
-    """Human-readable plan: which node/GPU each actor rank and each engine gets."""
+def summarize_layout(layout: Layout, node_names: list[str] | None = None) -> str:
+    """The plan in a screenful at any size: one line per run of nodes that look alike (which GPUs
+    hold actor ranks, which engines, which are idle), with the rank and engine ranges they hold."""
+    num_nodes = len(layout.node_gpus)
+    actor_on: list[list[tuple[int, int]]] = [[] for _ in range(num_nodes)]  # (rank, gpu) per node
+    engine_on: list[list[tuple[int, int]]] = [[] for _ in range(num_nodes)]  # (engine, gpu) per node
+    for rank, slot in enumerate(layout.actor_slots):
+        node, gpu = layout.slot_homes[slot]
+        actor_on[node].append((rank, gpu))
+    for e, slots in enumerate(layout.engine_slots):
+        for slot in slots:
+            node, gpu = layout.slot_homes[slot]
+            engine_on[node].append((e, gpu))
+
+    def node_shape(n: int) -> tuple:
+        used = {g for _, g in actor_on[n]} | {g for _, g in engine_on[n]}
+        gpus = layout.node_gpus[n]
+        return (_span(g for _, g in actor_on[n]), _span(g for _, g in engine_on[n]), gpus - len(used), gpus)
+
+    shapes = [node_shape(n) for n in range(num_nodes)]
+
+    def name(n: int) -> str:
+        return node_names[n] if node_names and n < len(node_names) else f"node{n}"
+
+    tps = sorted({len(s) for s in layout.engine_slots})
+    mode = _mode(layout)
+    lines = [
+        f"GPU layout: {layout.num_slots} of {sum(layout.node_gpus)} GPUs on {num_nodes} node(s), {mode}: "
+        f"{len(layout.actor_slots)} actor "
+        f"rank(s), {len(layout.engine_slots)} engine(s) (tp={'/'.join(map(str, tps))})"
+    ]
+    start = 0
+    for n in range(1, num_nodes + 1):
+        if n < num_nodes and shapes[n] == shapes[start]:
+            continue
+        nodes = range(start, n)
+        actor_gpus, engine_gpus, idle, gpus = shapes[start]
+        parts = []
+        ranks = [r for k in nodes for r, _ in actor_on[k]]
+        if ranks:
+            parts.append(f"actor ranks {_span(ranks)} on gpu{actor_gpus}")
+        engines = [e for k in nodes for e, _ in engine_on[k]]
+        if engines:
+            parts.append(f"engines {_span(engines)} on gpu{engine_gpus}")
+        if idle:
+            parts.append(f"{idle} GPU(s) idle" if idle < gpus else "idle")
+        where = name(start) if len(nodes) == 1 else f"{name(start)}..{name(n - 1)} ({len(nodes)} nodes)"
+        lines.append(f"  {where}: {'; '.join(parts)}")
+        start = n
+    return "\n".join(lines)
+
+
+def _span(values) -> str:
+    """``[0, 1, 2, 3]`` -> ``"0-3"``, ``[4]`` -> ``"4"``, with gaps ``"0-1,5"``."""
+    vs = sorted(set(values))
+    if not vs:
+        return ""
+    runs, lo = [], vs[0]
+    for prev, v in zip(vs, [*vs[1:], None]):
+        if v != prev + 1:
+            runs.append(f"{lo}" if lo == prev else f"{lo}-{prev}")
+            lo = v
+    return ",".join(runs)
+
+
+def _mode(layout: Layout) -> str:
+    if layout.colocate:
+        return "colocated (actor and engines share GPUs)"
+    return (
+        "heterogeneous (the actor and the engines on components of their own)"
+        if layout.heterogeneous
+        else ("disaggregated")
+    )
+
+
+def describe_layout(layout: Layout, node_names: list[str] | None = None) -> str:
+    """The full map, one line per actor rank and per engine (RUN_DIR/layout.txt; the screen gets
+    ``summarize_layout``)."""
 
     def where(slot: int) -> str:
-        node, gpu = slot_location(slot, gpus_per_node)
+        node, gpu = layout.slot_homes[slot]
         name = node_names[node] if node_names and node < len(node_names) else f"node{node}"
         return f"{name}:gpu{gpu}"
 
-    mode = "colocated (actor and engines share GPUs)" if layout.colocate else "disaggregated"
-    lines = [f"GPU layout: {layout.num_slots} GPUs, {mode}"]
+    lines = [f"GPU layout: {layout.num_slots} GPUs, {_mode(layout)}"]
     for rank, slot in enumerate(layout.actor_slots):
         lines.append(f"  actor rank {rank:<3d} -> {where(slot)}")
     for e, slots in enumerate(layout.engine_slots):

@@ -1,19 +1,23 @@
 """Reserve the job's GPUs as one Ray placement group and learn where each bundle landed.
 
 Ray's bundle index says nothing about node or GPU, so every bundle is probed for its
-(node IP, GPU id) and slots are assigned in numeric (IP octets, GPU id) order.
+(node IP, GPU id) and slots are assigned in numeric (IP octets, GPU id) order; in a
+heterogeneous job, group by group (the actor's component first), each bundle asking for its
+group's resource so that Ray places it on that component's nodes.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from rlhpc.cluster.layout import GROUP_RESOURCES
 from rlhpc.errors import RlhpcError
 
 log = logging.getLogger(__name__)
@@ -48,15 +52,19 @@ class _Probe:
         return ray.util.get_node_ip_address(), int(gpu_ids[0]) if gpu_ids else -1
 
 
-def create_placement(num_slots: int, timeout_s: float = 120.0) -> Placement:
-    pg = placement_group([{"GPU": 1, "CPU": 1}] * num_slots, strategy="PACK")
+def create_placement(num_slots: int, groups: Sequence[int] | None = None, timeout_s: float = 120.0) -> Placement:
+    """``groups``: slot -> group (``Layout.slot_groups``) in a heterogeneous job, else None."""
+    groups = list(groups) if groups is not None else [0] * num_slots
+    hetero = any(groups)
+    bundles = [{"GPU": 1, "CPU": 1, **({GROUP_RESOURCES[g]: 1} if hetero else {})} for g in groups]
+    pg = placement_group(bundles, strategy="PACK")
     ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
     if not ready:
         res = ray.cluster_resources()
         remove_placement_group(pg)
+        have = ", ".join(f"{k}={res.get(k, 0):g}" for k in ("GPU", "CPU", *(GROUP_RESOURCES if hetero else ())))
         raise RlhpcError(
-            f"Ray could not reserve {num_slots} GPUs within {timeout_s:.0f}s "
-            f"(cluster has GPU={res.get('GPU', 0)}, CPU={res.get('CPU', 0)})",
+            f"Ray could not reserve {num_slots} GPUs within {timeout_s:.0f}s (cluster has {have})",
             "check that every node joined Ray with its GPUs, or shrink the layout",
         )
     probes = [
@@ -68,7 +76,7 @@ def create_placement(num_slots: int, timeout_s: float = 120.0) -> Placement:
     locations = ray.get([p.where.remote() for p in probes])
     for p in probes:
         ray.kill(p)
-    order = sorted(range(num_slots), key=lambda i: sort_key(locations[i]))
+    order = sorted(range(num_slots), key=lambda i: (groups[i], *sort_key(locations[i])))
     placement = Placement(pg, order, [locations[i] for i in order])
     log.info("placement: %s", ", ".join(f"slot{k}={ip}:gpu{g}" for k, (ip, g) in enumerate(placement.location_of_slot)))
     return placement

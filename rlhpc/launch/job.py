@@ -8,26 +8,35 @@ continues from the newest checkpoint. It is a plain callable, not submitit's
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 import shutil
+import socket
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
+import psutil
 import submitit
+from rich.console import Console
 
 from rlhpc.checkpoint import CheckpointManager
 from rlhpc.config import ClusterConfig, Config
 from rlhpc.errors import RlhpcError
-from rlhpc.launch import run_owner
+from rlhpc.launch import run_owner, slurm, staging
+from rlhpc.launch.ray_cluster import NodeWatch
 from rlhpc.launch.restarts import JobExit, RestartPolicy, hold, read_history, record_start, refuse_reason, requeue
 from rlhpc.launch.run_owner import Owner
 from rlhpc.launch.signals import Stopped, StopRequest, shield_from_user_signal
+from rlhpc.launch.staging import NOT_STAGED, Staged
+from rlhpc.launch.startup import StartupClock
 from rlhpc.logs import setup_logging
-from rlhpc.run_dir import RunDir
+from rlhpc.run_dir import JobRayState, RunDir
+from rlhpc.util.files import NODE_TMP_ENV
 from rlhpc.util.secrets import write_secret
 
 log = logging.getLogger(__name__)
@@ -35,13 +44,28 @@ log = logging.getLogger(__name__)
 ENDED_LINE = "rlhpc: task ended without a result: "
 
 
+def local_ray_temp_dir(run: RunDir) -> Path:
+    """Where a local job's Ray keeps its sockets and logs: outside the run dir (Unix socket paths
+    must stay short), named after it, so what a killed job left there goes at the next start."""
+    digest = hashlib.sha256(str(run.path).encode()).hexdigest()[:12]
+    return Path(tempfile.gettempdir()) / f"rlhpc-ray-{digest}"
+
+
 @contextmanager
-def local_ray(cluster: ClusterConfig, slots: int, stop: StopRequest, token_file: Path | None = None):
+def local_ray(
+    cluster: ClusterConfig,
+    slots: int,
+    stop: StopRequest,
+    token_file: Path | None = None,
+    temp_dir: Path | None = None,
+):
     """A private single-node Ray: its own temp dir, no dashboard, GPUs declared if none exist.
 
     ``stop`` starts listening once Ray's processes exist (they keep USR2 ignored).
     ``token_file``: token authentication as on Slurm, with a new random token in that 0600 file
-    (``JobRayState.token``); set before ray is first imported, which reads RAY_AUTH_* then."""
+    (``JobRayState.token``); set before ray is first imported, which reads RAY_AUTH_* then.
+    ``temp_dir``: Ray's temp dir (``local_ray_temp_dir``), emptied first: only the run dir's
+    owner gets here, so whatever is in it was left by a job of this run that was killed."""
     if token_file is not None:
         write_secret(token_file)
         os.environ.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_file)})
@@ -56,13 +80,20 @@ def local_ray(cluster: ClusterConfig, slots: int, stop: StopRequest, token_file:
         os.environ.pop("CUDA_VISIBLE_DEVICES", None)
     # Every slot is a {GPU:1, CPU:1} bundle; Ray's CPU count is a scheduling token, not a thread.
     num_cpus = max(os.cpu_count() or 1, slots + 2)
-    temp_dir = tempfile.mkdtemp(prefix="rlhpc-ray-")
+    if temp_dir is None:
+        temp_dir = Path(tempfile.mkdtemp(prefix="rlhpc-ray-"))
+    else:
+        if temp_dir.exists():
+            log.info("removing %s, left by a killed job of this run", temp_dir)
+            shutil.rmtree(temp_dir, ignore_errors=True)
+        temp_dir.mkdir(mode=0o700)
+    os.environ[NODE_TMP_ENV] = str(temp_dir)  # Ray's workers inherit it: engines' files go with the dir
     try:
         ray.init(
             num_cpus=num_cpus,
             num_gpus=num_gpus,
             include_dashboard=False,
-            _temp_dir=temp_dir,
+            _temp_dir=str(temp_dir),
             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}},
             log_to_driver=True,
         )
@@ -71,7 +102,18 @@ def local_ray(cluster: ClusterConfig, slots: int, stop: StopRequest, token_file:
         yield "local"
     finally:
         ray.shutdown()
+        os.environ.pop(NODE_TMP_ENV, None)
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def node_gpus(c: ClusterConfig) -> dict[int | None, int]:
+    """GPUs per node of each group: the component of a heterogeneous job (0, 1), or None."""
+    return {0: c.gpus_per_node, 1: c.rollout_node_gpus} if c.heterogeneous else {None: c.gpus_per_node}
+
+
+def node_counts(c: ClusterConfig) -> tuple[int, ...]:
+    """Nodes of each component (one for a homogeneous job): what a requeue after a node loss asks for again."""
+    return (c.num_nodes, c.rollout_nodes) if c.heterogeneous else (c.num_nodes,)
 
 
 def granted_gpus() -> int:
@@ -91,27 +133,40 @@ def slurm_ray(cfg: Config, run: RunDir, env: submitit.JobEnvironment, stop: Stop
     from rlhpc.launch.ray_cluster import RayNode, wait_for_cluster
 
     c = cfg.cluster
-    gpus = granted_gpus()
-    if gpus != c.gpus_per_node:
+    group = slurm.het_group(env.global_rank)
+    if c.heterogeneous != (group is not None):
         raise RlhpcError(
-            f"task {env.global_rank} on {env.hostname}: Slurm granted {gpus} GPUs (CUDA_VISIBLE_DEVICES="
-            f"{os.environ.get('CUDA_VISIBLE_DEVICES', '')!r}) but cluster.gpus_per_node = {c.gpus_per_node}",
-            "submit with --gpus-per-node equal to cluster.gpus_per_node (jobs/submit.py sets both)",
+            "cluster.rollout_nodes is set but this task is not in a heterogeneous job step"
+            if c.heterogeneous
+            else "this task runs in a heterogeneous job step but cluster.rollout_nodes is not set",
+            "submit with jobs/submit.py (--rollout-nodes makes the het job); in a template, start the tasks "
+            "with srun --het-group=0,1 (slurm_templates/hetjob.sbatch)",
         )
-    if env.num_nodes != c.num_nodes:
+    gpus, key = (c.rollout_node_gpus, "rollout_gpus_per_node") if group == 1 else (c.gpus_per_node, "gpus_per_node")
+    if granted_gpus() != gpus:
+        option = "--rollout-gpus-per-node" if group == 1 else "--gpus-per-node"
         raise RlhpcError(
-            f"the job has {env.num_nodes} nodes but cluster.num_nodes = {c.num_nodes}",
-            "submit with --nodes equal to cluster.num_nodes (jobs/submit.py sets both)",
+            f"task {env.global_rank} on {env.hostname}: Slurm granted {granted_gpus()} GPUs (CUDA_VISIBLE_DEVICES="
+            f"{os.environ.get('CUDA_VISIBLE_DEVICES', '')!r}) but cluster.{key} = {gpus}",
+            f"submit with {option} equal to cluster.{key} (jobs/submit.py sets both)",
         )
-    job_id = os.environ.get("SLURM_JOB_ID", env.job_id)
+    if env.num_nodes != c.total_nodes:
+        raise RlhpcError(
+            f"the job has {env.num_nodes} nodes but the config {c.total_nodes} (cluster.num_nodes"
+            + (" + cluster.rollout_nodes)" if c.heterogeneous else ")"),
+            "submit with --nodes (and --rollout-nodes) equal to the config's (jobs/submit.py sets both)",
+        )
+    job_id = slurm.own_job_id(env.job_id)  # an array task: 77_3
     cpus = max(int(os.environ.get("SLURM_CPUS_ON_NODE", "0")), os.cpu_count() or 1, 2 * gpus + 2)
     state = run.ray_state(job_id, os.environ.get("SLURM_RESTART_COUNT", "0"))  # one per attempt
-    node = RayNode(state.root, job_id, env.global_rank, gpus, cpus)
+    node = RayNode(state.root, job_id, env.global_rank, gpus, cpus, group)
     try:
         if env.global_rank != 0:
             node.start_worker(c.ray_start_timeout_s)
             log.info("task %d: Ray worker on %s serving until the driver finishes", env.global_rank, node.ip)
-            code = node.wait_until_stopped()
+            code = node.wait_until_stopped(lambda: head_lost(node.state))
+            if not node.state.stop.exists():  # Ray ended without the driver's word: the head may be lost
+                _requeue_if_head_lost(node.state, env.cluster, job_id, node_counts(c))
             if code:
                 raise RlhpcError(
                     f"task {env.global_rank}: Ray on {node.ip} exited with {code}",
@@ -137,7 +192,7 @@ def slurm_ray(cfg: Config, run: RunDir, env: submitit.JobEnvironment, stop: Stop
                         f"could not connect to the Ray head at {address}: {e}", f"see {node.state.log(0)}"
                     ) from e
                 time.sleep(0.5)
-        wait_for_cluster(node.state, c.num_nodes, c.num_nodes * c.gpus_per_node, c.ray_start_timeout_s, started)
+        wait_for_cluster(node.state, c.total_nodes, c.total_gpus, c.ray_start_timeout_s, started)
         yield address
     finally:
         if env.global_rank == 0:
@@ -146,6 +201,68 @@ def slurm_ray(cfg: Config, run: RunDir, env: submitit.JobEnvironment, stop: Stop
             if "ray" in sys.modules:
                 sys.modules["ray"].shutdown()
         node.stop()
+
+
+def job_alive(cluster: str, job_id: str) -> bool | None:
+    """Whether job ``job_id`` still runs; None when that cannot be told (Slurm does not answer)."""
+    if cluster == "slurm":
+        return run_owner.liveness(Owner.slurm_job(job_id)).alive
+    # A local job's id is its controller's pid (its start time, which liveness compares, is not kept here).
+    return psutil.pid_exists(int(job_id)) if job_id.isdigit() else None
+
+
+def wait_until_unusable(nodes: list[str], timeout_s: float = 180.0) -> None:
+    """Before a requeue after a node loss: wait until Slurm itself no longer gives the lost nodes
+    out (DOWN, or not responding), so the requeued job is placed elsewhere (or on them once they
+    are back). No exclusion is added: it would outlive the failure and could starve the job."""
+    deadline = time.monotonic() + timeout_s
+    waiting = list(nodes)
+    while waiting and time.monotonic() < deadline:
+        waiting = [n for n in waiting if not slurm.node_unusable(slurm.node_state(n))]
+        if waiting:
+            time.sleep(2)
+    if waiting:
+        log.warning("Slurm still lists node(s) %s as usable after %.0fs; requeueing anyway", waiting, timeout_s)
+
+
+def head_lost(state: JobRayState) -> bool:
+    """The head's node is gone: Slurm lists it as DOWN or not responding, and its Ray GCS port
+    does not take a connection (a node that is merely slow to answer slurmctld still does)."""
+    try:
+        head = json.loads(state.node(0).read_text())
+        address = json.loads(state.head.read_text())["address"]
+    except (OSError, ValueError, KeyError):
+        return False
+    if not slurm.node_unusable(slurm.node_state(head.get("node") or head.get("host"))):
+        return False
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+    except OSError:
+        return True
+    return False
+
+
+def _head_name(state: JobRayState) -> str:
+    try:
+        head = json.loads(state.node(0).read_text())
+        return f"{head.get('node') or head.get('host')} ({head['ip']})"
+    except (OSError, ValueError, KeyError):
+        return "of this job"
+
+
+def _requeue_if_head_lost(
+    state: JobRayState, cluster: str, job_id: str, num_nodes: tuple[int, ...], timeout_s: float = 60.0
+) -> None:
+    """A worker task whose Ray ended without the driver's stop: if the head's node is lost, the
+    driver went with it, and nobody else will requeue the job (Slurm keeps a --no-kill job
+    running without its batch host): requeue it from here (raises ``JobExit``)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not state.stop.exists():
+        if head_lost(state):
+            log.error("the head node %s is lost (the driver ran there); requeueing job %s", _head_name(state), job_id)
+            requeue(cluster, job_id, num_nodes)
+        time.sleep(2)
 
 
 class TrainJob:
@@ -180,13 +297,12 @@ class TrainJob:
 
     def run(self) -> dict:
         """Train, or raise ``JobExit`` when this task must end without a result."""
-        from rlhpc.cluster.layout import plan_layout
-
+        began = time.monotonic()  # the start-up clock's origin: every start pays what follows
         run = RunDir(self.run_dir)
         cfg = run.load_config()
         console = setup_logging(cfg.logging.level)
         env = submitit.JobEnvironment()
-        job_id = os.environ.get("SLURM_JOB_ID", str(env.job_id))
+        job_id = slurm.own_job_id(str(env.job_id))  # an array task: 77_3, as the run dir's owner names it
         if env.global_rank == 0:
             self.owner = self._own_run_dir(run, env.cluster, job_id)
         if run.is_finished():  # a requeue or resubmission of a finished run has nothing to do
@@ -194,24 +310,68 @@ class TrainJob:
             return {"already_finished": True}
         if env.global_rank == 0:
             self._check_restart_loop(cfg, run, env.cluster, job_id)
+        startup = StartupClock(run, job_id, origin=began)
+        if env.global_rank == 0:
+            startup.record("prepare", began)
+        staged = self._stage(cfg, run, env, job_id, startup) if cfg.cluster.stage_dir else NOT_STAGED
+        try:
+            return self._run_staged(cfg, run, env, job_id, startup, staged, console)
+        finally:
+            staged.remove()
+
+    def _run_staged(
+        self,
+        cfg: Config,
+        run: RunDir,
+        env: submitit.JobEnvironment,
+        job_id: str,
+        startup: StartupClock,
+        staged: Staged,
+        console: Console,
+    ) -> dict:
+        from rlhpc.cluster.layout import plan_layout
+
         stop = StopRequest()
+        ray_began = time.monotonic()
         cluster = (
             slurm_ray(cfg, run, env, stop)
             if env.cluster == "slurm"
-            else local_ray(cfg.cluster, plan_layout(cfg.cluster).num_slots, stop, run.ray_state(job_id, 0).token)
+            else local_ray(
+                cfg.cluster,
+                plan_layout(cfg.cluster).num_slots,
+                stop,
+                run.ray_state(job_id, 0).token,
+                local_ray_temp_dir(run),
+            )
         )
+        watch: NodeWatch | None = None
         try:
             with cluster as head:
                 if head is None and env.cluster == "slurm":  # a worker task: Ray served, driver done
                     return {"task": env.global_rank}
+                startup.record("ray_up", ray_began)
                 from rlhpc.driver import make_progress, train  # imports ray: only once Ray's auth is set
 
-                with make_progress(console) as progress:
-                    summary = train(cfg, run, progress, stop)
+                if env.cluster == "slurm":
+                    ray_state = run.ray_state(job_id, os.environ.get("SLURM_RESTART_COUNT", "0"))
+                    watch = NodeWatch(ray_state, job_id, node_gpus(cfg.cluster), cfg.cluster.replace_lost_nodes)
+                try:
+                    with make_progress(console) as progress:
+                        summary = train(cfg, run, progress, stop, startup, staged)
+                finally:
+                    if watch is not None:
+                        with suppress(Exception):
+                            watch.check()  # a failure may be the first sign of a lost node
+                        watch.close()
         except Stopped as e:  # Ray is down by now, on every node
             log.warning("%s; requeueing", e)
             requeue(env.cluster, job_id)
         except Exception as e:
+            if watch is not None and watch.lost:  # the ranks' state went with a node: resume elsewhere
+                nodes = sorted(set(watch.lost.values()))
+                log.error("the run stopped after losing node(s) %s (%s); requeueing", ", ".join(nodes), e)
+                wait_until_unusable(nodes)
+                requeue(env.cluster, job_id, node_counts(cfg.cluster))
             if isinstance(e, RlhpcError) and not e.transient:  # a clear, named problem: a requeue would not fix it
                 raise
             if not cfg.checkpoint.requeue_on_failure or env.global_rank != 0:
@@ -221,6 +381,32 @@ class TrainJob:
         run.mark_finished(summary)
         log.info("run finished: %s", run)
         return summary
+
+    @staticmethod
+    def _stage(cfg: Config, run: RunDir, env: submitit.JobEnvironment, job_id: str, startup: StartupClock) -> Staged:
+        """Copy the model and the checkpoint to be resumed from to this node (``rlhpc.launch.staging``)."""
+        began = time.monotonic()
+        latest = None
+        if cfg.checkpoint.resume == "auto":  # the driver resumes from it unless its content is damaged
+            latest = CheckpointManager(run.checkpoints, cfg.checkpoint.keep_last).latest(content=False)
+        root = staging.stage_root(cfg.cluster.stage_dir, job_id)
+        if root.parent.is_dir():
+            staging.remove_stale(root, lambda other: job_alive(env.cluster, other))
+        engines_only = env.cluster == "slurm" and slurm.het_group(env.global_rank) == 1
+        paths = staging.plan(root, run.model_path(cfg), None if engines_only or latest is None else str(latest.path))
+        state = run.ray_state(job_id, os.environ.get("SLURM_RESTART_COUNT", "0"))  # this attempt's
+        broadcast = None
+        if staging.use_sbcast(cfg.cluster, env.cluster, env.num_nodes):
+            broadcast = staging.Broadcast(job_id, state.root / "staged")
+        if broadcast is not None and env.global_rank != 0:
+            staged = staging.receive(paths, root, broadcast)
+        else:
+            staged = staging.stage(paths, root, broadcast if env.global_rank == 0 else None)
+        if env.global_rank == 0:
+            if env.cluster == "slurm":
+                staging.write_plan(state.root, root, paths)
+            startup.record("stage", began)
+        return staged
 
     @staticmethod
     def _own_run_dir(run: RunDir, cluster: str, job_id: str) -> Owner:

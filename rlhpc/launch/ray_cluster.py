@@ -14,37 +14,92 @@ guess the head IP from the hostname and leave Ray open to anyone on the network.
 - token authentication with a random per-job token in a 0600 file;
 - readiness is polled (all nodes and GPUs registered) against a deadline; nodes that never
   joined are named, with their log files;
-- each task stops only its own Ray processes: the process group of its own ``ray start``.
+- each task stops only its own Ray processes: the process group of its own ``ray start``;
+- at scale (README "At scale"): every task raises its open-file limit to the hard limit (Slurm
+  propagates the login shell's soft limit, often 1024), and jobs of ``LARGE_JOB_NODES`` nodes or
+  more give the GCS and its clients longer timeouts (``scale_env``; a site's own RAY_* values win).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import resource
 import secrets
 import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 import zlib
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from rlhpc.cluster.layout import GROUP_RESOURCES
 from rlhpc.errors import RlhpcError
 from rlhpc.launch import slurm
 from rlhpc.run_dir import JobRayState
-from rlhpc.util.files import write_atomic
+from rlhpc.util.files import NODE_TMP_ENV, write_atomic
 from rlhpc.util.processes import stop_group
 
 log = logging.getLogger(__name__)
 
 PORT_BLOCK = 100  # ports reserved per job
+# The GCS declares a node dead after this many missed health checks (Ray's defaults take ~50 s
+# with a silent node): a lost engine node's requests move to the others within ~10-20 s. Set
+# RAY_health_check_* in the job's environment to override.
+HEALTH_CHECK_ENV = {
+    "RAY_health_check_period_ms": "2000",
+    "RAY_health_check_timeout_ms": "2000",
+    "RAY_health_check_failure_threshold": "5",
+}
 FIRST_PORT = 10000  # blocks live in 10000..31999, below Linux's ephemeral range (32768+)
 NUM_BLOCKS = 220
 MAX_BLOCK_TRIES = 16  # blocks a node tries, from its first choice on, before giving up
+
+
+LARGE_JOB_NODES = 64  # from here on, scale_env relaxes Ray's timeouts
+WANTED_OPEN_FILES = 65536  # the head holds a few connections per node and per worker process
+
+
+def scale_env(num_nodes: int, environ: dict[str, str] | None = None) -> dict[str, str]:
+    """Ray settings a job of ``num_nodes`` nodes needs, less those already set in ``environ``.
+
+    Small jobs keep Ray's defaults (a lost node is noticed in about 15 s). From
+    ``LARGE_JOB_NODES`` on, hundreds of raylets start and report at once: the GCS answers
+    slower, and a node that misses a few health checks while the head is busy is not lost.
+    """
+    if num_nodes < LARGE_JOB_NODES:
+        return {}
+    wanted = {
+        "RAY_gcs_rpc_server_reconnect_timeout_s": "300",  # clients wait this long for a busy/restarting GCS
+        "RAY_gcs_server_request_timeout_seconds": "120",
+        "RAY_raylet_start_wait_time_s": "300",  # a raylet's registration with a busy GCS
+        "RAY_health_check_timeout_ms": "30000",  # one health-check answer may take this long
+        "RAY_health_check_failure_threshold": "10",  # missed checks before a node is declared dead
+    }
+    environ = os.environ if environ is None else environ
+    return {k: v for k, v in wanted.items() if k not in environ}
+
+
+def raise_open_file_limit(wanted: int = WANTED_OPEN_FILES) -> tuple[int, int]:
+    """Soft RLIMIT_NOFILE up to the hard limit (Ray's processes inherit it); (soft, hard) after."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        soft = target
+    if soft < wanted:
+        log.warning(
+            "open-file limit %d (hard limit %d) is below %d: a large Ray cluster can run out of file "
+            "descriptors on its head node; ask the site to raise the hard limit (slurmd's LimitNOFILE)",
+            soft, hard, wanted,
+        )  # fmt: skip
+    return soft, hard
 
 
 def block_index(job_id: str) -> int:
@@ -151,14 +206,16 @@ def node_ip_address() -> str:
 
 
 class RayNode:
-    """This task's Ray: ``start_head`` on task 0 or ``start_worker`` elsewhere, then ``stop``."""
+    """This task's Ray: ``start_head`` on task 0 or ``start_worker`` elsewhere, then ``stop``.
+    ``group``: its component in a heterogeneous job (the node offers that group's resource), else None."""
 
-    def __init__(self, state_dir: Path, job_id: str, rank: int, num_gpus: int, num_cpus: int):
+    def __init__(self, state_dir: Path, job_id: str, rank: int, num_gpus: int, num_cpus: int, group: int | None = None):
         self.state = JobRayState(state_dir)
         self.job_id = job_id
         self.rank = rank
         self.num_gpus = num_gpus
         self.num_cpus = num_cpus
+        self.group = group
         self.ports: RayPorts | None = None  # chosen when Ray starts (choose_ports)
         self.ip = node_ip_address()
         # Node-local and per job and task: unix socket paths must stay short (< 108 bytes).
@@ -167,20 +224,31 @@ class RayNode:
 
     def env(self) -> dict[str, str]:
         """Environment for anything that talks to this job's Ray (ray start, the driver)."""
-        return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(self.state.token)}
+        num_nodes = int(os.environ.get("SLURM_JOB_NUM_NODES", "1"))
+        return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(self.state.token), **scale_env(num_nodes)}
 
     def _publish(self) -> None:
         """This node's file: who it is, where its log is, and (once chosen) its ports."""
-        info = {"rank": self.rank, "ip": self.ip, "host": socket.gethostname(), "log": str(self.state.log(self.rank))}
+        info = {
+            "rank": self.rank,
+            "ip": self.ip,
+            "host": socket.gethostname(),
+            "node": os.environ.get("SLURMD_NODENAME", socket.gethostname()),
+            "log": str(self.state.log(self.rank)),
+            "group": self.group,
+        }
         if self.ports is not None:
             info["ports"] = self.ports.to_dict()
         write_atomic(self.state.node(self.rank), json.dumps(info))
 
-    def _start(self, first_block: int, extra: Callable[[RayPorts], list[str]]) -> None:
+    def _start(
+        self, first_block: int, extra: Callable[[RayPorts], list[str]], env: dict[str, str] | None = None
+    ) -> None:
         self._publish()  # first: a node that cannot start is still named, with its log
         self.ports = choose_ports(first_block)
         self._publish()
         self.temp_dir.mkdir(parents=True, exist_ok=True)
+        raise_open_file_limit()
         cmd = [
             sys.executable, "-m", "ray.scripts.scripts", "start", "--block",
             f"--node-ip-address={self.ip}",
@@ -188,13 +256,18 @@ class RayNode:
             f"--num-cpus={self.num_cpus}",
             f"--temp-dir={self.temp_dir}",
             "--disable-usage-stats",
+            *([f"--resources={json.dumps({GROUP_RESOURCES[self.group]: self.num_gpus})}"] if self.group is not None else []),
             *self.ports.args(),
             *extra(self.ports),
         ]  # fmt: skip
         logf = open(self.state.log(self.rank), "ab")
         # Own session: the whole Ray tree of this task is one process group we can stop.
         self.proc = subprocess.Popen(
-            cmd, stdout=logf, stderr=subprocess.STDOUT, env={**os.environ, **self.env()}, start_new_session=True
+            cmd,
+            stdout=logf,
+            stderr=subprocess.STDOUT,
+            env={**(env or {}), **os.environ, **self.env(), NODE_TMP_ENV: str(self.temp_dir)},
+            start_new_session=True,
         )
         logf.close()
 
@@ -213,6 +286,7 @@ class RayNode:
                 "--include-dashboard=false",
                 f"--ray-client-server-port={ports.client_server}",
             ],
+            HEALTH_CHECK_ENV,  # what the environment sets wins
         )
         address = f"{self.ip}:{self.ports.gcs}"
         # The workers read the head's choice from here, never from the job id.
@@ -238,9 +312,18 @@ class RayNode:
         first = RayPorts(**head["ports"]).index if "ports" in head else block_index(self.job_id)
         self._start(first, lambda ports: [f"--address={head['address']}"])
 
-    def wait_until_stopped(self, poll_s: float = 0.5) -> int:
-        """Worker tasks: block until the driver says stop (or our Ray dies), then stop."""
+    def wait_until_stopped(
+        self, give_up: Callable[[], bool] | None = None, poll_s: float = 0.5, give_up_every_s: float = 15.0
+    ) -> int:
+        """Worker tasks: block until the driver says stop (or our Ray dies, or ``give_up``, asked
+        every ``give_up_every_s``, says the head is gone: a raylet may wait on a silent head for
+        good), then stop."""
+        asked = time.monotonic()
         while not self.state.stop.exists() and self.proc.poll() is None:
+            if give_up is not None and time.monotonic() - asked >= give_up_every_s:
+                asked = time.monotonic()
+                if give_up():
+                    break
             time.sleep(poll_s)
         code = self.proc.poll()
         self.stop()
@@ -290,3 +373,115 @@ def wait_for_cluster(
                 "read those nodes' Ray logs; raise cluster.ray_start_timeout_s if the nodes are just slow",
             )
         time.sleep(0.25)
+
+
+def dead_nodes(state: JobRayState) -> dict[str, str]:
+    """IP -> Slurm node name of every node of this job's Ray that died (no live Ray node on
+    that IP): the node files name them (``node_<rank>.json``)."""
+    import ray
+
+    nodes = ray.nodes()
+    alive = {n["NodeManagerAddress"] for n in nodes if n.get("Alive")}
+    dead = {n["NodeManagerAddress"] for n in nodes if not n.get("Alive")} - alive
+    names = {}
+    for f in state.nodes():
+        with contextlib.suppress(OSError, ValueError):
+            info = json.loads(f.read_text())
+            names[info["ip"]] = info.get("node", info.get("host", "?"))
+    return {ip: names.get(ip, ip) for ip in sorted(dead)}
+
+
+class NodeWatch:
+    """Task 0: watches the job's Ray nodes; for every node that dies, warns naming it and (with
+    ``replace``) submits a one-node Slurm job whose Ray worker joins this cluster in its place,
+    once Slurm has a node for it (the same one back, or another). The engine pool starts engines
+    there again; ``close`` cancels the replacement jobs (a pending one, or one that is running)."""
+
+    def __init__(
+        self, state: JobRayState, job_id: str, node_gpus: dict[int | None, int], replace: bool, poll_s: float = 2.0
+    ):
+        """``node_gpus``: GPUs per node of each group (None: a homogeneous job's one group)."""
+        self.state, self.job_id, self.node_gpus, self.replace = state, job_id, node_gpus, replace
+        self.lost: dict[str, str] = {}  # IP -> node name, every node lost so far
+        self.replacements: list[str] = []  # their job ids
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(poll_s,), name="node-watch", daemon=True)
+        self._thread.start()
+
+    def _run(self, poll_s: float) -> None:
+        while not self._stop.wait(poll_s):
+            try:
+                self.check()
+            except Exception as e:  # never let the watch take the driver down
+                log.warning("node watch: %s", e)
+
+    def check(self) -> None:
+        for ip, node in dead_nodes(self.state).items():
+            if ip in self.lost:
+                continue
+            self.lost[ip] = node
+            log.warning("node %s (%s) of job %s is lost: Ray declared it dead", node, ip, self.job_id)
+            if self.replace:
+                self._submit_replacement(node)
+
+    def _group_of(self, node: str) -> int | None:
+        """The component the lost node belonged to (its node file says), None in a homogeneous job."""
+        for f in self.state.nodes():
+            with contextlib.suppress(OSError, ValueError):
+                info = json.loads(f.read_text())
+                if info.get("node") == node:
+                    return info.get("group")
+        return None
+
+    def _submit_replacement(self, node: str) -> None:
+        rank = 1000 + len(self.replacements)  # its own node file, log and temp dir
+        group = self._group_of(node)
+        gpus = self.node_gpus.get(group, next(iter(self.node_gpus.values())))
+        command = [
+            sys.executable, "-m", "rlhpc.launch.ray_cluster", "worker",
+            str(self.state.root), self.job_id, str(rank), str(gpus), *([str(group)] if group is not None else []),
+        ]  # fmt: skip
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SBATCH_", "SRUN_"))}
+        env.update({k: v for k, v in os.environ.items() if k == "SLURM_CONF"})
+        try:
+            job = slurm.submit_worker(
+                self.job_id, node, f"rlhpc-{self.job_id}-replace", gpus, command, str(self.state.log(rank)), env, group
+            )
+        except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
+            log.warning("no replacement for node %s: %s; the run goes on without it", node, e)
+            return
+        self.replacements.append(job)
+        log.warning("replacement for node %s: Slurm job %s (its Ray worker joins this run once it starts)", node, job)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        for job in self.replacements:
+            with contextlib.suppress(Exception):
+                slurm.cancel(job)
+
+
+def _worker_main(argv: list[str]) -> int:
+    """``python -m rlhpc.launch.ray_cluster worker STATE_DIR JOB_ID RANK GPUS [GROUP]``: a replacement
+    node's Ray worker (see ``NodeWatch``), serving until the job's driver stops or its Ray ends."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    state_dir, job_id, rank, gpus = argv[0], argv[1], int(argv[2]), int(argv[3])
+    group = int(argv[4]) if len(argv) > 4 else None
+    cpus = max(int(os.environ.get("SLURM_CPUS_ON_NODE", "0")), os.cpu_count() or 1, 2 * gpus + 2)
+    from rlhpc.launch import staging
+
+    staged = staging.stage_replacement(Path(state_dir))  # the model, where the job stages it (cluster.stage_dir)
+    node = RayNode(Path(state_dir), job_id, rank, gpus, cpus, group)
+    try:
+        node.start_worker(timeout_s=60)
+        log.info("replacement Ray worker on %s joined job %s", node.ip, job_id)
+        return node.wait_until_stopped()
+    finally:
+        node.stop()
+        staged.remove()
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] != ["worker"]:
+        sys.exit("usage: python -m rlhpc.launch.ray_cluster worker STATE_DIR JOB_ID RANK GPUS [GROUP]")
+    sys.exit(_worker_main(sys.argv[2:]))

@@ -89,14 +89,35 @@ def refuse_reason(history: list[dict], policy: RestartPolicy) -> str | None:
     return None
 
 
-def requeue(cluster: str, job_id: str) -> NoReturn:
-    """Put the job back in the queue; raises the ``JobExit`` that ends this task."""
+def _job_state(job_id: str) -> str | None:
+    """The job's Slurm state, None when gone or when slurmctld cannot be asked (said as unknown)."""
+    try:
+        return slurm.job_state(job_id)
+    except slurm.SlurmUnreachable as e:
+        log.warning("%s", e)
+        return None
+
+
+def requeue(cluster: str, job_id: str, num_nodes: tuple[int, ...] | None = None) -> NoReturn:
+    """Put the job back in the queue; raises the ``JobExit`` that ends this task. ``num_nodes``:
+    after a node loss, the node count of each component (one for a homogeneous job) the requeued
+    job asks for again (Slurm shrank it)."""
     if cluster == "slurm":
         refused = slurm.requeue(job_id)
+        if num_nodes is not None and (refused is None or _job_state(job_id) in SLURM_ALREADY_REQUEUEING):
+            for k, count in enumerate(num_nodes):
+                target = job_id if len(num_nodes) == 1 else f"{job_id}+{k}"  # a het job's component k
+                failed = slurm.set_num_nodes(target, count)
+                if failed:
+                    log.error(
+                        "job %s: could not set its node count back to %d (%s): run `scontrol update JobId=%s "
+                        "NumNodes=%d`, or it starts with too few nodes and fails naming them",
+                        target, count, failed, target, count,
+                    )  # fmt: skip
         if refused is None:
             log.info("job %s requeued; it resumes from the newest checkpoint", job_id)
             raise JobExit(0, f"job {job_id} requeued")
-        state = slurm.job_state(job_id)
+        state = _job_state(job_id)
         if state in SLURM_ALREADY_REQUEUEING:
             log.info(
                 "job %s: Slurm is already ending or requeueing it (state %s; scontrol requeue said: %s); "

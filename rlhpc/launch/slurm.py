@@ -3,17 +3,22 @@ one home of every ``sinfo``/``scontrol`` call rlhpc makes (nothing else runs Slu
 
 submitit builds the sbatch script (one task per node, ``--signal``, ``--open-mode=append``)
 and runs sbatch; we add ``--requeue`` and refuse, before submitting, what the partition
-cannot give. ``scontrol`` rather than ``sacct`` answers job states: many sites (and the
+cannot give. submitit cannot express a heterogeneous job: ``HetSlurmExecutor`` adds the
+rollout component (``#SBATCH hetjob`` and its lines) to the script submitit writes, and
+``--het-group=0,1`` to its srun, so one task per node of both components runs the same pickle. ``scontrol`` rather than ``sacct`` answers job states: many sites (and the
 minicluster) run no accounting database.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import re
 import shutil
 import subprocess
+import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import submitit
 
@@ -37,6 +42,10 @@ class SlurmOptions:
     cpus_per_task: int | None = None
     signal_grace_s: int = 120  # USR2 this long before the time limit: room for one checkpoint
     extra: dict[str, str | bool] = field(default_factory=dict)  # any other sbatch option
+    # The rollout component of a heterogeneous job (cluster.rollout_*); None: a homogeneous job.
+    rollout_nodes: int | None = None
+    rollout_gpus_per_node: int | None = None
+    rollout_partition: str | None = None
 
     def check(self) -> None:
         """Refuse what sbatch would take but the job cannot live with (before anything is written)."""
@@ -58,7 +67,7 @@ class SlurmOptions:
             )
         named = {
             f"--{name.replace('_', '-')}": getattr(self, name)
-            for name in ("partition", "account", "qos", "constraint", "job_name")
+            for name in ("partition", "account", "qos", "constraint", "job_name", "rollout_partition")
         }
         named.update({f"--sbatch {key}": f"{key}={value}" for key, value in self.extra.items()})
         for option, value in named.items():
@@ -153,37 +162,54 @@ def query_partitions() -> dict[str, Partition]:
 
 
 def preflight(opts: SlurmOptions) -> None:
-    """Refuse, before anything is submitted, what the partition can never give."""
-    if opts.nodes < 1:
-        raise ConfigError(f"--nodes {opts.nodes} must be at least 1", "ask for one node or more")
-    if opts.gpus_per_node < 1:
-        raise ConfigError(
-            f"--gpus-per-node {opts.gpus_per_node} must be at least 1", "the actor and the engines need GPUs"
-        )
+    """Refuse, before anything is submitted, what the partition (each component's, in a
+    heterogeneous job) can never give."""
     parts = query_partitions()
-    key = opts.partition or ""
+    _check_component(parts, opts.nodes, opts.gpus_per_node, opts.partition, "")
+    if opts.rollout_nodes is not None:
+        partition = opts.rollout_partition or opts.partition
+        _check_component(
+            parts, opts.rollout_nodes, opts.rollout_gpus_per_node or opts.gpus_per_node, partition, "rollout-"
+        )
+
+
+def _check_component(parts: dict[str, Partition], nodes: int, gpus: int, partition: str | None, flag: str) -> None:
+    """One component's request against its partition; ``flag`` prefixes the options it names."""
+    if nodes < 1:
+        raise ConfigError(f"--{flag}nodes {nodes} must be at least 1", "ask for one node or more")
+    if gpus < 1:
+        raise ConfigError(f"--{flag}gpus-per-node {gpus} must be at least 1", "the actor and the engines need GPUs")
+    key = partition or ""
     if key not in parts:
         names = ", ".join(sorted(p for p in parts if p))
         raise ConfigError(
-            f"partition {opts.partition!r} does not exist"
-            if opts.partition
-            else "this cluster has no default partition",
-            f"pass --partition with one of: {names}",
+            f"partition {partition!r} does not exist" if partition else "this cluster has no default partition",
+            f"pass --{flag}partition with one of: {names}",
         )
     part = parts[key]
-    if opts.nodes > part.nodes:
+    if nodes > part.nodes:
         raise ConfigError(
-            f"--nodes {opts.nodes} but partition {part.name!r} has {part.nodes} nodes",
+            f"--{flag}nodes {nodes} but partition {part.name!r} has {part.nodes} nodes",
             f"ask for at most {part.nodes} nodes, or another partition",
         )
-    if opts.gpus_per_node > part.gpus_per_node:
+    if gpus > part.gpus_per_node:
         raise ConfigError(
-            f"--gpus-per-node {opts.gpus_per_node} but nodes in partition {part.name!r} have {part.gpus_per_node} GPUs",
+            f"--{flag}gpus-per-node {gpus} but nodes in partition {part.name!r} have {part.gpus_per_node} GPUs",
             f"ask for at most {part.gpus_per_node} GPUs per node",
         )
 
 
-class PreviewExecutor(submitit.SlurmExecutor):
+class HetSlurmExecutor(submitit.SlurmExecutor):
+    """submitit's SlurmExecutor for a heterogeneous job: the script submitit writes (component 0)
+    plus the rollout component's ``#SBATCH`` lines (``rollout_component``)."""
+
+    rollout: list[str] = []
+
+    def _make_submission_file_text(self, command: str, uid: str) -> str:
+        return with_component(super()._make_submission_file_text(command, uid), self.rollout)
+
+
+class PreviewExecutor(HetSlurmExecutor):
     """submitit's SlurmExecutor without its check that ``srun`` exists: a dry run previews the
     sbatch script on a laptop, built by the same executor and parameters as a real submission."""
 
@@ -192,8 +218,52 @@ class PreviewExecutor(submitit.SlurmExecutor):
         return 2  # what submitit's own affinity() answers where srun exists
 
 
-def slurm_executor(run: RunDir, opts: SlurmOptions, preview: bool = False) -> submitit.SlurmExecutor:
-    executor = (PreviewExecutor if preview else submitit.SlurmExecutor)(folder=run.submitit_dir)
+def rollout_component(opts: SlurmOptions) -> list[str]:
+    """The ``#SBATCH`` lines of a heterogeneous job's rollout component (none for a homogeneous
+    job): its nodes, GPUs and partition, and what each component needs for itself (one task per
+    node, the time limit and its warning, --no-kill, account, QOS)."""
+    if opts.rollout_nodes is None:
+        return []
+    from submitit.slurm.slurm import _as_sbatch_flag
+
+    params: dict[str, object] = {
+        "nodes": opts.rollout_nodes,
+        "ntasks_per_node": 1,
+        "gpus_per_node": opts.rollout_gpus_per_node or opts.gpus_per_node,
+        "time": opts.time_min,
+        "signal": f"USR2@{opts.signal_grace_s}",  # measured: without it a preempted component is killed at once
+        "no_kill": True,
+    }
+    for key in ("account", "qos", "cpus_per_task"):
+        if getattr(opts, key) is not None:
+            params[key] = getattr(opts, key)
+    partition = opts.rollout_partition or opts.partition
+    if partition:
+        params["partition"] = partition
+    if opts.exclusive:
+        params["exclusive"] = True
+    return ["#SBATCH hetjob"] + [_as_sbatch_flag(k, v) for k, v in sorted(params.items())]
+
+
+def with_component(script: str, lines: list[str]) -> str:
+    """``script`` (submitit's) with ``lines`` after its last ``#SBATCH`` line."""
+    if not lines:
+        return script
+    rows = script.split("\n")
+    last = max(i for i, row in enumerate(rows) if row.startswith("#SBATCH "))
+    return "\n".join([*rows[: last + 1], *lines, *rows[last + 1 :]])
+
+
+def slurm_executor(
+    run: RunDir, opts: SlurmOptions, preview: bool = False, folder: Path | None = None, max_parallel: int | None = None
+) -> submitit.SlurmExecutor:
+    """``folder``: submitit's files (default: the run dir's); ``max_parallel``: array tasks at once
+    when several jobs are submitted together (``submit_array``: one Slurm job array)."""
+    het = opts.rollout_nodes is not None
+    kind = PreviewExecutor if preview else HetSlurmExecutor if het else submitit.SlurmExecutor
+    executor = kind(folder=folder or run.submitit_dir)
+    if isinstance(executor, HetSlurmExecutor):
+        executor.rollout = rollout_component(opts)
     params = {
         "job_name": opts.job_name,
         "nodes": opts.nodes,
@@ -201,7 +271,11 @@ def slurm_executor(run: RunDir, opts: SlurmOptions, preview: bool = False) -> su
         "gpus_per_node": opts.gpus_per_node,
         "time": opts.time_min,
         "signal_delay_s": opts.signal_grace_s,
-        "additional_parameters": {"requeue": True, **opts.extra},
+        # --no-kill on the job and on submitit's srun step: a node that dies takes only its own
+        # task with it (Slurm drops it from the allocation); the driver decides what that costs.
+        "additional_parameters": {"requeue": True, "no_kill": True, **opts.extra},
+        # One task per node of both components (het jobs); srun runs only component 0's otherwise.
+        "srun_args": ["--no-kill", *(["--het-group=0,1"] if het else [])],
         "stderr_to_stdout": False,
     }
     for key in ("partition", "account", "qos", "constraint", "cpus_per_task"):
@@ -209,15 +283,37 @@ def slurm_executor(run: RunDir, opts: SlurmOptions, preview: bool = False) -> su
             params[key] = getattr(opts, key)
     if opts.exclusive:
         params["exclusive"] = True
+    if max_parallel is not None:
+        params["array_parallelism"] = max_parallel
     executor.update_parameters(**params)
     return executor
 
 
-def sbatch_script(executor: submitit.SlurmExecutor) -> str:
-    """The script submitit would hand to sbatch (its own builder, so preview and reality agree)."""
+def own_job_id(default: str) -> str:
+    """This job's id as Slurm's commands take it: ``77_3`` for task 3 of array 77 (its own
+    ``SLURM_JOB_ID`` is another number, which submitit's ids never show), else SLURM_JOB_ID."""
+    array, task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
+    if array and task:
+        return f"{array}_{task}"
+    return os.environ.get("SLURM_JOB_ID", default)
+
+
+def het_group(rank: int) -> int | None:
+    """This task's component in a heterogeneous job step, None outside one. srun numbers the
+    tasks of a het step globally, component 0's first (measured on Slurm 22.05)."""
+    if not os.environ.get("SLURM_HET_SIZE"):
+        return None
+    return 0 if rank < int(os.environ.get("SLURM_NTASKS_HET_GROUP_0", "0")) else 1
+
+
+def sbatch_script(executor: submitit.SlurmExecutor, array: int | None = None) -> str:
+    """The script submitit would hand to sbatch (its own builder, so preview and reality agree);
+    ``array``: as a job array of that many tasks."""
     from submitit.slurm.slurm import _make_sbatch_string
 
-    return _make_sbatch_string(command=executor._submitit_command_str, folder=executor.folder, **executor.parameters)
+    params = {**executor.parameters, **({"map_count": array} if array else {})}
+    script = _make_sbatch_string(command=executor._submitit_command_str, folder=executor.folder, **params)
+    return with_component(script, getattr(executor, "rollout", []))
 
 
 # ---------------------------------------------------------------- jobs and nodes
@@ -238,9 +334,29 @@ SLURM_ACTIVE = {
 }
 
 
-def job_state(job_id: str) -> str | None:
-    """The job's state from ``scontrol`` (which needs no accounting database), None once forgotten."""
-    return _fields(_run(["scontrol", "show", "job", job_id, "-o"], timeout=30).stdout).get("JobState")
+class SlurmUnreachable(OSError):
+    """slurmctld did not answer (busy, restarting, network): the job's state is unknown, not gone."""
+
+
+def job_state(job_id: str, attempts: int = 4) -> str | None:
+    """The job's state from ``scontrol`` (which needs no accounting database), None once Slurm
+    has forgotten it ("Invalid job id"). A controller that does not answer is asked again, then
+    raises ``SlurmUnreachable``: taking "could not ask" for "gone" would let a second job take
+    over a live run dir."""
+    for attempt in range(attempts):
+        try:
+            out = _run(["scontrol", "show", "job", job_id, "-o"], timeout=30)
+        except subprocess.TimeoutExpired:
+            problem = "scontrol timed out"
+        else:
+            if out.returncode == 0 and out.stdout.strip():
+                return _fields(out.stdout).get("JobState")
+            if "invalid job id" in out.stderr.lower():
+                return None
+            problem = out.stderr.strip() or f"scontrol exit status {out.returncode}"
+        if attempt + 1 < attempts:
+            time.sleep(2**attempt)
+    raise SlurmUnreachable(f"state of job {job_id} unknown: {problem}")
 
 
 def show_job(job_id: str) -> dict[str, str] | None:
@@ -285,3 +401,87 @@ def hold_reason(info: dict[str, str] | None) -> str | None:
     if state == "REQUEUE_HOLD" or (state in ("PENDING", "REQUEUED") and "held" in reason.lower()):
         return reason or state
     return None
+
+
+# ---------------------------------------------------------------- node loss
+
+
+def node_state(node: str) -> str | None:
+    """``State=`` of a node (e.g. ``IDLE``, ``MIXED``, ``DOWN*``), None when scontrol cannot say."""
+    try:
+        out = _run(["scontrol", "show", "node", node, "-o"], timeout=30)
+    except (FileNotFoundError, subprocess.TimeoutExpired):
+        return None
+    return _fields(out.stdout).get("State") if out.returncode == 0 else None
+
+
+def node_unusable(state: str | None) -> bool:
+    """Slurm will not give this node to a job: DOWN/DRAIN/FAIL, or not responding (``*``)."""
+    if not state:
+        return False
+    flags = set(state.rstrip("*~#%$@^!-").split("+"))
+    return state.endswith("*") or bool(flags & {"DOWN", "DRAIN", "DRAINED", "DRAINING", "FAIL", "FAILING"})
+
+
+def hostnames(nodelist: str) -> list[str]:
+    """``node[0-2]`` -> ["node0", "node1", "node2"] (``scontrol show hostnames``)."""
+    if not nodelist or nodelist == "(null)":
+        return []
+    out = _run(["scontrol", "show", "hostnames", nodelist], timeout=30)
+    return out.stdout.split() if out.returncode == 0 else []
+
+
+def job_components(job_id: str) -> list[dict[str, str]]:
+    """``scontrol show job`` of a heterogeneous job, one dict per component (one for any other job)."""
+    try:
+        out = _run(["scontrol", "show", "job", job_id, "-o"], timeout=30)
+    except (FileNotFoundError, subprocess.TimeoutExpired):
+        return []
+    return [_fields(line) for line in out.stdout.splitlines() if line.strip()] if out.returncode == 0 else []
+
+
+def submit_worker(
+    job_id: str,
+    lost: str,
+    name: str,
+    gpus_per_node: int,
+    command: list[str],
+    log_file: str,
+    env: dict[str, str],
+    group: int | None = None,
+) -> str:
+    """A one-node job that runs ``command`` (a Ray worker joining job ``job_id``'s cluster) in the
+    partition, account and QOS of job ``job_id`` (of its component ``group``, in a heterogeneous
+    job), on a node it does not hold: a replacement for the node ``lost``. Its job id."""
+    import shlex
+
+    components = job_components(job_id)
+    info = components[group or 0] if len(components) > (group or 0) else {}
+    cmd = ["sbatch", "--parsable", "--nodes=1", "--ntasks=1", f"--job-name={name}", f"--output={log_file}"]
+    cmd += [f"--gpus-per-node={gpus_per_node}"] if gpus_per_node else []
+    for key, option in (("Partition", "partition"), ("Account", "account"), ("QOS", "qos")):
+        if info.get(key) and info[key] != "(null)":
+            cmd.append(f"--{option}={info[key]}")
+    # Not on a node the job still holds (its GPUs are taken, and one Ray node per host); the lost
+    # node may still be listed until Slurm marks it DOWN, and is welcome back.
+    held = [n for c in components for n in hostnames(c.get("NodeList", "")) if n != lost]
+    if held:
+        cmd.append(f"--exclude={','.join(held)}")
+    cmd.append("--wrap=exec " + shlex.join(command))
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
+    if out.returncode != 0:
+        raise RuntimeError(f"sbatch of a replacement worker failed: {out.stderr.strip()}")
+    return out.stdout.strip().split(";")[0]
+
+
+def set_num_nodes(job_id: str, num_nodes: int) -> str | None:
+    """``scontrol update NumNodes``: Slurm shrinks a --no-kill job that lost a node (measured: a
+    3-node job requeued after a loss pends as a 2-node job); once requeued it must ask for all its
+    nodes again. Slurm's refusal as text, None when it accepted."""
+    out = _run(["scontrol", "update", f"JobId={job_id}", f"NumNodes={num_nodes}"], timeout=60)
+    return (out.stderr.strip() or f"exit status {out.returncode}") if out.returncode else None
+
+
+def cancel(job_id: str) -> None:
+    """``scancel``; a job that is already gone is not an error."""
+    _run(["scancel", job_id], timeout=60)

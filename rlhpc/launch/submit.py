@@ -14,7 +14,7 @@ from pathlib import Path
 import submitit
 from submitit.local.local import LocalJob
 
-from rlhpc.cluster.layout import describe_layout, plan_layout
+from rlhpc.cluster.layout import idle_note, plan_layout, summarize_layout
 from rlhpc.config import Config
 from rlhpc.errors import RlhpcError
 from rlhpc.launch import run_owner, slurm
@@ -186,11 +186,18 @@ def start_slurm(run: RunDir, opts: SlurmOptions) -> submitit.Job:
     return job
 
 
-def dry_run(cfg: Config, run_dir: Path, opts: SlurmOptions) -> str:
-    """The sbatch script and the GPU plan, without submitting (or writing anything)."""
+def dry_run(
+    cfg: Config, run_dir: Path, opts: SlurmOptions, array: int | None = None, max_parallel: int | None = None
+) -> str:
+    """The sbatch script and the GPU plan, without submitting (or writing anything); ``array``:
+    the script of a sweep's job array of that many tasks (the plan is its first task's)."""
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:  # submitit wants a folder; the real one stays untouched
-        script = sbatch_script(slurm_executor(RunDir(tmp), opts, preview=True)).replace(tmp, str(run_dir))
-    layout = describe_layout(plan_layout(cfg.cluster), cfg.cluster.gpus_per_node)
-    return f"{script}\n\n{layout}\n"
+        executor = slurm_executor(RunDir(tmp), opts, preview=True, max_parallel=max_parallel)
+        script = sbatch_script(executor, array).replace(tmp, str(run_dir))
+    layout = summarize_layout(plan_layout(cfg.cluster))
+    idle = idle_note(cfg.cluster)
+    notes = f"\nWARNING: {idle}" if idle else ""
+    where = "each task's layout.txt" if array else RunDir(run_dir).layout_file
+    return f"{script}\n\n{layout}\n  full map: {where} (written at submission){notes}\n"

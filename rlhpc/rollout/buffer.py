@@ -50,6 +50,15 @@ class DataBuffer:
         order = self._order(epoch)
         return [self.rows[i] for i in order[start : start + self.batch_size]]
 
+    def extra_rows(self, rollout_id: int, round: int, count: int) -> list[dict]:
+        """``count`` more prompts for rollout ``rollout_id``'s dynamic-sampling round ``round``: drawn
+        from all rows (without repeats while there are enough) by a pure function of
+        (seed, rollout id, round), so a rerun or a resume draws the same ones."""
+        rng = random.Random(f"{self.seed}:extra:{rollout_id}:{round}")
+        n = len(self.rows)
+        picks = rng.sample(range(n), count) if count <= n else rng.choices(range(n), k=count)
+        return [self.rows[i] for i in picks]
+
     def is_epoch_end(self, rollout_id: int) -> bool:
         return (rollout_id + 1) % self.num_rollout_per_epoch == 0
 

@@ -8,10 +8,13 @@ that names them (tests check it against SGLang's sources).
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from typing import Any
 
 import requests
+from requests.adapters import HTTPAdapter
+from urllib3.connection import HTTPConnection
 
 from rlhpc.errors import RlhpcError
 from rlhpc.rollout import protocol as P
@@ -25,6 +28,45 @@ class EngineUnavailable(RlhpcError):
     """The engine did not answer (connection refused/reset, timeout) or answered 5xx: it may be dead."""
 
 
+# ------------------------------------------------------------------ connections
+
+# A node that loses power sends no reset: a request to it would wait out its whole read timeout
+# (600 s for a generation), deaf to the node-loss check. TCP keepalive probes an idle connection
+# every few seconds, and a user timeout bounds unacknowledged sends, so the kernel gives up on a
+# silent peer in ~15 s while a busy but live server (its kernel answers the probes) is waited for.
+CONNECT_TIMEOUT_S = 10.0
+KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 5, 2, 4
+USER_TIMEOUT_MS = 15_000
+
+
+def _socket_options() -> list[tuple[int, int, int]]:
+    options = [*HTTPConnection.default_socket_options, (socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)]
+    for name, value in (
+        ("TCP_KEEPIDLE", KEEPALIVE_IDLE_S),
+        ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
+        ("TCP_KEEPCNT", KEEPALIVE_PROBES),
+        ("TCP_USER_TIMEOUT", USER_TIMEOUT_MS),
+    ):
+        if hasattr(socket, name):  # Linux has them all; elsewhere the system's keepalive defaults apply
+            options.append((socket.IPPROTO_TCP, getattr(socket, name), value))
+    return options
+
+
+class _KeepAliveAdapter(HTTPAdapter):
+    def init_poolmanager(self, *args: Any, **kwargs: Any) -> None:
+        kwargs["socket_options"] = _socket_options()
+        super().init_poolmanager(*args, **kwargs)
+
+
+def engine_session() -> requests.Session:
+    """A session whose connections notice a silent peer (see above)."""
+    session = requests.Session()
+    adapter = _KeepAliveAdapter()
+    session.mount("http://", adapter)
+    session.mount("https://", adapter)
+    return session
+
+
 # ------------------------------------------------------------------ client
 
 
@@ -35,7 +77,7 @@ class EngineClient:
         """``api_key``: the job's engine key (``rlhpc.rollout.engine_key``), sent on every request."""
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
-        self._session = requests.Session()
+        self._session = engine_session()
         self._session.headers.update(auth_headers(api_key))
 
     def __repr__(self) -> str:
@@ -48,7 +90,7 @@ class EngineClient:
     ) -> requests.Response:
         url = f"{self.base_url}{route}"
         try:
-            kwargs: dict[str, Any] = {"timeout": timeout_s or self.timeout_s}
+            kwargs: dict[str, Any] = {"timeout": (CONNECT_TIMEOUT_S, timeout_s or self.timeout_s)}
             if send_body and body is not None:
                 kwargs["json"] = body
             resp = self._session.request(method, url, **kwargs)
@@ -176,9 +218,18 @@ class EngineClient:
     def init_weights_update_group(self, req: P.InitWeightsUpdateGroupReqInput) -> dict[str, Any]:
         return self._checked(Route.INIT_WEIGHTS_UPDATE_GROUP, P.body(req))
 
-    def destroy_weights_update_group(self, group_name: str) -> dict[str, Any]:
+    def destroy_weights_update_group(self, group_name: str, timeout_s: float | None = None) -> dict[str, Any]:
         req = P.DestroyWeightsUpdateGroupReqInput(group_name=group_name)
-        return self._checked(Route.DESTROY_WEIGHTS_UPDATE_GROUP, P.body(req))
+        return self._checked(Route.DESTROY_WEIGHTS_UPDATE_GROUP, P.body(req), timeout_s)
+
+    def begin_weight_update(self, selector: str = "all") -> dict[str, Any]:
+        """Open SGLang's weight-update session (refused while one is open); the updates below are
+        refused outside one."""
+        return self._checked(Route.BEGIN_WEIGHT_UPDATE, P.body(P.BeginWeightUpdateReqInput(selector=selector)))
+
+    def end_weight_update(self, timeout_s: float | None = None) -> dict[str, Any]:
+        """Close the session (refused when none is open)."""
+        return self._checked(Route.END_WEIGHT_UPDATE, P.body(P.EndWeightUpdateReqInput()), timeout_s)
 
     def update_weights_from_distributed(self, req: P.UpdateWeightsFromDistributedReqInput) -> dict[str, Any]:
         return self._checked(Route.UPDATE_WEIGHTS_FROM_DISTRIBUTED, P.body(req))

@@ -25,7 +25,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -37,7 +36,7 @@ from rlhpc.rollout import sglang_server
 from rlhpc.rollout.client import EngineClient
 from rlhpc.rollout.engine_key import read_key
 from rlhpc.rollout.sglang_server import SGLangSpec
-from rlhpc.util.files import tail
+from rlhpc.util.files import node_tmp_dir, tail
 from rlhpc.util.net import http_url, url_host
 from rlhpc.util.processes import stop_group
 
@@ -83,7 +82,7 @@ class EngineActor:
         self.host = host or (self.node_ip if key_file else "127.0.0.1")
         self.key_file = key_file
         self.api_key = read_key(key_file) if key_file else None
-        self.tmp_dir = Path(tempfile.mkdtemp(prefix=f"rlhpc-engine{engine_id}-"))
+        self.tmp_dir = node_tmp_dir(f"rlhpc-engine{engine_id}-")
         self.ready_file = self.tmp_dir / "ready.json"
         self.proc: subprocess.Popen | None = None
         self._url: str | None = None

@@ -12,6 +12,11 @@ opened again over all engines, since they share one group, and the current versi
 Generation requests that failed on it are sent again; every sample has its own seed, so they
 give the same tokens.
 
+/health is asked only after a failure (a request or a push that an engine did not answer),
+never before every generation, evaluation or push: SGLang's /health is itself a generation
+that waits at least a second. A dead server refuses connections at once, so its death shows
+as failed requests; a hung one, as requests that time out (``EngineClient.timeout_s``).
+
 Restarts wait for a safe moment. A restarted engine must get the weights the others hold, and
 only the actor has them, and only while it is not training. Generation in the async pipeline
 runs beside training (``restarts_deferred``): an engine it finds dead is only marked down, its
@@ -33,8 +38,9 @@ import logging
 import shutil
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -59,6 +65,22 @@ log = logging.getLogger(__name__)
 
 # Share of a GPU an engine takes when it sits beside an actor rank (colocate).
 COLOCATED_ENGINE_GPU = 0.2
+# How often generation in flight asks Ray whether an engine's node died: a request to a node that
+# lost power gets no answer at all (no refused connection), only Ray's health checks notice.
+NODE_CHECK_S = 2.0
+
+
+class NodeLost(RlhpcError):
+    """A node holding actor ranks died: their state (weights, optimizer) is gone with it."""
+
+    transient = True  # the job requeues and resumes from the newest checkpoint
+
+    def __init__(self, nodes: list[str]):
+        super().__init__(
+            f"node(s) {', '.join(nodes)} holding actor ranks died: the ranks' state is gone",
+            "nothing to do: the job requeues and resumes from the newest checkpoint",
+        )
+        self.nodes = nodes
 
 
 class EnginesDown(RlhpcError):
@@ -114,6 +136,7 @@ class EnginePool:
         # Loopback when every engine and actor rank is on the driver's node (the embedded default).
         self.engine_host = "127.0.0.1" if all(ip == here for ip, _ in placement.location_of_slot) else None
         self.engine_world_sizes = [len(slots) for slots in layout.engine_slots]
+        self._placement, self._layout, self._model_path, self._log_dir = placement, layout, model_path, log_dir
         # engine e's actors, one per node it spans (node rank 0 first, the one serving HTTP)
         self.engine_parts = [
             self._start_engine(e, slots, model_path, placement, layout, log_dir)
@@ -140,6 +163,17 @@ class EnginePool:
         self._weights: WeightSource | None = None
         self._reconnect = False  # an engine came back since the weight-sync channel was opened
         self._threads = ThreadPoolExecutor(max_workers=max(4, 2 * len(self.clients)))
+        # Health checks of their own: with partial rollouts the main thread checks the engines
+        # before a push while the generation's requests fill the pool above.
+        self._health_threads = ThreadPoolExecutor(max_workers=max(2, len(self.clients)))
+        # Node loss: engines whose node Ray declared dead (engine -> node IP) serve no request and
+        # are left out of the weight-sync group until their bundles are placed on a live node again.
+        self.lost: dict[int, str] = {}
+        self._engine_bundles = [[placement.bundle_of_slot[s] for s in slots] for slots in layout.engine_slots]
+        self._actor_bundles = [placement.bundle_of_slot[s] for s in layout.actor_slots]
+        where = self._bundle_nodes()
+        self._engine_nodes = [{where.get(b) for b in bundles} for bundles in self._engine_bundles]
+        self._actor_nodes = {where.get(b) for b in self._actor_bundles}
 
     def _start_engine(
         self, e: int, slots: tuple[int, ...], model_path: str, placement: Placement, layout: Layout, log_dir: Path
@@ -184,6 +218,84 @@ class EnginePool:
     def engine_urls(self) -> list[str]:
         return [c.base_url for c in self.clients]
 
+    @property
+    def num_engines(self) -> int:
+        """Engines serving now (those lost with their node do not count)."""
+        return len(self.clients) - len(self.lost)
+
+    # ------------------------------------------------------------ node loss
+
+    def _bundle_nodes(self) -> dict[int, str]:
+        """Placement-group bundle -> the Ray node id it is placed on now (absent while unplaced)."""
+        table = ray.util.placement_group_table(self._placement.pg)
+        return {int(b): n for b, n in table.get("bundles_to_node_id", {}).items() if n}
+
+    @staticmethod
+    def _dead_ray_nodes() -> dict[str, str]:
+        """Ray node id -> IP of every node Ray declared dead."""
+        return {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if not n.get("Alive")}
+
+    def check_nodes(self) -> list[int]:
+        """Mark the engines whose node Ray declared dead as lost; returns the newly lost ones.
+        A dead node that holds actor ranks raises ``NodeLost``: the run cannot go on without them."""
+        dead = self._dead_ray_nodes()
+        if not dead:
+            return []
+        actor_lost = sorted({dead[n] for n in self._actor_nodes if n in dead})
+        if actor_lost:
+            raise NodeLost(actor_lost)
+        new = [e for e, nodes in enumerate(self._engine_nodes) if e not in self.lost and nodes & dead.keys()]
+        for e in new:
+            self.lost[e] = dead[next(iter(self._engine_nodes[e] & dead.keys()))]
+            self.down.discard(e)
+        if new:
+            self._reconnect = True  # the weight-sync group is formed again without them
+            for ip in sorted({self.lost[e] for e in new}):
+                gone = [e for e in new if self.lost[e] == ip]
+                log.warning(
+                    "node %s is lost: rollout engine(s) %s gone with it; the run goes on with %d engine(s), "
+                    "their requests are sent again to the others",
+                    _node_name(ip), gone, self.num_engines,
+                )  # fmt: skip
+            if not self.num_engines:
+                raise EnginesDown(sorted(self.lost), self.weight_version)
+        return new
+
+    def _rejoin(self) -> None:
+        """Start lost engines again where Ray placed their bundles anew (the node back, or a
+        replacement node that joined the job's Ray); they get the current weights with the others."""
+        if not self.lost:
+            return
+        where = self._bundle_nodes()
+        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        for e in sorted(self.lost):
+            nodes = {where.get(b) for b in self._engine_bundles[e]}
+            if not nodes <= alive:
+                continue  # not placed yet
+            try:
+                parts = self._start_engine(
+                    e, self._layout.engine_slots[e], self._model_path, self._placement, self._layout, self._log_dir
+                )
+                url = ray.get(parts[0].url.remote(), timeout=self.rollout_cfg.engine_startup_timeout_s)
+            except Exception as err:  # the new node may be gone again: try at the next boundary
+                log.warning("rollout engine %d could not start again on its new node: %s", e, err)
+                continue
+            self.engine_parts[e] = parts
+            self.engines[e] = parts[0]
+            self.clients[e].close()
+            self.clients[e] = EngineClient(url, api_key=self.api_key)
+            self._engine_nodes[e] = nodes
+            del self.lost[e]
+            self._reconnect = True
+            log.warning("rollout engine %d is back at %s: %d engine(s) serve", e, url, self.num_engines)
+
+    def _abandon_threads(self) -> None:
+        """Requests to a node that lost power hang until their HTTP timeout: leave their threads
+        behind in the old pool and send from a new one."""
+        old = self._threads
+        self._threads = ThreadPoolExecutor(max_workers=max(4, 2 * len(self.clients)))
+        old.shutdown(wait=False)
+
     # ------------------------------------------------------------ generation
 
     @contextmanager
@@ -199,7 +311,7 @@ class EnginePool:
         return getattr(self._deferred, "on", False)
 
     def generate(self, requests: Sequence[Request], done: Callable[[int], None] | None = None) -> list[list[dict]]:
-        """A ``generation.Send``: bring dead engines back first (cheap when all answer), then ``send``."""
+        """A ``generation.Send``: bring engines known to be down back first (no round trip when none is), then ``send``."""
         self.ensure_engines()
         return self.send(requests, done)
 
@@ -207,7 +319,7 @@ class EnginePool:
         """Where requests go: the router, or the engines not marked down."""
         if self.router_client is not None and not self.down and not self._router_down:
             return [self.router_client]
-        return [c for e, c in enumerate(self.clients) if e not in self.down]
+        return [c for e, c in enumerate(self.clients) if e not in self.down and e not in self.lost]
 
     def send(self, requests: Sequence[Request], done: Callable[[int], None] | None = None) -> list[list[dict]]:
         """Send request c to engine c mod the engine count (or to the router), all at once; the
@@ -228,32 +340,50 @@ class EnginePool:
             futures = {self._threads.submit(request, c, targets): c for c in pending}
             failed: list[int] = []
             error: EngineUnavailable | None = None
-            for fut in as_completed(futures):
-                if self.stop is not None and self.stop.requested:
-                    self._abort(futures)
-                c = futures[fut]
-                try:
-                    answers[c] = fut.result()
-                except EngineUnavailable as e:  # maybe a dead engine: decided once all have answered
-                    failed.append(c)
-                    error = e
+            lost_before = len(self.lost)
+            waiting, checked = set(futures), time.monotonic()
+            while waiting:
+                finished, waiting = wait(waiting, timeout=NODE_CHECK_S, return_when=FIRST_COMPLETED)
+                for fut in finished:
+                    if self.stop is not None and self.stop.requested:
+                        self._abort(futures)
+                    c = futures[fut]
+                    try:
+                        answers[c] = fut.result()
+                    except EngineUnavailable as e:  # maybe a dead engine: decided once all have answered
+                        failed.append(c)
+                        error = e
+                        continue
+                    if done is not None:
+                        done(c)
+                if not waiting or time.monotonic() - checked < NODE_CHECK_S:
                     continue
-                if done is not None:
-                    done(c)
+                checked = time.monotonic()
+                if self.check_nodes():  # their requests will never be answered
+                    gone_clients = {id(self.clients[e]) for e in self.lost}
+                    gone = {f for f in waiting if id(targets[futures[f] % len(targets)]) in gone_clients}
+                    failed += [futures[f] for f in gone]
+                    waiting -= gone
+                    self._abandon_threads()
             if failed:
                 # Nothing is in flight now, so re-syncing (which pauses every engine) loses nothing.
+                self.check_nodes()
                 if self._deferring():
-                    if not self._mark_down():
-                        raise error  # every engine and the router answer: a real error
+                    # every engine and the router answer, none was lost with its node, and none was
+                    # restarted (a partial-rollout push restarts dead ones beside generation) since
+                    # these were sent: a real error
+                    marked = self._mark_down()
+                    if not marked and len(self.lost) == lost_before and targets == self._targets():
+                        raise error
                     where = "the healthy engine(s)"
                 else:
                     router = self.router_client
-                    dead = self._restart_dead()
-                    if not dead and self.router_client is router:  # nothing was down: a real error
-                        raise error
+                    dead = self._restart_dead()  # may find more engines gone with their node
+                    if not dead and len(self.lost) == lost_before and self.router_client is router:
+                        raise error  # nothing was down: a real error
                     if dead:
                         self._resync()
-                    where = "the restarted engine(s)"
+                    where = "the restarted engine(s)" if dead else "the remaining engine(s)"
                 log.warning("sending %d generation request(s) again to %s", len(failed), where)
             pending = sorted(failed)
         return answers
@@ -275,16 +405,25 @@ class EnginePool:
         """Open the weight-sync channel from ``source`` (the actor) to every engine; ``source`` is
         also how a restarted engine gets the current weights back."""
         self._weights = source
-        source.connect_rollout(self.engine_urls, self.engine_world_sizes, self.cluster_cfg.colocate, str(self.key_file))
+        live = [e for e in range(len(self.clients)) if e not in self.lost]  # a lost engine cannot join the group
+        source.connect_rollout(
+            [self.clients[e].base_url for e in live],
+            [self.engine_world_sizes[e] for e in live],
+            self.cluster_cfg.colocate,
+            str(self.key_file),
+        )
         self._reconnect = False
 
     def sync_weights(self, version: int) -> None:
-        """Push the source's current weights to every engine as ``version`` (restarting dead ones first)."""
+        """Push the source's current weights to every engine as ``version`` (restarting those known to
+        be down first; one that died unnoticed fails the push, which restarts it and pushes again)."""
         if self._weights is None:
             raise RlhpcError(
                 "sync_weights before connect_weights", "call connect_weights(actor) once the engines are up"
             )
-        self._restart_dead()
+        if self.down or self._router_down:
+            self._restart_dead()
+        self._rejoin()  # a rollout boundary: engines lost with a node start again where it came back
         if self._reconnect:
             self.connect_weights(self._weights)
         self._push(version)
@@ -298,22 +437,28 @@ class EnginePool:
                 self._weights.update_weights(version)
                 return
             except WeightPushFailed as e:
-                if not self._restart_dead():
+                lost_before = len(self.lost)
+                if not self._restart_dead() and len(self.lost) == lost_before:  # (lost: gone with their node)
                     raise  # every engine answers: a refusal, not a death
                 log.warning("weight push %d: engine died during the push; pushing again (%s)", version, e.problem)
                 self.connect_weights(self._weights)
 
     def ensure_engines(self) -> None:
-        """Cheap check before generating: restart engines that are down, bring them to the current
-        weights (``restarts_deferred``: mark them down, raise ``EnginesDown`` if none is left)."""
+        """Before generating, without a round trip: restart the engines marked down (by a generation
+        with ``restarts_deferred``) and bring them to the current weights. With ``restarts_deferred``:
+        leave them down, raise ``EnginesDown`` if none is left. Deaths nobody has seen yet show as
+        failed requests (``send``), which are handled there."""
+        self.check_nodes()
         if self._deferring():
-            self._mark_down()
-        elif self._restart_dead() or self._reconnect:
-            self._resync()
+            if len(self.down) == len(self.clients):
+                raise EnginesDown(sorted(self.down), self.weight_version)
+        elif self.down or self._router_down or self._reconnect:
+            if self._restart_dead() or self._reconnect:
+                self._resync()
 
     def _dead(self) -> list[int]:
-        healthy = list(self._threads.map(lambda c: c.health(), self.clients))
-        return [e for e, ok in enumerate(healthy) if not ok]
+        healthy = list(self._health_threads.map(lambda c: c.health(), self.clients))
+        return [e for e, ok in enumerate(healthy) if not ok and e not in self.lost]
 
     def _mark_down(self) -> bool:
         """Mark the engines (and the router) that do not answer as down, without restarting them;
@@ -330,15 +475,22 @@ class EnginePool:
         if router_died:
             log.warning("the router is down during generation: restarted between rollouts, engines used directly")
             self._router_down = True
-        if len(self.down) == len(self.clients):
-            raise EnginesDown(sorted(self.down), self.weight_version)
+        if len(self.down) + len(self.lost) == len(self.clients):
+            raise EnginesDown(sorted(self.down | self.lost.keys()), self.weight_version)
         return bool(new) or router_died
 
     def _restart_dead(self) -> list[int]:
-        """Restart every engine that does not answer /health (and the router); returns their indices."""
+        """Restart every engine that does not answer /health (and the router); returns their indices.
+        Engines whose node Ray declared dead are marked lost first, not restarted."""
+        self.check_nodes()
         dead = self._dead()
-        for e in dead:
-            self._restart(e)
+        for e in list(dead):
+            try:
+                self._restart(e)
+            except RlhpcError:
+                if e not in self.lost and (e not in self.check_nodes()):
+                    raise
+                dead.remove(e)  # gone with its node: left out until the node (or a replacement) is back
         self.down.clear()  # those that answered came back by themselves, the others were restarted
         if self.router is not None:
             if not self.router_client.health():
@@ -410,9 +562,9 @@ class EnginePool:
     def _on_engines(self, fn: Callable[[EngineClient], Any], again_on_restarted: bool) -> None:
         """Run fn on every engine; restart engines that turn out dead (``again_on_restarted``: run fn on
         them too). Their weights are brought back by the next sync_weights."""
-        futures = [self._threads.submit(fn, c) for c in self.clients]
+        futures = {e: self._threads.submit(fn, c) for e, c in enumerate(self.clients) if e not in self.lost}
         failed: dict[int, EngineUnavailable] = {}
-        for e, f in enumerate(futures):
+        for e, f in futures.items():
             try:
                 f.result()
             except EngineUnavailable as err:
@@ -421,7 +573,7 @@ class EnginePool:
             return
         restarted = self._restart_dead()
         for e, err in failed.items():
-            if e not in restarted:
+            if e not in restarted and e not in self.lost:
                 raise err
         if again_on_restarted:
             for e in restarted:
@@ -438,6 +590,7 @@ class EnginePool:
 
     def shutdown(self) -> None:
         self._threads.shutdown(wait=False, cancel_futures=True)
+        self._health_threads.shutdown(wait=False, cancel_futures=True)
         if self.router is not None:
             self.router.stop()
         for engine in (a for parts in self.engine_parts for a in parts):
@@ -447,3 +600,13 @@ class EnginePool:
                 log.debug("engine shutdown: %s", e)
         if self._key_dir is not None:
             shutil.rmtree(self._key_dir, ignore_errors=True)
+
+
+def _node_name(ip: str) -> str:
+    """``name (ip)`` when the IP has a name (/etc/hosts on clusters), else the IP."""
+    import socket
+
+    try:
+        return f"{socket.gethostbyaddr(ip)[0]} ({ip})"
+    except OSError:
+        return ip

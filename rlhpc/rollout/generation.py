@@ -9,6 +9,7 @@ same tokens.
 
 from __future__ import annotations
 
+import logging
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -18,13 +19,19 @@ import torch
 
 from rlhpc.algo.grpo import ADVANTAGE_ESTIMATORS
 from rlhpc.batch import RolloutBatch
-from rlhpc.rollout.protocol import MetaInfo
+from rlhpc.errors import RlhpcError
+from rlhpc.rollout.dynamic_sampling import Group, GroupFilter, resolve_filter
+from rlhpc.rollout.protocol import WEIGHT_VERSION_SPAN_KEYS, MetaInfo
 from rlhpc.tasks import TASKS, RewardFn, resolve_reward
 
 if TYPE_CHECKING:
     from rich.progress import Progress
 
     from rlhpc.config import AlgoConfig, DataConfig, EvalConfig, RolloutConfig
+
+log = logging.getLogger(__name__)
+
+MoreRows = Callable[[int, int], list[dict]]  # (round, count) -> prompts to over-sample
 
 # Samples per /generate request: big enough to amortise HTTP, small enough to spread over engines.
 SAMPLES_PER_REQUEST = 64
@@ -47,6 +54,22 @@ def weight_version(meta_info: dict) -> int:
         return int(version)
     except (TypeError, ValueError):
         return 0
+
+
+def token_versions(meta_info: dict, num_tokens: int) -> list[int]:
+    """The weight version of each of a sample's ``num_tokens`` output tokens, from SGLang's
+    ``weight_versions`` spans (``[{"version", "start", "end"}, ...]``); without them (or when they do
+    not cover the tokens) every token has the sample's ``weight_version``."""
+    version_key, start_key, end_key = WEIGHT_VERSION_SPAN_KEYS
+    spans = meta_info.get(MetaInfo.WEIGHT_VERSIONS)
+    out: list[int] = []
+    try:
+        for sp in spans if isinstance(spans, list) else ():
+            version = weight_version({MetaInfo.WEIGHT_VERSION: sp[version_key]})
+            out += [version] * (int(sp[end_key]) - int(sp[start_key]))
+    except (KeyError, TypeError, ValueError):
+        out = []
+    return out if len(out) == num_tokens and out else [weight_version(meta_info)] * num_tokens
 
 
 def task_reward(data: DataConfig) -> RewardFn:
@@ -105,7 +128,38 @@ class Samples:
     logprobs: list[list[float]]
     rewards: torch.Tensor
     texts: dict[str, list[str]]  # "prompt", "response", "answer" per sample
-    weight_versions: list[int]  # the weights each sample was generated with
+    weight_versions: list[int]  # the weights each sample was generated with (its oldest token's)
+    token_versions: list[list[int]]  # per response token
+
+    def group(self, g: int, n: int) -> Group:
+        """Group ``g`` (a prompt's n samples), as a dynamic-sampling filter sees it."""
+        t, span = self.texts, slice(g * n, (g + 1) * n)
+        return Group(t["prompt"][g * n], t["answer"][g * n], t["response"][span], self.rewards[span].tolist())
+
+    def groups(self, n: int, keep: Sequence[int]) -> Samples:
+        """Groups ``keep`` (a prompt's n samples each, in this order) as Samples of their own."""
+        idx = [g * n + j for g in keep for j in range(n)]
+        return Samples(
+            [self.prompt_ids[k] for k in idx],
+            [self.response_ids[k] for k in idx],
+            [self.logprobs[k] for k in idx],
+            self.rewards[idx] if idx else self.rewards[:0],
+            {key: [v[k] for k in idx] for key, v in self.texts.items()},
+            [self.weight_versions[k] for k in idx],
+            [self.token_versions[k] for k in idx],
+        )
+
+    @staticmethod
+    def concat(parts: Sequence[Samples]) -> Samples:
+        return Samples(
+            [x for p in parts for x in p.prompt_ids],
+            [x for p in parts for x in p.response_ids],
+            [x for p in parts for x in p.logprobs],
+            torch.cat([p.rewards for p in parts]),
+            {key: [x for p in parts for x in p.texts[key]] for key in parts[0].texts},
+            [x for p in parts for x in p.weight_versions],
+            [x for p in parts for x in p.token_versions],
+        )
 
 
 class Generation:
@@ -131,6 +185,8 @@ class Generation:
         self.seed = seed
         self.send = send
         self.progress = progress
+        spec = rollout.dynamic_sampling.filter
+        self.group_filter: GroupFilter | None = resolve_filter(spec) if spec is not None else None
 
     def _encode(self, prompt: str) -> list[int]:
         return [self.tokenizer.bos_token_id, *self.tokenizer(prompt, add_special_tokens=False).input_ids]
@@ -192,18 +248,36 @@ class Generation:
             float(self.reward_fn(p, r, a)) for p, r, a in zip(texts["prompt"], texts["response"], texts["answer"])
         ]
         prompt_ids = [prompts[k // n] for k in range(len(outputs))]
-        versions = [weight_version(out["meta_info"]) for out in outputs]
-        return Samples(prompt_ids, response_ids, logprobs, torch.tensor(rewards, dtype=torch.float32), texts, versions)
+        per_token = [token_versions(out["meta_info"], len(ids)) for out, ids in zip(outputs, response_ids)]
+        versions = [min(v) if v else weight_version(out["meta_info"]) for v, out in zip(per_token, outputs)]
+        return Samples(
+            prompt_ids, response_ids, logprobs, torch.tensor(rewards, dtype=torch.float32), texts, versions, per_token
+        )
 
-    def rollout(self, rollout_id: int, rows: list[dict]) -> tuple[RolloutBatch, dict[str, float], dict[str, list[str]]]:
-        """One rollout of ``rows``: the training batch, its metrics and its texts."""
+    def rollout(
+        self, rollout_id: int, rows: list[dict], more_rows: MoreRows | None = None
+    ) -> tuple[RolloutBatch, dict[str, float], dict[str, list[str]]]:
+        """One rollout of ``rows``: the training batch, its metrics and its texts. With dynamic
+        sampling, ``more_rows(round, count)`` gives the prompts to over-sample (``DataBuffer.extra_rows``)."""
         r, algo = self.rollout_cfg, self.algo_cfg
         n = r.n_samples_per_prompt
-        s = self.sample(rows, n, r.temperature, r.max_new_tokens, rollout_id, f"rollout {rollout_id}")
+        filter_metrics: dict[str, float] = {}
+        if self.group_filter is None:
+            s = self.sample(rows, n, r.temperature, r.max_new_tokens, rollout_id, f"rollout {rollout_id}")
+        else:
+            if more_rows is None:
+                raise RlhpcError(
+                    "dynamic sampling needs more prompts than the rollout's own, and none were given",
+                    "pass more_rows (the driver passes DataBuffer.extra_rows)",
+                )
+            s, filter_metrics = self._filtered(rollout_id, rows, more_rows)
         advantages = ADVANTAGE_ESTIMATORS[algo.advantage_estimator](s.rewards, n, algo.normalize_std)
-        batch = RolloutBatch(s.prompt_ids, s.response_ids, s.logprobs, s.rewards, advantages, n, s.weight_versions)
+        batch = RolloutBatch(
+            s.prompt_ids, s.response_ids, s.logprobs, s.rewards, advantages, n, s.weight_versions, s.token_versions
+        )
         lengths = torch.tensor([len(x) for x in s.response_ids], dtype=torch.float32)
         staleness = [rollout_id - v for v in s.weight_versions]
+        tokens = sum(map(len, s.token_versions))
         metrics = {
             "reward": s.rewards.mean().item(),
             "reward_std": s.rewards.std(unbiased=False).item(),
@@ -211,8 +285,54 @@ class Generation:
             "samples": float(len(batch)),
             "staleness/mean": sum(staleness) / max(len(staleness), 1),
             "staleness/max": float(max(staleness, default=0)),
+            "staleness/token_mean": sum(rollout_id - v for t in s.token_versions for v in t) / max(tokens, 1),
+            # share of samples whose tokens come from more than one weight version (partial rollouts)
+            "staleness/straddling": sum(len(set(v)) > 1 for v in s.token_versions) / max(len(batch), 1),
+            **filter_metrics,
         }
         return batch, metrics, s.texts
+
+    def _filtered(self, rollout_id: int, rows: list[dict], more_rows: MoreRows) -> tuple[Samples, dict[str, float]]:
+        """Dynamic sampling: rounds of ``over_sampling_batch_size`` prompts (the first: the rollout's
+        own rows, then extra ones) until ``len(rows)`` groups pass the filter, at most ``max_rounds``;
+        short of that, dropped groups fill the batch (in generation order, so reruns match).
+        Round 0 samples its rows with the seeds of an unfiltered rollout."""
+        r, ds = self.rollout_cfg, self.rollout_cfg.dynamic_sampling
+        n, want = r.n_samples_per_prompt, len(rows)
+        per_round = ds.over_sampling_batch_size or want
+        kept: list[Samples] = []
+        dropped: list[Samples] = []
+        num_kept = num_dropped = rounds = 0
+        reward_sum = 0.0
+        while num_kept < want and rounds < ds.max_rounds:
+            round_rows = rows + more_rows(0, per_round - want) if rounds == 0 else more_rows(rounds, per_round)
+            tag = rollout_id if rounds == 0 else f"{rollout_id}/{rounds}"
+            s = self.sample(round_rows, n, r.temperature, r.max_new_tokens, tag, f"rollout {rollout_id} round {rounds}")
+            verdicts = [bool(self.group_filter(s.group(g, n))) for g in range(len(round_rows))]
+            keep = [g for g, v in enumerate(verdicts) if v]
+            kept.append(s.groups(n, keep))
+            dropped.append(s.groups(n, [g for g, v in enumerate(verdicts) if not v]))
+            num_kept += len(keep)
+            num_dropped += len(verdicts) - len(keep)
+            reward_sum += s.rewards.sum().item()
+            rounds += 1
+        short = max(0, want - num_kept)
+        if short:
+            log.warning(
+                "rollout %d: only %d of %d prompt groups passed %s after %d round(s); %d dropped group(s) fill the batch",
+                rollout_id, num_kept, want, ds.filter, rounds, short,
+            )  # fmt: skip
+        chosen = Samples.concat([*kept, *dropped])
+        s = chosen.groups(n, list(range(want)))  # the kept groups first, then (short) dropped ones
+        metrics = {
+            "dynamic_sampling/kept": float(num_kept),
+            "dynamic_sampling/dropped": float(num_dropped),
+            "dynamic_sampling/rounds": float(rounds),
+            "dynamic_sampling/short": float(short),
+            # over every sample generated, dropped ones too ("reward" is over the trained batch)
+            "dynamic_sampling/reward_generated": reward_sum / ((num_kept + num_dropped) * n),
+        }
+        return s, metrics
 
     def evaluate(self, rollout_id: int, rows: list[dict]) -> dict[str, float]:
         """Mean reward and response length on ``rows`` (the eval split) after ``rollout_id``."""

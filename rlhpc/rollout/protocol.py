@@ -19,6 +19,8 @@ SGLANG_VERSION = "0.5.23"  # the release these names are pinned against (Makefil
 SGLANG_GROUP_NAME = "weight_update_group"  # SGLang's default weight-update group name
 MEMORY_TAGS = ("weights", "kv_cache")  # release/resume_memory_occupation tags
 PAUSE_MODES = ("abort", "retract", "in_place")
+WEIGHT_VERSION_SPAN_KEYS = ("version", "start", "end")  # one entry of meta_info["weight_versions"]
+WEIGHT_UPDATE_SELECTORS = ("target", "draft", "all")  # which model runners a weight-update session opens
 TOP_K_ALL = 1 << 30  # SGLang's "no top-k"
 # load_format of /update_weights_from_distributed: ONE broadcast per bucket, the tensors' bytes
 # back to back (SGLang's FlattenedTensorBucket layout; see rlhpc.rollout.tensor_transport)
@@ -41,6 +43,9 @@ class Route:
     ABORT_REQUEST = "/abort_request"
     INIT_WEIGHTS_UPDATE_GROUP = "/init_weights_update_group"
     DESTROY_WEIGHTS_UPDATE_GROUP = "/destroy_weights_update_group"
+    # SGLang refuses both updates outside a session opened by BEGIN and closed by END
+    BEGIN_WEIGHT_UPDATE = "/begin_weight_update"
+    END_WEIGHT_UPDATE = "/end_weight_update"
     UPDATE_WEIGHTS_FROM_DISTRIBUTED = "/update_weights_from_distributed"
     UPDATE_WEIGHTS_FROM_TENSOR = "/update_weights_from_tensor"
     GET_WEIGHTS_BY_NAME = "/get_weights_by_name"
@@ -99,6 +104,16 @@ class DestroyWeightsUpdateGroupReqInput:
 
 
 @dataclass
+class BeginWeightUpdateReqInput:
+    selector: str = "all"  # one of WEIGHT_UPDATE_SELECTORS
+
+
+@dataclass
+class EndWeightUpdateReqInput:
+    pass  # SGLang's has no fields
+
+
+@dataclass
 class UpdateWeightsFromDistributedReqInput:
     """``dtypes`` as torch attribute names ("float32", "bfloat16"); tensors are broadcast in ``names`` order,
     one broadcast each, or (``load_format=FLATTENED_BUCKET``) as one flat uint8 broadcast."""
@@ -148,12 +163,25 @@ ROUTE_BODIES: dict[str, type] = {
     Route.ABORT_REQUEST: AbortReq,
     Route.INIT_WEIGHTS_UPDATE_GROUP: InitWeightsUpdateGroupReqInput,
     Route.DESTROY_WEIGHTS_UPDATE_GROUP: DestroyWeightsUpdateGroupReqInput,
+    Route.BEGIN_WEIGHT_UPDATE: BeginWeightUpdateReqInput,
+    Route.END_WEIGHT_UPDATE: EndWeightUpdateReqInput,
     Route.UPDATE_WEIGHTS_FROM_DISTRIBUTED: UpdateWeightsFromDistributedReqInput,
     Route.UPDATE_WEIGHTS_FROM_TENSOR: UpdateWeightsFromTensorReqInput,
     Route.GET_WEIGHTS_BY_NAME: GetWeightsByNameReqInput,
     Route.RELEASE_MEMORY_OCCUPATION: ReleaseMemoryOccupationReqInput,
     Route.RESUME_MEMORY_OCCUPATION: ResumeMemoryOccupationReqInput,
 }
+
+
+# SGLang's answers (success=false, HTTP 400) to a weight update outside a session, a second
+# begin, and an end without a begin (sglang/srt/managers/scheduler_components/weight_updater.py)
+def outside_session_message(route: str) -> str:
+    """``route``: Route.UPDATE_WEIGHTS_FROM_DISTRIBUTED or Route.UPDATE_WEIGHTS_FROM_TENSOR."""
+    return f"{route.lstrip('/')} must run between begin_weight_update() and end_weight_update()"
+
+
+SESSION_ALREADY_OPEN = "a weight-update session is already open; call end_weight_update() first"
+NO_SESSION_OPEN = "no weight-update session is open; call begin_weight_update() first"
 
 
 def weight_version_note(version: str) -> str:
@@ -230,7 +258,10 @@ class MetaInfo:
     PROMPT_TOKENS = "prompt_tokens"
     COMPLETION_TOKENS = "completion_tokens"
     CACHED_TOKENS = "cached_tokens"
-    WEIGHT_VERSION = "weight_version"
+    WEIGHT_VERSION = "weight_version"  # of the last output token (SGLang: the newest span's)
+    # Per-token versions as spans [{"version", "start", "end"}, ...] over the output tokens: more
+    # than one when a generation went on across a weight update (pause in place/retract, continue)
+    WEIGHT_VERSIONS = "weight_versions"
     E2E_LATENCY = "e2e_latency"
     OUTPUT_TOKEN_LOGPROBS = "output_token_logprobs"  # [[logprob, token id, text or None], ...]
 

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+RECOMPUTE = "recompute"  # a step hook's answer: the weights changed, rebuild the KV cache with them
+
 
 @dataclass
 class Sample:
@@ -39,7 +41,7 @@ def sample(
     pad_id: int,
     *,
     stop_ids: list[Collection[int]] | None = None,
-    step_hook: Callable[[], bool] | None = None,
+    step_hook: Callable[[], bool | str] | None = None,
 ) -> list[Sample]:
     """Generate for a batch of prompts. Temperature 0 means greedy.
 
@@ -48,7 +50,9 @@ def sample(
 
     ``stop_ids[i]``, when given, replaces ``{eos_id}`` as row i's set of stopping tokens (SGLang's
     ``stop_token_ids`` / ``ignore_eos``). ``step_hook`` runs before every forward pass; it may
-    block (an engine pausing mid-batch) and returning True ends all unfinished rows as "abort".
+    block (an engine pausing mid-batch) and returning True ends all unfinished rows as "abort";
+    returning ``RECOMPUTE`` drops the KV cache and runs the next step over every token so far (the
+    prompts and the tokens sampled up to now), so the cache holds the weights loaded meanwhile.
     """
     device = next(model.parameters()).device
     batch = len(prompts)
@@ -78,10 +82,16 @@ def sample(
     cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     past = None
     step_ids, step_pos = input_ids, position_ids
+    fed_ids, fed_pos = input_ids[:, :0], position_ids[:, :0]  # what the cache holds
     for _ in range(int(limits.max().item())):
-        if step_hook is not None and step_hook():
+        verdict = step_hook() if step_hook is not None else False
+        if verdict is True:
             finish = [f if bool(done[i]) else "abort" for i, f in enumerate(finish)]
             break
+        if verdict == RECOMPUTE:
+            step_ids, step_pos = torch.cat([fed_ids, step_ids], 1), torch.cat([fed_pos, step_pos], 1)
+            fed_ids, fed_pos, past = fed_ids[:, :0], fed_pos[:, :0], None
+        fed_ids, fed_pos = torch.cat([fed_ids, step_ids], 1), torch.cat([fed_pos, step_pos], 1)
         out = model(input_ids=step_ids, attention_mask=attn, position_ids=step_pos, use_cache=True, **{cache_kw: past})
         past = out[cache_kw]
         logits = out.logits[:, -1, :].float()

@@ -13,9 +13,10 @@ Two channels, chosen by placement:
   from a staging buffer kept between pushes, or, for weights already in shared memory, as they are.
 
 Both pause generation first (a colocated push of one bucket sends it with ``abort_all_requests`` instead),
-tag the last bucket with ``flush_cache`` and the new ``weight_version``, check that every engine
-set that version (its answer to the last bucket says so, as SGLang's does; else it is asked),
-then continue generation.
+open a weight-update session on every engine (``/begin_weight_update``: SGLang refuses updates
+outside one), tag the last bucket with ``flush_cache`` and the new ``weight_version``, close the
+session (``/end_weight_update``), check that every engine set that version (its answer to the last
+bucket says so, as SGLang's does; else it is asked), then continue generation.
 Only one trainer process (rank 0, holding full HF-named tensors) sends.
 """
 
@@ -48,8 +49,10 @@ from rlhpc.rollout.tensor_transport import (
 )
 from rlhpc.rollout.weight_update_group import (
     DEFAULT_TIMEOUT,
+    RendezvousStore,
     as_timedelta,
     create_master_store,
+    formed_at_creation,
     init_custom_process_group,
     is_open,
     open_groups_named,
@@ -120,6 +123,11 @@ class _Packed:
 
 class _SenderBase:
     _fold_pause = True  # see send()
+    # How generation is paused for a push: SGLang's default "abort" ends the requests in flight;
+    # "retract" (rollout.partial_rollout) keeps them, to go on with the new weights after it
+    # (not "in_place": SGLang will not flush the cache, as the last bucket asks, under running requests).
+    pause_mode = "abort"
+    _broken: str | None = None  # why the channel became unusable (DistributedWeightSender)
 
     def __init__(self, clients: list[EngineClient], engine_world_sizes: list[int], bucket_bytes: int):
         if len(clients) != len(engine_world_sizes):
@@ -133,6 +141,7 @@ class _SenderBase:
         self.engine_world_sizes = list(engine_world_sizes)
         self.bucket_bytes = int(bucket_bytes)
         self._last_answers: list[Any] = []  # every engine's answer to the latest bucket
+        self._pushed = False  # a push succeeded on this channel (see send())
         self._pool = ThreadPoolExecutor(max_workers=max(2, 2 * len(clients)), thread_name_prefix="weight-sync")
 
     def _on_all(self, fn: Callable[[EngineClient], Any], clients: list[EngineClient] | None = None) -> list[Any]:
@@ -166,33 +175,80 @@ class _SenderBase:
         """Push HF-named tensors to every engine; afterwards all report ``weight_version == str(version)``.
 
         No sample mixes old and new weights: generation is paused first (SGLang's default pause
-        mode aborts in-flight requests) and continued only on success. Where a channel allows
+        mode aborts in-flight requests) and continued only on success. With ``pause_mode``
+        "retract" (partial rollouts) the requests in flight are kept and go on with the new
+        weights; the engines tag each token with the version that made it. Where a channel allows
         (``_fold_pause``), a push of one bucket instead sends it with ``abort_all_requests``,
         which aborts in-flight requests and holds new ones until that one update is done
         (SGLang's model-update lock, the CPU engine's model lock): the same guarantee, two round
-        trips fewer. After a failure the engines hold partly updated weights and are left
-        paused, to be restarted.
+        trips fewer. SGLang refuses weight updates outside a weight-update session, so each push
+        opens one per engine before its first bucket and closes it after the last (one session
+        per push, not per bucket). After a failure the engines hold partly updated weights and
+        are left paused, to be restarted; their sessions are closed where they can be. A
+        channel's first push always pauses and continues, which releases the engines a failed
+        push on the previous channel left paused.
         """
         v = str(version)
+        self._check_ready()
         buckets = iter_buckets(named_tensors, self.bucket_bytes)
         first = next(buckets, None)
         if first is None:
             raise RlhpcError("weight sync got no tensors to send", "pass the model's named parameters")
-        single = first[1] and self._fold_pause
-        if not single:
-            self._on_all(lambda c: c.pause_generation())
+        # abort_all_requests aborts; a channel's first push pauses and continues (releases engines a failed push left paused)
+        single = first[1] and self._fold_pause and self.pause_mode == "abort" and self._pushed
         self._last_answers = []
+        closed = False
         try:
+            if single:
+                self._on_all(self._begin_session)
+            else:  # per engine: pause, then open the session (one task each, engines in parallel)
+                self._on_all(lambda c: (c.pause_generation(self.pause_mode), self._begin_session(c)))
             n = self._send_buckets(itertools.chain([first], buckets), v, abort_all=single)
+            closed = True  # an engine that fails its end is not asked again
+            self._on_all(lambda c: c.end_weight_update())
             self._check_versions(v)
         except BaseException:
+            if not closed:
+                self._end_sessions_after_failure()
             if single:  # best effort: an engine that refused stays off its partly updated weights
                 with contextlib.suppress(Exception):
                     self._on_all(lambda c: c.pause_generation())
             raise
         if not single:
             self._on_all(lambda c: c.continue_generation())
+        self._pushed = True
         log.debug("weights version %s sent to %d engine(s) in %d bucket(s)", v, len(self.clients), n)
+
+    def _check_ready(self) -> None:
+        """Raise, before any request, when the channel cannot send."""
+
+    def _begin_session(self, client: EngineClient) -> None:
+        """Open the engine's weight-update session (SGLang refuses updates outside one)."""
+        try:
+            client.begin_weight_update()
+        except RlhpcError as e:
+            if P.SESSION_ALREADY_OPEN not in e.problem:
+                raise
+            # A push that failed without closing its session (an engine stuck in a broken
+            # broadcast, or one that did not answer the end) left it open, and SGLang refuses a
+            # second begin: close that one (it loaded nothing we still rely on) and open ours.
+            log.warning("engine %s had a weight-update session left open; closing it", client.base_url)
+            client.end_weight_update()
+            client.begin_weight_update()
+
+    def _end_sessions_after_failure(self) -> None:
+        """Best effort: close the sessions a failed push opened, so no engine is left in one.
+        Not where the channel broke mid-push: engines may sit in the dead broadcast, deaf until
+        its timeout; the next push's begin closes what they keep open (``_begin_session``)."""
+        if self._broken:
+            return
+
+        def end(c: EngineClient) -> None:
+            with contextlib.suppress(Exception):  # none open there (refused), or the engine is gone
+                c.end_weight_update(timeout_s=10)  # briefly: a dead node never answers
+
+        with contextlib.suppress(Exception):
+            self._on_all(end)
 
     def _check_versions(self, v: str) -> None:
         # The last bucket's answer says the version was set (SGLang and the CPU engine append
@@ -240,7 +296,7 @@ class DistributedWeightSender(_SenderBase):
         self.world_size = 1 + sum(self.engine_world_sizes)
         self.rank_offsets = [1 + sum(self.engine_world_sizes[:e]) for e in range(len(clients))]
         self.master_port: int | None = None
-        self._store: dist.TCPStore | None = None
+        self._store: RendezvousStore | None = None
         self._group: dist.ProcessGroup | None = None
         self._broken: str | None = None  # a broadcast left hanging: the group is unusable
         self._bcast_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-bcast")
@@ -300,6 +356,14 @@ class DistributedWeightSender(_SenderBase):
         for f, c in zip(joins, self.clients):
             self._result(f, c)
         self._group = own.result(timeout=self.timeout.total_seconds())
+        # every engine has answered, so has built its end: the port need not listen any longer
+        if formed_at_creation(self.backend):
+            self._close_store()
+
+    def _close_store(self) -> None:
+        if self._store is not None and not self._store.closed:
+            self._store.close()
+            log.info("weight sync group %r formed; rendezvous port %d closed", self.group_name, self.master_port)
 
     def _drop_stale_groups(self) -> None:
         """Make connect() repeatable: a trainer that restarted, or a sender never closed, leaves
@@ -311,13 +375,15 @@ class DistributedWeightSender(_SenderBase):
             log.warning("replacing weight sync group %r left open in this process", self.group_name)
             dist.destroy_process_group(pg)
 
-    def _send_buckets(
-        self, buckets: Iterator[tuple[list[tuple[str, torch.Tensor]], bool]], version: str, abort_all: bool
-    ) -> int:
+    def _check_ready(self) -> None:
         if self._broken:
             raise RlhpcError(f"weight sync group unusable: {self._broken}", "restart the engines and connect again")
         if self._group is None:
             raise RlhpcError("weight sync send() before connect()", "call connect() once after the engines are up")
+
+    def _send_buckets(
+        self, buckets: Iterator[tuple[list[tuple[str, torch.Tensor]], bool]], version: str, abort_all: bool
+    ) -> int:
         n = 0
         packed = self._pack(next(buckets, None), slot=0)
         while packed is not None:
@@ -330,6 +396,7 @@ class DistributedWeightSender(_SenderBase):
                     self._finish_bucket(posts, bcast)
                 raise
             self._finish_bucket(posts, bcast)
+            self._close_store()  # NCCL formed its communicator at this first broadcast
             packed, n = following, n + 1
         return n
 
@@ -405,12 +472,14 @@ class DistributedWeightSender(_SenderBase):
         if self._group is not None:
             for c in self.clients:
                 with contextlib.suppress(Exception):  # an engine already gone has no group left
-                    c.destroy_weights_update_group(self.group_name)
+                    # briefly: an engine whose node lost power never answers
+                    c.destroy_weights_update_group(self.group_name, timeout_s=10)
             # never tear down a group a broadcast thread still blocks in, nor one a later
             # sender already replaced
             if not self._broken and is_open(self._group):
                 dist.destroy_process_group(self._group)
             self._group = None
+        self._close_store()
         self._store = None
         self._buffers = [None, None]
         self._bcast_pool.shutdown(wait=False, cancel_futures=True)
@@ -474,8 +543,14 @@ def make_weight_sender(
     master_address: str,
     backend: str,
     bucket_bytes: int,
+    pause_mode: str = "abort",
 ) -> DistributedWeightSender | TensorWeightSender:
-    """The channel placement calls for: shared memory when colocated, a broadcast group otherwise."""
+    """The channel placement calls for: shared memory when colocated, a broadcast group otherwise.
+    ``pause_mode``: how generation pauses for a push (``_SenderBase.pause_mode``)."""
+    sender: DistributedWeightSender | TensorWeightSender
     if colocate:
-        return TensorWeightSender(clients, engine_world_sizes, bucket_bytes)
-    return DistributedWeightSender(clients, engine_world_sizes, master_address, backend, bucket_bytes)
+        sender = TensorWeightSender(clients, engine_world_sizes, bucket_bytes)
+    else:
+        sender = DistributedWeightSender(clients, engine_world_sizes, master_address, backend, bucket_bytes)
+    sender.pause_mode = pause_mode
+    return sender

@@ -72,21 +72,87 @@ def init_custom_process_group(
 
 def create_master_store(
     master_address: str, world_size: int, timeout: timedelta | float = DEFAULT_TIMEOUT
-) -> dist.TCPStore:
-    """Rank 0's rendezvous store, bound before anyone is told the port.
+) -> RendezvousStore:
+    """Rank 0's rendezvous store, bound before anyone is told the port; ``close()`` it once formed.
 
     Port 0 lets the kernel pick a free port at bind time, so there is no probe-then-bind race
     with other jobs on the node (and kernel ephemeral ports sit above Ray's worker-port range).
     """
-    return dist.TCPStore(
-        host_name=master_address,
-        port=0,
-        world_size=world_size,
-        is_master=True,
-        timeout=as_timedelta(timeout),
-        wait_for_workers=False,  # the engines are told the port only after this returns
-        multi_tenant=True,
+    return RendezvousStore(
+        dist.TCPStore(
+            host_name=master_address,
+            port=0,
+            world_size=world_size,
+            is_master=True,
+            timeout=as_timedelta(timeout),
+            wait_for_workers=False,  # the engines are told the port only after this returns
+            multi_tenant=True,
+        )
     )
+
+
+class RendezvousStore(dist.Store):
+    """Rank 0's rendezvous store, open only until the group has formed.
+
+    Anyone who reaches the port can read and write the group's keys, so it should not listen
+    longer than the rendezvous needs. torch has no call to close a TCPStore, and the group
+    keeps a reference to the store it was built with for its whole life; handed this wrapper
+    instead, the group holds only the wrapper, and ``close()`` drops the last reference to the
+    TCPStore, which stops listening. Store calls after ``close()`` fail, naming why.
+
+    When the group has formed is the backend's business: gloo connects every pair while the
+    group is built; NCCL builds its communicator (exchanging its id through the store) at the
+    first collective.
+    """
+
+    def __init__(self, store: dist.TCPStore):
+        super().__init__()
+        self.port = store.port
+        self._store: dist.TCPStore | None = store
+
+    def close(self) -> None:
+        self._store = None
+
+    @property
+    def closed(self) -> bool:
+        return self._store is None
+
+    def _open(self) -> dist.TCPStore:
+        if self._store is None:
+            raise RuntimeError(f"the weight sync rendezvous store (port {self.port}) was closed once the group formed")
+        return self._store
+
+    def set(self, key, value):  # noqa: ANN001, ANN201 - torch's Store signature
+        return self._open().set(key, value)
+
+    def get(self, key):  # noqa: ANN001, ANN201
+        return self._open().get(key)
+
+    def add(self, key, value):  # noqa: ANN001, ANN201
+        return self._open().add(key, value)
+
+    def compare_set(self, key, expected, desired):  # noqa: ANN001, ANN201
+        return self._open().compare_set(key, expected, desired)
+
+    def wait(self, keys, timeout=None):  # noqa: ANN001, ANN201
+        return self._open().wait(keys) if timeout is None else self._open().wait(keys, timeout)
+
+    def check(self, keys):  # noqa: ANN001, ANN201
+        return self._open().check(keys)
+
+    def delete_key(self, key):  # noqa: ANN001, ANN201
+        return self._open().delete_key(key)
+
+    def num_keys(self):  # noqa: ANN201
+        return self._open().num_keys()
+
+    def set_timeout(self, timeout):  # noqa: ANN001, ANN201
+        return self._open().set_timeout(timeout)
+
+
+def formed_at_creation(backend: str) -> bool:
+    """Whether a group of ``backend`` is done with its store once every rank has built it."""
+    return backend != "nccl"  # NCCL: only after its first collective
 
 
 def open_groups_named(group_name: str) -> list[dist.ProcessGroup]:

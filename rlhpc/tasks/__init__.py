@@ -6,7 +6,6 @@ plug their own with ``data.reward: "my_module:my_reward"``.
 
 from __future__ import annotations
 
-import importlib
 import json
 import random
 from collections.abc import Callable
@@ -14,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rlhpc.errors import ConfigError
+from rlhpc.util.imports import import_function
 
 RewardFn = Callable[[str, str, str], float]
 
@@ -63,23 +63,7 @@ TASKS: dict[str, Task] = {
 
 def resolve_reward(spec: str) -> RewardFn:
     """Import ``"package.module:function"``; errors name the spec and the fix."""
-    module_name, sep, fn_name = spec.partition(":")
-    if not sep:
-        raise ConfigError(
-            f"data.reward = {spec!r} is not 'module:function'", "write e.g. data.reward: my_rewards:exact_match"
-        )
-    try:
-        fn = getattr(importlib.import_module(module_name), fn_name)
-    except (ImportError, AttributeError) as e:
-        raise ConfigError(
-            f"data.reward = {spec!r} cannot be imported: {e}",
-            "make the module importable (PYTHONPATH) and check the name",
-        ) from e
-    if not callable(fn):
-        raise ConfigError(
-            f"data.reward = {spec!r} is not callable", "point it at a function reward(prompt, response, answer)"
-        )
-    return fn
+    return import_function("data.reward", spec, "reward(prompt, response, answer) -> float")
 
 
 def read_jsonl(path: str | Path) -> list[dict]:

@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
+
+# The node-local dir of the job task that started this node's Ray (set in Ray's environment, so
+# every Ray worker sees it); the task removes it when it ends, whatever happened to the workers.
+NODE_TMP_ENV = "RLHPC_NODE_TMP"
 
 
 def fsync_dir(path: Path) -> None:
@@ -38,3 +43,10 @@ def tail(path: Path, n: int = 30) -> str:
     except OSError:
         return "(no log)"
     return "\n".join(lines[-n:])
+
+
+def node_tmp_dir(prefix: str) -> Path:
+    """A new private dir in the task's node-local dir (``NODE_TMP_ENV``), else in the system's
+    temp dir: a Ray worker killed with its files open leaves nothing behind the task's end."""
+    root = os.environ.get(NODE_TMP_ENV)
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=root if root and os.path.isdir(root) else None))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from safetensors.torch import load_file
 from support.actors import Group, engine_weights, make_batch
 
 from rlhpc.actor.group import ActorGroup, ActorRankError
+from rlhpc.actor.worker import read_optimizer
 from rlhpc.config import Config
 from rlhpc.errors import RlhpcError
 
@@ -97,7 +99,7 @@ def test_save_load_resumes_bit_exact(ray_cluster: None, model_path: str, tmp_pat
         uninterrupted = a.fingerprints()
     actor = ckpt / "actor"
     names = {p.name for p in actor.iterdir()}
-    assert {"config.json", "model.safetensors", "optim.pt", "rng_rank0.pt", "rng_rank1.pt"} <= names
+    assert {"config.json", "model.safetensors", "optim.safetensors", "rng_rank0.pt", "rng_rank1.pt"} <= names
     assert "tokenizer.json" in names
 
     # The saved model is a plain HF checkpoint.
@@ -112,7 +114,7 @@ def test_save_load_resumes_bit_exact(ray_cluster: None, model_path: str, tmp_pat
         b.train(1, make_batch(10, seed=1))
         assert b.fingerprints() == uninterrupted
 
-    o1, o2 = torch.load(actor / "optim.pt"), torch.load(again / "actor" / "optim.pt")
+    o1, o2 = read_optimizer(actor), read_optimizer(again / "actor")
     assert o1["param_groups"] == o2["param_groups"]
     assert o1["state"].keys() == o2["state"].keys() and len(o1["state"]) > 0
     for i in o1["state"]:
@@ -125,6 +127,32 @@ def test_save_load_resumes_bit_exact(ray_cluster: None, model_path: str, tmp_pat
         assert torch.equal(r1["numpy_key"], r2["numpy_key"])
     w1, w2 = load_file(actor / "model.safetensors"), load_file(again / "actor" / "model.safetensors")
     assert all(torch.equal(w1[k], w2[k]) for k in w1)
+
+
+def test_a_snapshot_is_what_gets_written_while_training_goes_on(
+    ray_cluster: None, model_path: str, tmp_path: Path
+) -> None:
+    cfg = make_cfg(micro_batch_size=3, num_steps_per_rollout=2)
+    ckpt, blocking = tmp_path / "ckpt", tmp_path / "blocking"
+    with Group(cfg, model_path, 2) as a:
+        a.train(0, make_batch(10, seed=0))
+        a.save(str(blocking))  # the same state, saved the blocking way
+        a.snapshot(str(ckpt))
+        snapped = a.fingerprints()
+        # The ranks write on their checkpoint threads while their main threads train the next rollout.
+        writer = threading.Thread(target=a.write_snapshot)
+        writer.start()
+        a.train(1, make_batch(10, seed=1))
+        writer.join()
+        uninterrupted = a.fingerprints()
+        assert uninterrupted != snapped
+    for name in ("model.safetensors", "optim.safetensors", "rng_rank0.pt", "rng_rank1.pt", "actor_meta.json"):
+        assert (ckpt / "actor" / name).read_bytes() == (blocking / "actor" / name).read_bytes(), name
+    with Group(cfg, model_path, 2) as b:
+        b.load(str(ckpt))
+        assert b.fingerprints() == snapped
+        b.train(1, make_batch(10, seed=1))
+        assert b.fingerprints() == uninterrupted
 
 
 def test_kl_against_initial_model(ray_cluster: None, model_path: str, tmp_path: Path) -> None:

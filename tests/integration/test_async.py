@@ -12,9 +12,10 @@ from pathlib import Path
 
 import h5py
 import pytest
-from support.jobs import REPO, comparable, final_weights, job_args, kill_when, rollouts
+from support.jobs import REPO, job_args, kill_when, rollouts
 
 from rlhpc.checkpoint import CheckpointManager
+from rlhpc.invariants import comparable, final_weights
 from rlhpc.launch.restarts import read_history
 from rlhpc.metrics import read_metrics
 
@@ -146,3 +147,55 @@ def test_freshest_weights_stay_within_the_staleness_bound(tmp_path):
         assert all(0 <= r - v <= 2 for v in versions(run, r)), (r, versions(run, r))
     records = [m for m in read_metrics(run) if m["kind"] == "rollout"]
     assert all(0.0 <= m["tis_clipfrac"] <= 1.0 and m["tis_weight"] > 0 for m in records)  # algo.tis reports
+
+
+def test_partial_rollouts_keep_every_tokens_version(tmp_path):
+    """A push does not wait for the rollout in flight: its requests pause, the weights change and
+    they go on. Whether a push lands inside a generation is timing; what is asserted is that
+    every token records a version, within the bound, in order, and the sample its oldest."""
+    run = tmp_path / "run"
+    run_job(
+        run, "rollout.max_staleness=1", "rollout.partial_rollout=true", "rollout.num_rollout=6",
+        "rollout.max_new_tokens=24", "checkpoint.save_interval=null",
+    )  # fmt: skip
+    assert rollouts(run) == list(range(6))
+    for r in range(6):
+        with h5py.File(run / "rollouts" / f"rollout_{r:06d}.h5") as f:
+            per_token = [t.tolist() for t in f["token_versions"][:]]
+            lengths = [len(x) for x in f["response_ids"][:]]
+            per_sample = f["weight_versions"][:].tolist()
+        assert [len(t) for t in per_token] == lengths
+        for tokens, version in zip(per_token, per_sample):
+            assert tokens == sorted(tokens) and all(0 <= r - v <= 1 for v in tokens), (r, tokens)
+            assert not tokens or min(tokens) == version
+    records = [m for m in read_metrics(run) if m["kind"] == "rollout"]
+    assert all(0.0 <= m["staleness/straddling"] <= 1.0 for m in records)
+
+
+DYNAMIC = (
+    *ASYNC, "rollout.dynamic_sampling.filter=nonzero_std", "rollout.dynamic_sampling.over_sampling_batch_size=12",
+    "rollout.dynamic_sampling.max_rounds=2", "data.reward=support.filters:length_parity",
+)  # fmt: skip
+
+
+def test_dynamic_sampling_counts_and_an_exact_resume(tmp_path, monkeypatch):
+    """Deterministic async with dynamic sampling: the over-sampled prompts are a pure function of
+    the rollout, so a run SIGKILLed mid-way and resumed ends like the uninterrupted one."""
+    monkeypatch.setenv(
+        "PYTHONPATH", f"{REPO / 'tests'}:{os.environ.get('PYTHONPATH', '')}"
+    )  # the job imports support.filters
+    whole = tmp_path / "whole"
+    run_job(whole, *DYNAMIC)
+    records = [m for m in read_metrics(whole) if m["kind"] == "rollout"]
+    for m in records:
+        assert m["dynamic_sampling/kept"] + m["dynamic_sampling/dropped"] == 12 * m["dynamic_sampling/rounds"]
+        assert m["samples"] == 8 * 4  # rollout_batch_size x n_samples_per_prompt, kept or filled up
+    assert sum(m["dynamic_sampling/dropped"] for m in records) > 0  # the filter did drop groups
+    killed = tmp_path / "killed"
+    args = job_args(killed, *DYNAMIC)
+    kill_when(args, killed / "checkpoints" / "rollout_000003")
+    p = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "resuming from" in p.stdout
+    assert comparable(killed) == comparable(whole)
+    assert final_weights(killed) == final_weights(whole)

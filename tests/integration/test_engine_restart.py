@@ -80,7 +80,7 @@ class Rollout:
     """The driver's rollout side: the engine pool, the generation step through it, the data."""
 
     engines: EnginePool
-    generation: Generation  # through engines.generate: a /health check first, as in the driver
+    generation: Generation  # through engines.generate, as in the driver: engines marked down are restarted first
     buffer: DataBuffer
     eval_rows: list[dict]
 
@@ -88,7 +88,7 @@ class Rollout:
         return self.generation.rollout(rollout_id, self.buffer.batch(rollout_id))[0]
 
     def sample_unchecked(self, rows: list[dict]) -> list[list[int]]:
-        """Responses through engines.send: no /health check first, so a dead engine shows as failed requests."""
+        """Responses through engines.send (no restart of engines marked down first): a dead engine shows as failed requests."""
         direct = Generation(
             self.generation.tokenizer, self.generation.reward_fn, self.generation.rollout_cfg,
             self.generation.eval_cfg, self.generation.algo_cfg, self.generation.seed, send=self.engines.send,
@@ -141,7 +141,7 @@ def test_dead_engines_are_restarted_resynced_and_limited(model_path: str, tmp_pa
         log1 = Path(engines.engine_logs[1]).read_text()
         assert log1.count("starting at") == 2
 
-        # Killed while idle: the health check before generating (engines.generate) restarts it.
+        # Killed while idle: no /health before generating; its requests fail, it is restarted and re-synced.
         kill_engine(engines, 0)
         rollout.generate(1)
         assert engines.restarts == [1, 1]
@@ -172,7 +172,7 @@ def test_async_generation_leaves_dead_engines_to_the_gap(model_path: str, tmp_pa
         kill_engine(engines, 1)
         with engines.restarts_deferred():
             assert rollout.sample_unchecked(rows) == before  # engine 0 served both, same weights, same tokens
-            rollout.generate(1)  # the /health check first: marked down, not restarted
+            rollout.generate(1)  # engine 1 stays down, not restarted
         assert engines.restarts == [0, 0] and engines.down == {1}
 
         actor.train(0, batch)
@@ -195,8 +195,8 @@ def test_async_generation_leaves_dead_engines_to_the_gap(model_path: str, tmp_pa
 
 
 class KillBeforePush:
-    """The actor, except that engine ``e``'s server is SIGKILLed as a push begins (after the
-    engine pool's health check): the push fails on the engines' side, mid-update."""
+    """The actor, except that engine ``e``'s server is SIGKILLed as a push begins (the pool
+    asks no /health before a push): the push fails on the engines' side, mid-update."""
 
     def __init__(self, actor: ActorGroup, engines: EnginePool, e: int):
         self.actor, self.engines, self.e, self.armed = actor, engines, e, False

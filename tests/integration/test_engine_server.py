@@ -21,9 +21,10 @@ from support.engines import engine_client, start_server, stop_server
 
 from rlhpc.errors import RlhpcError
 from rlhpc.model import load_model, load_tokenizer
+from rlhpc.rollout import protocol as P
 from rlhpc.rollout.client import EngineClient
 from rlhpc.rollout.cpu_server.server import parse_args
-from rlhpc.rollout.protocol import MetaInfo
+from rlhpc.rollout.protocol import MetaInfo, Route
 from rlhpc.rollout.sampling import sample
 
 # ------------------------------------------------------------------ fixtures
@@ -159,6 +160,37 @@ def test_bad_requests_fail_clearly(client: EngineClient) -> None:
         EngineClient("http://127.0.0.1:9", timeout_s=2).get_weight_version()
 
 
+def test_weight_updates_need_a_session_as_in_sglang(client: EngineClient) -> None:
+    """SGLang refuses both updates outside begin/end_weight_update, a second begin and an end
+    without a begin: HTTP 400 with success=false and its message (protocol.py holds the texts)."""
+
+    def post(route: str, body: dict) -> tuple[int, dict]:
+        resp = client._session.post(f"{client.base_url}{route}", json=body, timeout=60)  # carries the engine key
+        return resp.status_code, resp.json()
+
+    tensor = P.UpdateWeightsFromTensorReqInput(serialized_named_tensors=["x"])
+    distributed = P.UpdateWeightsFromDistributedReqInput(names=[], dtypes=[], shapes=[])
+    for route, req in (
+        (Route.UPDATE_WEIGHTS_FROM_TENSOR, tensor),
+        (Route.UPDATE_WEIGHTS_FROM_DISTRIBUTED, distributed),
+    ):
+        assert post(route, P.body(req)) == (400, {"success": False, "message": P.outside_session_message(route)})
+    assert post(Route.END_WEIGHT_UPDATE, {}) == (400, {"success": False, "message": P.NO_SESSION_OPEN})
+    assert post(Route.BEGIN_WEIGHT_UPDATE, {"selector": "everything"})[0] == 400
+    client.begin_weight_update()
+    try:
+        assert post(Route.BEGIN_WEIGHT_UPDATE, {}) == (400, {"success": False, "message": P.SESSION_ALREADY_OPEN})
+        # inside the session the update itself is looked at (and this payload refused for itself)
+        with pytest.raises(RlhpcError, match="cannot read serialized_named_tensors") as refused:
+            client.update_weights_from_tensor(tensor)
+        assert "begin_weight_update" not in str(refused.value)
+    finally:
+        assert client.end_weight_update()["success"]
+    with pytest.raises(RlhpcError, match="no weight-update session is open"):
+        client.end_weight_update()
+    assert client.get_weight_version() == "default"  # nothing was loaded
+
+
 def test_pause_holds_new_requests_until_continue(client: EngineClient) -> None:
     client.pause_generation(mode="in_place")
     assert client.get_server_info()["internal_states"][0]["paused"] is True
@@ -245,3 +277,67 @@ def test_engine_actor_start_restart_shutdown(model_path: str, tmp_path: Path) ->
         assert _wait_gone(orphan_pid), "server outlived its killed actor"
     finally:
         ray.shutdown()
+
+
+# ------------------------------------------------------------------ weights changing mid-generation
+
+
+def _generate_across_an_update(model_path: str, new_model: str, mode: str, pause_after: int) -> tuple[list, dict]:
+    """Run one greedy generation on an in-process CPU engine; after ``pause_after`` decoding steps
+    the engine is paused (``mode``), the weights of ``new_model`` are loaded as version "1", and
+    generation continues. The pause comes from a forward hook, so it lands at a known step."""
+    from rlhpc.rollout.cpu_server.engine import Engine
+
+    engine = Engine(model_path, "default")
+    engine.pause_mode = mode
+    forwards = []
+
+    def pause_at_step(module, args):
+        forwards.append(1)
+        if len(forwards) == pause_after:
+            engine.running.clear()  # the step after this one waits, off the model lock
+
+    handle = engine.model.register_forward_pre_hook(pause_at_step)
+    prompt = [1, 5, 9, 2]
+    items, _ = engine.normalize({"input_ids": prompt, "sampling_params": {"max_new_tokens": 12, "temperature": 0}})
+    out: list[dict] = []
+    t = threading.Thread(target=lambda: out.extend(engine.generate(items, engine.next_seq())))
+    t.start()
+    new = load_model(new_model)
+    engine.load_weights(list(new.named_parameters()), "1")  # the model lock is free only once paused
+    assert len(engine.steps) == pause_after
+    engine.running.set()
+    t.join(60)
+    handle.remove()
+    return prompt, out[0]
+
+
+@pytest.fixture(scope="module")
+def other_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from rlhpc.config import TinyModelConfig
+    from rlhpc.model import build_tiny_model
+
+    return str(build_tiny_model(tmp_path_factory.mktemp("m2") / "tiny", TinyModelConfig(seed=1)))
+
+
+@pytest.mark.parametrize("mode", ["retract", "in_place"])
+def test_a_generation_straddling_a_weight_update_tags_every_token(model_path: str, other_model: str, mode) -> None:
+    _, out = _generate_across_an_update(model_path, other_model, mode, pause_after=3)
+    meta = out["meta_info"]
+    n = len(out["output_ids"])
+    assert n == 12
+    assert meta[MetaInfo.WEIGHT_VERSIONS] == [
+        {"version": "default", "start": 0, "end": 3},
+        {"version": "1", "start": 3, "end": n},
+    ]
+    assert meta[MetaInfo.WEIGHT_VERSION] == "1"  # the last token's, as SGLang reports it
+
+
+def test_retract_recomputes_the_cache_with_the_new_weights(model_path: str, other_model: str) -> None:
+    """After a retract pause, the tokens made with the new weights are the new model's own
+    continuation of the prompt and the tokens so far (as SGLang re-prefills retracted requests)."""
+    prompt, out = _generate_across_an_update(model_path, other_model, "retract", pause_after=3)
+    ids = out["output_ids"]
+    tok = load_tokenizer(model_path)
+    (ref,) = sample(load_model(other_model), [prompt + ids[:3]], [9], [0.0], [1.0], [None], -1, tok.pad_token_id)
+    assert ids[3:] == ref.output_ids

@@ -35,6 +35,8 @@ ray.shutdown()
 
 
 def client(address: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    # A refused client retries its connection for ~20 s; three tries say as much.
+    env = {**env, "RAY_gcs_server_port_wait_time_s": "3"}
     return subprocess.run([sys.executable, "-c", CLIENT, address], env=env, capture_output=True, text=True, timeout=120)
 
 

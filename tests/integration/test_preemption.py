@@ -10,9 +10,9 @@ import time
 from pathlib import Path
 
 import pytest
-from support.jobs import comparable, final_weights
 
 from rlhpc.checkpoint import CheckpointManager
+from rlhpc.invariants import comparable, final_weights
 from rlhpc.launch.restarts import read_history
 from rlhpc.metrics import read_metrics
 
@@ -98,6 +98,34 @@ def test_stop_signal_saves_requeues_and_ends_like_an_uninterrupted_run(uninterru
     assert len(runs) == 1 and len(list((run / "wandb").glob("offline-run-*"))) == 2
 
 
+HOLD_WRITES = REPO / "tests" / "support" / "hold_writes"  # a sitecustomize that holds the ranks' checkpoint writes
+
+
+def test_a_stop_waits_for_the_background_save_to_commit(uninterrupted, tmp_path):
+    run = tmp_path / "run"
+    gate = tmp_path / "hold-writes"
+    gate.write_text("")  # no save before the stop (save_interval=100): the first write held is the stop's
+    env = {"PYTHONPATH": f"{HOLD_WRITES}:{os.environ.get('PYTHONPATH', '')}", "RLHPC_TEST_HOLD_WRITES": str(gate)}
+    proc = start(run, "rollout.num_rollout=12", "checkpoint.save_interval=100", env=env)
+    wait_for(lambda: len(trained(run)) >= 3, proc)
+    os.kill(task_pid(run), signal.SIGUSR2)
+    wait_for(lambda: Path(f"{gate}.held").exists(), proc)  # the stop's snapshot is taken, its write held
+    # While the write is held nothing is committed and the job has not requeued.
+    assert CheckpointManager(run / "checkpoints", 2).latest() is None
+    assert len(read_history(run)) == 1 and proc.poll() is None
+    gate.unlink()
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-4000:]
+    history = read_history(run)
+    assert len(history) == 2
+    stopped_at = history[1]["next_rollout_id"]
+    # The requeued job resumed from the checkpoint the stop had in flight: no rollout recomputed.
+    assert f"resuming from rollout_{stopped_at - 1:06d}" in " ".join(out.split()), out[-4000:]
+    assert trained(run) == list(range(12))
+    assert final_weights(run) == final_weights(uninterrupted)
+    assert comparable(run) == comparable(uninterrupted)
+
+
 # Long evaluations (8 requests of 64 prompts x 32 tokens after every rollout): a stop sent as one
 # begins lands inside it.
 EVALS = ("rollout.num_rollout=6", "checkpoint.save_interval=100", "eval.interval=1", "data.num_eval=512",
@@ -172,8 +200,9 @@ def test_restart_loop_is_held_with_a_message(tmp_path):
     crash = tmp_path / "crash-now"
     env = {"PYTHONPATH": f"{REPO / 'tests'}:{os.environ.get('PYTHONPATH', '')}", "RLHPC_TEST_CRASH_FILE": str(crash)}
     proc = start(
-        run, "rollout.num_rollout=40", "checkpoint.save_interval=2", "data.reward=support.crashy_reward:reward", env=env
-    )
+        run, "rollout.num_rollout=40", "checkpoint.save_interval=2", "data.reward=support.crashy_reward:reward",
+        "checkpoint.max_starts_without_progress=1", env=env,
+    )  # fmt: skip
     wait_for(lambda: (run / "checkpoints" / "latest").is_file(), proc)
     crash.write_text("")  # from now on every generation crashes: the resumed job fails at once
     os.kill(task_pid(run), signal.SIGUSR2)
@@ -183,6 +212,6 @@ def test_restart_loop_is_held_with_a_message(tmp_path):
     assert "no rollout was trained in between (a restart loop)" in said
     assert "ended without a result: not restarting: the last" in said  # how the local job ended, plainly
     history = read_history(run)
-    # one good start, then the starts at the same rollout; the last is refused
-    assert len({h["next_rollout_id"] for h in history[1:]}) == 1 and len(history) == 5
-    assert json.loads((run / "restarts.jsonl").read_text().splitlines()[-1])["restart_count"] == 4
+    # one good start, then two starts at the same rollout (max_starts_without_progress = 1): the second is refused
+    assert len({h["next_rollout_id"] for h in history[1:]}) == 1 and len(history) == 3
+    assert json.loads((run / "restarts.jsonl").read_text().splitlines()[-1])["restart_count"] == 2

@@ -6,8 +6,10 @@ Every check compares engine weights with the trainer's bit for bit (float32 surv
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
+import socket
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -59,6 +61,16 @@ def engines(model_path: str, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         stop_server(proc)
     for proc, _, _ in started:
         assert proc.returncode == 0
+
+
+@contextlib.contextmanager
+def update_session(client: EngineClient) -> Iterator[None]:
+    """A weight-update session around a direct update (SGLang refuses updates outside one)."""
+    client.begin_weight_update()
+    try:
+        yield
+    finally:
+        client.end_weight_update()
 
 
 def total_bytes(model: torch.nn.Module) -> int:
@@ -193,6 +205,28 @@ def test_distributed_sync_is_bit_exact_on_every_engine(engines: list[EngineClien
     assert all(c.get_server_info()["internal_states"][0]["weight_update_groups"] == [] for c in engines)
 
 
+def refuses_connections(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(5)
+        return s.connect_ex(("127.0.0.1", port)) != 0
+
+
+def test_the_rendezvous_port_closes_once_the_group_formed(engines: list[EngineClient], model_path: str) -> None:
+    """Whoever reaches the store's port could write the group's keys: it listens only while the group forms."""
+    model = trainer_model(model_path, seed=3)
+    sender = DistributedWeightSender(engines, [1, 1], "127.0.0.1", "gloo", 1 << 20, group_name="closing", timeout=20)
+    try:
+        sender.connect()
+        assert sender.master_port and refuses_connections(sender.master_port)
+        for version in (40, 41):  # gloo needs no store after forming: pushes go through
+            sender.send(named(model), version=version)
+            for c in engines:
+                assert c.get_weight_version() == str(version)
+                assert_engine_holds(c, model)
+    finally:
+        sender.close()
+
+
 def test_distributed_sync_failures_are_reported_not_hung(engines: list[EngineClient], model_path: str) -> None:
     model = trainer_model(model_path, seed=5)
     c = engines[0]
@@ -259,11 +293,32 @@ class _StubEngine:
         self.base_url, self.note, self.reports, self.asked = "http://stub", note, reports, 0
         self.calls: list[str] = []
         self.version: str | None = None
+        self.session = False
+        self.refuse_next = False
 
-    def pause_generation(self) -> None:
-        self.calls.append("pause")
+    def begin_weight_update(self) -> dict:  # with SGLang's refusals
+        if self.session:
+            raise RlhpcError(f"engine stub failed: {P.SESSION_ALREADY_OPEN}", "")
+        self.calls.append("begin")
+        self.session = True
+        return {"success": True, "message": "Success"}
+
+    def end_weight_update(self, timeout_s: float | None = None) -> dict:
+        if not self.session:
+            raise RlhpcError(f"engine stub failed: {P.NO_SESSION_OPEN}", "")
+        self.calls.append("end")
+        self.session = False
+        return {"success": True, "message": "Success"}
+
+    def pause_generation(self, mode: str = "abort") -> None:
+        self.calls.append("pause" if mode == "abort" else f"pause {mode}")
 
     def update_weights_from_tensor(self, req: P.UpdateWeightsFromTensorReqInput) -> dict:
+        if not self.session:
+            raise RlhpcError(P.outside_session_message(P.Route.UPDATE_WEIGHTS_FROM_TENSOR), "")
+        if self.refuse_next:
+            self.refuse_next = False
+            raise RlhpcError("engine stub failed: bad tensor", "")
         self.calls.append("update, abort all" if req.abort_all_requests else "update")
         self.version = req.weight_version or self.version
         note = P.weight_version_note(req.weight_version) if self.note and req.weight_version else ""
@@ -284,30 +339,61 @@ def test_the_version_is_read_from_the_answer_or_else_asked() -> None:
     sender.send(two_buckets, version=3)
     sender.close()
     assert (confirming.asked, silent.asked) == (0, 1)  # only the engine whose answer did not say
-    assert confirming.calls == silent.calls == ["pause", "update", "update", "continue"]
+    # one weight-update session per push, around every bucket
+    assert confirming.calls == silent.calls == ["pause", "begin", "update", "update", "end", "continue"]
 
     wrong = _StubEngine(False, reports="old")
     sender = TensorWeightSender([wrong], [1], bucket_bytes=16)
     with pytest.raises(RlhpcError, match="wrong weight version"):
         sender.send(two_buckets, version=4)
     sender.close()
-    assert wrong.calls == ["pause", "update", "update"]  # left paused
+    assert wrong.calls == ["pause", "begin", "update", "update", "end"]  # left paused
 
 
 def test_a_push_of_one_bucket_aborts_in_flight_requests_instead_of_pausing() -> None:
     engine = _StubEngine(note=True)
     sender = TensorWeightSender([engine], [1], bucket_bytes=1 << 20)
+    sender.send([("w", torch.ones(4)), ("b", torch.ones(4))], version=4)
+    # a channel's first push pauses and continues: it releases engines a failed push left paused
+    assert engine.calls == ["pause", "begin", "update", "end", "continue"]
     sender.send([("w", torch.ones(4)), ("b", torch.ones(4))], version=5)
-    assert engine.calls == ["update, abort all"] and engine.asked == 0
+    assert engine.calls[5:] == ["begin", "update, abort all", "end"] and engine.asked == 0
     engine.reports = "old"
     engine.note = False
     with pytest.raises(RlhpcError, match="wrong weight version"):
         sender.send([("w", torch.ones(4))], version=6)
-    assert engine.calls[-2:] == ["update, abort all", "pause"]  # a failed push leaves it paused
+    assert engine.calls[-4:] == ["begin", "update, abort all", "end", "pause"]  # a failed push leaves it paused
     sender.close()
     # a broadcast needs every engine alive before any joins: the disaggregated channel always
     # pauses first (test_engine_restart's engine killed before a push)
     assert not DistributedWeightSender._fold_pause
+
+
+def test_a_failed_push_closes_its_session_and_one_left_open_is_replaced() -> None:
+    """SGLang refuses a second begin: a push that fails mid-way closes its session, and a session
+    some earlier push could not close (engine deaf at the time) is ended before ours begins."""
+    engine = _StubEngine(note=True)
+    sender = TensorWeightSender([engine], [1], bucket_bytes=16)
+    engine.refuse_next = True
+    with pytest.raises(RlhpcError, match="bad tensor"):
+        sender.send([("w", torch.ones(4)), ("b", torch.ones(4))], version=1)
+    assert engine.calls == ["pause", "begin", "end"] and not engine.session
+    engine.calls.clear()
+    engine.session = True  # left open by an earlier push
+    sender.send([("w", torch.ones(4)), ("b", torch.ones(4))], version=2)
+    sender.close()
+    assert engine.calls == ["pause", "end", "begin", "update", "update", "end", "continue"]
+    assert not engine.session and engine.version == "2"
+
+
+def test_partial_rollouts_pause_with_retract_and_never_abort() -> None:
+    """rollout.partial_rollout: requests in flight are kept across the push (retract), so even a
+    push of one bucket pauses instead of sending abort_all_requests."""
+    engine = _StubEngine(note=True)
+    sender = make_weight_sender([engine], [1], True, "127.0.0.1", "gloo", 1 << 20, pause_mode="retract")
+    sender.send([("w", torch.ones(4))], version=2)
+    sender.close()
+    assert engine.calls == ["pause retract", "begin", "update", "end", "continue"]
 
 
 # ------------------------------------------------------------------ colocate
@@ -321,11 +407,14 @@ def test_tensor_sync_is_bit_exact(engines: list[EngineClient], model_path: str) 
     assert isinstance(sender, TensorWeightSender)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     sender.connect()
+    engines[1].begin_weight_update()  # a session some failed push left open: replaced, not refused
     sender.send(named(model), version=11)
     sender.close()
     for c in engines:
         assert c.get_weight_version() == "11"
         assert_engine_holds(c, model)
+        with pytest.raises(RlhpcError, match="no weight-update session is open"):
+            c.end_weight_update()  # the push closed its sessions
     # the trainer's own tensors are untouched (only clones went to shared memory)
     for n, p in model.named_parameters():
         assert torch.equal(p.detach(), before[n]) and not p.is_shared()
@@ -364,7 +453,7 @@ def test_tensor_payload_refuses_arbitrary_pickles(engines: list[EngineClient]) -
     import pickle
 
     evil = base64.b64encode(pickle.dumps([("x", os.getcwd)])).decode()
-    with pytest.raises(RlhpcError, match="refusing to unpickle"):
+    with pytest.raises(RlhpcError, match="refusing to unpickle"), update_session(engines[0]):
         engines[0].update_weights_from_tensor(P.UpdateWeightsFromTensorReqInput(serialized_named_tensors=[evil]))
 
 
@@ -384,7 +473,7 @@ def test_cpu_engine_refuses_cuda_tensors(engines: list[EngineClient]) -> None:
     import pickle
 
     payload = base64.b64encode(pickle.dumps([("model.norm.weight", _CudaTensorStandIn())])).decode()
-    with pytest.raises(RlhpcError, match="CUDA tensors cannot be loaded by the CPU engine"):
+    with pytest.raises(RlhpcError, match="CUDA tensors cannot be loaded by the CPU engine"), update_session(engines[0]):
         engines[0].update_weights_from_tensor(P.UpdateWeightsFromTensorReqInput(serialized_named_tensors=[payload]))
 
 

@@ -55,14 +55,16 @@ def test_all_nodes_idle_with_8_gpus(minicluster) -> None:
     wait_for(lambda: all(n["State"] == "IDLE" for n in nodes_info().values()), 30, "all nodes idle")
     info = nodes_info()
     assert sorted(info) == minicluster.nodes
+    extra = {"node0": ",train", "node1": ",gen", "node2": ",gen", "node3": ""}  # --partition train:1 gen:2
     for name, ip in minicluster.node_ips.items():
         assert info[name]["Gres"] == "gpu:8"
         assert info[name]["NodeAddr"] == ip
-        assert info[name]["Partitions"] == "low,high"
+        assert info[name]["Partitions"] == "low,high" + extra[name]
     sinfo = sh(["sinfo", "-h", "-N", "-p", "low", "-o", "%N %T %G"]).split("\n")
     assert sorted(line for line in sinfo if line) == [f"node{k} idle gpu:8" for k in range(4)]
-    partitions = sh(["sinfo", "-h", "-o", "%P %a"]).split()
-    assert partitions == ["low*", "up", "high", "up"]
+    partitions = sh(["sinfo", "-h", "-o", "%P %a %N"]).split()
+    assert partitions == ["low*", "up", "node[0-3]", "high", "up", "node[0-3]", "train", "up", "node0", "gen", "up",
+                          "node[1-2]"]  # fmt: skip
 
 
 def test_srun_each_node_sees_its_own_ip(minicluster) -> None:
@@ -129,6 +131,7 @@ def test_up_twice_is_idempotent(minicluster) -> None:
             "4",
             "--gpus-per-node",
             "8",
+            *[f"--partition={name}:{nodes}" for name, nodes, _ in minicluster.spec.partitions],
             "--state-dir",
             str(minicluster.state_dir),
         ],
@@ -204,11 +207,15 @@ def test_up_with_another_spec_rebuilds(small_cluster, minicluster_tool: ModuleTy
     before = small_cluster._load_state()["pids"]["slurmctld"]
     s = small_cluster.spec
     bigger = minicluster_tool.MiniCluster(
-        small_cluster.state_dir, nodes=2, gpus_per_node=3, subnet=s.subnet, port=s.port, grace_time=s.grace_time
-    )
+        small_cluster.state_dir, nodes=2, gpus_per_node=3, subnet=s.subnet, port=s.port, grace_time=s.grace_time,
+        partitions=[("gen", 1, 1)],  # node0 in a partition of its own, with 1 GPU
+    )  # fmt: skip
     assert bigger.up() is True
     assert bigger._load_state()["pids"]["slurmctld"] != before
-    assert {n["Gres"] for n in nodes_info(bigger.env()).values()} == {"gpu:3"}
+    info = nodes_info(bigger.env())
+    assert (info["node0"]["Gres"], info["node1"]["Gres"]) == ("gpu:1", "gpu:3")
+    assert (info["node0"]["Partitions"], info["node1"]["Partitions"]) == ("low,high,gen", "low,high")
+    assert bigger.up() is False  # the same spec (partitions included) read back from its state: nothing to do
 
 
 def test_down_leaves_nothing_and_status_fails(small_cluster) -> None:
@@ -227,3 +234,24 @@ def test_down_leaves_nothing_and_status_fails(small_cluster) -> None:
     assert small_cluster.tag not in links
     # down twice is fine
     small_cluster.down()
+
+
+def test_kill_node_is_a_power_loss_and_revive_node_brings_it_back(minicluster, tmp_path: Path) -> None:
+    """kill-node leaves nothing running on the node; Slurm drops it from a --no-kill job, whose
+    srun --no-kill step goes on elsewhere; revive-node makes it usable again."""
+    out = tmp_path / "out.txt"
+    script = "srun --no-kill bash -c 'echo up $SLURMD_NODENAME; sleep 120'"
+    jobid = sbatch(["-N2", "-w", "node2,node3", "--no-kill", "-o", str(out), "--wrap", script])
+    try:
+        wait_for(lambda: out.exists() and out.read_text().count("up node") == 2, 30, "the step on both nodes")
+        assert minicluster.node_pids("node3")
+        killed = minicluster.kill_node("node3")
+        assert killed and not minicluster.node_pids("node3")  # slurmd and the job's task: all gone
+        wait_for(lambda: "DOWN" in nodes_info(minicluster.env())["node3"]["State"], 90, "Slurm to mark node3 DOWN")
+        info = job(jobid)
+        assert info["JobState"] == "RUNNING" and info["NodeList"] == "node2", info  # the job lives on
+        minicluster.revive_node("node3")
+        assert "DOWN" not in nodes_info(minicluster.env())["node3"]["State"]
+    finally:
+        subprocess.run(["scancel", jobid], check=False)
+        minicluster.revive_node("node3")

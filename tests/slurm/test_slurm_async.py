@@ -12,8 +12,8 @@ from pathlib import Path
 
 import h5py
 import pytest
-from support.jobs import comparable, final_weights
 
+from rlhpc.invariants import comparable, final_weights
 from rlhpc.launch.restarts import read_history
 from rlhpc.metrics import read_metrics
 

@@ -1,6 +1,7 @@
 """Real Slurm jobs on the minicluster: jobs/submit.py -> sbatch -> Ray across the nodes -> the loop."""
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from rlhpc.launch import slurm
 from rlhpc.launch.ray_cluster import RayPorts, block_index
 from rlhpc.metrics import read_metrics
 
@@ -63,26 +65,28 @@ def no_ray_left(job_id: str) -> bool:
 
 
 def test_four_nodes_actor_and_rollout_on_different_nodes(minicluster, tmp_path):
-    run = tmp_path / "run"
+    run, stage = tmp_path / "run", tmp_path / "node-local"  # one disk here, as if on each node
     p = submit(
         run,
-        "--nodes",
-        "4",
-        "--gpus-per-node",
-        "8",
-        "--set",
-        "cluster.actor_num_gpus=8",
-        "--set",
-        "cluster.rollout_num_gpus=8",
-    )
+        "--nodes", "4",
+        "--gpus-per-node", "2",  # 2 ranks + 2 engines: 16 of each took 150 s of two cores to start
+        "--set", "cluster.actor_num_gpus=2",
+        "--set", "cluster.rollout_num_gpus=2",
+        "--set", f"cluster.stage_dir={stage}",
+    )  # fmt: skip
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     assert [r["rollout_id"] for r in read_metrics(run) if r["kind"] == "rollout"] == [0, 1]
     log = job_log(run)
-    assert "Ray cluster ready: 4 nodes, 32 GPUs" in log
+    # staged start: task 0 sbcast the model to the 4 nodes, the engines served that copy, all removed
+    flat = " ".join(log.split())
+    assert "staged base_model in" in flat and "sbcast to every node)" in flat, log[-3000:]
+    engine_logs = "".join(p.read_text() for p in (run / "logs" / "engines").glob("*.log"))
+    assert f"serving {stage}/rlhpc-" in engine_logs
+    assert "Ray cluster ready: 4 nodes, 8 GPUs" in log
     actor_ip = re.search(r"rendezvous ([\d.]+):", log).group(1)
     engine_ips = set(re.findall(r"http://([\d.]+):\d+", log))  # engine URLs are the only http:// in the log
     assert actor_ip in minicluster.node_ips.values()
-    assert engine_ips and actor_ip not in engine_ips  # 8 actor GPUs fill one node; engines on another
+    assert engine_ips and actor_ip not in engine_ips  # 2 actor GPUs fill one node; engines on another
     job_id = (run / "slurm_job_id").read_text().strip()
     state = run / "ray" / f"job_{job_id}.0"  # first attempt of the job
     # The head runs on task 0's node, published through the run dir (placement may put the
@@ -95,6 +99,7 @@ def test_four_nodes_actor_and_rollout_on_different_nodes(minicluster, tmp_path):
     assert token not in (run / "logs" / "submitit" / f"{job_id}_submission.sh").read_text() and token not in log
     wait_gone(job_id)
     assert no_ray_left(job_id)
+    assert list(stage.iterdir()) == []  # every task removed its copy
 
 
 def test_three_nodes_uneven_layout(minicluster, tmp_path):
@@ -205,6 +210,28 @@ def test_a_run_dir_with_a_live_job_is_refused_and_following_a_held_job_returns(m
     subprocess.run(["scancel", new_id])
     assert third.returncode == 0 and new_id != job_id, third.stderr[-2000:]
     assert "which is gone" in third.stdout + third.stderr
+
+
+def test_job_state_tells_a_forgotten_job_from_a_controller_that_does_not_answer(minicluster, tmp_path, monkeypatch):
+    """Gone only when Slurm says so; an unanswered scontrol raises (run_owner then refuses, see its unit tests)."""
+    job_id = subprocess.run(
+        ["sbatch", "--parsable", "--hold", "--output=/dev/null", "--wrap=true"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    try:
+        assert slurm.job_state(job_id) == "PENDING"
+        assert slurm.job_state("987654321") is None  # "Invalid job id specified"
+        conf = Path(os.environ["SLURM_CONF"]).read_text()
+        silent = tmp_path / "slurm.conf"  # the same cluster, asked on port 1 (nobody listens)
+        silent.write_text(re.sub(r"^SlurmctldPort=\d+", "SlurmctldPort=1", conf, flags=re.M))
+        monkeypatch.setenv("SLURM_CONF", str(silent))
+        with pytest.raises(slurm.SlurmUnreachable, match=f"job {job_id}"):
+            slurm.job_state(job_id, attempts=1)  # scontrol itself tries for ~8 s
+    finally:
+        monkeypatch.undo()
+        subprocess.run(["scancel", job_id])
 
 
 @pytest.mark.parametrize(

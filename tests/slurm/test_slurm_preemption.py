@@ -4,6 +4,7 @@ Each interrupted run must end exactly where an uninterrupted run of the same con
 same final weights (bit for bit, deterministic CPU run) and the same per-rollout metrics.
 """
 
+import os
 import re
 import subprocess
 import sys
@@ -11,8 +12,9 @@ import time
 from pathlib import Path
 
 import pytest
-from support.jobs import comparable, final_weights
+from support.jobs import deterministic_config
 
+from rlhpc.invariants import comparable, final_weights
 from rlhpc.launch.restarts import read_history
 from rlhpc.metrics import read_metrics
 
@@ -20,19 +22,10 @@ pytestmark = pytest.mark.slurm
 
 REPO = Path(__file__).resolve().parents[2]
 NUM_ROLLOUT = 30  # long enough that a stop lands mid-run on a fast machine
-CONFIG = [
-    "data.num_train=64",
-    "rollout.rollout_batch_size=8",
-    "rollout.n_samples_per_prompt=4",
-    f"rollout.num_rollout={NUM_ROLLOUT}",
-    "eval.interval=null",
-    "logging.wandb_mode=disabled",
-    "deterministic=true",
-    "checkpoint.save_interval=3",
-]
+CONFIG = deterministic_config(NUM_ROLLOUT)
 
 
-def submit(run: Path, *args: str, follow: bool) -> subprocess.CompletedProcess:
+def submit(run: Path, *args: str, follow: bool, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     cmd = [
         sys.executable,
         str(REPO / "jobs" / "submit.py"),
@@ -48,7 +41,8 @@ def submit(run: Path, *args: str, follow: bool) -> subprocess.CompletedProcess:
     for o in CONFIG:
         cmd += ["--set", o]
     cmd += [*args, "--follow" if follow else "--no-follow"]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=REPO)
+    env = {**os.environ, **(env or {})}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=REPO, env=env)
 
 
 def trained(run: Path) -> list[int]:
@@ -101,8 +95,11 @@ def test_preempted_by_a_high_priority_job(baseline, minicluster, tmp_path):
 
 
 def test_scontrol_requeue_at_an_arbitrary_moment(baseline, minicluster, tmp_path):
-    run = tmp_path / "run"
-    assert submit(run, "--sbatch", "nodelist=node2", follow=False).returncode == 0
+    # with a staged start: the requeued job resumes from its node-local copy of the checkpoint
+    run, stage = tmp_path / "run", tmp_path / "node-local"
+    assert (
+        submit(run, "--sbatch", "nodelist=node2", "--set", f"cluster.stage_dir={stage}", follow=False).returncode == 0
+    )
     job_id = (run / "slurm_job_id").read_text().strip()
     wait(lambda: len(trained(run)) >= 5, 240, "5 trained rollouts")
     done_before = len(trained(run))
@@ -114,38 +111,30 @@ def test_scontrol_requeue_at_an_arbitrary_moment(baseline, minicluster, tmp_path
     # falls back to the last periodic checkpoint, recomputing at most checkpoint.save_interval.
     assert history[1]["next_rollout_id"] >= done_before - 3
     check_same_as(run, baseline)
+    if history[-1]["next_rollout_id"] > 0:
+        assert f"staged base_model, rollout_{history[-1]['next_rollout_id'] - 1:06d} in" in job_log(run)
 
 
 def test_time_limit_mid_run(minicluster, tmp_path):
-    # A 3-minute limit with USR2 120 s before it: each allocation trains for under a minute,
-    # then is stopped, saved and requeued, until the 400 rollouts are done. Rollouts of 64
-    # prompts x 8 samples x 4 tokens (~0.35 s each here) make the run need several
-    # allocations even on a machine twice as fast; the small default batch trains 300 in 16 s.
+    # A 2-minute limit with USR2 60 s before it: each allocation trains for under a minute, then
+    # is stopped, saved and requeued. The reward sleeps 20 ms per sample (support/slow_reward.py),
+    # so a rollout of 32 samples takes at least 0.64 s on any machine and 100 rollouts need a
+    # second allocation however fast the machine is (here ~0.8 s a rollout: two allocations).
     run = tmp_path / "run"
+    num_rollout = 100
     p = submit(
         run,
-        "--time",
-        "3",
-        "--signal-grace",
-        "120",
-        "--sbatch",
-        "nodelist=node3",
-        "--set",
-        "rollout.num_rollout=400",
-        "--set",
-        "rollout.rollout_batch_size=64",
-        "--set",
-        "rollout.n_samples_per_prompt=8",
-        "--set",
-        "rollout.max_new_tokens=4",
-        "--set",
-        "checkpoint.save_interval=100",
+        "--time", "2", "--signal-grace", "60", "--sbatch", "nodelist=node3",
+        "--set", f"rollout.num_rollout={num_rollout}",
+        "--set", "data.reward=support.slow_reward:reward",
+        "--set", "checkpoint.save_interval=50",
         follow=False,
-    )
+        env={"PYTHONPATH": f"{REPO / 'tests'}:{os.environ.get('PYTHONPATH', '')}"},
+    )  # fmt: skip
     assert p.returncode == 0, p.stderr
-    wait(lambda: (run / "FINISHED").is_file(), 900, "the time-limited run to finish")
+    wait(lambda: (run / "FINISHED").is_file(), 600, "the time-limited run to finish")
     history = read_history(run)
     assert len(history) >= 2, job_log(run)[-3000:]
     stops = [int(n) for n in re.findall(r"stopped before rollout (\d+)", job_log(run))]
     assert stops == [h["next_rollout_id"] for h in history[1:]]  # every restart resumed where it stopped: 0 lost
-    assert trained(run) == list(range(400))
+    assert trained(run) == list(range(num_rollout))

@@ -98,6 +98,46 @@ def test_plain_template_trains_on_two_nodes(minicluster, tmp_path: Path) -> None
     print(f"template job {job_id}: {elapsed:.0f}s from sbatch to done")
 
 
+@pytest.mark.slurm
+def test_the_hetjob_template_trains_with_the_engines_on_their_own_partition(minicluster, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    # Component sizes live in the template's #SBATCH lines (sbatch's own options reach component 0
+    # only): the minicluster's train partition holds node0, gen node1-2.
+    text = (TEMPLATES / "hetjob.sbatch").read_text()
+    text = text.replace("#SBATCH --gpus-per-node=8", "#SBATCH --gpus-per-node=2", 1)
+    text = text.replace("#SBATCH --gpus-per-node=4", "#SBATCH --gpus-per-node=1", 1).replace("24:00:00", "10")
+    script = tmp_path / "hetjob.sbatch"
+    script.write_text(text)
+    in_venv = sys.prefix != sys.base_prefix
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    overrides = [o for o in OVERRIDES if "cluster." not in o]  # each group takes its component
+    export = ",".join(
+        [
+            "--export=ALL",
+            f"CONFIG={REPO / 'jobs' / 'configs' / 'embedded.yaml'}",
+            f"RUN_DIR={run}",
+            f"OVERRIDES={' '.join(overrides)}",
+            f"VENV={sys.prefix if in_venv else ''}",
+            f"RLHPC_HOME={REPO}",
+        ]
+    )
+    sbatch = subprocess.run(["sbatch", "--parsable", "--output", f"{run}/slurm-%j.out", export, str(script)],
+                            capture_output=True, text=True, cwd=REPO, env=env)  # fmt: skip
+    assert sbatch.returncode == 0, sbatch.stderr
+    job_id = sbatch.stdout.strip().split(";")[0]
+    state = wait_done(job_id, timeout=240)
+    assert state in ("COMPLETED", None), f"job {job_id} ended {state}\n{logs(run)}"
+    assert (run / "FINISHED").is_file(), logs(run)
+    rollouts = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["rollout_id"] for r in rollouts if r.get("kind") == "rollout"] == [0, 1, 2]
+    task0 = " ".join((run / "logs" / f"slurm-{job_id}-task0.out").read_text().split())
+    assert "Ray cluster ready: 3 nodes, 4 GPUs" in task0, logs(run)
+    ips = minicluster.node_ips
+    assert f"slot0={ips['node0']}:gpu0, slot1={ips['node0']}:gpu1" in task0  # the actor on train
+    assert f"rollout engines up: http://{ips['node1']}:" in task0 or f"http://{ips['node2']}:" in task0
+
+
 def test_templates_parse_and_share_the_run_lines() -> None:
     texts = {}
     for name in NAMES:
@@ -121,3 +161,9 @@ def test_templates_parse_and_share_the_run_lines() -> None:
         assert text[text.index("step=$!") :] == plain[plain.index("step=$!") :], name
     assert "--container-image=" in texts["pyxis.sbatch"] and "--container-mounts=" in texts["pyxis.sbatch"]
     assert "apptainer exec --nv" in texts["apptainer.sbatch"]
+    # The het template: the same signal forwarding, wait and requeue; its step spans both components.
+    het = (TEMPLATES / "hetjob.sbatch").read_text()
+    assert subprocess.run(["bash", "-n", str(TEMPLATES / "hetjob.sbatch")]).returncode == 0
+    assert het[het.index("step=$!") :] == plain[plain.index("step=$!") :]
+    assert [x for x in het.splitlines() if x.endswith(TASK)][0].startswith("srun --het-group=0,1 ")
+    assert het.count("#SBATCH --signal=USR2@120") == 2 and "#SBATCH hetjob" in het

@@ -9,7 +9,6 @@ import sys
 import time
 from pathlib import Path
 
-from rlhpc.checkpoint import CheckpointManager
 from rlhpc.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]  # the checkout
@@ -20,6 +19,21 @@ FAST = [
     "--set", "rollout.n_samples_per_prompt=4",
     "--set", "logging.wandb_mode=disabled",
 ]  # fmt: skip
+
+
+def deterministic_config(num_rollout: int, save_interval: int = 3) -> list[str]:
+    """The ``--set`` values of a small deterministic run without evaluations: what an interrupted
+    run of the same config must reproduce bit for bit."""
+    return [
+        "data.num_train=64",
+        "rollout.rollout_batch_size=8",
+        "rollout.n_samples_per_prompt=4",
+        f"rollout.num_rollout={num_rollout}",
+        "eval.interval=null",
+        "logging.wandb_mode=disabled",
+        "deterministic=true",
+        f"checkpoint.save_interval={save_interval}",
+    ]
 
 
 def job_args(run_dir: Path, *overrides: str) -> list[str]:
@@ -50,13 +64,3 @@ def kill_when(args: list[str], path: Path, timeout: float = 300) -> None:
         time.sleep(0.2)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-
-
-def comparable(run: Path) -> list[dict]:
-    """A run's metrics without timings: what must equal an undisturbed run's."""
-    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in read_metrics(run)]
-
-
-def final_weights(run: Path) -> bytes:
-    """The newest checkpoint's weights, byte for byte."""
-    return (CheckpointManager(run / "checkpoints", 2).latest().path / "actor" / "model.safetensors").read_bytes()

@@ -28,6 +28,7 @@ IO_STRUCT = "sglang/srt/managers/io_struct.py"
 SAMPLING_PARAMS = "sglang/srt/sampling/sampling_params.py"
 HTTP_SERVER = "sglang/srt/entrypoints/http_server.py"
 TOKENIZER_MANAGER = "sglang/srt/managers/tokenizer_manager.py"
+WEIGHT_VERSIONS = "sglang/srt/utils/weight_versions.py"  # per-token weight-version spans in meta_info
 SERVER_ARGS = "sglang/srt/server_args.py"
 DOWNLOAD = f"{{python}} -m pip download -q --no-deps --dest {{venv}}/wheels sglang=={SGLANG_VERSION}"
 
@@ -174,9 +175,10 @@ def http_routes() -> dict[str, str | None]:
 
 @functools.cache
 def meta_info_keys() -> frozenset[str]:
-    """Keys the tokenizer manager writes into outputs' ``meta_info`` (dict literals and ``meta_info[...]``)."""
+    """Keys the tokenizer manager (and its weight-version helper) writes into outputs' ``meta_info``
+    (dict literals and ``meta_info[...]``)."""
     keys: set[str] = set()
-    for node in ast.walk(_tree(TOKENIZER_MANAGER)):
+    for node in (n for path in (TOKENIZER_MANAGER, WEIGHT_VERSIONS) for n in ast.walk(_tree(path))):
         if isinstance(node, ast.Dict):
             keys.update(k.value for k in node.keys if isinstance(k, ast.Constant) and isinstance(k.value, str))
         elif (
@@ -186,6 +188,16 @@ def meta_info_keys() -> frozenset[str]:
         ):
             keys.add(node.slice.value)
     return frozenset(keys)
+
+
+def weight_version_span_keys() -> tuple[str, ...]:
+    """The keys of one ``meta_info["weight_versions"]`` entry, as ``add_weight_versions_to_meta_info`` writes them."""
+    for node in ast.walk(_tree(WEIGHT_VERSIONS)):
+        if isinstance(node, ast.FunctionDef) and node.name == "add_weight_versions_to_meta_info":
+            for d in ast.walk(node):
+                if isinstance(d, ast.Dict) and d.keys:
+                    return tuple(k.value for k in d.keys if isinstance(k, ast.Constant))
+    raise AssertionError(f"add_weight_versions_to_meta_info not found in {WEIGHT_VERSIONS}")
 
 
 # ------------------------------------------------------------------ launch flags
@@ -331,3 +343,22 @@ def weight_version_notes(function: str) -> list[tuple[str, str, str]]:
             if len(parts) == 3 and isinstance(parts[1], ast.FormattedValue):
                 notes.append((parts[0].value, ast.unparse(parts[1].value), parts[2].value))
     return notes
+
+
+# ------------------------------------------------------------------ weight-update sessions
+
+SCHEDULER_WEIGHT_UPDATER = "sglang/srt/managers/scheduler_components/weight_updater.py"
+
+
+def refusal_messages(function: str) -> frozenset[str]:
+    """The literal ``message=`` texts of the answers ``function`` (the scheduler's weight-update
+    side) builds with ``success=False``: its refusals."""
+    found = set()
+    for n in ast.walk(_functions(SCHEDULER_WEIGHT_UPDATER)[function]):
+        if not isinstance(n, ast.Call):
+            continue
+        kw = {k.arg: k.value for k in n.keywords}
+        success, message = kw.get("success"), kw.get("message")
+        if isinstance(success, ast.Constant) and success.value is False and isinstance(message, ast.Constant):
+            found.add(message.value)
+    return frozenset(found)

@@ -8,6 +8,8 @@ import resource
 import shutil
 import signal
 import subprocess
+import threading
+import time
 
 import pytest
 
@@ -275,3 +277,154 @@ def test_manifest_of_the_previous_version_still_loads(tmp_path):
     assert validate(ck.path) is None and mgr.latest().rollout_id == 2
     (ck.path / "actor" / "model.bin").write_bytes(b"short")
     assert "manifest says 7" in validate(ck.path)
+
+
+# ------------------------------------------------------------ asynchronous saves (issue 11)
+
+
+def snapshot_of(payload, release=None):
+    """A ``save_async`` snapshot step: the staging dir exists; the write waits for ``release``."""
+
+    def snapshot(staging):
+        (staging / "actor").mkdir()
+
+        def write():
+            if release is not None:
+                assert release.wait(60)
+            (staging / "actor" / "model.bin").write_bytes(payload)
+
+        return write
+
+    return snapshot
+
+
+def test_async_save_commits_in_the_background(tmp_path):
+    mgr = CheckpointManager(tmp_path, keep_last=2)
+    save(mgr, 1)
+    release = threading.Event()
+    mgr.save_async(2, snapshot_of(b"second", release), {"data": {"epoch": 0}})
+    # save_async returned while the write waits: the caller goes on, the previous checkpoint is the newest
+    assert mgr.in_flight == 2 and mgr.collect() is None
+    assert mgr.latest().rollout_id == 1 and (tmp_path / LATEST).read_text().strip() == "rollout_000001"
+    release.set()
+    ck = mgr.wait()
+    assert ck.rollout_id == 2 and mgr.latest().rollout_id == 2 and mgr.in_flight is None
+    assert (ck.path / "actor" / "model.bin").read_bytes() == b"second" and debris(tmp_path) == []
+    assert mgr.collect() >= 0 and mgr.collect() is None  # the write time, reported once
+    assert mgr.wait() is None  # nothing in flight
+
+
+def test_at_most_one_async_save_in_flight(tmp_path):
+    mgr = CheckpointManager(tmp_path, keep_last=3)
+    first = threading.Event()
+    mgr.save_async(1, snapshot_of(b"one", first), {})
+    second_started = threading.Event()
+
+    def next_save():
+        mgr.save_async(2, snapshot_of(b"two"), {})
+        second_started.set()
+
+    t = threading.Thread(target=next_save)
+    t.start()
+    assert not second_started.wait(0.2)  # blocked on the commit of the first (not a timing claim: it cannot pass it)
+    assert not (tmp_path / ".staging-rollout_000002").exists()
+    first.set()
+    t.join(60)
+    assert (tmp_path / "rollout_000001").is_dir()  # committed before the second save staged
+    assert mgr.wait().rollout_id == 2
+
+
+def test_a_failed_background_write_raises_at_the_next_wait(tmp_path):
+    mgr = CheckpointManager(tmp_path, keep_last=2)
+    save(mgr, 1)
+
+    def snapshot(staging):
+        (staging / "actor").mkdir()
+
+        def write():
+            raise OSError(28, "No space left on device")
+
+        return write
+
+    mgr.save_async(2, snapshot, {})
+    with pytest.raises(RlhpcError, match="rollout 2.*No space left") as e:
+        mgr.save_async(3, snapshot_of(b"three"), {})  # the next save waits for the failed one first
+    assert "rollout_000001 is intact" in str(e.value)
+    assert debris(tmp_path) == [] and mgr.latest().rollout_id == 1 and mgr.in_flight is None
+
+
+# Where the background write + commit of rollout 2 is killed, and which checkpoint resume then uses.
+PHASES = {
+    "write": 1,  # the ranks' files half-written into staging
+    "manifest": 1,  # state written, checksums being computed
+    "marker": 1,  # COMPLETE written, not yet renamed
+    "latest": 2,  # renamed, ``latest`` still names rollout 1
+    "retention": 2,  # ``latest`` replaced, old checkpoints not yet pruned
+}
+
+
+def pause_at_phase(root, phase):
+    """A child process: checkpoints 0 and 1, then an async save of 2 that stops for good at ``phase``."""
+    from rlhpc import checkpoint
+
+    def pause():
+        (root.parent / f"paused-{phase}").write_text("")
+        while True:
+            time.sleep(1)
+
+    def before(fn, name, when=lambda *args: True):
+        def wrapped(*args, **kwargs):
+            if name == phase and when(*args):
+                pause()
+            return fn(*args, **kwargs)
+
+        return wrapped
+
+    mgr = CheckpointManager(root, keep_last=2)
+    save(mgr, 0)
+    save(mgr, 1)
+    checkpoint._manifest = before(checkpoint._manifest, "manifest")
+    checkpoint.os.replace = before(os.replace, "marker", lambda src, dst: src.name.startswith(".staging-rollout"))
+    checkpoint.write_atomic = before(checkpoint.write_atomic, "latest", lambda path, text: path.name == LATEST)
+    mgr._retain = before(mgr._retain, "retention")
+
+    def snapshot(staging):
+        (staging / "actor").mkdir()
+
+        def write():
+            (staging / "actor" / "model.bin").write_bytes(b"half")
+            if phase == "write":
+                pause()
+            (staging / "actor" / "model.bin").write_bytes(b"complete")
+
+        return write
+
+    mgr.save_async(2, snapshot, {"data": {"epoch": 0}})
+    (root.parent / "caller-went-on").write_text("")  # save_async returned: the write runs on its own thread
+    mgr.wait()
+
+
+@pytest.mark.parametrize("phase", PHASES)
+def test_sigkill_at_each_phase_of_a_background_save(tmp_path, phase):
+    root = tmp_path / "checkpoints"
+    child = multiprocessing.get_context("fork").Process(target=pause_at_phase, args=(root, phase))
+    child.start()
+    try:
+        deadline = time.monotonic() + 60
+        # Both: the background save stopped at its phase, and the caller of save_async went on meanwhile.
+        while not ((tmp_path / f"paused-{phase}").exists() and (tmp_path / "caller-went-on").exists()):
+            assert child.is_alive() and time.monotonic() < deadline, f"the save never reached {phase}"
+            time.sleep(0.01)
+        os.kill(child.pid, signal.SIGKILL)  # no cleanup of any kind
+    finally:
+        child.join(10)
+    mgr = CheckpointManager(root, keep_last=2)
+    mgr.clean_debris()  # what the next job does first
+    ck = mgr.latest()
+    assert ck.rollout_id == PHASES[phase] and validate(ck.path) is None
+    assert debris(root) == [] and not list(root.glob(".staging-*"))
+    if ck.rollout_id == 2:
+        assert (ck.path / "actor" / "model.bin").read_bytes() == b"complete"
+    # the next save after the resume commits as usual
+    save(mgr, ck.rollout_id + 1)
+    assert mgr.latest().rollout_id == ck.rollout_id + 1

@@ -75,7 +75,9 @@ def test_layout_needing_more_gpus_than_the_job_has():
 
 
 def test_colocate_with_more_rollout_than_actor_gpus():
-    assert "colocate" in error(["cluster.colocate=true", "cluster.rollout_num_gpus=2", "cluster.gpus_per_node=4"])
+    assert "colocate" in error(
+        ["cluster.colocate=true", "cluster.actor_num_gpus=1", "cluster.rollout_num_gpus=2", "cluster.gpus_per_node=4"]
+    )
 
 
 def test_engine_tp_must_divide_rollout_gpus():
@@ -326,3 +328,24 @@ def test_actor_call_timeout_key():
     assert cfg.actor.call_timeout_s == 90.0 and isinstance(cfg.actor.call_timeout_s, float)
     with pytest.raises(ConfigError, match=r"actor\.call_timeout_s = 0 must be > 0"):
         ActorConfig(call_timeout_s=0)
+
+
+def test_partial_rollouts_need_the_async_pipeline_and_no_determinism():
+    msg = error(["rollout.partial_rollout=true"])
+    assert "rollout.partial_rollout" in msg and "max_staleness >= 1" in msg
+    msg = error(["rollout.partial_rollout=true", "rollout.max_staleness=1", "deterministic=true"])
+    assert "timing" in msg and "rollout.partial_rollout=false" in msg
+    cfg = load_config(None, [*TINY, "rollout.partial_rollout=true", "rollout.max_staleness=1"])
+    assert cfg.rollout.partial_rollout and cfg.rollout.dynamic_sampling.filter is None
+
+
+def test_dynamic_sampling_filter_and_sizes_are_checked():
+    cfg = load_config(None, [*TINY, "rollout.dynamic_sampling.filter=nonzero_std"])
+    assert cfg.rollout.dynamic_sampling.filter == "nonzero_std"
+    assert "neither a built-in filter" in error(["rollout.dynamic_sampling.filter=no_such"])
+    msg = error(["rollout.dynamic_sampling.filter=no_such_module_xyz:keep"])
+    assert "rollout.dynamic_sampling.filter" in msg and "cannot be imported" in msg
+    assert "not callable" in error(["rollout.dynamic_sampling.filter=rlhpc.rollout.protocol:SGLANG_VERSION"])
+    msg = error(["rollout.rollout_batch_size=8", "rollout.dynamic_sampling.over_sampling_batch_size=4"])
+    assert "over_sampling_batch_size = 4 < rollout.rollout_batch_size = 8" in msg
+    assert "must be >= 1" in error(["rollout.dynamic_sampling.max_rounds=0"])

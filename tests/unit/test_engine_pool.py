@@ -11,20 +11,26 @@ from pathlib import Path
 import pytest
 
 from rlhpc.config import RolloutConfig
-from rlhpc.errors import RlhpcError
+from rlhpc.errors import RlhpcError, WeightPushFailed
+from rlhpc.rollout import engine_pool
 from rlhpc.rollout.client import EngineUnavailable
-from rlhpc.rollout.engine_pool import EnginePool, EnginesDown
+from rlhpc.rollout.engine_pool import EnginePool, EnginesDown, NodeLost
 from rlhpc.rollout.generation import Request
 
 
 class FakeClient:
     def __init__(self, name: str):
         self.base_url, self.alive, self.served = f"http://{name}", True, []
+        self.health_checks = 0
+        self.powered = threading.Event()  # cleared: the node lost power, requests get no answer at all
+        self.powered.set()
 
     def health(self) -> bool:
+        self.health_checks += 1
         return self.alive
 
     def generate(self, *, input_ids, sampling_params, return_logprob) -> list[dict]:
+        self.powered.wait()
         if not self.alive:
             raise EngineUnavailable(f"{self.base_url} refused", "is it up?")
         self.served.append(input_ids[0][0])
@@ -51,7 +57,12 @@ def bare_pool(n: int, max_restarts: int = 2) -> EnginePool:
     pool.clients = [FakeClient(f"e{e}") for e in range(n)]
     pool.router, pool.router_client, pool.router_restarts = None, None, 0
     pool.down, pool._router_down, pool._deferred = set(), False, threading.local()
-    pool._threads = ThreadPoolExecutor(4)
+    pool._threads, pool._health_threads = ThreadPoolExecutor(4), ThreadPoolExecutor(2)
+    pool.lost, pool._reconnect, pool.engine_world_sizes = {}, False, [1] * n
+    pool._engine_nodes, pool._actor_nodes = [{f"node-of-e{e}"} for e in range(n)], {"node-of-actor"}
+    pool.dead_nodes: dict[str, str] = {}  # what Ray declared dead (node id -> IP)
+    pool._dead_ray_nodes = lambda: pool.dead_nodes
+    pool._weights = None
     pool.restarted: list[int] = []
     pool._restart = lambda e: (pool.restarted.append(e), setattr(pool.clients[e], "alive", True))
     return pool
@@ -127,3 +138,123 @@ def test_deferred_restarts_bypass_a_dead_router():
     assert sorted(pool.clients[0].served + pool.clients[1].served) == [0, 1] and pool.router_restarts == 0
     pool._restart_dead()
     assert pool.router_restarts == 1 and pool._targets() == [pool.router_client]
+
+
+def test_a_request_lost_to_an_engine_restarted_beside_generation_is_sent_again():
+    """Partial rollouts: the main thread's push may restart a dead engine while the generation
+    thread's requests to it fail. The failure is no error: the engine set changed, so send again."""
+    pool = bare_pool(2)
+
+    class DiesThenRestarted(FakeClient):
+        def generate(self, **kw) -> list[dict]:
+            pool.clients[1] = FakeClient("e1-restarted")  # what the push's restart does meanwhile
+            raise EngineUnavailable(f"{self.base_url} reset", "is it up?")
+
+    pool.clients[1] = DiesThenRestarted("e1")
+    with pool.restarts_deferred():
+        answers = pool.send(requests(2))
+    assert [a[0]["output_ids"] for a in answers] == [[0], [1]] and pool.down == set()
+    assert pool.clients[1].served == [1]  # the request went to the restarted engine
+
+
+class FakeSource:
+    def __init__(self):
+        self.connected: list[list[str]] = []
+
+    def connect_rollout(self, engine_urls, engine_world_sizes, colocate, key_file=None) -> None:
+        self.connected.append(list(engine_urls))
+
+
+def test_an_engine_node_that_loses_power_mid_generation_leaves_the_run_to_the_others(monkeypatch):
+    monkeypatch.setattr(engine_pool, "NODE_CHECK_S", 0.05)
+    pool = bare_pool(3)
+    pool.cluster_cfg, pool.key_file = type("C", (), {"colocate": False})(), "key"
+    pool.clients[1].powered.clear()  # its requests hang: no refused connection, no answer
+    pool.dead_nodes = {"node-of-e1": "10.9.0.11"}  # Ray's health checks declared its node dead
+    try:
+        answers = pool.send(requests(6))
+    finally:
+        pool.clients[1].powered.set()
+    assert [a[0]["output_ids"] for a in answers] == [[c] for c in range(6)]  # every request answered, in order
+    assert pool.lost == {1: "10.9.0.11"} and pool.num_engines == 2
+    assert sorted(pool.clients[0].served + pool.clients[2].served) == list(range(6))  # requests 1, 4 sent again
+    assert pool.restarted == []  # a lost node's engine is not restarted in place
+    source = FakeSource()
+    pool.connect_weights(source)  # the weight-sync group is formed again without it
+    assert source.connected == [["http://e0", "http://e2"]]
+
+
+def declared_dead_on_restart(pool: EnginePool, e: int, ip: str) -> None:
+    """Engine e's requests fail before Ray has declared its node dead; the restart that follows
+    fails (its actor is gone with the node) and by then Ray has declared it."""
+
+    def restart(k: int) -> None:
+        pool.dead_nodes = {f"node-of-e{k}": ip}
+        raise RlhpcError(f"rollout engine {k}'s Ray actor died", "its node may be gone")
+
+    pool.clients[e].alive = False
+    pool._restart = restart
+
+
+def test_a_node_declared_dead_while_its_failed_requests_are_handled_leaves_the_run_to_the_others():
+    pool = bare_pool(2)
+    declared_dead_on_restart(pool, 1, "10.9.0.12")
+    answers = pool.send(requests(4))
+    assert [a[0]["output_ids"] for a in answers] == [[c] for c in range(4)]
+    assert pool.lost == {1: "10.9.0.12"} and sorted(pool.clients[0].served) == [0, 1, 2, 3]
+
+
+def test_a_push_that_failed_on_a_node_declared_dead_meanwhile_is_repeated_without_it():
+    pool = bare_pool(2)
+    pool.cluster_cfg, pool.key_file = type("C", (), {"colocate": False})(), "key"
+    declared_dead_on_restart(pool, 1, "10.9.0.12")
+    pushes: list[int] = []
+
+    class Source(FakeSource):
+        def update_weights(self, version: int) -> None:
+            pushes.append(version)
+            if len(pushes) == 1:
+                raise WeightPushFailed(version, "engine http://e1 unreachable on /pause_generation")
+
+    pool._weights = Source()
+    pool._push(4)
+    assert pushes == [4, 4] and pool.lost == {1: "10.9.0.12"}
+    assert pool._weights.connected == [["http://e0"]]  # the group formed again without the lost engine
+
+
+def test_a_lost_node_with_actor_ranks_stops_the_run():
+    pool = bare_pool(2)
+    pool.dead_nodes = {"node-of-actor": "10.9.0.10"}
+    with pytest.raises(NodeLost, match="10.9.0.10"):
+        pool.ensure_engines()
+
+
+def test_losing_every_engine_node_is_engines_down():
+    pool = bare_pool(2)
+    pool.dead_nodes = {"node-of-e0": "10.9.0.11", "node-of-e1": "10.9.0.12"}
+    with pytest.raises(EnginesDown):
+        pool.check_nodes()
+
+
+def test_generation_asks_no_health_until_a_request_fails():
+    """/health is off the critical path (SGLang's is a generation of its own): a dead engine is
+    found by its failed requests, then restarted, and its requests are sent again."""
+    pool = bare_pool(2)
+    pool.generate(requests(4))
+    assert [c.health_checks for c in pool.clients] == [0, 0]
+    pool.clients[1].alive, pool.clients[1].served = False, []
+    answers = pool.generate(requests(4))
+    assert [a[0]["output_ids"] for a in answers] == [[0], [1], [2], [3]]
+    assert pool.restarted == [1] and [c.health_checks for c in pool.clients] == [1, 1]
+    assert sorted(pool.clients[1].served) == [1, 3]  # the restarted engine served its requests again
+
+
+def test_an_engine_marked_down_is_restarted_before_the_next_generation():
+    pool = bare_pool(2)
+    pool.clients[1].alive = False
+    with pool.restarts_deferred():
+        pool.send(requests(2))  # found dead: marked down, not restarted
+        pool.ensure_engines()
+    assert pool.down == {1} and pool.restarted == []
+    pool.generate(requests(2))  # the main thread: restarted first
+    assert pool.restarted == [1] and pool.down == set()

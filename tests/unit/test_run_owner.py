@@ -80,6 +80,20 @@ def test_an_ended_slurm_job_is_taken_over(tmp_path, monkeypatch, state):
     assert run_owner.read(run) == Owner.slurm_job("4243")
 
 
+def test_a_slurm_job_whose_state_cannot_be_asked_is_not_taken_over(tmp_path, monkeypatch):
+    run = RunDir(tmp_path / "run")
+    run_owner.claim(run, Owner.slurm_job("4242"))
+
+    def unreachable(job_id):
+        raise slurm.SlurmUnreachable(f"state of job {job_id} unknown: connect failure")
+
+    monkeypatch.setattr(slurm, "job_state", unreachable)
+    with pytest.raises(RunDirError) as e:
+        run_owner.claim(run, Owner.slurm_job("4243"))
+    assert "cannot be asked" in e.value.problem and "4242" in e.value.problem
+    assert run_owner.read(run) == Owner.slurm_job("4242")
+
+
 def test_release_only_by_the_owner(tmp_path):
     run = RunDir(tmp_path / "run")
     run_owner.claim(run, Owner.slurm_job("1"))

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from rlhpc.batch import RolloutBatch
+from rlhpc.errors import RlhpcError
 from rlhpc.rollout.engine_pool import EnginesDown
 from rlhpc.rollout.generation import GenerationAborted
 from rlhpc.schedule import AsyncRollouts, BusyClock, Generated, RolloutWeightsLost, SyncRollouts
@@ -240,3 +241,57 @@ def test_freshest_weights_dead_engines_during_training_wait_for_the_next_push():
     # restarted by the push of version 3, or (if it came first) while training waited for rollout 3
     assert engines.pushes_while_down + engines.repairs == [3]
     assert (3, 3) in engines.log
+
+
+class PartialEngines:
+    """Engines that tag each token with the version on them when it is made, and let a push land
+    in the middle of a generation (pause, new weights, continue): rollout 1's generation makes one
+    token, then waits for the push of version 1 (which a partial-rollout schedule lets through while
+    it is in flight), then makes another."""
+
+    def __init__(self):
+        self.version = 0
+        self.changed = threading.Condition()
+        self.in_flight_1 = threading.Event()
+
+    def generate(self, r: int) -> Generated:
+        tokens = [self.version]
+        if r == 1:
+            self.in_flight_1.set()
+            with self.changed:  # bounded: a schedule that held the push back would fail, not hang
+                assert self.changed.wait_for(lambda: self.version >= 1, timeout=30), "the push waited for generation"
+        tokens.append(self.version)
+        batch = RolloutBatch(
+            [[1]], [[2, 3]], [[-0.5, -0.5]], torch.zeros(1), torch.zeros(1), 1, [min(tokens)], [tokens]
+        )
+        return Generated(r, batch, {}, {"response": ["x"]})
+
+    def push(self, version: int) -> None:
+        with self.changed:
+            self.version = version
+            self.changed.notify_all()
+
+
+def test_partial_rollout_push_lands_in_flight_and_every_token_keeps_its_version():
+    k, n = 1, 6
+    engines = PartialEngines()
+    s = AsyncRollouts(engines.generate, engines.push, BusyClock(), k, n, deterministic=False, partial=True)
+    s.start(0, {})
+    got = {}
+    try:
+        for r in range(n):
+            got[r] = s.get(r).batch
+            if r == 0:  # push version 1 once rollout 1 is being generated (with version 0)
+                assert engines.in_flight_1.wait(30)
+            s.push(r + 1)
+    finally:
+        s.close()
+    assert got[1].token_versions == [[0, 1]] and got[1].weight_versions == [0]  # straddles the push of 1
+    for r, batch in got.items():
+        versions = batch.token_versions[0]
+        assert versions == sorted(versions) and all(0 <= r - v <= k for v in versions), (r, versions)
+
+
+def test_partial_rollouts_are_refused_with_the_fixed_lag():
+    with pytest.raises(RlhpcError, match="partial rollouts cannot be deterministic"):
+        AsyncRollouts(lambda r: None, lambda v: None, BusyClock(), 1, 4, deterministic=True, partial=True)

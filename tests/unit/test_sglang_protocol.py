@@ -89,6 +89,10 @@ def test_meta_info_keys_exist_in_sglang() -> None:
     assert P.MetaInfo.all() <= sgl.meta_info_keys(), P.MetaInfo.all() - sgl.meta_info_keys()
 
 
+def test_per_token_weight_version_spans_are_sglangs() -> None:
+    assert P.WEIGHT_VERSION_SPAN_KEYS == sgl.weight_version_span_keys()
+
+
 # ------------------------------------------------------------------ launch flags
 
 
@@ -156,3 +160,15 @@ def test_a_weight_update_answer_confirms_the_version_as_sglangs_does(function: s
     before, expr, after = notes[0]
     assert expr == "obj.weight_version"
     assert P.weight_version_note("17") == f"{before}17{after}"
+
+
+# ------------------------------------------------------------------ weight-update sessions
+
+
+def test_weight_update_session_refusals_are_sglangs() -> None:
+    """SGLang refuses an update outside begin/end, a second begin and an end without a begin with
+    these messages; the CPU engine answers the same and the sender recognises the second one."""
+    for route in (Route.UPDATE_WEIGHTS_FROM_DISTRIBUTED, Route.UPDATE_WEIGHTS_FROM_TENSOR):
+        assert sgl.refusal_messages(route.lstrip("/")) == {P.outside_session_message(route)}
+    assert sgl.refusal_messages("begin_weight_update") == {P.SESSION_ALREADY_OPEN}
+    assert sgl.refusal_messages("end_weight_update") == {P.NO_SESSION_OPEN}

@@ -107,8 +107,19 @@ def test_dry_run_prints_script_and_plan_and_writes_nothing(tmp_path):
         "#SBATCH --mail-type=END",
     ):
         assert line in p.stdout
-    assert "actor rank 15  -> node1:gpu7" in p.stdout and "engine 7   (tp=1) -> node2:gpu7" in p.stdout
+    assert "node0..node1 (2 nodes): actor ranks 0-15 on gpu0-7" in p.stdout
+    assert "node2: engines 0-7 on gpu0-7" in p.stdout and "sit idle" not in p.stdout
     assert not run.exists()
+
+
+def test_dry_run_names_idle_gpus_of_a_fixed_split(tmp_path):
+    base = [sys.executable, str(REPO / "jobs" / "submit.py"), "--dry-run", "--run-dir", str(tmp_path / "run"),
+            "--nodes", "2", "--gpus-per-node", "4"]  # fmt: skip
+    p = subprocess.run(base, capture_output=True, text=True, timeout=120)  # the default config leaves the split open
+    assert p.returncode == 0 and "4 actor rank(s), 4 engine(s)" in p.stdout and "sit idle" not in p.stdout, p.stdout
+    p = subprocess.run([*base, "--set", "cluster.actor_num_gpus=1", "--set", "cluster.rollout_num_gpus=1"],
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert "6 of the 8 GPUs sit idle" in p.stdout and "--nodes 1 --gpus-per-node 2" in p.stdout, p.stdout
 
 
 def test_dry_run_needs_no_slurm_on_this_machine(tmp_path):
@@ -180,3 +191,78 @@ def test_dry_run_refuses_a_layout_bigger_than_the_allocation(tmp_path):
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert p.returncode == 2 and "needs 5 GPUs" in p.stderr + p.stdout
+
+
+def test_large_jobs_get_longer_ray_timeouts_and_every_task_its_open_file_limit():
+    from rlhpc.launch.ray_cluster import LARGE_JOB_NODES, scale_env
+
+    assert scale_env(4, {}) == {}  # small jobs keep Ray's defaults (a lost node is seen quickly)
+    large = scale_env(LARGE_JOB_NODES, {})
+    assert large["RAY_health_check_failure_threshold"] == "10" and "RAY_gcs_rpc_server_reconnect_timeout_s" in large
+    assert "RAY_health_check_timeout_ms" not in scale_env(1024, {"RAY_health_check_timeout_ms": "5000"})  # site wins
+    # Slurm hands the job the login shell's soft limit: the task raises it to the hard limit
+    code = (
+        "import resource\n"
+        "from rlhpc.launch.ray_cluster import raise_open_file_limit\n"
+        "hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))\n"
+        "assert raise_open_file_limit()[0] == hard == resource.getrlimit(resource.RLIMIT_NOFILE)[0]\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+
+
+def test_a_heterogeneous_dry_run_adds_the_rollout_component_and_spans_both(tmp_path):
+    run = tmp_path / "run"
+    p = subprocess.run(
+        [sys.executable, str(REPO / "jobs" / "submit.py"), "--dry-run", "--run-dir", str(run), "--nodes", "1",
+         "--gpus-per-node", "4", "--partition", "train", "--rollout-nodes", "2", "--rollout-gpus-per-node", "2",
+         "--rollout-partition", "gen", "--account", "proj", "--time", "1:00:00"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    component0, _, component1 = p.stdout.partition("#SBATCH hetjob\n")
+    assert "#SBATCH --partition=train" in component0 and "#SBATCH --requeue" in component0
+    rollout = [x for x in component1.splitlines() if x.startswith("#SBATCH")]
+    assert rollout == [
+        "#SBATCH --account=proj",
+        "#SBATCH --gpus-per-node=2",
+        "#SBATCH --no-kill",
+        "#SBATCH --nodes=2",
+        "#SBATCH --ntasks-per-node=1",
+        "#SBATCH --partition=gen",
+        "#SBATCH --signal=USR2@120",
+        "#SBATCH --time=60",
+    ]
+    assert "--het-group=0,1" in next(x for x in p.stdout.splitlines() if x.startswith("srun "))
+    assert (
+        "node0: actor ranks 0-3 on gpu0-3" in p.stdout and "node1..node2 (2 nodes): engines 0-3 on gpu0-1" in p.stdout
+    )
+    assert not run.exists()
+
+
+def test_a_homogeneous_script_has_no_second_component(tmp_path):
+    p = subprocess.run(
+        [sys.executable, str(REPO / "jobs" / "submit.py"), "--dry-run", "--run-dir", str(tmp_path / "run")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert p.returncode == 0 and "hetjob" not in p.stdout and "--het-group" not in p.stdout, p.stdout
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--rollout-nodes", "1"], "a local run has one node"),
+        (["--rollout-nodes", "1", "--sweep", "seed=1,2"], "--sweep with --rollout-nodes"),
+        (["--rollout-gpus-per-node", "2"], "cluster.rollout_gpus_per_node is set but cluster.rollout_nodes is not"),
+        (["--rollout-nodes", "1", "--set", "cluster.colocate=true"], "cluster.colocate with cluster.rollout_nodes"),
+        (["--rollout-nodes", "1", "--set", "cluster.rollout_num_gpus=4"],
+         "cluster.rollout_num_gpus = 4 but its component has 2 GPUs"),
+        (["--rollout-nodes", "1", "--rollout-partition", "gen x"], "cluster.rollout_partition = 'gen x' is not a partition"),
+    ],
+    ids=["local", "sweep", "gpus-without-nodes", "colocate", "too-many-rollout-gpus", "bad-partition"],
+)  # fmt: skip
+def test_bad_heterogeneous_requests_are_refused_before_anything_is_written(tmp_path, args, message):
+    run = tmp_path / "run"
+    assert message in submit_refused(args, run)
+    assert not run.exists()

@@ -3,13 +3,30 @@
 
 1. Save/load throughput. One actor rank (a real ``TrainWorker`` on a local Ray) holds a
    tiny-architecture model made big enough that I/O dominates, trained for one step so AdamW
-   has state. rlhpc's save is timed as the driver does it: ``CheckpointManager.stage`` +
-   ``ActorGroup.save`` + ``CheckpointManager.commit`` (fsync, manifest, rename, latest);
-   its load is ``ActorGroup.load``. Beside it, in the same parent directory, one file of the
-   same size is written sequentially (8 MiB ``os.write`` chunks + fsync) and read back.
+   has state. Saves are timed as the driver does them (``CheckpointManager.save_async`` with
+   the ranks' ``snapshot`` and ``write_snapshot``): blocking (``checkpoint.async_save: false``:
+   snapshot, write, commit, all waited for) and asynchronous (the loop waits for the snapshot
+   only; the write and the commit run on a background thread, timed until ``wait`` returns).
+   The load is ``ActorGroup.load`` from a cold page cache (every file of the checkpoint is
+   dropped from it with ``posix_fadvise(DONTNEED)`` first). Beside it, in the same parent
+   directory, the same number of bytes is written from memory to a new file (8 MiB
+   ``os.write`` chunks + fsync; earlier files kept, as retained checkpoints are) and read back
+   cold into a new buffer of its size (also printed: streamed through one reused 8 MiB buffer,
+   which keeps nothing of what it reads).
 2. Job start to first rollout. The real job runs twice through ``jobs/submit.py --cluster
    local``: fresh, then resumed from that run's last checkpoint. Measured from the
    submit.py process start to the arrival of the first new rollout record in metrics.jsonl.
+3. The same resume with a staged start (``cluster.stage_dir``) on a copy of that run dir.
+
+The last line is one JSON object of ratios:
+
+- ``save_block_fraction``: time the loop is blocked by an asynchronous save / a blocking save.
+- ``save_vs_write``: throughput of the asynchronous save's background part (write, fsync,
+  checksums, commit) / a plain write + fsync of the same bytes.
+- ``load_vs_read``: throughput of a checkpoint load / a plain read of the same bytes, both cold.
+- ``resume_over_fresh``: job start to first rollout, resumed / fresh (part 2).
+- ``resume_staged_over_resume``: the same resume with ``cluster.stage_dir`` / without (part 3:
+  a copy of the interrupted run dir, resumed with the model and checkpoint staged first).
 
     python tools/bench/checkpoint.py
     python tools/bench/checkpoint.py --repeats 5 --dir /scratch/me --job-model bench
@@ -32,6 +49,8 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+import numpy
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -67,26 +86,49 @@ def median_of(repeats: int, fn: Callable[[int], float]) -> tuple[float, list[flo
 # ---------------------------------------------------------------- plain I/O
 
 
-def plain_write(path: Path, nbytes: int, block: bytes) -> float:
-    path.unlink(missing_ok=True)  # a new file each time, like a new checkpoint
+def plain_write(path: Path, data: memoryview) -> float:
+    """``data`` into a new file (8 MiB writes + fsync). Earlier files stay, as retained checkpoints do
+    (writing over a just-deleted file is faster on ext4, and no checkpoint gets that)."""
     t0 = time.perf_counter()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        left = nbytes
-        while left > 0:
-            left -= os.write(fd, block[: min(left, len(block))])
+        for start in range(0, len(data), CHUNK):
+            chunk = data[start : start + CHUNK]
+            while chunk:
+                chunk = chunk[os.write(fd, chunk) :]
         os.fsync(fd)
     finally:
         os.close(fd)
     return time.perf_counter() - t0
 
 
-def plain_read(path: Path) -> float:
-    buf = bytearray(CHUNK)
+def drop_cached(root: Path) -> None:
+    """Drop ``root``'s files (or the file ``root``) from the page cache: the next read comes from disk.
+    Their pages are clean (fsynced), so the kernel can let them go."""
+    for path in [root] if root.is_file() else [p for p in root.rglob("*") if p.is_file()]:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def plain_read(path: Path, cold: bool = False, stream: bool = False) -> float:
+    """Read the whole file into a new buffer of its size, as a loader must hold what it reads
+    (``stream``: 8 MiB reads into one reused buffer, the bytes dropped as they come)."""
+    if cold:
+        drop_cached(path)
     t0 = time.perf_counter()
     with open(path, "rb", buffering=0) as f:
-        while f.readinto(buf):
-            pass
+        if stream:
+            buf = bytearray(CHUNK)
+            while f.readinto(buf):
+                pass
+        else:
+            # numpy.empty: memory as a loader gets it (bytearray would zero it first: twice the work)
+            view = memoryview(numpy.empty(os.fstat(f.fileno()).st_size, dtype=numpy.uint8))
+            while view:
+                view = view[f.readinto(view) :]
     return time.perf_counter() - t0
 
 
@@ -120,7 +162,7 @@ def bench_save_load(work: Path, tiny, repeats: int) -> dict:
     cfg = Config()
     cfg.logging.level = "WARNING"
     # keep_last > saves: no retention pruning inside the timed commits, so every repeat does the same work
-    manager = CheckpointManager(work / "checkpoints", keep_last=repeats + 2)
+    manager = CheckpointManager(work / "checkpoints", keep_last=2 * repeats + 3)
     ray_tmp = tempfile.mkdtemp(prefix="rlhpc-bench-ray-")
     ray.init(
         num_cpus=4,
@@ -138,27 +180,40 @@ def bench_save_load(work: Path, tiny, repeats: int) -> dict:
         group.train(0, synthetic_batch(16, len(load_tokenizer(model_path))))  # AdamW state now exists
         trained = group.fingerprints()[0]
 
-        def save(rollout_id: int) -> tuple[float, Path]:
-            t0 = time.perf_counter()
-            staging = manager.stage(rollout_id)
-            group.save(str(staging))
-            ck = manager.commit(staging, rollout_id, {"weight_version": rollout_id + 1})
-            return time.perf_counter() - t0, ck.path
+        def snapshot(staging: Path):
+            group.snapshot(str(staging))
+            return group.write_snapshot
 
-        # One untimed save first: the worker's first save pays one-off imports and allocations.
-        _, ckpt = save(0)
-        saves = [save(1 + i) for i in range(repeats)]
-        ckpt = saves[-1][1]
+        def save(rollout_id: int, background: bool) -> tuple[float, float, Path]:
+            """(seconds the caller was blocked, seconds until committed, checkpoint)"""
+            t0 = time.perf_counter()
+            manager.save_async(rollout_id, snapshot, {"weight_version": rollout_id + 1}, background=background)
+            blocked = time.perf_counter() - t0
+            ck = manager.wait()
+            return blocked, time.perf_counter() - t0, ck.path
+
+        # One untimed save of each kind first: the worker's first save pays one-off imports and allocations.
+        save(0, False)
+        save(1, True)
+        # alternating, so a neighbour's load on the machine hits both alike
+        blocking, background = [], []
+        for i in range(repeats):
+            blocking.append(save(2 + 2 * i, False))
+            background.append(save(3 + 2 * i, True))
+        ckpt = background[-1][2]
         nbytes = dir_bytes(ckpt)
         files = sorted((str(p.relative_to(ckpt)), p.stat().st_size) for p in ckpt.rglob("*") if p.is_file())
 
-        def load(_: int) -> float:
+        def load(_: int, cold: bool) -> float:
+            if cold:
+                drop_cached(ckpt)
             t0 = time.perf_counter()
             group.load(str(ckpt))
             return time.perf_counter() - t0
 
-        load(0)  # untimed, as for save
-        load_s, load_all = median_of(repeats, load)
+        load(0, False)  # untimed, as for save
+        load_s, load_all = median_of(repeats, lambda i: load(i, True))
+        warm_load_s, warm_load_all = median_of(repeats, lambda i: load(i, False))
         restored_ok = group.fingerprints()[0] == trained
     finally:
         if group is not None:
@@ -168,20 +223,32 @@ def bench_save_load(work: Path, tiny, repeats: int) -> dict:
         ray.shutdown()
         shutil.rmtree(ray_tmp, ignore_errors=True)
 
-    plain = work / "plain.bin"
-    block = os.urandom(CHUNK)  # incompressible, in case the filesystem compresses
-    plain_write(plain, nbytes, block)  # untimed warm-ups, as on the rlhpc side
-    write_s, write_all = median_of(repeats, lambda _: plain_write(plain, nbytes, block))
+    data = memoryview(os.urandom(nbytes))  # incompressible, in case the filesystem compresses
+    plain_write(work / "plain-warmup.bin", data)  # untimed warm-up, as on the rlhpc side
+    write_s, write_all = median_of(repeats, lambda i: plain_write(work / f"plain-{i}.bin", data))
+    plain = work / f"plain-{repeats - 1}.bin"
     plain_read(plain)
-    read_s, read_all = median_of(repeats, lambda _: plain_read(plain))
-    plain.unlink()
+    read_s, read_all = median_of(repeats, lambda _: plain_read(plain, cold=True))
+    stream_s, stream_all = median_of(repeats, lambda _: plain_read(plain, cold=True, stream=True))
+    warm_read_s, warm_read_all = median_of(repeats, lambda _: plain_read(plain))
+    for p in work.glob("plain-*.bin"):
+        p.unlink()
+
+    def med(runs: list[float]) -> tuple[float, list[float]]:
+        return statistics.median(runs), runs
+
     return {
         "bytes": nbytes,
         "files": files,
-        "save": (statistics.median(t for t, _ in saves), [t for t, _ in saves]),
+        "blocking save": med([total for _, total, _ in blocking]),
+        "async save, loop blocked": med([blocked for blocked, _, _ in background]),
+        "async save, to commit": med([total for _, total, _ in background]),
         "load": (load_s, load_all),
+        "load, warm": (warm_load_s, warm_load_all),
         "write": (write_s, write_all),
         "read": (read_s, read_all),
+        "read, streamed": (stream_s, stream_all),
+        "read, warm": (warm_read_s, warm_read_all),
         "restored_ok": restored_ok,
     }
 
@@ -262,14 +329,25 @@ def bench_resume(work: Path, first_leg: int, total: int, job_overrides: list[str
     # The first job ran to its end and saved its last rollout. Removing FINISHED leaves the run dir
     # as a job killed right after that save would (the tests' "pretend it was interrupted").
     (run / "FINISHED").unlink()
+    twin = work / "job-staged"  # the same interrupted run, resumed with a staged start (part 3)
+    shutil.copytree(run, twin, symlinks=True)
     resumed = timed_job(run, [f"rollout.num_rollout={total}", *common], first_leg, work / "resumed.log", timeout_s)
+    stage = work / "node-local"
+    staged = timed_job(
+        twin, [f"rollout.num_rollout={total}", f"cluster.stage_dir={stage}", *common], first_leg,
+        work / "staged.log", timeout_s,
+    )  # fmt: skip
+    from rlhpc.launch.startup import read_startup
+    from rlhpc.run_dir import RunDir
+
+    stage_s = next(p["seconds"] for p in read_startup(RunDir(twin)) if p["phase"] == "stage")
     text = (work / "resumed.log").read_text(errors="replace")
     marker = f"resuming from rollout_{first_leg - 1:06d}"
     if marker not in text:
         raise RuntimeError(f"the second job did not resume ('{marker}' not in its log):\n{text[-3000:]}")
     ckpt_bytes = dir_bytes(next((run / "checkpoints").glob("rollout_*")))
     shutil.rmtree(work)  # one run dir at a time on disk
-    return {"fresh": fresh, "resumed": resumed, "ckpt_bytes": ckpt_bytes}
+    return {"fresh": fresh, "resumed": resumed, "ckpt_bytes": ckpt_bytes, "staged": staged, "stage_s": stage_s}
 
 
 # ---------------------------------------------------------------- main
@@ -313,6 +391,7 @@ def main() -> int:
     )
     work = Path(tempfile.mkdtemp(prefix="rlhpc-bench-ckpt-", dir=args.dir))
     started = time.time()
+    ratios: dict[str, float] = {}
     try:
         import torch
 
@@ -334,18 +413,30 @@ def main() -> int:
             print(f"    committed dir {n / 1e6:.1f} MB in {len(r['files'])} files ({big})")
             print(f"    median of {args.repeats} (each after one untimed warm-up); all times in s")
             rows = [
-                ("rlhpc save (stage+save+commit)", "save"),
+                ("blocking save (async_save: false)", "blocking save"),
+                ("async save: the loop blocked", "async save, loop blocked"),
+                ("async save: until committed", "async save, to commit"),
                 ("plain write (8 MiB os.write+fsync)", "write"),
-                ("rlhpc load (ActorGroup.load)", "load"),
-                ("plain read (8 MiB reads)", "read"),
+                ("rlhpc load, cold (ActorGroup.load)", "load"),
+                ("plain read, cold (into a new buffer)", "read"),
+                ("plain read, cold, 8 MiB reused buffer", "read, streamed"),
+                ("rlhpc load, page cache", "load, warm"),
+                ("plain read, page cache", "read, warm"),
             ]
             for label, key in rows:
                 med, all_ = r[key]
                 print(f"    {label:<36} {mbps(n, med):8.1f} MB/s  {med:6.3f} s  [{' '.join(f'{t:.3f}' for t in all_)}]")
-            print(f"    save / plain write                   {r['write'][0] / r['save'][0]:8.2f}x throughput")
-            print(f"    load / plain read                    {r['read'][0] / r['load'][0]:8.2f}x throughput")
+            ratios["save_block_fraction"] = r["async save, loop blocked"][0] / r["blocking save"][0]
+            ratios["save_vs_write"] = r["write"][0] / r["async save, to commit"][0]
+            ratios["load_vs_read"] = r["read"][0] / r["load"][0]
+            print(f"    loop blocked, async / blocking save  {ratios['save_block_fraction']:8.2f}")
+            print(f"    async save / plain write             {ratios['save_vs_write']:8.2f}x throughput")
+            print(f"    load / plain read, cold              {ratios['load_vs_read']:8.2f}x throughput")
+            print(f"    load / streamed read, cold           {r['read, streamed'][0] / r['load'][0]:8.2f}x throughput")
+            print(
+                f"    load / plain read, page cache        {r['read, warm'][0] / r['load, warm'][0]:8.2f}x throughput"
+            )
             print(f"    restored weights equal the saved ones: {'yes' if r['restored_ok'] else 'NO'}")
-            print("    note: nothing is dropped from the page cache, so reads on both sides may come from memory")
         if "resume" not in args.skip:
             job = []
             if args.job_model == "bench":
@@ -371,14 +462,30 @@ def main() -> int:
             ]
             for label, times in legs:
                 print(f"    {label:<44} {statistics.median(times):7.2f} s  [{' '.join(f'{t:.2f}' for t in times)}]")
-            print(f"    {'resumed / fresh':<44} {statistics.median(resumed) / statistics.median(fresh):7.2f}x")
+            ratios["resume_over_fresh"] = statistics.median(resumed) / statistics.median(fresh)
+            print(f"    {'resumed / fresh':<44} {ratios['resume_over_fresh']:7.2f}x")
             print(
                 f"    note: the fresh job runs {args.first_leg} rollouts and finishes; its FINISHED marker is "
                 f"removed before the resume (as if killed after its last save)"
             )
+            staged = [r["staged"] for r in runs]
+            stage_s = [r["stage_s"] for r in runs]
+            ratios["resume_staged_over_resume"] = statistics.median(staged) / statistics.median(resumed)
+            print("\n[3] the same resume with a staged start (cluster.stage_dir: base model + checkpoint copied first)")
+            print(
+                f"    {'resumed, staged':<44} {statistics.median(staged):7.2f} s  [{' '.join(f'{t:.2f}' for t in staged)}]"
+            )
+            print(f"    {'  of which the stage phase':<44} {statistics.median(stage_s):7.2f} s")
+            print(f"    {'resumed staged / resumed':<44} {ratios['resume_staged_over_resume']:7.2f}x")
+            print(
+                "    note: here the stage dir and the run dir share one disk, so staging is only a cost; on a "
+                "cluster it turns every node's reads of the shared filesystem into one broadcast (sbcast) or "
+                "parallel copies to local disks"
+            )
         print(f"\ntotal bench time {time.time() - started:.0f} s")
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    print(json.dumps({k: round(v, 3) for k, v in ratios.items()}))
     return 0
 
 

@@ -10,6 +10,13 @@ wait for the same N. Tears down the cluster if it started it.
 
     python tools/bench/ray_ready.py                 # needs root, like tools/minicluster.py
     python tools/bench/ray_ready.py --nodes 1 2 --repeats 3
+
+The last line is one JSON object of ratios, so runs can be compared:
+
+- ``fixed_over_ready_n<N>``: the fixed sleep for N nodes / rlhpc's measured readiness (median);
+  above 1, the polled start is ready before a fixed-sleep script would even start its driver.
+- ``ready_max_over_min``: readiness at the largest N / at the smallest N (how readiness grows
+  with the cluster; on one machine the emulated nodes share its CPUs, so it grows faster here).
 """
 
 from __future__ import annotations
@@ -189,7 +196,16 @@ def main(argv: list[str] | None = None) -> int:
     print("ready: from the batch script's first line until every node and GPU registered (polled);")
     print("head up: until the driver connected to the head; fixed sleep: 10 s + 5 s per worker node.")
     print(f"All emulated nodes start their Ray on the same {os.cpu_count()} CPUs; real nodes each use their own.")
+    print(json.dumps(ratios(rows)))
     return 0
+
+
+def ratios(rows: list[tuple[int, float, float]]) -> dict[str, float]:
+    """The JSON line: fixed sleep / readiness per size, and how readiness grows (module docstring)."""
+    out = {f"fixed_over_ready_n{n}": round(fixed_sleep_s(n) / measured, 3) for n, measured, _ in rows}
+    by_size = sorted(rows)
+    out["ready_max_over_min"] = round(by_size[-1][1] / by_size[0][1], 3)
+    return out
 
 
 if __name__ == "__main__":

@@ -22,7 +22,8 @@ ready file, one torch thread each, as the loop starts them). Timed, side by side
 - fixed cost: one HTTP round trip (``/model_info``, the route the version check uses) to an
   engine holding the test-sized tiny model, and that tiny model's whole push (both channels).
 
-A send is the whole update as the loop does it: pause, every bucket, version check, continue.
+A send is the whole update as the loop does it: pause, begin the weight-update session, every
+bucket, end the session, version check, continue.
 Each case gets one untimed warm-up; the median of ``--repeats`` timed runs is printed. Before
 every send the trainer writes a fresh sentinel into each parameter, and after each case every
 engine must report the last version, hold the sentinel in every parameter, and answer a greedy

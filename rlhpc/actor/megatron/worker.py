@@ -152,8 +152,14 @@ class MegatronTrainWorker(RankBase):
         optim_sd = self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=SHARDING_METADATA)
         return {"model": model_sd, "optimizer": optim_sd}
 
-    def save(self, ckpt_dir: str) -> None:
-        """Write ``ckpt_dir/actor/``: torch_dist model + optimizer (all ranks), HF config + tokenizer, RNG."""
+    def snapshot(self, ckpt_dir: str) -> None:
+        """Write ``ckpt_dir/actor/``: torch_dist model + optimizer (all ranks), HF config + tokenizer, RNG.
+
+        The whole save happens here, so it blocks the loop: megatron-core's own async save
+        (``AsyncCallsQueue``) finalizes with collectives on the training process group and its
+        persistent worker selects a CUDA device, neither of which can run beside training on the
+        CPU/gloo path these ranks are tested on. ``write_snapshot`` has nothing left to do.
+        """
         from megatron.core import dist_checkpointing
 
         d = Path(ckpt_dir) / ACTOR_SUBDIR
@@ -175,6 +181,9 @@ class MegatronTrainWorker(RankBase):
             dist_checkpointing.save(self._sharded_state_dict(is_loading=False), str(d / DIST_SUBDIR))
         self._save_rng(d)
         self._barrier()
+
+    def write_snapshot(self) -> None:
+        """Nothing: ``snapshot`` wrote the checkpoint (megatron's save blocks; see there)."""
 
     def load(self, ckpt_dir: str | None) -> None:
         """Restore model, optimizer and this rank's RNG from ``ckpt_dir/actor/`` (None: fresh).

@@ -70,6 +70,9 @@ def build_app(engine: Engine, address: dict[str, Any], api_key: str | None = Non
     async def success_route(fn: Any, *args: Any) -> JSONResponse:
         try:
             message = await on(ctl_pool, fn, *args)
+        except EngineError as e:  # a refusal: its message as SGLang words it
+            log.warning("%s refused: %s", getattr(fn, "__name__", fn), e)
+            return JSONResponse({"success": False, "message": str(e)}, status_code=400)
         except Exception as e:  # SGLang answers these routes with success=false, not a raise
             log.warning("%s failed: %s", getattr(fn, "__name__", fn), e)
             return JSONResponse({"success": False, "message": f"{type(e).__name__}: {e}"}, status_code=400)
@@ -140,8 +143,8 @@ def build_app(engine: Engine, address: dict[str, Any], api_key: str | None = Non
         engine.running.clear()
         if req.mode == "abort":
             engine.abort(abort_all=True)
-        # (retract is served like in_place: the running batch keeps its cache and resumes
-        # with whatever weights are loaded by then.)
+        # in_place/retract: the running batch waits between two decoding steps and goes on with
+        # the weights loaded by then (retract: its KV cache recomputed with them, see Engine._step_hook)
         log.info("generation paused (%s)", req.mode)
         return JSONResponse({"message": "Generation paused successfully.", "status": "ok"})
 
@@ -163,6 +166,14 @@ def build_app(engine: Engine, address: dict[str, Any], api_key: str | None = Non
     @app.post(Route.DESTROY_WEIGHTS_UPDATE_GROUP)
     async def destroy_weights_update_group(req: P.DestroyWeightsUpdateGroupReqInput) -> JSONResponse:
         return await success_route(engine.destroy_group, req.group_name)
+
+    @app.post(Route.BEGIN_WEIGHT_UPDATE)
+    async def begin_weight_update(req: P.BeginWeightUpdateReqInput) -> JSONResponse:
+        return await success_route(engine.begin_weight_update, req)
+
+    @app.post(Route.END_WEIGHT_UPDATE)
+    async def end_weight_update(req: P.EndWeightUpdateReqInput) -> JSONResponse:
+        return await success_route(engine.end_weight_update)
 
     @app.post(Route.UPDATE_WEIGHTS_FROM_DISTRIBUTED)
     async def update_weights_from_distributed(req: P.UpdateWeightsFromDistributedReqInput) -> JSONResponse:

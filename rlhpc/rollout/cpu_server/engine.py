@@ -5,7 +5,9 @@ a single thread (see ``rlhpc.rollout.cpu_server.app``), so with fixed ``sampling
 request's tokens do not depend on other traffic. Weight routes run on a second thread; a lock
 keeps them off the model while a batch computes. A pause holds new batches (and, in modes
 ``in_place``/``retract``, the running one between decoding steps; ``abort``, SGLang's default,
-ends it) until continued.
+ends it) until continued. Weights may change during such a pause: the batch goes on with them
+(``retract``: its KV cache recomputed first), and each output reports which version made which
+tokens (``meta_info["weight_versions"]``, SGLang's spans).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from rlhpc.model import load_model, load_tokenizer
 from rlhpc.rollout import protocol as P
 from rlhpc.rollout.cpu_server.requests import EngineError, Item, ModelLimits, check_tags, normalize_generate
 from rlhpc.rollout.protocol import MetaInfo
-from rlhpc.rollout.sampling import sample
+from rlhpc.rollout.sampling import RECOMPUTE, sample
 from rlhpc.rollout.tensor_transport import (
     TensorPayloadError,
     adjacent_bytes,
@@ -38,6 +40,20 @@ from rlhpc.rollout.weight_update_group import init_custom_process_group
 log = logging.getLogger("rlhpc.cpu_server")
 
 SERVER_VERSION = "rlhpc-cpu-engine-0.1"
+
+
+def version_spans(steps: list[str], num_tokens: int, current: str) -> list[dict[str, Any]]:
+    """SGLang's per-token ``weight_versions`` for a row of ``num_tokens`` output tokens, token k
+    made at decoding step k with weights ``steps[k]``: one span per run of equal versions. A row
+    without tokens gets one empty span of the ``current`` version (as SGLang reports it)."""
+    version_key, start_key, end_key = P.WEIGHT_VERSION_SPAN_KEYS
+    spans: list[dict[str, Any]] = []
+    for k, version in enumerate(steps[:num_tokens]):
+        if spans and spans[-1][version_key] == version:
+            spans[-1][end_key] = k + 1
+        else:
+            spans.append({version_key: version, start_key: k, end_key: k + 1})
+    return spans or [{version_key: current, start_key: 0, end_key: 0}]
 
 
 class Engine:
@@ -74,6 +90,9 @@ class Engine:
         self._scratch_buffers: dict[str, torch.Tensor] = {}  # per group: flattened buckets land here
         self._mapped: collections.deque = collections.deque(maxlen=2)  # see update_from_tensor
         self.busy = False
+        self.steps: list[str] = []  # of the batch running (or last run): its decoding steps' versions
+        self.update_session: str | None = None  # selector of the open weight-update session
+        self._updates = 0  # weight updates so far (one without a new version still changes weights)
 
         self._seq = itertools.count()
         self._abort_lock = threading.Lock()
@@ -137,12 +156,18 @@ class Engine:
                 f"(e.g. {sorted(self.stale)[:3]}); update the weights before generating"
             )
 
-    def _step_hook(self, seq: int, rids: list[str]) -> bool:
-        """Between decoding steps: abort, wait out a pause (off the model lock), check weights."""
+    def _step_hook(self, seq: int, rids: list[str], steps: list[str]) -> bool | str:
+        """Between decoding steps: abort, wait out a pause (off the model lock), check weights, and
+        record in ``steps`` the weight version the next step samples with (step k makes every
+        unfinished row's token k). After a ``retract`` pause in which the weights changed, answers
+        ``RECOMPUTE``: the KV cache is rebuilt with the new weights, as SGLang re-prefills retracted
+        requests; ``in_place`` keeps the cache computed with the old ones."""
         if self._aborted(seq, rids):
             return True
+        recompute = False
         if not self.running.is_set():
             aborted = False
+            before = self.weight_version, self._updates
             self.model_lock.release()
             try:
                 while not self.running.wait(0.05):
@@ -153,13 +178,16 @@ class Engine:
                 self.model_lock.acquire()
             if aborted or self._aborted(seq, rids):
                 return True
+            recompute = self.pause_mode == "retract" and (self.weight_version, self._updates) != before
         self.require_usable()
-        return False
+        steps.append(self.weight_version)
+        return RECOMPUTE if recompute and len(steps) > 1 else False
 
     def generate(self, items: list[Item], seq: int) -> list[dict[str, Any]]:
         """Run one batch (called on the single generation thread)."""
         t0 = time.perf_counter()
         rids = [it.rid for it in items]
+        steps = self.steps = []  # the weight version of each decoding step (server_info shows the count)
         with self.model_lock:
             self.busy = True
             try:
@@ -173,15 +201,18 @@ class Engine:
                     eos_id=min(self.eos_ids, default=-1),  # unused: stop_ids decides per row
                     pad_id=self.pad_id,
                     stop_ids=[it.stop_ids for it in items],
-                    step_hook=lambda: self._step_hook(seq, rids),
+                    step_hook=lambda: self._step_hook(seq, rids, steps),
                 )
             finally:
                 self.busy = False
             version = self.weight_version
         latency = time.perf_counter() - t0
-        return [self._output(it, s, version, latency) for it, s in zip(items, samples)]
+        return [
+            self._output(it, s, version_spans(steps, len(s.output_ids), version), latency)
+            for it, s in zip(items, samples)
+        ]
 
-    def _output(self, it: Item, s: Any, version: str, latency: float) -> dict[str, Any]:
+    def _output(self, it: Item, s: Any, spans: list[dict[str, Any]], latency: float) -> dict[str, Any]:
         if s.finish_reason == "stop":
             finish: dict[str, Any] = {"type": "stop", "matched": s.output_ids[-1]}
         elif s.finish_reason == "length":
@@ -195,7 +226,8 @@ class Engine:
             MetaInfo.ID: it.rid,
             MetaInfo.FINISH_REASON: finish,
             MetaInfo.PROMPT_TOKENS: len(it.prompt),
-            MetaInfo.WEIGHT_VERSION: version,
+            MetaInfo.WEIGHT_VERSION: spans[-1][P.WEIGHT_VERSION_SPAN_KEYS[0]],
+            MetaInfo.WEIGHT_VERSIONS: spans,
             MetaInfo.COMPLETION_TOKENS: len(s.output_ids),
             MetaInfo.CACHED_TOKENS: 0,
             MetaInfo.E2E_LATENCY: latency,
@@ -237,6 +269,7 @@ class Engine:
                 # memory as soon as we answer, so the copies must be done first.
                 torch.cuda.synchronize(self.device)
             self.stale.difference_update(name for name, _ in named)
+            self._updates += 1
             if version is not None:
                 self.weight_version = version
         log.info("loaded %d tensor(s)%s", len(named), f"; weight_version {version}" if version is not None else "")
@@ -269,7 +302,28 @@ class Engine:
         dist.destroy_process_group(pg)
         return f"destroyed {group_name}"
 
+    # SGLang's weight-update session: both updates are refused outside begin/end, with its messages.
+
+    def begin_weight_update(self, req: P.BeginWeightUpdateReqInput) -> str:
+        if req.selector not in P.WEIGHT_UPDATE_SELECTORS:
+            raise EngineError(f"unknown selector {req.selector!r}; one of {P.WEIGHT_UPDATE_SELECTORS}")
+        if self.update_session is not None:
+            raise EngineError(P.SESSION_ALREADY_OPEN)
+        self.update_session = req.selector  # no draft model here: every selector opens the one model
+        return "Success"
+
+    def end_weight_update(self) -> str:
+        if self.update_session is None:
+            raise EngineError(P.NO_SESSION_OPEN)
+        self.update_session = None
+        return "Success"
+
+    def _require_session(self, route: str) -> None:
+        if self.update_session is None:
+            raise EngineError(P.outside_session_message(route))
+
     def update_from_distributed(self, req: P.UpdateWeightsFromDistributedReqInput) -> str:
+        self._require_session(P.Route.UPDATE_WEIGHTS_FROM_DISTRIBUTED)
         if not len(req.names) == len(req.dtypes) == len(req.shapes):
             raise EngineError("names, dtypes and shapes differ in length")
         if req.load_format not in (None, P.FLATTENED_BUCKET):
@@ -339,6 +393,7 @@ class Engine:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             self.stale.difference_update(req.names)
+            self._updates += 1
             if req.weight_version is not None:
                 self.weight_version = req.weight_version
         log.info(
@@ -349,6 +404,7 @@ class Engine:
         return True
 
     def update_from_tensor(self, req: P.UpdateWeightsFromTensorReqInput) -> str:
+        self._require_session(P.Route.UPDATE_WEIGHTS_FROM_TENSOR)
         if req.load_format not in (None, "direct", "default"):
             raise EngineError(f"load_format {req.load_format!r} is not supported by the CPU engine")
         if not req.serialized_named_tensors:
@@ -450,6 +506,7 @@ class Engine:
                 {
                     "paused": not self.running.is_set(),
                     "pause_mode": self.pause_mode,
+                    "decode_steps": len(self.steps),  # of the running (or last) batch
                     "released_tags": sorted(self.released),
                     "weights_bytes": self.weights_bytes(),
                     "weight_update_groups": sorted(self.groups),

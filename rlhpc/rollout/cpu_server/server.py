@@ -108,7 +108,11 @@ def main(argv: list[str] | None = None) -> None:
     host, port = sock.getsockname()[:2]
     address = {"host": args.host, "port": port}
     app = build_app(engine, address, read_key(args.api_key_file) if args.api_key_file is not None else None)
-    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=3, lifespan="off")
+    # Keep idle connections well past uvicorn's 5 s: the pool's clients reuse theirs after a
+    # training step, and a server closing one just as a request goes out resets that request.
+    config = uvicorn.Config(
+        app, log_level="warning", access_log=False, timeout_graceful_shutdown=3, lifespan="off", timeout_keep_alive=300
+    )
     server = uvicorn.Server(config)
     if args.parent_pid:
         threading.Thread(target=_watch_parent, args=(args.parent_pid, server), daemon=True).start()

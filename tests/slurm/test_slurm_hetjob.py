@@ -1,0 +1,112 @@
+"""A heterogeneous job on the minicluster: the actor on partition `train` (node0), the engines on
+partition `gen` (node1-2), one Ray cluster over both components. Trained to the end, and preempted
+by a high-priority job on an engine node: it saves, requeues and ends identical to the undisturbed run.
+Requests either partition cannot give are refused before anything is submitted."""
+
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from support.jobs import deterministic_config
+
+from rlhpc.invariants import comparable, final_weights
+from rlhpc.launch.restarts import read_history
+from rlhpc.metrics import read_metrics
+
+pytestmark = pytest.mark.slurm
+
+REPO = Path(__file__).resolve().parents[2]
+NUM_ROLLOUT = 30
+CONFIG = deterministic_config(NUM_ROLLOUT)
+# 2 actor ranks on node0, one single-GPU engine on each of node1 and node2
+HET = ["--nodes", "1", "--gpus-per-node", "2", "--partition", "train",
+       "--rollout-nodes", "2", "--rollout-gpus-per-node", "1", "--rollout-partition", "gen"]  # fmt: skip
+
+
+def submit(run: Path, *args: str, follow: bool, het: list[str] = HET) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, str(REPO / "jobs" / "submit.py"), "--cluster", "slurm", "--run-dir", str(run), *het]
+    for o in CONFIG:
+        cmd += ["--set", o]
+    cmd += [*args, "--follow" if follow else "--no-follow"]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=REPO)
+
+
+def queued() -> list[str]:
+    return subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout.split()
+
+
+def trained(run: Path) -> list[int]:
+    return [r["rollout_id"] for r in read_metrics(run) if r["kind"] == "rollout"]
+
+
+def job_log(run: Path) -> str:
+    return " ".join("".join(p.read_text() for p in sorted((run / "logs" / "submitit").glob("*_log.*"))).split())
+
+
+def wait(cond, timeout: float, what: str, run: Path) -> None:
+    deadline = time.time() + timeout
+    while not cond():
+        assert time.time() < deadline, f"timed out waiting for {what}\n{job_log(run)[-3000:]}"
+        time.sleep(0.3)
+
+
+def placed(run: Path) -> tuple[set[str], set[str]]:
+    """(IPs of the actor's slots, IPs of the engines' slots), from the driver's placement line."""
+    line = re.search(r"placement: (.*?) start-up", job_log(run)).group(1)
+    slots = dict(re.findall(r"slot(\d+)=([\d.]+):gpu\d+", line))
+    return {slots["0"], slots["1"]}, {slots["2"], slots["3"]}
+
+
+def test_each_group_on_its_partition_and_a_preemption_resumes_identically(minicluster, tmp_path):
+    ip = minicluster.node_ips
+    baseline = tmp_path / "baseline"
+    p = submit(baseline, follow=True)
+    assert p.returncode == 0 and (baseline / "FINISHED").is_file(), p.stdout[-3000:] + p.stderr[-3000:]
+    said = job_log(baseline)
+    assert "Ray cluster ready: 3 nodes, 4 GPUs" in said
+    actor, engines = placed(baseline)
+    assert actor == {ip["node0"]} and engines == {ip["node1"], ip["node2"]}  # train, and gen
+    assert trained(baseline) == list(range(NUM_ROLLOUT))
+
+    run = tmp_path / "run"
+    assert submit(run, follow=False).returncode == 0
+    wait(lambda: (run / "metrics.jsonl").is_file() and len(trained(run)) >= 4, 240, "4 trained rollouts", run)
+    # A high job that needs all of node1's GPUs: Slurm preempts the het job (every component).
+    subprocess.run(
+        ["sbatch", "-p", "high", "-w", "node1", "--gpus-per-node=8", "-o", "/dev/null", "--wrap", "sleep 2"],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    wait(lambda: (run / "FINISHED").is_file(), 360, "the preempted run to finish", run)
+    said = job_log(run)
+    assert "got SIGUSR2: stopping at the next safe point" in said
+    stopped_before = int(re.search(r"stopped before rollout (\d+)", said).group(1))
+    history = read_history(run)
+    assert len(history) == 2 and history[1]["next_rollout_id"] == stopped_before  # lost work: 0 rollouts
+    assert trained(run) == list(range(NUM_ROLLOUT))  # each rollout logged exactly once
+    assert final_weights(run) == final_weights(baseline)
+    assert comparable(run) == comparable(baseline)
+
+
+@pytest.mark.parametrize(
+    "het,message",
+    [
+        (["--rollout-nodes", "1", "--rollout-partition", "nope"], "partition 'nope' does not exist"),
+        (["--rollout-nodes", "3", "--rollout-partition", "gen"], "--rollout-nodes 3 but partition 'gen' has 2 nodes"),
+        (
+            ["--rollout-nodes", "1", "--rollout-gpus-per-node", "9", "--rollout-partition", "gen"],
+            "--rollout-gpus-per-node 9 but nodes in partition 'gen' have 8 GPUs",
+        ),
+    ],
+    ids=["no-such-partition", "too-many-nodes", "too-many-gpus"],
+)
+def test_what_the_rollout_partition_cannot_give_is_refused_before_submission(minicluster, tmp_path, het, message):
+    run = tmp_path / "run"
+    before = set(queued())
+    p = submit(run, follow=False, het=["--nodes", "1", "--gpus-per-node", "2", "--partition", "train", *het])
+    out = " ".join((p.stdout + p.stderr).split())
+    assert p.returncode == 2 and message in out and "fix:" in out, out[-2000:]
+    assert not run.exists()  # nothing written
+    assert not set(queued()) - before  # nothing submitted (a job of the test before may still be ending)
