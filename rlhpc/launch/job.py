@@ -164,7 +164,7 @@ def slurm_ray(cfg: Config, run: RunDir, env: submitit.JobEnvironment, stop: Stop
         if env.global_rank != 0:
             node.start_worker(c.ray_start_timeout_s)
             log.info("task %d: Ray worker on %s serving until the driver finishes", env.global_rank, node.ip)
-            code = node.wait_until_stopped(lambda: head_lost(node.state))
+            code = node.wait_until_stopped(lambda: head_lost(node.state, job_id))
             if not node.state.stop.exists():  # Ray ended without the driver's word: the head may be lost
                 _requeue_if_head_lost(node.state, env.cluster, job_id, node_counts(c))
             if code:
@@ -225,22 +225,27 @@ def wait_until_unusable(nodes: list[str], timeout_s: float = 180.0) -> None:
         log.warning("Slurm still lists node(s) %s as usable after %.0fs; requeueing anyway", waiting, timeout_s)
 
 
-def head_lost(state: JobRayState) -> bool:
-    """The head's node is gone: Slurm lists it as DOWN or not responding, and its Ray GCS port
-    does not take a connection (a node that is merely slow to answer slurmctld still does)."""
+def head_lost(state: JobRayState, job_id: str) -> bool:
+    """The head's node is gone: its Ray GCS port takes no connection (a node merely slow to answer
+    slurmctld still does), and Slurm lists the node as DOWN or not responding, or no longer counts
+    it among the job's nodes (a node that was DOWN and is back, e.g. after a quick reboot, stays
+    out of the job). The port is asked first: a live head costs Slurm nothing."""
     try:
         head = json.loads(state.node(0).read_text())
         address = json.loads(state.head.read_text())["address"]
     except (OSError, ValueError, KeyError):
         return False
-    if not slurm.node_unusable(slurm.node_state(head.get("node") or head.get("host"))):
-        return False
     host, _, port = address.rpartition(":")
     try:
         socket.create_connection((host, int(port)), timeout=5).close()
+        return False
     except OSError:
+        pass
+    name = head.get("node") or head.get("host")
+    if slurm.node_unusable(slurm.node_state(name)):
         return True
-    return False
+    nodes = slurm.job_nodes(job_id)
+    return nodes is not None and name not in nodes
 
 
 def _head_name(state: JobRayState) -> str:
@@ -259,7 +264,7 @@ def _requeue_if_head_lost(
     running without its batch host): requeue it from here (raises ``JobExit``)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and not state.stop.exists():
-        if head_lost(state):
+        if head_lost(state, job_id):
             log.error("the head node %s is lost (the driver ran there); requeueing job %s", _head_name(state), job_id)
             requeue(cluster, job_id, num_nodes)
         time.sleep(2)

@@ -440,6 +440,15 @@ def job_components(job_id: str) -> list[dict[str, str]]:
     return [_fields(line) for line in out.stdout.splitlines() if line.strip()] if out.returncode == 0 else []
 
 
+def job_nodes(job_id: str) -> set[str] | None:
+    """The nodes the job holds now, of every component; None when Slurm cannot say. Slurm drops a
+    node that went DOWN from a ``--no-kill`` job, and it stays out when it comes back."""
+    parts = job_components(job_id)
+    if not parts:
+        return None
+    return {host for part in parts for host in hostnames(part.get("NodeList", ""))}
+
+
 def submit_worker(
     job_id: str,
     lost: str,

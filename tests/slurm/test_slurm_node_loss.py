@@ -129,7 +129,9 @@ def lost_work_within_bound(run: Path, trained_before_kill: int) -> None:
 @pytest.mark.parametrize("index", [1, 0], ids=["actor_node", "head_node"])
 def test_actor_or_head_node_lost_requeues_and_resumes(minicluster, tmp_path, index):
     # Actor ranks on the first node (the head, with the driver) and the second; the engine on the
-    # third. Not pinned: the requeued job takes any node but the lost one.
+    # third. Not pinned: the requeued job takes any node but the lost one. The actor node stays down
+    # until the job has requeued; the head comes back as soon as Slurm marked it DOWN (a quick
+    # reboot: back before the worker tasks' Ray gives up on it, and no longer part of the job).
     run = tmp_path / "run"
     args = ["--set", "cluster.actor_num_gpus=2", "--set", "cluster.rollout_num_gpus=1"]
     job = job_id_of(run, submit(run, 3, 1, *args, follow=False, num_rollout=REQUEUE_ROLLOUT))
@@ -139,6 +141,8 @@ def test_actor_or_head_node_lost_requeues_and_resumes(minicluster, tmp_path, ind
         node = slurm.hostnames(slurm.show_job(job)["NodeList"])[index]
         trained = len(rollouts(run))
         minicluster.kill_node(node)
+        if index == 0:
+            minicluster.revive_node(node)
         wait(lambda: len(read_history(run)) >= 2, 300, "the requeued job to start", run)
         minicluster.revive_node(node)
         wait_finished(run, job)
