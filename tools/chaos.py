@@ -2,7 +2,7 @@
 """Fault-injection soak: short deterministic runs, each hit by one fault, checked at the end.
 
     python tools/chaos.py --trials 30                       # local kinds, round robin
-    python tools/chaos.py --trials 4 --cluster slurm        # requeue / preemption on the minicluster
+    python tools/chaos.py --trials 6 --cluster slurm        # requeue, preemption, node kill on the minicluster
     python tools/chaos.py --kinds rank_kill --seed 1007 --trials 1   # replay one trial
 
 Each trial starts a short deterministic run through jobs/submit.py, waits for a seeded random
@@ -18,6 +18,7 @@ Prints one line per trial, survived / tried per kind, then one JSON line
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import random
@@ -56,6 +57,11 @@ CONFIG = (
 )
 SLURM_ARGS = ("--nodes", "1", "--gpus-per-node", "2")
 SLURM_NODES = ("node0", "node1", "node2", "node3")
+# node_kill: the head (driver, actor rank) on node1 and one engine on each of node2 and node3.
+NODE_KILL_NODES = "node[1-3]"
+NODE_KILL_ARGS = ("--nodes", "3", "--gpus-per-node", "1", "--set", "cluster.actor_num_gpus=1",
+                  "--set", "cluster.rollout_num_gpus=2")  # fmt: skip
+NODE_KILL_TARGETS = ("node3", "node1")  # an engine node (the run goes on) or the head (the job requeues)
 JOB_TIMEOUT_S = 900
 DISK_MB = 64  # the tmpfs a full_disk trial runs in: the run needs a few MB
 
@@ -67,10 +73,10 @@ class TrialError(Exception):
 # ---------------------------------------------------------------------------- jobs
 
 
-def submit_command(run: Path, cluster: str, *extra: str) -> list[str]:
+def submit_command(run: Path, cluster: str, *extra: str, nodes: tuple[str, ...] = SLURM_ARGS) -> list[str]:
     cmd = [sys.executable, str(REPO / "jobs" / "submit.py"), "--cluster", cluster, "--run-dir", str(run)]
     if cluster == "slurm":
-        cmd += [*SLURM_ARGS, *extra, "--no-follow"]
+        cmd += [*nodes, *extra, "--no-follow"]
     for o in CONFIG:
         cmd += ["--set", o]
     return cmd
@@ -197,7 +203,8 @@ class Trial:
     node: str = "node0"  # slurm: where the job runs
 
     def describe(self) -> str:
-        return f"trial {self.index} kind={self.kind} seed={self.seed} moment=rollout {self.after_rollout} +{self.step_fraction:.2f} step"
+        where = f" node={self.node}" if self.kind == "node_kill" else ""
+        return f"trial {self.index} kind={self.kind}{where} seed={self.seed} moment=rollout {self.after_rollout} +{self.step_fraction:.2f} step"
 
 
 @dataclass
@@ -222,8 +229,12 @@ class Context:
     cleanup: list[Callable[[], None]] = field(default_factory=list)
 
     def command(self) -> list[str]:
-        extra = ("--partition", "low", "--sbatch", f"nodelist={self.trial.node}") if self.cluster == "slurm" else ()
-        return submit_command(self.run, self.cluster, *extra)
+        if self.cluster == "local":
+            return submit_command(self.run, self.cluster)
+        if self.trial.kind == "node_kill":
+            extra = ("--partition", "low", "--sbatch", f"nodelist={NODE_KILL_NODES}")
+            return submit_command(self.run, self.cluster, *extra, nodes=NODE_KILL_ARGS)
+        return submit_command(self.run, self.cluster, "--partition", "low", "--sbatch", f"nodelist={self.trial.node}")
 
 
 # Each fault acts once the moment has come. It returns True when it ends the job for good
@@ -310,6 +321,27 @@ def preempt(c: Context) -> bool:
     return False
 
 
+def minicluster():
+    """The minicluster that SLURM_CONF names (tools/minicluster.py; its state dir holds slurm.conf)."""
+    name = "rlhpc_tools_minicluster"  # as tests/conftest.py loads it: one module in a test session
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, REPO / "tools" / "minicluster.py")
+        assert spec is not None and spec.loader is not None
+        sys.modules[name] = importlib.util.module_from_spec(spec)  # dataclasses look their module up here
+        spec.loader.exec_module(sys.modules[name])
+    return sys.modules[name].MiniCluster.attach(Path(os.environ["SLURM_CONF"]).parent)
+
+
+def kill_node(c: Context) -> bool:
+    """Power loss of one of the job's nodes; it comes back once Slurm has marked it DOWN, as a
+    rebooted node would (sooner, Slurm takes it for a slurmd restart and aborts the step)."""
+    cluster, node = minicluster(), c.trial.node
+    cluster.kill_node(node)
+    c.cleanup.append(lambda: cluster.revive_node(node))  # if the revive below is cut short
+    cluster.revive_node(node)
+    return False  # an engine node: the run goes on; the head: the job requeues itself
+
+
 @dataclass(frozen=True)
 class Kind:
     inject: Callable[[Context], bool]
@@ -329,6 +361,7 @@ KINDS: dict[str, Kind] = {
     "second_submission": Kind(second_submission, "local", True),
     "scontrol_requeue": Kind(scontrol_requeue, "slurm", True),
     "preemption": Kind(preempt, "slurm", True),
+    "node_kill": Kind(kill_node, "slurm", True),
 }
 LOCAL_KINDS = [k for k, v in KINDS.items() if v.cluster == "local"]
 SLURM_KINDS = [k for k, v in KINDS.items() if v.cluster == "slurm"]
@@ -342,7 +375,8 @@ def plan(index: int, kind: str, seed: int) -> Trial:
         fraction = 0.0
     else:
         after, fraction = rng.randint(0, NUM_ROLLOUT - 3), round(rng.uniform(0, 1.5), 2)
-    return Trial(index, kind, seed, after, fraction, node=SLURM_NODES[index % len(SLURM_NODES)])
+    node = rng.choice(NODE_KILL_TARGETS) if kind == "node_kill" else SLURM_NODES[index % len(SLURM_NODES)]
+    return Trial(index, kind, seed, after, fraction, node=node)
 
 
 def mean_step_s(reference: Path) -> float:
