@@ -6,12 +6,12 @@ per rollout."""
 
 import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import h5py
 import pytest
+from support.jobs import submit_slurm
 
 from rlhpc.invariants import comparable, final_weights
 from rlhpc.launch.restarts import read_history
@@ -19,7 +19,6 @@ from rlhpc.metrics import read_metrics
 
 pytestmark = pytest.mark.slurm
 
-REPO = Path(__file__).resolve().parents[2]
 K = 1
 NUM_ROLLOUT = 100  # small rollouts take ~0.03 s here: enough for a preemption to land mid-run
 CONFIG = [
@@ -36,12 +35,7 @@ CONFIG = [
 
 
 def submit(run: Path, *args: str, follow: bool) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, str(REPO / "jobs" / "submit.py"), "--cluster", "slurm", "--run-dir", str(run)]
-    cmd += ["--nodes", "1", "--gpus-per-node", "2"]
-    for o in CONFIG:
-        cmd += ["--set", o]
-    cmd += [*args, "--follow" if follow else "--no-follow"]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=REPO)
+    return submit_slurm(run, "--nodes", "1", "--gpus-per-node", "2", *args, overrides=CONFIG, follow=follow)
 
 
 def trained(run: Path) -> list[int]:

@@ -5,12 +5,11 @@ Requests either partition cannot give are refused before anything is submitted."
 
 import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from support.jobs import deterministic_config
+from support.jobs import deterministic_config, submit_slurm
 
 from rlhpc.invariants import comparable, final_weights
 from rlhpc.launch.restarts import read_history
@@ -18,7 +17,6 @@ from rlhpc.metrics import read_metrics
 
 pytestmark = pytest.mark.slurm
 
-REPO = Path(__file__).resolve().parents[2]
 NUM_ROLLOUT = 30
 CONFIG = deterministic_config(NUM_ROLLOUT)
 # 2 actor ranks on node0, one single-GPU engine on each of node1 and node2
@@ -27,11 +25,7 @@ HET = ["--nodes", "1", "--gpus-per-node", "2", "--partition", "train",
 
 
 def submit(run: Path, *args: str, follow: bool, het: list[str] = HET) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, str(REPO / "jobs" / "submit.py"), "--cluster", "slurm", "--run-dir", str(run), *het]
-    for o in CONFIG:
-        cmd += ["--set", o]
-    cmd += [*args, "--follow" if follow else "--no-follow"]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=REPO)
+    return submit_slurm(run, *het, *args, overrides=CONFIG, follow=follow)
 
 
 def queued() -> list[str]:

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+from support.jobs import submit_slurm
 
 from rlhpc.launch import slurm
 from rlhpc.launch.ray_cluster import RayPorts, block_index
@@ -28,20 +29,7 @@ SMALL = [
 
 
 def submit(run_dir: Path, *args: str, follow: bool = True, timeout: float = 400) -> subprocess.CompletedProcess:
-    cmd = [
-        sys.executable,
-        str(REPO / "jobs" / "submit.py"),
-        "--cluster",
-        "slurm",
-        "--run-dir",
-        str(run_dir),
-        "--time",
-        "15",
-        *SMALL,
-        *args,
-    ]
-    cmd.append("--follow" if follow else "--no-follow")
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    return submit_slurm(run_dir, "--time", "15", *SMALL, *args, follow=follow, timeout=timeout)
 
 
 def job_log(run_dir: Path) -> str:

@@ -7,11 +7,11 @@ most checkpoint.save_interval rollouts.
 """
 
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from support.jobs import submit_slurm
 
 from rlhpc.invariants import comparable, final_weights
 from rlhpc.launch import run_owner, slurm
@@ -20,7 +20,6 @@ from rlhpc.metrics import read_metrics
 
 pytestmark = pytest.mark.slurm
 
-REPO = Path(__file__).resolve().parents[2]
 NUM_ROLLOUT = 100  # the engine-node test: enough rollouts left for the node to come back
 SAVE_INTERVAL = 10
 REQUEUE_ROLLOUT = 40  # the actor- and head-node tests: a checkpoint, a loss, a resume
@@ -41,12 +40,9 @@ CONFIG = [
 def submit(
     run: Path, nodes: int, gpus: int, *args: str, follow: bool, num_rollout: int = NUM_ROLLOUT
 ) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, str(REPO / "jobs" / "submit.py"), "--cluster", "slurm", "--run-dir", str(run)]
-    cmd += ["--nodes", str(nodes), "--gpus-per-node", str(gpus)]
-    for o in [*CONFIG, f"rollout.num_rollout={num_rollout}"]:
-        cmd += ["--set", o]
-    cmd += [*args, "--follow" if follow else "--no-follow"]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=REPO)
+    nodes_gpus = ("--nodes", str(nodes), "--gpus-per-node", str(gpus))
+    overrides = [*CONFIG, f"rollout.num_rollout={num_rollout}"]
+    return submit_slurm(run, *nodes_gpus, *args, overrides=overrides, follow=follow, timeout=900)
 
 
 def rollouts(run: Path) -> list[dict]:

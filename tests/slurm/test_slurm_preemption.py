@@ -7,12 +7,11 @@ same final weights (bit for bit, deterministic CPU run) and the same per-rollout
 import os
 import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from support.jobs import deterministic_config
+from support.jobs import deterministic_config, submit_slurm
 
 from rlhpc.invariants import comparable, final_weights
 from rlhpc.launch.restarts import read_history
@@ -26,23 +25,7 @@ CONFIG = deterministic_config(NUM_ROLLOUT)
 
 
 def submit(run: Path, *args: str, follow: bool, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    cmd = [
-        sys.executable,
-        str(REPO / "jobs" / "submit.py"),
-        "--cluster",
-        "slurm",
-        "--run-dir",
-        str(run),
-        "--nodes",
-        "1",
-        "--gpus-per-node",
-        "2",
-    ]
-    for o in CONFIG:
-        cmd += ["--set", o]
-    cmd += [*args, "--follow" if follow else "--no-follow"]
-    env = {**os.environ, **(env or {})}
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=REPO, env=env)
+    return submit_slurm(run, "--nodes", "1", "--gpus-per-node", "2", *args, overrides=CONFIG, follow=follow, env=env)
 
 
 def trained(run: Path) -> list[int]:

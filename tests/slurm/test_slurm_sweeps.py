@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from support.jobs import submit_slurm
 
 from rlhpc.launch.restarts import read_history
 from rlhpc.metrics import read_metrics
@@ -27,17 +28,7 @@ TINY = [
 
 
 def submit(run_dir: Path, *args: str, env: dict | None = None, timeout: float = 400) -> subprocess.CompletedProcess:
-    cmd = [
-        sys.executable,
-        str(REPO / "jobs" / "submit.py"),
-        "--cluster",
-        "slurm",
-        "--run-dir",
-        str(run_dir),
-        *TINY,
-        *args,
-    ]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
+    return submit_slurm(run_dir, *TINY, *args, env=env, timeout=timeout)
 
 
 def scontrol(job_id: str) -> str:

@@ -48,6 +48,25 @@ def submit(run_dir: Path, *overrides: str, timeout: float = 300) -> subprocess.C
     return subprocess.run(job_args(run_dir, *overrides), capture_output=True, text=True, timeout=timeout, cwd=REPO)
 
 
+def submit_slurm(
+    run_dir: Path,
+    *args: str,
+    overrides: list[str] | tuple[str, ...] = (),
+    follow: bool | None = None,
+    env: dict[str, str] | None = None,
+    timeout: float = 400,
+) -> subprocess.CompletedProcess:
+    """``jobs/submit.py --cluster slurm --run-dir RUN_DIR ARGS``, each override as ``--set``, then
+    ``--follow`` or ``--no-follow`` when ``follow`` is given; ``env`` added to this process's."""
+    cmd = [sys.executable, str(REPO / "jobs" / "submit.py"), "--cluster", "slurm", "--run-dir", str(run_dir), *args]
+    for o in overrides:
+        cmd += ["--set", o]
+    if follow is not None:
+        cmd.append("--follow" if follow else "--no-follow")
+    env = {**os.environ, **(env or {})}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
+
+
 def rollouts(run_dir: Path) -> list[int]:
     return [r["rollout_id"] for r in read_metrics(run_dir) if r["kind"] == "rollout"]
 
