@@ -36,13 +36,28 @@ log = logging.getLogger(__name__)
 SLURM, LOCAL, SUBMITTING = "slurm", "local", "submitting"
 
 
+def process_started(pid: int) -> float:
+    """When process ``pid`` started, in seconds since boot where /proc says (Linux). A start time on
+    the wall clock (psutil's create_time: boot time read from the clock, plus the ticks since boot)
+    moves when the clock is adjusted: measured here, the wall clock drifted 5 ms/s against the
+    boot clock, so two processes read the same process's start a whole second apart, and a local
+    job restarting took its own claim for another job's. Elsewhere psutil's create_time."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        if Path("/proc/self/stat").exists():
+            raise psutil.NoSuchProcess(pid) from None
+        return psutil.Process(pid).create_time()
+    return int(stat.rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")  # field 22: starttime
+
+
 @dataclass(frozen=True)
 class Owner:
     kind: str  # SLURM, LOCAL or SUBMITTING
     job_id: str | None = None  # Slurm's job id, or the local job's id (its controller's pid)
     host: str | None = None  # LOCAL, SUBMITTING: where the process runs
     pid: int | None = None
-    started: float | None = None  # the process's start time (psutil): tells a reused pid apart
+    started: float | None = None  # the process's start (process_started): tells a reused pid apart
 
     @classmethod
     def slurm_job(cls, job_id: str) -> Owner:
@@ -50,7 +65,7 @@ class Owner:
 
     @classmethod
     def process(cls, pid: int, kind: str, job_id: str | None = None) -> Owner:
-        return cls(kind, job_id=job_id, host=socket.gethostname(), pid=pid, started=psutil.Process(pid).create_time())
+        return cls(kind, job_id=job_id, host=socket.gethostname(), pid=pid, started=process_started(pid))
 
     @classmethod
     def submitter(cls) -> Owner:
@@ -105,7 +120,7 @@ def liveness(owner: Owner) -> Liveness:
         return Liveness(None, f"its process runs on host {owner.host}, which cannot be checked from here")
     try:
         proc = psutil.Process(owner.pid)
-        if abs(proc.create_time() - (owner.started or 0)) > 1 or proc.status() == psutil.STATUS_ZOMBIE:
+        if abs(process_started(owner.pid) - (owner.started or 0)) > 1 or proc.status() == psutil.STATUS_ZOMBIE:
             return Liveness(False, "its process has ended")
     except psutil.NoSuchProcess:
         return Liveness(False, "its process has ended")

@@ -101,3 +101,21 @@ def test_release_only_by_the_owner(tmp_path):
     assert run.owner_file.exists()
     run_owner.release(run, Owner.slurm_job("1"))
     assert not run.owner_file.exists()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="psutil's Linux boot time is what moves")
+def test_an_owner_is_still_itself_after_the_wall_clock_moved(tmp_path, sleeper, monkeypatch):
+    """A restarting local job must know its own claim after the clock was adjusted: psutil reads
+    the boot time from the wall clock, which moved a whole second on this machine within minutes;
+    the start since boot does not move."""
+    import psutil._pslinux
+
+    run = RunDir(tmp_path / "run")
+    first = Owner.local_job(sleeper.pid)
+    run_owner.claim(run, first)
+    later = psutil._pslinux.boot_time() + 1.0
+    monkeypatch.setattr(psutil._pslinux, "boot_time", lambda: later)
+    again = Owner.local_job(sleeper.pid)
+    assert again.same_as(first)
+    run_owner.claim(run, again)  # the owner itself: welcome, not refused as another job
+    assert run_owner.liveness(first).alive is True
