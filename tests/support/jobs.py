@@ -56,11 +56,13 @@ def submit_slurm(
     env: dict[str, str] | None = None,
     timeout: float = 400,
 ) -> subprocess.CompletedProcess:
-    """``jobs/submit.py --cluster slurm --run-dir RUN_DIR ARGS``, each override as ``--set``, then
-    ``--follow`` or ``--no-follow`` when ``follow`` is given; ``env`` added to this process's."""
-    cmd = [sys.executable, str(REPO / "jobs" / "submit.py"), "--cluster", "slurm", "--run-dir", str(run_dir), *args]
+    """``jobs/submit.py --cluster slurm --run-dir RUN_DIR``, each override as ``--set``, then ARGS
+    (a ``--set`` among them wins over an override of the same key), then ``--follow`` or
+    ``--no-follow`` when ``follow`` is given; ``env`` added to this process's."""
+    cmd = [sys.executable, str(REPO / "jobs" / "submit.py"), "--cluster", "slurm", "--run-dir", str(run_dir)]
     for o in overrides:
         cmd += ["--set", o]
+    cmd += args
     if follow is not None:
         cmd.append("--follow" if follow else "--no-follow")
     env = {**os.environ, **(env or {})}
