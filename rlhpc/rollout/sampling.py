@@ -1,7 +1,8 @@
 """Batched autoregressive sampling with a KV cache and one RNG per sample.
 
 One ``torch.Generator`` per sample (seeded by SGLang's ``sampling_seed``) makes a sample's
-tokens independent of which other requests share its batch, so reruns are reproducible.
+tokens independent of which other requests share its batch, so reruns are reproducible; the
+draw itself is one vectorised step over the batch.
 """
 
 from __future__ import annotations
@@ -57,25 +58,29 @@ def sample(
     device = next(model.parameters()).device
     batch = len(prompts)
     width = max(len(p) for p in prompts)
-    input_ids = torch.full((batch, width), pad_id, dtype=torch.long, device=device)
-    attn = torch.zeros((batch, width), dtype=torch.long, device=device)
-    for i, p in enumerate(prompts):  # left padding keeps every row's last token aligned
-        input_ids[i, width - len(p) :] = torch.tensor(p, device=device)
-        attn[i, width - len(p) :] = 1
-    gens = []
-    for s in seeds:
-        g = torch.Generator(device=device)
+    # left padding keeps every row's last token aligned
+    input_ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in prompts], dtype=torch.long, device=device)
+    attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long, device=device)
+    steps_max = max(max_new_tokens, default=0)
+    # Each row's uniforms for all its steps come from its own generator, drawn up front: the
+    # per-step draw is then one vectorised inverse-CDF over the batch, and a row's tokens still
+    # depend only on its seed, never on its batch-mates.
+    uniforms = torch.empty((batch, max(steps_max, 1)), dtype=torch.float64)
+    for i, s in enumerate(seeds):
+        g = torch.Generator()
         g.manual_seed(s if s is not None else int(torch.randint(0, 2**62, ()).item()))
-        gens.append(g)
+        torch.rand(steps_max, generator=g, dtype=torch.float64, out=uniforms[i, :steps_max])
+    uniforms = uniforms.to(device)
     temps = torch.tensor(temperature, dtype=torch.float32, device=device)
+    greedy = temps <= 0
     tops = torch.tensor(top_p, dtype=torch.float32, device=device)
-    limits = torch.tensor(max_new_tokens, device=device)
+    limits = list(max_new_tokens)
 
     stops = [set(s) for s in stop_ids] if stop_ids is not None else [{eos_id}] * batch
 
     outs: list[list[int]] = [[] for _ in range(batch)]
     lps: list[list[float]] = [[] for _ in range(batch)]
-    done = limits <= 0  # max_new_tokens=0 rows produce nothing, even beside longer rows
+    done = [n <= 0 for n in limits]  # max_new_tokens=0 rows produce nothing, even beside longer rows
     finish = ["length"] * batch
     position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
     # transformers >= 5 names the KV cache argument ``cache``; older releases ``past_key_values``.
@@ -83,10 +88,10 @@ def sample(
     past = None
     step_ids, step_pos = input_ids, position_ids
     fed_ids, fed_pos = input_ids[:, :0], position_ids[:, :0]  # what the cache holds
-    for _ in range(int(limits.max().item())):
+    for step in range(steps_max):
         verdict = step_hook() if step_hook is not None else False
         if verdict is True:
-            finish = [f if bool(done[i]) else "abort" for i, f in enumerate(finish)]
+            finish = [f if done[i] else "abort" for i, f in enumerate(finish)]
             break
         if verdict == RECOMPUTE:
             step_ids, step_pos = torch.cat([fed_ids, step_ids], 1), torch.cat([fed_pos, step_pos], 1)
@@ -95,30 +100,37 @@ def sample(
         out = model(input_ids=step_ids, attention_mask=attn, position_ids=step_pos, use_cache=True, **{cache_kw: past})
         past = out[cache_kw]
         logits = out.logits[:, -1, :].float()
-        logprobs = torch.log_softmax(logits, dim=-1)
-        greedy = temps <= 0
-        probs = torch.softmax(logits / temps.clamp(min=1e-5)[:, None], dim=-1)
-        probs = _top_p_filter(probs, tops)
-        next_ids = torch.empty(batch, dtype=torch.long, device=device)
-        for i in range(batch):
-            if greedy[i]:
-                next_ids[i] = logits[i].argmax()
-            else:
-                next_ids[i] = torch.multinomial(probs[i], 1, generator=gens[i])[0]
-        for i in range(batch):
+        next_ids = _draw(logits, temps, tops, greedy, uniforms[:, step])
+        chosen_lps = torch.log_softmax(logits, dim=-1).gather(1, next_ids[:, None])[:, 0]
+        for i, (tok, lp) in enumerate(zip(next_ids.tolist(), chosen_lps.tolist())):
             if done[i]:
                 continue
-            tok = int(next_ids[i])
             outs[i].append(tok)
-            lps[i].append(float(logprobs[i, tok]))
+            lps[i].append(lp)
             if tok in stops[i]:
                 done[i], finish[i] = True, "stop"
             elif len(outs[i]) >= limits[i]:
                 done[i] = True
-        if bool(done.all()):
+        if all(done):
             break
-        next_ids = torch.where(done, torch.full_like(next_ids, pad_id), next_ids)
-        attn = torch.cat([attn, (~done).long()[:, None]], dim=1)
+        running = torch.tensor([not d for d in done], device=device)
+        next_ids = torch.where(running, next_ids, torch.full_like(next_ids, pad_id))
+        attn = torch.cat([attn, running.long()[:, None]], dim=1)
         step_ids = next_ids[:, None]
         step_pos = step_pos[:, -1:] + 1
     return [Sample(outs[i], lps[i], finish[i]) for i in range(batch)]
+
+
+def _draw(
+    logits: torch.Tensor, temps: torch.Tensor, tops: torch.Tensor, greedy: torch.Tensor, u: torch.Tensor
+) -> torch.Tensor:
+    """Each row's next token: its argmax when greedy, else the inverse CDF of its temperature- and
+    top-p-shaped distribution at its uniform ``u`` (float64, so no filtered-out token is ever hit)."""
+    probs = torch.softmax(logits / temps.clamp(min=1e-5)[:, None], dim=-1)
+    probs = _top_p_filter(probs, tops).double()
+    cdf = probs.cumsum(dim=-1)
+    # the first token whose CDF exceeds u * total; a token of probability 0 owns an empty interval
+    drawn = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
+    last_kept = (probs > 0).long().cumsum(-1).argmax(-1)  # guards u * total rounding up to total
+    drawn = torch.minimum(drawn, last_kept)
+    return torch.where(greedy, logits.argmax(dim=-1), drawn)
