@@ -77,12 +77,13 @@ def node_ip_address() -> str:
 
 @dataclass
 class MicroBatch:
-    """One micro-batch on the device, padded once and reused by the no-grad pass and every step."""
+    """One micro-batch on the device, padded once and reused by the no-grad passes and its step."""
 
     ids: torch.Tensor  # [N, L] right-padded (causal attention never lets a real token see a pad)
     attention: torch.Tensor  # [N, L]
     mask: torch.Tensor  # [N, L-1] 1 where position t predicts a response token
     advantages: torch.Tensor  # [N]
+    rollout_logprobs: torch.Tensor | None = None  # [N, L-1] the engines' logprobs (the behaviour policy)
     old_logprobs: torch.Tensor | None = None  # [N, L-1] the policy before this rollout's steps
     ref_logprobs: torch.Tensor | None = None  # [N, L-1] the initial model (KL penalty only)
     tis_weights: torch.Tensor | None = None  # [N, L-1] truncated importance weights (algo.tis only)
@@ -220,7 +221,11 @@ class RankBase:
             global_tokens = max(step_tokens[k], 1.0)
             for j, mb in enumerate(mbs):
                 with self._grad_sync(last=j == len(mbs) - 1):
-                    logprobs = self._token_logprobs(self._logits(self._policy(train=True), mb), mb.ids)
+                    logits = self._logits(self._policy(train=True), mb)
+                    logprobs = self._token_logprobs(logits, mb.ids)
+                    if mb.old_logprobs is None:  # the first step: no update yet, so this forward is the old policy's
+                        with torch.no_grad():
+                            self._old_policy(mb, logits.detach(), logprobs.detach(), sums)
                     loss = self._grpo_loss(logprobs, mb, loss_sums)
                     # token share of the global minibatch, times the DP size to undo DDP's averaging
                     (loss * (mb.tokens * self.dp_size / global_tokens)).backward()
@@ -251,36 +256,42 @@ class RankBase:
         return steps
 
     def _prepare(self, batch: RolloutBatch) -> tuple[list[list[MicroBatch]], dict[str, float], float]:
-        """Per step, this rank's micro-batches on the device with their no-grad "old" (and
-        reference) logprobs; the rollout's entropy and engine-mismatch sums; this rank's tokens."""
+        """Per step, this rank's micro-batches on the device with their reference logprobs and,
+        after the first step, their no-grad "old" logprobs (the first step's come from its own
+        forward: ``train``); the entropy and engine-mismatch sums so far; this rank's tokens."""
         steps: list[list[MicroBatch]] = []
         sums = {"entropy": 0.0, "rollout_logprob_abs_diff": 0.0}
-        algo = self.spec.algo
-        if algo.tis:
+        if self.spec.algo.tis:
             sums.update({"tis_clipfrac": 0.0, "tis_weight": 0.0})
         local_tokens = 0.0
         with torch.no_grad():
-            for rollout_mbs in self._micro_batches(batch):
+            for k, rollout_mbs in enumerate(self._micro_batches(batch)):
                 steps.append([])
                 for rmb in rollout_mbs:
                     ids, attention, mask = (t.to(self.device) for t in rmb.to_padded(self.pad_id))
                     mb = MicroBatch(ids, attention, mask, rmb.advantages.to(self.device))
-                    logits = self._logits(self._policy(train=False), mb)
-                    mb.old_logprobs = self._token_logprobs(logits, ids)
+                    mb.rollout_logprobs = _rollout_logprob_tensor(rmb, mask.shape).to(self.device)
                     if self.ref is not None:
                         mb.ref_logprobs = self._token_logprobs(self._logits(self.ref, mb), ids)
-                    entropy = self._entropy(logits)
-                    rollout_lp = _rollout_logprob_tensor(rmb, mask.shape).to(self.device)
-                    sums["entropy"] += float((entropy * mask).sum())
-                    sums["rollout_logprob_abs_diff"] += float(((mb.old_logprobs - rollout_lp).abs() * mask).sum())
-                    if algo.tis:  # the engines' logprobs are the behaviour policy
-                        mb.tis_weights, clipped = truncated_is_weights(mb.old_logprobs, rollout_lp, mask, algo.tis_clip)
-                        sums["tis_clipfrac"] += float(clipped) * mb.tokens
-                        sums["tis_weight"] += float(mb.tis_weights.sum())
+                    if k > 0:
+                        logits = self._logits(self._policy(train=False), mb)
+                        self._old_policy(mb, logits, self._token_logprobs(logits, ids), sums)
+                        del logits
                     local_tokens += mb.tokens
                     steps[-1].append(mb)
-                    del logits, entropy
         return steps, sums, local_tokens
+
+    def _old_policy(self, mb: MicroBatch, logits: torch.Tensor, logprobs: torch.Tensor, sums: dict[str, float]) -> None:
+        """Record the policy before this rollout's steps (no grad): ``mb``'s old logprobs and TIS
+        weights; its entropy, engine mismatch and TIS terms added to ``sums``."""
+        algo = self.spec.algo
+        mb.old_logprobs = logprobs
+        sums["entropy"] += float((self._entropy(logits) * mb.mask).sum())
+        sums["rollout_logprob_abs_diff"] += float(((logprobs - mb.rollout_logprobs).abs() * mb.mask).sum())
+        if algo.tis:  # the engines' logprobs are the behaviour policy
+            mb.tis_weights, clipped = truncated_is_weights(logprobs, mb.rollout_logprobs, mb.mask, algo.tis_clip)
+            sums["tis_clipfrac"] += float(clipped) * mb.tokens
+            sums["tis_weight"] += float(mb.tis_weights.sum())
 
     def _grpo_loss(self, logprobs: torch.Tensor, mb: MicroBatch, sums: dict[str, float]) -> torch.Tensor:
         """A micro-batch's loss (policy + KL penalty); adds its token-weighted terms to ``sums``."""
