@@ -53,11 +53,11 @@ class RolloutBatch:
         """
         seqs = [p + r for p, r in zip(self.prompt_ids, self.response_ids)]
         width = max(len(s) for s in seqs)
-        input_ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-        attention = torch.zeros((len(seqs), width), dtype=torch.long)
-        loss_mask = torch.zeros((len(seqs), width - 1), dtype=torch.float32)
-        for i, (p, s) in enumerate(zip(self.prompt_ids, seqs)):
-            input_ids[i, : len(s)] = torch.tensor(s)
-            attention[i, : len(s)] = 1
-            loss_mask[i, len(p) - 1 : len(s) - 1] = 1.0
+        # one tensor from lists, then masks by comparison: no per-row tensor ops (thousands of rows a rollout)
+        input_ids = torch.tensor([s + [pad_id] * (width - len(s)) for s in seqs], dtype=torch.long)
+        lengths = torch.tensor([len(s) for s in seqs])[:, None]
+        starts = torch.tensor([len(p) - 1 for p in self.prompt_ids])[:, None]
+        pos = torch.arange(width)[None, :]
+        attention = (pos < lengths).long()
+        loss_mask = ((pos[:, :-1] >= starts) & (pos[:, :-1] < lengths - 1)).float()
         return input_ids, attention, loss_mask

@@ -47,11 +47,12 @@ def split_even(n: int, parts: int) -> list[tuple[int, int]]:
 
 def _rollout_logprob_tensor(batch: RolloutBatch, shape: torch.Size) -> torch.Tensor:
     """Engine logprobs laid out like ``loss_mask`` (position t predicts token t+1)."""
-    out = torch.zeros(shape, dtype=torch.float32)
-    for i, (p, lps) in enumerate(zip(batch.prompt_ids, batch.rollout_logprobs)):
-        if lps:
-            out[i, len(p) - 1 : len(p) - 1 + len(lps)] = torch.tensor(lps, dtype=torch.float32)
-    return out
+    width = shape[1]
+    rows = []
+    for p, lps in zip(batch.prompt_ids, batch.rollout_logprobs):
+        before = len(p) - 1 if lps else 0
+        rows.append([0.0] * before + list(lps) + [0.0] * (width - before - len(lps)))
+    return torch.tensor(rows, dtype=torch.float32).reshape(shape)
 
 
 def fingerprint(named: Iterable[tuple[str, torch.Tensor]]) -> str:

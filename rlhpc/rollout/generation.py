@@ -9,8 +9,8 @@ same tokens.
 
 from __future__ import annotations
 
+import hashlib
 import logging
-import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -43,7 +43,8 @@ class GenerationAborted(Exception):
 
 def sample_seed(*parts: object) -> int:
     """A stable per-sample seed: same run seed, rollout and sample -> same tokens on rerun."""
-    return random.Random(":".join(map(str, parts))).getrandbits(62)
+    digest = hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 2  # 62 bits, as SGLang's sampling_seed takes
 
 
 def weight_version(meta_info: dict) -> int:
@@ -188,11 +189,15 @@ class Generation:
         spec = rollout.dynamic_sampling.filter
         self.group_filter: GroupFilter | None = resolve_filter(spec) if spec is not None else None
 
-    def _encode(self, prompt: str) -> list[int]:
-        return [self.tokenizer.bos_token_id, *self.tokenizer(prompt, add_special_tokens=False).input_ids]
+    def _encode(self, prompts: list[str]) -> list[list[int]]:
+        bos = self.tokenizer.bos_token_id
+        return [[bos, *ids] for ids in self.tokenizer(prompts, add_special_tokens=False).input_ids]
 
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode([t for t in ids if t != self.tokenizer.eos_token_id], skip_special_tokens=True)
+    def _decode(self, responses: list[list[int]]) -> list[str]:
+        eos = self.tokenizer.eos_token_id
+        return self.tokenizer.batch_decode(
+            [[t for t in ids if t != eos] for ids in responses], skip_special_tokens=True
+        )
 
     def sample(
         self, rows: list[dict], n: int, temperature: float, max_new_tokens: int, seed_tag: object, desc: str
@@ -205,7 +210,7 @@ class Generation:
         top_p = self.rollout_cfg.top_p
         per_request = max(1, SAMPLES_PER_REQUEST // n)
         chunks = [range(i, min(i + per_request, len(rows))) for i in range(0, len(rows), per_request)]
-        prompts = [self._encode(row["prompt"]) for row in rows]
+        prompts = self._encode([row["prompt"] for row in rows])
         requests = [
             Request(
                 input_ids=[prompts[i] for i in chunk for _ in range(n)],
@@ -241,7 +246,7 @@ class Generation:
         logprobs = [[lp for lp, _tok, _ in out["meta_info"].get("output_token_logprobs", [])] for out in outputs]
         texts = {
             "prompt": [rows[k // n]["prompt"] for k in range(len(outputs))],
-            "response": [self._decode(ids) for ids in response_ids],
+            "response": self._decode(response_ids),
             "answer": [rows[k // n]["answer"] for k in range(len(outputs))],
         }
         rewards = [
