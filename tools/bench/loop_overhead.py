@@ -97,7 +97,7 @@ def plain_loop(cfg: Config, model_path: str, rollouts: int) -> list[float]:
     return times
 
 
-def framework_loop(cfg: Config, run: RunDir) -> list[float]:
+def framework_loop(cfg: Config, run: RunDir) -> list[dict]:
     from rlhpc.cluster.layout import plan_layout
     from rlhpc.driver import train
     from rlhpc.launch.job import local_ray
@@ -106,7 +106,7 @@ def framework_loop(cfg: Config, run: RunDir) -> list[float]:
 
     with local_ray(cfg.cluster, plan_layout(cfg.cluster).num_slots, StopRequest()):
         train(cfg, run)
-    return [r["time/step"] for r in read_metrics(run.path) if r["kind"] == "rollout"]
+    return [r for r in read_metrics(run.path) if r["kind"] == "rollout"]
 
 
 def main() -> int:
@@ -127,15 +127,17 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         run = RunDir(Path(tmp) / "run")
         run.prepare(cfg)
-        framework = framework_loop(cfg, run)[args.warmup :]
+        records = framework_loop(cfg, run)[args.warmup :]
         plain = plain_loop(cfg, str(run.base_model), args.rollouts)[args.warmup :]
-    f, b = statistics.median(framework), statistics.median(plain)
+    f, b = statistics.median(r["time/step"] for r in records), statistics.median(plain)
+    parts = {k: statistics.median(r[f"time/{k}"] for r in records) for k in ("generate", "train", "update_weights")}
     print(
         f"rollout: {cfg.rollout.rollout_batch_size} prompts x {cfg.rollout.n_samples_per_prompt} samples, {args.rollouts} rollouts ({args.warmup} warm-up left out)"
     )
     print(f"plain single process : {b * 1000:8.1f} ms/rollout (median)")
     print(f"rlhpc full loop      : {f * 1000:8.1f} ms/rollout (median)")
     print(f"overhead ratio       : {f / b:8.2f}x")
+    print("rlhpc step parts     : " + ", ".join(f"{k} {v * 1000:.1f} ms" for k, v in parts.items()))
     # one JSON line of ratios, comparable run to run
     print(
         json.dumps(
