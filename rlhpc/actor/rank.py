@@ -52,7 +52,7 @@ def _rollout_logprob_tensor(batch: RolloutBatch, shape: torch.Size) -> torch.Ten
     for p, lps in zip(batch.prompt_ids, batch.rollout_logprobs):
         before = len(p) - 1 if lps else 0
         rows.append([0.0] * before + list(lps) + [0.0] * (width - before - len(lps)))
-    return torch.tensor(rows, dtype=torch.float32).reshape(shape)
+    return torch.tensor(rows, dtype=torch.float32)
 
 
 def fingerprint(named: Iterable[tuple[str, torch.Tensor]]) -> str:

@@ -65,11 +65,11 @@ def sample(
     # Each row's uniforms for all its steps come from its own generator, drawn up front: the
     # per-step draw is then one vectorised inverse-CDF over the batch, and a row's tokens still
     # depend only on its seed, never on its batch-mates.
-    uniforms = torch.empty((batch, max(steps_max, 1)), dtype=torch.float64)
+    uniforms = torch.empty((batch, steps_max), dtype=torch.float64)
     for i, s in enumerate(seeds):
         g = torch.Generator()
         g.manual_seed(s if s is not None else int(torch.randint(0, 2**62, ()).item()))
-        torch.rand(steps_max, generator=g, dtype=torch.float64, out=uniforms[i, :steps_max])
+        torch.rand(steps_max, generator=g, dtype=torch.float64, out=uniforms[i])
     uniforms = uniforms.to(device)
     temps = torch.tensor(temperature, dtype=torch.float32, device=device)
     greedy = temps <= 0
