@@ -21,7 +21,7 @@ from rlhpc.config import ClusterConfig
 from rlhpc.launch.job import local_ray
 from rlhpc.launch.signals import StopRequest
 
-temp_dir = Path(sys.argv[1])
+temp_dir, result = Path(sys.argv[1]), Path(sys.argv[2])
 with local_ray(ClusterConfig(), 2, StopRequest(), temp_dir=temp_dir):
     import ray
 
@@ -43,22 +43,28 @@ with local_ray(ClusterConfig(), 2, StopRequest(), temp_dir=temp_dir):
         ray.get(killed.remote(made))
     except Exception:
         pass
-    print(json.dumps({"made": made, "inside": sorted(p.name for p in temp_dir.iterdir())}), flush=True)
+    # a file, not stdout: Ray's log monitor prints workers' lines to stdout from its own thread
+    result.write_text(json.dumps({"made": made, "inside": sorted(p.name for p in temp_dir.iterdir())}))
 """
 
 
 def test_a_killed_workers_files_go_with_the_tasks_node_local_dir() -> None:
     short = Path(tempfile.mkdtemp(prefix="rlhpc-t-"))  # Ray's socket paths must stay short
-    temp_dir = short / "ray"
+    temp_dir, result = short / "ray", short / "seen.json"
     try:
         out = subprocess.run(
-            [sys.executable, "-c", JOB, str(temp_dir)], capture_output=True, text=True, timeout=300, check=False
+            [sys.executable, "-c", JOB, str(temp_dir), str(result)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
         )
-    finally:
         leftover = temp_dir.exists()
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert result.is_file(), out.stdout[-3000:] + out.stderr[-3000:]
+        seen = json.loads(result.read_text())
+    finally:
         shutil.rmtree(short, ignore_errors=True)
-    assert out.returncode == 0, out.stderr[-3000:]
-    seen = json.loads(next(line for line in out.stdout.splitlines() if line.startswith('{"made"')))
     assert Path(seen["made"]).parent == temp_dir  # in the task's dir, not the machine's /tmp
     assert any(name.startswith("rlhpc-engine1-") for name in seen["inside"])  # the killed worker's too
     assert not leftover  # removed with the task's dir when the job ended

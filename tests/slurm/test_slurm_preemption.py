@@ -98,16 +98,18 @@ def test_scontrol_requeue_at_an_arbitrary_moment(baseline, minicluster, tmp_path
         assert f"staged base_model, rollout_{history[-1]['next_rollout_id'] - 1:06d} in" in job_log(run)
 
 
+@pytest.mark.timeout(1000)
 def test_time_limit_mid_run(minicluster, tmp_path):
-    # A 2-minute limit with USR2 60 s before it: each allocation trains for under a minute, then
-    # is stopped, saved and requeued. The reward sleeps 20 ms per sample (support/slow_reward.py),
-    # so a rollout of 32 samples takes at least 0.64 s on any machine and 100 rollouts need a
-    # second allocation however fast the machine is (here ~0.8 s a rollout: two allocations).
+    # A 3-minute limit with USR2 60 s before it: an allocation has 2 minutes for start-up and
+    # training, then is stopped, saved and requeued. In the first allocation the reward sleeps
+    # 0.1 s per sample (support/slow_reward.py): 60 rollouts of 32 samples need over 3 minutes
+    # there, so the limit cuts it on any machine; the requeued allocation runs at the machine's
+    # pace (here ~0.8 s a rollout: two allocations; a machine twice as slow needs three).
     run = tmp_path / "run"
-    num_rollout = 100
+    num_rollout = 60
     p = submit(
         run,
-        "--time", "2", "--signal-grace", "60", "--sbatch", "nodelist=node3",
+        "--time", "3", "--signal-grace", "60", "--sbatch", "nodelist=node3",
         "--set", f"rollout.num_rollout={num_rollout}",
         "--set", "data.reward=support.slow_reward:reward",
         "--set", "checkpoint.save_interval=50",
@@ -115,7 +117,7 @@ def test_time_limit_mid_run(minicluster, tmp_path):
         env={"PYTHONPATH": f"{REPO / 'tests'}:{os.environ.get('PYTHONPATH', '')}"},
     )  # fmt: skip
     assert p.returncode == 0, p.stderr
-    wait(lambda: (run / "FINISHED").is_file(), 600, "the time-limited run to finish")
+    wait(lambda: (run / "FINISHED").is_file(), 960, "the time-limited run to finish")
     history = read_history(run)
     assert len(history) >= 2, job_log(run)[-3000:]
     stops = [int(n) for n in re.findall(r"stopped before rollout (\d+)", job_log(run))]
