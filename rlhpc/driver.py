@@ -179,7 +179,7 @@ class TrainLoop:
             self.engines = engines_up.result()
         self.generation = Generation(
             load_tokenizer(model_path), task_reward(cfg.data), cfg.rollout, cfg.eval, cfg.algo, cfg.seed,
-            send=self.engines.generate, progress=progress,
+            send=self.engines.generate, progress=progress, num_engines=len(layout.engine_slots),
         )  # fmt: skip
         with startup.phase("weight_channel"):
             self.engines.connect_weights(

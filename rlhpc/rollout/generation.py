@@ -33,8 +33,17 @@ log = logging.getLogger(__name__)
 
 MoreRows = Callable[[int, int], list[dict]]  # (round, count) -> prompts to over-sample
 
-# Samples per /generate request: big enough to amortise HTTP, small enough to spread over engines.
-SAMPLES_PER_REQUEST = 64
+# At most this many samples per /generate request: a request is one engine batch on the CPU
+# engine (SGLang batches across requests anyway), and a bar step.
+MAX_SAMPLES_PER_REQUEST = 256
+
+
+def rows_per_request(num_rows: int, n: int, num_engines: int) -> int:
+    """Rows per /generate request: the batch spread evenly over the engines, in requests of at
+    most MAX_SAMPLES_PER_REQUEST samples (at least one row). ``num_engines`` is the configured
+    count, not the live one, so a run sends the same requests whatever engines it loses."""
+    per_engine = -(-num_rows // max(1, num_engines))
+    return max(1, min(per_engine, MAX_SAMPLES_PER_REQUEST // n))
 
 
 class GenerationAborted(Exception):
@@ -166,7 +175,8 @@ class Samples:
 class Generation:
     """Sample, score and turn rewards into advantages for a rollout (or an evaluation).
 
-    ``progress``, when given, shows one bar per phase (rows done).
+    ``progress``, when given, shows one bar per phase (rows done). ``num_engines``: the engines
+    the run is configured with; a batch is sent in requests that spread it over them.
     """
 
     def __init__(
@@ -179,12 +189,14 @@ class Generation:
         seed: int,
         send: Send,
         progress: Progress | None = None,
+        num_engines: int = 1,
     ):
         self.tokenizer = tokenizer
         self.reward_fn = reward_fn
         self.rollout_cfg, self.eval_cfg, self.algo_cfg = rollout, eval, algo
         self.seed = seed
         self.send = send
+        self.num_engines = num_engines
         self.progress = progress
         spec = rollout.dynamic_sampling.filter
         self.group_filter: GroupFilter | None = resolve_filter(spec) if spec is not None else None
@@ -208,7 +220,7 @@ class Generation:
         rerun sends exactly the same batches and gets the same tokens.
         """
         top_p = self.rollout_cfg.top_p
-        per_request = max(1, SAMPLES_PER_REQUEST // n)
+        per_request = rows_per_request(len(rows), n, self.num_engines)
         chunks = [range(i, min(i + per_request, len(rows))) for i in range(0, len(rows), per_request)]
         prompts = self._encode([row["prompt"] for row in rows])
         requests = [

@@ -92,6 +92,7 @@ class Rollout:
         direct = Generation(
             self.generation.tokenizer, self.generation.reward_fn, self.generation.rollout_cfg,
             self.generation.eval_cfg, self.generation.algo_cfg, self.generation.seed, send=self.engines.send,
+            num_engines=self.generation.num_engines,
         )  # fmt: skip
         return direct.sample(rows, 4, 1.0, 6, "restart-test", "test").response_ids
 
@@ -106,7 +107,7 @@ def groups(cfg: Config, model_path: str, log_dir: Path) -> Iterator[tuple[ActorG
     engines = EnginePool(cfg.rollout, cfg.cluster, cfg.seed, model_path, placement, layout, log_dir)
     generation = Generation(
         load_tokenizer(model_path), task_reward(cfg.data), cfg.rollout, cfg.eval, cfg.algo, cfg.seed,
-        send=engines.generate,
+        send=engines.generate, num_engines=len(layout.engine_slots),
     )  # fmt: skip
     rollout = Rollout(engines, generation, *load_data(cfg.data, cfg.rollout.rollout_batch_size, cfg.seed))
     try:

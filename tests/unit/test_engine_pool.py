@@ -15,7 +15,7 @@ from rlhpc.errors import RlhpcError, WeightPushFailed
 from rlhpc.rollout import engine_pool
 from rlhpc.rollout.client import EngineUnavailable
 from rlhpc.rollout.engine_pool import EnginePool, EnginesDown, NodeLost
-from rlhpc.rollout.generation import Request
+from rlhpc.rollout.generation import MAX_SAMPLES_PER_REQUEST, Request, rows_per_request
 
 
 class FakeClient:
@@ -258,3 +258,15 @@ def test_an_engine_marked_down_is_restarted_before_the_next_generation():
     assert pool.down == {1} and pool.restarted == []
     pool.generate(requests(2))  # the main thread: restarted first
     assert pool.restarted == [1] and pool.down == set()
+
+
+def test_a_batch_is_spread_over_the_configured_engines_in_bounded_requests():
+    """One request per engine where it fits (the CPU engine runs a request as one batch), at
+    most MAX_SAMPLES_PER_REQUEST samples each, whole rows, and never fewer than one row."""
+    cap_rows = MAX_SAMPLES_PER_REQUEST // 8
+    assert rows_per_request(32, 8, 1) == 32  # the embedded rollout: one request of 256 samples
+    assert rows_per_request(32, 8, 4) == 8  # one request per engine
+    assert rows_per_request(30, 8, 4) == 8  # the last engine gets the remainder
+    assert rows_per_request(1000, 8, 2) == cap_rows  # bounded: several requests per engine
+    assert rows_per_request(3, 1000, 1) == 1  # a row has more samples than the cap: one row
+    assert rows_per_request(2, 8, 16) == 1  # more engines than rows

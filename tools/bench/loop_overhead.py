@@ -121,7 +121,9 @@ def main() -> int:
         "checkpoint.save_interval=null",
         "logging.wandb_mode=disabled",
         "logging.dump_rollouts=false",
-        "actor.num_steps_per_rollout=1",  # the plain loop takes one optimizer step per rollout
+        # the plain loop takes one optimizer step per rollout, over the whole batch in one forward
+        "actor.num_steps_per_rollout=1",
+        "actor.micro_batch_size=256",
     ]
     cfg = load_config(CONFIG, overrides)
     with tempfile.TemporaryDirectory() as tmp:
