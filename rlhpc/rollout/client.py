@@ -12,8 +12,7 @@ import socket
 import time
 from typing import Any
 
-import requests
-from requests.adapters import HTTPAdapter
+import urllib3
 from urllib3.connection import HTTPConnection
 
 from rlhpc.errors import RlhpcError
@@ -52,19 +51,17 @@ def _socket_options() -> list[tuple[int, int, int]]:
     return options
 
 
-class _KeepAliveAdapter(HTTPAdapter):
-    def init_poolmanager(self, *args: Any, **kwargs: Any) -> None:
-        kwargs["socket_options"] = _socket_options()
-        super().init_poolmanager(*args, **kwargs)
+# Connections kept per engine: the pool's request threads and a push's calls share them.
+POOL_SIZE = 16
 
 
-def engine_session() -> requests.Session:
-    """A session whose connections notice a silent peer (see above)."""
-    session = requests.Session()
-    adapter = _KeepAliveAdapter()
-    session.mount("http://", adapter)
-    session.mount("https://", adapter)
-    return session
+def engine_connections(api_key: str | None) -> urllib3.PoolManager:
+    """Connections that notice a silent peer (see above), carrying the engine key. urllib3 itself,
+    not requests on top of it: a loopback round trip costs ~0.5 ms against ~1.3 ms (measured),
+    and a weight push is several round trips. No retries: a failed request is the pool's to handle."""
+    return urllib3.PoolManager(
+        maxsize=POOL_SIZE, socket_options=_socket_options(), headers=auth_headers(api_key), retries=False
+    )
 
 
 # ------------------------------------------------------------------ client
@@ -77,8 +74,7 @@ class EngineClient:
         """``api_key``: the job's engine key (``rlhpc.rollout.engine_key``), sent on every request."""
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
-        self._session = engine_session()
-        self._session.headers.update(auth_headers(api_key))
+        self._http = engine_connections(api_key)
 
     def __repr__(self) -> str:
         return f"EngineClient({self.base_url!r})"
@@ -87,38 +83,40 @@ class EngineClient:
 
     def _request(
         self, method: str, route: str, body: Any = None, timeout_s: float | None = None, send_body: bool = True
-    ) -> requests.Response:
+    ) -> urllib3.BaseHTTPResponse:
         url = f"{self.base_url}{route}"
         try:
-            kwargs: dict[str, Any] = {"timeout": (CONNECT_TIMEOUT_S, timeout_s or self.timeout_s)}
-            if send_body and body is not None:
-                kwargs["json"] = body
-            resp = self._session.request(method, url, **kwargs)
-        except requests.RequestException as e:
+            resp = self._http.request(
+                method,
+                url,
+                json=body if send_body else None,
+                timeout=urllib3.Timeout(connect=CONNECT_TIMEOUT_S, read=timeout_s or self.timeout_s),
+            )
+        except urllib3.exceptions.HTTPError as e:
             raise EngineUnavailable(
                 f"engine {self.base_url} unreachable on {route}: {type(e).__name__}: {e}",
                 "check that the engine server is running (its log names the reason it stopped)",
             ) from e
-        if resp.status_code >= 500:  # SGLang answers 5xx when its scheduler died or is shutting down
+        if resp.status >= 500:  # SGLang answers 5xx when its scheduler died or is shutting down
             raise EngineUnavailable(
-                f"engine {self.base_url}{route} answered HTTP {resp.status_code}: {_error_text(resp)}",
+                f"engine {self.base_url}{route} answered HTTP {resp.status}: {_error_text(resp)}",
                 "see the engine log: the server may have crashed",
             )
-        if resp.status_code != 200:
+        if resp.status != 200:
             raise RlhpcError(
-                f"engine {self.base_url}{route} answered HTTP {resp.status_code}: {_error_text(resp)}",
+                f"engine {self.base_url}{route} answered HTTP {resp.status}: {_error_text(resp)}",
                 "see the message above and the engine log",
             )
         return resp
 
     def _json(self, method: str, route: str, body: Any = None, timeout_s: float | None = None) -> Any:
         resp = self._request(method, route, body, timeout_s)
-        if not resp.content:
+        if not resp.data:
             return None
         try:
             return resp.json()
         except ValueError:
-            return resp.text
+            return resp.data.decode(errors="replace")
 
     def _checked(self, route: str, body: dict[str, Any], timeout_s: float | None = None) -> dict[str, Any]:
         """POST to a route answering {"success", "message"}; raise on success=false."""
@@ -131,16 +129,17 @@ class EngineClient:
 
     def health(self, timeout_s: float = 5.0) -> bool:
         """True when /health answers 200 (False, not an error, when unreachable)."""
+        return self._status(Route.HEALTH, timeout_s) == 200
+
+    def _status(self, route: str, timeout_s: float) -> int | None:
+        """GET ``route``'s HTTP status, None when unreachable."""
         try:
-            return self._session.get(f"{self.base_url}{Route.HEALTH}", timeout=timeout_s).status_code == 200
-        except requests.RequestException:
-            return False
+            return self._http.request("GET", f"{self.base_url}{route}", timeout=timeout_s).status
+        except urllib3.exceptions.HTTPError:
+            return None
 
     def health_generate(self, timeout_s: float = 60.0) -> bool:
-        try:
-            return self._session.get(f"{self.base_url}{Route.HEALTH_GENERATE}", timeout=timeout_s).status_code == 200
-        except requests.RequestException:
-            return False
+        return self._status(Route.HEALTH_GENERATE, timeout_s) == 200
 
     def wait_healthy(self, deadline_s: float, poll_s: float = 0.2) -> None:
         """Block until /health answers 200, for at most ``deadline_s`` seconds from now."""
@@ -251,15 +250,15 @@ class EngineClient:
         self._json("POST", Route.RESUME_MEMORY_OCCUPATION, P.body(req))
 
     def close(self) -> None:
-        self._session.close()
+        self._http.clear()
 
 
-def _error_text(resp: requests.Response) -> str:
+def _error_text(resp: urllib3.BaseHTTPResponse) -> str:
     """SGLang's error bodies: {"error": {"message"}}, {"message"}, {"detail"} or plain text."""
     try:
         body = resp.json()
     except ValueError:
-        return resp.text.strip()[:2000]
+        return resp.data.decode(errors="replace").strip()[:2000]
     if isinstance(body, dict):
         err = body.get("error")
         if isinstance(err, dict) and "message" in err:

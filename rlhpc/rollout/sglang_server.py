@@ -21,6 +21,7 @@ command line, visible to the node's users in ``ps``, is the one place the key ap
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import os
@@ -34,11 +35,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import requests
 import yaml
 
 from rlhpc.errors import RlhpcError
-from rlhpc.rollout.engine_key import auth_headers
+from rlhpc.rollout.client import EngineClient
 from rlhpc.util.net import http_url
 from rlhpc.util.processes import stop_group
 from rlhpc.util.secrets import write_secret
@@ -193,24 +193,20 @@ def wait_healthy(
 ) -> None:
     """Block until ``url``/health answers 200 while ``proc`` runs; raise ServerExited if it ends."""
     deadline = time.monotonic() + timeout_s
-    session = requests.Session()
-    session.headers.update(auth_headers(api_key))
-    while True:
-        code = proc.poll()
-        if code is not None:
-            raise ServerExited(name, code, log_path, _read_from(log_path, offset))
-        try:
-            if session.get(f"{url}/health", timeout=2).status_code == 200 and proc.poll() is None:
+    with contextlib.closing(EngineClient(url, api_key=api_key)) as client:
+        while True:
+            code = proc.poll()
+            if code is not None:
+                raise ServerExited(name, code, log_path, _read_from(log_path, offset))
+            if client.health(timeout_s=2) and proc.poll() is None:
                 return
-        except requests.RequestException:
-            pass
-        if time.monotonic() > deadline:
-            raise RlhpcError(
-                f"{name} not healthy at {url} after {timeout_s:.0f}s (log {log_path}):\n"
-                f"{_last_lines(_read_from(log_path, offset), 30)}",
-                "raise rollout.engine_startup_timeout_s for large models, or read the log",
-            )
-        time.sleep(0.5)
+            if time.monotonic() > deadline:
+                raise RlhpcError(
+                    f"{name} not healthy at {url} after {timeout_s:.0f}s (log {log_path}):\n"
+                    f"{_last_lines(_read_from(log_path, offset), 30)}",
+                    "raise rollout.engine_startup_timeout_s for large models, or read the log",
+                )
+            time.sleep(0.5)
 
 
 def start_on_free_port(

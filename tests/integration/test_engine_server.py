@@ -165,8 +165,10 @@ def test_weight_updates_need_a_session_as_in_sglang(client: EngineClient) -> Non
     without a begin: HTTP 400 with success=false and its message (protocol.py holds the texts)."""
 
     def post(route: str, body: dict) -> tuple[int, dict]:
-        resp = client._session.post(f"{client.base_url}{route}", json=body, timeout=60)  # carries the engine key
-        return resp.status_code, resp.json()
+        resp = client._http.request(
+            "POST", f"{client.base_url}{route}", json=body, timeout=60
+        )  # carries the engine key
+        return resp.status, resp.json()
 
     tensor = P.UpdateWeightsFromTensorReqInput(serialized_named_tensors=["x"])
     distributed = P.UpdateWeightsFromDistributedReqInput(names=[], dtypes=[], shapes=[])

@@ -18,7 +18,7 @@ def test_every_connection_probes_its_peer_and_bounds_unacknowledged_sends() -> N
     threading.Thread(target=lambda: accepted.append(server.accept()[0]), daemon=True).start()
     c = EngineClient(f"http://127.0.0.1:{port}")
     url = f"{c.base_url}/health"
-    conn = c._session.get_adapter(url).poolmanager.connection_from_url(url)._new_conn()  # as a request makes it
+    conn = c._http.connection_from_url(url)._new_conn()  # as a request makes it
     conn.connect()
     try:
         sock = conn.sock
