@@ -12,7 +12,7 @@ Two channels, chosen by placement:
   shared-memory handles inside ``/update_weights_from_tensor`` (see ``rlhpc.rollout.tensor_transport``):
   from a staging buffer kept between pushes, or, for weights already in shared memory, as they are.
 
-Both pause generation first (a colocated push of one bucket sends it with ``abort_all_requests`` instead),
+Both pause generation first (a push of one bucket sends it with ``abort_all_requests`` instead),
 open a weight-update session on every engine (``/begin_weight_update``: SGLang refuses updates
 outside one), tag the last bucket with ``flush_cache`` and the new ``weight_version``, close the
 session (``/end_weight_update``), check that every engine set that version (its answer to the last
@@ -122,7 +122,6 @@ class _Packed:
 
 
 class _SenderBase:
-    _fold_pause = True  # see send()
     # How generation is paused for a push: SGLang's default "abort" ends the requests in flight;
     # "retract" (rollout.partial_rollout) keeps them, to go on with the new weights after it
     # (not "in_place": SGLang will not flush the cache, as the last bucket asks, under running requests).
@@ -177,13 +176,14 @@ class _SenderBase:
         No sample mixes old and new weights: generation is paused first (SGLang's default pause
         mode aborts in-flight requests) and continued only on success. With ``pause_mode``
         "retract" (partial rollouts) the requests in flight are kept and go on with the new
-        weights; the engines tag each token with the version that made it. Where a channel allows
-        (``_fold_pause``), a push of one bucket instead sends it with ``abort_all_requests``,
-        which aborts in-flight requests and holds new ones until that one update is done
-        (SGLang's model-update lock, the CPU engine's model lock): the same guarantee, two round
-        trips fewer. SGLang refuses weight updates outside a weight-update session, so each push
-        opens one per engine before its first bucket and closes it after the last (one session
-        per push, not per bucket). After a failure the engines hold partly updated weights and
+        weights; the engines tag each token with the version that made it. A push of one bucket
+        instead sends it with ``abort_all_requests``, which aborts in-flight requests and holds
+        new ones until that one update is done (SGLang's model-update lock, the CPU engine's
+        model lock): the same guarantee, two round trips fewer. SGLang refuses weight updates
+        outside a weight-update session, so each push opens one per engine before its first
+        bucket (every engine answering it is also the check that all are alive before any
+        joins a broadcast) and closes it after the last (one session per push, not per
+        bucket). After a failure the engines hold partly updated weights and
         are left paused, to be restarted; their sessions are closed where they can be. A
         channel's first push always pauses and continues, which releases the engines a failed
         push on the previous channel left paused.
@@ -195,7 +195,7 @@ class _SenderBase:
         if first is None:
             raise RlhpcError("weight sync got no tensors to send", "pass the model's named parameters")
         # abort_all_requests aborts; a channel's first push pauses and continues (releases engines a failed push left paused)
-        single = first[1] and self._fold_pause and self.pause_mode == "abort" and self._pushed
+        single = first[1] and self.pause_mode == "abort" and self._pushed
         self._last_answers = []
         closed = False
         try:
@@ -270,13 +270,11 @@ class _SenderBase:
 
 
 class DistributedWeightSender(_SenderBase):
-    """Disaggregated engines: one broadcast group, trainer rank 0, one rank per engine GPU."""
+    """Disaggregated engines: one broadcast group, trainer rank 0, one rank per engine GPU.
 
-    # Always pause first: the pause is also the check that every engine is alive before any of
-    # them enters a broadcast. Announced straight away, the live engines would join a broadcast
-    # a dead one can never complete and sit in it until the group timeout, deaf to the
-    # reconnect that follows the dead engine's restart.
-    _fold_pause = False
+    No bucket is announced before every engine has answered the session's begin: announced to
+    a dead engine's peers, the live ones would join a broadcast it can never complete and sit
+    in it until the group timeout, deaf to the reconnect that follows its restart."""
 
     def __init__(
         self,
