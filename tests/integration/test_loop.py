@@ -6,7 +6,7 @@ import subprocess
 
 import h5py
 import pytest
-from support.jobs import REPO, job_args, kill_when, rollouts, submit
+from support.jobs import REPO, job_args, kill_when, rollouts, said, submit
 
 from rlhpc.checkpoint import CheckpointManager
 from rlhpc.metrics import read_metrics
@@ -29,7 +29,7 @@ def test_embedded_loop_end_to_end(tmp_path):
     assert (run / "FINISHED").is_file()
     # A finished run is never overwritten silently.
     again = submit(run, "rollout.num_rollout=5", "checkpoint.save_interval=2", "eval.interval=2")
-    assert again.returncode == 2 and "holds a finished run" in again.stderr + again.stdout
+    assert again.returncode == 2 and "holds a finished run" in said(again)
 
 
 def test_killed_run_resumes_from_last_checkpoint(tmp_path):
@@ -65,7 +65,7 @@ def test_bad_config_submits_nothing(tmp_path):
     run = tmp_path / "run"
     p = submit(run, "cluster.actor_num_gpus=3")
     assert p.returncode == 2
-    assert "needs 4 GPUs" in p.stderr + p.stdout and "fix:" in p.stderr + p.stdout
+    assert "needs 4 GPUs" in said(p) and "fix:" in said(p)
     assert not run.exists()  # nothing half-written
 
 
@@ -73,7 +73,7 @@ def test_unwritable_run_dir(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
     p = submit(blocker / "run", "rollout.num_rollout=1")
-    assert p.returncode == 2 and "not writable" in p.stderr + p.stdout
+    assert p.returncode == 2 and "not writable" in said(p)
 
 
 def test_changed_config_is_refused_on_resume(tmp_path):
@@ -81,4 +81,4 @@ def test_changed_config_is_refused_on_resume(tmp_path):
     assert submit(run, "rollout.num_rollout=1").returncode == 0
     (run / "FINISHED").unlink()  # pretend it was interrupted
     p = submit(run, "rollout.num_rollout=1", "actor.lr=0.5")
-    assert p.returncode == 2 and "actor.lr" in p.stderr + p.stdout and "--force" in p.stderr + p.stdout
+    assert p.returncode == 2 and "actor.lr" in said(p) and "--force" in said(p)

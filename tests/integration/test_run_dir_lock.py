@@ -6,7 +6,7 @@ import signal
 import subprocess
 import time
 
-from support.jobs import REPO, job_args, rollouts, submit
+from support.jobs import REPO, job_args, rollouts, said, submit
 
 from rlhpc.launch.run_owner import read
 
@@ -44,5 +44,5 @@ def test_second_submission_is_refused_while_the_first_job_lives(tmp_path):
         first.wait()
     p = submit(run, "rollout.num_rollout=2")
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    assert "which is gone" in p.stdout + p.stderr
+    assert "which is gone" in said(p)
     assert not (run / "owner.json").exists()  # released when the run finished

@@ -3,7 +3,7 @@
 import subprocess
 
 import yaml
-from support.jobs import REPO, job_args, rollouts
+from support.jobs import REPO, job_args, rollouts, said
 
 
 def test_a_local_sweep_runs_its_tasks_in_turn_then_its_follow_ups(tmp_path):
@@ -19,4 +19,4 @@ def test_a_local_sweep_runs_its_tasks_in_turn_then_its_follow_ups(tmp_path):
     # one after another: task 1 started after task 0 had finished
     assert (tasks[0] / "FINISHED").stat().st_mtime <= (tasks[1] / "restarts.jsonl").stat().st_mtime
     again = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert again.returncode == 0 and "are finished: not submitted again" in again.stdout + again.stderr
+    assert again.returncode == 0 and "are finished: not submitted again" in said(again)

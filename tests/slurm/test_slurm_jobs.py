@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-from support.jobs import submit_slurm
+from support.jobs import said, submit_slurm
 
 from rlhpc.launch import slurm
 from rlhpc.launch.ray_cluster import RayPorts, block_index
@@ -197,7 +197,7 @@ def test_a_run_dir_with_a_live_job_is_refused_and_following_a_held_job_returns(m
     new_id = (run / "slurm_job_id").read_text().strip()
     subprocess.run(["scancel", new_id])
     assert third.returncode == 0 and new_id != job_id, third.stderr[-2000:]
-    assert "which is gone" in third.stdout + third.stderr
+    assert "which is gone" in said(third)
 
 
 def test_job_state_tells_a_forgotten_job_from_a_controller_that_does_not_answer(minicluster, tmp_path, monkeypatch):

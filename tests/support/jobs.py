@@ -69,6 +69,12 @@ def submit_slurm(
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
 
 
+def said(p: subprocess.CompletedProcess) -> str:
+    """A command's stdout and stderr with every run of whitespace as one space: a log line off
+    a terminal is wrapped at 120 columns, and where it wraps depends on the paths in it."""
+    return " ".join(((p.stdout or "") + (p.stderr or "")).split())
+
+
 def rollouts(run_dir: Path) -> list[int]:
     return [r["rollout_id"] for r in read_metrics(run_dir) if r["kind"] == "rollout"]
 
