@@ -12,6 +12,7 @@ HTTP, a training rank over torch.distributed, bucketed weight sync every rollout
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import statistics
@@ -121,11 +122,12 @@ def main() -> int:
         "checkpoint.save_interval=null",
         "logging.wandb_mode=disabled",
         "logging.dump_rollouts=false",
-        # the plain loop takes one optimizer step per rollout, over the whole batch in one forward
-        "actor.num_steps_per_rollout=1",
-        "actor.micro_batch_size=256",
+        "actor.num_steps_per_rollout=1",  # the plain loop takes one optimizer step per rollout
     ]
     cfg = load_config(CONFIG, overrides)
+    # ... over the whole rollout in one forward
+    samples = cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt
+    cfg.actor = dataclasses.replace(cfg.actor, micro_batch_size=samples)
     with tempfile.TemporaryDirectory() as tmp:
         run = RunDir(Path(tmp) / "run")
         run.prepare(cfg)
