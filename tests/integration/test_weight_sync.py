@@ -324,6 +324,14 @@ class _StubEngine:
         note = P.weight_version_note(req.weight_version) if self.note and req.weight_version else ""
         return {"success": True, "message": f"ok.{note}"}
 
+    def update_weights_from_distributed(self, req: P.UpdateWeightsFromDistributedReqInput) -> dict:
+        if not self.session:
+            raise RlhpcError(P.outside_session_message(P.Route.UPDATE_WEIGHTS_FROM_DISTRIBUTED), "")
+        self.calls.append("announce, abort all" if req.abort_all_requests else "announce")
+        self.version = req.weight_version or self.version
+        note = P.weight_version_note(req.weight_version) if self.note and req.weight_version else ""
+        return {"success": True, "message": f"ok.{note}"}
+
     def get_weight_version(self) -> str:
         self.asked += 1
         return self.reports or self.version
@@ -363,6 +371,34 @@ def test_a_push_of_one_bucket_aborts_in_flight_requests_instead_of_pausing() -> 
     with pytest.raises(RlhpcError, match="wrong weight version"):
         sender.send([("w", torch.ones(4))], version=6)
     assert engine.calls[-4:] == ["begin", "update, abort all", "end", "pause"]  # a failed push leaves it paused
+    sender.close()
+
+
+class _CountedBroadcasts(DistributedWeightSender):
+    """The disaggregated sender with its broadcast counted instead of sent: the HTTP calls around
+    it are what this checks (the broadcast itself is checked bit for bit above)."""
+
+    def __init__(self, engine: _StubEngine):
+        super().__init__([engine], [1], "127.0.0.1", "gloo", bucket_bytes=1 << 20)
+        self._group = object()  # connected, as far as the sender's checks go
+
+    def _broadcast(self, flat: torch.Tensor) -> None:
+        self.clients[0].calls.append("broadcast")
+
+
+def test_a_disaggregated_push_of_one_bucket_is_three_round_trips() -> None:
+    """begin, announce (+ its broadcast) with abort_all_requests, end: no pause nor continue, and
+    the version is read from the announce's answer, not asked."""
+    engine = _StubEngine(note=True)
+    sender = _CountedBroadcasts(engine)
+    sender.send([("w", torch.ones(4)), ("b", torch.ones(4))], version=1)
+    assert engine.calls == ["pause", "begin", "announce", "broadcast", "end", "continue"]  # the channel's first
+    engine.calls.clear()
+    sender.send([("w", torch.ones(4)), ("b", torch.ones(4))], version=2)
+    assert sorted(engine.calls[1:3]) == ["announce, abort all", "broadcast"]  # the two run side by side
+    assert [engine.calls[0], engine.calls[3]] == ["begin", "end"] and len(engine.calls) == 4
+    assert engine.asked == 0 and engine.version == "2"
+    sender._group = None  # nothing to destroy
     sender.close()
 
 
