@@ -97,19 +97,42 @@ def _write_all(fd: int, view: memoryview) -> None:
         view = view[os.write(fd, view[:WRITE_CHUNK]) :]
 
 
+def _read_header(f) -> dict:
+    (n,) = struct.unpack("<Q", f.read(8))
+    return json.loads(f.read(n))
+
+
+def _read_exactly(f, path: Path, into: torch.Tensor) -> None:
+    """Fill the contiguous CPU tensor ``into`` from the file's current position."""
+    view = memoryview(into.view(-1).view(torch.uint8).numpy())
+    while view:
+        got = f.readinto(view)
+        if not got:
+            raise OSError(f"{path} is shorter than its header says")
+        view = view[got:]
+
+
+def safetensors_header(path: Path) -> tuple[dict[str, dict], dict[str, str]]:
+    """A safetensors file's tensor entries (name -> dtype, shape, data_offsets) and metadata,
+    read from its header only."""
+    with open(path, "rb") as f:
+        header = _read_header(f)
+    return header, header.pop("__metadata__", None) or {}
+
+
+def fits(entries: dict[str, dict], tensors: dict[str, torch.Tensor]) -> bool:
+    """The file's tensors have exactly these names, dtypes and shapes."""
+    return entries.keys() == tensors.keys() and all(
+        BY_NAME[e["dtype"]] == tensors[n].dtype and e["shape"] == list(tensors[n].shape) for n, e in entries.items()
+    )
+
+
 def read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """A safetensors file's tensors (views of one buffer, read in one pass) and its metadata."""
     with open(path, "rb", buffering=0) as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-        size = os.fstat(f.fileno()).st_size - 8 - n
-        buffer = torch.empty(size, dtype=torch.uint8)
-        view = memoryview(buffer.numpy())
-        while view:
-            got = f.readinto(view)
-            if not got:
-                raise OSError(f"{path} is shorter than its header says")
-            view = view[got:]
+        header = _read_header(f)
+        buffer = torch.empty(os.fstat(f.fileno()).st_size - f.tell(), dtype=torch.uint8)
+        _read_exactly(f, path, buffer)
     metadata = header.pop("__metadata__", None) or {}
     tensors = {}
     for name, info in header.items():
@@ -120,6 +143,30 @@ def read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str
             raw = raw.clone()
         tensors[name] = raw.view(dtype).view(info["shape"])
     return tensors, metadata
+
+
+def read_safetensors_into(path: Path, targets: dict[str, torch.Tensor]) -> None:
+    """Read each tensor of a safetensors file into ``targets[name]``, in file order, straight into
+    the target's memory where it is a contiguous CPU tensor of the file's dtype: no read buffer
+    to allocate (and fault in) and no copy. Elsewhere (CUDA, another dtype) through a buffer
+    and ``copy_``. Every name in the file must be in ``targets``, with the file's shape."""
+    with open(path, "rb", buffering=0) as f:
+        header = _read_header(f)
+        header.pop("__metadata__", None)
+        data_start = f.tell()
+        for name, info in sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]):
+            target, dtype = targets[name], BY_NAME[info["dtype"]]
+            if list(target.shape) != info["shape"]:
+                raise ValueError(f"{path}: {name} has shape {info['shape']}, the model's is {list(target.shape)}")
+            start, end = info["data_offsets"]
+            f.seek(data_start + start)
+            target = target.detach()
+            if target.device.type == "cpu" and target.dtype == dtype and target.is_contiguous():
+                _read_exactly(f, path, target)
+            else:
+                staged = torch.empty(end - start, dtype=torch.uint8)
+                _read_exactly(f, path, staged)
+                target.copy_(staged.view(dtype).view(info["shape"]))
 
 
 def fsync_files(paths: list[Path]) -> None:

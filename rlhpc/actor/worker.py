@@ -21,7 +21,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from rlhpc.actor.checkpoint_dir import ACTOR_SUBDIR, RNG_PREFIX, read_meta, rng_file, write_meta
 from rlhpc.actor.rank import MicroBatch, RankBase
 from rlhpc.actor.rng import get_rng_state
-from rlhpc.actor.snapshot import FlatTensors, fsync_files, read_safetensors
+from rlhpc.actor.snapshot import (
+    FlatTensors,
+    fits,
+    fsync_files,
+    read_safetensors,
+    read_safetensors_into,
+    safetensors_header,
+)
 from rlhpc.actor.spec import ActorSpec
 from rlhpc.errors import RlhpcError
 from rlhpc.model import load_model
@@ -45,11 +52,19 @@ def flatten_optimizer(sd: dict) -> tuple[dict[str, torch.Tensor], dict]:
     return tensors, {"state": values, "param_groups": sd["param_groups"]}
 
 
-def read_optimizer(actor_dir: Path) -> dict:
-    """The optimizer state dict of an actor checkpoint (tensors on the CPU)."""
-    if not (actor_dir / OPTIM_FILE).is_file():
+def read_optimizer(actor_dir: Path, current: dict | None = None) -> dict:
+    """The optimizer state dict of an actor checkpoint (tensors on the CPU). ``current``: the
+    optimizer's own state dict; where its tensors have the file's names, dtypes and shapes (a
+    rank that has trained), the file is read into them in place: no new memory to fault in."""
+    path = actor_dir / OPTIM_FILE
+    if not path.is_file():
         return torch.load(actor_dir / OLD_OPTIM_FILE, map_location="cpu", weights_only=True)
-    tensors, metadata = read_safetensors(actor_dir / OPTIM_FILE)
+    entries, metadata = safetensors_header(path)
+    tensors = flatten_optimizer(current)[0] if current else {}
+    if tensors and fits(entries, tensors):
+        read_safetensors_into(path, tensors)
+    else:
+        tensors, metadata = read_safetensors(path)
     rest = json.loads(metadata["optimizer"])
     state: dict[int, dict] = {int(idx): dict(values) for idx, values in rest["state"].items()}
     for name, t in tensors.items():
@@ -105,9 +120,9 @@ class TrainWorker(RankBase):
     def load(self, ckpt_dir: str | None) -> None:
         """Restore weights, optimizer and this rank's RNG from ``ckpt_dir/actor/`` (None: fresh).
 
-        Each file is read once, in one pass, and its tensors copied into the model (no second
-        model is built). The reference model stays the initial model: KL is measured to where
-        training started.
+        Each file is read once, in one pass; the weights straight into the parameters of the
+        model built at start (no second model, no copy). The reference model stays the initial
+        model: KL is measured to where training started.
         """
         if ckpt_dir is None:
             return
@@ -115,13 +130,13 @@ class TrainWorker(RankBase):
         if not (d / "config.json").is_file() or not any((d / f).is_file() for f in (OPTIM_FILE, OLD_OPTIM_FILE)):
             raise FileNotFoundError(f"checkpoint {d} has no config.json or optimizer state: not an actor checkpoint")
         self._load_weights(d)
-        self.optimizer.load_state_dict(read_optimizer(d))
+        self.optimizer.load_state_dict(read_optimizer(d, self.optimizer.state_dict()))
         self.optimizer_steps = int(read_meta(d).get("optimizer_steps", 0))
         self._restore_rng(d)  # on more ranks than saved, the extra ranks keep their fresh seed
         log.info("rank %d: restored actor state from %s", self.rank, d)
 
     def _load_weights(self, d: Path) -> None:
-        """Copy the HF safetensors file(s) of ``d`` into the parameters."""
+        """Read the HF safetensors file(s) of ``d`` into the parameters."""
         files = sorted(d.glob("*.safetensors"))
         if not (d / MODEL_FILE).is_file():  # written by another tool: sharded, or pytorch_model.bin
             saved = load_model(d, "cpu")
@@ -129,20 +144,23 @@ class TrainWorker(RankBase):
                 self.module.load_state_dict(saved.state_dict())
             return
         targets = self.module.state_dict()
-        tensors, _ = read_safetensors(d / MODEL_FILE)
-        unknown = [n for n in tensors if n not in targets]
+        saved, _ = safetensors_header(d / MODEL_FILE)
+        unknown = [n for n in saved if n not in targets]
         # Tied weights (an output layer sharing the embeddings) are saved once.
-        stored = {targets[n].data_ptr() for n in tensors if n in targets}
-        missing = [n for n in targets if n not in tensors and targets[n].data_ptr() not in stored]
+        stored = {targets[n].data_ptr() for n in saved if n in targets}
+        missing = [n for n in targets if n not in saved and targets[n].data_ptr() not in stored]
         if unknown or missing:
             raise RlhpcError(
                 f"checkpoint {d} does not fit the model: {len(unknown)} unknown tensors "
                 f"({', '.join(unknown[:3])}), {len(missing)} missing ({', '.join(missing[:3])}); files {files}",
                 "resume with the model the run was started with",
             )
-        with torch.no_grad():
-            for name, t in tensors.items():
-                targets[name].copy_(t)
+        try:
+            read_safetensors_into(d / MODEL_FILE, targets)  # straight into the parameters
+        except ValueError as e:
+            raise RlhpcError(
+                f"checkpoint {d} does not fit the model: {e}", "resume with the model the run was started with"
+            ) from e
 
     def snapshot(self, ckpt_dir: str) -> None:
         """Host copies of the weights, optimizer state (rank 0) and this rank's RNG."""

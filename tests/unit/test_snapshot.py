@@ -2,11 +2,12 @@
 
 import json
 
+import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from rlhpc.actor.snapshot import FlatTensors, read_safetensors
+from rlhpc.actor.snapshot import FlatTensors, read_safetensors, read_safetensors_into, safetensors_header
 from rlhpc.actor.worker import flatten_optimizer, read_optimizer
 from rlhpc.checkpoint import file_crc32
 
@@ -68,3 +69,33 @@ def test_optimizer_state_round_trip(tmp_path):
     fresh = torch.optim.AdamW(torch.nn.Linear(3, 2).parameters(), lr=0.1, betas=(0.8, 0.9))
     fresh.load_state_dict(got)
     assert fresh.param_groups[0]["lr"] == 0.1 and list(fresh.param_groups[0]["betas"]) == [0.8, 0.9]
+
+    # a rank that has trained reads the file into its own state tensors
+    own = opt.state_dict()
+    pointers = {(i, k): v.data_ptr() for i, state in own["state"].items() for k, v in state.items()}
+    opt.step()  # the state moves on; the load brings it back
+    again = read_optimizer(tmp_path / "actor", opt.state_dict())
+    for i, k in pointers:
+        assert torch.equal(again["state"][i][k], got["state"][i][k]), (i, k)
+        assert again["state"][i][k].data_ptr() == pointers[i, k], (i, k)
+
+
+def test_read_into_fills_the_targets_in_place(tmp_path):
+    want = mixed(2)
+    flat = FlatTensors(pin=False)
+    flat.fill(want, {"format": "pt"})
+    flat.write(tmp_path / "x.safetensors")
+    entries, metadata = safetensors_header(tmp_path / "x.safetensors")
+    assert sorted(entries) == sorted(want) and metadata == {"format": "pt"}
+    targets = {name: torch.full_like(t, 3) for name, t in want.items()}
+    targets["w.f32"] = torch.full((4, 6), 3.0)[:, ::2]  # not contiguous: read through a buffer
+    targets["ids.i64"] = torch.zeros(5, dtype=torch.int32)  # another dtype: converted by copy_
+    pointers = {name: t.data_ptr() for name, t in targets.items()}
+    read_safetensors_into(tmp_path / "x.safetensors", targets)
+    for name, t in want.items():
+        assert torch.equal(targets[name], t.to(targets[name].dtype)), name
+        assert targets[name].data_ptr() == pointers[name]  # the model's own tensors, not new ones
+
+    targets["w.bf16"] = torch.zeros(3, 5, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"w.bf16 has shape \[5, 3\], the model's is \[3, 5\]"):
+        read_safetensors_into(tmp_path / "x.safetensors", targets)
