@@ -7,6 +7,11 @@ reference); the framework side is the real driver: Ray placement, an engine serv
 HTTP, a training rank over torch.distributed, bucketed weight sync every rollout.
 
     python tools/bench/loop_overhead.py --rollouts 30
+
+The plain loop runs before and after the rlhpc one and its figures are the mean of the two.
+The last line is one JSON object: ``plain_over_rlhpc`` (plain seconds per rollout / rlhpc's),
+the same per part (``generate_ratio``: sampling and scoring; ``train_ratio``: the optimizer
+step, for rlhpc with its batch's trip to the rank), and ``plain_drift`` (after / before).
 """
 
 from __future__ import annotations
@@ -36,7 +41,9 @@ from rlhpc.tasks import TASKS, load_split
 CONFIG = Path(__file__).resolve().parents[2] / "jobs" / "configs" / "embedded.yaml"
 
 
-def plain_loop(cfg: Config, model_path: str, rollouts: int) -> list[float]:
+def plain_loop(cfg: Config, model_path: str, rollouts: int) -> list[dict[str, float]]:
+    """Per rollout: seconds of the whole step (``step``), of sampling and scoring (``generate``)
+    and of the optimizer step (``train``)."""
     torch.set_num_threads(1)
     tok = load_tokenizer(model_path)
     model = load_model(model_path)
@@ -77,6 +84,7 @@ def plain_loop(cfg: Config, model_path: str, rollouts: int) -> list[float]:
                 for i, o in enumerate(outs)
             ]
         )
+        t1 = time.perf_counter()
         adv = ADVANTAGE_ESTIMATORS[cfg.algo.advantage_estimator](rewards, n, cfg.algo.normalize_std)
         width = max(len(p) + len(o.output_ids) for p, o in zip(prompts, outs))
         ids = torch.full((len(prompts), width), tok.pad_token_id)
@@ -94,7 +102,8 @@ def plain_loop(cfg: Config, model_path: str, rollouts: int) -> list[float]:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.actor.grad_clip)
         opt.step()
-        times.append(time.perf_counter() - t0)
+        t2 = time.perf_counter()
+        times.append({"step": t2 - t0, "generate": t1 - t0, "train": t2 - t1})
     return times
 
 
@@ -131,21 +140,38 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         run = RunDir(Path(tmp) / "run")
         run.prepare(cfg)
+        # plain, rlhpc, plain: the plain figures are the mean of the runs on either side, so a
+        # machine that drifts over the minute the rlhpc run takes (a VM with neighbours) moves both alike
+        before = plain_loop(cfg, str(run.base_model), args.rollouts)[args.warmup :]
         records = framework_loop(cfg, run)[args.warmup :]
-        plain = plain_loop(cfg, str(run.base_model), args.rollouts)[args.warmup :]
-    f, b = statistics.median(r["time/step"] for r in records), statistics.median(plain)
-    parts = {k: statistics.median(r[f"time/{k}"] for r in records) for k in ("generate", "train", "update_weights")}
+        after = plain_loop(cfg, str(run.base_model), args.rollouts)[args.warmup :]
+    parts = ("generate", "train")
+    plain = {
+        k: (statistics.median(t[k] for t in before) + statistics.median(t[k] for t in after)) / 2
+        for k in ("step", *parts)
+    }
+    ours = {k: statistics.median(r[f"time/{k}"] for r in records) for k in ("step", *parts, "update_weights")}
+    f, b = ours["step"], plain["step"]
     print(
         f"rollout: {cfg.rollout.rollout_batch_size} prompts x {cfg.rollout.n_samples_per_prompt} samples, {args.rollouts} rollouts ({args.warmup} warm-up left out)"
     )
-    print(f"plain single process : {b * 1000:8.1f} ms/rollout (median)")
+    print(f"plain single process : {b * 1000:8.1f} ms/rollout (median; mean of the runs before and after)")
     print(f"rlhpc full loop      : {f * 1000:8.1f} ms/rollout (median)")
     print(f"overhead ratio       : {f / b:8.2f}x")
-    print("rlhpc step parts     : " + ", ".join(f"{k} {v * 1000:.1f} ms" for k, v in parts.items()))
+    print("plain step parts     : " + ", ".join(f"{k} {plain[k] * 1000:.1f} ms" for k in parts))
+    print("rlhpc step parts     : " + ", ".join(f"{k} {ours[k] * 1000:.1f} ms" for k in (*parts, "update_weights")))
+    drift = statistics.median(t["step"] for t in after) / statistics.median(t["step"] for t in before)
     # one JSON line of ratios, comparable run to run
     print(
         json.dumps(
-            {"plain_over_rlhpc": round(b / f, 4), "plain_ms": round(b * 1000, 2), "rlhpc_ms": round(f * 1000, 2)}
+            {
+                "plain_over_rlhpc": round(b / f, 4),
+                "plain_ms": round(b * 1000, 2),
+                "rlhpc_ms": round(f * 1000, 2),
+                "generate_ratio": round(plain["generate"] / ours["generate"], 4),
+                "train_ratio": round(plain["train"] / ours["train"], 4),
+                "plain_drift": round(drift, 4),
+            }
         )
     )
     return 0
