@@ -155,10 +155,14 @@ class MegatronTrainWorker(RankBase):
     def snapshot(self, ckpt_dir: str) -> None:
         """Write ``ckpt_dir/actor/``: torch_dist model + optimizer (all ranks), HF config + tokenizer, RNG.
 
-        The whole save happens here, so it blocks the loop: megatron-core's own async save
-        (``AsyncCallsQueue``) finalizes with collectives on the training process group and its
-        persistent worker selects a CUDA device, neither of which can run beside training on the
-        CPU/gloo path these ranks are tested on. ``write_snapshot`` has nothing left to do.
+        The whole save happens here, so it blocks the loop. megatron-core 0.16's async save
+        (``AsyncCallsQueue``) cannot run beside training here: its finalize and its done-check
+        run collectives on the default process group (which the training thread uses), its
+        persistent worker is a spawned process that selects a CUDA device, and its writer forks
+        one process per file bucket (as this blocking save does, twice per save). On CPU its
+        "preload" leaves the tensors as live references (a fork's copy-on-write is the
+        snapshot), so a thread writing them would race the optimizer. ``write_snapshot`` has
+        nothing left to do.
         """
         from megatron.core import dist_checkpointing
 
