@@ -64,7 +64,7 @@ def read_optimizer(actor_dir: Path, current: dict | None = None) -> dict:
     if tensors and fits(entries, tensors):
         read_safetensors_into(path, tensors)
     else:
-        tensors, metadata = read_safetensors(path)
+        tensors, _ = read_safetensors(path)
     rest = json.loads(metadata["optimizer"])
     state: dict[int, dict] = {int(idx): dict(values) for idx, values in rest["state"].items()}
     for name, t in tensors.items():
@@ -149,18 +149,20 @@ class TrainWorker(RankBase):
         # Tied weights (an output layer sharing the embeddings) are saved once.
         stored = {targets[n].data_ptr() for n in saved if n in targets}
         missing = [n for n in targets if n not in saved and targets[n].data_ptr() not in stored]
-        if unknown or missing:
+        # checked before the first byte lands in a parameter: a misfit leaves the model as it was
+        reshaped = [
+            f"{n} {e['shape']} (the model's {list(targets[n].shape)})"
+            for n, e in saved.items()
+            if n in targets and e["shape"] != list(targets[n].shape)
+        ]
+        if unknown or missing or reshaped:
             raise RlhpcError(
                 f"checkpoint {d} does not fit the model: {len(unknown)} unknown tensors "
-                f"({', '.join(unknown[:3])}), {len(missing)} missing ({', '.join(missing[:3])}); files {files}",
+                f"({', '.join(unknown[:3])}), {len(missing)} missing ({', '.join(missing[:3])}), "
+                f"{len(reshaped)} of another shape ({', '.join(reshaped[:3])}); files {files}",
                 "resume with the model the run was started with",
             )
-        try:
-            read_safetensors_into(d / MODEL_FILE, targets)  # straight into the parameters
-        except ValueError as e:
-            raise RlhpcError(
-                f"checkpoint {d} does not fit the model: {e}", "resume with the model the run was started with"
-            ) from e
+        read_safetensors_into(d / MODEL_FILE, targets)  # straight into the parameters
 
     def snapshot(self, ckpt_dir: str) -> None:
         """Host copies of the weights, optimizer state (rank 0) and this rank's RNG."""

@@ -129,6 +129,26 @@ def test_save_load_resumes_bit_exact(ray_cluster: None, model_path: str, tmp_pat
     assert all(torch.equal(w1[k], w2[k]) for k in w1)
 
 
+def test_a_checkpoint_of_another_shape_is_refused_before_any_weight_changes(
+    ray_cluster: None, model_path: str, tmp_path: Path
+) -> None:
+    from rlhpc.model import TinyModelConfig, build_tiny_model
+
+    wider = build_tiny_model(
+        tmp_path / "wider", TinyModelConfig(intermediate_size=2 * TinyModelConfig().intermediate_size)
+    )
+    cfg = make_cfg()
+    with Group(cfg, str(wider), 1) as w:
+        w.save(str(tmp_path / "ckpt"))
+    with Group(cfg, model_path, 1) as g:
+        before = g.fingerprints()
+        with pytest.raises(
+            ActorRankError, match=r"does not fit the model: .* of another shape \(model\.layers\.0\.mlp"
+        ):
+            g.load(str(tmp_path / "ckpt"))
+        assert g.fingerprints() == before  # nothing was read into the parameters
+
+
 def test_a_snapshot_is_what_gets_written_while_training_goes_on(
     ray_cluster: None, model_path: str, tmp_path: Path
 ) -> None:
