@@ -20,7 +20,11 @@ from rlhpc.metrics import read_metrics
 
 pytestmark = pytest.mark.slurm
 
-NUM_ROLLOUT = 100  # the engine-node test: enough rollouts left for the node to come back
+# The engine-node test: enough rollouts left for the node to come back. Measured here: from the
+# kill to the engine serving again takes about 60 s (Slurm marks the node DOWN after 30 s, the
+# replacement job starts, its Ray worker joins, the engine starts) while one engine serves a
+# rollout in 0.33 s; 100 rollouts left 10-30 s to spare here and none on a slower CI machine.
+NUM_ROLLOUT = 250
 SAVE_INTERVAL = 10
 REQUEUE_ROLLOUT = 40  # the actor- and head-node tests: a checkpoint, a loss, a resume
 CONFIG = [
@@ -97,7 +101,7 @@ def test_engine_node_lost_and_back(minicluster, baseline, tmp_path):
     run = tmp_path / "run"
     try:
         job = job_id_of(run, submit(run, 3, 1, "--sbatch", "nodelist=node[0-2]", follow=False))
-        wait(lambda: len(rollouts(run)) >= 10, 300, "10 rollouts", run)
+        wait(lambda: len(rollouts(run)) >= 5, 300, "5 rollouts", run)
         minicluster.kill_node("node2")  # engine 1's node, mid-generation
         wait(
             lambda: any(r.get("rollout/num_engines") == 1 for r in rollouts(run)), 180, "the engine count to drop", run
@@ -109,7 +113,9 @@ def test_engine_node_lost_and_back(minicluster, baseline, tmp_path):
         slurm.cancel(blocker)
     counts = [r["rollout/num_engines"] for r in rollouts(run)]
     dropped = counts.index(1)
-    assert counts[:dropped] == [2] * dropped and 2 in counts[dropped:], counts  # down to 1, then back to 2
+    events = "\n".join([line for line in job_log(run).splitlines() if "WARNING" in line][-40:])
+    # down to 1, then back to 2
+    assert counts[:dropped] == [2] * dropped and 2 in counts[dropped:], f"engines per rollout {counts}\n{events}"
     assert "node2" in job_log(run)  # the warning names the node
     assert len(read_history(run)) == 1  # never requeued
     same_results(run, baseline)
