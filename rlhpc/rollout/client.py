@@ -12,6 +12,7 @@ import socket
 import time
 from typing import Any
 
+import orjson
 import urllib3
 from urllib3.connection import HTTPConnection
 
@@ -51,6 +52,8 @@ def _socket_options() -> list[tuple[int, int, int]]:
     return options
 
 
+# Bodies are coded with orjson (as SGLang's server does): a rollout's answer is 256 samples with
+# their logprobs, ~160 KB of JSON, which the standard library decodes in ~2.7 ms per rollout.
 # Connections kept per engine: the pool's request threads and a push's calls share them.
 POOL_SIZE = 16
 
@@ -75,6 +78,8 @@ class EngineClient:
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
         self._http = engine_connections(api_key)
+        # urllib3 sends the headers a request names instead of the pool's: the key goes with them
+        self._json_headers = {**auth_headers(api_key), "Content-Type": "application/json"}
 
     def __repr__(self) -> str:
         return f"EngineClient({self.base_url!r})"
@@ -85,11 +90,13 @@ class EngineClient:
         self, method: str, route: str, body: Any = None, timeout_s: float | None = None, send_body: bool = True
     ) -> urllib3.BaseHTTPResponse:
         url = f"{self.base_url}{route}"
+        data = orjson.dumps(body) if send_body and body is not None else None
         try:
             resp = self._http.request(
                 method,
                 url,
-                json=body if send_body else None,
+                body=data,
+                headers=self._json_headers if data is not None else None,  # None: the key alone
                 timeout=urllib3.Timeout(connect=CONNECT_TIMEOUT_S, read=timeout_s or self.timeout_s),
             )
         except urllib3.exceptions.HTTPError as e:
@@ -114,8 +121,8 @@ class EngineClient:
         if not resp.data:
             return None
         try:
-            return resp.json()
-        except ValueError:
+            return orjson.loads(resp.data)
+        except orjson.JSONDecodeError:
             return resp.data.decode(errors="replace")
 
     def _checked(self, route: str, body: dict[str, Any], timeout_s: float | None = None) -> dict[str, Any]:

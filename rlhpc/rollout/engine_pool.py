@@ -169,6 +169,7 @@ class EnginePool:
         # Node loss: engines whose node Ray declared dead (engine -> node IP) serve no request and
         # are left out of the weight-sync group until their bundles are placed on a live node again.
         self.lost: dict[int, str] = {}
+        self._nodes_checked = -NODE_CHECK_S  # monotonic time of the last node-table query
         self._engine_bundles = [[placement.bundle_of_slot[s] for s in slots] for slots in layout.engine_slots]
         self._actor_bundles = [placement.bundle_of_slot[s] for s in layout.actor_slots]
         where = self._bundle_nodes()
@@ -238,6 +239,7 @@ class EnginePool:
     def check_nodes(self) -> list[int]:
         """Mark the engines whose node Ray declared dead as lost; returns the newly lost ones.
         A dead node that holds actor ranks raises ``NodeLost``: the run cannot go on without them."""
+        self._nodes_checked = time.monotonic()
         dead = self._dead_ray_nodes()
         if not dead:
             return []
@@ -448,7 +450,10 @@ class EnginePool:
         with ``restarts_deferred``) and bring them to the current weights. With ``restarts_deferred``:
         leave them down, raise ``EnginesDown`` if none is left. Deaths nobody has seen yet show as
         failed requests (``send``), which are handled there."""
-        self.check_nodes()
+        # Ray's node table at most every NODE_CHECK_S, not every step (it was ~5% of a tiny step):
+        # a death seen later is seen by the generation's own check or by a failed request.
+        if time.monotonic() - self._nodes_checked >= NODE_CHECK_S:
+            self.check_nodes()
         if self._deferring():
             if len(self.down) == len(self.clients):
                 raise EnginesDown(sorted(self.down), self.weight_version)

@@ -14,7 +14,7 @@ from rlhpc.config import RolloutConfig
 from rlhpc.errors import RlhpcError, WeightPushFailed
 from rlhpc.rollout import engine_pool
 from rlhpc.rollout.client import EngineUnavailable
-from rlhpc.rollout.engine_pool import EnginePool, EnginesDown, NodeLost
+from rlhpc.rollout.engine_pool import NODE_CHECK_S, EnginePool, EnginesDown, NodeLost
 from rlhpc.rollout.generation import MAX_SAMPLES_PER_REQUEST, Request, rows_per_request
 
 
@@ -61,7 +61,9 @@ def bare_pool(n: int, max_restarts: int = 2) -> EnginePool:
     pool.lost, pool._reconnect, pool.engine_world_sizes = {}, False, [1] * n
     pool._engine_nodes, pool._actor_nodes = [{f"node-of-e{e}"} for e in range(n)], {"node-of-actor"}
     pool.dead_nodes: dict[str, str] = {}  # what Ray declared dead (node id -> IP)
-    pool._dead_ray_nodes = lambda: pool.dead_nodes
+    pool.node_queries = 0
+    pool._dead_ray_nodes = lambda: (setattr(pool, "node_queries", pool.node_queries + 1), pool.dead_nodes)[1]
+    pool._nodes_checked = -NODE_CHECK_S
     pool._weights = None
     pool.restarted: list[int] = []
     pool._restart = lambda e: (pool.restarted.append(e), setattr(pool.clients[e], "alive", True))
@@ -227,6 +229,21 @@ def test_a_lost_node_with_actor_ranks_stops_the_run():
     pool.dead_nodes = {"node-of-actor": "10.9.0.10"}
     with pytest.raises(NodeLost, match="10.9.0.10"):
         pool.ensure_engines()
+
+
+def test_the_step_asks_ray_for_its_nodes_at_most_every_node_check_interval(monkeypatch):
+    clock = [1000.0]
+    monkeypatch.setattr(engine_pool.time, "monotonic", lambda: clock[0])
+    pool = bare_pool(2)
+    for _ in range(3):
+        pool.ensure_engines()
+    assert pool.node_queries == 1  # the first step asks, the next ones within NODE_CHECK_S do not
+    pool.dead_nodes = {"node-of-e1": "10.9.0.12"}
+    pool.ensure_engines()
+    assert pool.node_queries == 1 and not pool.lost  # not seen yet: the generation's check would see it
+    clock[0] += NODE_CHECK_S
+    pool.ensure_engines()
+    assert pool.lost == {1: "10.9.0.12"}
 
 
 def test_losing_every_engine_node_is_engines_down():

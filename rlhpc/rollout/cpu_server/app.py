@@ -16,6 +16,7 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -114,19 +115,20 @@ def build_app(engine: Engine, address: dict[str, Any], api_key: str | None = Non
     async def generate(request: Request) -> Any:
         seq = engine.next_seq()  # arrival order decides what an abort_all covers
         try:
-            body = await request.json()
+            body = orjson.loads(await request.body())
             if not isinstance(body, dict):
                 raise EngineError("the request body must be a JSON object")
             items, single = engine.normalize(body)
             outs = await on(gen_pool, engine.generate, items, seq)
         except EngineError as e:
             return error_response(str(e))
-        except ValueError as e:  # bad JSON, bad numbers
+        except ValueError as e:  # bad JSON (orjson's error is one), bad numbers
             return error_response(f"{type(e).__name__}: {e}")
         except Exception as e:
             log.exception("generate failed")
             return error_response(f"{type(e).__name__}: {e}", status=500)
-        return JSONResponse(outs[0] if single else outs)
+        # orjson, as SGLang's server: a batch's answers are ~160 KB, 3.7 ms with the standard library
+        return Response(orjson.dumps(outs[0] if single else outs), media_type="application/json")
 
     @app.api_route(Route.FLUSH_CACHE, methods=["GET", "POST"])
     async def flush_cache() -> Response:
