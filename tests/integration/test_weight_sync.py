@@ -11,7 +11,7 @@ import io
 import os
 import socket
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
 import pytest
@@ -256,6 +256,35 @@ def test_distributed_sync_failures_are_reported_not_hung(engines: list[EngineCli
         doomed.close()
         c.continue_generation()  # a failed send leaves the engine paused on purpose
     assert c.get_weight_version() == "21"
+
+
+def test_an_end_waits_for_the_update_under_way(engines: list[EngineClient], model_path: str) -> None:
+    """The engine answers begin/end without a thread hop only when no other control call is
+    pending: an end sent while an update waits for its broadcast closes the session after it."""
+    model = trainer_model(model_path, seed=11)
+    c = engines[0]
+    sender = DistributedWeightSender([c], [1], "127.0.0.1", "gloo", 1 << 24, group_name="order", timeout=30)
+    try:
+        sender.connect()
+        packed = sender._pack((list(named(model)), True), slot=0)
+        announce = P.UpdateWeightsFromDistributedReqInput(
+            names=packed.names, dtypes=packed.dtypes, shapes=packed.shapes, group_name="order",
+            flush_cache=True, weight_version="77", load_format=P.FLATTENED_BUCKET,
+        )  # fmt: skip
+        sender._begin_session(c)  # (closes one an earlier test's failed push left open)
+        with ThreadPoolExecutor(2) as pool:
+            update = pool.submit(c.update_weights_from_distributed, announce)  # waits for the broadcast
+            while not c.get_server_info()["internal_states"][0]["receiving_weights"]:
+                assert not update.done(), update.result()
+            end = pool.submit(c.end_weight_update)
+            done, _ = wait([update, end], timeout=1.0)
+            assert not done  # the update waits for the broadcast, the end for the update
+            sender._broadcast(packed.flat)
+            assert update.result(timeout=30)["success"] and end.result(timeout=30)["success"]
+        assert c.get_weight_version() == "77"
+        assert_engine_holds(c, model)
+    finally:
+        sender.close()
 
 
 def test_reconnect_replaces_a_group_left_open(engines: list[EngineClient], model_path: str) -> None:

@@ -68,9 +68,23 @@ def build_app(engine: Engine, address: dict[str, Any], api_key: str | None = Non
     async def on(pool: ThreadPoolExecutor, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
 
-    async def success_route(fn: Any, *args: Any) -> JSONResponse:
+    ctl_queued = [0]  # control calls handed to ctl_pool and not yet back on the event loop
+
+    async def on_ctl(fn: Any, *args: Any, quick: bool = False) -> Any:
+        """A control call, in order with the others. ``quick`` (a state flip, never blocking) runs
+        right here when no other is queued or running: the same order, without the thread hop
+        that made begin/end cost 2.5 round trips; behind a pending update it waits its turn."""
+        if quick and not ctl_queued[0]:
+            return fn(*args)
+        ctl_queued[0] += 1
         try:
-            message = await on(ctl_pool, fn, *args)
+            return await on(ctl_pool, fn, *args)
+        finally:
+            ctl_queued[0] -= 1
+
+    async def success_route(fn: Any, *args: Any, quick: bool = False) -> JSONResponse:
+        try:
+            message = await on_ctl(fn, *args, quick=quick)
         except EngineError as e:  # a refusal: its message as SGLang words it
             log.warning("%s refused: %s", getattr(fn, "__name__", fn), e)
             return JSONResponse({"success": False, "message": str(e)}, status_code=400)
@@ -171,11 +185,11 @@ def build_app(engine: Engine, address: dict[str, Any], api_key: str | None = Non
 
     @app.post(Route.BEGIN_WEIGHT_UPDATE)
     async def begin_weight_update(req: P.BeginWeightUpdateReqInput) -> JSONResponse:
-        return await success_route(engine.begin_weight_update, req)
+        return await success_route(engine.begin_weight_update, req, quick=True)
 
     @app.post(Route.END_WEIGHT_UPDATE)
     async def end_weight_update(req: P.EndWeightUpdateReqInput) -> JSONResponse:
-        return await success_route(engine.end_weight_update)
+        return await success_route(engine.end_weight_update, quick=True)
 
     @app.post(Route.UPDATE_WEIGHTS_FROM_DISTRIBUTED)
     async def update_weights_from_distributed(req: P.UpdateWeightsFromDistributedReqInput) -> JSONResponse:
@@ -188,14 +202,14 @@ def build_app(engine: Engine, address: dict[str, Any], api_key: str | None = Non
     @app.api_route(Route.GET_WEIGHTS_BY_NAME, methods=["GET", "POST"])
     async def get_weights_by_name(req: P.GetWeightsByNameReqInput) -> Any:
         try:
-            return JSONResponse(await on(ctl_pool, engine.get_weights_by_name, req.name, req.truncate_size))
+            return JSONResponse(await on_ctl(engine.get_weights_by_name, req.name, req.truncate_size))
         except EngineError as e:
             return error_response(str(e))
 
     @app.api_route(Route.RELEASE_MEMORY_OCCUPATION, methods=["GET", "POST"])
     async def release_memory_occupation(req: P.ReleaseMemoryOccupationReqInput) -> Any:
         try:
-            await on(ctl_pool, engine.release, req.tags)
+            await on_ctl(engine.release, req.tags)
         except EngineError as e:
             return error_response(str(e))
         return None
@@ -203,7 +217,7 @@ def build_app(engine: Engine, address: dict[str, Any], api_key: str | None = Non
     @app.api_route(Route.RESUME_MEMORY_OCCUPATION, methods=["GET", "POST"])
     async def resume_memory_occupation(req: P.ResumeMemoryOccupationReqInput) -> Any:
         try:
-            await on(ctl_pool, engine.resume, req.tags)
+            await on_ctl(engine.resume, req.tags)
         except EngineError as e:
             return error_response(str(e))
         return None

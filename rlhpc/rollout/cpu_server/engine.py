@@ -90,6 +90,7 @@ class Engine:
         self._scratch_buffers: dict[str, torch.Tensor] = {}  # per group: flattened buckets land here
         self._mapped: collections.deque = collections.deque(maxlen=2)  # see update_from_tensor
         self.busy = False
+        self.receiving = False  # an update from distributed is under way (waiting for or in its broadcast)
         self.steps: list[str] = []  # of the batch running (or last run): its decoding steps' versions
         self.update_session: str | None = None  # selector of the open weight-update session
         self._updates = 0  # weight updates so far (one without a new version still changes weights)
@@ -323,6 +324,13 @@ class Engine:
             raise EngineError(P.outside_session_message(route))
 
     def update_from_distributed(self, req: P.UpdateWeightsFromDistributedReqInput) -> str:
+        self.receiving = True
+        try:
+            return self._update_from_distributed(req)
+        finally:
+            self.receiving = False
+
+    def _update_from_distributed(self, req: P.UpdateWeightsFromDistributedReqInput) -> str:
         self._require_session(P.Route.UPDATE_WEIGHTS_FROM_DISTRIBUTED)
         if not len(req.names) == len(req.dtypes) == len(req.shapes):
             raise EngineError("names, dtypes and shapes differ in length")
@@ -510,6 +518,7 @@ class Engine:
                     "released_tags": sorted(self.released),
                     "weights_bytes": self.weights_bytes(),
                     "weight_update_groups": sorted(self.groups),
+                    "receiving_weights": self.receiving,
                     **(
                         {"cuda_memory_reserved_bytes": torch.cuda.memory_reserved(self.device)}
                         if self.device.type == "cuda"
