@@ -54,6 +54,7 @@ def _socket_options() -> list[tuple[int, int, int]]:
 
 # Bodies are coded with orjson (as SGLang's server does): a rollout's answer is 256 samples with
 # their logprobs, ~160 KB of JSON, which the standard library decodes in ~2.7 ms per rollout.
+
 # Connections kept per engine: the pool's request threads and a push's calls share them.
 POOL_SIZE = 16
 
