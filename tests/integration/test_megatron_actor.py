@@ -3,6 +3,7 @@ PyTorch actor, TP=2 / DP=2 the same as TP=1, torch_dist checkpoints that reshard
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -116,6 +117,36 @@ def test_checkpoint_resumes(
         g.train(1, make_batch(12, seed=1))  # matches only with the restored Adam moments and step
         resumed = tensors(g)
     for name, t in continued.items():
+        torch.testing.assert_close(resumed[name], t, rtol=0, atol=WEIGHT_ATOL, msg=name)
+
+
+@pytest.mark.parametrize(("tp", "dist_opt"), [(2, False), (1, True)], ids=["tp2", "dp2-distributed-optimizer"])
+def test_an_async_save_writes_the_snapshot_while_training_goes_on(
+    ray_cluster: None, model_path: str, tmp_path: Path, tp: int, dist_opt: bool
+) -> None:
+    """The loop waits for the snapshot only. The shards are written later, on the ranks'
+    checkpoint threads, here after one more step and then beside another (its collectives on
+    the default group, the write's on the save's own): the checkpoint still holds the state
+    at the snapshot, model and optimizer (a write of the live tensors would hold step 1's)."""
+    ckpt = tmp_path / "ckpt"
+    with Group(make_cfg(tp=tp, dist_opt=dist_opt, steps=1), model_path, 2) as g:
+        g.train(0, make_batch(12, seed=0))
+        g.snapshot(str(ckpt))
+        saved = g.fingerprints()
+        g.train(1, make_batch(12, seed=1))
+        after_one = tensors(g)
+        with ThreadPoolExecutor(1) as pool:
+            writing = pool.submit(g.write_snapshot)
+            g.train(2, make_batch(12, seed=2))
+            writing.result(timeout=300)
+        assert set(g.fingerprints()).isdisjoint(saved)
+    assert (ckpt / "actor" / "dist" / "metadata.json").is_file()
+    with Group(make_cfg(tp=1, dist_opt=dist_opt, steps=1), model_path, 2) as g:
+        g.load(str(ckpt))
+        assert set(g.fingerprints()) == {saved[0]}
+        g.train(1, make_batch(12, seed=1))  # matches only with the snapshot's Adam moments and step
+        resumed = tensors(g)
+    for name, t in after_one.items():
         torch.testing.assert_close(resumed[name], t, rtol=0, atol=WEIGHT_ATOL, msg=name)
 
 

@@ -30,6 +30,7 @@ The last line is one JSON object of ratios:
 
     python tools/bench/checkpoint.py
     python tools/bench/checkpoint.py --repeats 5 --dir /scratch/me --job-model bench
+    python tools/bench/checkpoint.py --backend megatron --skip resume
 """
 
 from __future__ import annotations
@@ -149,7 +150,7 @@ def synthetic_batch(n: int, vocab: int, seed: int = 0):
     return RolloutBatch(prompts, responses, logprobs, rewards, advantages, group_size=2)
 
 
-def bench_save_load(work: Path, tiny, repeats: int) -> dict:
+def bench_save_load(work: Path, tiny, repeats: int, backend: str) -> dict:
     import ray
 
     from rlhpc.actor.group import ActorGroup, ActorSpec
@@ -161,6 +162,7 @@ def bench_save_load(work: Path, tiny, repeats: int) -> dict:
     model_path = str(build_tiny_model(work / "base_model", tiny))
     cfg = Config()
     cfg.logging.level = "WARNING"
+    cfg.actor.backend = backend
     # keep_last > saves: no retention pruning inside the timed commits, so every repeat does the same work
     manager = CheckpointManager(work / "checkpoints", keep_last=2 * repeats + 3)
     ray_tmp = tempfile.mkdtemp(prefix="rlhpc-bench-ray-")
@@ -363,6 +365,7 @@ def main() -> int:
     p.add_argument("--hidden", type=int, default=512, help="bench model hidden size")
     p.add_argument("--intermediate", type=int, default=1024, help="bench model MLP size")
     p.add_argument("--layers", type=int, default=3, help="bench model layers")
+    p.add_argument("--backend", choices=("torch", "megatron"), default="torch", help="part 1 actor backend")
     p.add_argument("--dir", type=Path, default=None, help="parent of the temp dir (default: the system temp dir)")
     p.add_argument("--first-leg", type=int, default=3, help="rollouts of the fresh job (the resumed one continues)")
     p.add_argument("--total", type=int, default=6, help="rollouts of the resumed job, counting the first leg")
@@ -403,12 +406,12 @@ def main() -> int:
         )
         print(f"disk   : {work} on {filesystem_of(work)}")
         if "saveload" not in args.skip:
-            r = bench_save_load(work / "saveload", tiny, args.repeats)
+            r = bench_save_load(work / "saveload", tiny, args.repeats, args.backend)
             n = r["bytes"]
             big = ", ".join(f"{name} {size / 1e6:.1f} MB" for name, size in r["files"] if size > 2**20)
             print(
                 f"\n[1] actor checkpoint: llama hidden {tiny.hidden_size}, MLP {tiny.intermediate_size}, "
-                f"{tiny.num_hidden_layers} layers, 1 rank, after one AdamW step"
+                f"{tiny.num_hidden_layers} layers, 1 {args.backend} rank, after one AdamW step"
             )
             print(f"    committed dir {n / 1e6:.1f} MB in {len(r['files'])} files ({big})")
             print(f"    median of {args.repeats} (each after one untimed warm-up); all times in s")

@@ -14,7 +14,9 @@ same data shard.
   megatron DDP averages over it).
 * Checkpoints: ``megatron.core.dist_checkpointing`` (torch_dist) of model + optimizer under
   ``actor/dist/``, so a checkpoint written at one TP size loads at another; plus the HF config,
-  tokenizer and per-rank RNG state. ``tools/convert_checkpoint.py`` turns one into HF weights.
+  tokenizer and per-rank RNG state. Saved asynchronously (``async_save``): the loop waits for
+  host copies of the shards, the rank's checkpoint thread writes them.
+  ``tools/convert_checkpoint.py`` turns one into HF weights.
 * Weight sync: one layer at a time, TP shards are gathered inside the TP group, converted to
   HF names and handed to the sender on rank 0 (which buckets them), so the peak extra memory
   is one layer, not the model.
@@ -34,6 +36,7 @@ import torch.distributed as dist
 from transformers import AutoConfig
 
 from rlhpc.actor.checkpoint_dir import ACTOR_SUBDIR, DIST_SUBDIR, MEGATRON_BACKEND, read_meta, write_meta
+from rlhpc.actor.megatron.async_save import TorchDistSave
 from rlhpc.actor.megatron.convert import (
     gather_tp_shards,
     hf_to_megatron,
@@ -67,6 +70,7 @@ class MegatronTrainWorker(RankBase):
         self.gpt = None  # megatron GPTModel (this rank's TP shard)
         self.model = None  # the same, wrapped in megatron DDP
         self.offloader = StorageOffloader()
+        self._snapshot_meta: tuple[Path, int] | None = None  # the last snapshot's dir and step count
 
     # ------------------------------------------------------------------ setup
 
@@ -120,6 +124,7 @@ class MegatronTrainWorker(RankBase):
             ),
             [self.model],
         )
+        self.saver = TorchDistSave()
         log.info(
             "rank %d/%d: megatron TP %d/%d DP %d/%d, %s on %s, %d params in this shard%s",
             self.rank,
@@ -153,22 +158,27 @@ class MegatronTrainWorker(RankBase):
         return {"model": model_sd, "optimizer": optim_sd}
 
     def snapshot(self, ckpt_dir: str) -> None:
-        """Write ``ckpt_dir/actor/``: torch_dist model + optimizer (all ranks), HF config + tokenizer, RNG.
-
-        The whole save happens here, so it blocks the loop. megatron-core 0.16's async save
-        (``AsyncCallsQueue``) cannot run beside training here: its finalize and its done-check
-        run collectives on the default process group (which the training thread uses), its
-        persistent worker is a spawned process that selects a CUDA device, and its writer forks
-        one process per file bucket (as this blocking save does, twice per save). On CPU its
-        "preload" leaves the tensors as live references (a fork's copy-on-write is the
-        snapshot), so a thread writing them would race the optimizer. ``write_snapshot`` has
-        nothing left to do.
-        """
-        from megatron.core import dist_checkpointing
-
+        """Plan the torch_dist save of model + optimizer into ``ckpt_dir/actor/`` with a host copy of
+        this rank's shards, and write megatron's small common file and this rank's RNG: what the
+        loop waits for. ``write_snapshot`` writes the rest."""
         d = Path(ckpt_dir) / ACTOR_SUBDIR
         if self.rank == 0:
             (d / DIST_SUBDIR).mkdir(parents=True, exist_ok=True)
+        self._barrier()
+        with self._onloaded():
+            self.saver.plan(self._sharded_state_dict(is_loading=False), str(d / DIST_SUBDIR))
+        self._save_rng(d)
+        self._snapshot_meta = (d, self.optimizer_steps)
+
+    def write_snapshot(self) -> None:
+        """Write and fsync this rank's shards of the last snapshot; rank 0 adds the metadata (the
+        save's collectives run on its own gloo group: see ``async_save``), HF config, tokenizer and
+        ``meta.json``."""
+        if self._snapshot_meta is None:
+            raise RuntimeError("write_snapshot without a snapshot")
+        (d, optimizer_steps), self._snapshot_meta = self._snapshot_meta, None
+        self.saver.write()
+        if self.rank == 0:
             self.hf_config.save_pretrained(d)
             self.tokenizer.save_pretrained(d)
             meta = {
@@ -176,18 +186,10 @@ class MegatronTrainWorker(RankBase):
                 "world_size": self.world_size,
                 "tensor_model_parallel_size": self.tp_size,
                 "use_distributed_optimizer": self.mcfg.use_distributed_optimizer,
-                "optimizer_steps": self.optimizer_steps,
+                "optimizer_steps": optimizer_steps,
                 "initial_model": self.model_path,
             }
             write_meta(d, meta)
-        self._barrier()
-        with self._onloaded():
-            dist_checkpointing.save(self._sharded_state_dict(is_loading=False), str(d / DIST_SUBDIR))
-        self._save_rng(d)
-        self._barrier()
-
-    def write_snapshot(self) -> None:
-        """Nothing: ``snapshot`` wrote the checkpoint (megatron's save blocks; see there)."""
 
     def load(self, ckpt_dir: str | None) -> None:
         """Restore model, optimizer and this rank's RNG from ``ckpt_dir/actor/`` (None: fresh).
