@@ -91,6 +91,21 @@ def test_two_ranks(torch_reference, model_path: str, tp: int, dist_opt: bool) ->
     assert_same_training(torch_reference[2 // tp], train_two(make_cfg(tp=tp, dist_opt=dist_opt), model_path, 2))
 
 
+def assert_resumes(
+    ckpt: Path, model_path: str, dist_opt: bool, ranks: int, saved: str, after_rollout_1: dict[str, torch.Tensor]
+) -> None:
+    """``ckpt`` loads at TP=1 on ``ranks`` ranks to the ``saved`` weights, bit for bit, and
+    training rollout 1 from there gives the original run's weights after rollout 1 (which
+    takes the saved Adam moments and step too)."""
+    with Group(make_cfg(tp=1, dist_opt=dist_opt, steps=1), model_path, ranks) as g:
+        g.load(str(ckpt))
+        assert set(g.fingerprints()) == {saved}
+        g.train(1, make_batch(12, seed=1))
+        resumed = tensors(g)
+    for name, t in after_rollout_1.items():
+        torch.testing.assert_close(resumed[name], t, rtol=0, atol=WEIGHT_ATOL, msg=name)
+
+
 @pytest.mark.parametrize(
     ("saved_tp", "dist_opt", "resumed_ranks"),
     [(2, False, 1), (1, True, 2), (1, True, 1)],
@@ -111,13 +126,7 @@ def test_checkpoint_resumes(
         continued = tensors(g)
     assert saved[0] == saved[1]
     assert (ckpt / "actor" / "dist" / "metadata.json").is_file() and (ckpt / "actor" / "config.json").is_file()
-    with Group(make_cfg(tp=1, dist_opt=dist_opt, steps=1), model_path, resumed_ranks) as g:
-        g.load(str(ckpt))
-        assert set(g.fingerprints()) == {saved[0]}  # the saved weights, bit for bit
-        g.train(1, make_batch(12, seed=1))  # matches only with the restored Adam moments and step
-        resumed = tensors(g)
-    for name, t in continued.items():
-        torch.testing.assert_close(resumed[name], t, rtol=0, atol=WEIGHT_ATOL, msg=name)
+    assert_resumes(ckpt, model_path, dist_opt, resumed_ranks, saved[0], continued)
 
 
 @pytest.mark.parametrize(("tp", "dist_opt"), [(2, False), (1, True)], ids=["tp2", "dp2-distributed-optimizer"])
@@ -141,13 +150,7 @@ def test_an_async_save_writes_the_snapshot_while_training_goes_on(
             writing.result(timeout=300)
         assert set(g.fingerprints()).isdisjoint(saved)
     assert (ckpt / "actor" / "dist" / "metadata.json").is_file()
-    with Group(make_cfg(tp=1, dist_opt=dist_opt, steps=1), model_path, 2) as g:
-        g.load(str(ckpt))
-        assert set(g.fingerprints()) == {saved[0]}
-        g.train(1, make_batch(12, seed=1))  # matches only with the snapshot's Adam moments and step
-        resumed = tensors(g)
-    for name, t in after_one.items():
-        torch.testing.assert_close(resumed[name], t, rtol=0, atol=WEIGHT_ATOL, msg=name)
+    assert_resumes(ckpt, model_path, dist_opt, 2, saved[0], after_one)
 
 
 def test_distributed_optimizer_refuses_another_tp(ray_cluster: None, model_path: str, tmp_path: Path) -> None:
