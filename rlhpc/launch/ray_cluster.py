@@ -60,6 +60,7 @@ HEALTH_CHECK_ENV = {
 FIRST_PORT = 10000  # blocks live in 10000..31999, below Linux's ephemeral range (32768+)
 NUM_BLOCKS = 220
 MAX_BLOCK_TRIES = 16  # blocks a node tries, from its first choice on, before giving up
+REPLACEMENT_RANK = 1000  # replacement workers (NodeWatch) count from here: their own files
 
 
 LARGE_JOB_NODES = 64  # from here on, scale_env relaxes Ray's timeouts
@@ -310,6 +311,11 @@ class RayNode:
             time.sleep(0.2)
         # Start from the head's block; each node moves on if a port is taken on it.
         first = RayPorts(**head["ports"]).index if "ports" in head else block_index(self.job_id)
+        if self.rank >= REPLACEMENT_RANK:
+            # Not the lost node's ports: the GCS still holds a channel to that address, in gRPC's
+            # reconnect backoff after the silent loss, and a raylet there again fails its health
+            # checks until it ends (measured: marked dead ~20 s after it started).
+            first += 1 + self.rank - REPLACEMENT_RANK
         self._start(first, lambda ports: [f"--address={head['address']}"])
 
     def wait_until_stopped(
@@ -434,7 +440,7 @@ class NodeWatch:
         return None
 
     def _submit_replacement(self, node: str) -> None:
-        rank = 1000 + len(self.replacements)  # its own node file, log and temp dir
+        rank = REPLACEMENT_RANK + len(self.replacements)  # its own node file, log, temp dir and ports
         group = self._group_of(node)
         gpus = self.node_gpus.get(group, next(iter(self.node_gpus.values())))
         command = [
@@ -474,7 +480,7 @@ def _worker_main(argv: list[str]) -> int:
     node = RayNode(Path(state_dir), job_id, rank, gpus, cpus, group)
     try:
         node.start_worker(timeout_s=60)
-        log.info("replacement Ray worker on %s joined job %s", node.ip, job_id)
+        log.info("replacement Ray worker starting on %s: it joins job %s once its raylet registers", node.ip, job_id)
         return node.wait_until_stopped()
     finally:
         node.stop()
