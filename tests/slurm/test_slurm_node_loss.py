@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from support.jobs import submit_slurm
+from support.slow_reward import SLOW_ENV
 
 from rlhpc.invariants import comparable, final_weights
 from rlhpc.launch import run_owner, slurm
@@ -20,11 +21,10 @@ from rlhpc.metrics import read_metrics
 
 pytestmark = pytest.mark.slurm
 
-# The engine-node test: enough rollouts left for the node to come back. Measured here: from the
-# kill to the engine serving again takes about 60 s (Slurm marks the node DOWN after 30 s, the
-# replacement job starts, its Ray worker joins, the engine starts) while one engine serves a
-# rollout in 0.33 s; 100 rollouts left 10-30 s to spare here and none on a slower CI machine.
-NUM_ROLLOUT = 250
+# The engine-node test slows the run down (support/slow_reward.py: >= 5 s a rollout) from the
+# engine count's drop until the engine serves again (45-60 s from the kill here, more on a loaded
+# machine), so the run cannot end first; the rest goes at full speed.
+NUM_ROLLOUT = 60
 SAVE_INTERVAL = 10
 REQUEUE_ROLLOUT = 40  # the actor- and head-node tests: a checkpoint, a loss, a resume
 CONFIG = [
@@ -38,7 +38,9 @@ CONFIG = [
     f"checkpoint.save_interval={SAVE_INTERVAL}",
     "cluster.actor_num_gpus=1",
     "cluster.rollout_num_gpus=2",
+    "data.reward=support.slow_reward:digit_sum",  # digit_sum's reward, slowed down while a test asks
 ]
+TESTS = Path(__file__).resolve().parents[1]
 
 
 def submit(
@@ -46,7 +48,8 @@ def submit(
 ) -> subprocess.CompletedProcess:
     nodes_gpus = ("--nodes", str(nodes), "--gpus-per-node", str(gpus))
     overrides = [*CONFIG, f"rollout.num_rollout={num_rollout}"]
-    return submit_slurm(run, *nodes_gpus, *args, overrides=overrides, follow=follow, timeout=900)
+    env = {"PYTHONPATH": str(TESTS), SLOW_ENV: str(run.parent / "slow")}
+    return submit_slurm(run, *nodes_gpus, *args, overrides=overrides, follow=follow, env=env, timeout=900)
 
 
 def rollouts(run: Path) -> list[dict]:
@@ -98,7 +101,7 @@ def test_engine_node_lost_and_back(minicluster, baseline, tmp_path):
         ["sbatch", "--parsable", "--nodelist=node3", "--exclusive", "--output=/dev/null", "--wrap=sleep 900"],
         capture_output=True, text=True, check=True,
     ).stdout.strip()  # fmt: skip
-    run = tmp_path / "run"
+    run, slow = tmp_path / "run", tmp_path / "slow"
     try:
         job = job_id_of(run, submit(run, 3, 1, "--sbatch", "nodelist=node[0-2]", follow=False))
         wait(lambda: len(rollouts(run)) >= 5, 300, "5 rollouts", run)
@@ -106,9 +109,13 @@ def test_engine_node_lost_and_back(minicluster, baseline, tmp_path):
         wait(
             lambda: any(r.get("rollout/num_engines") == 1 for r in rollouts(run)), 180, "the engine count to drop", run
         )
+        slow.touch()
         minicluster.revive_node("node2")
+        wait(lambda: serving_again(run), 400, "the engine to serve again", run)
+        slow.unlink()
         wait_finished(run, job)
     finally:
+        slow.unlink(missing_ok=True)
         minicluster.revive_node("node2")
         slurm.cancel(blocker)
     counts = [r["rollout/num_engines"] for r in rollouts(run)]
@@ -119,6 +126,11 @@ def test_engine_node_lost_and_back(minicluster, baseline, tmp_path):
     assert "node2" in job_log(run)  # the warning names the node
     assert len(read_history(run)) == 1  # never requeued
     same_results(run, baseline)
+
+
+def serving_again(run: Path) -> bool:
+    """Both engines served the newest rollout (or the run is over: the test then says how it went)."""
+    return rollouts(run)[-1]["rollout/num_engines"] == 2 or (run / "FINISHED").is_file()
 
 
 def lost_work_within_bound(run: Path, trained_before_kill: int) -> None:
