@@ -38,7 +38,7 @@ CONFIG = [
     f"checkpoint.save_interval={SAVE_INTERVAL}",
     "cluster.actor_num_gpus=1",
     "cluster.rollout_num_gpus=2",
-    "data.reward=support.slow_reward:digit_sum",  # digit_sum's reward, slowed down while a test asks
+    "data.reward=support.slow_reward:while_asked",  # digit_sum's reward, slowed down while a test asks
 ]
 TESTS = Path(__file__).resolve().parents[1]
 

@@ -1,22 +1,35 @@
-"""A reward that can be slowed down while a job runs: while the file named by
-``$RLHPC_TEST_SLOW`` exists, each call takes 10 ms more (a slow verifier: about 5 s a rollout of
-512 samples), then scores like the digit_sum task. A test slows the run down while it changes
-the cluster under it, so that what it waits for does not race the run's end. The job imports it
-as ``data.reward: support.slow_reward:digit_sum`` with ``tests/`` on its PYTHONPATH."""
+"""Reward plugins for tests: the digit_sum task's reward, made slow on purpose (a slow verifier),
+so that what a test waits for in a running Slurm job does not race the job's end.
 
-from __future__ import annotations
+- ``reward``: 0.1 s a sample in a job's first allocation only. A time limit is then sure to cut
+  that allocation however fast the machine is, and the requeued ones (SLURM_RESTART_COUNT >= 1)
+  run at the machine's own pace, so a slow machine still finishes in few allocations.
+- ``while_asked``: 10 ms a sample while the file named by ``$RLHPC_TEST_SLOW`` exists (about 5 s a
+  rollout of 512 samples): a test slows the run down while it changes the cluster under it.
+
+A job imports them as ``data.reward: support.slow_reward:reward`` with ``tests/`` on its PYTHONPATH.
+"""
 
 import os
 import time
 from pathlib import Path
 
-from rlhpc.tasks import TASKS
-
+SECONDS_PER_SAMPLE = 0.1
 SLOW_ENV = "RLHPC_TEST_SLOW"
 
 
-def digit_sum(prompt: str, response: str, answer: str) -> float:
+def _digit_sum(response: str, answer: str) -> float:
+    return 1.0 if response.startswith(answer) else 0.0
+
+
+def reward(prompt: str, response: str, answer: str) -> float:
+    if os.environ.get("SLURM_RESTART_COUNT", "0") == "0":
+        time.sleep(SECONDS_PER_SAMPLE)
+    return _digit_sum(response, answer)
+
+
+def while_asked(prompt: str, response: str, answer: str) -> float:
     slow = os.environ.get(SLOW_ENV)
     if slow and Path(slow).exists():
         time.sleep(0.01)
-    return TASKS["digit_sum"].reward(prompt, response, answer)
+    return _digit_sum(response, answer)
