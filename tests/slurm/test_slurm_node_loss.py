@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from support.jobs import submit_slurm
+from support.jobs import REPO, submit_slurm
 from support.slow_reward import SLOW_ENV
 
 from rlhpc.invariants import comparable, final_weights
@@ -40,7 +40,6 @@ CONFIG = [
     "cluster.rollout_num_gpus=2",
     "data.reward=support.slow_reward:while_asked",  # digit_sum's reward, slowed down while a test asks
 ]
-TESTS = Path(__file__).resolve().parents[1]
 
 
 def submit(
@@ -48,7 +47,7 @@ def submit(
 ) -> subprocess.CompletedProcess:
     nodes_gpus = ("--nodes", str(nodes), "--gpus-per-node", str(gpus))
     overrides = [*CONFIG, f"rollout.num_rollout={num_rollout}"]
-    env = {"PYTHONPATH": str(TESTS), SLOW_ENV: str(run.parent / "slow")}
+    env = {"PYTHONPATH": str(REPO / "tests"), SLOW_ENV: str(run.parent / "slow")}
     return submit_slurm(run, *nodes_gpus, *args, overrides=overrides, follow=follow, env=env, timeout=900)
 
 

@@ -14,22 +14,21 @@ import os
 import time
 from pathlib import Path
 
+from rlhpc.tasks import TASKS
+
 SECONDS_PER_SAMPLE = 0.1
 SLOW_ENV = "RLHPC_TEST_SLOW"
-
-
-def _digit_sum(response: str, answer: str) -> float:
-    return 1.0 if response.startswith(answer) else 0.0
+DIGIT_SUM = TASKS["digit_sum"].reward
 
 
 def reward(prompt: str, response: str, answer: str) -> float:
     if os.environ.get("SLURM_RESTART_COUNT", "0") == "0":
         time.sleep(SECONDS_PER_SAMPLE)
-    return _digit_sum(response, answer)
+    return DIGIT_SUM(prompt, response, answer)
 
 
 def while_asked(prompt: str, response: str, answer: str) -> float:
     slow = os.environ.get(SLOW_ENV)
     if slow and Path(slow).exists():
         time.sleep(0.01)
-    return _digit_sum(response, answer)
+    return DIGIT_SUM(prompt, response, answer)
