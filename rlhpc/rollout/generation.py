@@ -205,12 +205,6 @@ class Generation:
         bos = self.tokenizer.bos_token_id
         return [[bos, *ids] for ids in self.tokenizer(prompts, add_special_tokens=False).input_ids]
 
-    def _decode(self, responses: list[list[int]]) -> list[str]:
-        eos = self.tokenizer.eos_token_id
-        return self.tokenizer.batch_decode(
-            [[t for t in ids if t != eos] for ids in responses], skip_special_tokens=True
-        )
-
     def sample(
         self, rows: list[dict], n: int, temperature: float, max_new_tokens: int, seed_tag: object, desc: str
     ) -> Samples:
@@ -258,7 +252,9 @@ class Generation:
         logprobs = [[lp for lp, _tok, _ in out["meta_info"].get("output_token_logprobs", [])] for out in outputs]
         texts = {
             "prompt": [rows[k // n]["prompt"] for k in range(len(outputs))],
-            "response": self._decode(response_ids),
+            # the engine's own detokenization (SGLang's: stop token trimmed, special tokens
+            # skipped), not a second one here on the loop's critical path
+            "response": [out["text"] for out in outputs],
             "answer": [rows[k // n]["answer"] for k in range(len(outputs))],
         }
         rewards = [
