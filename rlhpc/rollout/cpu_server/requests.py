@@ -36,6 +36,7 @@ USED = frozenset(
     }
 )
 HARMLESS = frozenset({"n", "spaces_between_special_tokens", "stream_interval", "custom_params"})
+_ACCEPTED = USED | HARMLESS
 
 _UNSUPPORTED_INPUTS = ("input_embeds", "image_data", "video_data", "audio_data", "lora_path")
 
@@ -130,8 +131,9 @@ def normalize_generate(
     rid = body.get("rid")
     if single:
         rids = [rid if isinstance(rid, str) else uuid.uuid4().hex]
-    elif rid is None:
-        rids = [uuid.uuid4().hex for _ in range(num)]
+    elif rid is None:  # unique as SGLang's uuid4 per row; one uuid per request is cheaper (256 rows: 0.5 ms)
+        base = uuid.uuid4().hex
+        rids = [f"{base}-{i}" for i in range(num)]
     elif isinstance(rid, str):
         rids = [f"{rid}_{i}" for i in range(num)]
     else:
@@ -142,8 +144,8 @@ def normalize_generate(
 
 
 def _item(rid: str, prompt: list[int], sp: dict[str, Any], return_logprob: bool, limits: ModelLimits) -> Item:
-    for key, value in sp.items():
-        if key in USED or key in HARMLESS or value is None:
+    for key, value in sp.items() if not _ACCEPTED.issuperset(sp) else ():  # the usual case skips the loop
+        if key in _ACCEPTED or value is None:
             continue
         if key in NO_EFFECT_VALUES:
             if value not in NO_EFFECT_VALUES[key]:
