@@ -14,6 +14,7 @@ pytest.importorskip("megatron.core")
 
 from support.actors import Group, engine_weights, make_batch  # noqa: E402
 
+from rlhpc.checkpoint import file_crc32  # noqa: E402
 from rlhpc.config import Config  # noqa: E402
 from rlhpc.errors import RlhpcError  # noqa: E402
 from rlhpc.model import TinyModelConfig, build_tiny_model  # noqa: E402
@@ -147,9 +148,15 @@ def test_an_async_save_writes_the_snapshot_while_training_goes_on(
         with ThreadPoolExecutor(1) as pool:
             writing = pool.submit(g.write_snapshot)
             g.train(2, make_batch(12, seed=2))
-            writing.result(timeout=300)
+            summed = writing.result(timeout=300)
         assert set(g.fingerprints()).isdisjoint(saved)
     assert (ckpt / "actor" / "dist" / "metadata.json").is_file()
+    # the sums the manifest takes instead of reading the files back: every rank's shard file and
+    # DCP's metadata, each the file's own
+    written = sorted(p.relative_to(ckpt).as_posix() for p in (ckpt / "actor" / "dist").glob("*.distcp"))
+    assert len(written) == 2 and set(written) <= set(summed) and "actor/dist/.metadata" in summed
+    for rel, (size, crc) in summed.items():
+        assert ((ckpt / rel).stat().st_size, file_crc32(ckpt / rel)) == (size, crc), rel
     assert_resumes(ckpt, model_path, dist_opt, 2, saved[0], after_one)
 
 

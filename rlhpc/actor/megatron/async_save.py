@@ -7,7 +7,8 @@ torch.distributed.checkpoint's state dict. ``TorchDistSave.write`` then runs on 
 checkpoint thread while training goes on: ``torch.distributed.checkpoint.save`` of those copies
 with megatron's planner (each rank writes and fsyncs its file, rank 0 the global metadata), then
 megatron's ``metadata.json``, last. The files are those of ``dist_checkpointing.save``, so
-``dist_checkpointing.load`` reads them and reshards as before.
+``dist_checkpointing.load`` reads them and reshards as before. The writer's file system sums each
+file (CRC-32, size) as its bytes go out, so the checkpoint's manifest need not read them back.
 
 Why not megatron's own async save (``AsyncCallsQueue``): its finalize and its completion check run
 collectives on the default group, which the training thread is using meanwhile; its persistent
@@ -21,6 +22,11 @@ flight), the checkpoint thread writes the file itself, and the host copies are t
 
 from __future__ import annotations
 
+import io
+import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -39,6 +45,65 @@ from megatron.core.dist_checkpointing.strategies.torch import (
     _replace_state_dict_keys_with_sharded_keys,
     mcore_to_pyt_state_dict,
 )
+from torch.distributed.checkpoint.filesystem import FileSystem
+
+
+class _Summing(io.RawIOBase):
+    """A file being written, with the CRC-32 and size of everything written so far (the file's
+    own, since DCP writes each file front to back without seeking)."""
+
+    def __init__(self, raw: io.BufferedWriter):
+        super().__init__()
+        self.raw, self.crc, self.size = raw, 0, 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        n = self.raw.write(b)  # a buffered writer takes all of it or raises
+        self.crc = zlib.crc32(b, self.crc)
+        self.size += n
+        return n
+
+    def tell(self) -> int:
+        return self.raw.tell()
+
+    def fileno(self) -> int:
+        return self.raw.fileno()
+
+    def flush(self) -> None:
+        if not self.raw.closed:
+            self.raw.flush()
+
+
+class SummedFileSystem(FileSystem):
+    """torch.distributed.checkpoint's local file system, keeping (size, CRC-32) of each file it
+    writes, by final path (DCP writes its metadata under a temporary name, then renames it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sums: dict[Path, tuple[int, int]] = {}
+
+    @contextmanager
+    def create_stream(self, path: str | Any, mode: str) -> Iterator[io.IOBase]:
+        with super().create_stream(path, mode) as stream:
+            if "w" not in mode:
+                yield stream
+                return
+            summed = _Summing(stream)  # type: ignore[arg-type]
+            yield summed
+        self.sums[Path(path)] = (summed.size, summed.crc)
+
+    def rename(self, path: str | Any, new_path: str | Any) -> None:
+        super().rename(path, new_path)
+        if (summed := self.sums.pop(Path(path), None)) is not None:
+            self.sums[Path(new_path)] = summed
+
+
+class _SummingWriter(dcp.FileSystemWriter):
+    def __init__(self, path: str, **kwargs: Any) -> None:
+        super().__init__(path, **kwargs)
+        self.fs = SummedFileSystem()  # the writer's one file system: every stream it opens comes from it
 
 
 class TorchDistSave:
@@ -74,14 +139,16 @@ class TorchDistSave:
         if pin:
             torch.cuda.synchronize()
 
-    def write(self) -> None:
-        """Write the planned save (no collective on the default group: this runs beside training)."""
+    def write(self) -> dict[Path, tuple[int, int]]:
+        """Write the planned save (no collective on the default group: this runs beside training).
+        Returns (size, CRC-32) of the files this rank wrote, summed as they were written."""
         if self._planned is None:
             raise RuntimeError("TorchDistSave.write without a plan")
         (checkpoint_dir, state_dict), self._planned = self._planned, None
+        writer = _SummingWriter(checkpoint_dir, thread_count=1)  # written on this thread, fsynced
         dcp.save(
             state_dict,
-            storage_writer=dcp.FileSystemWriter(checkpoint_dir, thread_count=1),  # written on this thread, fsynced
+            storage_writer=writer,
             planner=MCoreSavePlanner(
                 dedup_replicated_tensors=not self.strategy.keep_only_main_replica, flatten_state_dict=False
             ),
@@ -90,3 +157,4 @@ class TorchDistSave:
         if dist.get_rank() == 0:  # last: megatron takes a directory without it for no checkpoint
             save_config(CheckpointingConfig(self.strategy.backend, self.strategy.version), checkpoint_dir)
         dist.barrier(group=self.group)
+        return writer.fs.sums

@@ -170,14 +170,14 @@ class MegatronTrainWorker(RankBase):
         self._save_rng(d)
         self._snapshot_meta = (d, self.optimizer_steps)
 
-    def write_snapshot(self) -> None:
+    def write_snapshot(self) -> dict[str, tuple[int, int]]:
         """Write and fsync this rank's shards of the last snapshot; rank 0 adds the metadata (the
         save's collectives run on its own gloo group: see ``async_save``), HF config, tokenizer and
-        ``meta.json``."""
+        ``meta.json``. Returns the size and CRC-32 of the torch_dist files, summed as written."""
         if self._snapshot_meta is None:
             raise RuntimeError("write_snapshot without a snapshot")
         (d, optimizer_steps), self._snapshot_meta = self._snapshot_meta, None
-        self.saver.write()
+        written = self.saver.write()
         if self.rank == 0:
             self.hf_config.save_pretrained(d)
             self.tokenizer.save_pretrained(d)
@@ -190,6 +190,8 @@ class MegatronTrainWorker(RankBase):
                 "initial_model": self.model_path,
             }
             write_meta(d, meta)
+        ckpt_dir = d.parent
+        return {p.relative_to(ckpt_dir).as_posix(): summed for p, summed in written.items()}
 
     def load(self, ckpt_dir: str | None) -> None:
         """Restore model, optimizer and this rank's RNG from ``ckpt_dir/actor/`` (None: fresh).
