@@ -32,6 +32,7 @@ from rlhpc.actor.snapshot import (
 from rlhpc.actor.spec import ActorSpec
 from rlhpc.errors import RlhpcError
 from rlhpc.model import load_model
+from rlhpc.rollout.tensor_transport import flatten_parameters
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +95,8 @@ class TrainWorker(RankBase):
         # eval(): no dropout, so the no-grad "old" pass and the training pass compute the same
         # function and the PPO ratio is exactly 1 before the first step.
         self.module = load_model(self.model_path, self.device).eval()
+        # back to back in the order they are sent: a weight-sync bucket is then a view, not a copy
+        flatten_parameters(self.module)
         self._wrap_ddp()
         self.optimizer = torch.optim.AdamW(
             self.module.parameters(), lr=a.lr, betas=tuple(a.adam_betas), eps=a.adam_eps, weight_decay=a.weight_decay

@@ -212,3 +212,22 @@ def test_update_weights_reaches_engine_bit_exact(ray_cluster: None, model_path: 
     finally:
         ray.get(engine.shutdown.remote())
         ray.kill(engine)
+
+
+def test_the_weights_a_push_sends_lie_back_to_back(ray_cluster: None, model_path: str, tmp_path: Path) -> None:
+    """The parameters lie back to back in the order a push sends them, so a weight-sync bucket
+    is a view of them, not a copy: from the start, after optimizer steps and after a load."""
+
+    def sent_as_one_view(worker: object) -> bool:  # runs in the rank (nested: pickled by value)
+        from rlhpc.rollout.tensor_transport import adjacent_bytes
+
+        return adjacent_bytes([t for _, t in worker._hf_named(grads=False)]) is not None  # type: ignore[attr-defined]
+
+    with Group(make_cfg(micro_batch_size=4), model_path, 1) as g:
+        worker = g.workers[0]
+        assert ray.get(worker.__ray_call__.remote(sent_as_one_view))
+        g.train(0, make_batch(8, seed=0))
+        g.save(str(tmp_path / "ckpt"))
+        g.load(str(tmp_path / "ckpt"))
+        g.train(1, make_batch(8, seed=1))
+        assert ray.get(worker.__ray_call__.remote(sent_as_one_view))
