@@ -115,8 +115,9 @@ class TrainWorker(RankBase):
 
     def _wrap_ddp(self) -> None:
         ids = [self.device.index] if self.device.type == "cuda" else None
-        # The only buffers (rotary tables) are equal on every rank; syncing them costs next to nothing.
-        self.ddp = DDP(self.module, device_ids=ids)
+        # The only buffers (rotary tables) are made from the config, equal on every rank and never
+        # changed by a forward: DDP's start-up sync is enough, not a broadcast before every forward.
+        self.ddp = DDP(self.module, device_ids=ids, broadcast_buffers=False)
 
     # ------------------------------------------------------------------ checkpoint
 
