@@ -364,6 +364,9 @@ class RankBase:
         decision on every rank). Returns (global grad norm, or NaN if unknown; stepped)."""
         raise NotImplementedError
 
+    def _share_weights_with_colocated_engines(self) -> None:
+        """Make the weights cheap for a colocated push to hand over (default: nothing to do)."""
+
     # ------------------------------------------------------------------ the weights in HF names
 
     def _hf_named(self, grads: bool) -> Iterator[tuple[str, torch.Tensor | None]]:
@@ -396,6 +399,8 @@ class RankBase:
 
         key = read_key(key_file) if key_file else None
         clients = [EngineClient(url, api_key=key) for url in engine_urls]
+        if colocate:
+            self._share_weights_with_colocated_engines()
         self.sender = make_weight_sender(
             clients,
             engine_world_sizes,

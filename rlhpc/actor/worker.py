@@ -32,7 +32,7 @@ from rlhpc.actor.snapshot import (
 from rlhpc.actor.spec import ActorSpec
 from rlhpc.errors import RlhpcError
 from rlhpc.model import load_model
-from rlhpc.rollout.tensor_transport import flatten_parameters
+from rlhpc.rollout.tensor_transport import flatten_parameters, share_memory_by_name
 
 log = logging.getLogger(__name__)
 
@@ -250,6 +250,13 @@ class TrainWorker(RankBase):
             return grad_norm, False
         self.optimizer.step()
         return grad_norm, True
+
+    def _share_weights_with_colocated_engines(self) -> None:
+        # On CPU the parameters' one flat storage moves into shared memory (the views stay): a
+        # colocated push then sends handles to the weights as they are, and each engine copies
+        # them once, with no staging copy here. (On GPUs a push sends CUDA IPC handles anyway.)
+        if self.device.type == "cpu":
+            share_memory_by_name(self.module)
 
     def _hf_named(self, grads: bool) -> Iterator[tuple[str, torch.Tensor | None]]:
         for name, p in self.module.named_parameters():

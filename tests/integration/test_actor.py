@@ -194,15 +194,21 @@ def test_kl_against_initial_model(ray_cluster: None, model_path: str, tmp_path: 
 def test_update_weights_reaches_engine_bit_exact(ray_cluster: None, model_path: str, tmp_path: Path) -> None:
     from rlhpc.rollout.client import EngineClient  # the rollout side only for this test
     from rlhpc.rollout.engine import EngineActor
+    from rlhpc.rollout.tensor_transport import sendable_as_is
 
     engine = EngineActor.options(num_cpus=0.5).remote(model_path, str(tmp_path / "logs"), 0, 120.0, None)
     try:
         with Group(make_cfg(micro_batch_size=4), model_path, 2) as g:
             client = EngineClient(ray.get(engine.url.remote()))
-            # disaggregated: a gloo broadcast group; then colocated: shared-memory handles (reconnect)
-            for version, colocate in ((1, False), (2, True)):
+            # disaggregated: a gloo broadcast group; then colocated: shared-memory handles (reconnect),
+            # the weights themselves in shared memory from then on, trained and pushed again
+            for version, colocate in ((1, False), (2, True), (3, True)):
                 g.train(version, make_batch(8, seed=version))
                 g.connect_rollout([client.base_url], [1], colocate)
+                shared = ray.get(
+                    g.workers[0].__ray_call__.remote(lambda w: sendable_as_is([t for _, t in w._hf_named(False)]))
+                )
+                assert shared == colocate  # sent as they are: no staging copy
                 g.update_weights(version)
                 assert client.get_weight_version() == str(version)
                 actor = tensors(g, rank=1)
