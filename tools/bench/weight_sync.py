@@ -34,8 +34,8 @@ The last line is one JSON object of ratios (speed ratios: 1 = as fast as the bas
 counts), ``colocate_vs_copy`` = copy time / colocated push time (one engine),
 ``push_vs_rtt`` = tiny model's disaggregated push time / one HTTP round trip (a cost ratio);
 ``push_flat_trainer_vs_transport`` and ``colocate_shm_trainer_vs_copy`` the same with the
-trainer-side levers (the loop's torch actor lays its parameters out flat since 2026-12-04; it
-does not keep them in shared memory).
+trainer-side levers (the loop's torch actor uses both since 2026-12-04: flat parameters, and on
+CPU, colocated, parameters in shared memory).
 
     python tools/bench/weight_sync.py
     python tools/bench/weight_sync.py --model-mb 1000 --repeats 5 --engines 1 2 4 --bucket-mb 128
