@@ -352,6 +352,12 @@ class SGLangConfig(Section):
                 "must be in (0, 1)",
                 "give SGLang a share of each GPU, e.g. 0.7 (colocate: leave room for the actor, e.g. 0.4)",
             )
+        if any(a.split("=", 1)[0] == "--skip-tokenizer-init" for a in self.extra_args):
+            self._refuse(
+                "extra_args",
+                "asks SGLang to skip its tokenizer, so its answers carry no text",
+                "remove --skip-tokenizer-init: rewards score the engines' own detokenized responses",
+            )
 
 
 @dataclass

@@ -151,6 +151,7 @@ def test_megatron_layout_errors():
 def test_sglang_options_are_checked():
     assert "must be in (0, 1)" in error(["rollout.backend=sglang", "rollout.sglang.mem_fraction_static=1.5"])
     assert "rollout.sglang.extra_args[0] must be str" in error(["rollout.sglang.extra_args=[7]"])
+    assert "no text" in error(["rollout.backend=sglang", "rollout.sglang.extra_args=[--skip-tokenizer-init]"])
     cfg = load_config(None, [*TINY, "rollout.backend=sglang", "rollout.sglang.extra_args=[--dtype, bfloat16]"])
     assert cfg.rollout.sglang.extra_args == ["--dtype", "bfloat16"]
 
