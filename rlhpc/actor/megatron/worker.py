@@ -36,6 +36,7 @@ import torch.distributed as dist
 from transformers import AutoConfig
 
 from rlhpc.actor.checkpoint_dir import ACTOR_SUBDIR, DIST_SUBDIR, MEGATRON_BACKEND, read_meta, write_meta
+from rlhpc.actor.megatron import torch_dist_load
 from rlhpc.actor.megatron.async_save import TorchDistSave
 from rlhpc.actor.megatron.convert import (
     gather_tp_shards,
@@ -200,8 +201,6 @@ class MegatronTrainWorker(RankBase):
         """
         if ckpt_dir is None:
             return
-        from megatron.core import dist_checkpointing
-
         d = Path(ckpt_dir) / ACTOR_SUBDIR
         meta = read_meta(d)
         if meta.get("backend") != MEGATRON_BACKEND or not (d / DIST_SUBDIR).is_dir():
@@ -222,7 +221,7 @@ class MegatronTrainWorker(RankBase):
                 "or convert the weights (tools/convert_checkpoint.py) and start a new run",
             )
         self._create_optimizer_state()
-        state = dist_checkpointing.load(self._sharded_state_dict(is_loading=True), str(d / DIST_SUBDIR))
+        state = torch_dist_load.load(self._sharded_state_dict(is_loading=True), str(d / DIST_SUBDIR))
         self.gpt.load_state_dict(state["model"], strict=False)
         with torch.no_grad():  # it copies into fp32 main params that are views of leaf params
             self.optimizer.load_state_dict(state["optimizer"])
