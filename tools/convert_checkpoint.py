@@ -161,9 +161,9 @@ def checkpoint_dtype(dist_dir: Path) -> torch.dtype:
 def to_hf(ckpt: Path, out: Path) -> None:
     check_out_dir(out)
     d = actor_dir(ckpt)
-    from megatron.core import dist_checkpointing
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    from rlhpc.actor.megatron import torch_dist_load
     from rlhpc.actor.megatron.convert import megatron_full_to_hf, model_state_dict
 
     hf_config = AutoConfig.from_pretrained(d)
@@ -173,7 +173,7 @@ def to_hf(ckpt: Path, out: Path) -> None:
         # Only the model's keys: a checkpoint that also holds optimizer state loads the same
         # (keys in the checkpoint but not asked for are ignored). torch_dist reshards from the
         # TP size that wrote it to TP=1.
-        state = dist_checkpointing.load({"model": gpt.sharded_state_dict()}, str(d / DIST_SUBDIR))
+        state = torch_dist_load.load({"model": gpt.sharded_state_dict()}, str(d / DIST_SUBDIR))
         gpt.load_state_dict(state["model"], strict=False)
         del state
         hf_sd = {k: v.cpu().contiguous() for k, v in megatron_full_to_hf(model_state_dict(gpt), hf_config).items()}
