@@ -8,6 +8,7 @@ the optimizer state) and the DDP steps of the loop. Every rank is a data-paralle
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import math
@@ -89,7 +90,7 @@ class TrainWorker(RankBase):
         self._snapshot: dict | None = None
 
     def init_process_group(self, master_addr: str, master_port: int) -> None:
-        """Join torch.distributed, load the model, wrap it in DDP, build AdamW (+ the ref model)."""
+        """Join torch.distributed, load the model, wrap it in DDP (more than one rank), build AdamW (+ the ref model)."""
         self._join(master_addr, master_port)
         a = self.spec.actor
         # eval(): no dropout, so the no-grad "old" pass and the training pass compute the same
@@ -114,10 +115,19 @@ class TrainWorker(RankBase):
         )
 
     def _wrap_ddp(self) -> None:
+        if self.world_size == 1:  # nothing to all-reduce: DDP would only add its hooks and bucket copies
+            self.ddp = None
+            return
         ids = [self.device.index] if self.device.type == "cuda" else None
         # The only buffers (rotary tables) are made from the config, equal on every rank and never
-        # changed by a forward: DDP's start-up sync is enough, not a broadcast before every forward.
-        self.ddp = DDP(self.module, device_ids=ids, broadcast_buffers=False)
+        # changed by a forward: no broadcast before every forward. (torch 2.13 renamed the switch;
+        # its old name, still taken by the torch versions pyproject allows, warns there.)
+        no_sync = (
+            "forward_sync_buffers"
+            if "forward_sync_buffers" in inspect.signature(DDP).parameters
+            else "broadcast_buffers"
+        )
+        self.ddp = DDP(self.module, device_ids=ids, **{no_sync: False})
 
     # ------------------------------------------------------------------ checkpoint
 
@@ -219,7 +229,7 @@ class TrainWorker(RankBase):
     # ------------------------------------------------------------------ train-step hooks (RankBase.train)
 
     def _policy(self, train: bool) -> torch.nn.Module:
-        return self.ddp if train else self.module
+        return self.ddp if train and self.ddp is not None else self.module
 
     def _logits(self, model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
         return model(input_ids=mb.ids, attention_mask=mb.attention).logits[:, :-1].float()
@@ -235,10 +245,12 @@ class TrainWorker(RankBase):
 
     def _grad_sync(self, last: bool) -> AbstractContextManager:
         # DDP all-reduces in the backward of the step's last micro-batch only
-        return nullcontext() if last else self.ddp.no_sync()
+        return nullcontext() if last or self.ddp is None else self.ddp.no_sync()
 
     def _finish_grad_sync(self, empty: bool) -> None:
-        if empty:  # no sample in this minibatch: DDP's all-reduce still needs this rank's backward
+        if (
+            empty and self.ddp is not None
+        ):  # no sample in this minibatch: DDP's all-reduce still needs this rank's backward
             ids = torch.full((1, 2), self.pad_id, dtype=torch.long, device=self.device)
             logits = self.ddp(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
             (logits.float().sum() * 0.0).backward()
