@@ -328,8 +328,10 @@ def main() -> int:
         big.check(clients[:1])
         rows.append(("colocate, trainer in shm", 1, colo_shared))
 
-        # fixed cost: a model of a few hundred KB, where a push is all round trips and bookkeeping
+        # fixed cost: a model of a few hundred KB, where a push is all round trips and bookkeeping;
+        # laid out flat, as the loop's actor is (its bucket is a view: nothing packed)
         small = Trainer(small_path, versions, sentinels)
+        flatten_parameters(small.model)
         rtt = timed(5 * args.tiny_repeats, small_client.get_model_info)
         tiny_dis = small.time_sends(
             DistributedWeightSender([small_client], [1], "127.0.0.1", "gloo", bucket, group_name="bench_tiny"),
