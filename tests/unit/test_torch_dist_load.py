@@ -68,18 +68,25 @@ def test_stored_tensors_are_read_straight_into_their_targets(tmp_path: Path, sav
 
 
 def test_targets_of_another_layout_take_dcps_own_path(tmp_path: Path, saved) -> None:
-    """A non-contiguous target and one of another dtype are not the stored bytes: DCP's path
-    loads them (converting the dtype), the rest still goes straight in."""
+    """A non-contiguous target, one of another dtype and a tensor subclass (FP8 tensors are
+    one) are not plainly the stored bytes: DCP's path loads them (converting the dtype), the
+    rest still goes straight in."""
+
+    class Tagged(torch.Tensor):
+        pass
+
     cols = torch.zeros(6, 8).t()  # same shape, transposed memory
     targets = {
         "w": torch.zeros(64, 32, dtype=torch.float64),
         "cols": cols,
+        "step": torch.tensor(0, dtype=torch.int64).as_subclass(Tagged),
         "bf16": torch.zeros(17, 5, dtype=torch.bfloat16),
     }
     reader = load(tmp_path / "ckpt", targets)
-    assert reader.direct == {"w": False, "cols": False, "bf16": True}
+    assert reader.direct == {"w": False, "cols": False, "step": False, "bf16": True}
     assert torch.equal(targets["w"], saved["w"].double())
     assert torch.equal(cols, saved["cols"])
+    assert int(targets["step"]) == 7
     assert torch.equal(targets["bf16"], saved["bf16"])
 
 

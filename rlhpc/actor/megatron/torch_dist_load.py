@@ -73,6 +73,11 @@ class DirectReader(CachedMetadataFileSystemReader):
         info = self.storage_data[req.storage_index]
         if req.type != LoadItemType.TENSOR or info.transform_descriptors:
             return False
+        # Plain tensors only: a tensor subclass (FP8) lays out its bytes its own way, and megatron's
+        # planner keeps one between resolve_tensor and commit_tensor (the next call must commit it).
+        lookup = getattr(planner, "lookup_tensor", None)  # DefaultLoadPlanner's, which megatron's extends
+        if lookup is None or type(lookup(req.dest_index)) not in (torch.Tensor, torch.nn.Parameter):
+            return False
         # torch.load to the meta device reads the stored tensor's layout and where its bytes
         # start, not the bytes themselves
         stored = torch.load(self._slice_file(stream, info), map_location="meta", weights_only=True)
