@@ -4,15 +4,15 @@ megatron's own load (``TorchDistLoadShardedStrategy`` with torch.distributed.che
 ``FileSystemReader``) ``torch.load``s every stored tensor into a new buffer, in plan order, and
 copies it into the model's tensor; then it concatenates the two halves of every gated-MLP weight
 (and of each of its Adam moments) into a third buffer, which ``load_state_dict`` copies back.
-On a host where fresh memory is slow to fault in, that is three to four times a plain read.
+On a host where fresh memory is slow to fault in, that took three to five times a plain read.
 
 Here (``load``): the same files, plan, resharding and checks, but
 
 - ``DirectReader`` reads a stored tensor's bytes straight into its target when they are the
   same bytes (same dtype and shape, both contiguous, the whole stored chunk: the same layout,
   or a resharded one split along the first dimension), each file in offset order so a cold
-  read streams; anything else (a narrowed chunk, a target on a GPU, a stream transform) takes
-  DCP's own path;
+  read streams; anything else (a narrowed chunk, a target on a GPU, a tensor subclass, a
+  stream transform) takes DCP's own path;
 - ``in_place_merges``: a factory whose pieces were loaded into views that tile its tensor, in
   order, already holds the merged tensor: its merge returns that tensor instead of a copy.
 """
