@@ -8,7 +8,8 @@
    snapshot, write, commit, all waited for) and asynchronous (the loop waits for the snapshot
    only; the write and the commit run on a background thread, timed until ``wait`` returns).
    The load is ``ActorGroup.load`` from a cold page cache (every file of the checkpoint is
-   dropped from it with ``posix_fadvise(DONTNEED)`` first). Beside it, in the same parent
+   dropped from it with ``posix_fadvise(DONTNEED)`` first), into the rank that trained and
+   again into ranks just started, as a resume loads. Beside it, in the same parent
    directory, the same number of bytes is written from memory to a new file (8 MiB
    ``os.write`` chunks + fsync; earlier files kept, as retained checkpoints are) and read back
    cold into a new buffer of its size (also printed: streamed through one reused 8 MiB buffer,
@@ -24,6 +25,8 @@ The last line is one JSON object of ratios:
 - ``save_vs_write``: throughput of the asynchronous save's background part (write, fsync,
   checksums, commit) / a plain write + fsync of the same bytes.
 - ``load_vs_read``: throughput of a checkpoint load / a plain read of the same bytes, both cold.
+- ``fresh_load_vs_read``: the same for a resume's load, into a rank just started (no optimizer
+  state yet: its memory is faulted in by the load).
 - ``resume_over_fresh``: job start to first rollout, resumed / fresh (part 2).
 - ``resume_staged_over_resume``: the same resume with ``cluster.stage_dir`` / without (part 3:
   a copy of the interrupted run dir, resumed with the model and checkpoint staged first).
@@ -217,6 +220,24 @@ def bench_save_load(work: Path, tiny, repeats: int, backend: str) -> dict:
         load_s, load_all = median_of(repeats, lambda i: load(i, True))
         warm_load_s, warm_load_all = median_of(repeats, lambda i: load(i, False))
         restored_ok = group.fingerprints()[0] == trained
+        group.shutdown()
+        group = None
+
+        def fresh_load(_: int) -> float:
+            """A resume's load: into a rank just started (no optimizer state yet, nothing faulted in)."""
+            fresh = ActorGroup(ActorSpec.from_config(cfg), model_path, placement, (0,), cfg.cluster.colocate)
+            try:
+                drop_cached(ckpt)
+                t0 = time.perf_counter()
+                fresh.load(str(ckpt))
+                seconds = time.perf_counter() - t0
+                if fresh.fingerprints()[0] != trained:
+                    raise RuntimeError("a fresh rank restored other weights than the saved ones")
+                return seconds
+            finally:
+                fresh.shutdown()
+
+        fresh_load_s, fresh_load_all = median_of(repeats, fresh_load)
     finally:
         if group is not None:
             group.shutdown()
@@ -247,6 +268,7 @@ def bench_save_load(work: Path, tiny, repeats: int, backend: str) -> dict:
         "async save, to commit": med([total for _, total, _ in background]),
         "load": (load_s, load_all),
         "load, warm": (warm_load_s, warm_load_all),
+        "load, fresh rank": (fresh_load_s, fresh_load_all),
         "write": (write_s, write_all),
         "read": (read_s, read_all),
         "read, streamed": (stream_s, stream_all),
@@ -423,6 +445,7 @@ def main() -> int:
                 ("rlhpc load, cold (ActorGroup.load)", "load"),
                 ("plain read, cold (into a new buffer)", "read"),
                 ("plain read, cold, 8 MiB reused buffer", "read, streamed"),
+                ("rlhpc load, cold, into a fresh rank", "load, fresh rank"),
                 ("rlhpc load, page cache", "load, warm"),
                 ("plain read, page cache", "read, warm"),
             ]
@@ -432,10 +455,12 @@ def main() -> int:
             ratios["save_block_fraction"] = r["async save, loop blocked"][0] / r["blocking save"][0]
             ratios["save_vs_write"] = r["write"][0] / r["async save, to commit"][0]
             ratios["load_vs_read"] = r["read"][0] / r["load"][0]
+            ratios["fresh_load_vs_read"] = r["read"][0] / r["load, fresh rank"][0]
             print(f"    loop blocked, async / blocking save  {ratios['save_block_fraction']:8.2f}")
             print(f"    async save / plain write             {ratios['save_vs_write']:8.2f}x throughput")
             print(f"    load / plain read, cold              {ratios['load_vs_read']:8.2f}x throughput")
             print(f"    load / streamed read, cold           {r['read, streamed'][0] / r['load'][0]:8.2f}x throughput")
+            print(f"    load into a fresh rank / plain read  {ratios['fresh_load_vs_read']:8.2f}x throughput")
             print(
                 f"    load / plain read, page cache        {r['read, warm'][0] / r['load, warm'][0]:8.2f}x throughput"
             )
