@@ -102,7 +102,7 @@ def _read_header(f) -> dict:
     return json.loads(f.read(n))
 
 
-def _read_exactly(f, path: Path, into: torch.Tensor) -> None:
+def read_exactly(f, path: Path, into: torch.Tensor) -> None:
     """Fill the contiguous CPU tensor ``into`` from the file's current position."""
     view = memoryview(into.view(-1).view(torch.uint8).numpy())
     while view:
@@ -132,7 +132,7 @@ def read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str
     with open(path, "rb", buffering=0) as f:
         header = _read_header(f)
         buffer = torch.empty(os.fstat(f.fileno()).st_size - f.tell(), dtype=torch.uint8)
-        _read_exactly(f, path, buffer)
+        read_exactly(f, path, buffer)
     metadata = header.pop("__metadata__", None) or {}
     tensors = {}
     for name, info in header.items():
@@ -162,10 +162,10 @@ def read_safetensors_into(path: Path, targets: dict[str, torch.Tensor]) -> None:
             f.seek(data_start + start)
             target = target.detach()
             if target.device.type == "cpu" and target.dtype == dtype and target.is_contiguous():
-                _read_exactly(f, path, target)
+                read_exactly(f, path, target)
             else:
                 staged = torch.empty(end - start, dtype=torch.uint8)
-                _read_exactly(f, path, staged)
+                read_exactly(f, path, staged)
                 target.copy_(staged.view(dtype).view(info["shape"]))
 
 

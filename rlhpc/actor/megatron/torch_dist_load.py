@@ -44,6 +44,8 @@ from megatron.core.dist_checkpointing.strategies.torch import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
+from rlhpc.actor.snapshot import read_exactly
+
 
 def load(sharded_state_dict: dict[str, Any], checkpoint_dir: str) -> dict[str, Any]:
     """``dist_checkpointing.load`` of a torch_dist checkpoint, through ``DirectReader``."""
@@ -78,15 +80,15 @@ class DirectReader(CachedMetadataFileSystemReader):
         lookup = getattr(planner, "lookup_tensor", None)  # DefaultLoadPlanner's, which megatron's extends
         if lookup is None or type(lookup(req.dest_index)) not in (torch.Tensor, torch.nn.Parameter):
             return False
+        target = planner.resolve_tensor(req).detach()
+        if target.device.type != "cpu" or not target.is_contiguous():
+            return False
         # torch.load to the meta device reads the stored tensor's layout and where its bytes
         # start, not the bytes themselves
         stored = torch.load(self._slice_file(stream, info), map_location="meta", weights_only=True)
         start = getattr(stored.untyped_storage(), "_checkpoint_offset", None)
-        target = planner.resolve_tensor(req).detach()
         same_bytes = (
             start is not None
-            and target.device.type == "cpu"
-            and target.is_contiguous()
             and stored.is_contiguous()
             and stored.storage_offset() == 0
             and stored.dtype == target.dtype
@@ -96,13 +98,8 @@ class DirectReader(CachedMetadataFileSystemReader):
         )
         if not same_bytes:
             return False
-        view = memoryview(target.view(-1).view(torch.uint8).numpy())
         stream.seek(info.offset + start)
-        while view:
-            n = stream.readinto(view)
-            if not n:
-                raise EOFError(f"{info.relative_path} ends inside a stored tensor ({req.storage_index.fqn})")
-            view = view[n:]
+        read_exactly(stream, Path(self.path) / info.relative_path, target)
         planner.commit_tensor(req, target)
         return True
 
