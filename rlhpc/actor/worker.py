@@ -248,9 +248,8 @@ class TrainWorker(RankBase):
         return nullcontext() if last or self.ddp is None else self.ddp.no_sync()
 
     def _finish_grad_sync(self, empty: bool) -> None:
-        if (
-            empty and self.ddp is not None
-        ):  # no sample in this minibatch: DDP's all-reduce still needs this rank's backward
+        # no sample in this minibatch: DDP's all-reduce still needs this rank's backward
+        if empty and self.ddp is not None:
             ids = torch.full((1, 2), self.pad_id, dtype=torch.long, device=self.device)
             logits = self.ddp(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
             (logits.float().sum() * 0.0).backward()
