@@ -192,6 +192,8 @@ class TrainLoop:
 
         self.saved = self.resumed_from if resume else -1  # newest rollout whose training is on disk
         self.record: dict = {}  # metrics of the newest trained rollout
+        # when the loop began (``begin``): the start-up phase ``first_rollout`` counts from there
+        self.loop_began = time.monotonic()
 
     # ---- the loop -------------------------------------------------------------------------
 
@@ -199,20 +201,28 @@ class TrainLoop:
         bar = (
             self.progress.add_task("training", total=self.num_rollout, completed=self.start) if self.progress else None
         )
-        self._catch_up_evals()
-        loop_began = time.monotonic()
-        self.schedule.start(self.start, self.pending)
+        self.begin()
         for rollout_id in range(self.start, self.num_rollout):
-            self.stop_if_requested(rollout_id)
-            generated, record = self.step(rollout_id)
-            self.metrics.log("rollout", rollout_id, record)
-            self.startup.first_rollout_done(loop_began)  # once per start
-            self.metrics.dump_rollout(rollout_id, generated.batch, generated.texts)
-            if self.eval_due(rollout_id):
-                self.evaluate(rollout_id)
+            self.rollout(rollout_id)
             if bar is not None:
                 self.progress.advance(bar)
         self.checkpoints.wait()  # the last checkpoint is committed before the run counts as finished
+
+    def begin(self) -> None:
+        """Before this start's first rollout: the evaluations owed, then the schedule."""
+        self._catch_up_evals()
+        self.loop_began = time.monotonic()
+        self.schedule.start(self.start, self.pending)
+
+    def rollout(self, rollout_id: int) -> None:
+        """One turn of the loop: the step, its record logged and dumped, an evaluation when due."""
+        self.stop_if_requested(rollout_id)
+        generated, record = self.step(rollout_id)
+        self.metrics.log("rollout", rollout_id, record)
+        self.startup.first_rollout_done(self.loop_began)  # once per start
+        self.metrics.dump_rollout(rollout_id, generated.batch, generated.texts)
+        if self.eval_due(rollout_id):
+            self.evaluate(rollout_id)
 
     def step(self, rollout_id: int) -> tuple[Generated, dict]:
         """Get rollout ``rollout_id``, train it, save if due, push the new weights; its record."""

@@ -3,15 +3,19 @@
 
 Both sides use the same model, prompts, batch size, sampler and loss. The plain side is a
 single Python loop (sample -> reward -> advantages -> one optimizer step, weights shared by
-reference); the framework side is the real driver: Ray placement, an engine server over
-HTTP, a training rank over torch.distributed, bucketed weight sync every rollout.
+reference); the framework side is the real driver (``TrainLoop``): Ray placement, an engine
+server over HTTP, a training rank over torch.distributed, bucketed weight sync every rollout,
+each record logged as a run logs it.
 
-    python tools/bench/loop_overhead.py --rollouts 30
+    python tools/bench/loop_overhead.py --rollouts 40
 
-The plain loop runs before and after the rlhpc one and its figures are the mean of the two.
-The last line is one JSON object: ``plain_over_rlhpc`` (plain seconds per rollout / rlhpc's),
-the same per part (``generate_ratio``: sampling and scoring; ``train_ratio``: the optimizer
-step, for rlhpc with its batch's trip to the rank), and ``plain_drift`` (after / before).
+The two sides take turns in blocks of ``--block`` rollouts in one process (plain, rlhpc, plain,
+...), so a machine whose speed drifts (a VM with neighbours: 0.7x to 1.5x over a minute here)
+moves both alike; each rollout is timed whole, wall clock, the framework's logging included.
+The last line is one JSON object: ``plain_over_rlhpc`` (median plain seconds per rollout /
+rlhpc's), the same per part (``generate_ratio``: sampling and scoring; ``train_ratio``: the
+optimizer step, for rlhpc with its batch's trip to the rank), and the spread of the ratio over
+the block pairs (``pair_ratio_min``, ``pair_ratio_max``).
 """
 
 from __future__ import annotations
@@ -41,24 +45,26 @@ from rlhpc.tasks import TASKS, load_split
 CONFIG = Path(__file__).resolve().parents[2] / "jobs" / "configs" / "embedded.yaml"
 
 
-def plain_loop(cfg: Config, model_path: str, rollouts: int) -> list[dict[str, float]]:
-    """Per rollout: seconds of the whole step (``step``), of sampling and scoring (``generate``)
-    and of the optimizer step (``train``)."""
-    torch.set_num_threads(1)
-    tok = load_tokenizer(model_path)
-    model = load_model(model_path)
-    opt = torch.optim.AdamW(
-        model.parameters(), lr=cfg.actor.lr, betas=cfg.actor.adam_betas, weight_decay=cfg.actor.weight_decay
-    )
-    task = TASKS[cfg.data.task]
-    buf = DataBuffer(
-        load_split(task, None, cfg.data.num_train, cfg.data.seed), cfg.rollout.rollout_batch_size, cfg.seed
-    )
-    r, n = cfg.rollout, cfg.rollout.n_samples_per_prompt
-    times = []
-    for rollout_id in range(rollouts):
+class PlainLoop:
+    """The same work as one rlhpc rollout, in this process: ``step`` returns its seconds whole
+    (``step``), of sampling and scoring (``generate``) and of the optimizer step (``train``)."""
+
+    def __init__(self, cfg: Config, model_path: str):
+        self.cfg = cfg
+        self.tok = load_tokenizer(model_path)
+        self.model = load_model(model_path)
+        a = cfg.actor
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=a.lr, betas=a.adam_betas, weight_decay=a.weight_decay)
+        self.task = TASKS[cfg.data.task]
+        self.buf = DataBuffer(
+            load_split(self.task, None, cfg.data.num_train, cfg.data.seed), cfg.rollout.rollout_batch_size, cfg.seed
+        )
+
+    def step(self, rollout_id: int) -> dict[str, float]:
+        cfg, tok, model, task = self.cfg, self.tok, self.model, self.task
+        r, n = cfg.rollout, cfg.rollout.n_samples_per_prompt
         t0 = time.perf_counter()
-        rows = buf.batch(rollout_id)
+        rows = self.buf.batch(rollout_id)
         prompts = [
             [tok.bos_token_id, *tok(row["prompt"], add_special_tokens=False).input_ids]
             for row in rows
@@ -98,31 +104,53 @@ def plain_loop(cfg: Config, model_path: str, rollouts: int) -> list[dict[str, fl
         logits = model(input_ids=ids, attention_mask=att).logits[:, :-1].float()
         lp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
         loss, _ = policy_loss(lp, lp.detach(), adv, mask, cfg.algo.eps_clip, cfg.algo.eps_clip_high)
-        opt.zero_grad()
+        self.opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.actor.grad_clip)
-        opt.step()
+        self.opt.step()
         t2 = time.perf_counter()
-        times.append({"step": t2 - t0, "generate": t1 - t0, "train": t2 - t1})
-    return times
+        return {"step": t2 - t0, "generate": t1 - t0, "train": t2 - t1}
 
 
-def framework_loop(cfg: Config, run: RunDir) -> list[dict]:
+def interleaved(cfg: Config, run: RunDir, rollouts: int, block: int) -> tuple[list[dict], list[dict]]:
+    """Per rollout, both sides: plain's ``step`` parts; rlhpc's wall seconds of one turn of the
+    real loop (``step``) with its record's parts. Blocks of ``block`` rollouts, plain first."""
     from rlhpc.cluster.layout import plan_layout
-    from rlhpc.driver import train
+    from rlhpc.driver import TrainLoop
     from rlhpc.launch.job import local_ray
     from rlhpc.launch.signals import StopRequest
-    from rlhpc.metrics import read_metrics
+    from rlhpc.launch.staging import NOT_STAGED
+    from rlhpc.launch.startup import StartupClock
 
+    torch.set_num_threads(1)  # the plain side's one thread, as each rlhpc process has
+    plain_loop = PlainLoop(cfg, str(run.base_model))
+    plain: list[dict] = []
+    ours: list[dict] = []
     with local_ray(cfg.cluster, plan_layout(cfg.cluster).num_slots, StopRequest()):
-        train(cfg, run)
-    return [r for r in read_metrics(run.path) if r["kind"] == "rollout"]
+        loop = TrainLoop(cfg, run, None, None, StartupClock(run), NOT_STAGED)
+        try:
+            loop.begin()
+            for first in range(0, rollouts, block):
+                ids = range(first, min(first + block, rollouts))
+                plain += [plain_loop.step(r) for r in ids]
+                for r in ids:
+                    t0 = time.perf_counter()
+                    loop.rollout(r)
+                    ours.append({"step": time.perf_counter() - t0, **{k: loop.record[f"time/{k}"] for k in PARTS}})
+        finally:
+            loop.close()
+        loop.shutdown()
+    return plain, ours
+
+
+PARTS = ("generate", "train", "update_weights")
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rollouts", type=int, default=30)
-    p.add_argument("--warmup", type=int, default=3, help="rollouts left out of the means on both sides")
+    p.add_argument("--rollouts", type=int, default=40, help="rollouts on each side")
+    p.add_argument("--block", type=int, default=5, help="rollouts per turn of each side")
+    p.add_argument("--warmup", type=int, default=3, help="rollouts left out of the medians on both sides")
     args = p.parse_args()
     setup_logging("WARNING")
     overrides = [
@@ -140,27 +168,27 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         run = RunDir(Path(tmp) / "run")
         run.prepare(cfg)
-        # plain, rlhpc, plain: the plain figures are the mean of the runs on either side, so a
-        # machine that drifts over the minute the rlhpc run takes (a VM with neighbours) moves both alike
-        before = plain_loop(cfg, str(run.base_model), args.rollouts)[args.warmup :]
-        records = framework_loop(cfg, run)[args.warmup :]
-        after = plain_loop(cfg, str(run.base_model), args.rollouts)[args.warmup :]
-    parts = ("generate", "train")
-    plain = {
-        k: (statistics.median(t[k] for t in before) + statistics.median(t[k] for t in after)) / 2
-        for k in ("step", *parts)
-    }
-    ours = {k: statistics.median(r[f"time/{k}"] for r in records) for k in ("step", *parts, "update_weights")}
-    f, b = ours["step"], plain["step"]
+        plain, ours = interleaved(cfg, run, args.rollouts, args.block)
+
+    def med(rows: list[dict], key: str, keep: range | None = None) -> float:
+        keep = keep if keep is not None else range(args.warmup, len(rows))
+        return statistics.median(rows[i][key] for i in keep if i >= args.warmup)
+
+    b, f = med(plain, "step"), med(ours, "step")
+    pairs = [range(i, min(i + args.block, args.rollouts)) for i in range(0, args.rollouts, args.block)]
+    pair_ratios = [med(plain, "step", k) / med(ours, "step", k) for k in pairs if k.stop > args.warmup]
     print(
-        f"rollout: {cfg.rollout.rollout_batch_size} prompts x {cfg.rollout.n_samples_per_prompt} samples, {args.rollouts} rollouts ({args.warmup} warm-up left out)"
+        f"rollout: {cfg.rollout.rollout_batch_size} prompts x {cfg.rollout.n_samples_per_prompt} samples, "
+        f"{args.rollouts} rollouts each side in turns of {args.block} ({args.warmup} warm-up left out)"
     )
-    print(f"plain single process : {b * 1000:8.1f} ms/rollout (median; mean of the runs before and after)")
-    print(f"rlhpc full loop      : {f * 1000:8.1f} ms/rollout (median)")
+    print(f"plain single process : {b * 1000:8.1f} ms/rollout (median)")
+    print(f"rlhpc full loop      : {f * 1000:8.1f} ms/rollout (median, wall clock of one turn of the loop)")
     print(f"overhead ratio       : {f / b:8.2f}x")
-    print("plain step parts     : " + ", ".join(f"{k} {plain[k] * 1000:.1f} ms" for k in parts))
-    print("rlhpc step parts     : " + ", ".join(f"{k} {ours[k] * 1000:.1f} ms" for k in (*parts, "update_weights")))
-    drift = statistics.median(t["step"] for t in after) / statistics.median(t["step"] for t in before)
+    print(
+        f"plain step parts     : generate {med(plain, 'generate') * 1e3:.1f} ms, train {med(plain, 'train') * 1e3:.1f} ms"
+    )
+    print("rlhpc step parts     : " + ", ".join(f"{k} {med(ours, k) * 1e3:.1f} ms" for k in PARTS))
+    print(f"plain/rlhpc per turn : {' '.join(f'{x:.2f}' for x in pair_ratios)}")
     # one JSON line of ratios, comparable run to run
     print(
         json.dumps(
@@ -168,9 +196,10 @@ def main() -> int:
                 "plain_over_rlhpc": round(b / f, 4),
                 "plain_ms": round(b * 1000, 2),
                 "rlhpc_ms": round(f * 1000, 2),
-                "generate_ratio": round(plain["generate"] / ours["generate"], 4),
-                "train_ratio": round(plain["train"] / ours["train"], 4),
-                "plain_drift": round(drift, 4),
+                "generate_ratio": round(med(plain, "generate") / med(ours, "generate"), 4),
+                "train_ratio": round(med(plain, "train") / med(ours, "train"), 4),
+                "pair_ratio_min": round(min(pair_ratios), 4),
+                "pair_ratio_max": round(max(pair_ratios), 4),
             }
         )
     )
