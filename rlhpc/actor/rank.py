@@ -153,12 +153,16 @@ class RankBase:
         self.pad_id = int(pad if pad is not None else (self.tokenizer.eos_token_id or 0))
 
     def _barrier(self) -> None:
+        if self.world_size == 1:  # nobody to wait for (gloo's barrier still costs a round of its own)
+            return
         if self.backend == "nccl":
             dist.barrier(device_ids=[self.device.index])
         else:
             dist.barrier()
 
     def _all_reduce_sum(self, values: list[float], group: dist.ProcessGroup | None = None) -> list[float]:
+        if dist.get_world_size(group) == 1:  # the sum over one rank: no tensor, no collective
+            return [float(v) for v in values]
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
         dist.all_reduce(t, group=group)
         return t.tolist()
