@@ -37,13 +37,13 @@ log = logging.getLogger(__name__)
 
 
 class Timer(dict):
-    """``with timer("generate"): ...`` records seconds under ``time/generate``."""
+    """``with timer("generate"): ...`` adds its seconds to ``time/generate``."""
 
     @contextmanager
     def __call__(self, name: str):
         start = time.perf_counter()
         yield
-        self[f"time/{name}"] = time.perf_counter() - start
+        self[f"time/{name}"] = self.get(f"time/{name}", 0.0) + time.perf_counter() - start
 
 
 def every(interval: int | None, rollout_id: int, epoch_end: bool) -> bool:
@@ -238,7 +238,10 @@ class TrainLoop:
             if cfg.cluster.offload:
                 self.engines.offload()
             with timer("train"):
-                train_metrics = self.actor.train(rollout_id, generated.batch)
+                train_metrics = self.actor.train(rollout_id, generated.batch, self._push_with_training(rollout_id))
+            if (pushed_s := train_metrics.pop("time/update_weights", None)) is not None:
+                timer["time/train"] -= pushed_s  # the push made in the same call counts as the push
+                timer["time/update_weights"] = pushed_s
             self.record = {**rollout_metrics, **train_metrics, **timer}
             epoch_end = self.buffer.is_epoch_end(rollout_id)
             last = rollout_id == self.num_rollout - 1
@@ -248,7 +251,7 @@ class TrainLoop:
             if cfg.cluster.offload:
                 self.actor.offload()
                 self.engines.onload()
-            with timer("update_weights"):
+            with timer("update_weights"):  # after a push made with training: only its outcome's check
                 self.schedule.push(rollout_id + 1)
         if (write_s := self.checkpoints.collect()) is not None:  # a save's background write + commit
             timer["time/save_write"] = write_s
@@ -287,6 +290,16 @@ class TrainLoop:
         # engines serving at the end of the rollout: fewer after a node loss, back after it rejoined
         extra = {"rollout/num_engines": self.engines.num_engines, "time/generate": time.perf_counter() - start_s}
         return Generated(rollout_id, batch, {**rollout_metrics, **extra}, texts)
+
+    def _push_with_training(self, rollout_id: int) -> int | None:
+        """The version the ranks push right after training, in the same call (one trip to them
+        fewer), or None. Only in the synchronous loop, where the engines wait idle for the
+        push: not when the actor is offloaded for it, nor when an engine must be restarted or
+        reconnected first (``schedule.push`` then does it all, as always). A save due now
+        comes after the push: the weights are the same either way."""
+        if self.staleness > 0 or self.cfg.cluster.offload or not self.engines.push_ready():
+            return None
+        return rollout_id + 1
 
     def _push(self, version: int) -> None:
         self.engines.sync_weights(version=version)

@@ -119,6 +119,7 @@ class ActorGroup:
             ).remote(spec, model_path, rank, self.world_size)
             for rank, slot in enumerate(self.slots)
         ]
+        self._pushed: tuple[int, str | None] | None = None  # a push made with training: (version, error)
         addr, port = self._get([self.workers[0].master_addr_port.remote()], "master_addr_port")[0]
         self._call("init_process_group", addr, port)
         log.info("actor group: %d rank(s) on slots %s, rendezvous %s:%d", self.world_size, self.slots, addr, port)
@@ -170,17 +171,27 @@ class ActorGroup:
     def load(self, ckpt_dir: str | None) -> None:
         self._call("load", ckpt_dir)
 
-    def train(self, rollout_id: int, batch: RolloutBatch) -> dict[str, float]:
-        """One rollout's training; metrics are global (every rank returns the same, rank 0's is used)."""
+    def train(self, rollout_id: int, batch: RolloutBatch, push_version: int | None = None) -> dict[str, float]:
+        """One rollout's training; metrics are global (every rank returns the same, rank 0's is used).
+
+        ``push_version``: the ranks push the trained weights as that version in the same call
+        (``train_and_push``: one trip to them fewer); the next ``update_weights(push_version)``
+        reports its outcome instead of pushing again, and the metrics carry its seconds as
+        ``time/update_weights``."""
         if len(batch) < self.dp_size:
             raise RlhpcError(
                 f"rollout {rollout_id} has {len(batch)} samples for {self.dp_size} data-parallel actor ranks",
                 "raise rollout.rollout_batch_size or lower cluster.actor_num_gpus",
             )
-        refs = [
-            w.train.remote(rollout_id, batch.shard(r // self.tp_size, self.dp_size)) for r, w in enumerate(self.workers)
-        ]
-        return self._get(refs, "train")[0]
+        self._pushed = None
+        shards = [batch.shard(r // self.tp_size, self.dp_size) for r in range(self.world_size)]
+        if push_version is None:
+            refs = [w.train.remote(rollout_id, shard) for w, shard in zip(self.workers, shards)]
+            return self._get(refs, "train")[0]
+        refs = [w.train_and_push.remote(rollout_id, shard, push_version) for w, shard in zip(self.workers, shards)]
+        metrics, error, push_s = self._get(refs, "train_and_push")[0]
+        self._pushed = (push_version, error)
+        return {**metrics, "time/update_weights": push_s}
 
     def save(self, ckpt_dir: str) -> None:
         """All ranks write into ``ckpt_dir/actor/``; returns when every rank has finished."""
@@ -204,11 +215,14 @@ class ActorGroup:
     def connect_rollout(
         self, engine_urls: list[str], engine_world_sizes: list[int], colocate: bool, key_file: str | None = None
     ) -> None:
+        self._pushed = None  # made over the channel this replaces
         self._call("connect_rollout", engine_urls, engine_world_sizes, colocate, key_file)
 
     def update_weights(self, version: int) -> None:
-        """Raises ``WeightPushFailed`` when the engines' side failed; the ranks stay usable."""
-        error = self._call("update_weights", version)[0]
+        """Raises ``WeightPushFailed`` when the engines' side failed; the ranks stay usable.
+        A push of ``version`` made with training (``train``) is not made again: its outcome counts."""
+        pushed, self._pushed = self._pushed, None
+        error = pushed[1] if pushed is not None and pushed[0] == version else self._call("update_weights", version)[0]
         if error is not None:
             raise WeightPushFailed(version, error)
 

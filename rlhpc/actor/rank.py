@@ -18,6 +18,7 @@ import hashlib
 import logging
 import math
 import os
+import time
 from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -434,6 +435,17 @@ class RankBase:
             log.warning("rank %d: weight push %d failed: %s", self.rank, version, error)
         self._barrier()
         return error
+
+    def train_and_push(
+        self, rollout_id: int, batch: RolloutBatch, version: int
+    ) -> tuple[dict[str, float], str | None, float]:
+        """``train``, then ``update_weights(version)`` in the same call: the synchronous loop's
+        step with one trip from the driver to the ranks fewer. Returns the metrics, the push's
+        error (as ``update_weights``) and its seconds."""
+        metrics = self.train(rollout_id, batch)
+        start = time.perf_counter()
+        error = self.update_weights(version)
+        return metrics, error, time.perf_counter() - start
 
     def _send_weights(self, version: int) -> None:
         """Data-parallel rank 0's replica gathers the weights (a collective within its TP group)

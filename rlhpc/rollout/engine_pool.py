@@ -416,6 +416,11 @@ class EnginePool:
         )
         self._reconnect = False
 
+    def push_ready(self) -> bool:
+        """Whether ``sync_weights`` would go straight to the push (no engine to restart or start
+        again, no channel to reopen): then the source may push ahead of it, with training."""
+        return self._weights is not None and not (self.down or self._router_down or self.lost or self._reconnect)
+
     def sync_weights(self, version: int) -> None:
         """Push the source's current weights to every engine as ``version`` (restarting those known to
         be down first; one that died unnoticed fails the push, which restarts it and pushes again)."""

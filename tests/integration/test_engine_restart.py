@@ -229,6 +229,33 @@ def test_engine_killed_during_a_weight_push(model_path: str, tmp_path: Path) -> 
         rollout.generate(1)  # and generation goes on
 
 
+def test_push_made_with_training(model_path: str, tmp_path: Path) -> None:
+    """The synchronous loop's push in the training call (``train(push_version=...)``): the engines
+    hold the trained weights after one update each, and the pool's push only takes its outcome.
+    An engine killed during that training fails the push, and the pool restarts it and pushes again."""
+    with groups(restart_cfg(actor_gpus=2), model_path, tmp_path / "engines") as (actor, rollout):
+        engines = rollout.engines
+        engines.connect_weights(actor)
+        engines.sync_weights(0)
+        batch = rollout.generate(0)
+        assert engines.push_ready()
+        metrics = actor.train(0, batch, push_version=1)
+        assert metrics["time/update_weights"] > 0
+        engines.sync_weights(1)
+        for e in (0, 1):
+            assert_engine_matches_actor(engines, e, actor, 1)
+            assert Path(engines.engine_logs[e]).read_text().count("weight_version 1") == 1  # not pushed twice
+
+        batch = rollout.generate(1)
+        kill_engine(engines, 0)  # while the actor trains, unseen by the pool
+        actor.train(1, batch, push_version=2)
+        engines.sync_weights(2)
+        assert engines.restarts == [1, 0]
+        for e in (0, 1):
+            assert_engine_matches_actor(engines, e, actor, 2)
+        rollout.generate(2)  # and generation goes on
+
+
 def test_train_survives_a_killed_engine(tmp_path: Path) -> None:
     """Through jobs/submit.py and rlhpc.driver.train: an engine killed mid-run costs nothing."""
     run = tmp_path / "run"
