@@ -5,7 +5,6 @@ tests on the minicluster show the whole path)."""
 from __future__ import annotations
 
 import socket
-import threading
 
 from rlhpc.rollout import client as client_module
 from rlhpc.rollout.client import EngineClient
@@ -14,12 +13,11 @@ from rlhpc.rollout.client import EngineClient
 def test_every_connection_probes_its_peer_and_bounds_unacknowledged_sends() -> None:
     server = socket.create_server(("127.0.0.1", 0))
     port = server.getsockname()[1]
-    accepted: list[socket.socket] = []
-    threading.Thread(target=lambda: accepted.append(server.accept()[0]), daemon=True).start()
     c = EngineClient(f"http://127.0.0.1:{port}")
     url = f"{c.base_url}/health"
     conn = c._http.connection_from_url(url)._new_conn()  # as a request makes it
-    conn.connect()
+    conn.connect()  # completes in the listen backlog; taken off it here, no thread to race the close
+    peer, _ = server.accept()
     try:
         sock = conn.sock
         assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
@@ -31,6 +29,5 @@ def test_every_connection_probes_its_peer_and_bounds_unacknowledged_sends() -> N
     finally:
         conn.close()
         c.close()
+        peer.close()
         server.close()
-        for s in accepted:
-            s.close()
