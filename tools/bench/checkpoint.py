@@ -178,9 +178,13 @@ def bench_save_load(work: Path, tiny, repeats: int, backend: str) -> dict:
         _temp_dir=ray_tmp,
     )
     placement = group = None
+
+    def start_rank() -> ActorGroup:
+        return ActorGroup(ActorSpec.from_config(cfg), model_path, placement, (0,), cfg.cluster.colocate)
+
     try:
         placement = create_placement(1)
-        group = ActorGroup(ActorSpec.from_config(cfg), model_path, placement, (0,), cfg.cluster.colocate)
+        group = start_rank()
         group.load(None)
         group.train(0, synthetic_batch(16, len(load_tokenizer(model_path))))  # AdamW state now exists
         trained = group.fingerprints()[0]
@@ -225,7 +229,7 @@ def bench_save_load(work: Path, tiny, repeats: int, backend: str) -> dict:
 
         def fresh_load(_: int) -> float:
             """A resume's load: into a rank just started (no optimizer state yet, nothing faulted in)."""
-            fresh = ActorGroup(ActorSpec.from_config(cfg), model_path, placement, (0,), cfg.cluster.colocate)
+            fresh = start_rank()
             try:
                 drop_cached(ckpt)
                 t0 = time.perf_counter()

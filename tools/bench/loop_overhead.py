@@ -112,6 +112,11 @@ class PlainLoop:
         return {"step": t2 - t0, "generate": t1 - t0, "train": t2 - t1}
 
 
+def blocks(rollouts: int, block: int) -> list[range]:
+    """The rollout ids of each turn."""
+    return [range(first, min(first + block, rollouts)) for first in range(0, rollouts, block)]
+
+
 def interleaved(cfg: Config, run: RunDir, rollouts: int, block: int) -> tuple[list[dict], list[dict]]:
     """Per rollout, both sides: plain's ``step`` parts; rlhpc's wall seconds of one turn of the
     real loop (``step``) with its record's parts. Blocks of ``block`` rollouts, plain first."""
@@ -130,8 +135,7 @@ def interleaved(cfg: Config, run: RunDir, rollouts: int, block: int) -> tuple[li
         loop = TrainLoop(cfg, run, None, None, StartupClock(run), NOT_STAGED)
         try:
             loop.begin()
-            for first in range(0, rollouts, block):
-                ids = range(first, min(first + block, rollouts))
+            for ids in blocks(rollouts, block):
                 plain += [plain_loop.step(r) for r in ids]
                 for r in ids:
                     t0 = time.perf_counter()
@@ -170,13 +174,17 @@ def main() -> int:
         run.prepare(cfg)
         plain, ours = interleaved(cfg, run, args.rollouts, args.block)
 
-    def med(rows: list[dict], key: str, keep: range | None = None) -> float:
-        keep = keep if keep is not None else range(args.warmup, len(rows))
-        return statistics.median(rows[i][key] for i in keep if i >= args.warmup)
+    def med(rows: list[dict], key: str, ids: range | None = None) -> float:
+        """Median over ``ids`` (default: all rollouts), warm-up left out."""
+        ids = range(len(rows)) if ids is None else ids
+        return statistics.median(rows[i][key] for i in ids if i >= args.warmup)
 
     b, f = med(plain, "step"), med(ours, "step")
-    pairs = [range(i, min(i + args.block, args.rollouts)) for i in range(0, args.rollouts, args.block)]
-    pair_ratios = [med(plain, "step", k) / med(ours, "step", k) for k in pairs if k.stop > args.warmup]
+    pair_ratios = [
+        med(plain, "step", ids) / med(ours, "step", ids)
+        for ids in blocks(args.rollouts, args.block)
+        if ids.stop > args.warmup
+    ]
     print(
         f"rollout: {cfg.rollout.rollout_batch_size} prompts x {cfg.rollout.n_samples_per_prompt} samples, "
         f"{args.rollouts} rollouts each side in turns of {args.block} ({args.warmup} warm-up left out)"
