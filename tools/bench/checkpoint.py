@@ -39,6 +39,7 @@ The last line is one JSON object of ratios:
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import json
 import logging
@@ -203,31 +204,43 @@ def bench_save_load(work: Path, tiny, repeats: int, backend: str) -> dict:
 
         # One untimed save of each kind first: the worker's first save pays one-off imports and allocations.
         save(0, False)
-        save(1, True)
-        # alternating, so a neighbour's load on the machine hits both alike
-        blocking, background = [], []
-        for i in range(repeats):
-            blocking.append(save(2 + 2 * i, False))
-            background.append(save(3 + 2 * i, True))
-        ckpt = background[-1][2]
+        ckpt = save(1, True)[2]
         nbytes = dir_bytes(ckpt)
         files = sorted((str(p.relative_to(ckpt)), p.stat().st_size) for p in ckpt.rglob("*") if p.is_file())
+        data = memoryview(os.urandom(nbytes))  # incompressible, in case the filesystem compresses
+        plain = work / "plain-warmup.bin"
+        plain_write(plain, data)  # untimed warm-up, as on the rlhpc side
 
-        def load(_: int, cold: bool) -> float:
+        # Each turn times rlhpc's side and then the plain one, so a machine whose speed drifts
+        # (a neighbour's load, this VM's disk) moves both alike; ratios are medians over turns.
+        t: dict[str, list[float]] = collections.defaultdict(list)
+        for i in range(repeats):
+            t["blocking save"].append(save(2 + 2 * i, False)[1])
+            blocked, committed, ckpt = save(3 + 2 * i, True)
+            t["async save, loop blocked"].append(blocked)
+            t["async save, to commit"].append(committed)
+            t["write"].append(plain_write(work / f"plain-{i}.bin", data))  # earlier files kept, as checkpoints are
+
+        def load(cold: bool) -> float:
             if cold:
                 drop_cached(ckpt)
             t0 = time.perf_counter()
             group.load(str(ckpt))
             return time.perf_counter() - t0
 
-        load(0, False)  # untimed, as for save
-        load_s, load_all = median_of(repeats, lambda i: load(i, True))
-        warm_load_s, warm_load_all = median_of(repeats, lambda i: load(i, False))
+        load(False)  # untimed, as for save
+        plain_read(plain)
+        for _ in range(repeats):
+            t["load"].append(load(True))
+            t["read"].append(plain_read(plain, cold=True))
+            t["read, streamed"].append(plain_read(plain, cold=True, stream=True))
+            t["load, warm"].append(load(False))
+            t["read, warm"].append(plain_read(plain))
         restored_ok = group.fingerprints()[0] == trained
         group.shutdown()
         group = None
 
-        def fresh_load(_: int) -> float:
+        def fresh_load() -> float:
             """A resume's load: into a rank just started (no optimizer state yet, nothing faulted in)."""
             fresh = start_rank()
             try:
@@ -241,7 +254,9 @@ def bench_save_load(work: Path, tiny, repeats: int, backend: str) -> dict:
             finally:
                 fresh.shutdown()
 
-        fresh_load_s, fresh_load_all = median_of(repeats, fresh_load)
+        for _ in range(repeats):
+            t["load, fresh rank"].append(fresh_load())
+            t["read, beside fresh loads"].append(plain_read(plain, cold=True))
     finally:
         if group is not None:
             group.shutdown()
@@ -249,35 +264,25 @@ def bench_save_load(work: Path, tiny, repeats: int, backend: str) -> dict:
             placement.remove()
         ray.shutdown()
         shutil.rmtree(ray_tmp, ignore_errors=True)
+        for p in work.glob("plain-*.bin"):
+            p.unlink()
 
-    data = memoryview(os.urandom(nbytes))  # incompressible, in case the filesystem compresses
-    plain_write(work / "plain-warmup.bin", data)  # untimed warm-up, as on the rlhpc side
-    write_s, write_all = median_of(repeats, lambda i: plain_write(work / f"plain-{i}.bin", data))
-    plain = work / f"plain-{repeats - 1}.bin"
-    plain_read(plain)
-    read_s, read_all = median_of(repeats, lambda _: plain_read(plain, cold=True))
-    stream_s, stream_all = median_of(repeats, lambda _: plain_read(plain, cold=True, stream=True))
-    warm_read_s, warm_read_all = median_of(repeats, lambda _: plain_read(plain))
-    for p in work.glob("plain-*.bin"):
-        p.unlink()
-
-    def med(runs: list[float]) -> tuple[float, list[float]]:
-        return statistics.median(runs), runs
+    def per_turn(num: str, den: str) -> float:
+        return statistics.median(a / b for a, b in zip(t[num], t[den]))
 
     return {
         "bytes": nbytes,
         "files": files,
-        "blocking save": med([total for _, total, _ in blocking]),
-        "async save, loop blocked": med([blocked for blocked, _, _ in background]),
-        "async save, to commit": med([total for _, total, _ in background]),
-        "load": (load_s, load_all),
-        "load, warm": (warm_load_s, warm_load_all),
-        "load, fresh rank": (fresh_load_s, fresh_load_all),
-        "write": (write_s, write_all),
-        "read": (read_s, read_all),
-        "read, streamed": (stream_s, stream_all),
-        "read, warm": (warm_read_s, warm_read_all),
+        "times": dict(t),
         "restored_ok": restored_ok,
+        "ratios": {
+            "save_block_fraction": per_turn("async save, loop blocked", "blocking save"),
+            "save_vs_write": per_turn("write", "async save, to commit"),
+            "load_vs_read": per_turn("read", "load"),
+            "load_vs_streamed_read": per_turn("read, streamed", "load"),
+            "fresh_load_vs_read": per_turn("read, beside fresh loads", "load, fresh rank"),
+            "warm_load_vs_read": per_turn("read, warm", "load, warm"),
+        },
     }
 
 
@@ -440,7 +445,10 @@ def main() -> int:
                 f"{tiny.num_hidden_layers} layers, 1 {args.backend} rank, after one AdamW step"
             )
             print(f"    committed dir {n / 1e6:.1f} MB in {len(r['files'])} files ({big})")
-            print(f"    median of {args.repeats} (each after one untimed warm-up); all times in s")
+            print(
+                f"    {args.repeats} turns (each after one untimed warm-up), rlhpc's side then the plain one in "
+                "each; times in s (median [all]); ratios: median over the turns"
+            )
             rows = [
                 ("blocking save (async_save: false)", "blocking save"),
                 ("async save: the loop blocked", "async save, loop blocked"),
@@ -449,25 +457,24 @@ def main() -> int:
                 ("rlhpc load, cold (ActorGroup.load)", "load"),
                 ("plain read, cold (into a new buffer)", "read"),
                 ("plain read, cold, 8 MiB reused buffer", "read, streamed"),
-                ("rlhpc load, cold, into a fresh rank", "load, fresh rank"),
                 ("rlhpc load, page cache", "load, warm"),
                 ("plain read, page cache", "read, warm"),
+                ("rlhpc load, cold, into a fresh rank", "load, fresh rank"),
+                ("plain read, cold, beside those", "read, beside fresh loads"),
             ]
             for label, key in rows:
-                med, all_ = r[key]
-                print(f"    {label:<36} {mbps(n, med):8.1f} MB/s  {med:6.3f} s  [{' '.join(f'{t:.3f}' for t in all_)}]")
-            ratios["save_block_fraction"] = r["async save, loop blocked"][0] / r["blocking save"][0]
-            ratios["save_vs_write"] = r["write"][0] / r["async save, to commit"][0]
-            ratios["load_vs_read"] = r["read"][0] / r["load"][0]
-            ratios["fresh_load_vs_read"] = r["read"][0] / r["load, fresh rank"][0]
-            print(f"    loop blocked, async / blocking save  {ratios['save_block_fraction']:8.2f}")
-            print(f"    async save / plain write             {ratios['save_vs_write']:8.2f}x throughput")
-            print(f"    load / plain read, cold              {ratios['load_vs_read']:8.2f}x throughput")
-            print(f"    load / streamed read, cold           {r['read, streamed'][0] / r['load'][0]:8.2f}x throughput")
-            print(f"    load into a fresh rank / plain read  {ratios['fresh_load_vs_read']:8.2f}x throughput")
-            print(
-                f"    load / plain read, page cache        {r['read, warm'][0] / r['load, warm'][0]:8.2f}x throughput"
-            )
+                all_ = r["times"][key]
+                med = statistics.median(all_)
+                print(f"    {label:<37} {mbps(n, med):8.1f} MB/s  {med:6.3f} s  [{' '.join(f'{t:.3f}' for t in all_)}]")
+            q = r["ratios"]
+            print(f"    loop blocked, async / blocking save   {q['save_block_fraction']:8.2f}")
+            print(f"    async save / plain write              {q['save_vs_write']:8.2f}x throughput")
+            print(f"    load / plain read, cold               {q['load_vs_read']:8.2f}x throughput")
+            print(f"    load / streamed read, cold            {q['load_vs_streamed_read']:8.2f}x throughput")
+            print(f"    load into a fresh rank / plain read   {q['fresh_load_vs_read']:8.2f}x throughput")
+            print(f"    load / plain read, page cache         {q['warm_load_vs_read']:8.2f}x throughput")
+            for key in ("save_block_fraction", "save_vs_write", "load_vs_read", "fresh_load_vs_read"):
+                ratios[key] = q[key]
             print(f"    restored weights equal the saved ones: {'yes' if r['restored_ok'] else 'NO'}")
         if "resume" not in args.skip:
             job = []

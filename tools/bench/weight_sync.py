@@ -3,7 +3,9 @@
 
 This process plays the trainer's rank 0 and holds a tiny-architecture Llama made a few hundred
 MB big. Engines are real CPU engine server processes (``rlhpc.rollout.cpu_server``, port 0 +
-ready file, one torch thread each, as the loop starts them). Timed, side by side in one run:
+ready file, one torch thread each, as the loop starts them). Each case is timed in turns with its
+baseline in the same run (baseline, case, baseline, case, ...), so a machine whose speed drifts
+(a VM with neighbours: single sends here range 0.6x to 1.5x of their median) moves both alike:
 
 - copy: ``copy_`` of every parameter into preallocated tensors of the same shapes, in this
   process (the floor for colocate: the bytes moved once, memory to memory);
@@ -14,20 +16,24 @@ ready file, one torch thread each, as the loop starts them). Timed, side by side
   every receiver holding the bytes. The helpers are not the engine processes (an engine has no
   route for a bare broadcast, and a measuring-only route would have to exist in SGLang too), but
   they are the same kind of process on the same host over the same kind of group;
-- disaggregated: ``DistributedWeightSender.send`` over a gloo group to N engines;
-- colocate: ``TensorWeightSender.send`` (shared-memory handles over HTTP, the engines copy);
+- disaggregated: ``DistributedWeightSender.send`` over a gloo group to N engines, in turns with
+  the raw transport to N helpers (which wait in their next broadcast meanwhile);
+- colocate: ``TensorWeightSender.send`` (shared-memory handles over HTTP, the engines copy), in
+  turns with the copy;
 - the same two with the trainer-side levers: parameters laid out flat (``flatten_parameters``:
   a bucket is a view, nothing packed) and parameters living in shared memory
   (``share_memory_by_name``: handles sent as they are, nothing staged);
-- fixed cost: one HTTP round trip (``/model_info``, the route the version check uses) to an
-  engine holding the test-sized tiny model, and that tiny model's whole push (both channels).
+- fixed cost: the whole push (both channels) of the tests' tiny model to an engine holding it,
+  in turns with one HTTP round trip to that engine (``/model_info``, the route the version
+  check uses).
 
 A send is the whole update as the loop does it: pause, begin the weight-update session, every
 bucket, end the session, version check, continue.
-Each case gets one untimed warm-up; the median of ``--repeats`` timed runs is printed. Before
-every send the trainer writes a fresh sentinel into each parameter, and after each case every
-engine must report the last version, hold the sentinel in every parameter, and answer a greedy
-generation exactly as this process does with the trainer's weights.
+Each case and baseline gets one untimed warm-up, then ``--repeats`` turns; a ratio is the median
+over the turns of the two times' ratio in each. Before every send the trainer writes a fresh
+sentinel into each parameter, and after each case every engine must report the last version,
+hold the sentinel in every parameter, and answer a greedy generation exactly as this process
+does with the trainer's weights.
 
 The last line is one JSON object of ratios (speed ratios: 1 = as fast as the baseline):
 ``push_vs_transport`` = raw broadcast time / disaggregated push time (worst over engine
@@ -57,6 +63,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -138,36 +145,38 @@ def raw_receiver(master: str, port: int, rank: int, world: int, nbytes: int, cou
     dist.destroy_process_group(pg)
 
 
-def time_raw_broadcast(n: int, nbytes: int, repeats: int, work: Path) -> list[float]:
-    """One broadcast of ``nbytes`` from this process to ``n`` helper processes, + a barrier."""
-    store = create_master_store("127.0.0.1", 1 + n, timeout=600)
-    count = repeats + 1
-    procs = [
-        subprocess.Popen(
-            [sys.executable, __file__, "--raw-receiver", "127.0.0.1", str(store.port), str(r), str(1 + n)]
-            + [str(nbytes), str(count)],
-            cwd=REPO,
-            env={**os.environ, **CHILD_ENV},
-            stdout=open(work / f"raw{n}_{r}.log", "wb"),  # noqa: SIM115
-            stderr=subprocess.STDOUT,
-        )
-        for r in range(1, n + 1)
-    ]
-    try:
-        pg = init_custom_process_group("gloo", "127.0.0.1", store.port, 0, 1 + n, RAW_GROUP, 600, store)
-        buf = torch.ones(nbytes, dtype=torch.uint8)
+class RawBroadcast:
+    """The raw transport: ``n`` helper processes in a group with this one, each receiving
+    ``count`` flat broadcasts of ``nbytes``; ``once`` sends one (+ a barrier). The helpers wait
+    in their next broadcast between two sends, so the push being compared can run in between."""
 
-        def once() -> None:
-            dist.broadcast(buf, group_src=0, group=pg)
-            dist.barrier(group=pg)
+    def __init__(self, n: int, nbytes: int, count: int, work: Path):
+        self.n, self.work = n, work
+        store = create_master_store("127.0.0.1", 1 + n, timeout=600)
+        self.procs = [
+            subprocess.Popen(
+                [sys.executable, __file__, "--raw-receiver", "127.0.0.1", str(store.port), str(r), str(1 + n)]
+                + [str(nbytes), str(count)],
+                cwd=REPO,
+                env={**os.environ, **CHILD_ENV},
+                stdout=open(work / f"raw{n}_{r}.log", "wb"),  # noqa: SIM115
+                stderr=subprocess.STDOUT,
+            )
+            for r in range(1, n + 1)
+        ]
+        self.pg = init_custom_process_group("gloo", "127.0.0.1", store.port, 0, 1 + n, RAW_GROUP, 600, store)
+        self.buf = torch.ones(nbytes, dtype=torch.uint8)
 
-        times = timed(repeats, once)
-        dist.destroy_process_group(pg)
-    finally:
-        for proc in procs:
+    def once(self) -> None:
+        dist.broadcast(self.buf, group_src=0, group=self.pg)
+        dist.barrier(group=self.pg)
+
+    def close(self) -> None:
+        """After the last of ``count`` sends: the helpers exit."""
+        dist.destroy_process_group(self.pg)
+        for proc in self.procs:
             if proc.wait(120) != 0:
-                raise RuntimeError(f"raw receiver failed:\n{(work / f'raw{n}_1.log').read_text()[-3000:]}")
-    return times
+                raise RuntimeError(f"raw receiver failed:\n{(self.work / f'raw{self.n}_1.log').read_text()[-3000:]}")
 
 
 # ---------------------------------------------------------------- checks
@@ -202,16 +211,42 @@ def check_engines(
 # ---------------------------------------------------------------- timing
 
 
-def timed(repeats: int, fn: Callable[[], None], before: Callable[[], None] = lambda: None) -> list[float]:
+@dataclass
+class Paired:
+    """A case timed in turns with its baseline (one of each per turn, after one warm-up of
+    each), so a machine whose speed drifts moves both alike."""
+
+    times: list[float]
+    baseline: list[float]
+
+    @property
+    def ratio(self) -> float:
+        """Median over the turns of baseline seconds / case seconds (1 = as fast as the baseline)."""
+        return statistics.median(b / t for b, t in zip(self.baseline, self.times))
+
+    @property
+    def cost(self) -> float:
+        """Median over the turns of case seconds / baseline seconds (how many baselines a case costs)."""
+        return statistics.median(t / b for b, t in zip(self.baseline, self.times))
+
+
+def in_turns(
+    repeats: int, baseline: Callable[[], None], case: Callable[[], None], before: Callable[[], None] = lambda: None
+) -> Paired:
+    """``baseline`` then ``case`` (``before`` untimed ahead of each case run), ``repeats`` turns."""
+    baseline()
     before()
-    fn()  # warm-up: first-touch page faults, gloo buffers, HTTP connections
-    times = []
+    case()
+    paired = Paired([], [])
     for _ in range(repeats):
+        t0 = time.perf_counter()
+        baseline()
+        paired.baseline.append(time.perf_counter() - t0)
         before()
         t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return times
+        case()
+        paired.times.append(time.perf_counter() - t0)
+    return paired
 
 
 class Trainer:
@@ -235,11 +270,14 @@ class Trainer:
         mark(self.params, float(next(self._sentinels)))
         self.version = next(self._versions)
 
-    def time_sends(self, sender: DistributedWeightSender | TensorWeightSender, repeats: int) -> list[float]:
+    def time_sends(
+        self, sender: DistributedWeightSender | TensorWeightSender, repeats: int, baseline: Callable[[], None]
+    ) -> Paired:
+        """The sender's pushes, in turns with ``baseline``."""
         try:
             sender.connect()
             named = [(n, t.detach()) for n, t in self.model.named_parameters()]  # storages may have moved
-            return timed(repeats, lambda: sender.send(named, self.version), self.bump)
+            return in_turns(repeats, baseline, lambda: sender.send(named, self.version), self.bump)
         finally:
             sender.close()
 
@@ -255,7 +293,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-mb", type=float, default=256, help="size of the float32 model (approximate)")
     p.add_argument("--repeats", type=int, default=3, help="timed sends per case (median printed)")
-    p.add_argument("--tiny-repeats", type=int, default=20, help="timed tiny-model pushes and round trips x 5")
+    p.add_argument("--tiny-repeats", type=int, default=20, help="turns of a tiny-model push and one round trip")
     p.add_argument("--engines", type=int, nargs="+", default=[1, 2], help="engine counts to send to")
     p.add_argument(
         "--bucket-mb",
@@ -286,59 +324,52 @@ def main() -> int:
 
         big = Trainer(model_path, versions, sentinels)
         nbytes, bucket = big.nbytes, args.bucket_mb * 2**20
-        rows: list[tuple[str, int, list[float]]] = []
         dst = [torch.empty_like(t) for t in big.params]
 
         def copy() -> None:
             for d, t in zip(dst, big.params):
                 d.copy_(t)
 
-        copy_times = timed(args.repeats, copy)
-        rows.append(("in-process copy_", 0, copy_times))
-        dst.clear()  # the engines need the memory more
+        def disaggregated(n: int, name: str) -> Paired:
+            """Pushes to the first ``n`` engines in turns with a raw broadcast to ``n`` helpers."""
+            raw = RawBroadcast(n, nbytes, args.repeats + 1, work)
+            try:
+                sender = DistributedWeightSender(clients[:n], [1] * n, "127.0.0.1", "gloo", bucket, group_name=name)
+                paired = big.time_sends(sender, args.repeats, raw.once)
+            finally:
+                raw.close()
+            big.check(clients[:n])
+            return paired
 
-        raw: dict[int, list[float]] = {}
-        push: dict[int, list[float]] = {}
-        colo: dict[int, list[float]] = {}
-        for n in args.engines:
-            raw[n] = time_raw_broadcast(n, nbytes, args.repeats, work)
-            rows.append(("raw broadcast (gloo)", n, raw[n]))
-            group = clients[:n]
-            sender = DistributedWeightSender(group, [1] * n, "127.0.0.1", "gloo", bucket, group_name=f"bench_{n}")
-            push[n] = big.time_sends(sender, args.repeats)
-            big.check(group)
-            rows.append(("disaggregated (gloo)", n, push[n]))
-        for n in args.engines:
-            group = clients[:n]
-            colo[n] = big.time_sends(TensorWeightSender(group, [1] * n, bucket), args.repeats)
-            big.check(group)
-            rows.append(("colocate (shared memory)", n, colo[n]))
+        def colocated(n: int) -> Paired:
+            paired = big.time_sends(TensorWeightSender(clients[:n], [1] * n, bucket), args.repeats, copy)
+            big.check(clients[:n])
+            return paired
 
+        RAW, COPY = "raw broadcast", "in-process copy"
+        rows: list[tuple[str, int, str, Paired]] = []
+        push = {n: disaggregated(n, f"bench_{n}") for n in args.engines}
+        rows += [("disaggregated (gloo)", n, RAW, push[n]) for n in args.engines]
+        colo = {n: colocated(n) for n in args.engines}
+        rows += [("colocate (shared memory)", n, COPY, colo[n]) for n in args.engines]
         # the trainer-side levers: parameters laid out flat (a bucket is a view, no packing) and,
         # for colocate, parameters that live in shared memory (handles as they are, no staging)
         flatten_parameters(big.model)
-        n_flat = max(args.engines)
-        group = clients[:n_flat]
-        sender = DistributedWeightSender(group, [1] * n_flat, "127.0.0.1", "gloo", bucket, group_name="bench_flat")
-        push_flat = big.time_sends(sender, args.repeats)
-        big.check(group)
-        rows.append(("disaggregated, flat trainer", n_flat, push_flat))
+        push_flat = {n: disaggregated(n, f"bench_flat_{n}") for n in args.engines}
+        rows += [("disaggregated, flat trainer", n, RAW, push_flat[n]) for n in args.engines]
         share_memory_by_name(big.model)
-        colo_shared = big.time_sends(TensorWeightSender(clients[:1], [1], bucket), args.repeats)
-        big.check(clients[:1])
-        rows.append(("colocate, trainer in shm", 1, colo_shared))
+        colo_shared = colocated(1)
+        rows.append(("colocate, trainer in shm", 1, COPY, colo_shared))
 
         # fixed cost: a model of a few hundred KB, where a push is all round trips and bookkeeping;
         # laid out flat, as the loop's actor is (its bucket is a view: nothing packed)
         small = Trainer(small_path, versions, sentinels)
         flatten_parameters(small.model)
-        rtt = timed(5 * args.tiny_repeats, small_client.get_model_info)
-        tiny_dis = small.time_sends(
-            DistributedWeightSender([small_client], [1], "127.0.0.1", "gloo", bucket, group_name="bench_tiny"),
-            args.tiny_repeats,
-        )
+        rtt = small_client.get_model_info
+        tiny_sender = DistributedWeightSender([small_client], [1], "127.0.0.1", "gloo", bucket, group_name="bench_tiny")
+        tiny_dis = small.time_sends(tiny_sender, args.tiny_repeats, rtt)
         small.check([small_client])
-        tiny_colo = small.time_sends(TensorWeightSender([small_client], [1], bucket), args.tiny_repeats)
+        tiny_colo = small.time_sends(TensorWeightSender([small_client], [1], bucket), args.tiny_repeats, rtt)
         small.check([small_client])
 
         load1, _, _ = os.getloadavg()
@@ -352,31 +383,30 @@ def main() -> int:
             f"({math.ceil(nbytes / bucket)} bucket(s) or more)"
         )
         print(
-            f"median of {args.repeats} runs after one warm-up; GB/s = model bytes / s (each engine receives "
-            "all of them); x copy = copy time / time; x raw = raw broadcast time (same engine count) / time"
+            f"each case in {args.repeats} turns with its baseline (one of each per turn, after one warm-up); "
+            "GB/s = model bytes / s (each engine receives all of them); x baseline = median over the turns "
+            "of baseline s / case s"
         )
         print()
-        med = {k: statistics.median(v) for k, v in (("copy", copy_times),)}
-        base = med["copy"]
         print(
-            f"| {'case':<28} | engines | {'MB':>6} | {'s (median)':>10} | {'GB/s':>6} | {'x copy':>6} | {'x raw':>6} | all (s)"
+            f"| {'case':<28} | engines | {'MB':>6} | {'s (median)':>10} | {'GB/s':>6} | {'baseline':<15} "
+            f"| {'its s':>6} | {'x base':>6} | all (s)"
         )
-        print(f"|{'-' * 30}|---------|{'-' * 8}|{'-' * 12}|{'-' * 8}|{'-' * 8}|{'-' * 8}|---------")
-        for case, n, times in rows:
-            m = statistics.median(times)
-            xraw = f"{statistics.median(raw[n]) / m:6.3f}" if n in raw else f"{'-':>6}"
+        print(f"|{'-' * 30}|---------|{'-' * 8}|{'-' * 12}|{'-' * 8}|{'-' * 17}|{'-' * 8}|{'-' * 8}|---------")
+        for case, n, base, paired in rows:
+            m = statistics.median(paired.times)
             print(
-                f"| {case:<28} | {n if n else '-':>7} | {nbytes / 1e6:6.1f} | {m:10.3f} | {nbytes / m / 1e9:6.2f} "
-                f"| {base / m:6.3f} | {xraw} | {' '.join(f'{t:.3f}' for t in times)}"
+                f"| {case:<28} | {n:>7} | {nbytes / 1e6:6.1f} | {m:10.3f} | {nbytes / m / 1e9:6.2f} | {base:<15} "
+                f"| {statistics.median(paired.baseline):6.3f} | {paired.ratio:6.3f} "
+                f"| {' '.join(f'{t:.3f}' for t in paired.times)}"
             )
-        rtt_s = statistics.median(rtt)
+        rtt_s = statistics.median(tiny_dis.baseline + tiny_colo.baseline)
         print()
         print(
-            f"tiny model ({small.nbytes / 1e3:.0f} KB, {len(small.params)} tensors), 1 engine, median of "
-            f"{args.tiny_repeats}: one HTTP round trip (/model_info) {rtt_s * 1e3:.2f} ms; whole push "
-            f"disaggregated {statistics.median(tiny_dis) * 1e3:.1f} ms "
-            f"({statistics.median(tiny_dis) / rtt_s:.1f} round trips), colocate "
-            f"{statistics.median(tiny_colo) * 1e3:.1f} ms ({statistics.median(tiny_colo) / rtt_s:.1f} round trips)"
+            f"tiny model ({small.nbytes / 1e3:.0f} KB, {len(small.params)} tensors), 1 engine, {args.tiny_repeats} "
+            f"turns: one HTTP round trip (/model_info) {rtt_s * 1e3:.2f} ms; whole push disaggregated "
+            f"{statistics.median(tiny_dis.times) * 1e3:.1f} ms ({tiny_dis.cost:.1f} round trips), colocate "
+            f"{statistics.median(tiny_colo.times) * 1e3:.1f} ms ({tiny_colo.cost:.1f} round trips)"
         )
         print(
             "checked after each case: every engine reports the last weight version, holds that send's "
@@ -384,16 +414,17 @@ def main() -> int:
         )
         print(f"total bench time {time.time() - started:.0f} s")
         ratios: dict[str, float | int | str] = {
-            "push_vs_transport": min(statistics.median(raw[n]) / statistics.median(push[n]) for n in args.engines),
-            "colocate_vs_copy": base / statistics.median(colo[min(args.engines)]),
-            "push_vs_rtt": statistics.median(tiny_dis) / rtt_s,
-            "colocate_push_vs_rtt": statistics.median(tiny_colo) / rtt_s,
-            "push_flat_trainer_vs_transport": statistics.median(raw[n_flat]) / statistics.median(push_flat),
-            "colocate_shm_trainer_vs_copy": base / statistics.median(colo_shared),
+            "push_vs_transport": min(push[n].ratio for n in args.engines),
+            "colocate_vs_copy": colo[min(args.engines)].ratio,
+            "push_vs_rtt": tiny_dis.cost,
+            "colocate_push_vs_rtt": tiny_colo.cost,
+            "push_flat_trainer_vs_transport": min(push_flat[n].ratio for n in args.engines),
+            "colocate_shm_trainer_vs_copy": colo_shared.ratio,
         }
         for n in args.engines:
-            ratios[f"push_vs_transport_{n}"] = statistics.median(raw[n]) / statistics.median(push[n])
-            ratios[f"colocate_vs_copy_{n}"] = base / statistics.median(colo[n])
+            ratios[f"push_vs_transport_{n}"] = push[n].ratio
+            ratios[f"push_flat_trainer_vs_transport_{n}"] = push_flat[n].ratio
+            ratios[f"colocate_vs_copy_{n}"] = colo[n].ratio
         ratios = {k: round(v, 4) for k, v in ratios.items()}
         ratios.update(model_mb=round(nbytes / 1e6, 1), bucket_mb=args.bucket_mb, repeats=args.repeats)
         print(json.dumps(ratios))
