@@ -5,7 +5,11 @@ and drives an engine server on the same GPU over SGLang's HTTP protocol: the CPU
 with ``--device cuda`` here, where SGLang is not installed. Each rollout does what the driver
 does in colocate + offload mode: generate on the toy task, release the engine's memory, onload
 the actor, train, offload it, resume the engine, push the new weights over CUDA IPC. Then a
-torch_dist checkpoint is saved and loaded back. Prints per-phase times, tokens/s and memory.
+torch_dist checkpoint is saved twice (the loop waits for the snapshot only) and loaded back.
+Prints the start-up phases (engine and actor started together: the job does that where they do
+not share GPUs; this engine server reserves no GPU memory up front, so here they can), per-phase
+times, tokens/s and memory, the CUDA IPC push timed in turns with a device-to-device copy of the
+same bytes, and ends with one JSON line of these figures.
 
     python tools/gpu_check.py [--rollouts 6] [--hidden 1024] [--layers 8]
 
@@ -20,6 +24,7 @@ import json
 import logging
 import os
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -41,24 +46,29 @@ log = logging.getLogger("gpu_check")
 GiB = 2**30
 
 
-def start_engine(model_path: str, work: Path, device: str) -> tuple[subprocess.Popen, EngineClient]:
-    ready = work / "engine.ready.json"
+def launch_engine(model_path: str, work: Path, device: str) -> subprocess.Popen:
+    """The engine server process, started; ``wait_engine`` waits for it to serve."""
     logf = open(work / "engine.log", "wb")  # noqa: SIM115 - open as long as the server runs
-    proc = subprocess.Popen(
+    return subprocess.Popen(
         [sys.executable, "-m", "rlhpc.rollout.cpu_server", "--model-path", model_path, "--port", "0"]
-        + ["--ready-file", str(ready), "--parent-pid", str(os.getpid()), "--device", device, "--threads", "4"],
+        + ["--ready-file", str(work / "engine.ready.json"), "--parent-pid", str(os.getpid())]
+        + ["--device", device, "--threads", "4"],
         stdout=logf,
         stderr=subprocess.STDOUT,
     )
+
+
+def wait_engine(proc: subprocess.Popen, work: Path) -> EngineClient:
+    ready = work / "engine.ready.json"
     deadline = time.monotonic() + 300
     while not ready.exists():
         if proc.poll() is not None or time.monotonic() > deadline:
             sys.exit(f"engine did not start:\n{(work / 'engine.log').read_text()[-3000:]}")
-        time.sleep(0.1)
+        time.sleep(0.05)
     info = json.loads(ready.read_text())
     client = EngineClient(http_url(info["host"], info["port"]))
     client.wait_healthy(60)
-    return proc, client
+    return client
 
 
 def gpu_gib() -> str:
@@ -80,6 +90,7 @@ def main() -> None:
     p.add_argument("--fp32", action="store_true", help="fp32 params instead of bf16 (+ fp32 master weights)")
     p.add_argument("--distributed-optimizer", action="store_true")
     p.add_argument("--cpu", action="store_true", help="rehearse the script on a CPU (no offload check)")
+    p.add_argument("--push-turns", type=int, default=10, help="turns of a push and a device copy of its bytes")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
     if not torch.cuda.is_available() and not args.cpu:
@@ -107,23 +118,36 @@ def main() -> None:
     cfg.rollout.n_samples_per_prompt = args.samples
     cfg.rollout.max_new_tokens = args.max_new_tokens
 
-    engine_proc, engine = start_engine(model_path, work, "cpu" if args.cpu else "cuda")
+    start = time.perf_counter()
+    engine_proc = launch_engine(model_path, work, "cpu" if args.cpu else "cuda")
     try:
-        run(cfg, model_path, engine, args, work)
+        run(cfg, model_path, engine_proc, start, args, work)
     finally:
         engine_proc.terminate()
         engine_proc.wait(30)
 
 
-def run(cfg: Config, model_path: str, engine: EngineClient, args: argparse.Namespace, work: Path) -> None:
-    t0 = time.perf_counter()
+def run(
+    cfg: Config, model_path: str, engine_proc: subprocess.Popen, start: float, args: argparse.Namespace, work: Path
+) -> None:
+    phases: dict[str, float] = {}  # start-up, seconds since the engine was launched
+
+    def phase_done(name: str) -> None:
+        phases[name] = time.perf_counter() - start
+
+    # the actor is built while the engine process loads its model (it reserves no memory up front)
     actor = MegatronTrainWorker(ActorSpec.from_config(cfg), model_path, 0, 1)
     actor.init_process_group(*actor.master_addr_port())
+    phase_done("actor_up")
     params = sum(p.numel() for p in actor.gpt.parameters())
-    log.info("actor up in %.1fs: %.1fM params, %s", time.perf_counter() - t0, params / 1e6, gpu_gib())
+    log.info("actor up: %.1fM params, %s", params / 1e6, gpu_gib())
+    engine = wait_engine(engine_proc, work)
+    phase_done("engine_up")
     actor.connect_rollout([engine.base_url], [1], colocate=True)
+    phase_done("weight_channel")
     if err := actor.update_weights(0):
         sys.exit(f"FAIL: weight push: {err}")
+    phase_done("first_push")
 
     task = TASKS["digit_sum"]
     rows = task.make(args.prompts * args.rollouts, random.Random(0))
@@ -176,6 +200,32 @@ def run(cfg: Config, model_path: str, engine: EngineClient, args: argparse.Names
             }
         )
         log.info("rollout %d: %s", rollout_id, json.dumps({k: round(v, 4) for k, v in figures[-1].items()}))
+        if rollout_id == 0:
+            phase_done("first_rollout")
+
+    # The colocated push (actor onloaded) in turns with a device-to-device copy of the same bytes.
+    actor.onload()
+    sent = sum(t.numel() * t.element_size() for t in actor.named_tensors().values())
+    device = torch.device("cpu" if args.cpu else "cuda")
+    src, dst = torch.empty(sent, dtype=torch.uint8, device=device), torch.empty(sent, dtype=torch.uint8, device=device)
+    version = args.rollouts
+    pushes, copies = [], []
+    for turn in range(args.push_turns + 1):  # the first turn warms both up
+        t = time.perf_counter()
+        dst.copy_(src)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        copy_s = time.perf_counter() - t
+        version += 1
+        t = time.perf_counter()
+        if err := actor.update_weights(version):
+            sys.exit(f"FAIL: weight push: {err}")
+        push_s = time.perf_counter() - t
+        if turn:
+            pushes.append(push_s)
+            copies.append(copy_s)
+    del src, dst
+    push_vs_copy = statistics.median(c / p for c, p in zip(copies, pushes))
 
     # The engine holds the actor's weights (the smallest tensors, exactly).
     actor.onload()
@@ -185,17 +235,22 @@ def run(cfg: Config, model_path: str, engine: EngineClient, args: argparse.Names
         want = mine[name].float()
         if not torch.equal(got.float(), want):
             sys.exit(f"FAIL: engine weight {name} differs from the actor's after sync")
-    assert engine.get_weight_version() == str(args.rollouts)
+    if engine.get_weight_version() != str(version):
+        sys.exit(f"FAIL: the engine reports weight version {engine.get_weight_version()}, want {version}")
     if not args.cpu and not figures[-1]["actor_gib_offloaded"] < 0.1 * figures[-1]["actor_gib_onloaded"]:
         sys.exit(f"FAIL: offload left {figures[-1]['actor_gib_offloaded']:.2f} GiB on the GPU")
 
-    # torch_dist checkpoint round trip on the GPU: the snapshot is what the loop waits for (the
-    # first one also allocates its pinned host buffers), the write runs beside training in a job.
-    t = time.perf_counter()
-    actor.snapshot(str(work / "ckpt"))
-    t_block = time.perf_counter() - t
-    actor.write_snapshot()
-    t_save = time.perf_counter() - t
+    # torch_dist checkpoint round trip on the GPU: the snapshot is what the loop waits for, the
+    # write runs beside training in a job. Twice: the first snapshot allocates its pinned host
+    # buffers and starts the persistent writer; the second is what every later save costs.
+    saves = []
+    for name in ("ckpt0", "ckpt"):
+        t = time.perf_counter()
+        actor.snapshot(str(work / name))
+        t_block = time.perf_counter() - t
+        actor.write_snapshot()
+        saves.append((t_block, time.perf_counter() - t))
+    (first_block, first_save), (t_block, t_save) = saves
     before = actor.state_fingerprint()
     actor.train(args.rollouts, batch)  # move away from the saved weights
     t = time.perf_counter()
@@ -217,15 +272,35 @@ def run(cfg: Config, model_path: str, engine: EngineClient, args: argparse.Names
           f"mean of rollouts 1..{args.rollouts - 1}:")  # fmt: skip
     print(f"  generate        {mean['generate_s']:.3f} s  ({mean['gen_tokens_per_s']:.0f} tokens/s, HF engine on GPU)")
     print(f"  train step      {mean['train_s']:.3f} s  ({mean['train_all_tokens_per_s']:.0f} tokens/s incl. prompts)")
-    print(f"  weight sync     {mean['sync_s']:.3f} s  (CUDA IPC, {params * 2 / 2**20:.0f} MiB bf16)")
+    print(f"  weight sync     {mean['sync_s']:.3f} s  (CUDA IPC, {sent / 2**20:.0f} MiB, the actor offloaded)")
     print(f"  offload/onload  {mean['switch_s']:.3f} s  (actor {mean['actor_gib_onloaded']:.2f} GiB -> "
           f"{mean['actor_gib_offloaded']:.3f} GiB)")  # fmt: skip
     print(f"  |actor - engine logprob| {mean['rollout_logprob_abs_diff']:.4f} per token (actor vs fp32 engine)")
     print(
-        f"checkpoint: save {t_save:.2f} s (the loop blocked {t_block:.2f} s of it: snapshot to host), "
-        f"load {t_load:.2f} s, {size / 2**20:.0f} MiB (torch_dist)"
+        f"push, actor onloaded: {statistics.median(pushes):.4f} s against {statistics.median(copies):.4f} s for a "
+        f"device-to-device copy of the same {sent / 2**20:.0f} MiB ({args.push_turns} turns): "
+        f"{push_vs_copy:.2f}x the copy's speed"
     )
+    print(
+        f"checkpoint: save {t_save:.2f} s (the loop blocked {t_block:.3f} s of it: snapshot to host; the first "
+        f"save {first_save:.2f} s, blocked {first_block:.3f} s), load {t_load:.2f} s, {size / 2**20:.0f} MiB "
+        "(torch_dist)"
+    )
+    print("start-up, s since the engine was launched: " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()))
     print("OK: engine weights == actor weights, offload frees the actor's memory, checkpoint restores")
+    summary = {
+        "ipc_push_vs_d2d_copy": push_vs_copy,
+        "push_s": statistics.median(pushes),
+        "d2d_copy_s": statistics.median(copies),
+        "save_block_fraction": t_block / t_save,
+        "save_blocked_s": t_block,
+        "save_s": t_save,
+        "load_s": t_load,
+        "train_s": mean["train_s"],
+        "generate_s": mean["generate_s"],
+        **{f"startup_{k}_s": v for k, v in phases.items()},
+    }
+    print(json.dumps({k: round(v, 4) for k, v in summary.items()}))
 
 
 if __name__ == "__main__":  # dist_checkpointing starts a spawn Manager: the guard is required
