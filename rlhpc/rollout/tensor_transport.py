@@ -23,10 +23,13 @@ copies and synchronises before it answers (``Engine.load_weights`` in rlhpc.roll
 so once every engine has answered the sender may free its clones; torch keeps a block whose
 receiver still holds a handle in its IPC limbo until ``torch.cuda.ipc_collect``.
 
-Flattened buckets (``load_format="flattened_bucket"`` of ``/update_weights_from_distributed``)
-travel as ONE uint8 tensor per bucket: each tensor's bytes back to back in ``names`` order, no
-padding, every tensor starting at a multiple of its element size (SGLang's receiver checks
-that). ``flat_layout``, ``flatten_into`` and ``unflatten`` below are both ends of that layout.
+Flattened buckets (``load_format="flattened_bucket"``) travel as ONE uint8 tensor per bucket:
+each tensor's bytes back to back in ``names`` order, no padding, every tensor starting at a
+multiple of its element size (SGLang's receiver checks that). ``flat_layout``, ``flatten_into``
+and ``unflatten`` below are both ends of that layout. Over ``/update_weights_from_distributed``
+the tensor is broadcast; over ``/update_weights_from_tensor`` (``serialize_flat_bucket``) it is
+one handle (shared memory or CUDA IPC) beside each tensor's name, shape, dtype and byte span,
+so a push of many tensors opens one mapping per bucket, not one per tensor.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import math
 import pickle
 import threading
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -101,6 +105,17 @@ def adjacent_bytes(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     return torch.empty(0, dtype=torch.uint8, device=first.device).set_(storage, start, (total,))
 
 
+def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` for two 1-D uint8 tensors of one size, viewed as the widest integer
+    type their size and offsets allow: torch copies 1-byte elements ~15 % slower than 4 or 8."""
+    for dtype in (torch.int64, torch.int32, torch.int16):
+        w = dtype.itemsize
+        if dst.numel() % w == 0 and dst.storage_offset() % w == 0 and src.storage_offset() % w == 0:
+            dst.view(dtype).copy_(src.view(dtype))
+            return
+    dst.copy_(src)
+
+
 def flatten_parameters(module: torch.nn.Module, shapes: dict[str, torch.Size] | None = None) -> None:
     """Lay a module's parameters back to back in one buffer per dtype, in ``named_parameters``
     order (the order a trainer sends them in), so a flattened bucket of them is a view: sent
@@ -157,32 +172,51 @@ def _file_system_sharing() -> Iterator[None]:
             torch_mp.set_sharing_strategy(before)
 
 
+def _dump(obj: Any, shared: list[torch.Tensor], receivers: int) -> str:
+    """base64 of a ForkingPickler dump of ``obj``, whose tensors are ``shared``; ``receivers``:
+    how many processes unpickle this one payload (every TP rank of every engine)."""
+    from multiprocessing.reduction import ForkingPickler
+
+    buf = io.BytesIO()
+    with _file_system_sharing():
+        ForkingPickler(buf).dump(obj)
+    # Pickling a shared CPU storage counts one reference and every unpickling drops one; with
+    # more than one receiver the count would reach zero early and unlink a segment the sender
+    # keeps using (a staging buffer, shared weights), so count the other receivers too.
+    for t in shared:
+        if not t.is_cuda:
+            for _ in range(receivers - 1):
+                t.untyped_storage()._shared_incref()
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
 def serialize_named_tensors(
     named_tensors: list[tuple[str, torch.Tensor]], clone: bool = True, receivers: int = 1
 ) -> tuple[str, list[torch.Tensor]]:
-    """Return (base64 payload, the tensors that must stay alive until the engine has loaded them).
-
-    ``clone=False``: the tensors are pickled as they are, for CPU tensors already in shared
-    memory (``SharedStaging``, ``share_memory_by_name``) or CUDA tensors the caller keeps unchanged
-    until the engines answered. ``receivers``: how many processes unpickle this one payload
-    (every TP rank of every engine)."""
-    from multiprocessing.reduction import ForkingPickler
-
+    """SGLang's default payload, [(name, tensor), ...] (what its own clients send; the senders
+    here send flattened buckets). Returns (base64 payload, the tensors that must stay alive until
+    the engine has loaded them). ``clone=False``: the tensors are pickled as they are, for CPU
+    tensors already in shared memory or CUDA tensors the caller keeps unchanged until the
+    engines answered."""
     if clone:
         keep = [t.detach().clone(memory_format=torch.contiguous_format) for _, t in named_tensors]
     else:
         keep = [t.detach() for _, t in named_tensors]
-    buf = io.BytesIO()
-    with _file_system_sharing():
-        ForkingPickler(buf).dump([(name, t) for (name, _), t in zip(named_tensors, keep)])
-    # Pickling a shared CPU storage counts one reference and every unpickling drops one; with
-    # more than one receiver the count would reach zero early and unlink a segment the sender
-    # keeps using (a staging buffer, shared weights), so count the other receivers too.
-    for t in keep:
-        if not t.is_cuda:
-            for _ in range(receivers - 1):
-                t.untyped_storage()._shared_incref()
-    return base64.b64encode(buf.getvalue()).decode("ascii"), keep
+    return _dump([(name, t) for (name, _), t in zip(named_tensors, keep)], keep, receivers), keep
+
+
+def serialize_flat_bucket(flat: torch.Tensor, names: list[str], tensors: list[torch.Tensor], receivers: int = 1) -> str:
+    """SGLang's ``flattened_bucket`` payload for ``/update_weights_from_tensor``: ``flat`` (uint8,
+    ``tensors``' bytes back to back, in shared memory or on a GPU: it travels as a handle, and
+    must stay unchanged until the engines answered) and per tensor its name, shape, dtype and
+    byte span. The metadata are ``SimpleNamespace``s with the fields of SGLang's
+    ``FlattenedTensorMetadata``, which its safe unpickler accepts; no SGLang import here."""
+    spans = flat_layout([t.dtype for t in tensors], [list(t.shape) for t in tensors])
+    metadata = [
+        SimpleNamespace(name=n, shape=t.shape, dtype=t.dtype, start_idx=start, end_idx=end, numel=end - start)
+        for n, t, (start, end) in zip(names, tensors, spans)
+    ]
+    return _dump({"flattened_tensor": flat, "metadata": metadata}, [flat], receivers)
 
 
 def share_memory_by_name(module: torch.nn.Module) -> None:
@@ -194,8 +228,10 @@ def share_memory_by_name(module: torch.nn.Module) -> None:
 
 
 def sendable_as_is(tensors: list[torch.Tensor]) -> bool:
-    """CPU tensors already in shared memory need neither a clone nor a staging copy."""
-    return all(t.device.type == "cpu" and t.is_shared() for t in tensors)
+    """A colocated bucket that needs no packing: the tensors lie back to back in one storage, in
+    this order (``flatten_parameters``), in shared memory (``share_memory_by_name``) or on a GPU."""
+    flat = adjacent_bytes(tensors)
+    return flat is not None and (flat.is_cuda or flat.is_shared())
 
 
 class SharedStaging:
@@ -207,11 +243,8 @@ class SharedStaging:
     def __init__(self) -> None:
         self._buf: torch.Tensor | None = None
 
-    def pack(self, named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-        """The tensors copied back to back into the buffer; returns views of it, by name."""
-        tensors = [t.detach() for _, t in named]
-        order = flat_order(tensors)
-        tensors = [tensors[i] for i in order]
+    def pack(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """The tensors copied back to back into the buffer (in this order); returns that part of it."""
         total = sum(nbytes(t) for t in tensors)
         if self._buf is None or self._buf.numel() < total:
             self._buf = None  # drop the old segment before mapping a bigger one
@@ -219,9 +252,7 @@ class SharedStaging:
             with _file_system_sharing():
                 buf.share_memory_()
             self._buf = buf
-        flat = flatten_into(tensors, self._buf)
-        views = unflatten(flat, [t.dtype for t in tensors], [list(t.shape) for t in tensors])
-        return [(named[i][0], v) for i, v in zip(order, views)]
+        return flatten_into(tensors, self._buf)
 
     def close(self) -> None:
         self._buf = None
@@ -241,6 +272,7 @@ _ALLOWED_GLOBALS = {
     ("torch", "Size"),
     ("torch.storage", "UntypedStorage"),
     ("torch.storage", "TypedStorage"),
+    ("types", "SimpleNamespace"),  # a flattened bucket's metadata (serialize_flat_bucket)
 }
 _REFUSED_GLOBALS = {
     "rebuild_storage_fd": "the sender shared tensors by file descriptor, which only its own child "
@@ -269,17 +301,52 @@ class TensorUnpickler(pickle.Unpickler):
         raise TensorPayloadError(f"refusing to unpickle {module}.{name} from a weight payload")
 
 
-def deserialize_named_tensors(payload: str, allow_cuda: bool = False) -> list[tuple[str, torch.Tensor]]:
-    """Unpickle [(name, tensor), ...]; ``allow_cuda`` lets CUDA IPC handles through (GPU engine)."""
+def _load(payload: str, allow_cuda: bool) -> Any:
     try:
         raw = base64.b64decode(payload, validate=True)
-        named = TensorUnpickler(io.BytesIO(raw), allow_cuda).load()
+        return TensorUnpickler(io.BytesIO(raw), allow_cuda).load()
     except TensorPayloadError:
         raise
     except Exception as e:
         raise TensorPayloadError(f"cannot read serialized_named_tensors: {type(e).__name__}: {e}") from e
+
+
+def deserialize_named_tensors(payload: str, allow_cuda: bool = False) -> list[tuple[str, torch.Tensor]]:
+    """Unpickle [(name, tensor), ...]; ``allow_cuda`` lets CUDA IPC handles through (GPU engine)."""
+    named = _load(payload, allow_cuda)
     if not isinstance(named, list) or not all(
         isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str) and isinstance(x[1], torch.Tensor) for x in named
     ):
         raise TensorPayloadError("serialized_named_tensors must hold a list of (name, tensor) pairs")
+    return named
+
+
+def deserialize_flat_bucket(payload: str, allow_cuda: bool = False) -> list[tuple[str, torch.Tensor]]:
+    """A ``flattened_bucket`` payload as views of each named tensor in its flat tensor (no copy);
+    every span must lie inside it and hold its shape and dtype, aligned to its element size."""
+    obj = _load(payload, allow_cuda)
+    flat = obj.get("flattened_tensor") if isinstance(obj, dict) else None
+    metadata = obj.get("metadata") if isinstance(obj, dict) else None
+    if not isinstance(flat, torch.Tensor) or not isinstance(metadata, list):
+        raise TensorPayloadError("a flattened_bucket payload holds {'flattened_tensor': tensor, 'metadata': [...]}")
+    if flat.dtype != torch.uint8 or flat.dim() != 1:
+        raise TensorPayloadError(f"flattened_tensor must be 1-D uint8, not {flat.dtype} of shape {list(flat.shape)}")
+    named = []
+    for m in metadata:
+        try:
+            name, shape, dtype, start, end = m.name, torch.Size(m.shape), m.dtype, int(m.start_idx), int(m.end_idx)
+        except (AttributeError, TypeError, ValueError) as e:
+            raise TensorPayloadError(f"bad flattened_bucket metadata {m!r}: {e}") from e
+        if not isinstance(name, str) or not isinstance(dtype, torch.dtype):
+            raise TensorPayloadError(f"bad flattened_bucket metadata {m!r}: name must be a str, dtype a torch.dtype")
+        if (
+            not 0 <= start <= end <= flat.numel()
+            or end - start != shape.numel() * dtype.itemsize
+            or start % dtype.itemsize
+        ):
+            raise TensorPayloadError(
+                f"{name}: bytes {start}..{end} of a {flat.numel()}-byte bucket do not hold an aligned {dtype} "
+                f"tensor of shape {list(shape)}"
+            )
+        named.append((name, flat[start:end].view(dtype).view(shape)))
     return named

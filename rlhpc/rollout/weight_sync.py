@@ -8,9 +8,11 @@ Two channels, chosen by placement:
   (``/update_weights_from_distributed``, ``load_format="flattened_bucket"``) and broadcast from
   rank 0 as ONE flat tensor (SGLang's FlattenedTensorBucket layout); the next bucket is packed
   while this one is on the wire.
-- colocate (``TensorWeightSender``): engines share the trainer's node, so tensors travel as
-  shared-memory handles inside ``/update_weights_from_tensor`` (see ``rlhpc.rollout.tensor_transport``):
-  from a staging buffer kept between pushes, or, for weights already in shared memory, as they are.
+- colocate (``TensorWeightSender``): engines share the trainer's node, so each bucket travels as
+  ONE handle (shared memory, or CUDA IPC on a GPU) inside ``/update_weights_from_tensor``,
+  ``load_format="flattened_bucket"`` (see ``rlhpc.rollout.tensor_transport``): of a buffer kept
+  between pushes the bucket is packed into, or, for weights already lying flat in shared memory
+  or on the GPU, of the weights as they are.
 
 Both pause generation first (a push of one bucket sends it with ``abort_all_requests`` instead),
 open a weight-update session on every engine (``/begin_weight_update``: SGLang refuses updates
@@ -45,7 +47,7 @@ from rlhpc.rollout.tensor_transport import (
     flatten_into,
     nbytes,
     sendable_as_is,
-    serialize_named_tensors,
+    serialize_flat_bucket,
 )
 from rlhpc.rollout.weight_update_group import (
     DEFAULT_TIMEOUT,
@@ -69,6 +71,13 @@ DEFAULT_GROUP_NAME = "rlhpc_weight_sync"
 def dtype_name(dtype: torch.dtype) -> str:
     """SGLang's dtype strings: ``getattr(torch, name)`` on the engine side."""
     return str(dtype).removeprefix("torch.")
+
+
+def in_flat_order(bucket: list[tuple[str, torch.Tensor]]) -> tuple[list[str], list[torch.Tensor]]:
+    """A bucket's names and tensors in flattened-bucket order (``flat_order``)."""
+    tensors = [t.detach() for _, t in bucket]
+    order = flat_order(tensors)
+    return [bucket[i][0] for i in order], [tensors[i] for i in order]
 
 
 def iter_buckets(
@@ -407,10 +416,7 @@ class DistributedWeightSender(_SenderBase):
         if item is None:
             return None
         bucket, last = item
-        tensors = [t.detach() for _, t in bucket]
-        order = flat_order(tensors)
-        tensors = [tensors[i] for i in order]
-        names = [bucket[i][0] for i in order]
+        names, tensors = in_flat_order(bucket)
         flat = adjacent_bytes(tensors)
         if flat is None:
             total = sum(nbytes(t) for t in tensors)
@@ -485,12 +491,14 @@ class DistributedWeightSender(_SenderBase):
 
 
 class TensorWeightSender(_SenderBase):
-    """Colocated engines (same node): tensors as shared-memory handles (CPU) or CUDA IPC handles
-    (GPU), no second copy over HTTP.
+    """Colocated engines (same node): each bucket as one flat tensor passed by handle (shared
+    memory on CPU, CUDA IPC on a GPU), no bytes over HTTP; each engine copies it once.
 
-    CPU tensors already in shared memory (``share_memory_by_name``) go as they are; others are
-    copied once into a shared staging buffer kept between pushes (one bucket). CUDA tensors are
-    cloned per bucket and travel as IPC handles."""
+    A bucket already lying flat in one storage (``flatten_parameters``; on CPU also in shared
+    memory, ``share_memory_by_name``) goes as it is. Any other is packed: on CPU into a
+    shared-memory segment kept between pushes (the engines map it once); on a GPU into one
+    device buffer per push, given back after it (an offloaded actor leaves the GPU to the
+    engines between pushes)."""
 
     def __init__(self, clients: list[EngineClient], engine_world_sizes: list[int], bucket_bytes: int):
         super().__init__(clients, engine_world_sizes, bucket_bytes)
@@ -500,20 +508,26 @@ class TensorWeightSender(_SenderBase):
         self, buckets: Iterator[tuple[list[tuple[str, torch.Tensor]], bool]], version: str, abort_all: bool
     ) -> int:
         n = 0
+        device_buf: torch.Tensor | None = None  # a GPU bucket's packing buffer, for this push
         for bucket, last in buckets:
-            tensors = [t for _, t in bucket]
-            receivers = sum(self.engine_world_sizes)
+            names, tensors = in_flat_order(bucket)
             if sendable_as_is(tensors):
-                payload, keep = serialize_named_tensors(bucket, clone=False, receivers=receivers)
-            elif all(t.device.type == "cpu" for t in tensors):
-                payload, keep = serialize_named_tensors(self._staging.pack(bucket), False, receivers)
+                flat = adjacent_bytes(tensors)
+            elif tensors[0].device.type == "cpu":
+                flat = self._staging.pack(tensors)
             else:
-                payload, keep = serialize_named_tensors(bucket, receivers=receivers)
+                total = sum(nbytes(t) for t in tensors)
+                if device_buf is None or device_buf.numel() < total:
+                    device_buf = None  # back to the allocator before a bigger one
+                    device_buf = torch.empty(total, dtype=torch.uint8, device=tensors[0].device)
+                flat = flatten_into(tensors, device_buf)
+            payload = serialize_flat_bucket(flat, names, tensors, receivers=sum(self.engine_world_sizes))
             posts = [
                 self._pool.submit(
                     c.update_weights_from_tensor,
                     P.UpdateWeightsFromTensorReqInput(
                         serialized_named_tensors=[payload] * tp,  # SGLang wants one entry per TP rank
+                        load_format=FLATTENED_BUCKET,
                         flush_cache=last,
                         abort_all_requests=abort_all,
                         weight_version=version if last else None,
@@ -521,12 +535,12 @@ class TensorWeightSender(_SenderBase):
                 )
                 for c, tp in zip(self.clients, self.engine_world_sizes)
             ]
+            # every engine has copied the bucket out once it answered: the buffer may be packed again
             self._last_answers = [self._result(f, c) for f, c in zip(posts, self.clients)]
-            on_gpu = any(t.is_cuda for t in keep)
-            del keep  # every engine has copied its weights out of shared memory by now
-            if on_gpu:
-                torch.cuda.ipc_collect()  # free clones whose handles the engines have closed
             n += 1
+        if device_buf is not None:
+            del device_buf, flat
+            torch.cuda.ipc_collect()  # free it once the engines have closed their handles
         return n
 
     def close(self) -> None:

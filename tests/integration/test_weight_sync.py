@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import re
 import socket
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -36,6 +37,7 @@ from rlhpc.rollout.tensor_transport import (
     deserialize_named_tensors,
     flat_order,
     flatten_into,
+    flatten_parameters,
     serialize_named_tensors,
     share_memory_by_name,
     unflatten,
@@ -495,14 +497,16 @@ def test_colocated_pushes_reuse_the_staging_buffer_or_send_shared_weights_as_the
             assert_engine_holds(c, model)
     staged = sender._staging._buf
     assert staged is not None and staged.is_shared()
+    staged_bytes = staged.clone()
 
-    share_memory_by_name(model)  # the trainer's weights in shared memory: handles sent as they are
+    flatten_parameters(model)  # the trainer's weights flat in shared memory: each bucket sent as it is
+    share_memory_by_name(model)
     for version in (52, 53):
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(0.25)
         sender.send(named(model), version=version)
-        assert sender._staging._buf is staged  # not used, not grown
+        assert sender._staging._buf is staged and torch.equal(staged, staged_bytes)  # not used
         for c in engines:
             assert c.get_weight_version() == str(version)
             assert_engine_holds(c, model)
@@ -546,6 +550,51 @@ def test_cuda_ipc_tensors_are_unpickled_only_on_a_gpu_engine() -> None:
     assert TensorUnpickler(io.BytesIO(), allow_cuda=True).find_class(*where).__name__ == where[1]
     with pytest.raises(TensorPayloadError, match="refusing to unpickle os.system"):
         TensorUnpickler(io.BytesIO(), allow_cuda=True).find_class("os", "system")
+
+
+def forking_dump(obj: object) -> bytes:
+    """``obj`` pickled as the senders pickle (shared CPU tensors by /dev/shm name)."""
+    from multiprocessing.reduction import ForkingPickler
+
+    before = torch.multiprocessing.get_sharing_strategy()
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    try:
+        buf = io.BytesIO()
+        ForkingPickler(buf).dump(obj)
+        return buf.getvalue()
+    finally:
+        torch.multiprocessing.set_sharing_strategy(before)
+
+
+def test_flat_bucket_payloads_are_checked_before_any_byte_lands(engines: list[EngineClient], model_path: str) -> None:
+    """A span outside the bucket, of the wrong size or misaligned, or a payload that is not a bucket,
+    is refused with the reason; the engine keeps its weights."""
+    import base64
+    from types import SimpleNamespace
+
+    c = engines[0]
+    before = c.get_weights_by_name("model.norm.weight", truncate_size=4)
+    flat = torch.zeros(64, dtype=torch.uint8)
+    flat.share_memory_()  # never unpickled: every payload below is refused first or names no tensor
+
+    def meta(start: int, end: int, shape: list[int], dtype: torch.dtype = torch.float32) -> SimpleNamespace:
+        return SimpleNamespace(name="model.norm.weight", shape=torch.Size(shape), dtype=dtype, start_idx=start,
+                               end_idx=end, numel=end - start)  # fmt: skip
+
+    cases = [
+        ({"flattened_tensor": flat, "metadata": [meta(0, 80, [20])]}, "do not hold an aligned"),  # past the end
+        ({"flattened_tensor": flat, "metadata": [meta(0, 12, [4])]}, "do not hold an aligned"),  # wrong size
+        ({"flattened_tensor": flat, "metadata": [meta(2, 6, [1])]}, "do not hold an aligned"),  # misaligned
+        ({"flattened_tensor": flat, "metadata": ["x"]}, "bad flattened_bucket metadata"),
+        ([("model.norm.weight", flat)], "holds {'flattened_tensor'"),
+        ({"flattened_tensor": flat.view(torch.int32), "metadata": []}, "must be 1-D uint8"),
+    ]
+    for obj, why in cases:
+        raw = base64.b64encode(forking_dump(obj)).decode()
+        req = P.UpdateWeightsFromTensorReqInput(serialized_named_tensors=[raw], load_format=P.FLATTENED_BUCKET)
+        with pytest.raises(RlhpcError, match=re.escape(why)), update_session(c):
+            c.update_weights_from_tensor(req)
+    assert c.get_weights_by_name("model.norm.weight", truncate_size=4) == before
 
 
 def test_serialized_tensors_round_trip_in_process() -> None:

@@ -325,6 +325,48 @@ def flattened_bucket_receive() -> BucketReceive:
     return BucketReceive(broadcasts, ctor, params, flat_dtype, checks_alignment, back_to_back)
 
 
+@dataclass(frozen=True)
+class TensorBucketReceive:
+    """How SGLang takes a flattened bucket inside ``/update_weights_from_tensor``."""
+
+    payload_keys: frozenset[str]  # the keys it reads from the unpickled payload
+    metadata_fields: tuple[str, ...]  # FlattenedTensorMetadata's fields, read as attributes
+    flat_view: str  # how it cuts one tensor out of the flat one
+
+
+@functools.cache
+def flattened_bucket_from_tensor() -> TensorBucketReceive:
+    fn = _functions(WEIGHT_UPDATER)["_update_weights_from_flattened_bucket"]
+    keys = frozenset(
+        n.slice.value
+        for n in ast.walk(fn)
+        if isinstance(n, ast.Subscript) and isinstance(n.slice, ast.Constant) and isinstance(n.slice.value, str)
+    )
+    meta = _classes(TENSOR_BUCKET)["FlattenedTensorMetadata"]
+    fields = tuple(
+        st.target.id for st in meta.body if isinstance(st, ast.AnnAssign) and isinstance(st.target, ast.Name)
+    )
+    rebuild = _functions(TENSOR_BUCKET)["reconstruct_tensors"]
+    view = next(
+        ast.unparse(n)
+        for n in ast.walk(rebuild)
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "reshape"
+    )
+    return TensorBucketReceive(keys, fields, view)
+
+
+@functools.cache
+def safe_unpickler_globals() -> frozenset[tuple[str, str]]:
+    """The (module, name) pairs SGLang's SafeUnpickler lets a tensor payload name."""
+    cls = _classes("sglang/srt/utils/common.py")["SafeUnpickler"]
+    for st in cls.body:
+        if isinstance(st, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "ALLOWED_GLOBALS" for t in st.targets
+        ):
+            return frozenset(ast.literal_eval(st.value))
+    raise AssertionError("SafeUnpickler.ALLOWED_GLOBALS not found")
+
+
 TOKENIZER_CONTROL = "sglang/srt/managers/tokenizer_control_mixin.py"
 
 

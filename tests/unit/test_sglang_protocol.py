@@ -152,6 +152,43 @@ def test_our_flat_layout_follows_sglangs_rules() -> None:
     flat_layout([tensors[i].dtype for i in order], [list(tensors[i].shape) for i in order])
 
 
+def test_colocated_flattened_bucket_is_what_sglang_unpickles() -> None:
+    """TensorWeightSender's payload: a dict of SGLang's keys, metadata with its
+    FlattenedTensorMetadata fields, and only globals its SafeUnpickler allows (no SGLang class
+    pickled by name: the trainer does not import SGLang)."""
+    import base64
+    import io
+    import pickle
+
+    import torch
+
+    from rlhpc.rollout.tensor_transport import SharedStaging, deserialize_flat_bucket, serialize_flat_bucket
+
+    assert P.FLATTENED_BUCKET in sgl.load_formats_compared(sgl.WEIGHT_UPDATER, "update_weights_from_tensor")
+    theirs = sgl.flattened_bucket_from_tensor()
+    tensors = [torch.arange(6.0).reshape(2, 3), torch.tensor([7, 8], dtype=torch.int16)]
+    staging = SharedStaging()
+    payload = serialize_flat_bucket(staging.pack(tensors), ["a", "b"], tensors)
+
+    named: list[tuple[str, str]] = []
+
+    class Recording(pickle.Unpickler):
+        def find_class(self, module: str, name: str):  # noqa: ANN202
+            named.append((module, name))
+            return super().find_class(module, name)
+
+    obj = Recording(io.BytesIO(base64.b64decode(payload))).load()
+    assert set(obj) == theirs.payload_keys == {"flattened_tensor", "metadata"}
+    assert set(named) <= sgl.safe_unpickler_globals(), set(named) - sgl.safe_unpickler_globals()
+    for meta in obj["metadata"]:
+        assert all(hasattr(meta, f) for f in theirs.metadata_fields), theirs.metadata_fields
+    # SGLang cuts each tensor out as flat[start:end].view(dtype).reshape(shape): so does the CPU engine
+    assert theirs.flat_view == "self.flattened_tensor[meta.start_idx:meta.end_idx].view(meta.dtype).reshape(meta.shape)"
+    got = deserialize_flat_bucket(payload)
+    assert [n for n, _ in got] == ["a", "b"] and all(torch.equal(x, y) for (_, x), y in zip(got, tensors))
+    staging.close()
+
+
 @pytest.mark.parametrize("function", ["update_weights_from_distributed", "update_weights_from_tensor"])
 def test_a_weight_update_answer_confirms_the_version_as_sglangs_does(function: str) -> None:
     """The sender reads the version from the last bucket's answer instead of asking again."""

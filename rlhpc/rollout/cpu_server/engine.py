@@ -30,6 +30,8 @@ from rlhpc.rollout.sampling import RECOMPUTE, sample
 from rlhpc.rollout.tensor_transport import (
     TensorPayloadError,
     adjacent_bytes,
+    copy_bytes,
+    deserialize_flat_bucket,
     deserialize_named_tensors,
     flat_layout,
     flatten_parameters,
@@ -263,8 +265,14 @@ class Engine:
             if "weights" in self.released:
                 raise EngineError("weights are released; resume_memory_occupation(['weights']) before updating")
             with torch.no_grad():
-                for name, t in named:
-                    table[name].copy_(t)  # casts if the trainer's dtype differs
+                # a flat bucket into flat parameters of the same layout: one copy, not one per tensor
+                dst = adjacent_bytes([table[name].data for name, _ in named])
+                src = adjacent_bytes([t for _, t in named]) if dst is not None else None
+                if src is not None and all(t.dtype == table[name].dtype for name, t in named):
+                    copy_bytes(dst, src)
+                else:
+                    for name, t in named:
+                        table[name].copy_(t)  # casts if the trainer's dtype differs
             if self.device.type == "cuda":
                 # copy_ is asynchronous on CUDA; the sender frees (or reuses) its IPC/broadcast
                 # memory as soon as we answer, so the copies must be done first.
@@ -413,15 +421,16 @@ class Engine:
 
     def update_from_tensor(self, req: P.UpdateWeightsFromTensorReqInput) -> str:
         self._require_session(P.Route.UPDATE_WEIGHTS_FROM_TENSOR)
-        if req.load_format not in (None, "direct", "default"):
+        if req.load_format not in (None, "direct", "default", P.FLATTENED_BUCKET):
             raise EngineError(f"load_format {req.load_format!r} is not supported by the CPU engine")
         if not req.serialized_named_tensors:
             raise EngineError("serialized_named_tensors is empty")
         if req.abort_all_requests:
             self.abort(abort_all=True)
         # this engine is TP rank 0 of 1; CUDA IPC handles only open on a GPU engine
+        read = deserialize_flat_bucket if req.load_format == P.FLATTENED_BUCKET else deserialize_named_tensors
         try:
-            named = deserialize_named_tensors(req.serialized_named_tensors[0], allow_cuda=self.device.type == "cuda")
+            named = read(req.serialized_named_tensors[0], allow_cuda=self.device.type == "cuda")
         except TensorPayloadError as e:
             raise EngineError(str(e)) from e
         self.load_weights(named, req.weight_version)
