@@ -16,12 +16,13 @@ CPU tensors go either through ``SharedStaging`` (one copy into a segment kept be
 when the trainer put its weights in shared memory itself (``share_memory_by_name``), as they are:
 then each engine copies the bytes once and nothing else moves them.
 
-CUDA tensors stay on their GPU (the clone is a device copy, about one bucket of extra memory):
-ForkingPickler turns them into IPC handles whatever the sharing strategy, with an event the
-receiver waits on before reading, so the clone is complete when the engine copies. The engine
-copies and synchronises before it answers (``Engine.load_weights`` in rlhpc.rollout.cpu_server),
-so once every engine has answered the sender may free its clones; torch keeps a block whose
-receiver still holds a handle in its IPC limbo until ``torch.cuda.ipc_collect``.
+CUDA tensors stay on their GPU (packed into a device buffer, about one bucket of extra memory,
+unless they lie flat already): ForkingPickler turns them into IPC handles whatever the sharing
+strategy, with an event the receiver waits on before reading, so the packing is complete when
+the engine copies. The engine copies and synchronises before it answers (``Engine.load_weights``
+in rlhpc.rollout.cpu_server), so once every engine has answered the sender may reuse or free the
+buffer; torch keeps a block whose receiver still holds a handle in its IPC limbo until
+``torch.cuda.ipc_collect``.
 
 Flattened buckets (``load_format="flattened_bucket"``) travel as ONE uint8 tensor per bucket:
 each tensor's bytes back to back in ``names`` order, no padding, every tensor starting at a

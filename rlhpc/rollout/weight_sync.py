@@ -10,9 +10,10 @@ Two channels, chosen by placement:
   while this one is on the wire.
 - colocate (``TensorWeightSender``): engines share the trainer's node, so each bucket travels as
   ONE handle (shared memory, or CUDA IPC on a GPU) inside ``/update_weights_from_tensor``,
-  ``load_format="flattened_bucket"`` (see ``rlhpc.rollout.tensor_transport``): of a buffer kept
-  between pushes the bucket is packed into, or, for weights already lying flat in shared memory
-  or on the GPU, of the weights as they are.
+  ``load_format="flattened_bucket"`` (see ``rlhpc.rollout.tensor_transport``): of the buffer the
+  bucket is packed into (on CPU a shared-memory segment kept between pushes, on a GPU a device
+  buffer for the push), or, for weights already lying flat in shared memory or on the GPU, of
+  the weights as they are.
 
 Both pause generation first (a push of one bucket sends it with ``abort_all_requests`` instead),
 open a weight-update session on every engine (``/begin_weight_update``: SGLang refuses updates
