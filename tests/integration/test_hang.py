@@ -14,7 +14,7 @@ from support.jobs import REPO, job_args, rollouts
 
 from rlhpc.launch.restarts import read_history
 
-# Rollouts take ~0.3 s here: with only 6, a loaded machine finished the run while the test looked
+# Rollouts take ~0.1 s here: with only 6, a loaded machine finished the run while the test looked
 # for the rank's pid (measured in CI), and the hang then hit nothing.
 NUM_ROLLOUT = 30
 OVERRIDES = (f"rollout.num_rollout={NUM_ROLLOUT}", "checkpoint.save_interval=2", "eval.interval=null")
@@ -74,6 +74,19 @@ def hang_a_rank(run: Path, proc: subprocess.Popen, sig: int = signal.SIGSTOP) ->
     return pid
 
 
+def wait_until_blocked(run: Path, quiet_s: float = 3.0) -> None:
+    """Until no rollout has been logged for ``quiet_s`` (a rollout takes ~0.1 s): the loop then
+    waits on the stopped rank. A stop request before that can land at a safe point between two
+    rollouts with everything trained already saved, and stop the job without asking the rank."""
+    deadline = time.time() + 120
+    seen, since = len(rollouts(run)), time.time()
+    while time.time() - since < quiet_s:
+        assert time.time() < deadline, "rollouts kept coming with the rank stopped"
+        time.sleep(0.1)
+        if (n := len(rollouts(run))) != seen:
+            seen, since = n, time.time()
+
+
 def finish(proc: subprocess.Popen, hung: int | None) -> str:
     try:
         out, _ = proc.communicate(timeout=900)
@@ -121,7 +134,8 @@ def test_a_stop_request_is_honoured_while_a_rank_hangs(tmp_path):
     hung = None
     try:
         hung = hang_a_rank(run, proc)
-        os.kill(task_pid(run), signal.SIGUSR2)  # a preemption warning while the rank hangs
+        wait_until_blocked(run)
+        os.kill(task_pid(run), signal.SIGUSR2)  # a preemption warning while the loop waits on the hung rank
     finally:
         out = finish(proc, hung)
     said = check_requeued_and_finished(run, proc, out, hung)
