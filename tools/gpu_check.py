@@ -205,7 +205,8 @@ def run(
 
     # The colocated push (actor onloaded) in turns with a device-to-device copy of the same bytes.
     actor.onload()
-    sent = sum(t.numel() * t.element_size() for t in actor.named_tensors().values())
+    mine = actor.named_tensors()  # the weights every push below sends (nothing trains in between)
+    sent = sum(t.numel() * t.element_size() for t in mine.values())
     device = torch.device("cpu" if args.cpu else "cuda")
     src, dst = torch.empty(sent, dtype=torch.uint8, device=device), torch.empty(sent, dtype=torch.uint8, device=device)
     version = args.rollouts
@@ -228,8 +229,6 @@ def run(
     push_vs_copy = statistics.median(c / p for c, p in zip(copies, pushes))
 
     # The engine holds the actor's weights (the smallest tensors, exactly).
-    actor.onload()
-    mine = actor.named_tensors()
     for name in ("model.norm.weight", "model.layers.0.input_layernorm.weight"):
         got = torch.tensor(engine.get_weights_by_name(name, truncate_size=10**9))
         want = mine[name].float()

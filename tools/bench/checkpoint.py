@@ -52,7 +52,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy
@@ -81,11 +80,6 @@ def filesystem_of(path: Path) -> str:
     except OSError:
         pass
     return found
-
-
-def median_of(repeats: int, fn: Callable[[int], float]) -> tuple[float, list[float]]:
-    times = [fn(i) for i in range(repeats)]
-    return statistics.median(times), times
 
 
 # ---------------------------------------------------------------- plain I/O
