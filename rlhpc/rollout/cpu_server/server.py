@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 import uvicorn
+import uvloop
 
 from rlhpc.rollout.cpu_server.app import build_app
 from rlhpc.rollout.cpu_server.engine import Engine
@@ -36,8 +37,9 @@ def _write_ready_file(path: Path, info: dict[str, Any]) -> None:
 
 def _bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets whose proto says TCP; without it
-    # a JSON answer (headers, then body) waits out the client's 40 ms delayed ACK on every call
+    # IPPROTO_TCP, not 0: asyncio's own loop sets TCP_NODELAY only on sockets whose proto says TCP
+    # (uvloop on every TCP socket); without it a JSON answer (headers, then body) waits out the
+    # client's 40 ms delayed ACK on every call
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))  # port 0: the kernel picks a free port, no probe-then-bind race
@@ -110,9 +112,12 @@ def main(argv: list[str] | None = None) -> None:
     app = build_app(engine, address, read_key(args.api_key_file) if args.api_key_file is not None else None)
     # Keep idle connections well past uvicorn's 5 s: the pool's clients reuse theirs after a
     # training step, and a server closing one just as a request goes out resets that request.
+    # httptools and uvloop (below), as SGLang's server: a round trip ~0.15 ms (25%) shorter than
+    # with h11 and asyncio's own loop, and a push or a rollout is a few of them.
     config = uvicorn.Config(
-        app, log_level="warning", access_log=False, timeout_graceful_shutdown=3, lifespan="off", timeout_keep_alive=300
-    )
+        app, log_level="warning", access_log=False, timeout_graceful_shutdown=3, lifespan="off",
+        timeout_keep_alive=300, http="httptools",
+    )  # fmt: skip
     server = uvicorn.Server(config)
     if args.parent_pid:
         threading.Thread(target=_watch_parent, args=(args.parent_pid, server), daemon=True).start()
@@ -132,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
 
     code = 0
     try:
-        asyncio.run(serve())
+        uvloop.run(serve())
     except Exception:
         log.exception("server failed")
         code = 1
