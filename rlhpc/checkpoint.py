@@ -41,7 +41,6 @@ then neither resumes from nor prunes into the old ones, and nothing is deleted; 
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
@@ -55,7 +54,7 @@ from pathlib import Path, PurePosixPath
 from typing import NoReturn
 
 from rlhpc.errors import RlhpcError
-from rlhpc.util.files import fsync_dir, write_atomic
+from rlhpc.util.files import disk_full, disk_space, fsync_dir, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -183,23 +182,6 @@ def validate(path: Path, content: bool = True) -> str | None:
         except OSError as e:
             return f"{path.name}: cannot read {rel} ({e})"
     return None
-
-
-def _mount_point(path: Path) -> Path:
-    path = path.resolve()
-    while not os.path.ismount(path) and path != path.parent:
-        path = path.parent
-    return path
-
-
-def _disk_space(path: Path) -> str:
-    """Which filesystem holds ``path`` and how full it is, for an error message."""
-    try:
-        st = os.statvfs(path)
-    except OSError:
-        return f"the filesystem holding {path} cannot be queried"
-    free, total = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
-    return f"the filesystem mounted at {_mount_point(path)} (holding {path}) has {free} bytes free of {total}"
 
 
 @dataclass
@@ -403,7 +385,7 @@ class CheckpointManager:
         try:
             write_atomic(self.root / LATEST, final.name + "\n")
         except OSError as e:  # the checkpoint itself is complete; resume does not need the pointer
-            log.warning("checkpoint %s saved, but %s was not updated: %s; %s", final, LATEST, e, _disk_space(self.root))
+            log.warning("checkpoint %s saved, but %s was not updated: %s; %s", final, LATEST, e, disk_space(self.root))
         self._retain(final, rollout_id)
         log.info("checkpoint %s saved", final)
         return Checkpoint(final, rollout_id, state)
@@ -415,14 +397,13 @@ class CheckpointManager:
             if previous
             else "there is no earlier checkpoint: a resubmission starts the run over"
         )
-        full = getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "No space left" in str(e)
         fix = (
             "free space on that filesystem (or raise the quota), or use a run dir on one with room"
-            if full
+            if disk_full(e)
             else f"check that {self.root} is writable and its filesystem healthy"
         )
         return CheckpointSaveError(
-            f"saving the checkpoint of rollout {rollout_id} failed: {e}; {_disk_space(self.root)}", f"{fix}; {kept}"
+            f"saving the checkpoint of rollout {rollout_id} failed: {e}; {disk_space(self.root)}", f"{fix}; {kept}"
         )
 
     def _retain(self, committed: Path, rollout_id: int) -> None:

@@ -207,6 +207,7 @@ class TrainLoop:
             if bar is not None:
                 self.progress.advance(bar)
         self.checkpoints.wait()  # the last checkpoint is committed before the run counts as finished
+        self.metrics.wait_dumps()  # and the last rollout dump written
 
     def begin(self) -> None:
         """Before this start's first rollout: the evaluations owed, then the schedule."""

@@ -1,7 +1,9 @@
-"""Files written so readers never see half of them, and the end of a log for error messages."""
+"""Files written so readers never see half of them; for error messages, the end of a log and how
+full a filesystem is."""
 
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 from pathlib import Path
@@ -50,3 +52,25 @@ def node_tmp_dir(prefix: str) -> Path:
     temp dir: a Ray worker killed with its files open leaves nothing behind the task's end."""
     root = os.environ.get(NODE_TMP_ENV)
     return Path(tempfile.mkdtemp(prefix=prefix, dir=root if root and os.path.isdir(root) else None))
+
+
+def mount_point(path: Path) -> Path:
+    path = Path(path).resolve()
+    while not os.path.ismount(path) and path != path.parent:
+        path = path.parent
+    return path
+
+
+def disk_space(path: Path) -> str:
+    """Which filesystem holds ``path`` and how full it is, for an error message."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return f"the filesystem holding {path} cannot be queried"
+    free, total = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+    return f"the filesystem mounted at {mount_point(path)} (holding {path}) has {free} bytes free of {total}"
+
+
+def disk_full(e: BaseException) -> bool:
+    """``e`` says the filesystem (or the quota) is full; Ray passes a rank's error on as text."""
+    return getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "No space left" in str(e)

@@ -5,13 +5,12 @@ import logging
 import multiprocessing
 import os
 import resource
-import shutil
 import signal
-import subprocess
 import threading
 import time
 
 import pytest
+from support.disks import small_tmpfs
 
 from rlhpc.checkpoint import LATEST, CheckpointManager, validate
 from rlhpc.errors import RlhpcError
@@ -164,16 +163,6 @@ def full_disk_scenario(root, writer):
     return message
 
 
-def mount_tmpfs(path):
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        return False
-    path.mkdir()
-    return (
-        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(path)], capture_output=True).returncode
-        == 0
-    )
-
-
 def in_child_with_file_size_limit(fn, *args):
     """Run ``fn`` in a forked child whose files cannot grow past 2 MiB (EFBIG, like a full disk)."""
     ctx = multiprocessing.get_context("fork")
@@ -198,18 +187,16 @@ def in_child_with_file_size_limit(fn, *args):
 @pytest.mark.parametrize("writer", [write_until_full, fill_then_stop])
 def test_a_save_on_a_full_disk_leaves_no_debris(tmp_path, writer):
     disk = tmp_path / "small"
-    if mount_tmpfs(disk):  # a real full filesystem
-        try:
+    with small_tmpfs(disk, "2m") as mounted:
+        if mounted:  # a real full filesystem
             message = full_disk_scenario(disk / "checkpoints", writer)
-        finally:
-            subprocess.run(["umount", str(disk)], check=True)
-        assert "No space left on device" in message
-        assert str(disk) in message and "bytes free" in message  # which filesystem is full
-        assert "free space on that filesystem" in message
-    else:  # not root: a file-size limit makes the writes fail for real
-        if writer is fill_then_stop:
-            pytest.skip("a file-size limit cannot fill the disk for the next file; needs a tmpfs (root)")
-        message = in_child_with_file_size_limit(full_disk_scenario, disk / "checkpoints", writer)
+            assert "No space left on device" in message
+            assert str(disk) in message and "bytes free" in message  # which filesystem is full
+            assert "free space on that filesystem" in message
+        else:  # not root: a file-size limit makes the writes fail for real
+            if writer is fill_then_stop:
+                pytest.skip("a file-size limit cannot fill the disk for the next file; needs a tmpfs (root)")
+            message = in_child_with_file_size_limit(full_disk_scenario, disk / "checkpoints", writer)
     assert "rollout 2" in message and "rollout_000001" in message and "fix:" in message
 
 

@@ -1,14 +1,19 @@
-"""metrics.jsonl survives a job killed mid-write: a torn last line is dropped with a warning."""
+"""metrics.jsonl survives a job killed mid-write: a torn last line is dropped with a warning.
+Rollout dumps are written beside the loop, whole or not at all."""
 
 import json
 import logging
 
+import h5py
 import pytest
+import torch
+from support.disks import small_tmpfs
 
+from rlhpc.batch import RolloutBatch
 from rlhpc.cli import status
 from rlhpc.config import LoggingConfig
 from rlhpc.errors import RlhpcError
-from rlhpc.metrics import MetricsLogger, read_metrics
+from rlhpc.metrics import MetricsLogger, RolloutDumpError, read_metrics
 from rlhpc.run_dir import RunDir
 
 RECORDS = [{"kind": "rollout", "rollout_id": i, "reward": 0.5 + i} for i in range(3)]
@@ -68,3 +73,59 @@ def test_torn_line_in_the_middle_is_an_error(run, reader):
     with pytest.raises(RlhpcError, match=r"metrics\.jsonl.*line 2") as e:
         reader(run)
     assert "corrupt" in str(e.value)
+
+
+# ------------------------------------------------------------ rollout dumps, written beside the loop
+
+
+def rollout_batch(num: int, response_len: int) -> RolloutBatch:
+    g = torch.Generator().manual_seed(num)
+    ids = [torch.randint(3, 20, (response_len,), generator=g).tolist() for _ in range(num)]
+    return RolloutBatch(
+        [[1, 5, 6]] * num, ids, [[-0.5] * response_len] * num, torch.rand(num), torch.rand(num), 4,
+        [0] * num, [[0] * response_len] * num,
+    )  # fmt: skip
+
+
+def dump_logger(run):
+    return MetricsLogger(run, LoggingConfig(wandb_mode="disabled", dump_rollouts=True), {}, 10, None)
+
+
+def test_rollout_dumps_are_whole_once_waited_for(run):
+    metrics = dump_logger(run)
+    batches = [rollout_batch(8, 5 + i) for i in range(3)]
+    for i, b in enumerate(batches):
+        metrics.dump_rollout(i, b, {"response": [str(i)] * len(b)})  # waits for the one before
+    metrics.wait_dumps()
+    for i, b in enumerate(batches):
+        with h5py.File(run.rollout_dump(i)) as f:
+            assert [list(r) for r in f["response_ids"][:]] == b.response_ids
+            assert f["response"][0].decode() == str(i) and f.attrs["rollout_id"] == i
+    metrics.close()
+    assert sorted(p.name for p in run.rollouts_dir.iterdir()) == [f"rollout_00000{i}.h5" for i in range(3)]
+
+
+def test_a_dump_on_a_full_disk_stops_the_run_at_the_next_rollout_and_leaves_nothing(tmp_path, caplog):
+    disk = tmp_path / "small"
+    with small_tmpfs(disk, "1m") as mounted:
+        if not mounted:
+            pytest.skip("needs root to mount a small tmpfs")
+        run = RunDir(disk / "run")
+        run.path.mkdir()
+        metrics = dump_logger(run)
+        metrics.dump_rollout(0, rollout_batch(8, 4), {})
+        metrics.dump_rollout(1, rollout_batch(256, 2048), {})  # ~4 MB of tokens: does not fit
+        with pytest.raises(RolloutDumpError) as e:
+            metrics.dump_rollout(2, rollout_batch(8, 4), {})  # the next rollout learns of it
+        assert "rollout 1" in e.value.problem and "No space left" in e.value.problem
+        assert f"mounted at {disk}" in e.value.problem and "bytes free" in e.value.problem
+        assert "free space on that filesystem" in e.value.fix and "logging.dump_rollouts=false" in e.value.fix
+        assert sorted(p.name for p in run.rollouts_dir.iterdir()) == ["rollout_000000.h5"]  # no temp file
+        with h5py.File(run.rollout_dump(0)) as f:
+            assert len(f["response_ids"]) == 8  # the one before is intact
+        # a failed dump in flight when the loop ends on its own error: a warning, not a second error
+        metrics.dump_rollout(3, rollout_batch(256, 2048), {})
+        with caplog.at_level(logging.WARNING):
+            metrics.close()
+        assert "writing the last rollout dump failed" in caplog.text and "rollout 3" in caplog.text
+        assert sorted(p.name for p in run.rollouts_dir.iterdir()) == ["rollout_000000.h5"]

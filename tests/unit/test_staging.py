@@ -6,10 +6,10 @@ from __future__ import annotations
 import multiprocessing
 import os
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
+from support.disks import small_tmpfs
 
 from rlhpc.config import ClusterConfig
 from rlhpc.errors import ConfigError, RlhpcError
@@ -105,18 +105,15 @@ def test_tasks_sharing_one_disk_stage_once_between_them(tmp_path, sources):
 
 def test_copies_that_would_not_fit_are_refused_naming_the_filesystem(tmp_path):
     small = tmp_path / "small"
-    small.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)]).returncode:
-        pytest.skip("needs root to mount a small tmpfs")
-    try:
+    with small_tmpfs(small, "1m") as mounted:
+        if not mounted:
+            pytest.skip("needs root to mount a small tmpfs")
         model = make_source(tmp_path / "base_model", {"model.safetensors": os.urandom(2 << 20)})
         root = small / "rlhpc-3"
         with pytest.raises(RlhpcError) as e:
             staging.stage(staging.plan(root, str(model), None), root)
         assert str(root) in e.value.problem and "GiB free" in e.value.problem and "stage_dir" in e.value.fix
         assert list(small.iterdir()) == []  # nothing written
-    finally:
-        subprocess.run(["umount", str(small)], check=True)
 
 
 def test_a_stage_dir_that_cannot_be_made_is_refused(tmp_path, sources):
