@@ -5,7 +5,7 @@ Both sides use the same model, prompts, batch size, sampler and loss. The plain 
 single Python loop (sample -> reward -> advantages -> one optimizer step, weights shared by
 reference); the framework side is the real driver (``TrainLoop``): Ray placement, an engine
 server over HTTP, a training rank over torch.distributed, bucketed weight sync every rollout,
-each record logged as a run logs it.
+each record logged and each rollout dumped (HDF5) as a run does.
 
     python tools/bench/loop_overhead.py --rollouts 40
 
@@ -162,7 +162,6 @@ def main() -> int:
         "eval.interval=null",
         "checkpoint.save_interval=null",
         "logging.wandb_mode=disabled",
-        "logging.dump_rollouts=false",
         "actor.num_steps_per_rollout=1",  # the plain loop takes one optimizer step per rollout
     ]
     cfg = load_config(CONFIG, overrides)
