@@ -4,6 +4,7 @@ between the sessions that have a GPU."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +16,8 @@ pytest.importorskip("megatron.core")
 if torch.cuda.is_available():
     pytest.skip("on a GPU machine tools/gpu_check.sh runs the check itself", allow_module_level=True)
 
-TOOL = Path(__file__).resolve().parents[2] / "tools" / "gpu_check.py"
+ROOT = Path(__file__).resolve().parents[2]
+TOOL = ROOT / "tools" / "gpu_check.py"
 
 
 def test_gpu_check_rehearsal(tmp_path):
@@ -36,3 +38,12 @@ def test_gpu_check_rehearsal(tmp_path):
     assert figures["startup_actor_up_s"] <= figures["startup_weight_channel_s"]
     assert 0 < figures["save_blocked_s"] <= figures["save_s"]
     assert figures["push_s"] > 0 and figures["d2d_copy_s"] > 0
+
+
+def test_gpu_check_sh_names_files_that_exist():
+    """A GPU session runs tools/gpu_check.sh as it is, with minutes to spare: every file of the
+    repo it names must be there (it named tests/test_engine_cuda.py for days after the tests
+    moved under tests/integration/, and would have stopped before the check)."""
+    named = re.findall(r"(?<![\w/])((?:tests|tools)/[\w/.-]+\.py)", TOOL.with_suffix(".sh").read_text())
+    assert "tests/integration/test_engine_cuda.py" in named and TOOL.relative_to(ROOT).as_posix() in named
+    assert [p for p in named if not (ROOT / p).is_file()] == []
