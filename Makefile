@@ -29,10 +29,11 @@ run: install
 	$(PY) jobs/submit.py $(if $(RUN_DIR),--run-dir $(RUN_DIR))
 	$(PY) tools/plot_metrics.py $(or $(RUN_DIR),runs/embedded)
 
-# Two workers: the Slurm tests on one, the other modules on the other (tests/conftest.py says why).
+# Two workers: the Slurm tests on one, the other modules on the other (tests/conftest.py says why);
+# the 25 slowest tests listed at the end, to keep CI well inside its time.
 test: install $(SGLANG_WHEEL_STAMP)
 	bash .ci/install_slurm.sh
-	$(PY) -m pytest -q -n 2 --no-loadscope-reorder
+	$(PY) -m pytest -q -n 2 --no-loadscope-reorder --durations=25
 
 # Everyday work: the unit tests (no Ray, no Slurm, no engine servers), under two minutes.
 test-fast: install $(SGLANG_WHEEL_STAMP)
