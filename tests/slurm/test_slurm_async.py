@@ -12,6 +12,7 @@ from pathlib import Path
 import h5py
 import pytest
 from support.jobs import submit_slurm
+from support.slow_reward import slow_first_allocation
 
 from rlhpc.invariants import comparable, final_weights
 from rlhpc.launch.restarts import read_history
@@ -20,7 +21,7 @@ from rlhpc.metrics import read_metrics
 pytestmark = pytest.mark.slurm
 
 K = 1
-NUM_ROLLOUT = 100  # small rollouts take ~0.03 s here: enough for a preemption to land mid-run
+NUM_ROLLOUT = 100
 CONFIG = [
     "data.num_train=64",
     "rollout.rollout_batch_size=8",
@@ -34,8 +35,8 @@ CONFIG = [
 ]
 
 
-def submit(run: Path, *args: str, follow: bool) -> subprocess.CompletedProcess:
-    return submit_slurm(run, "--nodes", "1", "--gpus-per-node", "2", *args, overrides=CONFIG, follow=follow)
+def submit(run: Path, *args: str, follow: bool, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return submit_slurm(run, "--nodes", "1", "--gpus-per-node", "2", *args, overrides=CONFIG, follow=follow, env=env)
 
 
 def trained(run: Path) -> list[int]:
@@ -71,7 +72,10 @@ def baseline(minicluster, tmp_path_factory) -> Path:
 
 def test_async_preempted_by_a_high_priority_job(baseline, minicluster, tmp_path):
     run = tmp_path / "run"
-    assert submit(run, "--partition", "low", "--sbatch", "nodelist=node0", follow=False).returncode == 0
+    # The first allocation scores 0.1 s a sample (3.2 s a rollout): the preemption lands mid-run
+    # however fast the loop is.
+    slow, env = slow_first_allocation()
+    assert submit(run, "--partition", "low", "--sbatch", "nodelist=node0", *slow, follow=False, env=env).returncode == 0
     wait(lambda: len(trained(run)) >= 3, 240, "3 trained rollouts")
     # A job in the high partition that needs all of node0's GPUs: Slurm preempts ours while the
     # next rollout is generated beside the training of this one.

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from support.jobs import deterministic_config, submit_slurm
+from support.slow_reward import slow_first_allocation
 
 from rlhpc.invariants import comparable, final_weights
 from rlhpc.launch.restarts import read_history
@@ -60,7 +61,10 @@ def baseline(minicluster, tmp_path_factory) -> Path:
 
 def test_preempted_by_a_high_priority_job(baseline, minicluster, tmp_path):
     run = tmp_path / "run"
-    assert submit(run, "--partition", "low", "--sbatch", "nodelist=node0", follow=False).returncode == 0
+    # The first allocation scores 0.1 s a sample (3.2 s a rollout), so the preemption lands mid-run
+    # however fast the loop is: at 0.04 s a rollout all 30 were trained before Slurm's signal came.
+    slow, env = slow_first_allocation()
+    assert submit(run, "--partition", "low", "--sbatch", "nodelist=node0", *slow, follow=False, env=env).returncode == 0
     wait(lambda: len(trained(run)) >= 4, 240, "4 trained rollouts")
     # A job in the high partition that needs all of node0's GPUs: Slurm preempts ours.
     subprocess.run(

@@ -7,7 +7,8 @@ so that what a test waits for in a running Slurm job does not race the job's end
 - ``while_asked``: 10 ms a sample while the file named by ``$RLHPC_TEST_SLOW`` exists (about 5 s a
   rollout of 512 samples): a test slows the run down while it changes the cluster under it.
 
-A job imports them as ``data.reward: support.slow_reward:reward`` with ``tests/`` on its PYTHONPATH.
+A job imports them as ``data.reward: support.slow_reward:reward`` with ``tests/`` on its PYTHONPATH
+(``slow_first_allocation()``: the ``--set`` and the environment for ``reward``).
 """
 
 import os
@@ -19,6 +20,15 @@ from rlhpc.tasks import TASKS
 SECONDS_PER_SAMPLE = 0.1
 SLOW_ENV = "RLHPC_TEST_SLOW"
 DIGIT_SUM = TASKS["digit_sum"].reward
+TESTS = Path(__file__).resolve().parents[1]
+
+
+def slow_first_allocation() -> tuple[list[str], dict[str, str]]:
+    """``--set`` arguments and environment for ``submit_slurm``: a job whose first allocation
+    scores with ``reward`` (its results the same as digit_sum's, only slower)."""
+    return ["--set", "data.reward=support.slow_reward:reward"], {
+        "PYTHONPATH": f"{TESTS}:{os.environ.get('PYTHONPATH', '')}"
+    }
 
 
 def reward(prompt: str, response: str, answer: str) -> float:
