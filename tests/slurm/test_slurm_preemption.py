@@ -4,7 +4,6 @@ Each interrupted run must end exactly where an uninterrupted run of the same con
 same final weights (bit for bit, deterministic CPU run) and the same per-rollout metrics.
 """
 
-import os
 import re
 import subprocess
 import time
@@ -20,8 +19,7 @@ from rlhpc.metrics import read_metrics
 
 pytestmark = pytest.mark.slurm
 
-REPO = Path(__file__).resolve().parents[2]
-NUM_ROLLOUT = 30  # long enough that a stop lands mid-run on a fast machine
+NUM_ROLLOUT = 30  # where a stop must land mid-run, the first allocation is slowed (slow_first_allocation)
 CONFIG = deterministic_config(NUM_ROLLOUT)
 
 
@@ -111,14 +109,14 @@ def test_time_limit_mid_run(minicluster, tmp_path):
     # pace (here ~0.8 s a rollout: two allocations; a machine twice as slow needs three).
     run = tmp_path / "run"
     num_rollout = 60
+    slow, env = slow_first_allocation()
     p = submit(
         run,
         "--time", "3", "--signal-grace", "60", "--sbatch", "nodelist=node3",
-        "--set", f"rollout.num_rollout={num_rollout}",
-        "--set", "data.reward=support.slow_reward:reward",
+        "--set", f"rollout.num_rollout={num_rollout}", *slow,
         "--set", "checkpoint.save_interval=50",
         follow=False,
-        env={"PYTHONPATH": f"{REPO / 'tests'}:{os.environ.get('PYTHONPATH', '')}"},
+        env=env,
     )  # fmt: skip
     assert p.returncode == 0, p.stderr
     wait(lambda: (run / "FINISHED").is_file(), 960, "the time-limited run to finish")
