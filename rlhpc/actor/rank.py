@@ -1,6 +1,6 @@
 """What every training backend's rank shares: setup, the GRPO train step, checkpoint RNG, weight sync.
 
-A backend (``TrainWorker``: PyTorch DDP; ``MegatronTrainWorker``: megatron-core TP x DP)
+A backend (``TrainWorker``: PyTorch; ``MegatronTrainWorker``: megatron-core TP x DP)
 subclasses ``RankBase``: it builds its model in ``init_process_group``, writes and reads its
 own checkpoint format, offloads its own way, and supplies the few backend steps of the shared
 training loop (forward, gradient reduction, clip + optimizer step; see ``train``) and its
@@ -8,8 +8,10 @@ weights in HF names. Every method that runs a collective must be called on all r
 
 Gradients are the *global* token mean: each micro-batch loss (a token mean over its own
 tokens) is weighted by ``its tokens / minibatch tokens of all data-parallel ranks`` and by the
-data-parallel size, because both backends' DDP average gradients over those ranks. So any
-split of a minibatch over ranks and micro-batches gives the gradient of one big batch.
+data-parallel size, because both backends average gradients over those ranks. So any split of
+a minibatch over ranks and micro-batches gives the gradient of one big batch. Both reduce them
+in a layout fixed by the model (``FlatGrads``; megatron's contiguous grad buffer), never by
+the history of the process, so a resumed rank sums in the same order as the rank it replaces.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import math
 import os
 import time
 from collections.abc import Iterable, Iterator
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -233,7 +235,7 @@ class RankBase:
                         with torch.no_grad():
                             self._old_policy(mb, logits.detach(), logprobs.detach(), sums)
                     loss = self._grpo_loss(logprobs, mb, loss_sums)
-                    # token share of the global minibatch, times the DP size to undo DDP's averaging
+                    # token share of the global minibatch, times the DP size to undo the averaging
                     (loss * (mb.tokens * self.dp_size / global_tokens)).backward()
             self._finish_grad_sync(empty=not mbs)
             grad_norm, stepped = self._clip_and_step()
@@ -337,7 +339,7 @@ class RankBase:
     # ``MicroBatch.mask`` (position t predicts token t+1).
 
     def _policy(self, train: bool) -> torch.nn.Module:
-        """The policy as the forward runs it: its DDP wrapper when training, the bare model for no-grad passes."""
+        """The policy as the forward runs it: a training wrapper (megatron's DDP), or the bare model for no-grad passes."""
         raise NotImplementedError
 
     def _logits(self, model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
@@ -356,8 +358,9 @@ class RankBase:
         raise NotImplementedError
 
     def _grad_sync(self, last: bool) -> AbstractContextManager:
-        """Around a micro-batch's forward and backward; ``last``: the step's final micro-batch."""
-        raise NotImplementedError
+        """Around a micro-batch's forward and backward; ``last``: the step's final micro-batch.
+        Default: nothing (the backward only accumulates; ``_finish_grad_sync`` reduces)."""
+        return nullcontext()
 
     def _finish_grad_sync(self, empty: bool) -> None:
         """After a step's backwards: every data-parallel rank holds the reduced gradients.

@@ -1,25 +1,25 @@
-"""The PyTorch training backend: an HF causal LM wrapped in DDP, trained with AdamW.
+"""The PyTorch training backend: an HF causal LM, data-parallel over its ranks, trained with AdamW.
 
 ``TrainWorker`` is a Ray actor; ``ActorGroup`` (group.py) places one per actor slot and fans
 calls out to all of them. The training loop, rendezvous and weight sync are ``RankBase``'s
 (rank.py); this class supplies the model, its checkpoint format (an HF model directory plus
-the optimizer state) and the DDP steps of the loop. Every rank is a data-parallel rank.
+the optimizer state) and the data-parallel steps of the loop. Every rank is a data-parallel
+rank; gradients are reduced in one fixed layout (``FlatGrads``), not by DDP, whose bucket
+layout changes after a process's first step and with it the rounding of the sum.
 """
 
 from __future__ import annotations
 
-import inspect
 import json
 import logging
 import math
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 import torch
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from rlhpc.actor.checkpoint_dir import ACTOR_SUBDIR, RNG_PREFIX, read_meta, rng_file, write_meta
+from rlhpc.actor.flat_grads import FlatGrads
 from rlhpc.actor.rank import MicroBatch, RankBase
 from rlhpc.actor.rng import get_rng_state
 from rlhpc.actor.snapshot import (
@@ -76,21 +76,21 @@ def read_optimizer(actor_dir: Path, current: dict | None = None) -> dict:
 
 
 class TrainWorker(RankBase):
-    """Data-parallel rank ``rank`` of ``world_size`` (PyTorch DDP). Call order: (rank 0)
+    """Data-parallel rank ``rank`` of ``world_size``. Call order: (rank 0)
     ``master_addr_port``, (all) ``init_process_group``, ``load``, then ``train`` / ``save`` /
     ``update_weights``..."""
 
     def __init__(self, spec: ActorSpec, model_path: str, rank: int, world_size: int):
         super().__init__(spec, model_path, rank, world_size)
         self.module: torch.nn.Module | None = None  # the unwrapped HF model
-        self.ddp: DDP | None = None
+        self.grads: FlatGrads | None = None  # None while offloaded
         # the checkpoint snapshot: host buffers kept between saves, and what the next write needs
         self._model_snap = FlatTensors(pin=self.device.type == "cuda")
         self._optim_snap = FlatTensors(pin=self.device.type == "cuda")
         self._snapshot: dict | None = None
 
     def init_process_group(self, master_addr: str, master_port: int) -> None:
-        """Join torch.distributed, load the model, wrap it in DDP (more than one rank), build AdamW (+ the ref model)."""
+        """Join torch.distributed, load the model, lay out its gradients, build AdamW (+ the ref model)."""
         self._join(master_addr, master_port)
         a = self.spec.actor
         # eval(): no dropout, so the no-grad "old" pass and the training pass compute the same
@@ -98,7 +98,7 @@ class TrainWorker(RankBase):
         self.module = load_model(self.model_path, self.device).eval()
         # back to back in the order they are sent: a weight-sync bucket is then a view, not a copy
         flatten_parameters(self.module)
-        self._wrap_ddp()
+        self.grads = FlatGrads(self.module)
         self.optimizer = torch.optim.AdamW(
             self.module.parameters(), lr=a.lr, betas=tuple(a.adam_betas), eps=a.adam_eps, weight_decay=a.weight_decay
         )
@@ -113,21 +113,6 @@ class TrainWorker(RankBase):
             sum(p.numel() for p in self.module.parameters()),
             ", with reference model" if self.ref is not None else "",
         )
-
-    def _wrap_ddp(self) -> None:
-        if self.world_size == 1:  # nothing to all-reduce: DDP would only add its hooks and bucket copies
-            self.ddp = None
-            return
-        ids = [self.device.index] if self.device.type == "cuda" else None
-        # The only buffers (rotary tables) are made from the config, equal on every rank and never
-        # changed by a forward: no broadcast before every forward. (torch 2.13 renamed the switch;
-        # its old name, still taken by the torch versions pyproject allows, warns there.)
-        no_sync = (
-            "forward_sync_buffers"
-            if "forward_sync_buffers" in inspect.signature(DDP).parameters
-            else "broadcast_buffers"
-        )
-        self.ddp = DDP(self.module, device_ids=ids, **{no_sync: False})
 
     # ------------------------------------------------------------------ checkpoint
 
@@ -229,7 +214,7 @@ class TrainWorker(RankBase):
     # ------------------------------------------------------------------ train-step hooks (RankBase.train)
 
     def _policy(self, train: bool) -> torch.nn.Module:
-        return self.ddp if train and self.ddp is not None else self.module
+        return self.module
 
     def _logits(self, model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
         return model(input_ids=mb.ids, attention_mask=mb.attention).logits[:, :-1].float()
@@ -241,22 +226,15 @@ class TrainWorker(RankBase):
         return torch.logsumexp(logits, -1) - (torch.softmax(logits, -1) * logits).sum(-1)
 
     def _zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
-
-    def _grad_sync(self, last: bool) -> AbstractContextManager:
-        # DDP all-reduces in the backward of the step's last micro-batch only
-        return nullcontext() if last or self.ddp is None else self.ddp.no_sync()
+        self.grads.zero()
 
     def _finish_grad_sync(self, empty: bool) -> None:
-        # no sample in this minibatch: DDP's all-reduce still needs this rank's backward
-        if empty and self.ddp is not None:
-            ids = torch.full((1, 2), self.pad_id, dtype=torch.long, device=self.device)
-            logits = self.ddp(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
-            (logits.float().sum() * 0.0).backward()
+        # the micro-batches' backwards only accumulated; a rank with no sample adds its zeros
+        self.grads.all_reduce_mean(self.dp_group)
 
     def _clip_and_step(self) -> tuple[float, bool]:
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.spec.actor.grad_clip))
-        # the norm is computed after DDP's all-reduce, so every rank skips the same step
+        # the norm is computed after the all-reduce, so every rank skips the same step
         if not math.isfinite(grad_norm):
             return grad_norm, False
         self.optimizer.step()
@@ -278,24 +256,24 @@ class TrainWorker(RankBase):
     def offload(self) -> None:
         """Move model, reference model and optimizer state to host memory (CUDA only).
 
-        On CPU there is nothing to free, so this is a no-op. The DDP wrapper is dropped too:
-        its gradient buckets are a full model-sized GPU buffer. ``update_weights``, ``save`` and
+        On CPU there is nothing to free, so this is a no-op. The gradient buffers are dropped
+        too: they are a full model-sized GPU buffer. ``update_weights``, ``save`` and
         ``state_fingerprint`` work while offloaded; ``train`` onloads by itself.
         """
         if self.device.type != "cuda" or self.offloaded:
             return
         self.optimizer.zero_grad(set_to_none=True)
-        self.ddp = None
+        self.grads = None
         self._move(torch.device("cpu"))
         torch.cuda.empty_cache()
         self.offloaded = True
 
     def onload(self) -> None:
-        """Undo ``offload`` (all ranks together: re-wrapping DDP is a collective)."""
+        """Undo ``offload``."""
         if self.device.type != "cuda" or not self.offloaded:
             return
         self._move(self.device)
-        self._wrap_ddp()
+        self.grads = FlatGrads(self.module)
         self.offloaded = False
 
     def _move(self, device: torch.device) -> None:

@@ -61,6 +61,22 @@ log = logging.getLogger(__name__)
 SHARDING_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 
 
+def _saved_steps(loaded: Any) -> set[float]:
+    """The ``step`` values of every optimizer param group in a loaded optimizer state dict (the
+    distributed optimizer keeps the common step there, not in the per-parameter state)."""
+    steps: set[float] = set()
+    if isinstance(loaded, dict):
+        groups = loaded.get("param_groups")
+        if isinstance(groups, list):
+            steps.update(float(g["step"]) for g in groups if isinstance(g, dict) and g.get("step") is not None)
+        for value in loaded.values():
+            steps |= _saved_steps(value)
+    elif isinstance(loaded, list):
+        for value in loaded:
+            steps |= _saved_steps(value)
+    return steps
+
+
 class MegatronTrainWorker(RankBase):
     """Rank ``rank`` of ``world_size`` = TP x DP. Same call order as ``TrainWorker``."""
 
@@ -225,7 +241,7 @@ class MegatronTrainWorker(RankBase):
         self.gpt.load_state_dict(state["model"], strict=False)
         with torch.no_grad():  # it copies into fp32 main params that are views of leaf params
             self.optimizer.load_state_dict(state["optimizer"])
-        self._unshare_adam_steps()
+        self._restore_adam_steps(state["optimizer"])
         self.optimizer_steps = int(meta.get("optimizer_steps", 0))
         self._restore_rng(d, same_layout=meta.get("world_size") == self.world_size)
         log.info(
@@ -246,18 +262,29 @@ class MegatronTrainWorker(RankBase):
             if hasattr(opt, "_init_optimizer_states_with_dummy_values") and not opt.optimizer.state:
                 opt._init_optimizer_states_with_dummy_values()
 
-    def _unshare_adam_steps(self) -> None:
-        """One ``step`` tensor per parameter after a load.
+    def _restore_adam_steps(self, loaded_optimizer: Any) -> None:
+        """Each parameter's Adam ``step`` as saved, in a tensor of its own, after a load.
 
-        megatron-core 0.16's distributed optimizer, with torch's Adam, loads the common step as
-        *one* tensor shared by every parameter's state; Adam increments each parameter's step in
-        place, so a resumed job would count every step N times (wrong bias correction).
+        megatron-core 0.16's distributed optimizer with torch's Adam restores the common step
+        from the saved param groups as *one* tensor shared by every parameter (Adam increments
+        each parameter's step in place: a resumed job would count every step N times), and its
+        ``dp_reshardable`` load then copies the step the optimizer held *before* the load (the
+        dummy step of ``_create_optimizer_state``, 1) over it: a resumed run restarted Adam's
+        bias correction at step 1. The saved param groups hold the step: set it from there.
         """
+        saved = _saved_steps(loaded_optimizer)
+        if len(saved) > 1:
+            raise RlhpcError(
+                f"the checkpoint's optimizer param groups hold different Adam steps {sorted(saved)}",
+                "resume from another checkpoint (keep_last keeps the ones before it)",
+            )
+        step = next(iter(saved)) if saved else None  # None: the plain optimizer's own load set it
         for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
             inner = getattr(opt, "optimizer", None)
             for state in getattr(inner, "state", {}).values():
-                if isinstance(state.get("step"), torch.Tensor):
-                    state["step"] = state["step"].clone()
+                old = state.get("step")
+                if isinstance(old, torch.Tensor):
+                    state["step"] = old.clone() if step is None else torch.full_like(old, step)
 
     # ------------------------------------------------------------------ train-step hooks (RankBase.train)
 
@@ -297,9 +324,6 @@ class MegatronTrainWorker(RankBase):
     def _zero_grad(self) -> None:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-
-    def _grad_sync(self, last: bool) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()  # overlap_grad_reduce is off: backward never reduces
 
     def _finish_grad_sync(self, empty: bool) -> None:
         # the data-parallel all-reduce (or reduce-scatter) of the grad buffers; an empty rank's are zeros
