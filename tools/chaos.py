@@ -3,14 +3,17 @@
 
     python tools/chaos.py --trials 30                       # local kinds, round robin
     python tools/chaos.py --trials 6 --cluster slurm        # requeue, preemption, node kill on the minicluster
-    python tools/chaos.py --kinds rank_kill --seed 1007 --trials 1   # replay one trial
+    python tools/chaos.py --kinds rank_kill --layouts dp4 --seed 1007 --trials 1   # replay one trial
 
 Each trial starts a short deterministic run through jobs/submit.py, waits for a seeded random
 moment (after rollout K is logged, plus a share of a step), injects one fault, lets the run finish
 (resubmitting where the fault ends the job, as a user or Slurm would), and checks it with
 ``rlhpc.invariants.violations`` against an undisturbed run of the same config, made once per
-config. While the job runs, its engines are asked to generate without the engine key and must
-refuse. Trial i uses seed ``--seed + i``: ``--seed S --kinds KIND --trials 1`` replays it.
+config. Every kind is tried on each actor layout (``LAYOUTS``: one training rank, and four
+data-parallel ranks, whose gradient sums depend on the order they are added in): trial i takes
+kind ``i mod K`` on layout ``(i div K) mod L``. While the job runs, its engines are asked to generate without the engine key and must
+refuse. Trial i uses seed ``--seed + i``: ``--seed S --kinds KIND --layouts L --trials 1``
+replays it.
 Prints one line per trial, survived / tried per kind, then one JSON line
 ``{"tried": N, "survived": M, "by_kind": {...}}``. Needs root for ``full_disk`` (a tmpfs).
 """
@@ -55,12 +58,44 @@ CONFIG = (
     "data.num_eval=256",  # evaluations long enough for a stop to land inside one
     "eval.max_new_tokens=16",
 )
-SLURM_ARGS = ("--nodes", "1", "--gpus-per-node", "2")
 SLURM_NODES = ("node0", "node1", "node2", "node3")
-# node_kill: the head (driver, actor rank) on node1 and one engine on each of node2 and node3.
+# node_kill: the head (driver, actor rank 0) on node1, engines on node2 and node3.
 NODE_KILL_NODES = "node[1-3]"
-NODE_KILL_ARGS = ("--nodes", "3", "--gpus-per-node", "1", "--set", "cluster.actor_num_gpus=1",
-                  "--set", "cluster.rollout_num_gpus=2")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ActorLayout:
+    """The submit options that give a trial its actor layout, per way of running it."""
+
+    local: tuple[str, ...]
+    slurm: tuple[str, ...]  # on one minicluster node
+    node_kill: tuple[str, ...]  # over NODE_KILL_NODES, one engine on each of node2 and node3
+
+
+def _split(actor: int, rollout: int) -> tuple[str, ...]:
+    return ("--set", f"cluster.actor_num_gpus={actor}", "--set", f"cluster.rollout_num_gpus={rollout}")
+
+
+# The embedded default's batch: with CONFIG's 8 x 4 samples most groups score all 0 (a zero
+# gradient), so rarely more than two ranks add non-zero terms and a summation order cannot show.
+_WIDE = ("--set", "rollout.rollout_batch_size=32", "--set", "rollout.n_samples_per_prompt=8")
+
+
+LAYOUTS = {
+    # one rank and one engine (the embedded default's split)
+    "1rank": ActorLayout(
+        local=(),
+        slurm=("--nodes", "1", "--gpus-per-node", "2"),
+        node_kill=("--nodes", "3", "--gpus-per-node", "1", *_split(1, 2)),
+    ),
+    # four data-parallel ranks, on a wider batch; under node_kill ranks 0-1 on the head, 2-3 on
+    # node2, both engines on node3
+    "dp4": ActorLayout(
+        local=("--set", "cluster.gpus_per_node=5", *_split(4, 1), *_WIDE),
+        slurm=("--nodes", "1", "--gpus-per-node", "5", *_split(4, 1), *_WIDE),
+        node_kill=("--nodes", "3", "--gpus-per-node", "2", *_split(4, 2), *_WIDE),
+    ),
+}
 NODE_KILL_TARGETS = ("node3", "node1")  # an engine node (the run goes on) or the head (the job requeues)
 JOB_TIMEOUT_S = 900
 DISK_MB = 64  # the tmpfs a full_disk trial runs in: the run needs a few MB
@@ -73,12 +108,15 @@ class TrialError(Exception):
 # ---------------------------------------------------------------------------- jobs
 
 
-def submit_command(run: Path, cluster: str, *extra: str, nodes: tuple[str, ...] = SLURM_ARGS) -> list[str]:
+def submit_command(run: Path, cluster: str, layout: str, *extra: str, node_kill: bool = False) -> list[str]:
     cmd = [sys.executable, str(REPO / "jobs" / "submit.py"), "--cluster", cluster, "--run-dir", str(run)]
-    if cluster == "slurm":
-        cmd += [*nodes, *extra, "--no-follow"]
     for o in CONFIG:
         cmd += ["--set", o]
+    lay = LAYOUTS[layout]  # after CONFIG: its --set values win
+    if cluster == "slurm":
+        cmd += [*(lay.node_kill if node_kill else lay.slurm), *extra, "--no-follow"]
+    else:
+        cmd += [*lay.local, *extra]
     return cmd
 
 
@@ -201,10 +239,11 @@ class Trial:
     after_rollout: int  # the fault lands once this rollout is logged ...
     step_fraction: float  # ... plus this share of the undisturbed run's mean step (so it lands in the run)
     node: str = "node0"  # slurm: where the job runs
+    layout: str = "1rank"  # a key of LAYOUTS
 
     def describe(self) -> str:
         where = f" node={self.node}" if self.kind == "node_kill" else ""
-        return f"trial {self.index} kind={self.kind}{where} seed={self.seed} moment=rollout {self.after_rollout} +{self.step_fraction:.2f} step"
+        return f"trial {self.index} kind={self.kind} layout={self.layout}{where} seed={self.seed} moment=rollout {self.after_rollout} +{self.step_fraction:.2f} step"
 
 
 @dataclass
@@ -229,12 +268,14 @@ class Context:
     cleanup: list[Callable[[], None]] = field(default_factory=list)
 
     def command(self) -> list[str]:
+        layout = self.trial.layout
         if self.cluster == "local":
-            return submit_command(self.run, self.cluster)
+            return submit_command(self.run, self.cluster, layout)
         if self.trial.kind == "node_kill":
             extra = ("--partition", "low", "--sbatch", f"nodelist={NODE_KILL_NODES}")
-            return submit_command(self.run, self.cluster, *extra, nodes=NODE_KILL_ARGS)
-        return submit_command(self.run, self.cluster, "--partition", "low", "--sbatch", f"nodelist={self.trial.node}")
+            return submit_command(self.run, self.cluster, layout, *extra, node_kill=True)
+        extra = ("--partition", "low", "--sbatch", f"nodelist={self.trial.node}")
+        return submit_command(self.run, self.cluster, layout, *extra)
 
 
 # Each fault acts once the moment has come. It returns True when it ends the job for good
@@ -367,7 +408,7 @@ LOCAL_KINDS = [k for k, v in KINDS.items() if v.cluster == "local"]
 SLURM_KINDS = [k for k, v in KINDS.items() if v.cluster == "slurm"]
 
 
-def plan(index: int, kind: str, seed: int) -> Trial:
+def plan(index: int, kind: str, seed: int, layout: str = "1rank") -> Trial:
     """The trial's moment, a pure function of its seed."""
     rng = random.Random(seed)
     if KINDS[kind].needs_eval_moment:  # right after a rollout that an evaluation follows
@@ -376,7 +417,7 @@ def plan(index: int, kind: str, seed: int) -> Trial:
     else:
         after, fraction = rng.randint(0, NUM_ROLLOUT - 3), round(rng.uniform(0, 1.5), 2)
     node = rng.choice(NODE_KILL_TARGETS) if kind == "node_kill" else SLURM_NODES[index % len(SLURM_NODES)]
-    return Trial(index, kind, seed, after, fraction, node=node)
+    return Trial(index, kind, seed, after, fraction, node=node, layout=layout)
 
 
 def mean_step_s(reference: Path) -> float:
@@ -465,16 +506,16 @@ def run_trial(trial: Trial, workdir: Path, reference: Path, keep: bool = False) 
     return Outcome(trial, c.problems, time.monotonic() - started)
 
 
-def make_reference(workdir: Path, cluster: str) -> Path:
-    """The undisturbed run of the config, made once per config and workdir."""
-    run = workdir / f"reference-{cluster}" / "run"
+def make_reference(workdir: Path, cluster: str, layout: str = "1rank") -> Path:
+    """The undisturbed run of the config on ``layout``, made once per config and workdir."""
+    run = workdir / f"reference-{cluster}-{layout}" / "run"
     if RunDir(run).is_finished():
         return run
     shutil.rmtree(run.parent, ignore_errors=True)
     run.parent.mkdir(parents=True)
     extra = ("--sbatch", "nodelist=node0") if cluster == "slurm" else ()
-    proc = start(submit_command(run, cluster, *extra), run.parent / "job.log")
-    c = Context(plan(0, LOCAL_KINDS[0], 0), run, cluster, run.parent / "job.log", proc)
+    proc = start(submit_command(run, cluster, layout, *extra), run.parent / "job.log")
+    c = Context(plan(0, LOCAL_KINDS[0], 0, layout), run, cluster, run.parent / "job.log", proc)
     wait_finished(c, JOB_TIMEOUT_S)
     if not RunDir(run).is_finished():
         raise TrialError(f"the undisturbed {cluster} run did not finish: see {run.parent / 'job.log'}")
@@ -484,21 +525,33 @@ def make_reference(workdir: Path, cluster: str) -> Path:
 # ---------------------------------------------------------------------------- the soak
 
 
-def soak(trials: int, kinds: list[str], seed: int, workdir: Path, keep: bool = False, echo=print) -> dict:
-    """Run ``trials`` trials, kinds round robin; the summary dict (the tool's last line)."""
+def soak(
+    trials: int,
+    kinds: list[str],
+    seed: int,
+    workdir: Path,
+    keep: bool = False,
+    echo=print,
+    layouts: list[str] | None = None,
+) -> dict:
+    """Run ``trials`` trials, kinds round robin, each round on the next layout; the summary dict
+    (the tool's last line), tries counted per kind and per layout."""
+    layouts = layouts or list(LAYOUTS)
     workdir.mkdir(parents=True, exist_ok=True)
     references = {}
     by_kind = {k: {"tried": 0, "survived": 0} for k in kinds}
+    by_layout = {name: {"tried": 0, "survived": 0} for name in layouts}
     for i in range(trials):
-        trial = plan(i, kinds[i % len(kinds)], seed + i)
-        cluster = KINDS[trial.kind].cluster
-        if cluster not in references:
+        trial = plan(i, kinds[i % len(kinds)], seed + i, layouts[(i // len(kinds)) % len(layouts)])
+        where = (KINDS[trial.kind].cluster, trial.layout)
+        if where not in references:
             t0 = time.monotonic()
-            references[cluster] = make_reference(workdir, cluster)
-            echo(f"undisturbed {cluster} run: {references[cluster]} ({time.monotonic() - t0:.0f} s)")
-        out = run_trial(trial, workdir, references[cluster], keep)
-        by_kind[trial.kind]["tried"] += 1
-        by_kind[trial.kind]["survived"] += out.survived
+            references[where] = make_reference(workdir, *where)
+            echo(f"undisturbed {where[0]} run on {where[1]}: {references[where]} ({time.monotonic() - t0:.0f} s)")
+        out = run_trial(trial, workdir, references[where], keep)
+        for counts in (by_kind[trial.kind], by_layout[trial.layout]):
+            counts["tried"] += 1
+            counts["survived"] += out.survived
         verdict = "survived" if out.survived else "FAILED"
         echo(f"{trial.describe()}: {verdict} ({out.seconds:.0f} s)")
         for p in out.problems:
@@ -508,7 +561,9 @@ def soak(trials: int, kinds: list[str], seed: int, workdir: Path, keep: bool = F
     echo(f"{'fault':<20} survived / tried")
     for k, v in by_kind.items():
         echo(f"{k:<20} {v['survived']:>8} / {v['tried']}")
-    return {"tried": trials, "survived": survived, "by_kind": by_kind}
+    for name, v in by_layout.items():
+        echo(f"{'layout ' + name:<20} {v['survived']:>8} / {v['tried']}")
+    return {"tried": trials, "survived": survived, "by_kind": by_kind, "by_layout": by_layout}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -516,6 +571,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trials", type=int, default=len(LOCAL_KINDS), help="number of trials (default %(default)s)")
     parser.add_argument("--cluster", choices=["local", "slurm", "both"], default="local")
     parser.add_argument("--kinds", help=f"comma-separated fault kinds (default: all of --cluster): {', '.join(KINDS)}")
+    parser.add_argument("--layouts", help=f"comma-separated actor layouts (default: all): {', '.join(LAYOUTS)}")
     parser.add_argument("--seed", type=int, default=0, help="trial i uses seed SEED + i (default %(default)s)")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/rlhpc-chaos"), help="default %(default)s")
     parser.add_argument("--keep", action="store_true", help="keep the run dirs of survived trials too")
@@ -527,11 +583,14 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unknown fault kinds {unknown}; known: {', '.join(KINDS)}")
     else:
         kinds = {"local": LOCAL_KINDS, "slurm": SLURM_KINDS, "both": LOCAL_KINDS + SLURM_KINDS}[args.cluster]
+    layouts = args.layouts.split(",") if args.layouts else list(LAYOUTS)
+    if unknown := [name for name in layouts if name not in LAYOUTS]:
+        parser.error(f"unknown layouts {unknown}; known: {', '.join(LAYOUTS)}")
     if args.trials < 1:
         parser.error("--trials must be at least 1")
     if any(KINDS[k].cluster == "slurm" for k in kinds) and "SLURM_CONF" not in os.environ:
         parser.error("Slurm kinds need a cluster: export SLURM_CONF (tools/minicluster.py up prints it)")
-    summary = soak(args.trials, kinds, args.seed, args.workdir.resolve(), args.keep)
+    summary = soak(args.trials, kinds, args.seed, args.workdir.resolve(), args.keep, layouts=layouts)
     print(json.dumps(summary), flush=True)
     return 0 if summary["survived"] == summary["tried"] else 1
 

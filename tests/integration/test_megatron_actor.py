@@ -131,7 +131,9 @@ def test_checkpoint_resumes(
 
 
 @pytest.mark.parametrize(
-    ("tp", "dist_opt"), [(1, True), (2, True)], ids=["dp4-distributed-optimizer", "tp2-dp2-distributed-optimizer"]
+    ("tp", "dist_opt"),
+    [(1, True), (2, True), (2, False)],
+    ids=["dp4-distributed-optimizer", "tp2-dp2-distributed-optimizer", "tp2-dp2"],
 )
 def test_a_resume_on_the_same_layout_is_bit_exact(
     ray_cluster: None, model_path: str, tmp_path: Path, tp: int, dist_opt: bool
