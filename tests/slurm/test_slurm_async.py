@@ -12,7 +12,7 @@ from pathlib import Path
 import h5py
 import pytest
 from support.jobs import submit_slurm
-from support.slow_reward import slow_first_allocation
+from support.slow_reward import slow_allocations
 
 from rlhpc.invariants import comparable, final_weights
 from rlhpc.launch.restarts import read_history
@@ -74,7 +74,7 @@ def test_async_preempted_by_a_high_priority_job(baseline, minicluster, tmp_path)
     run = tmp_path / "run"
     # The first allocation scores 0.1 s a sample (3.2 s a rollout): the preemption lands mid-run
     # however fast the loop is.
-    slow, env = slow_first_allocation()
+    slow, env = slow_allocations()
     assert submit(run, "--partition", "low", "--sbatch", "nodelist=node0", *slow, follow=False, env=env).returncode == 0
     wait(lambda: len(trained(run)) >= 3, 240, "3 trained rollouts")
     # A job in the high partition that needs all of node0's GPUs: Slurm preempts ours while the

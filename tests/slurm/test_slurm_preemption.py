@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from support.jobs import deterministic_config, submit_slurm
-from support.slow_reward import slow_first_allocation
+from support.slow_reward import slow_allocations
 
 from rlhpc.invariants import comparable, final_weights
 from rlhpc.launch.restarts import read_history
@@ -19,7 +19,7 @@ from rlhpc.metrics import read_metrics
 
 pytestmark = pytest.mark.slurm
 
-NUM_ROLLOUT = 30  # where a stop must land mid-run, the first allocation is slowed (slow_first_allocation)
+NUM_ROLLOUT = 30  # where a stop must land mid-run, the first allocation is slowed (slow_allocations)
 CONFIG = deterministic_config(NUM_ROLLOUT)
 
 
@@ -61,7 +61,7 @@ def test_preempted_by_a_high_priority_job(baseline, minicluster, tmp_path):
     run = tmp_path / "run"
     # The first allocation scores 0.1 s a sample (3.2 s a rollout), so the preemption lands mid-run
     # however fast the loop is: at 0.04 s a rollout all 30 were trained before Slurm's signal came.
-    slow, env = slow_first_allocation()
+    slow, env = slow_allocations()
     assert submit(run, "--partition", "low", "--sbatch", "nodelist=node0", *slow, follow=False, env=env).returncode == 0
     wait(lambda: len(trained(run)) >= 4, 240, "4 trained rollouts")
     # A job in the high partition that needs all of node0's GPUs: Slurm preempts ours.
@@ -109,7 +109,7 @@ def test_time_limit_mid_run(minicluster, tmp_path):
     # pace (here ~0.8 s a rollout: two allocations; a machine twice as slow needs three).
     run = tmp_path / "run"
     num_rollout = 60
-    slow, env = slow_first_allocation()
+    slow, env = slow_allocations()
     p = submit(
         run,
         "--time", "3", "--signal-grace", "60", "--sbatch", "nodelist=node3",
