@@ -11,11 +11,11 @@ moment (after rollout K is logged, plus a share of a step), injects one fault, l
 ``rlhpc.invariants.violations`` against an undisturbed run of the same config, made once per
 config. Every kind is tried on each actor layout (``LAYOUTS``: one training rank, and four
 data-parallel ranks, whose gradient sums depend on the order they are added in): trial i takes
-kind ``i mod K`` on layout ``(i div K) mod L``. While the job runs, its engines are asked to generate without the engine key and must
-refuse. Trial i uses seed ``--seed + i``: ``--seed S --kinds KIND --layouts L --trials 1``
+kind ``i mod K`` on layout ``(i div K) mod L``. While the job runs, its engines are asked to
+generate without the engine key and must refuse. Trial i uses seed ``--seed + i``: ``--seed S --kinds KIND --layouts L --trials 1``
 replays it.
 Prints one line per trial, survived / tried per kind, then one JSON line
-``{"tried": N, "survived": M, "by_kind": {...}}``. Needs root for ``full_disk`` (a tmpfs).
+``{"tried": N, "survived": M, "by_kind": {...}, "by_layout": {...}}``. Needs root for ``full_disk`` (a tmpfs).
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ CONFIG = (
     "eval.max_new_tokens=16",
 )
 SLURM_NODES = ("node0", "node1", "node2", "node3")
-# node_kill: the head (driver, actor rank 0) on node1, engines on node2 and node3.
+# node_kill: the head (driver, actor rank 0) on node1; where the rest lies is the layout's.
 NODE_KILL_NODES = "node[1-3]"
 
 
@@ -69,7 +69,7 @@ class ActorLayout:
 
     local: tuple[str, ...]
     slurm: tuple[str, ...]  # on one minicluster node
-    node_kill: tuple[str, ...]  # over NODE_KILL_NODES, one engine on each of node2 and node3
+    node_kill: tuple[str, ...]  # over NODE_KILL_NODES, the head (rank 0) on node1
 
 
 def _split(actor: int, rollout: int) -> tuple[str, ...]:

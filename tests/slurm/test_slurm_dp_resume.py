@@ -5,8 +5,8 @@ with ``scontrol requeue`` in its second, and must end exactly where the uninterr
 the same layout ends (run beside it, on other nodes): same final weights, bit for bit, and the
 same per-rollout metrics. The layouts are the ones whose gradient sums can round differently
 after a restart: four data-parallel torch ranks (two addends commute; more need not associate:
-DDP's rebuilt buckets showed with four) on one node and across two, and megatron with TP=2 x DP=2 and the distributed optimizer (its
-Adam step was restored as 1 after every load).
+DDP's rebuilt buckets showed with four) on one node and across two, and megatron with TP=2 x
+DP=2 and the distributed optimizer (its Adam step was restored as 1 after every load).
 """
 
 import re

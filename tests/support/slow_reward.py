@@ -2,8 +2,8 @@
 so that what a test waits for in a running Slurm job does not race the job's end.
 
 - ``reward``: 0.1 s a sample (``$RLHPC_TEST_SLOW_SECONDS`` where set) in a job's first allocation
-  only (the first ``$RLHPC_TEST_SLOW_ALLOCATIONS`` where that is set). A time limit is then sure to cut that allocation however fast the machine
-  is, and the requeued ones (SLURM_RESTART_COUNT >= 1) run at the machine's own pace, so a slow
+  only (the first ``$RLHPC_TEST_SLOW_ALLOCATIONS`` where that is set). A time limit is then sure
+  to cut that allocation however fast the machine is, and the requeued ones (SLURM_RESTART_COUNT >= 1) run at the machine's own pace, so a slow
   machine still finishes in few allocations.
 - ``while_asked``: 10 ms a sample while the file named by ``$RLHPC_TEST_SLOW`` exists (about 5 s a
   rollout of 512 samples): a test slows the run down while it changes the cluster under it.
