@@ -21,6 +21,11 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
 
 
+# A job a test starts imports the test plugins (rewards, filters in tests/support) as a user's
+# job imports the user's own modules: from its PYTHONPATH.
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(TESTS), os.environ.get("PYTHONPATH")) if p)
+
+
 def _kind(item: pytest.Item) -> str:
     return Path(item.fspath).resolve().relative_to(TESTS).parts[0]
 

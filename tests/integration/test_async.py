@@ -12,7 +12,7 @@ from pathlib import Path
 
 import h5py
 import pytest
-from support.jobs import REPO, job_args, kill_when, rollouts
+from support.jobs import HELD, REPO, job_args, kill_when, rollouts
 
 from rlhpc.checkpoint import CheckpointManager
 from rlhpc.invariants import comparable, final_weights
@@ -94,7 +94,7 @@ def test_stop_signal_ends_like_the_uninterrupted_async_run(uninterrupted, tmp_pa
 
 def test_sigkill_ends_like_the_uninterrupted_async_run(uninterrupted, tmp_path):
     run = tmp_path / "run"
-    args = job_args(run, *ASYNC)
+    args = job_args(run, *ASYNC, HELD)
     kill_when(args, run / "checkpoints" / "rollout_000003")  # its rollout 4 was generated with version 3
     ck = CheckpointManager(run / "checkpoints", 2).latest()
     assert ck is not None and ck.rollout_id < N - 1
@@ -178,12 +178,9 @@ DYNAMIC = (
 )  # fmt: skip
 
 
-def test_dynamic_sampling_counts_and_an_exact_resume(tmp_path, monkeypatch):
+def test_dynamic_sampling_counts_and_an_exact_resume(tmp_path):
     """Deterministic async with dynamic sampling: the over-sampled prompts are a pure function of
     the rollout, so a run SIGKILLed mid-way and resumed ends like the uninterrupted one."""
-    monkeypatch.setenv(
-        "PYTHONPATH", f"{REPO / 'tests'}:{os.environ.get('PYTHONPATH', '')}"
-    )  # the job imports support.filters
     whole = tmp_path / "whole"
     run_job(whole, *DYNAMIC)
     records = [m for m in read_metrics(whole) if m["kind"] == "rollout"]
@@ -192,7 +189,7 @@ def test_dynamic_sampling_counts_and_an_exact_resume(tmp_path, monkeypatch):
         assert m["samples"] == 8 * 4  # rollout_batch_size x n_samples_per_prompt, kept or filled up
     assert sum(m["dynamic_sampling/dropped"] for m in records) > 0  # the filter did drop groups
     killed = tmp_path / "killed"
-    args = job_args(killed, *DYNAMIC)
+    args = job_args(killed, *DYNAMIC, "data.reward=support.hold:length_parity")  # the same reward, held
     kill_when(args, killed / "checkpoints" / "rollout_000003")
     p = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]

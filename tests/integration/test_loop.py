@@ -6,7 +6,7 @@ import subprocess
 
 import h5py
 import pytest
-from support.jobs import REPO, job_args, kill_when, rollouts, said, submit
+from support.jobs import HELD, REPO, job_args, kill_when, rollouts, said, submit
 
 from rlhpc.checkpoint import CheckpointManager
 from rlhpc.metrics import read_metrics
@@ -34,7 +34,7 @@ def test_embedded_loop_end_to_end(tmp_path):
 
 def test_killed_run_resumes_from_last_checkpoint(tmp_path):
     run = tmp_path / "run"
-    args = job_args(run, "rollout.num_rollout=30", "checkpoint.save_interval=2")
+    args = job_args(run, "rollout.num_rollout=30", "checkpoint.save_interval=2", HELD)
     kill_when(args, run / "checkpoints" / "rollout_000005")
     resumed_from = CheckpointManager(run / "checkpoints", 2).latest().rollout_id
     assert resumed_from >= 5 and not (run / "FINISHED").exists()

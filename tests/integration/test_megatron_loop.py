@@ -4,7 +4,7 @@ started by jobs/submit.py (local executor, local Ray, CPU engine server), killed
 import subprocess
 
 import pytest
-from support.jobs import REPO, job_args, kill_when, rollouts, submit
+from support.jobs import HELD, REPO, job_args, kill_when, rollouts, submit
 
 from rlhpc.checkpoint import CheckpointManager
 
@@ -29,7 +29,7 @@ def test_tp2_loop_killed_and_resumed(tmp_path):
     run = tmp_path / "run"
     overrides = [
         *MEGATRON, "actor.megatron.tensor_model_parallel_size=2", "cluster.gpus_per_node=3",
-        "cluster.actor_num_gpus=2", "rollout.num_rollout=8", "checkpoint.save_interval=2",
+        "cluster.actor_num_gpus=2", "rollout.num_rollout=8", "checkpoint.save_interval=2", HELD,
     ]  # fmt: skip
     args = job_args(run, *overrides)
     kill_when(args, run / "checkpoints" / "rollout_000003")

@@ -7,7 +7,7 @@ import json
 import subprocess
 import sys
 
-from support.jobs import REPO, job_args, kill_when, rollouts
+from support.jobs import HELD, REPO, job_args, kill_when, rollouts
 
 from rlhpc.launch.restarts import read_history
 from rlhpc.launch.startup import PHASES, read_startup
@@ -25,7 +25,12 @@ def status(run) -> str:
 def test_every_start_records_its_phases_and_status_shows_the_newest(tmp_path):
     run, stage = tmp_path / "run", tmp_path / "node-local"  # staged start: the copies land in stage
     args = job_args(
-        run, "rollout.num_rollout=12", "eval.interval=1", "checkpoint.save_interval=1", f"cluster.stage_dir={stage}"
+        run,
+        "rollout.num_rollout=12",
+        "eval.interval=1",
+        "checkpoint.save_interval=1",
+        f"cluster.stage_dir={stage}",
+        HELD,
     )
     kill_when(args, run / "checkpoints" / "rollout_000001")  # killed after its first rollout
     assert str(stage / "rlhpc-") in (run / "logs" / "engines" / "engine_0.log").read_text()  # served the copy

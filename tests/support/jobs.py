@@ -6,10 +6,12 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 from rlhpc.metrics import read_metrics
+from support.hold import HOLD_ENV
 
 REPO = Path(__file__).resolve().parents[2]  # the checkout
 SUBMIT = [sys.executable, str(REPO / "jobs" / "submit.py"), "--cluster", "local"]
@@ -79,15 +81,28 @@ def rollouts(run_dir: Path) -> list[int]:
     return [r["rollout_id"] for r in read_metrics(run_dir) if r["kind"] == "rollout"]
 
 
+HELD = "data.reward=support.hold:digit_sum"  # the default task's reward, held for ``kill_when``
+
+
 def kill_when(args: list[str], path: Path, timeout: float = 300) -> None:
-    """Run a job until ``path`` exists, then SIGKILL it all: no chance to clean up or save."""
-    # A new session, like a terminal: Ctrl-C reaches submit.py, the job and its Ray together.
-    proc = subprocess.Popen(
-        args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO, start_new_session=True
-    )
-    deadline = time.time() + timeout
-    while not path.exists():
-        assert time.time() < deadline and proc.poll() is None, f"no {path.name} within {timeout:.0f} s"
-        time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    """Run a job until ``path`` exists, then SIGKILL it all: no chance to clean up or save. The
+    job scores with a reward of ``support.hold`` (``HELD``), which holds it still once ``path``
+    exists, so what the kill leaves is the state the test chose however fast the job runs. A job
+    that ends or stalls first fails the test with the tail of what it printed."""
+    assert any("support.hold:" in a for a in args), f"kill_when needs a held reward: add --set {HELD}"
+    env = {**os.environ, HOLD_ENV: str(path)}
+    with tempfile.TemporaryFile("w+") as out:
+        # A new session, like a terminal: Ctrl-C reaches submit.py, the job and its Ray together.
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=env, start_new_session=True)
+        deadline = time.time() + timeout
+        while not path.exists():
+            if time.time() > deadline or proc.poll() is not None:
+                ended = f"exited with {proc.returncode}" if proc.poll() is not None else "still running"
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+                out.seek(0)
+                raise AssertionError(f"no {path.name} within {timeout:.0f} s; the job {ended}:\n{out.read()[-4000:]}")
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
