@@ -265,6 +265,9 @@ class TinyModelConfig(Section):
     SECTION: ClassVar[str] = "model.tiny"
 
     architecture: Literal["llama", "qwen2"] = "llama"
+    # "char": one token per character, with a BOS. "bpe": a byte-level BPE trained on the tasks'
+    # text, shaped as Qwen's ships (no BOS, ChatML special tokens and chat template, every byte).
+    tokenizer: Literal["char", "bpe"] = "char"
     hidden_size: int = 64
     intermediate_size: int = 256
     num_hidden_layers: int = 2

@@ -11,6 +11,7 @@ import io
 import json
 import logging
 import os
+import re
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -224,5 +225,15 @@ def _dump_bytes(rollout_id: int, batch: RolloutBatch, texts: dict[str, list[str]
         if batch.token_versions:  # per response token (partial rollouts: a sample may span versions)
             _ragged(f, "token_versions", batch.token_versions, np.int64)
         for name, values in texts.items():
-            f.create_dataset(name, data=values, dtype=h5py.string_dtype())
+            f.create_dataset(name, data=[readable(v) for v in values], dtype=h5py.string_dtype())
     return buf.getbuffer()
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def readable(text: str) -> str:
+    """A text as the dump stores it: HDF5 strings end at NUL, so a NUL (a byte-level token can
+    decode to one) is written as U+2400 (␀), and a lone surrogate as U+FFFD. The token ids
+    beside it are exact; the text is for reading."""
+    return _SURROGATE.sub("\ufffd", text.replace("\x00", "\u2400"))

@@ -1,4 +1,5 @@
-"""The model in Hugging Face format: a character-level tokenizer and tiny Llama/Qwen2 builds.
+"""The model in Hugging Face format: tiny Llama/Qwen2 builds with a character-level tokenizer
+(with a BOS) or a byte-level BPE shaped as Qwen's (no BOS, ChatML tokens and chat template).
 
 Everything downstream (actor, engines, checkpoints) reads and writes a plain HF directory
 (config.json + model.safetensors + tokenizer.json), so a real model drops in unchanged.
@@ -7,10 +8,11 @@ Everything downstream (actor, engines, checkpoints) reads and writes a plain HF 
 from __future__ import annotations
 
 import logging
+import random
 from pathlib import Path
 
 import torch
-from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 from transformers.utils import logging as hf_logging
 
@@ -25,19 +27,61 @@ PAD, BOS, EOS = "<pad>", "<s>", "</s>"
 CHARS = list("0123456789+-*=?:; ") + [chr(c) for c in range(ord("a"), ord("z") + 1)]
 
 
+# The byte-level BPE's special tokens, named as ChatML (Qwen2/Qwen3) names them.
+END_OF_TEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+BPE_VOCAB_SIZE = 320  # the 256 bytes, the specials, and merges of the tasks' frequent pairs
+# A ChatML template (the shape Qwen's tokenizers ship), written for this tiny tokenizer.
+CHATML_TEMPLATE = (
+    "{% if messages[0]['role'] != 'system' and system_prompt is defined %}"
+    "{{ '<|im_start|>system\\n' + system_prompt + '<|im_end|>\\n' }}{% endif %}"
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
 def build_char_tokenizer() -> PreTrainedTokenizerFast:
+    """One token per character; every encoding starts with BOS (its post-processor adds it, as
+    Llama's does), so ``add_special_tokens=True`` gives what the model was built to read."""
     vocab = {tok: i for i, tok in enumerate([PAD, BOS, EOS, *CHARS])}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=PAD))
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    core.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", special_tokens=[(BOS, vocab[BOS])])
     return PreTrainedTokenizerFast(
         tokenizer_object=core, pad_token=PAD, bos_token=BOS, eos_token=EOS, padding_side="left"
+    )
+
+
+def build_bpe_tokenizer(seed: int = 0) -> PreTrainedTokenizerFast:
+    """A byte-level BPE trained on the built-in tasks' text, shaped as Qwen's: no BOS, EOS
+    ``<|im_end|>``, pad ``<|endoftext|>``, a ChatML chat template, and a token for every byte
+    (NUL and bytes that are not UTF-8 on their own among them)."""
+    from rlhpc.tasks import TASKS  # late: the tasks import the config, which this module re-exports
+
+    rng = random.Random(seed)
+    corpus = [f"{r['prompt']}{r['answer']}" for t in TASKS.values() for r in t.make(2000, rng)]
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    core.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=BPE_VOCAB_SIZE,
+        special_tokens=[END_OF_TEXT, IM_START, IM_END],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    core.train_from_iterator(corpus, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        eos_token=IM_END,
+        pad_token=END_OF_TEXT,
+        padding_side="left",
+        chat_template=CHATML_TEMPLATE,
     )
 
 
 def build_tiny_model(out_dir: str | Path, cfg: TinyModelConfig) -> Path:
     """Write a tiny random model + tokenizer to ``out_dir`` (deterministic in ``cfg.seed``)."""
     out = Path(out_dir)
-    tok = build_char_tokenizer()
+    tok = build_char_tokenizer() if cfg.tokenizer == "char" else build_bpe_tokenizer(cfg.seed)
     hf_config = AutoConfig.for_model(
         cfg.architecture,
         vocab_size=len(tok),

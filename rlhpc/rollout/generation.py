@@ -38,6 +38,19 @@ MoreRows = Callable[[int, int], list[dict]]  # (round, count) -> prompts to over
 MAX_SAMPLES_PER_REQUEST = 256
 
 
+def encode_prompts(tokenizer: Any, prompts: list[str]) -> list[list[int]]:
+    """Token ids of each prompt with the special tokens the tokenizer itself adds: Llama's BOS,
+    none for Qwen's (a BOS is never assumed). An empty encoding is an error naming the prompt."""
+    encoded = tokenizer(prompts, add_special_tokens=True).input_ids
+    for text, ids in zip(prompts, encoded):
+        if not ids:
+            raise RlhpcError(
+                f"the prompt {text[:80]!r} encodes to no tokens with this tokenizer (and it adds no BOS)",
+                "drop empty prompts from the data, or give each one some text",
+            )
+    return encoded
+
+
 def rows_per_request(num_rows: int, n: int, num_engines: int) -> int:
     """Rows per /generate request: the batch spread evenly over the engines, in requests of at
     most MAX_SAMPLES_PER_REQUEST samples (at least one row). ``num_engines`` is the configured
@@ -202,8 +215,7 @@ class Generation:
         self.group_filter: GroupFilter | None = resolve_filter(spec) if spec is not None else None
 
     def _encode(self, prompts: list[str]) -> list[list[int]]:
-        bos = self.tokenizer.bos_token_id
-        return [[bos, *ids] for ids in self.tokenizer(prompts, add_special_tokens=False).input_ids]
+        return encode_prompts(self.tokenizer, prompts)
 
     def sample(
         self, rows: list[dict], n: int, temperature: float, max_new_tokens: int, seed_tag: object, desc: str

@@ -32,6 +32,23 @@ def test_embedded_loop_end_to_end(tmp_path):
     assert again.returncode == 2 and "holds a finished run" in said(again)
 
 
+def test_a_bos_less_byte_level_tokenizer_trains_and_dumps(tmp_path):
+    """A Qwen-shaped tokenizer (byte-level BPE, no BOS): prompts go to the engines as the
+    tokenizer encodes them, nothing is prepended, and the dumps hold what was generated."""
+    from transformers import AutoTokenizer
+
+    run = tmp_path / "run"
+    p = submit(run, "model.tiny.tokenizer=bpe", "rollout.num_rollout=2", "checkpoint.save_interval=null")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert rollouts(run) == [0, 1]
+    tok = AutoTokenizer.from_pretrained(run / "base_model")
+    assert tok.bos_token is None
+    with h5py.File(run / "rollouts" / "rollout_000001.h5") as f:
+        prompts = [r.decode() for r in f["prompt"][:]]
+        assert [list(ids) for ids in f["prompt_ids"][:]] == tok(prompts).input_ids
+        assert len(f["rewards"]) == 8 * 4
+
+
 def test_killed_run_resumes_from_last_checkpoint(tmp_path):
     run = tmp_path / "run"
     args = job_args(run, "rollout.num_rollout=30", "checkpoint.save_interval=2", HELD)

@@ -105,6 +105,19 @@ def test_rollout_dumps_are_whole_once_waited_for(run):
     assert sorted(p.name for p in run.rollouts_dir.iterdir()) == [f"rollout_00000{i}.h5" for i in range(3)]
 
 
+def test_a_dump_keeps_texts_that_hdf5_strings_cannot_hold(run):
+    """A byte-level token can decode to NUL, and HDF5 strings end at NUL (h5py refused the whole
+    dump): the text is stored readable (NUL as U+2400), the ids exactly."""
+    metrics = dump_logger(run)
+    batch = rollout_batch(2, 3)
+    metrics.dump_rollout(0, batch, {"response": ["a\x00b", "caf\u00e9 \ud800"]})
+    metrics.wait_dumps()
+    with h5py.File(run.rollout_dump(0)) as f:
+        assert [r.decode() for r in f["response"][:]] == ["a\u2400b", "caf\u00e9 \ufffd"]
+        assert [list(r) for r in f["response_ids"][:]] == batch.response_ids
+    metrics.close()
+
+
 def test_a_dump_on_a_full_disk_stops_the_run_at_the_next_rollout_and_leaves_nothing(tmp_path, caplog):
     disk = tmp_path / "small"
     with small_tmpfs(disk, "1m") as mounted:
