@@ -29,6 +29,7 @@ import yaml
 from rlhpc.errors import ConfigError
 from rlhpc.rollout.dynamic_sampling import resolve_filter
 from rlhpc.tasks import TASKS, resolve_reward
+from rlhpc.tasks.files import FORMATS, read_rows
 
 # ---------------------------------------------------------------- sections
 
@@ -325,11 +326,14 @@ class DataConfig(Section):
     SECTION: ClassVar[str] = "data"
 
     task: str = "digit_sum"
-    train_file: str | None = None  # JSONL of {"prompt": ..., "answer": ...}
+    # .jsonl, .json, .parquet or a datasets.save_to_disk directory (rlhpc.tasks.files)
+    train_file: str | None = None
     eval_file: str | None = None
+    prompt_key: str = "prompt"  # where a row's prompt is; dotted for nested fields
+    label_key: str = "answer"  # where its label is (verl's files: reward_model.ground_truth)
     num_train: int = 100
     num_eval: int = 100
-    reward: str | None = None  # "module:function" overriding the task's reward
+    reward: str | None = None  # "module:function" overriding the task's reward; needed with files
     seed: int = 0
 
     def check(self) -> None:
@@ -806,10 +810,17 @@ def validate(cfg: Config) -> None:
     d = cfg.data
     for key in ("train_file", "eval_file"):
         f = getattr(d, key)
-        if f is not None and not Path(f).is_file():
-            raise ConfigError(
-                f"data.{key} {f} does not exist", f"create it (JSONL with prompt/answer) or unset data.{key}"
-            )
+        if f is not None and not Path(f).exists():
+            raise ConfigError(f"data.{key} {f} does not exist", f"create it ({FORMATS}) or unset data.{key}")
+    files = [f for f in (d.train_file, d.eval_file) if f is not None]
+    if files and d.reward is None:
+        raise ConfigError(
+            f"data.train_file / data.eval_file are set but data.reward is not: the toy task {d.task!r}'s "
+            "reward would score your data",
+            "set data.reward: rlhpc.rewards:math (math-verify), rlhpc.rewards:exact, or your own module:function",
+        )
+    for f in files:  # a bad file is refused here, at submit, not after the queue wait
+        read_rows(f, d.prompt_key, d.label_key)
     if d.reward is not None:
         resolve_reward(d.reward)
     if r.dynamic_sampling.filter is not None:

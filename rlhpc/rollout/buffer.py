@@ -94,6 +94,7 @@ class DataBuffer:
 def load_data(data: DataConfig, rollout_batch_size: int, seed: int) -> tuple[DataBuffer, list[dict]]:
     """The training buffer and the eval rows of ``data.task`` (or of its files)."""
     task = TASKS[data.task]
-    train_rows = load_split(task, data.train_file, data.num_train, data.seed)
-    eval_rows = load_split(task, data.eval_file, data.num_eval, data.seed + 1)
+    keys = (data.prompt_key, data.label_key)
+    train_rows = load_split(task, data.train_file, data.num_train, data.seed, *keys)
+    eval_rows = load_split(task, data.eval_file, data.num_eval, data.seed + 1, *keys)
     return DataBuffer(train_rows, rollout_batch_size, seed), eval_rows

@@ -6,13 +6,11 @@ plug their own with ``data.reward: "my_module:my_reward"``.
 
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
-from rlhpc.errors import ConfigError
+from rlhpc.tasks.files import read_rows
 from rlhpc.util.imports import import_function
 
 RewardFn = Callable[[str, str, str], float]
@@ -66,31 +64,11 @@ def resolve_reward(spec: str) -> RewardFn:
     return import_function("data.reward", spec, "reward(prompt, response, answer) -> float")
 
 
-def read_jsonl(path: str | Path) -> list[dict]:
-    rows = []
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ConfigError(
-                    f"{path}:{lineno} is not valid JSON ({e.msg})", "write one JSON object per line"
-                ) from e
-            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or "answer" not in row:
-                raise ConfigError(
-                    f"{path}:{lineno} needs string 'prompt' and an 'answer'",
-                    'write lines like {"prompt": "1+2=", "answer": "3"}',
-                )
-            rows.append({"prompt": row["prompt"], "answer": str(row["answer"])})
-    if not rows:
-        raise ConfigError(f"{path} holds no rows", "add at least one JSON line with prompt and answer")
-    return rows
-
-
-def load_split(task: Task, file: str | None, count: int, seed: int) -> list[dict]:
-    """Rows from ``file`` if given, else ``count`` rows generated deterministically from ``seed``."""
+def load_split(
+    task: Task, file: str | None, count: int, seed: int, prompt_key: str = "prompt", label_key: str = "answer"
+) -> list[dict]:
+    """Rows from ``file`` if given (``rlhpc.tasks.files``), else ``count`` rows generated
+    deterministically from ``seed``."""
     if file is not None:
-        return read_jsonl(file)
+        return read_rows(file, prompt_key, label_key)
     return task.make(count, random.Random(seed))

@@ -4,7 +4,8 @@ import pytest
 
 from rlhpc.errors import ConfigError
 from rlhpc.rollout.buffer import DataBuffer
-from rlhpc.tasks import TASKS, load_split, read_jsonl
+from rlhpc.tasks import TASKS, load_split
+from rlhpc.tasks.files import read_rows
 
 ROWS = [{"prompt": str(i), "answer": str(i)} for i in range(10)]
 
@@ -51,7 +52,7 @@ def test_generated_tasks_are_deterministic_and_scored():
 def test_jsonl_errors_name_the_line(tmp_path):
     f = tmp_path / "d.jsonl"
     f.write_text('{"prompt": "1+1=", "answer": 2}\n{"prompt": 5}\n')
-    with pytest.raises(ConfigError, match=r"d.jsonl:2"):
-        read_jsonl(f)
+    with pytest.raises(ConfigError, match=r"d.jsonl line 2 has no 'answer'"):
+        read_rows(f)
     f.write_text('{"prompt": "1+1=", "answer": 2}\n')
-    assert read_jsonl(f) == [{"prompt": "1+1=", "answer": "2"}]
+    assert read_rows(f) == [{"prompt": "1+1=", "answer": "2"}]

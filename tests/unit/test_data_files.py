@@ -1,0 +1,82 @@
+"""A user's own data: every format rlhpc reads, keys where the user's files keep them (dotted for
+nested fields, as verl's do), and a bad file refused at submit with file, row, key and fix."""
+
+import json
+import subprocess
+import sys
+
+import datasets
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from rlhpc.config import load_config
+from rlhpc.errors import ConfigError
+from rlhpc.tasks.files import read_rows
+
+REPO = __import__("pathlib").Path(__file__).resolve().parents[2]
+# verl's layout: the label nested under reward_model, other fields beside it
+VERL_ROWS = [
+    {"data_source": "gsm8k", "question": f"What is {i} + {i}?", "reward_model": {"ground_truth": 2 * i}}
+    for i in range(5)
+]
+EXPECTED = [{"prompt": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(5)]
+VERL_KEYS = ("question", "reward_model.ground_truth")
+
+
+def write_each_format(tmp_path):
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in VERL_ROWS))
+    (tmp_path / "d.json").write_text(json.dumps(VERL_ROWS))
+    (tmp_path / "lines.json").write_text("".join(json.dumps(r) + "\n" for r in VERL_ROWS))  # JSONL named .json
+    pq.write_table(pa.Table.from_pylist(VERL_ROWS), tmp_path / "d.parquet")
+    datasets.Dataset.from_list(VERL_ROWS).save_to_disk(str(tmp_path / "saved"))
+    return ["d.jsonl", "d.json", "lines.json", "d.parquet", "saved"]
+
+
+def test_every_format_reads_the_same_rows_with_nested_keys(tmp_path):
+    for name in write_each_format(tmp_path):
+        assert read_rows(tmp_path / name, *VERL_KEYS) == EXPECTED, name
+
+
+def test_a_bad_file_names_file_row_and_key(tmp_path):
+    names = write_each_format(tmp_path)
+    for name in names:  # the default keys are not where verl keeps them
+        with pytest.raises(ConfigError, match=r"has no 'prompt' \(its keys: 'data_source', 'question'"):
+            read_rows(tmp_path / name)
+    with pytest.raises(ConfigError, match=r"row 0 has no 'reward_model.truth'"):
+        read_rows(tmp_path / "d.parquet", "question", "reward_model.truth")
+    with pytest.raises(ConfigError, match=r"'reward_model' is \{\"ground_truth\": 0\}, not a text or number"):
+        read_rows(tmp_path / "d.json", "question", "reward_model")
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "a", "answer": 1}\n{"prompt": \n')
+    with pytest.raises(ConfigError, match=r"bad.jsonl line 2 is not valid JSON"):
+        read_rows(tmp_path / "bad.jsonl")
+    (tmp_path / "d.csv").write_text("prompt,answer\n")
+    with pytest.raises(ConfigError, match=r"suffix '.csv'"):
+        read_rows(tmp_path / "d.csv")
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(VERL_ROWS)}).save_to_disk(str(tmp_path / "dict"))
+    with pytest.raises(ConfigError, match=r"(?s)holds the splits train.*dict/train"):
+        read_rows(tmp_path / "dict", *VERL_KEYS)
+
+
+def test_files_need_a_reward_of_their_own(tmp_path):
+    (tmp_path / "d.jsonl").write_text(json.dumps({"prompt": "1+1=", "answer": 2}) + "\n")
+    with pytest.raises(ConfigError, match="the toy task 'digit_sum''s reward would score your data") as e:
+        load_config(None, ["model.tiny={}", f"data.train_file={tmp_path}/d.jsonl"])
+    assert "rlhpc.rewards:math" in e.value.fix
+    cfg = load_config(None, ["model.tiny={}", f"data.train_file={tmp_path}/d.jsonl", "data.reward=rlhpc.rewards:exact"])
+    assert cfg.data.reward == "rlhpc.rewards:exact"
+
+
+def test_a_bad_file_is_refused_by_submit_before_anything_is_written(tmp_path):
+    write_each_format(tmp_path)
+    run = tmp_path / "run"
+    for extra in ([], ["--dry-run"]):
+        p = subprocess.run(
+            [sys.executable, str(REPO / "jobs" / "submit.py"), "--cluster", "local", "--run-dir", str(run), *extra,
+             "--set", f"data.train_file={tmp_path}/d.parquet", "--set", "data.reward=rlhpc.rewards:math"],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert p.returncode == 2, p.stdout + p.stderr
+        said = " ".join((p.stdout + p.stderr).split())  # a terminal's wrapping undone
+        assert "d.parquet row 0 has no 'prompt'" in said and "data.prompt_key" in said
+        assert "Traceback" not in said and not run.exists()
