@@ -333,6 +333,9 @@ class DataConfig(Section):
     label_key: str = "answer"  # where its label is (verl's files: reward_model.ground_truth)
     num_train: int = 100
     num_eval: int = 100
+    # Longer prompts are dropped at load, counted in the log (None: the model's context length
+    # minus the split's max_new_tokens, so no request can be refused for its length).
+    max_prompt_tokens: int | None = None
     reward: str | None = None  # "module:function" overriding the task's reward; needed with files
     seed: int = 0
 
@@ -340,6 +343,8 @@ class DataConfig(Section):
         if self.task not in TASKS:
             self._refuse("task", "is not a known task", f"use one of: {', '.join(sorted(TASKS))}")
         self._at_least(1, "num_train", "num_eval")
+        if self.max_prompt_tokens is not None:
+            self._at_least(1, "max_prompt_tokens", fix="set a positive token count, or null for the model's context")
 
 
 @dataclass

@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
+from typing import Any
 
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -26,10 +27,10 @@ from rlhpc.launch.signals import Stopped, StopRequest
 from rlhpc.launch.staging import NOT_STAGED, Staged
 from rlhpc.launch.startup import StartupClock
 from rlhpc.metrics import MetricsLogger, read_metrics
-from rlhpc.model import load_tokenizer
-from rlhpc.rollout.buffer import load_data
+from rlhpc.model import context_length, load_tokenizer
+from rlhpc.rollout.buffer import PromptFilter, drop_long_prompts, load_data
 from rlhpc.rollout.engine_pool import EnginePool
-from rlhpc.rollout.generation import Generation, GenerationAborted, task_reward
+from rlhpc.rollout.generation import Generation, GenerationAborted, encode_prompts, task_reward
 from rlhpc.run_dir import RunDir
 from rlhpc.schedule import AsyncRollouts, BusyClock, Generated, SyncRollouts
 
@@ -44,6 +45,19 @@ class Timer(dict):
         start = time.perf_counter()
         yield
         self[f"time/{name}"] = self.get(f"time/{name}", 0.0) + time.perf_counter() - start
+
+
+def prompt_filter(cfg: Config, tokenizer: Any, context: int | None) -> PromptFilter | None:
+    """Each split's longest prompt: ``data.max_prompt_tokens``, or what the context leaves
+    after the split's ``max_new_tokens``; None when neither is known."""
+    new = {"train": cfg.rollout.max_new_tokens, "eval": cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens}
+    if cfg.data.max_prompt_tokens is not None:
+        limits = dict.fromkeys(new, cfg.data.max_prompt_tokens)
+    elif context is not None:
+        limits = {split: context - n for split, n in new.items()}
+    else:
+        return None
+    return drop_long_prompts(lambda prompts: encode_prompts(tokenizer, prompts), limits)
 
 
 def every(interval: int | None, rollout_id: int, epoch_end: bool) -> bool:
@@ -117,7 +131,13 @@ class TrainLoop:
         with startup.phase("placement"):
             self.placement = create_placement(layout.num_slots, layout.slot_groups if layout.heterogeneous else None)
         model_path = staged.get(run.model_path(cfg))
-        self.buffer, self.eval_rows = load_data(cfg.data, cfg.rollout.rollout_batch_size, cfg.seed)
+        tokenizer = load_tokenizer(model_path)
+        self.buffer, self.eval_rows = load_data(
+            cfg.data,
+            cfg.rollout.rollout_batch_size,
+            cfg.seed,
+            prompt_filter(cfg, tokenizer, context_length(model_path)),
+        )
         self.num_rollout = cfg.rollout.num_rollout or self.buffer.num_rollout_per_epoch * cfg.rollout.num_epoch
 
         # When each rollout is generated (rlhpc/schedule.py): inline, or ahead of training in a thread.
@@ -178,7 +198,7 @@ class TrainLoop:
         else:
             self.engines = engines_up.result()
         self.generation = Generation(
-            load_tokenizer(model_path), task_reward(cfg.data), cfg.rollout, cfg.eval, cfg.algo, cfg.seed,
+            tokenizer, task_reward(cfg.data), cfg.rollout, cfg.eval, cfg.algo, cfg.seed,
             send=self.engines.generate, progress=progress, num_engines=len(layout.engine_slots),
         )  # fmt: skip
         with startup.phase("weight_channel"):

@@ -111,5 +111,11 @@ def load_model(path: str | Path, device: str | torch.device = "cpu") -> torch.nn
     return model.to(device)
 
 
+def context_length(path: str | Path) -> int | None:
+    """The model's context length from its config.json (``max_position_embeddings``), if it says."""
+    n = getattr(AutoConfig.from_pretrained(str(path)), "max_position_embeddings", None)
+    return int(n) if n else None
+
+
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
     return AutoTokenizer.from_pretrained(str(path))

@@ -32,21 +32,39 @@ def test_embedded_loop_end_to_end(tmp_path):
     assert again.returncode == 2 and "holds a finished run" in said(again)
 
 
-def test_a_bos_less_byte_level_tokenizer_trains_and_dumps(tmp_path):
-    """A Qwen-shaped tokenizer (byte-level BPE, no BOS): prompts go to the engines as the
-    tokenizer encodes them, nothing is prepended, and the dumps hold what was generated."""
+def test_a_users_own_files_train_on_a_bos_less_byte_level_tokenizer(tmp_path):
+    """A new user's first run: a Qwen-shaped tokenizer (byte-level BPE, no BOS), verl-format
+    Parquet files (the label nested), a built-in reward, and one eval prompt too long for the
+    context. Prompts go to the engines as the tokenizer encodes them, the long one is dropped at
+    load, and the dumps hold what was generated."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
     from transformers import AutoTokenizer
 
+    def verl_rows(prompts):
+        return pa.Table.from_pylist(
+            [{"question": q, "reward_model": {"ground_truth": a}, "data_source": "toy"} for q, a in prompts]
+        )
+
+    pq.write_table(
+        verl_rows([(f"{a}+{b}=", str((a + b) % 10)) for a in range(8) for b in range(8)]), tmp_path / "train.parquet"
+    )
+    pq.write_table(verl_rows([("1+2=", "3"), ("3+4=", "7"), ("9+" * 200 + "1=", "0")]), tmp_path / "eval.parquet")
     run = tmp_path / "run"
-    p = submit(run, "model.tiny.tokenizer=bpe", "rollout.num_rollout=2", "checkpoint.save_interval=null")
+    p = submit(
+        run, "model.tiny.tokenizer=bpe", "rollout.num_rollout=2", "checkpoint.save_interval=null",
+        f"data.train_file={tmp_path}/train.parquet", f"data.eval_file={tmp_path}/eval.parquet",
+        "data.prompt_key=question", "data.label_key=reward_model.ground_truth", "data.reward=rlhpc.rewards:exact",
+    )  # fmt: skip
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "eval data: 1 of 3 prompts are longer than" in said(p)
     assert rollouts(run) == [0, 1]
     tok = AutoTokenizer.from_pretrained(run / "base_model")
     assert tok.bos_token is None
     with h5py.File(run / "rollouts" / "rollout_000001.h5") as f:
         prompts = [r.decode() for r in f["prompt"][:]]
         assert [list(ids) for ids in f["prompt_ids"][:]] == tok(prompts).input_ids
-        assert len(f["rewards"]) == 8 * 4
+        assert len(f["rewards"]) == 8 * 4 and all(q.endswith("=") and len(q) == 4 for q in prompts)
 
 
 def test_killed_run_resumes_from_last_checkpoint(tmp_path):
