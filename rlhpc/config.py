@@ -329,13 +329,17 @@ class DataConfig(Section):
     # .jsonl, .json, .parquet or a datasets.save_to_disk directory (rlhpc.tasks.files)
     train_file: str | None = None
     eval_file: str | None = None
-    prompt_key: str = "prompt"  # where a row's prompt is; dotted for nested fields
+    prompt_key: str = "prompt"  # where a row's prompt is (text or chat messages); dotted for nested fields
     label_key: str = "answer"  # where its label is (verl's files: reward_model.ground_truth)
     num_train: int = 100
     num_eval: int = 100
     # Longer prompts are dropped at load, counted in the log (None: the model's context length
     # minus the split's max_new_tokens, so no request can be refused for its length).
     max_prompt_tokens: int | None = None
+    # Chat-message prompts: "auto" renders them with the tokenizer's own template, a path with
+    # that Jinja file; "none" refuses them. Text prompts are sent as they are.
+    chat_template: str = "auto"
+    system_prompt: str | None = None  # first, where a chat prompt has no system message
     reward: str | None = None  # "module:function" overriding the task's reward; needed with files
     seed: int = 0
 
@@ -824,8 +828,18 @@ def validate(cfg: Config) -> None:
             "reward would score your data",
             "set data.reward: rlhpc.rewards:math (math-verify), rlhpc.rewards:exact, or your own module:function",
         )
+    if d.chat_template not in ("auto", "none") and not Path(d.chat_template).is_file():
+        raise ConfigError(
+            f"data.chat_template {d.chat_template} is neither auto, none, nor an existing file",
+            "use auto (the tokenizer's template), none, or the path of a Jinja template",
+        )
     for f in files:  # a bad file is refused here, at submit, not after the queue wait
-        read_rows(f, d.prompt_key, d.label_key)
+        rows = read_rows(f, d.prompt_key, d.label_key)
+        if d.chat_template == "none" and any(isinstance(r["prompt"], list) for r in rows):
+            raise ConfigError(
+                f"{f} has chat-message prompts but data.chat_template is none",
+                "set data.chat_template: auto (the tokenizer's template) or a Jinja file",
+            )
     if d.reward is not None:
         resolve_reward(d.reward)
     if r.dynamic_sampling.filter is not None:

@@ -28,9 +28,10 @@ from rlhpc.launch.staging import NOT_STAGED, Staged
 from rlhpc.launch.startup import StartupClock
 from rlhpc.metrics import MetricsLogger, read_metrics
 from rlhpc.model import context_length, load_tokenizer
-from rlhpc.rollout.buffer import PromptFilter, drop_long_prompts, load_data
+from rlhpc.rollout.buffer import load_data
 from rlhpc.rollout.engine_pool import EnginePool
-from rlhpc.rollout.generation import Generation, GenerationAborted, encode_prompts, task_reward
+from rlhpc.rollout.generation import Generation, GenerationAborted, task_reward
+from rlhpc.rollout.prompts import PromptPrep, prepare_prompts
 from rlhpc.run_dir import RunDir
 from rlhpc.schedule import AsyncRollouts, BusyClock, Generated, SyncRollouts
 
@@ -47,17 +48,16 @@ class Timer(dict):
         self[f"time/{name}"] = self.get(f"time/{name}", 0.0) + time.perf_counter() - start
 
 
-def prompt_filter(cfg: Config, tokenizer: Any, context: int | None) -> PromptFilter | None:
-    """Each split's longest prompt: ``data.max_prompt_tokens``, or what the context leaves
-    after the split's ``max_new_tokens``; None when neither is known."""
+def prompt_prep(cfg: Config, tokenizer: Any, context: int | None) -> PromptPrep:
+    """Chat rows rendered, and each split's prompts held to ``data.max_prompt_tokens`` or what the
+    context leaves after the split's ``max_new_tokens`` (no limit when neither is known)."""
     new = {"train": cfg.rollout.max_new_tokens, "eval": cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens}
+    limits: dict[str, int] | None = None
     if cfg.data.max_prompt_tokens is not None:
         limits = dict.fromkeys(new, cfg.data.max_prompt_tokens)
     elif context is not None:
         limits = {split: context - n for split, n in new.items()}
-    else:
-        return None
-    return drop_long_prompts(lambda prompts: encode_prompts(tokenizer, prompts), limits)
+    return prepare_prompts(tokenizer, cfg.data, limits)
 
 
 def every(interval: int | None, rollout_id: int, epoch_end: bool) -> bool:
@@ -136,7 +136,7 @@ class TrainLoop:
             cfg.data,
             cfg.rollout.rollout_batch_size,
             cfg.seed,
-            prompt_filter(cfg, tokenizer, context_length(model_path)),
+            prompt_prep(cfg, tokenizer, context_length(model_path)),
         )
         self.num_rollout = cfg.rollout.num_rollout or self.buffer.num_rollout_per_epoch * cfg.rollout.num_epoch
 

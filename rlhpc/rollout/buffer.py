@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import random
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from rlhpc.errors import ConfigError
@@ -20,8 +18,7 @@ from rlhpc.tasks import TASKS, load_split
 
 if TYPE_CHECKING:
     from rlhpc.config import DataConfig
-
-log = logging.getLogger(__name__)
+    from rlhpc.rollout.prompts import PromptPrep
 
 
 class DataBuffer:
@@ -95,42 +92,15 @@ class DataBuffer:
                 )
 
 
-PromptFilter = Callable[[str, list[dict]], list[dict]]  # (split name, rows) -> the rows kept
-
-
 def load_data(
-    data: DataConfig, rollout_batch_size: int, seed: int, fits: PromptFilter | None = None
+    data: DataConfig, rollout_batch_size: int, seed: int, prepare: PromptPrep | None = None
 ) -> tuple[DataBuffer, list[dict]]:
     """The training buffer and the eval rows of ``data.task`` (or of its files), each split
-    passed through ``fits`` (``drop_long_prompts``) before the order is drawn."""
+    passed through ``prepare`` (``rlhpc.rollout.prompts.prepare_prompts``) before the order is drawn."""
     task = TASKS[data.task]
     keys = (data.prompt_key, data.label_key)
     train_rows = load_split(task, data.train_file, data.num_train, data.seed, *keys)
     eval_rows = load_split(task, data.eval_file, data.num_eval, data.seed + 1, *keys)
-    if fits is not None:
-        train_rows, eval_rows = fits("train", train_rows), fits("eval", eval_rows)
+    if prepare is not None:
+        train_rows, eval_rows = prepare("train", train_rows), prepare("eval", eval_rows)
     return DataBuffer(train_rows, rollout_batch_size, seed), eval_rows
-
-
-def drop_long_prompts(encode: Callable[[list[str]], list[list[int]]], limits: dict[str, int]) -> PromptFilter:
-    """A ``PromptFilter`` keeping the rows whose prompt encodes to at most ``limits[split]``
-    tokens: one prompt too long for the context would otherwise fail a whole rollout. The
-    count dropped is logged; dropping every row is an error naming the limit and the fix."""
-
-    def fits(split: str, rows: list[dict]) -> list[dict]:
-        limit = limits[split]
-        lengths = [len(ids) for ids in encode([r["prompt"] for r in rows])]
-        kept = [r for r, n in zip(rows, lengths) if n <= limit]
-        if not kept:
-            raise ConfigError(
-                f"every {split} prompt is longer than {limit} tokens (the shortest has {min(lengths)})",
-                "raise data.max_prompt_tokens, lower max_new_tokens, or use a model with a longer context",
-            )
-        if len(kept) < len(rows):
-            log.warning(
-                "%s data: %d of %d prompts are longer than %d tokens and were dropped (data.max_prompt_tokens)",
-                split, len(rows) - len(kept), len(rows), limit,
-            )  # fmt: skip
-        return kept
-
-    return fits

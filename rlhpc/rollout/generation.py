@@ -21,6 +21,7 @@ from rlhpc.algo.grpo import ADVANTAGE_ESTIMATORS
 from rlhpc.batch import RolloutBatch
 from rlhpc.errors import RlhpcError
 from rlhpc.rollout.dynamic_sampling import Group, GroupFilter, resolve_filter
+from rlhpc.rollout.prompts import encode_rows
 from rlhpc.rollout.protocol import WEIGHT_VERSION_SPAN_KEYS, MetaInfo
 from rlhpc.tasks import TASKS, RewardFn, resolve_reward
 
@@ -36,19 +37,6 @@ MoreRows = Callable[[int, int], list[dict]]  # (round, count) -> prompts to over
 # At most this many samples per /generate request: a request is one engine batch on the CPU
 # engine (SGLang batches across requests anyway), and a bar step.
 MAX_SAMPLES_PER_REQUEST = 256
-
-
-def encode_prompts(tokenizer: Any, prompts: list[str]) -> list[list[int]]:
-    """Token ids of each prompt with the special tokens the tokenizer itself adds: Llama's BOS,
-    none for Qwen's (a BOS is never assumed). An empty encoding is an error naming the prompt."""
-    encoded = tokenizer(prompts, add_special_tokens=True).input_ids
-    for text, ids in zip(prompts, encoded):
-        if not ids:
-            raise RlhpcError(
-                f"the prompt {text[:80]!r} encodes to no tokens with this tokenizer (and it adds no BOS)",
-                "drop empty prompts from the data, or give each one some text",
-            )
-    return encoded
 
 
 def rows_per_request(num_rows: int, n: int, num_engines: int) -> int:
@@ -214,9 +202,6 @@ class Generation:
         spec = rollout.dynamic_sampling.filter
         self.group_filter: GroupFilter | None = resolve_filter(spec) if spec is not None else None
 
-    def _encode(self, prompts: list[str]) -> list[list[int]]:
-        return encode_prompts(self.tokenizer, prompts)
-
     def sample(
         self, rows: list[dict], n: int, temperature: float, max_new_tokens: int, seed_tag: object, desc: str
     ) -> Samples:
@@ -228,7 +213,7 @@ class Generation:
         top_p = self.rollout_cfg.top_p
         per_request = rows_per_request(len(rows), n, self.num_engines)
         chunks = [range(i, min(i + per_request, len(rows))) for i in range(0, len(rows), per_request)]
-        prompts = self._encode([row["prompt"] for row in rows])
+        prompts = encode_rows(self.tokenizer, rows)
         requests = [
             Request(
                 input_ids=[prompts[i] for i in chunk for _ in range(n)],

@@ -2,7 +2,8 @@
 read on the driver (and once at submit, to refuse a bad file before anything is queued).
 
 ``prompt_key`` and ``label_key`` may be dotted for nested fields (verl's files keep the label at
-``reward_model.ground_truth``). Each row becomes ``{"prompt": str, "answer": str}``; every error
+``reward_model.ground_truth``). Each row becomes ``{"prompt": text or chat messages, "answer": str}``
+(``rlhpc.rollout.prompts`` renders the messages with the model's template); every error
 names the file, the row, the key and the fix.
 """
 
@@ -36,10 +37,11 @@ def read_rows(path: str | Path, prompt_key: str = "prompt", label_key: str = "an
                     f"set data.prompt_key / data.label_key to where the prompt and label are "
                     f"(dotted for nested fields, e.g. reward_model.ground_truth), or add {key!r}",
                 )
-        if not isinstance(prompt, str):
+        if not isinstance(prompt, str) and not _is_chat(prompt):
             raise ConfigError(
-                f"{path} {number}: {prompt_key!r} is a {type(prompt).__name__}, not a string",
-                "give each row its prompt as text",
+                f"{path} {number}: {prompt_key!r} is {json.dumps(prompt, default=str)[:80]}, "
+                "neither a text nor a list of chat messages",
+                'give each row its prompt as text or as [{"role": "user", "content": "..."}, ...]',
             )
         if isinstance(label, dict | list) or label is None:
             raise ConfigError(
@@ -48,6 +50,16 @@ def read_rows(path: str | Path, prompt_key: str = "prompt", label_key: str = "an
             )
         rows.append({"prompt": prompt, "answer": str(label)})
     return rows
+
+
+def _is_chat(prompt: Any) -> bool:
+    return (
+        isinstance(prompt, list)
+        and bool(prompt)
+        and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt
+        )
+    )
 
 
 def _get(row: dict, dotted: str) -> Any:

@@ -33,28 +33,28 @@ def test_embedded_loop_end_to_end(tmp_path):
 
 
 def test_a_users_own_files_train_on_a_bos_less_byte_level_tokenizer(tmp_path):
-    """A new user's first run: a Qwen-shaped tokenizer (byte-level BPE, no BOS), verl-format
-    Parquet files (the label nested), a built-in reward, and one eval prompt too long for the
-    context. Prompts go to the engines as the tokenizer encodes them, the long one is dropped at
-    load, and the dumps hold what was generated."""
+    """A new user's first run: a Qwen-shaped tokenizer (byte-level BPE, no BOS, ChatML template),
+    verl-format Parquet files (chat-message prompts, the label nested), a built-in reward, and
+    one eval prompt too long for the context. The chat prompts are sent as the template renders
+    them, the text ones as the tokenizer encodes them, the long one is dropped at load, and the
+    dumps hold what was generated."""
     import pyarrow as pa
     import pyarrow.parquet as pq
     from transformers import AutoTokenizer
 
     def verl_rows(prompts):
         return pa.Table.from_pylist(
-            [{"question": q, "reward_model": {"ground_truth": a}, "data_source": "toy"} for q, a in prompts]
+            [{"prompt": q, "reward_model": {"ground_truth": a}, "data_source": "toy"} for q, a in prompts]
         )
 
-    pq.write_table(
-        verl_rows([(f"{a}+{b}=", str((a + b) % 10)) for a in range(8) for b in range(8)]), tmp_path / "train.parquet"
-    )
+    train = [([{"role": "user", "content": f"{a}+{b}="}], str((a + b) % 10)) for a in range(8) for b in range(8)]
+    pq.write_table(verl_rows(train), tmp_path / "train.parquet")
     pq.write_table(verl_rows([("1+2=", "3"), ("3+4=", "7"), ("9+" * 200 + "1=", "0")]), tmp_path / "eval.parquet")
     run = tmp_path / "run"
     p = submit(
         run, "model.tiny.tokenizer=bpe", "rollout.num_rollout=2", "checkpoint.save_interval=null",
         f"data.train_file={tmp_path}/train.parquet", f"data.eval_file={tmp_path}/eval.parquet",
-        "data.prompt_key=question", "data.label_key=reward_model.ground_truth", "data.reward=rlhpc.rewards:exact",
+        "data.label_key=reward_model.ground_truth", "data.reward=rlhpc.rewards:exact",
     )  # fmt: skip
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "eval data: 1 of 3 prompts are longer than" in said(p)
@@ -62,9 +62,13 @@ def test_a_users_own_files_train_on_a_bos_less_byte_level_tokenizer(tmp_path):
     tok = AutoTokenizer.from_pretrained(run / "base_model")
     assert tok.bos_token is None
     with h5py.File(run / "rollouts" / "rollout_000001.h5") as f:
+        sent = [list(ids) for ids in f["prompt_ids"][:]]
         prompts = [r.decode() for r in f["prompt"][:]]
-        assert [list(ids) for ids in f["prompt_ids"][:]] == tok(prompts).input_ids
-        assert len(f["rewards"]) == 8 * 4 and all(q.endswith("=") and len(q) == 4 for q in prompts)
+        assert len(f["rewards"]) == 8 * 4
+    assert all(q.startswith("<|im_start|>user\n") and q.endswith("<|im_start|>assistant\n") for q in prompts)
+    questions = [q.split("\n")[1].removesuffix("<|im_end|>") for q in prompts]
+    chats = [[{"role": "user", "content": q}] for q in questions]
+    assert sent == [tok.apply_chat_template(c, add_generation_prompt=True, return_dict=False) for c in chats]
 
 
 def test_killed_run_resumes_from_last_checkpoint(tmp_path):

@@ -83,28 +83,20 @@ def test_a_bad_file_is_refused_by_submit_before_anything_is_written(tmp_path):
 
 
 def test_prompts_too_long_for_the_context_are_dropped_at_load(caplog):
-    from rlhpc.config import load_config
-    from rlhpc.driver import prompt_filter
+    from rlhpc.driver import prompt_prep
     from rlhpc.model import build_char_tokenizer
-    from rlhpc.rollout.buffer import drop_long_prompts
-    from rlhpc.rollout.generation import encode_prompts
 
     tok = build_char_tokenizer()
-    encode = lambda prompts: encode_prompts(tok, prompts)  # noqa: E731
     rows = [{"prompt": "1+2=", "answer": "3"}, {"prompt": "1+2=" * 40, "answer": "3"}]
-    fits = drop_long_prompts(encode, {"train": 5, "eval": 4})
-    assert fits("train", rows) == rows[:1]  # BOS + 4 characters = 5 tokens: kept
-    assert "train data: 1 of 2 prompts are longer than 5 tokens and were dropped" in caplog.text
-    with pytest.raises(ConfigError, match="every eval prompt is longer than 4 tokens"):
-        fits("eval", rows)
-    # the limits: what the context leaves after each split's max_new_tokens, or data.max_prompt_tokens
-    cfg = load_config(None, ["model.tiny={}", "rollout.max_new_tokens=8", "eval.max_new_tokens=20"])
-    limits_of = lambda cfg, context: prompt_filter(cfg, tok, context)  # noqa: E731
-    assert limits_of(cfg, 128)("eval", rows) == rows[:1]
-    assert limits_of(cfg, None) is None
-    long = {"prompt": "1" * 107, "answer": "1"}  # BOS + 107 = 108 tokens: eval's limit at context 128
-    assert limits_of(cfg, 128)("eval", [long]) == [long] and limits_of(cfg, 127)("train", [long]) == [long]
-    with pytest.raises(ConfigError):
-        limits_of(cfg, 127)("eval", [long])
     cfg = load_config(None, ["model.tiny={}", "data.max_prompt_tokens=5"])
-    assert prompt_filter(cfg, tok, 128)("train", rows) == rows[:1]
+    assert prompt_prep(cfg, tok, 128)("train", rows) == rows[:1]  # BOS + 4 characters = 5 tokens: kept
+    assert "train data: 1 of 2 prompts are longer than 5 tokens and were dropped" in caplog.text
+    with pytest.raises(ConfigError, match="every eval prompt is longer than 5 tokens"):
+        prompt_prep(cfg, tok, 128)("eval", rows[1:])
+    # without data.max_prompt_tokens: what the context leaves after each split's max_new_tokens
+    cfg = load_config(None, ["model.tiny={}", "rollout.max_new_tokens=8", "eval.max_new_tokens=20"])
+    long = [{"prompt": "1" * 107, "answer": "1"}]  # BOS + 107 = 108 tokens: eval's limit at context 128
+    assert prompt_prep(cfg, tok, 128)("eval", long) == long and prompt_prep(cfg, tok, 127)("train", long) == long
+    with pytest.raises(ConfigError):
+        prompt_prep(cfg, tok, 127)("eval", long)
+    assert prompt_prep(cfg, tok, None)("eval", rows) == rows  # no context known: nothing dropped

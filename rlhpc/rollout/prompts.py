@@ -1,0 +1,113 @@
+"""How a data row becomes the token ids the engines are sent, on the driver, once at load.
+
+- A text prompt is encoded with the special tokens the tokenizer itself adds (Llama's BOS, none
+  for Qwen's): a BOS is never assumed.
+- A prompt that is a list of chat messages is rendered with a chat template (``data.chat_template``:
+  ``auto``, the tokenizer's own; or a Jinja file), ``data.system_prompt`` first where it has no
+  system message, and the generation prompt after; its ids are what ``transformers``'
+  ``apply_chat_template`` gives, and they travel with the row (``prompt_ids``), so what is trained
+  is what was generated. The row's ``prompt`` becomes the rendered text (what a reward reads).
+- A prompt longer than its split's limit is dropped, and counted in the log.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rlhpc.errors import ConfigError, RlhpcError
+
+if TYPE_CHECKING:
+    from rlhpc.config import DataConfig
+
+log = logging.getLogger(__name__)
+
+PromptPrep = Callable[[str, list[dict]], list[dict]]  # (split name, rows) -> the rows to use
+
+
+def encode_prompts(tokenizer: Any, prompts: list[str]) -> list[list[int]]:
+    """Token ids of each text prompt with the special tokens the tokenizer itself adds. An empty
+    encoding is an error naming the prompt."""
+    encoded = tokenizer(prompts, add_special_tokens=True).input_ids
+    for text, ids in zip(prompts, encoded):
+        if not ids:
+            raise RlhpcError(
+                f"the prompt {text[:80]!r} encodes to no tokens with this tokenizer (and it adds no BOS)",
+                "drop empty prompts from the data, or give each one some text",
+            )
+    return encoded
+
+
+def encode_rows(tokenizer: Any, rows: list[dict]) -> list[list[int]]:
+    """The ids to send for each row: a rendered chat prompt's own, a text prompt's encoding."""
+    texts = [i for i, row in enumerate(rows) if "prompt_ids" not in row]
+    encoded = dict(zip(texts, encode_prompts(tokenizer, [rows[i]["prompt"] for i in texts]))) if texts else {}
+    return [encoded[i] if i in encoded else rows[i]["prompt_ids"] for i in range(len(rows))]
+
+
+def chat_template(data: DataConfig, tokenizer: Any) -> str | None:
+    """The Jinja template message lists are rendered with (None: ``data.chat_template = none``)."""
+    if data.chat_template == "none":
+        return None
+    if data.chat_template == "auto":
+        if not getattr(tokenizer, "chat_template", None):
+            raise ConfigError(
+                "the prompts are chat messages but the model's tokenizer ships no chat template",
+                "set data.chat_template to a Jinja file, or give the prompts as text",
+            )
+        return tokenizer.chat_template
+    return Path(data.chat_template).read_text()
+
+
+def render(tokenizer: Any, template: str, messages: list[dict], system_prompt: str | None) -> tuple[str, list[int]]:
+    """(text, ids) of ``messages`` with the generation prompt, by ``apply_chat_template``."""
+    if system_prompt is not None and messages[0]["role"] != "system":
+        messages = [{"role": "system", "content": system_prompt}, *messages]
+    try:
+        text = tokenizer.apply_chat_template(
+            messages, chat_template=template, add_generation_prompt=True, tokenize=False
+        )
+        ids = tokenizer.apply_chat_template(
+            messages, chat_template=template, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+    except Exception as e:  # jinja2's errors: a template that does not render these messages
+        raise ConfigError(
+            f"the chat template does not render the messages {str(messages)[:120]} ({type(e).__name__}: {e})",
+            "fix data.chat_template (a Jinja file), or use the tokenizer's own (auto)",
+        ) from e
+    return text, list(ids)
+
+
+def prepare_prompts(tokenizer: Any, data: DataConfig, limits: dict[str, int] | None) -> PromptPrep:
+    """A ``PromptPrep``: chat rows rendered (``render``), then the rows whose prompt is longer
+    than ``limits[split]`` tokens dropped (one too long for the context would fail a whole
+    rollout; dropping every row is an error naming the limit and the fix)."""
+
+    def prepare(split: str, rows: list[dict]) -> list[dict]:
+        template = chat_template(data, tokenizer) if any(isinstance(r["prompt"], list) for r in rows) else None
+        ready = []
+        for row in rows:
+            if isinstance(row["prompt"], list):
+                text, ids = render(tokenizer, template, row["prompt"], data.system_prompt)
+                row = {**row, "prompt": text, "messages": row["prompt"], "prompt_ids": ids}
+            ready.append(row)
+        if limits is None:
+            return ready
+        limit = limits[split]
+        lengths = [len(ids) for ids in encode_rows(tokenizer, ready)]
+        kept = [r for r, n in zip(ready, lengths) if n <= limit]
+        if not kept:
+            raise ConfigError(
+                f"every {split} prompt is longer than {limit} tokens (the shortest has {min(lengths)})",
+                "raise data.max_prompt_tokens, lower max_new_tokens, or use a model with a longer context",
+            )
+        if len(kept) < len(ready):
+            log.warning(
+                "%s data: %d of %d prompts are longer than %d tokens and were dropped (data.max_prompt_tokens)",
+                split, len(ready) - len(kept), len(ready), limit,
+            )  # fmt: skip
+        return kept
+
+    return prepare
