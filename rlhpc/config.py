@@ -466,9 +466,10 @@ class EvalConfig(Section):
     SECTION: ClassVar[str] = "eval"
 
     interval: int | None = None  # evaluate every N rollouts (and at epoch ends); None: never
-    n_samples_per_prompt: int = 1
+    n_samples_per_prompt: int = 1  # > 1 (with temperature > 0): pass@k for k = 1, 2, 4, ... n and maj@n
     temperature: float = 0.0
     max_new_tokens: int | None = None  # None: rollout.max_new_tokens
+    pass_threshold: float = 1.0  # a sample passes (pass@k, maj@n) when its reward is at least this
 
     def check(self) -> None:
         self._at_least(1, "interval", fix="set a positive interval, or null to disable eval")

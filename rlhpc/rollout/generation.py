@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from rlhpc.algo.grpo import ADVANTAGE_ESTIMATORS
+from rlhpc.algo.pass_at_k import pass_metrics
 from rlhpc.batch import RolloutBatch
 from rlhpc.errors import RlhpcError
 from rlhpc.rollout.dynamic_sampling import Group, GroupFilter, resolve_filter
@@ -345,8 +346,13 @@ class Generation:
         return s, metrics
 
     def evaluate(self, rollout_id: int, rows: list[dict]) -> dict[str, float]:
-        """Mean reward and response length on ``rows`` (the eval split) after ``rollout_id``."""
+        """Mean reward, response length, pass@k and maj@n (``rlhpc.algo.pass_at_k``) on ``rows``
+        (the eval split) after ``rollout_id``."""
         e = self.eval_cfg
         max_new = e.max_new_tokens or self.rollout_cfg.max_new_tokens
         s = self.sample(rows, e.n_samples_per_prompt, e.temperature, max_new, "eval", f"eval after {rollout_id}")
-        return {"reward": s.rewards.mean().item(), "response_len": sum(map(len, s.response_ids)) / len(s.response_ids)}
+        return {
+            "reward": s.rewards.mean().item(),
+            "response_len": sum(map(len, s.response_ids)) / len(s.response_ids),
+            **pass_metrics(s.rewards.tolist(), s.texts["response"], e.n_samples_per_prompt, e.pass_threshold),
+        }

@@ -55,9 +55,13 @@ def test_a_users_own_files_train_on_a_bos_less_byte_level_tokenizer(tmp_path):
         run, "model.tiny.tokenizer=bpe", "rollout.num_rollout=2", "checkpoint.save_interval=null",
         f"data.train_file={tmp_path}/train.parquet", f"data.eval_file={tmp_path}/eval.parquet",
         "data.label_key=reward_model.ground_truth", "data.reward=rlhpc.rewards:exact",
+        "eval.n_samples_per_prompt=4", "eval.temperature=1.0",
     )  # fmt: skip
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "eval data: 1 of 3 prompts are longer than" in said(p)
+    for m in (m for m in read_metrics(run) if m["kind"] == "eval"):  # a 0/1 reward: pass@1 is its mean
+        assert {"pass@1", "pass@2", "pass@4", "maj@4"} <= set(m) and abs(m["pass@1"] - m["reward"]) < 1e-6
+        assert m["pass@1"] <= m["pass@2"] <= m["pass@4"]
     assert rollouts(run) == [0, 1]
     tok = AutoTokenizer.from_pretrained(run / "base_model")
     assert tok.bos_token is None
