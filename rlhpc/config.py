@@ -28,6 +28,7 @@ import yaml
 
 from rlhpc.errors import ConfigError
 from rlhpc.rollout.dynamic_sampling import resolve_filter
+from rlhpc.rollout.scoring import takes_sample
 from rlhpc.tasks import TASKS, resolve_reward
 from rlhpc.tasks.files import FORMATS, read_rows
 
@@ -341,6 +342,9 @@ class DataConfig(Section):
     chat_template: str = "auto"
     system_prompt: str | None = None  # first, where a chat prompt has no system message
     reward: str | None = None  # "module:function" overriding the task's reward; needed with files
+    # A reward that raises: "raise" stops the run naming the function and the sample; "zero"
+    # scores the sample 0 and counts it (reward/errors).
+    reward_errors: Literal["raise", "zero"] = "raise"
     seed: int = 0
 
     def check(self) -> None:
@@ -842,7 +846,7 @@ def validate(cfg: Config) -> None:
                 "set data.chat_template: auto (the tokenizer's template) or a Jinja file",
             )
     if d.reward is not None:
-        resolve_reward(d.reward)
+        takes_sample(resolve_reward(d.reward), d.reward)  # either form, or the signature is refused
     if r.dynamic_sampling.filter is not None:
         resolve_filter(r.dynamic_sampling.filter)
     if r.partial_rollout and cfg.deterministic:

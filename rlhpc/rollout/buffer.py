@@ -64,7 +64,9 @@ class DataBuffer:
         return (rollout_id + 1) % self.num_rollout_per_epoch == 0
 
     def fingerprint(self) -> str:
-        return hashlib.sha256(json.dumps(self.rows, sort_keys=True).encode()).hexdigest()[:16]
+        """What the prompts and labels are, in file order (not their metadata, which may not be JSON)."""
+        core = [{"prompt": r["prompt"], "answer": r["answer"]} for r in self.rows]
+        return hashlib.sha256(json.dumps(core, sort_keys=True).encode()).hexdigest()[:16]
 
     def state_dict(self, next_rollout_id: int) -> dict:
         epoch, start = self.position(next_rollout_id)

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -24,6 +25,7 @@ from rlhpc.errors import RlhpcError
 from rlhpc.rollout.dynamic_sampling import Group, GroupFilter, resolve_filter
 from rlhpc.rollout.prompts import encode_rows
 from rlhpc.rollout.protocol import WEIGHT_VERSION_SPAN_KEYS, MetaInfo
+from rlhpc.rollout.scoring import Sample, Scorer
 from rlhpc.tasks import TASKS, RewardFn, resolve_reward
 
 if TYPE_CHECKING:
@@ -84,9 +86,16 @@ def token_versions(meta_info: dict, num_tokens: int) -> list[int]:
     return out if len(out) == num_tokens and out else [weight_version(meta_info)] * num_tokens
 
 
-def task_reward(data: DataConfig) -> RewardFn:
-    """``data.reward`` if set, else the task's own reward."""
-    return resolve_reward(data.reward) if data.reward else TASKS[data.task].reward
+def finish_reason(meta_info: dict) -> str | None:
+    reason = meta_info.get(MetaInfo.FINISH_REASON)
+    return reason.get("type") if isinstance(reason, dict) else reason
+
+
+def task_reward(data: DataConfig) -> Scorer:
+    """``data.reward`` if set, else the task's own reward, as a ``Scorer``."""
+    if data.reward:
+        return Scorer(resolve_reward(data.reward), data.reward, data.reward_errors)
+    return Scorer(TASKS[data.task].reward, f"the {data.task} task's reward", data.reward_errors)
 
 
 @dataclass(frozen=True)
@@ -142,6 +151,15 @@ class Samples:
     texts: dict[str, list[str]]  # "prompt", "response", "answer" per sample
     weight_versions: list[int]  # the weights each sample was generated with (its oldest token's)
     token_versions: list[list[int]]  # per response token
+    parts: dict[str, list[float]] = field(default_factory=dict)  # a dict reward's other parts, per sample
+
+    def part_metrics(self) -> dict[str, float]:
+        """``reward/<part>``: each part's mean over the samples that have it (``errors``: the count)."""
+        out = {}
+        for key, values in self.parts.items():
+            have = [v for v in values if not math.isnan(v)]
+            out[f"reward/{key}"] = sum(have) if key == "errors" else sum(have) / max(len(have), 1)
+        return out
 
     def group(self, g: int, n: int) -> Group:
         """Group ``g`` (a prompt's n samples), as a dynamic-sampling filter sees it."""
@@ -159,6 +177,7 @@ class Samples:
             {key: [v[k] for k in idx] for key, v in self.texts.items()},
             [self.weight_versions[k] for k in idx],
             [self.token_versions[k] for k in idx],
+            {key: [v[k] for k in idx] for key, v in self.parts.items()},
         )
 
     @staticmethod
@@ -171,6 +190,10 @@ class Samples:
             {key: [x for p in parts for x in p.texts[key]] for key in parts[0].texts},
             [x for p in parts for x in p.weight_versions],
             [x for p in parts for x in p.token_versions],
+            {
+                key: [x for p in parts for x in p.parts.get(key, [math.nan] * len(p.rewards))]
+                for key in dict.fromkeys(k for p in parts for k in p.parts)
+            },
         )
 
 
@@ -184,7 +207,7 @@ class Generation:
     def __init__(
         self,
         tokenizer: Any,
-        reward_fn: RewardFn,
+        reward_fn: Scorer | RewardFn,
         rollout: RolloutConfig,
         eval: EvalConfig,
         algo: AlgoConfig,
@@ -194,7 +217,9 @@ class Generation:
         num_engines: int = 1,
     ):
         self.tokenizer = tokenizer
-        self.reward_fn = reward_fn
+        self.reward_fn = (
+            reward_fn if isinstance(reward_fn, Scorer) else Scorer(reward_fn, getattr(reward_fn, "__name__", "reward"))
+        )
         self.rollout_cfg, self.eval_cfg, self.algo_cfg = rollout, eval, algo
         self.seed = seed
         self.send = send
@@ -255,15 +280,23 @@ class Generation:
             "response": [out["text"] for out in outputs],
             "answer": [rows[k // n]["answer"] for k in range(len(outputs))],
         }
-        rewards = [
-            float(self.reward_fn(p, r, a)) for p, r, a in zip(texts["prompt"], texts["response"], texts["answer"])
-        ]
+        rewards, parts = self.reward_fn(
+            [
+                Sample(
+                    prompt=texts["prompt"][k], response=texts["response"][k], label=texts["answer"][k],
+                    response_ids=response_ids[k], messages=rows[k // n].get("messages"),
+                    metadata=rows[k // n].get("metadata", {}), finish_reason=finish_reason(out["meta_info"]),
+                )
+                for k, out in enumerate(outputs)
+            ]
+        )  # fmt: skip
         prompt_ids = [prompts[k // n] for k in range(len(outputs))]
         per_token = [token_versions(out["meta_info"], len(ids)) for out, ids in zip(outputs, response_ids)]
         versions = [min(v) if v else weight_version(out["meta_info"]) for v, out in zip(per_token, outputs)]
         return Samples(
-            prompt_ids, response_ids, logprobs, torch.tensor(rewards, dtype=torch.float32), texts, versions, per_token
-        )
+            prompt_ids, response_ids, logprobs, torch.tensor(rewards, dtype=torch.float32), texts, versions, per_token,
+            parts,
+        )  # fmt: skip
 
     def rollout(
         self, rollout_id: int, rows: list[dict], more_rows: MoreRows | None = None
@@ -299,6 +332,7 @@ class Generation:
             "staleness/token_mean": sum(rollout_id - v for t in s.token_versions for v in t) / max(tokens, 1),
             # share of samples whose tokens come from more than one weight version (partial rollouts)
             "staleness/straddling": sum(len(set(v)) > 1 for v in s.token_versions) / max(len(batch), 1),
+            **s.part_metrics(),
             **filter_metrics,
         }
         return batch, metrics, s.texts
@@ -355,4 +389,5 @@ class Generation:
             "reward": s.rewards.mean().item(),
             "response_len": sum(map(len, s.response_ids)) / len(s.response_ids),
             **pass_metrics(s.rewards.tolist(), s.texts["response"], e.n_samples_per_prompt, e.pass_threshold),
+            **s.part_metrics(),
         }

@@ -2,7 +2,8 @@
 read on the driver (and once at submit, to refuse a bad file before anything is queued).
 
 ``prompt_key`` and ``label_key`` may be dotted for nested fields (verl's files keep the label at
-``reward_model.ground_truth``). Each row becomes ``{"prompt": text or chat messages, "answer": str}``
+``reward_model.ground_truth``). Each row becomes ``{"prompt": text or chat messages, "answer": str,
+"metadata": the row's other fields}``
 (``rlhpc.rollout.prompts`` renders the messages with the model's template); every error
 names the file, the row, the key and the fix.
 """
@@ -48,7 +49,11 @@ def read_rows(path: str | Path, prompt_key: str = "prompt", label_key: str = "an
                 f"{path} {number}: {label_key!r} is {json.dumps(label)[:80]}, not a text or number",
                 "point data.label_key at the label itself (dotted for nested fields)",
             )
-        rows.append({"prompt": prompt, "answer": str(label)})
+        # the other fields, to the reward (Sample.metadata); a nested label's parent stays (verl's
+        # reward_model holds more than the ground truth)
+        taken = {prompt_key.split(".", 1)[0], *([label_key] if "." not in label_key else [])}
+        metadata = {k: v for k, v in row.items() if k not in taken}
+        rows.append({"prompt": prompt, "answer": str(label), **({"metadata": metadata} if metadata else {})})
     return rows
 
 

@@ -34,7 +34,8 @@ def test_embedded_loop_end_to_end(tmp_path):
 
 def test_a_users_own_files_train_on_a_bos_less_byte_level_tokenizer(tmp_path):
     """A new user's first run: a Qwen-shaped tokenizer (byte-level BPE, no BOS, ChatML template),
-    verl-format Parquet files (chat-message prompts, the label nested), a built-in reward, and
+    verl-format Parquet files (chat-message prompts, the label nested), a reward of one Sample
+    that reads the row's metadata and returns a dict, and
     one eval prompt too long for the context. The chat prompts are sent as the template renders
     them, the text ones as the tokenizer encodes them, the long one is dropped at load, and the
     dumps hold what was generated."""
@@ -54,7 +55,7 @@ def test_a_users_own_files_train_on_a_bos_less_byte_level_tokenizer(tmp_path):
     p = submit(
         run, "model.tiny.tokenizer=bpe", "rollout.num_rollout=2", "checkpoint.save_interval=null",
         f"data.train_file={tmp_path}/train.parquet", f"data.eval_file={tmp_path}/eval.parquet",
-        "data.label_key=reward_model.ground_truth", "data.reward=rlhpc.rewards:exact",
+        "data.label_key=reward_model.ground_truth", "data.reward=support.rewards:graded",
         "eval.n_samples_per_prompt=4", "eval.temperature=1.0",
     )  # fmt: skip
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
@@ -63,6 +64,8 @@ def test_a_users_own_files_train_on_a_bos_less_byte_level_tokenizer(tmp_path):
         assert {"pass@1", "pass@2", "pass@4", "maj@4"} <= set(m) and abs(m["pass@1"] - m["reward"]) < 1e-6
         assert m["pass@1"] <= m["pass@2"] <= m["pass@4"]
     assert rollouts(run) == [0, 1]
+    for m in (m for m in read_metrics(run) if m["kind"] == "rollout"):  # the Sample the reward saw
+        assert m["reward/from_metadata"] == 1.0 and m["reward/chat"] == 1.0 and m["reward/stopped"] == 1.0
     tok = AutoTokenizer.from_pretrained(run / "base_model")
     assert tok.bos_token is None
     with h5py.File(run / "rollouts" / "rollout_000001.h5") as f:

@@ -20,7 +20,10 @@ VERL_ROWS = [
     {"data_source": "gsm8k", "question": f"What is {i} + {i}?", "reward_model": {"ground_truth": 2 * i}}
     for i in range(5)
 ]
-EXPECTED = [{"prompt": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(5)]
+EXPECTED = [
+    {"prompt": f"What is {i} + {i}?", "answer": str(2 * i), "metadata": {k: v for k, v in r.items() if k != "question"}}
+    for i, r in enumerate(VERL_ROWS)
+]  # the row's other fields travel with it, to the reward
 VERL_KEYS = ("question", "reward_model.ground_truth")
 
 
