@@ -264,7 +264,7 @@ class TrainLoop:
                 timer["time/train"] -= pushed_s  # the push made in the same call counts as the push
                 timer["time/update_weights"] = pushed_s
             self.record = {**rollout_metrics, **train_metrics, **timer}
-            epoch_end = self.buffer.is_epoch_end(rollout_id)
+            epoch_end = self.epoch_end(rollout_id)
             last = rollout_id == self.num_rollout - 1
             if every(cfg.checkpoint.save_interval, rollout_id, epoch_end) or last or self._stop_requested():
                 with timer("save"):
@@ -380,7 +380,12 @@ class TrainLoop:
     def eval_due(self, rollout_id: int) -> bool:
         last = rollout_id == self.num_rollout - 1
         interval = self.cfg.eval.interval
-        return every(interval, rollout_id, self.buffer.is_epoch_end(rollout_id)) or (last and interval is not None)
+        return every(interval, rollout_id, self.epoch_end(rollout_id)) or (last and interval is not None)
+
+    def epoch_end(self, rollout_id: int) -> bool:
+        """An epoch's end, when the run is counted in epochs (rollout.num_rollout unset), saves and
+        evaluates as the seed's loop does; a run counted in rollouts keeps to its intervals."""
+        return self.cfg.rollout.num_rollout is None and self.buffer.is_epoch_end(rollout_id)
 
     # ---- the end ------------------------------------------------------------------------
 

@@ -78,6 +78,17 @@ def test_a_users_own_files_train_on_a_bos_less_byte_level_tokenizer(tmp_path):
     assert sent == [tok.apply_chat_template(c, add_generation_prompt=True, return_dict=False) for c in chats]
 
 
+def test_a_run_counted_in_rollouts_keeps_to_its_intervals_at_epoch_ends(tmp_path):
+    """16 prompts, 8 a rollout: an epoch ends every 2 rollouts. Counted in rollouts
+    (rollout.num_rollout), the run saves and evaluates only every 3 and at the end, as the seed's
+    loop does (it adds epoch ends only to a run counted in epochs)."""
+    run = tmp_path / "run"
+    p = submit(run, "data.num_train=16", "rollout.num_rollout=5", "checkpoint.save_interval=3", "eval.interval=3")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert [r["rollout_id"] for r in read_metrics(run) if r["kind"] == "eval"] == [-1, 2, 4]
+    assert sorted(p.name for p in (run / "checkpoints").glob("rollout_*")) == ["rollout_000002", "rollout_000004"]
+
+
 def test_killed_run_resumes_from_last_checkpoint(tmp_path):
     run = tmp_path / "run"
     args = job_args(run, "rollout.num_rollout=30", "checkpoint.save_interval=2", HELD)
