@@ -881,6 +881,7 @@ def validate(cfg: Config) -> None:
         )
     if cfg.actor.backend == "megatron":
         _validate_megatron(cfg)
+    _validate_engine_tp(cfg)
 
 
 def _model_shape(cfg: Config) -> tuple[int, int, int] | None:
@@ -894,6 +895,17 @@ def _model_shape(cfg: Config) -> tuple[int, int, int] | None:
         return heads, hf.get("num_key_value_heads") or heads, hf["intermediate_size"]
     except (OSError, ValueError, KeyError):
         return None
+
+
+def _validate_engine_tp(cfg: Config) -> None:
+    """An SGLang engine's TP divides the model's attention heads (SGLang's own rule)."""
+    shape, tp = _model_shape(cfg), cfg.cluster.rollout_gpus_per_engine
+    if cfg.rollout.backend == "sglang" and shape is not None and shape[0] % tp:
+        raise ConfigError(
+            f"cluster.rollout_gpus_per_engine = {tp} (each engine's TP) does not divide the model's "
+            f"{shape[0]} attention heads",
+            f"give each engine a number of GPUs that divides {shape[0]}",
+        )
 
 
 def _validate_megatron(cfg: Config) -> None:

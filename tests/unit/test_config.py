@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from rlhpc.config import dump_config, load_config
 from rlhpc.errors import ConfigError
@@ -128,7 +129,8 @@ def test_shipped_configs_load():
     from pathlib import Path
 
     for f in sorted((Path(__file__).resolve().parents[2] / "jobs" / "configs").glob("*.yaml")):
-        load_config(f)
+        if "path" not in yaml.safe_load(f.read_text())["model"]:  # the recipes: tests/unit/test_recipes.py
+            load_config(f)
 
 
 def test_megatron_layout_errors():

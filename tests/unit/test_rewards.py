@@ -13,6 +13,7 @@ def test_math_grades_answers_as_mathematics():
         ("\\boxed{3/4}", "\\frac{3}{4}"),
         ("$\\boxed{\\sqrt{2}}$", "\\sqrt{2}"),
         ("Total: \\boxed{1,000}", "1000"),
+        ("so she has 18 left.\n#### 18", "18"),  # GSM8K's own answer form
     ]
     wrong = [("\\boxed{7}", "8"), ("", "3"), ("no number here", "3"), ("\\boxed{\\frac{1}{3}}", "0.5")]
     assert [rewards.math("", r, a) for r, a in right] == [1.0] * len(right)

@@ -1,0 +1,68 @@
+"""The real-model recipes in jobs/configs/ dry-run as a user would submit them, against their
+model's config.json shape (tests/support/models/) and data in their layout (verl's GSM8K)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from rlhpc.config import load_config
+from rlhpc.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[2]
+MODELS = REPO / "tests" / "support" / "models"
+RECIPES = {
+    "gsm8k_qwen2.5_1.5b_1x8.yaml": ("qwen2.5-1.5b-instruct", "node0: actor ranks 0-3 on gpu0-3; engines 0-3 on gpu4-7"),
+    "gsm8k_qwen2.5_7b_4x8.yaml": ("qwen2.5-7b-instruct", "engines 0-7"),
+}
+
+
+def gsm8k_parquet(path: Path) -> Path:
+    """verl's GSM8K layout: chat-message prompts, the answer under reward_model."""
+    rows = [
+        {"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": f"What is {i} + {i}?"}],
+         "ability": "math", "reward_model": {"style": "rule", "ground_truth": str(2 * i)}}
+        for i in range(16)
+    ]  # fmt: skip
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+def test_every_shipped_recipe_is_checked_here():
+    with_model = {
+        f.name for f in (REPO / "jobs" / "configs").glob("*.yaml") if "path" in yaml.safe_load(f.read_text())["model"]
+    }
+    assert with_model == set(RECIPES)
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_a_recipe_dry_runs_against_its_models_shape(recipe, tmp_path):
+    model, layout = RECIPES[recipe]
+    data = gsm8k_parquet(tmp_path / "gsm8k.parquet")
+    sets = [f"model.path={MODELS / model}", f"data.train_file={data}", f"data.eval_file={data}"]
+    p = subprocess.run(
+        [sys.executable, str(REPO / "jobs" / "submit.py"), "--dry-run", "--config", str(REPO / "jobs" / "configs" / recipe),
+         "--run-dir", str(tmp_path / "run"), "--partition", "gpu", *[a for s in sets for a in ("--set", s)]],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    cfg = load_config(REPO / "jobs" / "configs" / recipe, sets)
+    assert f"#SBATCH --nodes={cfg.cluster.num_nodes}" in p.stdout and layout in p.stdout
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_heads_decide_which_parallel_sizes_a_model_takes(tmp_path):
+    """Qwen2.5-1.5B has 12 query heads and 2 key/value heads: Megatron TP 4 cannot split the
+    key/value heads, and an SGLang engine of 8 GPUs cannot split the query heads."""
+    data = gsm8k_parquet(tmp_path / "gsm8k.parquet")
+    base = [f"model.path={MODELS / 'qwen2.5-1.5b-instruct'}", f"data.train_file={data}", f"data.eval_file={data}"]
+    recipe = REPO / "jobs" / "configs" / "gsm8k_qwen2.5_1.5b_1x8.yaml"
+    with pytest.raises(ConfigError, match=r"tensor_model_parallel_size = 4 does not divide .* key/value heads \(2\)"):
+        load_config(recipe, [*base, "actor.megatron.tensor_model_parallel_size=4"])
+    with pytest.raises(ConfigError, match=r"rollout_gpus_per_engine = 8 \(each engine's TP\) does not divide .* 12"):
+        load_config(recipe, [*base, "cluster.gpus_per_node=16", "cluster.rollout_num_gpus=8", "cluster.actor_num_gpus=8",
+                             "cluster.rollout_gpus_per_engine=8"])  # fmt: skip
