@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -15,7 +16,7 @@ import submitit
 from submitit.local.local import LocalJob
 
 from rlhpc.cluster.layout import idle_note, plan_layout, summarize_layout
-from rlhpc.config import Config
+from rlhpc.config import Config, dump_config
 from rlhpc.errors import RlhpcError
 from rlhpc.launch import run_owner, slurm
 from rlhpc.launch.job import ENDED_LINE, TrainJob
@@ -200,4 +201,32 @@ def dry_run(
     idle = idle_note(cfg.cluster)
     notes = f"\nWARNING: {idle}" if idle else ""
     where = "each task's layout.txt" if array else RunDir(run_dir).layout_file
-    return f"{script}\n\n{layout}\n  full map: {where} (written at submission){notes}\n"
+    engine = (
+        f"\n\nengine 0's launch line (each engine's alike):\n  {engine_preview(cfg)}"
+        if cfg.rollout.backend == "sglang"
+        else ""
+    )
+    return (
+        f"{script}\n\n{layout}\n  full map: {where} (written at submission){notes}{engine}\n\n"
+        f"# the resolved config the job runs (written to {RunDir(run_dir).path / 'config.yaml'}):\n{dump_config(cfg)}"
+    )
+
+
+def engine_preview(cfg: Config) -> str:
+    """The SGLang server command of engine 0, with what is known only on the node as <...>."""
+    from rlhpc.rollout.sglang_server import SGLangSpec, launch_server_command
+
+    c, sg = cfg.cluster, cfg.rollout.sglang
+    tp = c.rollout_gpus_per_engine
+    nnodes = max(1, tp // (c.rollout_gpus_per_node or c.gpus_per_node))
+    spec = SGLangSpec(
+        tp, sg.mem_fraction_static, c.colocate or c.offload, cfg.seed, extra_args=tuple(sg.extra_args), nnodes=nnodes
+    )
+    model = cfg.model.path or "<run dir>/base_model"
+    cmd = launch_server_command(
+        "python", model, "<node ip>", 0, 0, spec, "<node rank 0 ip>:<port>" if nnodes > 1 else None,
+        Path("<engine tmp dir>/sglang_key.yaml"),
+    )  # fmt: skip
+    for flag in ("--port", "--nccl-port"):
+        cmd[cmd.index(flag) + 1] = "<free port>"
+    return shlex.join(cmd).replace("'", "")
