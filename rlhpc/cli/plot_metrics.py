@@ -1,4 +1,4 @@
-"""Plot a run's metrics.jsonl to a PNG: train and eval reward, response length, loss, step time.
+"""Plot a run's metrics.jsonl to a PNG: train and eval reward, response length, entropy, loss, KL, step time.
 
 python tools/plot_metrics.py runs/embedded            # writes runs/embedded/metrics.png
 python tools/plot_metrics.py runs/sweep1              # a sweep dir: its tasks overlaid, runs/sweep1/metrics.png
@@ -16,6 +16,12 @@ from rlhpc.run_dir import RunDir, SweepDir
 
 
 def plot(run: RunDir, out: Path) -> Path:
+    figure(run).savefig(out, dpi=100)
+    return out
+
+
+def figure(run: RunDir):
+    """The run's panels: reward (train and eval), response length, entropy, loss, KL, step time."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display on a login node
@@ -28,7 +34,7 @@ def plot(run: RunDir, out: Path) -> Path:
         )
     train = [r for r in records if r["kind"] == "rollout"]
     evals = [r for r in records if r["kind"] == "eval"]
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+    fig, axes = plt.subplots(2, 3, figsize=(15, 7))
     ax = axes[0][0]
     ax.plot(
         [r["rollout_id"] + 1 for r in train], [r["reward"] for r in train], lw=0.8, alpha=0.6, label="train (sampled)"
@@ -38,16 +44,17 @@ def plot(run: RunDir, out: Path) -> Path:
     ax.legend()
     for ax, key, title in (
         (axes[0][1], "response_len", "response length (tokens)"),
+        (axes[0][2], "entropy", "entropy (nats per token): a collapse shows here first"),
         (axes[1][0], "loss", "policy loss"),
-        (axes[1][1], "time/step", "seconds per rollout"),
+        (axes[1][1], "kl", "KL to the reference (k3; 0 when algo.kl_coef = 0)"),
+        (axes[1][2], "time/step", "seconds per rollout"),
     ):
         pts = [(r["rollout_id"] + 1, r[key]) for r in train if key in r]
         ax.plot([x for x, _ in pts], [y for _, y in pts], lw=0.8)
         ax.set(title=title, xlabel="rollouts trained")
     fig.suptitle(f"rlhpc run {run.path.name}")
     fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    return out
+    return fig
 
 
 def plot_sweep(sweep: SweepDir, out: Path) -> Path:
