@@ -117,6 +117,7 @@ class RunDir:
         self.logs = self.path / "logs"
         self.base_model = self.path / "base_model"
         self.finished_file = self.path / "FINISHED"
+        self.ended_file = self.path / "ENDED"  # how the last job ended without finishing: failed or held
         self.metrics_file = self.path / "metrics.jsonl"
         self.metrics_plot = self.path / "metrics.png"
         self.rollouts_dir = self.path / "rollouts"
@@ -171,6 +172,19 @@ class RunDir:
 
     def is_finished(self) -> bool:
         return self.finished_file.is_file()
+
+    def mark_ended(self, state: str, job_id: str, reason: str) -> None:
+        """The job ended for good without finishing (``failed``, ``held``): what status shows. A
+        later start removes it."""
+        entry = {"state": state, "job_id": job_id, "reason": reason, "at": time.strftime("%Y-%m-%d %H:%M:%S")}
+        write_atomic(self.ended_file, json.dumps(entry) + "\n")
+
+    def read_ended(self) -> dict | None:
+        try:
+            entry = json.loads(self.ended_file.read_text())
+        except (OSError, ValueError):
+            return None
+        return entry if isinstance(entry, dict) else None
 
     def model_path(self, cfg: Config) -> str:
         return cfg.model.path if cfg.model.path is not None else str(self.base_model)

@@ -66,6 +66,17 @@ def main(argv: list[str] | None = None) -> int:
         shown = {k: round(v, 4) if isinstance(v, float) else v for k, v in last.items() if not k.startswith("time/")}
         print(f"last metrics {json.dumps(shown)}")
     print(f"finished     {run.finished_file.read_text().strip() if run.is_finished() else 'no'}")
+    ended = None if run.is_finished() else run.read_ended()
+    if ended is not None:  # the last job gave up: say how, and what to do
+        print(f"ended        {ended.get('state', '?').upper()} (job {ended.get('job_id', '?')}, {ended.get('at', '?')}): "
+              f"{ended.get('reason', '')}")  # fmt: skip
+    from rlhpc.launch.restarts import read_history
+
+    starts = read_history(run)
+    if starts:
+        print(
+            f"starts       {len(starts)} (the last at {starts[-1].get('time', '?')}, from rollout {starts[-1].get('next_rollout_id', '?')})"
+        )
     return 0
 
 
@@ -77,6 +88,8 @@ def task_row(run: RunDir) -> dict[str, str]:
     info = slurm.show_job(job_id) if job_id else None
     if run.is_finished():
         state = "FINISHED"
+    elif (ended := run.read_ended()) is not None:
+        state = str(ended.get("state", "?")).upper()
     elif info:
         state = info.get("JobState", "?") + (" (held)" if slurm.hold_reason(info) else "")
     else:

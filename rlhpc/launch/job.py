@@ -276,6 +276,7 @@ class TrainJob:
     def __init__(self, run_dir: str):
         self.run_dir = run_dir
         self.owner: Owner | None = None  # task 0, once it owns the run dir
+        self.job_id = ""
 
     def __call__(self) -> dict:
         """The process boundary: the one place a ``JobExit`` (requeue, hold) becomes the exit code."""
@@ -286,15 +287,25 @@ class TrainJob:
             result = self.run()
         except JobExit as e:
             if e.final:
+                self._ended("failed", str(e))  # a hold already said so (held)
                 self._release()
             # One unwrapped line (the log may wrap): jobs/submit.py --follow quotes it (ENDED_LINE).
             print(f"{ENDED_LINE}{e}", file=sys.stderr, flush=True)
             raise SystemExit(e.code) from None
-        except BaseException:  # the job ends here for good; a requeue raises JobExit instead
+        except BaseException as e:  # the job ends here for good; a requeue raises JobExit instead
+            if not isinstance(e, KeyboardInterrupt | SystemExit):
+                self._ended("failed", e.problem if isinstance(e, RlhpcError) else f"{type(e).__name__}: {e}")
             self._release()
             raise
         self._release()
         return result
+
+    def _ended(self, state: str, reason: str) -> None:
+        """Task 0 records how the job ended (``RunDir.mark_ended``), unless this start said it already."""
+        run = RunDir(self.run_dir)
+        if self.owner is not None and not run.ended_file.exists():
+            with suppress(OSError):  # the run dir's disk may be what failed
+                run.mark_ended(state, self.job_id, reason.splitlines()[0] if reason else "")
 
     def _release(self) -> None:
         if self.owner is not None:
@@ -308,8 +319,10 @@ class TrainJob:
         console = setup_logging(cfg.logging.level)
         env = submitit.JobEnvironment()
         job_id = slurm.own_job_id(str(env.job_id))  # an array task: 77_3, as the run dir's owner names it
+        self.job_id = job_id
         if env.global_rank == 0:
             self.owner = self._own_run_dir(run, env.cluster, job_id)
+            run.ended_file.unlink(missing_ok=True)  # this start is the run's state now
         if run.is_finished():  # a requeue or resubmission of a finished run has nothing to do
             log.info("run %s is already finished", run)
             return {"already_finished": True}
@@ -434,4 +447,5 @@ class TrainJob:
         policy = RestartPolicy(cfg.checkpoint.max_restarts, cfg.checkpoint.max_starts_without_progress)
         reason = refuse_reason(history, policy)
         if reason:
+            run.mark_ended("held", job_id, reason)
             hold(cluster, job_id, reason)

@@ -24,6 +24,12 @@ from rlhpc.errors import ConfigError, RlhpcError
 SIGNATURES = "reward(sample) or reward(prompt, response, answer), returning a float or a dict with 'score'"
 
 
+class RewardError(RlhpcError):
+    # A grader may fail for a moment (a remote one, a resource): the job requeues on it as on a
+    # crash (checkpoint.requeue_on_failure), and a grader failing every time ends held.
+    transient = True
+
+
 @dataclass(frozen=True)
 class Sample:
     """One generated response as a reward sees it."""
@@ -82,7 +88,7 @@ class Scorer:
                 raise
             except Exception as e:
                 if self.errors != "zero":
-                    raise RlhpcError(
+                    raise RewardError(
                         f"the reward {self.spec} raised {type(e).__name__}: {e} on the sample with prompt "
                         f"{s.prompt[:80]!r} and response {s.response[:80]!r}",
                         "fix the reward, or set data.reward_errors: zero to score such samples 0 and count them",

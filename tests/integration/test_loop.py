@@ -3,6 +3,7 @@ training rank over torch.distributed. Each test is a real job started by jobs/su
 
 import json
 import subprocess
+import sys
 
 import h5py
 import pytest
@@ -87,6 +88,24 @@ def test_a_run_counted_in_rollouts_keeps_to_its_intervals_at_epoch_ends(tmp_path
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert [r["rollout_id"] for r in read_metrics(run) if r["kind"] == "eval"] == [-1, 2, 4]
     assert sorted(p.name for p in (run / "checkpoints").glob("rollout_*")) == ["rollout_000002", "rollout_000004"]
+
+
+def test_a_job_that_fails_says_why_in_status(tmp_path):
+    """Chat-message prompts for a model whose tokenizer has no chat template: found when the job
+    loads the tokenizer, a named problem (no requeue), and jobs/status.py shows the run as failed."""
+    data = tmp_path / "chat.jsonl"
+    data.write_text(json.dumps({"prompt": [{"role": "user", "content": "1+2="}], "answer": "3"}) + "\n")
+    run = tmp_path / "run"
+    p = submit(run, f"data.train_file={data}", f"data.eval_file={data}", "data.reward=rlhpc.rewards:exact",
+               "rollout.rollout_batch_size=1")  # fmt: skip
+    assert p.returncode != 0 and "ships no chat template" in said(p), said(p)[-3000:]
+    shown = subprocess.run([sys.executable, str(REPO / "jobs" / "status.py"), str(run)], capture_output=True, text=True)
+    shown = " ".join(shown.stdout.split())
+    assert (
+        "ended FAILED (job" in shown
+        and "the prompts are chat messages but the model's tokenizer ships no chat template" in shown
+    )
+    assert "finished no" in shown and "starts 1 (" in shown
 
 
 def test_killed_run_resumes_from_last_checkpoint(tmp_path):

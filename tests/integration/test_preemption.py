@@ -219,3 +219,9 @@ def test_restart_loop_is_held_with_a_message(tmp_path):
     # one good start, then two starts at the same rollout (max_starts_without_progress = 1): the second is refused
     assert len({h["next_rollout_id"] for h in history[1:]}) == 1 and len(history) == 3
     assert json.loads((run / "restarts.jsonl").read_text().splitlines()[-1])["restart_count"] == 2
+    assert "the reward support.crashy_reward:reward raised RuntimeError: simulated crash" in said  # and on what
+    shown = subprocess.run([sys.executable, str(REPO / "jobs" / "status.py"), str(run)], capture_output=True, text=True)
+    assert shown.returncode == 0, shown.stderr
+    shown = " ".join(shown.stdout.split())
+    assert "ended HELD (job" in shown and "no rollout was trained in between (a restart loop)" in shown
+    assert "starts 3 (" in shown
