@@ -28,7 +28,7 @@ import yaml
 
 from rlhpc.errors import ConfigError
 from rlhpc.rollout.dynamic_sampling import resolve_filter
-from rlhpc.rollout.scoring import takes_sample
+from rlhpc.rollout.scoring import is_remote, takes_sample
 from rlhpc.tasks import TASKS, resolve_reward
 from rlhpc.tasks.files import FORMATS, read_rows
 
@@ -345,12 +345,19 @@ class DataConfig(Section):
     # A reward that raises: "raise" stops the run naming the function and the sample; "zero"
     # scores the sample 0 and counts it (reward/errors).
     reward_errors: Literal["raise", "zero"] = "raise"
+    # A remote grader (data.reward: http://host:port/path): each call's limit, calls at once, and
+    # a file holding its key (sent as a bearer token).
+    reward_timeout_s: float = 60.0
+    reward_concurrency: int = 16
+    reward_key_file: str | None = None
     seed: int = 0
 
     def check(self) -> None:
         if self.task not in TASKS:
             self._refuse("task", "is not a known task", f"use one of: {', '.join(sorted(TASKS))}")
-        self._at_least(1, "num_train", "num_eval")
+        self._at_least(1, "num_train", "num_eval", "reward_concurrency")
+        if not self.reward_timeout_s > 0:
+            self._refuse("reward_timeout_s", "must be > 0", "give each remote reward call a limit in seconds, e.g. 60")
         if self.max_prompt_tokens is not None:
             self._at_least(1, "max_prompt_tokens", fix="set a positive token count, or null for the model's context")
 
@@ -845,7 +852,13 @@ def validate(cfg: Config) -> None:
                 f"{f} has chat-message prompts but data.chat_template is none",
                 "set data.chat_template: auto (the tokenizer's template) or a Jinja file",
             )
-    if d.reward is not None:
+    if d.reward is not None and is_remote(d.reward):
+        if d.reward_key_file is not None and not Path(d.reward_key_file).is_file():
+            raise ConfigError(
+                f"data.reward_key_file {d.reward_key_file} does not exist",
+                "write the remote grader's key to that file (chmod 600), or unset data.reward_key_file",
+            )
+    elif d.reward is not None:
         takes_sample(resolve_reward(d.reward), d.reward)  # either form, or the signature is refused
     if r.dynamic_sampling.filter is not None:
         resolve_filter(r.dynamic_sampling.filter)

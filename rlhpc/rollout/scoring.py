@@ -14,9 +14,12 @@ with ``data.reward_errors: zero``, scores 0 and is counted (``reward/errors``).
 from __future__ import annotations
 
 import inspect
+import json
 import math
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from rlhpc.errors import ConfigError, RlhpcError
@@ -67,34 +70,80 @@ def takes_sample(fn: Callable, spec: str) -> bool:
     raise ConfigError(f"data.reward = {spec!r} takes {len(required)} arguments", f"write {SIGNATURES}")
 
 
+def is_remote(spec: str) -> bool:
+    return spec.startswith(("http://", "https://"))
+
+
+class RemoteReward:
+    """A grader that lives elsewhere: ``data.reward: http://host:port/path``. Each sample is one
+    POST of its fields as JSON (``prompt``, ``messages``, ``response``, ``response_ids``,
+    ``label``, ``metadata``, ``finish_reason``); the answer is a number or a dict with ``score``
+    (a dict reward). Each call is bounded by ``timeout_s`` and not retried past it; a refused
+    connection or a 5xx is retried ``retries`` times with backoff; ``concurrency`` calls run at once. The key,
+    if any, is read from a file and sent as ``Authorization: Bearer``, never logged."""
+
+    def __init__(self, url: str, timeout_s: float, concurrency: int, key_file: str | None = None, retries: int = 3):
+        import urllib3
+
+        self.url, self.timeout_s, self.concurrency = url, timeout_s, concurrency
+        self.headers = {"Content-Type": "application/json"}
+        if key_file is not None:
+            self.headers["Authorization"] = f"Bearer {Path(key_file).read_text().strip()}"
+        # A refused connection or a 5xx is retried; a call past its limit is not (a hung grader
+        # does not answer sooner, and retrying would multiply the limit).
+        retry = urllib3.Retry(
+            total=retries, read=0, backoff_factor=0.5, status_forcelist=(500, 502, 503, 504), allowed_methods=None
+        )
+        self.http = urllib3.PoolManager(maxsize=concurrency, retries=retry, timeout=urllib3.Timeout(total=timeout_s))
+
+    def __call__(self, sample: Sample) -> float | dict:
+        body = {
+            "prompt": sample.prompt, "messages": sample.messages, "response": sample.response,
+            "response_ids": sample.response_ids, "label": sample.label, "metadata": sample.metadata,
+            "finish_reason": sample.finish_reason,
+        }  # fmt: skip
+        resp = self.http.request("POST", self.url, body=json.dumps(body, default=str), headers=self.headers)
+        if resp.status != 200:
+            raise OSError(f"{self.url} answered HTTP {resp.status}: {resp.data[:200].decode(errors='replace')}")
+        return json.loads(resp.data)
+
+
 class Scorer:
     """Score a list of samples: (scores, parts) where parts maps each dict part (and ``errors``
     where rewards may fail) to one value per sample."""
 
     def __init__(self, fn: Callable, spec: str, errors: str = "raise"):
         self.fn, self.spec, self.errors = fn, spec, errors
-        self.sample_form = takes_sample(fn, spec)
+        self.sample_form = isinstance(fn, RemoteReward) or takes_sample(fn, spec)
+        self.concurrency = fn.concurrency if isinstance(fn, RemoteReward) else 1
+
+    def _one(self, s: Sample) -> tuple[float, dict[str, float], float]:
+        """(score, other parts, 1.0 if the reward failed)."""
+        try:
+            value = self.fn(s) if self.sample_form else self.fn(s.prompt, s.response, s.label)
+            return (*self._read(value), 0.0)
+        except RlhpcError:
+            raise
+        except Exception as e:
+            if self.errors != "zero":
+                raise RewardError(
+                    f"the reward {self.spec} raised {type(e).__name__}: {e} on the sample with prompt "
+                    f"{s.prompt[:80]!r} and response {s.response[:80]!r}",
+                    "fix the reward, or set data.reward_errors: zero to score such samples 0 and count them",
+                ) from e
+            return 0.0, {}, 1.0
 
     def __call__(self, samples: list[Sample]) -> tuple[list[float], dict[str, list[float]]]:
+        if self.concurrency > 1 and len(samples) > 1:  # a remote grader: its calls wait on the network
+            with ThreadPoolExecutor(min(self.concurrency, len(samples)), thread_name_prefix="reward") as pool:
+                results = list(pool.map(self._one, samples))
+        else:
+            results = [self._one(s) for s in samples]
         scores: list[float] = []
         parts: dict[str, list[float]] = {}
         failed: list[float] = []
-        for i, s in enumerate(samples):
-            try:
-                value = self.fn(s) if self.sample_form else self.fn(s.prompt, s.response, s.label)
-                score, extra = self._read(value)
-                failed.append(0.0)
-            except RlhpcError:
-                raise
-            except Exception as e:
-                if self.errors != "zero":
-                    raise RewardError(
-                        f"the reward {self.spec} raised {type(e).__name__}: {e} on the sample with prompt "
-                        f"{s.prompt[:80]!r} and response {s.response[:80]!r}",
-                        "fix the reward, or set data.reward_errors: zero to score such samples 0 and count them",
-                    ) from e
-                score, extra = 0.0, {}
-                failed.append(1.0)
+        for i, (score, extra, fail) in enumerate(results):
+            failed.append(fail)
             scores.append(score)
             for key, v in extra.items():
                 parts.setdefault(key, [math.nan] * i).append(v)

@@ -1,0 +1,100 @@
+"""A grader that lives elsewhere, over real HTTP on loopback: what it receives, its key, retries,
+its time limit and how many calls it gets at once."""
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from rlhpc.config import load_config
+from rlhpc.errors import ConfigError, RlhpcError
+from rlhpc.rollout.generation import task_reward
+from rlhpc.rollout.scoring import Sample
+
+SAMPLES = [Sample(f"{i}+1=", str(i + 1) if i % 2 else "0", str(i + 1), [7], metadata={"i": i}) for i in range(8)]
+
+
+class Grader(BaseHTTPRequestHandler):
+    """Scores exact answers; fails the first call with 503 when asked; hangs when asked."""
+
+    seen: list = []
+    active = peak = 0
+    fail_first = hang = False
+    lock = threading.Lock()
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        cls = type(self)
+        with cls.lock:
+            cls.seen.append((self.headers.get("Authorization"), body))
+            cls.active += 1
+            cls.peak = max(cls.peak, cls.active)
+            fail, cls.fail_first = cls.fail_first, False
+        try:
+            time.sleep(0.05)  # a grader's own work: calls overlap when they run at once
+            if cls.hang:
+                time.sleep(5)
+            if fail:
+                self.send_response(503)
+                self.end_headers()
+                return
+            out = json.dumps({"score": float(body["response"] == body["label"]), "seen_i": body["metadata"]["i"]})
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(out)))
+            self.end_headers()
+            self.wfile.write(out.encode())
+        finally:
+            with cls.lock:
+                cls.active -= 1
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def grader():
+    Grader.seen, Grader.peak, Grader.fail_first, Grader.hang = [], 0, False, False
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Grader)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/score"
+    server.shutdown()
+
+
+def scorer(url, *sets):
+    return task_reward(load_config(None, ["model.tiny={}", f"data.reward={url}", *sets]).data)
+
+
+def test_a_remote_grader_scores_with_its_key_and_calls_at_once(grader, tmp_path):
+    key = tmp_path / "key"
+    key.write_text("s3cret\n")
+    scores, parts = scorer(grader, f"data.reward_key_file={key}", "data.reward_concurrency=4")(SAMPLES)
+    assert scores == [float(i % 2) for i in range(8)] and parts["seen_i"] == list(range(8))
+    assert {auth for auth, _ in Grader.seen} == {"Bearer s3cret"}
+    body = Grader.seen[0][1]
+    assert set(body) == {"prompt", "messages", "response", "response_ids", "label", "metadata", "finish_reason"}
+    assert 1 < Grader.peak <= 4  # concurrent, within the limit
+
+
+def test_a_remote_grader_is_retried_and_bounded(grader):
+    Grader.fail_first = True  # one 503, then it answers: retried, the run goes on
+    assert scorer(grader, "data.reward_concurrency=1")(SAMPLES[:2])[0] == [0.0, 1.0]
+    Grader.hang = True
+    began = time.monotonic()
+    with pytest.raises(RlhpcError, match=r"the reward http://127.0.0.1:\d+/score raised"):
+        scorer(grader, "data.reward_timeout_s=0.5", "data.reward_concurrency=1")(SAMPLES[:1])
+    assert time.monotonic() - began < 2.5  # its time limit, not the grader's 5 s: a timeout is not retried
+    assert scorer(grader, "data.reward_timeout_s=0.3", "data.reward_errors=zero")(SAMPLES[:2]) == (
+        [0.0, 0.0],
+        {"errors": [1.0, 1.0]},
+    )
+
+
+def test_remote_settings_are_checked_at_submit(tmp_path):
+    with pytest.raises(ConfigError, match="reward_key_file .* does not exist"):
+        load_config(
+            None, ["model.tiny={}", "data.reward=http://grader:8000/score", f"data.reward_key_file={tmp_path}/no"]
+        )
+    with pytest.raises(ConfigError, match="reward_timeout_s"):
+        load_config(None, ["model.tiny={}", "data.reward_timeout_s=0"])
