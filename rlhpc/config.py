@@ -350,12 +350,22 @@ class DataConfig(Section):
     reward_timeout_s: float = 60.0
     reward_concurrency: int = 16
     reward_key_file: str | None = None
+    # > 0: a local data.reward runs in this many processes of its own, each call cut at
+    # reward_timeout_s (0: in the driver, unbounded; for cheap rewards)
+    reward_workers: int = 0
     seed: int = 0
 
     def check(self) -> None:
         if self.task not in TASKS:
             self._refuse("task", "is not a known task", f"use one of: {', '.join(sorted(TASKS))}")
         self._at_least(1, "num_train", "num_eval", "reward_concurrency")
+        self._at_least(0, "reward_workers", fix="use 0 to score in the driver, or a number of processes")
+        if self.reward_workers and (self.reward is None or self.reward.startswith(("http://", "https://"))):
+            self._refuse(
+                "reward_workers",
+                "runs a data.reward of your own (module:function) in processes, but none is set",
+                "set data.reward: my_module:my_reward, or data.reward_workers: 0",
+            )
         if not self.reward_timeout_s > 0:
             self._refuse("reward_timeout_s", "must be > 0", "give each remote reward call a limit in seconds, e.g. 60")
         if self.max_prompt_tokens is not None:

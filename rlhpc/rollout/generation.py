@@ -25,7 +25,7 @@ from rlhpc.errors import RlhpcError
 from rlhpc.rollout.dynamic_sampling import Group, GroupFilter, resolve_filter
 from rlhpc.rollout.prompts import encode_rows
 from rlhpc.rollout.protocol import WEIGHT_VERSION_SPAN_KEYS, MetaInfo
-from rlhpc.rollout.scoring import RemoteReward, Sample, Scorer, is_remote
+from rlhpc.rollout.scoring import PooledReward, RemoteReward, Sample, Scorer, is_remote
 from rlhpc.tasks import TASKS, RewardFn, resolve_reward
 
 if TYPE_CHECKING:
@@ -96,6 +96,10 @@ def task_reward(data: DataConfig) -> Scorer:
     if data.reward and is_remote(data.reward):
         remote = RemoteReward(data.reward, data.reward_timeout_s, data.reward_concurrency, data.reward_key_file)
         return Scorer(remote, data.reward, data.reward_errors)
+    if data.reward and data.reward_workers:
+        return Scorer(
+            PooledReward(data.reward, data.reward_workers, data.reward_timeout_s), data.reward, data.reward_errors
+        )
     if data.reward:
         return Scorer(resolve_reward(data.reward), data.reward, data.reward_errors)
     return Scorer(TASKS[data.task].reward, f"the {data.task} task's reward", data.reward_errors)

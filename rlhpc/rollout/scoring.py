@@ -16,6 +16,7 @@ from __future__ import annotations
 import inspect
 import json
 import math
+import multiprocessing
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -108,37 +109,109 @@ class RemoteReward:
         return json.loads(resp.data)
 
 
+class PooledReward:
+    """A local grader run in ``workers`` processes of its own (``data.reward_workers``): CPU-heavy
+    grading leaves the driver's GIL alone, and a call that outlives ``timeout_s`` is cut by
+    ending its process (a thread cannot be stopped), then the pool is started again. Each worker
+    imports the function by its spec, as the driver does."""
+
+    def __init__(self, spec: str, workers: int, timeout_s: float):
+        self.spec, self.workers, self.timeout_s = spec, workers, timeout_s
+        self.sample_form = takes_sample(_import_reward(spec), spec)
+        self._pool = None
+
+    def _start(self):
+        # spawn: the driver has threads (Ray's, the schedule's), which a fork would copy half-held
+        self._pool = multiprocessing.get_context("spawn").Pool(
+            self.workers, initializer=_worker_init, initargs=(self.spec,)
+        )
+        return self._pool
+
+    def map(self, samples: list[Sample]) -> list[tuple[Any, BaseException | None]]:
+        """(value, error) per sample, in order; a call past its limit is a TimeoutError."""
+        out: list[tuple[Any, BaseException | None]] = []
+        while len(out) < len(samples):
+            pool = self._pool or self._start()
+            rest = samples[len(out) :]
+            pending = [pool.apply_async(_worker_call, (s, self.sample_form)) for s in rest]
+            for r in pending:
+                try:
+                    out.append((r.get(self.timeout_s), None))
+                except multiprocessing.TimeoutError:
+                    out.append((None, TimeoutError(f"no answer within data.reward_timeout_s = {self.timeout_s:g} s")))
+                    self.close()  # ends the hung call; what was queued behind it is sent again
+                    break
+                except Exception as e:
+                    out.append((None, e))
+        return out
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.terminate()
+            self._pool.join()
+            self._pool = None
+
+
+def _import_reward(spec: str) -> Callable:
+    from rlhpc.tasks import resolve_reward
+
+    return resolve_reward(spec)
+
+
+_WORKER_FN: Callable | None = None
+
+
+def _worker_init(spec: str) -> None:
+    global _WORKER_FN
+    _WORKER_FN = _import_reward(spec)
+
+
+def _worker_call(s: Sample, sample_form: bool) -> Any:
+    assert _WORKER_FN is not None
+    return _WORKER_FN(s) if sample_form else _WORKER_FN(s.prompt, s.response, s.label)
+
+
 class Scorer:
     """Score a list of samples: (scores, parts) where parts maps each dict part (and ``errors``
     where rewards may fail) to one value per sample."""
 
-    def __init__(self, fn: Callable, spec: str, errors: str = "raise"):
+    def __init__(self, fn: Callable | PooledReward, spec: str, errors: str = "raise"):
         self.fn, self.spec, self.errors = fn, spec, errors
-        self.sample_form = isinstance(fn, RemoteReward) or takes_sample(fn, spec)
+        if isinstance(fn, PooledReward):
+            self.sample_form = fn.sample_form
+        else:
+            self.sample_form = isinstance(fn, RemoteReward) or takes_sample(fn, spec)
         self.concurrency = fn.concurrency if isinstance(fn, RemoteReward) else 1
 
-    def _one(self, s: Sample) -> tuple[float, dict[str, float], float]:
-        """(score, other parts, 1.0 if the reward failed)."""
+    def _call(self, s: Sample) -> tuple[Any, BaseException | None]:
         try:
-            value = self.fn(s) if self.sample_form else self.fn(s.prompt, s.response, s.label)
-            return (*self._read(value), 0.0)
+            return (self.fn(s) if self.sample_form else self.fn(s.prompt, s.response, s.label)), None
         except RlhpcError:
             raise
         except Exception as e:
-            if self.errors != "zero":
-                raise RewardError(
-                    f"the reward {self.spec} raised {type(e).__name__}: {e} on the sample with prompt "
-                    f"{s.prompt[:80]!r} and response {s.response[:80]!r}",
-                    "fix the reward, or set data.reward_errors: zero to score such samples 0 and count them",
-                ) from e
-            return 0.0, {}, 1.0
+            return None, e
+
+    def _one(self, s: Sample, value: Any, error: BaseException | None) -> tuple[float, dict[str, float], float]:
+        """(score, other parts, 1.0 if the reward failed)."""
+        if error is None:
+            return (*self._read(value), 0.0)
+        if self.errors != "zero":
+            raise RewardError(
+                f"the reward {self.spec} raised {type(error).__name__}: {error} on the sample with prompt "
+                f"{s.prompt[:80]!r} and response {s.response[:80]!r}",
+                "fix the reward, or set data.reward_errors: zero to score such samples 0 and count them",
+            ) from error
+        return 0.0, {}, 1.0
 
     def __call__(self, samples: list[Sample]) -> tuple[list[float], dict[str, list[float]]]:
-        if self.concurrency > 1 and len(samples) > 1:  # a remote grader: its calls wait on the network
+        if isinstance(self.fn, PooledReward):  # in processes of its own, each call bounded
+            called = self.fn.map(samples)
+        elif self.concurrency > 1 and len(samples) > 1:  # a remote grader: its calls wait on the network
             with ThreadPoolExecutor(min(self.concurrency, len(samples)), thread_name_prefix="reward") as pool:
-                results = list(pool.map(self._one, samples))
+                called = list(pool.map(self._call, samples))
         else:
-            results = [self._one(s) for s in samples]
+            called = [self._call(s) for s in samples]
+        results = [self._one(s, value, error) for s, (value, error) in zip(samples, called)]
         scores: list[float] = []
         parts: dict[str, list[float]] = {}
         failed: list[float] = []
