@@ -28,7 +28,7 @@ import yaml
 
 from rlhpc.errors import ConfigError
 from rlhpc.rollout.dynamic_sampling import resolve_filter
-from rlhpc.rollout.scoring import is_remote, takes_sample
+from rlhpc.rollout.scoring import is_batched, is_remote, takes_sample
 from rlhpc.tasks import TASKS, resolve_reward
 from rlhpc.tasks.files import FORMATS, read_rows
 
@@ -869,7 +869,14 @@ def validate(cfg: Config) -> None:
                 "write the remote grader's key to that file (chmod 600), or unset data.reward_key_file",
             )
     elif d.reward is not None:
-        takes_sample(resolve_reward(d.reward), d.reward)  # either form, or the signature is refused
+        fn = resolve_reward(d.reward)
+        if not is_batched(fn):
+            takes_sample(fn, d.reward)  # either form, or the signature is refused
+        elif d.reward_workers:
+            raise ConfigError(
+                f"data.reward {d.reward} scores whole batches, which data.reward_workers does not split over processes",
+                "set data.reward_workers: 0 (a batched reward runs as one call), or score one sample per call",
+            )
     if r.dynamic_sampling.filter is not None:
         resolve_filter(r.dynamic_sampling.filter)
     if r.partial_rollout and cfg.deterministic:

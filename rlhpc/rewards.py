@@ -6,11 +6,14 @@
   fractions, decimals and plain numbers. The label is parsed as a boxed answer.
 
 Each is ``reward(prompt, response, answer) -> float`` like any reward a user writes.
+``batched`` marks a reward of a whole list of samples (``rlhpc.rollout.scoring``).
 """
 
 from __future__ import annotations
 
 import threading
+
+from rlhpc.rollout.scoring import batched  # noqa: F401 (re-exported: @rlhpc.rewards.batched)
 
 PARSE_TIMEOUT_S = 5  # math-verify's own limit a parse or comparison may take
 

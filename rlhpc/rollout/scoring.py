@@ -13,6 +13,7 @@ with ``data.reward_errors: zero``, scores 0 and is counted (``reward/errors``).
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import json
 import math
@@ -53,6 +54,18 @@ class Sample:
     @property
     def response_length(self) -> int:
         return len(self.response_ids)
+
+
+def is_batched(fn: Callable) -> bool:
+    """A reward of the whole list of samples: an ``async def`` one, or one marked ``@batched``."""
+    return inspect.iscoroutinefunction(fn) or getattr(fn, "rlhpc_batched", False)
+
+
+def batched(fn: Callable) -> Callable:
+    """Mark ``fn(samples: list[Sample]) -> list[float | dict]`` as scoring a whole batch at once
+    (a model-based grader, a sandbox that runs many at once); an ``async def`` one needs no mark."""
+    fn.rlhpc_batched = True  # type: ignore[attr-defined]
+    return fn
 
 
 def takes_sample(fn: Callable, spec: str) -> bool:
@@ -177,10 +190,11 @@ class Scorer:
 
     def __init__(self, fn: Callable | PooledReward, spec: str, errors: str = "raise"):
         self.fn, self.spec, self.errors = fn, spec, errors
+        self.batched = not isinstance(fn, PooledReward | RemoteReward) and is_batched(fn)
         if isinstance(fn, PooledReward):
             self.sample_form = fn.sample_form
         else:
-            self.sample_form = isinstance(fn, RemoteReward) or takes_sample(fn, spec)
+            self.sample_form = isinstance(fn, RemoteReward) or self.batched or takes_sample(fn, spec)
         self.concurrency = fn.concurrency if isinstance(fn, RemoteReward) else 1
 
     def _call(self, s: Sample) -> tuple[Any, BaseException | None]:
@@ -203,9 +217,26 @@ class Scorer:
             ) from error
         return 0.0, {}, 1.0
 
+    def _batch(self, samples: list[Sample]) -> list[tuple[Any, BaseException | None]]:
+        try:
+            values = asyncio.run(self.fn(samples)) if inspect.iscoroutinefunction(self.fn) else self.fn(samples)
+            values = list(values)
+        except Exception as e:
+            return [(None, e)] * len(samples)
+        if len(values) != len(samples):
+            raise RlhpcError(
+                f"the batched reward {self.spec} returned {len(values)} values for {len(samples)} samples",
+                "return one float or dict per sample, in order",
+            )
+        return [(v, None) for v in values]
+
     def __call__(self, samples: list[Sample]) -> tuple[list[float], dict[str, list[float]]]:
+        if not samples:
+            return [], {}
         if isinstance(self.fn, PooledReward):  # in processes of its own, each call bounded
             called = self.fn.map(samples)
+        elif self.batched:
+            called = self._batch(samples)
         elif self.concurrency > 1 and len(samples) > 1:  # a remote grader: its calls wait on the network
             with ThreadPoolExecutor(min(self.concurrency, len(samples)), thread_name_prefix="reward") as pool:
                 called = list(pool.map(self._call, samples))

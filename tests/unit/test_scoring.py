@@ -61,3 +61,33 @@ def test_a_reward_of_the_wrong_shape_is_refused_at_submit(tmp_path):
     finally:
         sys.path.remove(str(tmp_path))
     assert load_config(None, ["model.tiny={}", "data.reward_errors=zero"]).data.reward_errors == "zero"
+
+
+def test_batched_and_async_rewards_score_the_whole_list():
+    import asyncio
+
+    from rlhpc.rewards import batched
+
+    calls = []
+
+    @batched
+    def whole(samples):
+        calls.append(len(samples))
+        return [float(s.response == s.label) for s in samples]
+
+    async def remote_ish(samples):  # e.g. a judge served elsewhere, asked for all at once
+        async def one(s):
+            await asyncio.sleep(0.01)
+            return {"score": float(s.response == s.label), "len": float(s.response_length)}
+
+        return await asyncio.gather(*(one(s) for s in samples))
+
+    assert Scorer(whole, "whole")(SAMPLES) == ([1.0, 0.0], {}) and calls == [2]
+    assert Scorer(remote_ish, "remote_ish")(SAMPLES) == ([1.0, 0.0], {"len": [1.0, 2.0]})
+
+    def boom(samples):
+        raise RuntimeError("judge down")
+
+    assert Scorer(batched(boom), "boom", errors="zero")(SAMPLES) == ([0.0, 0.0], {"errors": [1.0, 1.0]})
+    with pytest.raises(RlhpcError, match="returned 1 values for 2 samples"):
+        Scorer(batched(lambda samples: [1.0]), "short")(SAMPLES)
