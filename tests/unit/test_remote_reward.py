@@ -45,6 +45,8 @@ class Grader(BaseHTTPRequestHandler):
             self.send_header("Content-Length", str(len(out)))
             self.end_headers()
             self.wfile.write(out.encode())
+        except BrokenPipeError:
+            pass  # the client gave up on a hung call: what the test wants
         finally:
             with cls.lock:
                 cls.active -= 1
