@@ -1,6 +1,7 @@
 """Build a tiny randomly initialised HF model (config.json + safetensors + tokenizer).
 
 python tools/make_tiny_model.py models/tiny --architecture qwen2 --hidden-size 128
+python tools/make_tiny_model.py models/qwen-shaped --architecture qwen2 --tokenizer bpe   # no BOS, ChatML
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import dataclasses
 import logging
 from pathlib import Path
 
+from rlhpc.errors import ConfigError
 from rlhpc.logs import setup_logging
 from rlhpc.model import TinyModelConfig, build_tiny_model
 
@@ -24,6 +26,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.out_dir.exists():
         logging.error("%s already exists; choose another directory or remove it", args.out_dir)
         return 2
-    cfg = TinyModelConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TinyModelConfig)})
+    try:
+        cfg = TinyModelConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TinyModelConfig)})
+    except ConfigError as e:
+        logging.error("%s", e)
+        return 2
     build_tiny_model(args.out_dir, cfg)
     return 0

@@ -56,3 +56,11 @@ def test_the_bpe_tokenizer_is_a_pure_function_of_its_seed():
 def test_a_prompt_that_encodes_to_nothing_is_named():
     with pytest.raises(RlhpcError, match="encodes to no tokens"):
         encode_prompts(build_bpe_tokenizer(), ["3+4=", ""])
+
+
+def test_make_tiny_model_builds_the_bpe_model_and_refuses_an_unknown_tokenizer(tmp_path):
+    from rlhpc.cli.make_tiny_model import main
+
+    assert main([str(tmp_path / "m"), "--tokenizer", "bpe", "--architecture", "qwen2"]) == 0
+    assert AutoTokenizer.from_pretrained(tmp_path / "m").eos_token == IM_END
+    assert main([str(tmp_path / "w"), "--tokenizer", "wordpiece"]) == 2 and not (tmp_path / "w").exists()
