@@ -36,7 +36,7 @@ from rlhpc.launch.staging import NOT_STAGED, Staged
 from rlhpc.launch.startup import StartupClock
 from rlhpc.logs import setup_logging
 from rlhpc.run_dir import JobRayState, RunDir
-from rlhpc.util.files import NODE_TMP_ENV
+from rlhpc.util.files import NODE_TMP_ENV, private_dir, ray_temp_dir
 from rlhpc.util.secrets import write_secret
 
 log = logging.getLogger(__name__)
@@ -85,15 +85,14 @@ def local_ray(
     else:
         if temp_dir.exists():
             log.info("removing %s, left by a killed job of this run", temp_dir)
-            shutil.rmtree(temp_dir, ignore_errors=True)
-        temp_dir.mkdir(mode=0o700)
+        private_dir(temp_dir, fresh=True)
     os.environ[NODE_TMP_ENV] = str(temp_dir)  # Ray's workers inherit it: engines' files go with the dir
     try:
         ray.init(
             num_cpus=num_cpus,
             num_gpus=num_gpus,
             include_dashboard=False,
-            _temp_dir=str(temp_dir),
+            _temp_dir=str(ray_temp_dir(temp_dir)),
             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}},
             log_to_driver=True,
         )

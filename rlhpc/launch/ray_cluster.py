@@ -43,7 +43,7 @@ from rlhpc.cluster.layout import GROUP_RESOURCES
 from rlhpc.errors import RlhpcError
 from rlhpc.launch import slurm
 from rlhpc.run_dir import JobRayState
-from rlhpc.util.files import NODE_TMP_ENV, write_atomic
+from rlhpc.util.files import NODE_TMP_ENV, private_dir, ray_temp_dir, write_atomic
 from rlhpc.util.processes import stop_group
 
 log = logging.getLogger(__name__)
@@ -248,14 +248,16 @@ class RayNode:
         self._publish()  # first: a node that cannot start is still named, with its log
         self.ports = choose_ports(first_block)
         self._publish()
-        self.temp_dir.mkdir(parents=True, exist_ok=True)
+        # Private, and fresh: another user may have made this predictable path first (refused), or
+        # an earlier start of this job on this node left it (ours: emptied).
+        private_dir(self.temp_dir, fresh=True)
         raise_open_file_limit()
         cmd = [
             sys.executable, "-m", "ray.scripts.scripts", "start", "--block",
             f"--node-ip-address={self.ip}",
             f"--num-gpus={self.num_gpus}",
             f"--num-cpus={self.num_cpus}",
-            f"--temp-dir={self.temp_dir}",
+            f"--temp-dir={ray_temp_dir(self.temp_dir)}",
             "--disable-usage-stats",
             *([f"--resources={json.dumps({GROUP_RESOURCES[self.group]: self.num_gpus})}"] if self.group is not None else []),
             *self.ports.args(),

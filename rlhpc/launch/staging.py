@@ -31,6 +31,7 @@ from pathlib import Path
 
 from rlhpc.config import ClusterConfig
 from rlhpc.errors import RlhpcError
+from rlhpc.util.files import private_dir
 
 log = logging.getLogger(__name__)
 
@@ -181,10 +182,18 @@ def _archive(root: Path) -> Path:
 def _unpack(paths: dict[str, str], root: Path, manifests: dict[str, list[list]]) -> None:
     if all(is_current(Path(d), manifests[s]) for s, d in paths.items()):
         return  # another task on this disk unpacked it first
-    tmp = root.parent / f".{root.name}.unpack-{socket.gethostname()}-{os.getpid()}"
+    tmp = root / f".unpack-{socket.gethostname()}-{os.getpid()}"
     try:
-        with tarfile.open(_archive(root)) as tar:
-            tar.extractall(tmp, filter="data")
+        # beside the root, where sbcast can put it: only a file of ours, and not through a link
+        fd = os.open(_archive(root), os.O_RDONLY | os.O_NOFOLLOW)
+        with os.fdopen(fd, "rb") as f:
+            if os.fstat(f.fileno()).st_uid != os.getuid():
+                raise RlhpcError(
+                    f"{_archive(root)} belongs to another user: it is not task 0's sbcast of this job",
+                    "remove it (its owner or root can), or set cluster.stage_dir to a dir only you can write",
+                )
+            with tarfile.open(fileobj=f) as tar:
+                tar.extractall(tmp, filter="data")
         for k, (src, dst) in enumerate(paths.items()):
             (tmp / str(k) / MANIFEST).write_text(json.dumps(manifests[src]))
             _move_into_place(tmp / str(k), Path(dst), manifests[src])
@@ -233,7 +242,12 @@ def _move_into_place(tmp: Path, dst: Path, src_manifest: list[list]) -> None:
 def _check_disk(root: Path, need: int) -> Path:
     """Make the stage root; refuse, naming the filesystem, when ``need`` bytes would not fit."""
     try:
-        root.mkdir(parents=True, exist_ok=True)
+        root.parent.mkdir(parents=True, exist_ok=True)
+        # Ours and private: a copy in a dir another user made, or could write to, may be theirs
+        # (job ids are sequential: they can plant one for the next job's path).
+        private_dir(root)
+    except RlhpcError:
+        raise
     except OSError as e:
         raise RlhpcError(
             f"cannot create the stage dir {root} on {socket.gethostname()}: {e}",

@@ -18,7 +18,6 @@ The server listens on ``host`` (loopback when every peer is on this node), else 
 from __future__ import annotations
 
 import ctypes
-import json
 import logging
 import os
 import shutil
@@ -36,7 +35,7 @@ from rlhpc.rollout import sglang_server
 from rlhpc.rollout.client import EngineClient
 from rlhpc.rollout.engine_key import read_key
 from rlhpc.rollout.sglang_server import SGLangSpec
-from rlhpc.util.files import node_tmp_dir, tail
+from rlhpc.util.files import node_tmp_dir, read_trusted_json, tail
 from rlhpc.util.net import http_url, url_host
 from rlhpc.util.processes import stop_group
 
@@ -161,7 +160,9 @@ class EngineActor:
                     "raise rollout.engine_startup_timeout_s for large models, or read the log",
                 )
             time.sleep(0.05)
-        info = json.loads(self.ready_file.read_text())
+        # The server wrote it in our 0700 dir; still, a file naming another process (or not ours)
+        # would send the engine key to whoever listens on the port it names.
+        info = read_trusted_json(self.ready_file, pid=self.proc.pid)
         url = http_url(info["host"], info["port"])
         EngineClient(url, api_key=self.api_key).wait_healthy(max(5.0, deadline - time.monotonic()))
         log.info("engine %d ready at %s", self.engine_id, url)

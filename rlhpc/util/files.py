@@ -4,9 +4,15 @@ full a filesystem is."""
 from __future__ import annotations
 
 import errno
+import json
 import os
+import shutil
+import stat
 import tempfile
 from pathlib import Path
+from typing import Any
+
+from rlhpc.errors import RlhpcError
 
 # The node-local dir of the job task that started this node's Ray (set in Ray's environment, so
 # every Ray worker sees it); the task removes it when it ends, whatever happened to the workers.
@@ -45,6 +51,73 @@ def tail(path: Path, n: int = 30) -> str:
     except OSError:
         return "(no log)"
     return "\n".join(lines[-n:])
+
+
+def private_dir(path: Path, fresh: bool = False) -> Path:
+    """``path`` as a dir only this user can enter: made 0700 when missing, emptied first when
+    ``fresh``; refused when it is a link, not a dir, or another user's (who could then read,
+    swap or plant what we write there), or when its parent lets others rename it away.
+
+    The mode is checked after creation: ``mkdir``'s mode is only ever narrowed by the umask, but
+    a dir of ours left by an earlier job may be wider, and is made private again."""
+    path = Path(path)
+    parent = os.stat(path.parent)
+    if parent.st_uid != os.getuid() and parent.st_mode & 0o022 and not parent.st_mode & stat.S_ISVTX:
+        raise RlhpcError(
+            f"{path.parent} is writable by other users and has no sticky bit: they could rename {path.name} away "
+            "and put their own in its place",
+            f"use a parent dir only you can write, or make it sticky (chmod +t {path.parent}) as /tmp is",
+        )
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        _require_ours(path)
+        if fresh:
+            shutil.rmtree(path)
+            os.mkdir(path, 0o700)
+    os.chmod(path, 0o700, follow_symlinks=False)
+    _require_ours(path)
+    if stat.S_IMODE(os.lstat(path).st_mode) != 0o700:
+        raise RlhpcError(f"{path} is not mode 0700 after chmod", f"check the filesystem holding {path} keeps modes")
+    return path
+
+
+def _require_ours(path: Path) -> None:
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        what = "a link" if stat.S_ISLNK(st.st_mode) else "not a dir" if not stat.S_ISDIR(st.st_mode) else "a dir"
+        raise RlhpcError(
+            f"{path} already exists and is {what} of uid {st.st_uid}, not of this user (uid {os.getuid()}): "
+            "another user may have made it to read or replace what rlhpc writes there",
+            f"remove it (its owner or root can: rm -rf {path}), or run where that path is free",
+        )
+
+
+def read_trusted_json(path: Path, pid: int | None = None) -> dict[str, Any]:
+    """A small JSON file one of our processes wrote (a server's ready file): opened without
+    following a link, refused unless this user owns it and, with ``pid``, it names that process."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    with os.fdopen(fd) as f:
+        owner = os.fstat(f.fileno()).st_uid
+        text = f.read()
+    if owner != os.getuid():
+        raise RlhpcError(
+            f"{path} belongs to uid {owner}, not to this user: another user wrote it",
+            f"find who can write to {path.parent}; rlhpc makes that dir 0700",
+        )
+    info = json.loads(text)
+    if not isinstance(info, dict) or (pid is not None and info.get("pid") != pid):
+        raise RlhpcError(
+            f"{path} does not name the process we started (pid {pid}): {text[:200]!r}",
+            f"find who can write to {path.parent}; rlhpc makes that dir 0700",
+        )
+    return info
+
+
+def ray_temp_dir(node_tmp: Path) -> Path:
+    """Ray's temp dir inside a task's private node-local dir: Ray makes its own dirs 0777 (its
+    sessions, sockets, logs), so only a private dir above them keeps other users out."""
+    return Path(node_tmp) / "ray"
 
 
 def node_tmp_dir(prefix: str) -> Path:

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from support.other_user import make_as_other_user
 
 from rlhpc.errors import ConfigError, RlhpcError
 from rlhpc.launch.ray_cluster import FIRST_PORT, NUM_BLOCKS, PORT_BLOCK, RayNode, RayPorts, block_index, choose_ports
@@ -84,6 +85,19 @@ def test_node_temp_dir_is_removed_when_the_task_stops(tmp_path):
     (node.temp_dir / "session").mkdir(parents=True)
     node.stop()
     assert not node.temp_dir.exists()
+
+
+def test_a_task_dir_another_user_made_first_is_refused_before_ray_starts(tmp_path):
+    # /tmp/rlhpc-JOB-RANK is predictable: another user of the node may make it first (issue 32).
+    node = RayNode(tmp_path / "ray" / "job_1.0", f"t{os.getpid()}", 4, 0, 1)
+    node.state.root.mkdir(parents=True)
+    make_as_other_user(str(node.temp_dir))
+    try:
+        with pytest.raises(RlhpcError, match="another user"):
+            node._start(0, lambda ports: [])
+        assert node.proc is None
+    finally:
+        subprocess.run(["rm", "-rf", str(node.temp_dir)], check=True)
 
 
 def test_dry_run_prints_script_and_plan_and_writes_nothing(tmp_path):

@@ -3,6 +3,7 @@ refused before anything is written when they would not fit, and gone at the end.
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import shutil
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from support.disks import small_tmpfs
+from support.other_user import run_as_other_user, shared_tmp_dir
 
 from rlhpc.config import ClusterConfig
 from rlhpc.errors import ConfigError, RlhpcError
@@ -179,3 +181,35 @@ def test_what_ended_jobs_left_is_removed_and_a_live_jobs_copy_kept(tmp_path):
     states = {"10": False, "11": True, "12": None}  # ended, running, cannot be told
     staging.remove_stale(local / "rlhpc-12", states.get)
     assert sorted(p.name for p in local.iterdir()) == ["rlhpc-11", "rlhpc-12", "someone-elses"]
+
+
+def test_a_copy_another_user_planted_for_the_next_job_is_refused(tmp_path, sources):
+    # Issue 32, item 2: sizes and mtimes are readable by anyone, so another user can plant a
+    # "current" copy (other weights, the same manifest) where the next job id will stage.
+    model, _ = sources
+    with shared_tmp_dir() as stage_dir:
+        planted_for_the_next_job(stage_dir, model)
+
+
+def planted_for_the_next_job(stage_dir: Path, model: Path) -> None:
+    root = staging.stage_root(str(stage_dir), "1001")
+    forged = json.dumps(staging.manifest(model))
+    out = run_as_other_user(
+        "import os, sys; d = os.path.join(sys.argv[1], 'model'); os.makedirs(d); os.chmod(sys.argv[1], 0o777);"
+        "open(os.path.join(d, 'model.safetensors'), 'wb').write(b'planted');"
+        "open(os.path.join(d, sys.argv[3]), 'w').write(sys.argv[2])",
+        str(root),
+        forged,
+        staging.MANIFEST,
+    )
+    assert out.returncode == 0, out.stderr
+    with pytest.raises(RlhpcError, match="another user") as e:
+        staging.stage(staging.plan(root, str(model), None), root)
+    assert "cluster.stage_dir" in str(e.value) or "rm -rf" in e.value.fix
+
+
+def test_a_stage_root_of_ours_is_private(tmp_path, sources):
+    model, _ = sources
+    root = staging.stage_root(str(tmp_path / "local"), "78")
+    staging.stage(staging.plan(root, str(model), None), root)
+    assert oct(root.stat().st_mode & 0o777) == "0o700"

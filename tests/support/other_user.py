@@ -1,0 +1,51 @@
+"""A second, unprivileged user on the same machine: the attacker of the two-user tests (issue 32).
+
+Its code runs under the system's python3 (stdlib only: the test's venv may not be readable by
+that uid) as ``nobody`` with no groups, via ``setpriv``; tests need root to switch to it, as CI has.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+UID = 65534  # nobody
+
+
+def require_second_user() -> None:
+    if os.getuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("a second user needs root and setpriv (CI has both)")
+
+
+def run_as_other_user(code: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    """Run Python ``code`` (with ``args`` as sys.argv[1:]) as the other user; its output comes back."""
+    require_second_user()
+    cmd = ["setpriv", f"--reuid={UID}", f"--regid={UID}", "--clear-groups", "/usr/bin/python3", "-c", code, *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd="/", check=False)
+
+
+def make_as_other_user(path: str, mode: int = 0o777) -> None:
+    """``path`` made first by the other user (a dir, ``mode``), as a squatter on a predictable name would."""
+    out = run_as_other_user(
+        "import os, sys; os.mkdir(sys.argv[1]); os.chmod(sys.argv[1], int(sys.argv[2]))", path, str(mode)
+    )
+    assert out.returncode == 0, out.stderr
+
+
+@contextlib.contextmanager
+def shared_tmp_dir() -> Iterator[Path]:
+    """A world-writable sticky dir under /tmp, as /tmp itself (pytest's tmp_path is 0700: the
+    other user could not reach into it), removed after."""
+    root = Path(tempfile.mkdtemp(prefix="rlhpc-t-"))
+    root.chmod(0o1777)
+    try:
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
