@@ -151,7 +151,7 @@ class EnginePool:
         self.router_client: EngineClient | None = None  # generation goes through it when set
         self.router_restarts = 0  # after it died, bounded by rollout.max_engine_restarts
         if rollout.backend == "sglang" and rollout.sglang.router:
-            self.router = Router("127.0.0.1", log_dir / "router.log", 60.0, self.api_key)
+            self.router = Router("127.0.0.1", log_dir / "router.log", 60.0, self.key_file)
             self.router_client = EngineClient(self.router.start(urls), api_key=self.api_key)
         self.restarts = [0] * len(self.engines)  # per engine, bounded by rollout.max_engine_restarts
         # Found dead by a generation that may not restart them (restarts_deferred): served by none

@@ -14,9 +14,9 @@ argument, and reads its server arguments also from a YAML ``--config`` file, so 
 there (a 0600 file), not onto the command line. SGLang then requires ``Authorization: Bearer KEY``
 on every route except /health*, /ready* and /metrics* (probes), and logs its server arguments,
 key included, at start-up: its output reaches the log through ``_RedactingPump``, which
-replaces the key. sglang_router takes the key (``--api-key``) for its calls to the engines on its
-command line only: it listens on loopback (the driver beside it is its one client), and its
-command line, visible to the node's users in ``ps``, is the one place the key appears.
+replaces the key. sglang_router takes the key only as ``--api-key KEY``; ``rlhpc.rollout.router_main``
+reads it from the file and hands it over inside the process, so no command line carries it. The
+router then requires the key of its own clients too, and sends it on its calls to the engines.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ import yaml
 
 from rlhpc.errors import RlhpcError
 from rlhpc.rollout.client import EngineClient
+from rlhpc.rollout.engine_key import read_key
 from rlhpc.util.net import http_url
 from rlhpc.util.processes import stop_group
 from rlhpc.util.secrets import write_secret
@@ -47,6 +48,7 @@ log = logging.getLogger(__name__)
 
 SERVER_MODULE = "sglang.launch_server"
 ROUTER_MODULE = "sglang_router.launch_router"
+ROUTER_MAIN = "rlhpc.rollout.router_main"  # sglang_router with the key read from a file
 PORT_ATTEMPTS = 5  # starts on fresh ports before giving up on address-in-use failures
 
 # What a server prints when a port it was given is taken: uvicorn's bind error (errno 98),
@@ -131,22 +133,31 @@ def write_key_config(path: Path, api_key: str) -> Path:
 
 
 def router_command(
-    python: str, worker_urls: Sequence[str], host: str, port: int, api_key: str | None = None
+    python: str,
+    worker_urls: Sequence[str],
+    host: str,
+    port: int,
+    metrics_port: int,
+    key_file: Path | None = None,
 ) -> list[str]:
-    """``python -m sglang_router.launch_router`` in front of the engines.
+    """sglang_router in front of the engines; with ``key_file``, through ``rlhpc.rollout.router_main``,
+    which hands it the key inside the process (sglang_router takes it only as ``--api-key KEY``).
 
     Round robin: every sample carries its own seed, so which engine serves it does not matter,
-    and the requests of a rollout spread evenly.
+    and the requests of a rollout spread evenly. Its Prometheus endpoint on loopback and a port
+    of its own: the default (29000) is one port for every job on the node.
     """
     if not worker_urls:
         raise RlhpcError("the router needs at least one engine URL", "start the engines before the router")
+    entry = [ROUTER_MAIN, "--api-key-file", str(key_file)] if key_file is not None else [ROUTER_MODULE]
     return [
-        python, "-m", ROUTER_MODULE,
+        python, "-m", *entry,
         "--worker-urls", *worker_urls,
         "--host", host,
         "--port", str(port),
         "--policy", "round_robin",
-        *(["--api-key", api_key] if api_key else []),
+        "--prometheus-host", "127.0.0.1",
+        "--prometheus-port", str(metrics_port),
     ]  # fmt: skip
 
 
@@ -342,7 +353,7 @@ class Router:
     """sglang_router in front of the engines, run by the driver: generation goes through it,
     weight updates and memory calls go to each engine directly."""
 
-    def __init__(self, host: str, log_path: Path, startup_timeout_s: float, api_key: str | None = None):
+    def __init__(self, host: str, log_path: Path, startup_timeout_s: float, key_file: Path | None = None):
         require_module(
             "sglang_router",
             "sglang_router for rollout.sglang.router: true",
@@ -351,7 +362,8 @@ class Router:
         self.host = host  # loopback: the driver, beside it, is its one client
         self.log_path = log_path
         self.startup_timeout_s = startup_timeout_s
-        self.api_key = api_key
+        self.key_file = key_file
+        self.api_key = read_key(key_file) if key_file is not None else None
         self.proc: subprocess.Popen | None = None
         self.url: str | None = None
 
@@ -360,7 +372,7 @@ class Router:
         self.stop()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.proc, port = start_on_free_port(
-            lambda p: router_command(sys.executable, worker_urls, self.host, p, self.api_key),
+            lambda p: router_command(sys.executable, worker_urls, self.host, p, free_port(self.host), self.key_file),
             self.host,
             "sglang router",
             self.log_path,

@@ -25,17 +25,19 @@ def key_file(work: Path, name: str) -> Path:
 
 
 def start_server(
-    model_path: str, work: Path, name: str, extra_args: list[str] | None = None
+    model_path: str, work: Path, name: str, extra_args: list[str] | None = None, key_path: Path | None = None
 ) -> tuple[subprocess.Popen, str, Path]:
     """Start a CPU engine server on port 0 that requires a fresh engine key (``key_file``, and
-    ``engine_client(url)`` sends it); return (process, url, ready file)."""
+    ``engine_client(url)`` sends it), or the one in ``key_path`` (engines of one pool share a key);
+    return (process, url, ready file)."""
     ready = work / f"{name}.ready.json"
-    key = new_key(key_file(work, name))
+    key_path = key_path or key_file(work, name)
+    key = new_key(key_path) if key_path == key_file(work, name) else key_path.read_text().strip()
     log = open(work / f"{name}.log", "wb")  # noqa: SIM115 - lives as long as the server
     proc = subprocess.Popen(
         [sys.executable, "-m", "rlhpc.rollout.cpu_server", "--model-path", model_path, "--port", "0"]
         + ["--ready-file", str(ready), "--parent-pid", str(os.getpid())]
-        + ["--api-key-file", str(key_file(work, name)), *(extra_args or [])],
+        + ["--api-key-file", str(key_path), *(extra_args or [])],
         stdout=log,
         stderr=subprocess.STDOUT,
         env={**os.environ, "OMP_NUM_THREADS": "1"},

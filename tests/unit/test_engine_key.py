@@ -40,10 +40,12 @@ def test_sglang_gets_the_key_in_a_0600_config_file_not_on_its_command_line(tmp_p
     assert key not in " ".join(cmd) and "--api-key" not in cmd
 
 
-def test_router_sends_the_key_to_the_engines() -> None:
-    cmd = sglang_server.router_command("/py", ["http://a:1"], "127.0.0.1", 5, api_key="k3y")
-    assert cmd[cmd.index("--api-key") + 1] == "k3y"
-    assert "--api-key" not in sglang_server.router_command("/py", ["http://a:1"], "127.0.0.1", 5)
+def test_the_routers_command_line_names_the_key_file_not_the_key(tmp_path: Path) -> None:
+    key = new_key(tmp_path / "engine_key")
+    cmd = sglang_server.router_command("/py", ["http://a:1"], "127.0.0.1", 5, 6, tmp_path / "engine_key")
+    assert cmd[2:5] == ["rlhpc.rollout.router_main", "--api-key-file", str(tmp_path / "engine_key")]
+    assert key not in " ".join(cmd) and "--api-key" not in cmd
+    assert "--api-key-file" not in sglang_server.router_command("/py", ["http://a:1"], "127.0.0.1", 5, 6)
 
 
 def test_server_output_reaches_the_log_with_the_key_replaced(tmp_path: Path) -> None:

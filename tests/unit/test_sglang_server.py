@@ -20,8 +20,6 @@ from rlhpc.errors import RlhpcError
 from rlhpc.rollout import sglang_server as sg
 from rlhpc.rollout.sglang_server import SGLangSpec
 
-SGLANG_ROUTER_FLAGS = {"--worker-urls", "--host", "--port", "--policy"}
-
 
 def flags(cmd: list[str]) -> dict[str, str | None]:
     """``--flag value`` pairs of a command line (a flag followed by another flag has no value)."""
@@ -64,16 +62,22 @@ def test_multi_node_command_names_rank_and_dist_init_addr() -> None:
         sg.launch_server_command("/py", "/m", "h", 1, 2, part)
 
 
-def test_router_command() -> None:
-    cmd = sg.router_command("/py", ["http://10.0.0.5:1", "http://10.0.0.6:2"], "10.0.0.5", 30500)
+def test_router_command_is_what_sglang_routers_own_parser_reads(tmp_path: Path) -> None:
+    from sglang_router.launch_router import parse_router_args  # sglang-router, installed for the tests
+
+    (tmp_path / "key").write_text("k3y")
+    cmd = sg.router_command("/py", ["http://10.0.0.5:1", "http://10.0.0.6:2"], "10.0.0.5", 30500, 30501)
     assert cmd[:3] == ["/py", "-m", "sglang_router.launch_router"]
-    i = cmd.index("--worker-urls")
-    assert cmd[i + 1 : i + 3] == ["http://10.0.0.5:1", "http://10.0.0.6:2"]
-    f = flags(cmd)
-    assert f["--port"] == "30500" and f["--host"] == "10.0.0.5" and f["--policy"] == "round_robin"
-    assert set(f) <= SGLANG_ROUTER_FLAGS
+    parsed = parse_router_args(cmd[3:])
+    assert parsed.worker_urls == ["http://10.0.0.5:1", "http://10.0.0.6:2"] and parsed.policy == "round_robin"
+    assert (parsed.host, parsed.port, parsed.prometheus_host, parsed.prometheus_port) == (
+        "10.0.0.5", 30500, "127.0.0.1", 30501,
+    )  # fmt: skip
+    keyed = sg.router_command("/py", ["http://10.0.0.5:1"], "127.0.0.1", 1, 2, tmp_path / "key")
+    assert keyed[2:5] == [sg.ROUTER_MAIN, "--api-key-file", str(tmp_path / "key")]
+    assert parse_router_args(keyed[5:]).worker_urls == ["http://10.0.0.5:1"]
     with pytest.raises(RlhpcError, match="at least one engine"):
-        sg.router_command("/py", [], "h", 1)
+        sg.router_command("/py", [], "h", 1, 2)
 
 
 def test_server_env_shows_only_the_engine_gpus() -> None:

@@ -4,9 +4,12 @@ Request bodies are validated as the protocol's dataclasses (SGLang's field names
 clients may send and we do not use are ignored). /generate bodies are read by hand, since SGLang
 answers a single prompt with a dict and a batch with a list.
 
-With a key (``build_app(..., api_key=KEY)``) every request, to every path, must carry
-``Authorization: Bearer KEY`` or is answered 401: the check is middleware in front of the router,
-so no route can be added without it. Unlike SGLang, /health is not exempt (no probe needs it).
+With a key (``build_app(..., api_key=KEY)``) every request, to every path but ``GET /health``,
+must carry ``Authorization: Bearer KEY`` or is answered 401: the check is middleware in front of
+the router, so no route can be added without it. /health is exempt as in SGLang (probes, and
+sglang_router's health checks, carry no key); it answers an empty 200 and runs nothing. SGLang
+exempts every path starting /health, /ready or /metrics; /health_generate runs the model here,
+so it keeps the key.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ class RequireKey:
         self.api_key = api_key
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] == "http":
+        if scope["type"] == "http" and not (scope["path"] == Route.HEALTH and scope["method"] == "GET"):
             header = next((v for k, v in scope["headers"] if k.decode("latin-1").lower() == HEADER.lower()), None)
             if not authorized(header.decode("latin-1") if header is not None else None, self.api_key):
                 await error_response("missing or wrong engine key", 401)(scope, receive, send)
