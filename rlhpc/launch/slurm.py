@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import time
@@ -462,7 +463,6 @@ def submit_worker(
     """A one-node job that runs ``command`` (a Ray worker joining job ``job_id``'s cluster) in the
     partition, account and QOS of job ``job_id`` (of its component ``group``, in a heterogeneous
     job), on a node it does not hold: a replacement for the node ``lost``. Its job id."""
-    import shlex
 
     components = job_components(job_id)
     info = components[group or 0] if len(components) > (group or 0) else {}

@@ -192,11 +192,10 @@ def dry_run(
 ) -> str:
     """The sbatch script and the GPU plan, without submitting (or writing anything); ``array``:
     the script of a sweep's job array of that many tasks (the plan is its first task's)."""
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as tmp:  # submitit wants a folder; the real one stays untouched
-        executor = slurm_executor(RunDir(tmp), opts, preview=True, max_parallel=max_parallel)
-        script = sbatch_script(executor, array).replace(tmp, str(run_dir))
+    # submitit's own builder over the real run dir (it writes nothing until a submission): the
+    # script shows each path as sbatch gets it, quoted whatever characters it holds.
+    executor = slurm_executor(RunDir(run_dir), opts, preview=True, max_parallel=max_parallel)
+    script = sbatch_script(executor, array)
     layout = summarize_layout(plan_layout(cfg.cluster))
     idle = idle_note(cfg.cluster)
     notes = f"\nWARNING: {idle}" if idle else ""

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-from support.jobs import said, submit_slurm
+from support.jobs import REPO, said, submit_slurm
 
 from rlhpc.launch import slurm
 from rlhpc.launch.ray_cluster import RayPorts, block_index
@@ -90,9 +90,10 @@ def test_four_nodes_actor_and_rollout_on_different_nodes(minicluster, tmp_path):
     assert list(stage.iterdir()) == []  # every task removed its copy
 
 
-def test_three_nodes_uneven_layout(minicluster, tmp_path):
-    # 3 x 2 GPUs: actor ranks on slots 0-2 (node A both GPUs + node B), engines on slots 3-4
-    run = tmp_path / "run"
+def test_three_nodes_uneven_layout_in_a_run_dir_with_any_characters(minicluster, tmp_path):
+    # 3 x 2 GPUs: actor ranks on slots 0-2 (node A both GPUs + node B), engines on slots 3-4.
+    # The run dir's name has a space, quotes and a command (issue 32, item 8): one word everywhere.
+    run = tmp_path / "run dir;$(touch pwned)'\""
     p = submit(
         run,
         "--nodes",
@@ -108,6 +109,7 @@ def test_three_nodes_uneven_layout(minicluster, tmp_path):
     log = job_log(run)
     assert "actor group: 3 rank(s)" in log and "Ray cluster ready: 3 nodes, 6 GPUs" in log
     assert (run / "FINISHED").is_file()
+    assert not (REPO / "pwned").exists() and not list(tmp_path.rglob("pwned"))  # the job's cwd is REPO
 
 
 def test_two_jobs_share_a_node(minicluster, tmp_path):

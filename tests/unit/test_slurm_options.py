@@ -1,6 +1,7 @@
 """Submission-side pieces that need no cluster: time formats, passthrough, ports, dry run."""
 
 import os
+import shlex
 import socket
 import subprocess
 import sys
@@ -98,6 +99,22 @@ def test_a_task_dir_another_user_made_first_is_refused_before_ray_starts(tmp_pat
         assert node.proc is None
     finally:
         subprocess.run(["rm", "-rf", str(node.temp_dir)], check=True)
+
+
+def test_the_scripts_paths_are_one_word_whatever_the_run_dir_holds(tmp_path):
+    run = tmp_path / "a b;$(touch pwned)'\"x"  # issue 32, item 8
+    p = subprocess.run(
+        [sys.executable, str(REPO / "jobs" / "submit.py"), "--dry-run", "--run-dir", str(run), "--nodes", "2"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    srun = next(line for line in p.stdout.splitlines() if line.startswith("srun "))
+    words = shlex.split(srun)
+    assert words[words.index("--output") + 1] == f"{run}/logs/submitit/%j_%t_log.out"
+    assert words[-1] == f"{run}/logs/submitit"
+    output = next(line for line in p.stdout.splitlines() if line.startswith("#SBATCH --output="))
+    assert shlex.split(output.removeprefix("#SBATCH --output=")) == [f"{run}/logs/submitit/%j_0_log.out"]
+    assert not run.exists() and not (tmp_path / "pwned").exists()
 
 
 def test_dry_run_prints_script_and_plan_and_writes_nothing(tmp_path):
