@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-from support.jobs import REPO, said, submit_slurm
+from support.jobs import said, submit_slurm
 
 from rlhpc.launch import slurm
 from rlhpc.launch.ray_cluster import RayPorts, block_index
