@@ -912,6 +912,39 @@ def validate(cfg: Config) -> None:
     if cfg.actor.backend == "megatron":
         _validate_megatron(cfg)
     _validate_engine_tp(cfg)
+    _validate_context(cfg)
+
+
+def _context_len(cfg: Config) -> int | None:
+    """The model's context length (``max_position_embeddings``), or None if unreadable."""
+    if cfg.model.tiny is not None:
+        return cfg.model.tiny.max_position_embeddings
+    try:
+        return int(json.loads((Path(cfg.model.path) / "config.json").read_text())["max_position_embeddings"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _validate_context(cfg: Config) -> None:
+    """Every request fits the model's context, as SGLang requires (prompt + max_new_tokens), so
+    no rollout is refused by the engines halfway through a run."""
+    context = _context_len(cfg)
+    if context is None:
+        return
+    prompt = cfg.data.max_prompt_tokens or 1
+    for key, new in (
+        ("rollout.max_new_tokens", cfg.rollout.max_new_tokens),
+        ("eval.max_new_tokens", cfg.eval.max_new_tokens),
+    ):
+        if new is not None and prompt + new > context:
+            with_prompt = f" + data.max_prompt_tokens = {prompt}" if cfg.data.max_prompt_tokens else " + a prompt token"
+            raise ConfigError(
+                f"{key} = {new}{with_prompt} exceeds the model's context length of {context} tokens: "
+                "the engines would refuse every request",
+                f"set {key} to at most {context - prompt}"
+                + (" or lower data.max_prompt_tokens" if cfg.data.max_prompt_tokens else "")
+                + ", or use a model with a longer context",
+            )
 
 
 def _model_shape(cfg: Config) -> tuple[int, int, int] | None:

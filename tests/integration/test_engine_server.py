@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import threading
 import time
@@ -17,7 +18,8 @@ from pathlib import Path
 import pytest
 import ray
 import torch
-from support.engines import engine_client, start_server, stop_server
+import urllib3
+from support.engines import KEYS, engine_client, start_server, stop_server
 
 from rlhpc.errors import RlhpcError
 from rlhpc.model import load_model, load_tokenizer
@@ -98,7 +100,8 @@ def test_generate_returns_sglang_shapes(client: EngineClient, model_path: str) -
     single = client.generate(input_ids=ids[0], sampling_params={"max_new_tokens": 2})
     assert isinstance(single, dict) and "output_token_logprobs" not in single["meta_info"]
     by_text = client.generate(text="1+1=", sampling_params={"max_new_tokens": 2, "temperature": 0})
-    assert isinstance(by_text, dict) and by_text["meta_info"]["prompt_tokens"] == 4
+    # text is encoded as SGLang's tokenizer manager does: the tokenizer's own special tokens added
+    assert isinstance(by_text, dict) and by_text["meta_info"]["prompt_tokens"] == len(tok("1+1=").input_ids) == 5
 
     n3 = client.generate(input_ids=ids[0], sampling_params={"max_new_tokens": 2, "n": 3})
     assert isinstance(n3, list) and len(n3) == 3
@@ -158,6 +161,44 @@ def test_bad_requests_fail_clearly(client: EngineClient) -> None:
         client.get_weights_by_name("no.such.weight")
     with pytest.raises(RlhpcError, match="unreachable"):
         EngineClient("http://127.0.0.1:9", timeout_s=2).get_weight_version()
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        ({"temperature": "nan"}, "temperature must be a number"),
+        ({"temperature": -1}, "temperature must be a non-negative finite number"),
+        ({"n": -5}, "n must be at least 1"),
+        ({"n": 10**9}, "more than the CPU engine takes at once"),
+        ({"max_new_tokens": 10**9}, "exceeds the model's maximum context length of 128 tokens"),
+        ({"max_new_tokens": 126}, "You requested a total of 129 tokens"),
+        ({}, "You requested a total of 131 tokens"),  # SGLang's default max_new_tokens, 128
+        ({"top_p": True}, "top_p must be a number"),
+        ({"stop_token_ids": "2"}, "stop_token_ids must be a list"),
+    ],
+)
+def test_requests_no_engine_could_serve_are_refused_as_sglang_does(client: EngineClient, params, message) -> None:
+    # Issue 32, items 6 and 10: SGLang refuses prompt + max_new_tokens over the context length
+    # (one request for 10^9 tokens once grew the engine to 8 GB and blocked every other).
+    with pytest.raises(RlhpcError, match=re.escape(message)):
+        client.generate(input_ids=[1, 5, 7], sampling_params={"max_new_tokens": 4, **params} if params else {})
+    assert len(client.generate(input_ids=[1, 5, 7], sampling_params={"max_new_tokens": 125})["output_ids"]) <= 125
+
+
+def test_garbage_to_any_route_is_a_400_and_the_engine_serves_on(model_path: str, tmp_path: Path) -> None:
+    # its own server: some garbage parses as a valid body (a release of all memory, a pause)
+    proc, url, _ = start_server(model_path, tmp_path, "garbage")
+    client = engine_client(url, timeout_s=60)
+    headers = {"Authorization": f"Bearer {KEYS[url]}", "Content-Type": "application/json"}
+    bodies = [b"garbage", b"[]", b"1", b'"x"', b"null", b'{"rid": {"a": 1}}', b'{"mode": 5}', b'{"tags": 7}']
+    try:
+        for route in sorted(set(Route.all().values()) - {Route.HEALTH_GENERATE}):
+            for body in bodies:
+                resp = urllib3.request("POST", url + route, body=body, headers=headers, timeout=30, retries=False)
+                assert resp.status < 500, (route, body, resp.status, resp.data[:200])
+        assert client.health()
+    finally:
+        stop_server(proc)
 
 
 def test_weight_updates_need_a_session_as_in_sglang(client: EngineClient) -> None:

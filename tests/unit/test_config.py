@@ -1,6 +1,7 @@
 """Config loading: types, unknown keys, cross-field checks; each error names key and fix."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -352,3 +353,21 @@ def test_dynamic_sampling_filter_and_sizes_are_checked():
     msg = error(["rollout.rollout_batch_size=8", "rollout.dynamic_sampling.over_sampling_batch_size=4"])
     assert "over_sampling_batch_size = 4 < rollout.rollout_batch_size = 8" in msg
     assert "must be >= 1" in error(["rollout.dynamic_sampling.max_rounds=0"])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ["rollout.max_new_tokens=100000"],
+            "rollout.max_new_tokens = 100000 + a prompt token exceeds the model's context",
+        ),
+        (["eval.max_new_tokens=128"], "at most 127"),
+        (["data.max_prompt_tokens=100", "rollout.max_new_tokens=40"], "lower data.max_prompt_tokens"),
+    ],
+)
+def test_requests_longer_than_the_models_context_are_refused_at_load(overrides, message):
+    # Issue 32, item 6: the tiny model's context is 128 tokens; SGLang refuses prompt + new > context.
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(None, TINY + overrides)
+    load_config(None, TINY + ["data.max_prompt_tokens=100", "rollout.max_new_tokens=28"])  # exactly fits

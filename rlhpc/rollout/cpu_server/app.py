@@ -23,7 +23,7 @@ import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import TypeAdapter
+from pydantic import TypeAdapter, ValidationError
 
 from rlhpc.rollout import protocol as P
 from rlhpc.rollout.cpu_server.engine import Engine
@@ -155,7 +155,10 @@ def build_app(engine: Engine, address: dict[str, Any], api_key: str | None = Non
     @app.post(Route.PAUSE_GENERATION)
     async def pause_generation(request: Request) -> JSONResponse:
         raw = await request.body()
-        req = _PAUSE.validate_json(raw) if raw.strip() else P.PauseGenerationReqInput()
+        try:
+            req = _PAUSE.validate_json(raw) if raw.strip() else P.PauseGenerationReqInput()
+        except ValidationError as e:  # a body that is no PauseGenerationReqInput: refused, as SGLang's 422
+            return error_response(f"invalid request to {Route.PAUSE_GENERATION}: {e.errors(include_url=False)}")
         if req.mode not in PAUSE_MODES:
             return error_response(f"unknown pause mode {req.mode!r}")
         engine.pause_mode = req.mode

@@ -7,6 +7,7 @@ it supports (the rest are refused, not ignored).
 
 from __future__ import annotations
 
+import math
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ USED = frozenset(
 HARMLESS = frozenset({"n", "spaces_between_special_tokens", "stream_interval", "custom_params"})
 _ACCEPTED = USED | HARMLESS
 
+MAX_ROWS = 1 << 16  # rows of one /generate (a rollout: a few thousand): a typo in n must not eat the node
 _UNSUPPORTED_INPUTS = ("input_embeds", "image_data", "video_data", "audio_data", "lora_path")
 
 
@@ -112,23 +114,29 @@ def normalize_generate(
     if isinstance(params, list):
         if not params or not all(isinstance(p, dict) for p in params):
             raise EngineError("sampling_params must be a dict or a list of dicts")
-        ns = {int(p.get("n") or 1) for p in params}
+        ns = {_number(p, "n", 1, int) for p in params}
         if len(ns) != 1:
             raise EngineError("The parallel_sample_num should be the same for all samples in sample params.")
         n = ns.pop()
     elif isinstance(params, dict):
-        n = int(params.get("n") or 1)
+        n = _number(params, "n", 1, int)
     else:
         raise EngineError("sampling_params must be a dict or a list of dicts")
+    if n < 1:
+        raise EngineError(f"n must be at least 1, got {n}")
     if n > 1 and single:
         single = False
     num = batch_size * n
+    if num > MAX_ROWS:
+        raise EngineError(f"a batch of {num} rows (prompts x n) is more than the CPU engine takes at once ({MAX_ROWS})")
     # SGLang repeats the whole batch n times: [p0, p1, p0, p1, ...]
     prompts = prompts * n
     param_list = [params] * num if isinstance(params, dict) else _per_item(params, batch_size, "sampling_params") * n
     logprob_flags = _per_item(body.get("return_logprob") or False, batch_size, "return_logprob") * n
 
     rid = body.get("rid")
+    if not (rid is None or isinstance(rid, str) or (isinstance(rid, list) and all(isinstance(r, str) for r in rid))):
+        raise EngineError(f"rid must be a string or a list of strings, got {type(rid).__name__}")
     if single:
         rids = [rid if isinstance(rid, str) else uuid.uuid4().hex]
     elif rid is None:  # unique as SGLang's uuid4 per row; one uuid per request is cheaper (256 rows: 0.5 ms)
@@ -152,23 +160,36 @@ def _item(rid: str, prompt: list[int], sp: dict[str, Any], return_logprob: bool,
                 raise EngineError(f"sampling param {key}={value!r} is not supported by the CPU engine")
             continue
         raise EngineError(f"unknown sampling param {key!r}")
-    temperature = 1.0 if sp.get("temperature") is None else float(sp["temperature"])
-    top_p = 1.0 if sp.get("top_p") is None else float(sp["top_p"])
-    top_k = -1 if sp.get("top_k") is None else int(sp["top_k"])
-    if temperature < 0 or not 0 < top_p <= 1:
-        raise EngineError(f"bad sampling params: temperature={temperature}, top_p={top_p}")
+    temperature = _number(sp, "temperature", 1.0, float)
+    top_p = _number(sp, "top_p", 1.0, float)
+    top_k = _number(sp, "top_k", -1, int)
+    if not math.isfinite(temperature) or temperature < 0:  # SGLang's words (SamplingParams.verify)
+        raise EngineError(f"temperature must be a non-negative finite number, got {temperature}.")
+    if not 0 < top_p <= 1:
+        raise EngineError(f"top_p must be in (0, 1], got {top_p}.")
     if top_k == 1 or temperature < 1e-6:  # SGLang: both mean greedy
         temperature = 0.0
     elif top_k not in (-1, TOP_K_ALL):
         raise EngineError(f"top_k={top_k} is not supported by the CPU engine (only -1 or 1)")
     room = limits.context_len - len(prompt)
-    max_new = sp.get("max_new_tokens", 128)
-    max_new = room if max_new is None else int(max_new)
+    max_new = (
+        room if "max_new_tokens" in sp and sp["max_new_tokens"] is None else _number(sp, "max_new_tokens", 128, int)
+    )
     if max_new < 0:
-        raise EngineError(f"max_new_tokens must be at least 0, got {max_new}")
+        raise EngineError(f"max_new_tokens must be at least 0, got {max_new}.")
+    if max_new > room:  # SGLang's check and words (TokenizerManager._validate_one_request)
+        raise EngineError(
+            f"Requested token count exceeds the model's maximum context length of {limits.context_len} tokens. "
+            f"You requested a total of {len(prompt) + max_new} tokens: {len(prompt)} tokens from the input messages "
+            f"and {max_new} tokens for the completion. Please reduce the number of tokens in the input messages or "
+            "the completion to fit within the limit."
+        )
     stops = set() if sp.get("ignore_eos") else set(limits.eos_ids)
-    stops.update(int(t) for t in sp.get("stop_token_ids") or ())
-    seed = sp.get("sampling_seed")
+    stop_ids = sp.get("stop_token_ids") or []
+    if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
+        raise EngineError(f"stop_token_ids must be a list of token ids, got {stop_ids!r}")
+    stops.update(stop_ids)
+    seed = _number(sp, "sampling_seed", None, int)
     return Item(
         rid=rid,
         prompt=prompt,
@@ -181,6 +202,16 @@ def _item(rid: str, prompt: list[int], sp: dict[str, Any], return_logprob: bool,
         skip_special_tokens=sp.get("skip_special_tokens", True) is not False,
         no_stop_trim=bool(sp.get("no_stop_trim")),
     )
+
+
+def _number(sp: dict[str, Any], key: str, default: Any, kind: type) -> Any:
+    """A numeric sampling param: JSON numbers only (``"nan"`` or ``true`` is refused, not coerced)."""
+    value = sp.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
+        raise EngineError(f"sampling param {key} must be a{'n integer' if kind is int else ' number'}, got {value!r}")
+    return kind(value)
 
 
 def check_tags(tags: list[str] | None) -> list[str]:
