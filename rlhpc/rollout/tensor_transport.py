@@ -283,12 +283,53 @@ _REFUSED_GLOBALS = {
 _CUDA_GLOBAL = ("torch.multiprocessing.reductions", "rebuild_cuda_tensor")
 
 
-class TensorUnpickler(pickle.Unpickler):
+# What a payload may call (REDUCE) and set state on (BUILD): finding a class is not calling it
+# (``UntypedStorage(10**12)`` would allocate a terabyte), and a BUILD on a class found by name is
+# a process-wide setattr (measured: one request broke every later weight push). As torch's
+# ``weights_only`` unpickler, the pure-Python Unpickler with those two opcodes checked: the
+# tensors' bytes travel in shared memory, so a payload is a few hundred bytes a tensor.
+_CALLABLE = {
+    ("torch.multiprocessing.reductions", "rebuild_tensor"),
+    ("torch.multiprocessing.reductions", "rebuild_typed_storage"),
+    ("torch.multiprocessing.reductions", "rebuild_storage_filename"),
+    ("torch.multiprocessing.reductions", "rebuild_storage_empty"),
+    ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"),
+    ("torch", "Size"),
+    ("types", "SimpleNamespace"),
+}
+_STATE_SETTABLE = (SimpleNamespace,)
+
+
+class TensorUnpickler(pickle._Unpickler):
     """Unpickles named tensors and nothing else; ``allow_cuda`` lets CUDA IPC handles through."""
+
+    dispatch = dict(pickle._Unpickler.dispatch)
 
     def __init__(self, file: io.BytesIO, allow_cuda: bool):
         super().__init__(file)
         self.allow_cuda = allow_cuda
+
+    def load_reduce(self) -> None:
+        func = self.stack[-2]
+        if (getattr(func, "__module__", None), getattr(func, "__qualname__", None)) not in _CALLABLE:
+            raise TensorPayloadError(f"refusing to call {getattr(func, '__qualname__', func)!r} from a weight payload")
+        pickle._Unpickler.load_reduce(self)
+
+    def load_build(self) -> None:
+        target = self.stack[-2]
+        if type(target) not in _STATE_SETTABLE:
+            raise TensorPayloadError(f"refusing to set state on {type(target).__name__} from a weight payload")
+        pickle._Unpickler.load_build(self)
+
+    def load_newobj(self) -> None:
+        raise TensorPayloadError("refusing NEWOBJ in a weight payload: objects are built by their rebuild functions")
+
+    dispatch[pickle.REDUCE[0]] = load_reduce
+    dispatch[pickle.BUILD[0]] = load_build
+    dispatch[pickle.NEWOBJ[0]] = load_newobj
+    dispatch[pickle.NEWOBJ_EX[0]] = load_newobj
+    dispatch[pickle.INST[0]] = load_newobj
+    dispatch[pickle.OBJ[0]] = load_newobj
 
     def find_class(self, module: str, name: str) -> Any:
         if (

@@ -608,6 +608,37 @@ def test_serialized_tensors_round_trip_in_process() -> None:
         deserialize_named_tensors("not base64!")
 
 
+def test_a_payload_can_neither_call_nor_set_state_on_what_it_names() -> None:
+    # Issue 32, item 5: BUILD on a class found by name was a process-wide setattr (every later
+    # push failed), and REDUCE on an allowed class a call with any arguments.
+    build = b"ctorch.storage\nUntypedStorage\nN}X\x04\x00\x00\x00evilK\x01s\x86b."
+    with pytest.raises(TensorPayloadError, match="refusing to set state on type"):
+        TensorUnpickler(io.BytesIO(build), allow_cuda=False).load()
+    assert not hasattr(torch.storage.UntypedStorage, "evil")
+    call = b"ctorch.storage\nUntypedStorage\nJ\x00\x00\x10\x00\x85R."  # UntypedStorage(2**20)
+    with pytest.raises(TensorPayloadError, match="refusing to call 'UntypedStorage'"):
+        TensorUnpickler(io.BytesIO(call), allow_cuda=False).load()
+    newobj = b"\x80\x02ctorch\nTensor\n)\x81."
+    with pytest.raises(TensorPayloadError, match="NEWOBJ"):
+        TensorUnpickler(io.BytesIO(newobj), allow_cuda=False).load()
+
+
+@pytest.mark.parametrize(
+    ("tensor", "why"),
+    [(torch.ones(64, dtype=torch.int64), "dtype torch.int64"), (torch.full((64,), float("nan")), "NaN or infinite")],
+)
+def test_weights_no_model_could_hold_are_refused_and_the_old_ones_kept(
+    engines: list[EngineClient], tensor, why
+) -> None:
+    c = engines[0]
+    before = c.get_weights_by_name("model.norm.weight", truncate_size=4)
+    shape = torch.Size(before and [len(c.get_weights_by_name("model.norm.weight", truncate_size=10**6))])
+    payload, _ = serialize_named_tensors([("model.norm.weight", tensor[: shape[0]])])
+    with pytest.raises(RlhpcError, match=re.escape(why)), update_session(c):
+        c.update_weights_from_tensor(P.UpdateWeightsFromTensorReqInput(serialized_named_tensors=[payload]))
+    assert c.get_weights_by_name("model.norm.weight", truncate_size=4) == before
+
+
 def test_cpu_engine_refuses_nccl(engines: list[EngineClient]) -> None:
     with pytest.raises(RlhpcError, match="'nccl' needs an engine on CUDA"):
         engines[0].init_weights_update_group(

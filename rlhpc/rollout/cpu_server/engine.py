@@ -259,6 +259,10 @@ class Engine:
                 problems.append(f"unknown parameter {name!r}")
             elif tuple(t.shape) != tuple(p.shape):
                 problems.append(f"{name}: shape {tuple(t.shape)} != engine's {tuple(p.shape)}")
+            elif t.dtype.is_floating_point != p.dtype.is_floating_point or t.is_complex():
+                problems.append(f"{name}: dtype {t.dtype} for the engine's {p.dtype}")  # int64 weights are a bug
+            elif t.dtype.is_floating_point and not bool(torch.isfinite(t).all()):
+                problems.append(f"{name}: holds NaN or infinite values")  # a diverged trainer: refused, named
         if problems:
             raise EngineError(f"{len(problems)} bad tensor(s): " + "; ".join(problems[:5]))
         with self.model_lock:
