@@ -95,8 +95,22 @@ class Owner:
 
     @classmethod
     def from_json(cls, text: str) -> Owner:
+        """ValueError for anything we did not write: not an object, an unknown kind, wrong types,
+        or a pid no job of ours can have (pid 1, init, would lock the run dir for good)."""
         d = json.loads(text)
-        return cls(d["kind"], d.get("job_id"), d.get("host"), d.get("pid"), d.get("started"))
+        if not isinstance(d, dict) or d.get("kind") not in (SLURM, LOCAL, SUBMITTING):
+            raise ValueError(f"not an owner record: {text[:200]!r}")
+        owner = cls(d["kind"], d.get("job_id"), d.get("host"), d.get("pid"), d.get("started"))
+        if owner.kind == SLURM:
+            if not isinstance(owner.job_id, str) or not owner.job_id:
+                raise ValueError(f"a Slurm owner record without a job id: {text[:200]!r}")
+        elif not (
+            isinstance(owner.pid, int) and not isinstance(owner.pid, bool) and owner.pid > 1
+            and isinstance(owner.host, str)
+            and isinstance(owner.started, (int, float)) and not isinstance(owner.started, bool)
+        ):  # fmt: skip
+            raise ValueError(f"a process owner record without a valid pid, host and start: {text[:200]!r}")
+        return owner
 
 
 @dataclass(frozen=True)
@@ -122,6 +136,8 @@ def liveness(owner: Owner) -> Liveness:
         proc = psutil.Process(owner.pid)
         if abs(process_started(owner.pid) - (owner.started or 0)) > 1 or proc.status() == psutil.STATUS_ZOMBIE:
             return Liveness(False, "its process has ended")
+        if proc.uids().real != os.getuid():  # no job of ours runs as another user: a reused or forged pid
+            return Liveness(False, f"pid {owner.pid} is another user's process, not this run's job")
     except psutil.NoSuchProcess:
         return Liveness(False, "its process has ended")
     return Liveness(True, "running")

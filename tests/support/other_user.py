@@ -11,9 +11,11 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
 UID = 65534  # nobody
@@ -49,3 +51,16 @@ def shared_tmp_dir() -> Iterator[Path]:
         yield root
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def run_as_other_user_in_background(code: str) -> subprocess.Popen:
+    """Python ``code`` as the other user, left running (the caller kills it); returns once the
+    process runs as that user (setpriv switches before it execs)."""
+    require_second_user()
+    cmd = ["setpriv", f"--reuid={UID}", f"--regid={UID}", "--clear-groups", "/usr/bin/python3", "-c", code]
+    proc = subprocess.Popen(cmd, cwd="/")
+    deadline = time.monotonic() + 10
+    while psutil.Process(proc.pid).uids().real != UID:
+        assert time.monotonic() < deadline and proc.poll() is None, "the other user's process did not start"
+        time.sleep(0.01)
+    return proc

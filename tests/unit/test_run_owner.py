@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from support.other_user import run_as_other_user_in_background
 
 from rlhpc.errors import RunDirError
 from rlhpc.launch import run_owner, slurm
@@ -119,3 +120,45 @@ def test_an_owner_is_still_itself_after_the_wall_clock_moved(tmp_path, sleeper, 
     assert again.same_as(first)
     run_owner.claim(run, again)  # the owner itself: welcome, not refused as another job
     assert run_owner.liveness(first).alive is True
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "[]",
+        '"local"',
+        '{"kind": "local", "pid": "abc", "host": "h", "started": 1}',
+        '{"kind": "local", "pid": null, "host": "h", "started": 1}',
+        '{"kind": "slurm", "job_id": 5}',
+        '{"kind": "root"}',
+    ],
+)
+def test_an_owner_file_we_did_not_write_is_stale_not_a_traceback(tmp_path, text):
+    # Issue 32, item 9. (pid null once read as psutil.Process(None): this very process, alive.)
+    run = RunDir(tmp_path / "run")
+    run.path.mkdir()
+    run.owner_file.write_text(text)
+    assert run_owner.read(run).kind == "unreadable"
+    run_owner.check_free(run)
+    run_owner.claim(run, Owner.submitter())
+
+
+def test_a_forged_owner_naming_init_does_not_lock_the_run_dir(tmp_path):
+    run = RunDir(tmp_path / "run")
+    run.path.mkdir()
+    init = Owner.process(1, "local", job_id="1")  # its true start time: only the pid is forged
+    run.owner_file.write_text(init.to_json())
+    run_owner.claim(run, Owner.submitter())
+
+
+def test_another_users_process_is_not_the_owner(tmp_path):
+    other = run_as_other_user_in_background("import time; time.sleep(60)")
+    try:
+        run = RunDir(tmp_path / "run")
+        run.path.mkdir()
+        run.owner_file.write_text(Owner.local_job(other.pid).to_json())
+        assert run_owner.liveness(run_owner.read(run)).alive is False
+        run_owner.claim(run, Owner.submitter())
+    finally:
+        other.kill()
+        other.wait()
