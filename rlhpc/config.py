@@ -625,6 +625,9 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     seed: int = 1234
     deterministic: bool = False  # reruns and resumed runs give bit-identical weights (CPU)
+    # Who may read the run dir (checkpoints, dumps, logs, keys): "private", this user only (dirs
+    # 0700, files 0600), or "group", readable by the user's group too (0750/0640; keys stay 0600).
+    run_dir_access: Literal["private", "group"] = "private"
 
     @property
     def kl_needed(self) -> bool:

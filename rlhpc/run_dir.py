@@ -45,7 +45,7 @@ import yaml
 
 from rlhpc.config import Config, config_from_dict, config_to_dict, dump_config
 from rlhpc.errors import RunDirError
-from rlhpc.util.files import write_atomic
+from rlhpc.util.files import apply_access, write_atomic
 
 # Changing these between submissions of the same run keeps a resume meaningful.
 RESUMABLE_CHANGES = (
@@ -215,10 +215,12 @@ class RunDir:
                     "pass a new --run-dir, or --force to resume this run under the new config",
                 )
 
-    def create(self) -> None:
-        """Make the directory, or say plainly why it cannot be written."""
+    def create(self, access: str = "private") -> None:
+        """Make the directory (``Config.run_dir_access``: private or group-readable, and so is
+        everything made in it from here on), or say plainly why it cannot be written."""
         try:
             self.path.mkdir(parents=True, exist_ok=True)
+            apply_access(self.path, access)
             probe = self.path / f".write-test-{os.getpid()}"
             probe.write_text("")
             probe.unlink()
@@ -230,7 +232,7 @@ class RunDir:
     def prepare(self, cfg: Config, force: bool = False) -> None:
         """Create or re-open the run dir for ``cfg``. Refuses what would lose or mix results."""
         self.check(cfg, force)
-        self.create()
+        self.create(cfg.run_dir_access)
         write_atomic(self.config_file, dump_config(cfg))
         from rlhpc.cluster.layout import describe_layout, plan_layout
 

@@ -12,9 +12,10 @@ import json
 from pathlib import Path
 
 from rlhpc.checkpoint import CheckpointManager
+from rlhpc.errors import RlhpcError
 from rlhpc.launch import slurm
 from rlhpc.launch.startup import read_startup
-from rlhpc.metrics import read_metrics
+from rlhpc.metrics import MetricsFileCorrupt, read_metrics
 from rlhpc.run_dir import RunDir, SweepDir
 
 
@@ -22,8 +23,16 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("target", help="run dir or Slurm job id")
     args = p.parse_args(argv)
+    try:
+        return show(args.target)
+    except RlhpcError as e:
+        print(f"error: {e}")
+        return 2
 
-    target = Path(args.target)
+
+def show(target_arg: str) -> int:
+    """Print where the run ``target_arg`` (a run dir or a Slurm job id) stands; the exit status."""
+    target = Path(target_arg)
     if SweepDir.is_sweep(target):
         print_sweep(SweepDir(target))
         return 0
@@ -31,8 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     if target.is_dir():
         run = RunDir(target)
         job_id = run.read_job_id()
-    elif args.target.replace("_", "").isdigit():
-        job_id = args.target
+    elif target_arg.replace("_", "").isdigit():
+        job_id = target_arg
         info = slurm.show_job(job_id)
         # submitit writes task logs to RUN_DIR/logs/submitit/, so StdOut names the run dir.
         run = RunDir.from_submitit_log(info.get("StdOut", "")) if info else None
@@ -40,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: Slurm does not know job {job_id} (finished long ago?)\n  fix: pass the run dir instead")
             return 2
     else:
-        print(f"error: {args.target} is neither a run dir nor a job id\n  fix: pass e.g. runs/embedded or 4242")
+        print(f"error: {target_arg} is neither a run dir nor a job id\n  fix: pass e.g. runs/embedded or 4242")
         return 2
 
     print(f"run dir      {run}")
@@ -60,7 +69,13 @@ def main(argv: list[str] | None = None) -> int:
         print(line)
     ck = CheckpointManager(run.checkpoints, keep_last=2).latest(content=False) if run.checkpoints.is_dir() else None
     print(f"checkpoint   {ck.path.name + f' (next rollout {ck.next_rollout_id})' if ck else 'none yet'}")
-    records = read_metrics(run)
+    try:
+        records = read_metrics(run)
+    except MetricsFileCorrupt as e:  # the rest of the status still helps: shown, and the problem named
+        print(f"last metrics unreadable: {e.problem}\n  fix: {e.fix}")
+        records, code = [], 1
+    else:
+        code = 0
     if records:
         last = records[-1]
         shown = {k: round(v, 4) if isinstance(v, float) else v for k, v in last.items() if not k.startswith("time/")}
@@ -77,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"starts       {len(starts)} (the last at {starts[-1].get('time', '?')}, from rollout {starts[-1].get('next_rollout_id', '?')})"
         )
-    return 0
+    return code
 
 
 def task_row(run: RunDir) -> dict[str, str]:
@@ -94,7 +109,10 @@ def task_row(run: RunDir) -> dict[str, str]:
         state = info.get("JobState", "?") + (" (held)" if slurm.hold_reason(info) else "")
     else:
         state = "not running" if job_id else "not started"
-    records = read_metrics(run) if run.metrics_file.is_file() else []
+    try:
+        records = read_metrics(run) if run.metrics_file.is_file() else []
+    except MetricsFileCorrupt:
+        records, state = [], f"{state} (metrics.jsonl corrupt)"
     trained = [r["rollout_id"] for r in records if r["kind"] == "rollout"]
     evals = [r for r in records if r["kind"] == "eval"]
     return {

@@ -184,7 +184,9 @@ def main(argv: list[str] | None = None) -> int:
             log.warning("%s", idle)
         if sweeps:
             return _sweep(args, overrides, sweeps, opts, Path(run_dir))
-        if args.dry_run:
+        if args.dry_run:  # the run dir's checks too: a preview of a submission that would be refused is none
+            RunDir(run_dir).check(cfg, force=args.force)
+            run_owner.check_free(RunDir(run_dir))
             print(dry_run(cfg, Path(run_dir).resolve(), opts), end="")
             return 0
         cluster = choose_cluster(args.cluster)

@@ -36,7 +36,7 @@ from rlhpc.launch.staging import NOT_STAGED, Staged
 from rlhpc.launch.startup import StartupClock
 from rlhpc.logs import setup_logging
 from rlhpc.run_dir import JobRayState, RunDir
-from rlhpc.util.files import NODE_TMP_ENV, private_dir, ray_temp_dir
+from rlhpc.util.files import NODE_TMP_ENV, apply_access, private_dir, ray_temp_dir
 from rlhpc.util.secrets import write_secret
 
 log = logging.getLogger(__name__)
@@ -315,6 +315,7 @@ class TrainJob:
         began = time.monotonic()  # the start-up clock's origin: every start pays what follows
         run = RunDir(self.run_dir)
         cfg = run.load_config()
+        apply_access(run.path, cfg.run_dir_access)  # on every node: Slurm's umask is the submitter's shell's
         console = setup_logging(cfg.logging.level)
         env = submitit.JobEnvironment()
         job_id = slurm.own_job_id(str(env.job_id))  # an array task: 77_3, as the run dir's owner names it

@@ -19,6 +19,17 @@ from rlhpc.errors import RlhpcError
 NODE_TMP_ENV = "RLHPC_NODE_TMP"
 
 
+UMASKS = {"private": 0o077, "group": 0o027}  # Config.run_dir_access -> what every file of the run gets
+
+
+def apply_access(run_dir: Path, access: str) -> None:
+    """Every file this process (and what it starts) makes from here on, and the run dir itself,
+    as ``access`` says: the run's data is the user's, private unless shared with the group."""
+    os.umask(UMASKS[access])
+    if os.path.isdir(run_dir):
+        os.chmod(run_dir, 0o777 & ~UMASKS[access])  # a run dir of an earlier start, or made by the user
+
+
 def fsync_dir(path: Path) -> None:
     """Make a rename or a new file inside ``path`` durable."""
     fd = os.open(path, os.O_RDONLY)

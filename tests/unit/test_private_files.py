@@ -12,7 +12,7 @@ import pytest
 from support.other_user import make_as_other_user, run_as_other_user, shared_tmp_dir
 
 from rlhpc.errors import RlhpcError
-from rlhpc.util.files import private_dir, read_trusted_json
+from rlhpc.util.files import apply_access, private_dir, read_trusted_json
 
 
 @pytest.fixture
@@ -78,3 +78,18 @@ def test_a_ready_file_not_naming_our_process_or_not_ours_is_refused(tmp_path: Pa
     assert out.returncode == 0, out.stderr
     with pytest.raises(RlhpcError, match="another user wrote it"):
         read_trusted_json(planted, pid=123)
+
+
+def test_run_dir_access_private_or_shared_with_the_group(tmp_path: Path) -> None:
+    old = os.umask(0o022)
+    try:
+        for access, dir_mode, file_mode in (("private", 0o700, 0o600), ("group", 0o750, 0o640)):
+            run = tmp_path / access
+            run.mkdir(mode=0o755)
+            apply_access(run, access)
+            (run / "ckpt").mkdir()
+            (run / "ckpt" / "state.pt").write_bytes(b"x")
+            assert stat.S_IMODE(run.stat().st_mode) == dir_mode == stat.S_IMODE((run / "ckpt").stat().st_mode)
+            assert stat.S_IMODE((run / "ckpt" / "state.pt").stat().st_mode) == file_mode
+    finally:
+        os.umask(old)
