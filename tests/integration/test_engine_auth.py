@@ -3,16 +3,20 @@ item 1)."""
 
 from __future__ import annotations
 
+import socket
 import stat
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 import urllib3
 from support.engines import engine_client, key_file, start_server, stop_server
 from support.jobs import REPO, job_args, submit
 
+from rlhpc.rollout.cpu_server.guard import MAX_PENDING
 from rlhpc.rollout.cpu_server.server import parse_args
 from rlhpc.rollout.protocol import Route
 
@@ -91,3 +95,39 @@ def test_a_finished_local_job_keeps_its_keys_out_of_every_log(tmp_path: Path) ->
     wide = {str(f.relative_to(run)): oct(stat.S_IMODE(f.lstat().st_mode)) for f in [run, *run.rglob("*")]
             if not f.is_symlink() and stat.S_IMODE(f.lstat().st_mode) & 0o077}  # fmt: skip
     assert not wide, wide
+
+
+def test_half_sent_requests_are_bounded_and_timed_out_and_keyless_callers_keep_no_connection(
+    model_path: str, tmp_path: Path
+) -> None:
+    # Issue 32, item 4: 20,000 connections holding half a GET /health once exhausted the engine's
+    # file descriptors. Now at most MAX_PENDING are open at once, each for header_timeout_s.
+    proc, url, _ = start_server(model_path, tmp_path, "flooded", ["--header-timeout-s", "3"])
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    flood: list[socket.socket] = []
+    try:
+        for _ in range(MAX_PENDING + 300):
+            s = socket.create_connection((host, int(port)), timeout=10)
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: engine\r\n")  # and never the blank line
+            flood.append(s)
+        client = engine_client(url, timeout_s=30)  # a new connection, with its headers at once
+        assert client.get_weight_version() == "default"
+        held = [c for c in psutil.Process(proc.pid).net_connections("tcp") if c.status == psutil.CONN_ESTABLISHED]
+        assert len(held) <= MAX_PENDING + 2, len(held)  # + the client's own
+        deadline = time.monotonic() + 20
+        for s in flood:  # every half-sent one is closed: the cap's oldest at once, the rest after 3 s
+            s.settimeout(max(0.1, deadline - time.monotonic()))
+            assert s.recv(1) == b""
+        assert client.get_weight_version() == "default"  # the client's kept connection was never pending
+
+        keyless = socket.create_connection((host, int(port)), timeout=10)
+        keyless.sendall(b"GET /get_model_info HTTP/1.1\r\nHost: engine\r\n\r\n")
+        answer = b""
+        while chunk := keyless.recv(65536):  # read to EOF: the server closes after its 401
+            answer += chunk
+        assert answer.startswith(b"HTTP/1.1 401") and b"connection: close" in answer.lower()
+        keyless.close()
+    finally:
+        for s in flood:
+            s.close()
+        stop_server(proc)

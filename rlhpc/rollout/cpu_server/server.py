@@ -22,6 +22,7 @@ import uvloop
 
 from rlhpc.rollout.cpu_server.app import build_app
 from rlhpc.rollout.cpu_server.engine import Engine
+from rlhpc.rollout.cpu_server.guard import HEADER_TIMEOUT_S, guarded_protocol
 from rlhpc.rollout.engine_key import read_key
 from rlhpc.util.files import write_atomic
 
@@ -77,6 +78,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: the model on cuda:0")
     p.add_argument("--log-level", default="INFO")
     p.add_argument(
+        "--header-timeout-s", type=float, default=HEADER_TIMEOUT_S,
+        help="a connection that has not sent its first request's headers by then is closed",
+    )  # fmt: skip
+    p.add_argument(
         "--api-key-file",
         type=Path,
         help="a file holding the key every request must carry (Authorization: Bearer KEY); required unless "
@@ -116,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     # with h11 and asyncio's own loop, and a push or a rollout is a few of them.
     config = uvicorn.Config(
         app, log_level="warning", access_log=False, timeout_graceful_shutdown=3, lifespan="off",
-        timeout_keep_alive=300, http="httptools",
+        timeout_keep_alive=300, http=guarded_protocol(args.header_timeout_s),
     )  # fmt: skip
     server = uvicorn.Server(config)
     if args.parent_pid:
