@@ -63,4 +63,4 @@ def guarded_protocol(header_timeout_s: float = HEADER_TIMEOUT_S, max_pending: in
 
 
 def _peer(client: Any) -> str:
-    return "%s:%d" % client if client else "?"
+    return f"{client[0]}:{client[1]}" if client else "?"
