@@ -39,6 +39,7 @@ import shutil
 import tempfile
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
@@ -68,6 +69,26 @@ COLOCATED_ENGINE_GPU = 0.2
 # How often generation in flight asks Ray whether an engine's node died: a request to a node that
 # lost power gets no answer at all (no refused connection), only Ray's health checks notice.
 NODE_CHECK_S = 2.0
+SILENT_S = 60.0  # no request answered for this long: the engines still waited on are named in the log
+
+
+class Silence:
+    """How long a send has had no answer; due once per ``SILENT_S`` of it."""
+
+    def __init__(self, now: float):
+        self.since = self.warned = now
+
+    def answered(self) -> None:
+        self.since = self.warned = time.monotonic()
+
+    def for_s(self) -> float:
+        return time.monotonic() - self.since
+
+    def due(self) -> bool:
+        if time.monotonic() - self.warned < SILENT_S:
+            return False
+        self.warned = time.monotonic()
+        return True
 
 
 class NodeLost(RlhpcError):
@@ -317,6 +338,26 @@ class EnginePool:
         self.ensure_engines()
         return self.send(requests, done)
 
+    def _name_the_silent(self, silent: Silence, waiting_on: list[EngineClient]) -> None:
+        """A warning naming who has not answered a request for ``SILENT_S`` and more (once per
+        ``SILENT_S``) nor its /health now, with their logs, long before the client's read timeout
+        ends the wait. A long generation answers /health meanwhile: it is not named."""
+        distinct = list({c.base_url: c for c in waiting_on}.values())
+        mute = {
+            c.base_url for c, ok in zip(distinct, self._health_threads.map(lambda c: c.health(), distinct)) if not ok
+        }
+        if not mute:
+            return
+        counts = Counter(c.base_url for c in waiting_on if c.base_url in mute)
+        logs = dict(zip((c.base_url for c in self.clients), getattr(self, "engine_logs", [])))
+        named = ", ".join(
+            f"{url} ({n} request(s){f', log {logs[url]}' if url in logs else ''})" for url, n in sorted(counts.items())
+        )
+        log.warning(
+            "no answer for %.0f s from %s: stopped (SIGSTOP), hung or out of memory? the wait ends at the "
+            "client's %.0f s timeout", silent.for_s(), named, max(c.timeout_s for c in waiting_on),
+        )  # fmt: skip
+
     def _targets(self) -> list[EngineClient]:
         """Where requests go: the router, or the engines not marked down."""
         if self.router_client is not None and not self.down and not self._router_down:
@@ -344,8 +385,13 @@ class EnginePool:
             error: EngineUnavailable | None = None
             lost_before = len(self.lost)
             waiting, checked = set(futures), time.monotonic()
+            silent = Silence(time.monotonic())
             while waiting:
                 finished, waiting = wait(waiting, timeout=NODE_CHECK_S, return_when=FIRST_COMPLETED)
+                if finished:
+                    silent.answered()
+                elif silent.due():  # an engine stopped (SIGSTOP), hung or swapping answers nothing, says nothing
+                    self._name_the_silent(silent, [targets[futures[f] % len(targets)] for f in waiting])
                 for fut in finished:
                     if self.stop is not None and self.stop.requested:
                         self._abort(futures)

@@ -5,6 +5,7 @@ restart limit."""
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -21,13 +22,14 @@ from rlhpc.rollout.generation import MAX_SAMPLES_PER_REQUEST, Request, rows_per_
 class FakeClient:
     def __init__(self, name: str):
         self.base_url, self.alive, self.served = f"http://{name}", True, []
+        self.timeout_s = 600.0
         self.health_checks = 0
         self.powered = threading.Event()  # cleared: the node lost power, requests get no answer at all
         self.powered.set()
 
     def health(self) -> bool:
         self.health_checks += 1
-        return self.alive
+        return self.alive and self.powered.is_set()
 
     def generate(self, *, input_ids, sampling_params, return_logprob) -> list[dict]:
         self.powered.wait()
@@ -287,3 +289,27 @@ def test_a_batch_is_spread_over_the_configured_engines_in_bounded_requests():
     assert rows_per_request(1000, 8, 2) == cap_rows  # bounded: several requests per engine
     assert rows_per_request(3, 1000, 1) == 1  # a row has more samples than the cap: one row
     assert rows_per_request(2, 8, 16) == 1  # more engines than rows
+
+
+def test_an_engine_that_answers_nothing_is_named_long_before_the_read_timeout(monkeypatch, caplog):
+    # Issue 32, item 14: an engine stopped with SIGSTOP hung the job silently for 600 s.
+    monkeypatch.setattr(engine_pool, "SILENT_S", 0.5)
+    monkeypatch.setattr(engine_pool, "NODE_CHECK_S", 0.2)
+    pool = bare_pool(2)
+    pool.engine_logs = ["/logs/engine_0.log", "/logs/engine_1.log"]
+    pool.clients[1].powered.clear()  # answers nothing, refuses nothing, not even /health
+    slow = pool.clients[0].generate
+    pool.clients[0].generate = lambda **kw: (time.sleep(1.5), slow(**kw))[1]  # slow, but its /health answers
+    out: list = []
+    sender = threading.Thread(target=lambda: out.extend(pool.send(requests(4))))
+    sender.start()
+    try:
+        deadline = time.monotonic() + 10
+        while "no answer for" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        pool.clients[1].powered.set()
+        sender.join(10)
+    line = next(r.getMessage() for r in caplog.records if "no answer for" in r.getMessage())
+    assert "http://e1 (2 request(s), log /logs/engine_1.log)" in line and "http://e0" not in line
+    assert "600 s timeout" in line and len(out) == 4
