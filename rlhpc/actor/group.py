@@ -44,6 +44,8 @@ WAIT_SLICE_S = 1.0
 # After a stop request a call gets this much longer: a healthy train step and its save fit in it,
 # and a hung rank still leaves time to requeue within Slurm's default warning (--signal-grace 120).
 STOP_WAIT_S = 60.0
+# A rank that raised waits this long for a peer's death to show (see ``ActorGroup._root_cause``).
+PEER_DEATH_GRACE_S = 10.0
 
 
 class ActorRankError(RlhpcError):
@@ -150,9 +152,37 @@ class ActorGroup:
             rank = rank_of[ready[0]]
             try:
                 results[rank] = ray.get(ready[0])
-            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
+            except ray.exceptions.RayActorError as e:
                 raise ActorRankError(rank, method, e) from e
+            except ray.exceptions.RayTaskError as e:
+                raise self._root_cause(rank, method, e, pending, rank_of) from e
         return [results[r] for r in range(len(refs))]
+
+    @staticmethod
+    def _root_cause(
+        rank: int,
+        method: str,
+        error: BaseException,
+        pending: list[ray.ObjectRef],
+        rank_of: dict,
+        grace_s: float = PEER_DEATH_GRACE_S,
+    ) -> ActorRankError:
+        """The error to report when ``rank`` raised: a rank whose peer died fails in the collective
+        it shared with it (gloo: connection closed), often before Ray reports the death itself. A
+        dead rank is the cause (and a requeue its cure), so give the others ``PEER_DEATH_GRACE_S``
+        to show one before blaming the rank that raised."""
+        deadline = time.monotonic() + grace_s
+        while pending and (left := deadline - time.monotonic()) > 0:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=left)
+            if not ready:
+                break
+            try:
+                ray.get(ready[0])
+            except ray.exceptions.RayActorError as e:
+                return ActorRankError(rank_of[ready[0]], method, e)
+            except ray.exceptions.RayTaskError:
+                pass  # another victim of the same cause
+        return ActorRankError(rank, method, error)
 
     def _hung(self, method: str, silent: list[int], waited_s: float, why: str) -> NoReturn:
         """The group is lost (its live ranks may wait in a collective on the silent ones): kill it, say who."""

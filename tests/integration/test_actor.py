@@ -66,6 +66,38 @@ def test_two_ranks_train_in_lockstep(ray_cluster: None, model_path: str) -> None
         assert e.value.rank == 1
 
 
+@ray.remote(num_cpus=0)
+class Peer:
+    """A stand-in rank: one that fails in a collective, one still waiting in it."""
+
+    def fail(self) -> None:
+        raise RuntimeError("[gloo] Connection closed by peer")
+
+    def wait(self) -> None:
+        time.sleep(60)
+
+
+def test_a_rank_failing_because_its_peer_died_is_blamed_on_the_dead_peer(ray_cluster: None) -> None:
+    # The soak's rank_kill on four ranks ended a job for good (CI, stop 35): a live rank whose
+    # peer was SIGKILLed fails in their collective and can report before Ray reports the death,
+    # so the job saw "rank 1 failed" (a named error: not requeued) instead of "rank 3 died".
+    live, dead, slow = Peer.remote(), Peer.remote(), Peer.remote()
+    stuck, waiting = dead.wait.remote(), slow.wait.remote()
+    with pytest.raises(ray.exceptions.RayTaskError) as raised:
+        ray.get(live.fail.remote())
+    ray.kill(dead)  # its death shows only after the live rank's error, the order the soak hit
+    error = ActorGroup._root_cause(1, "train", raised.value, [waiting, stuck], {waiting: 2, stuck: 3})
+    assert (error.rank, error.transient) == (3, True), error
+    assert "actor rank 3 died during train" in str(error)
+
+    # No peer dies within the grace: the rank that raised is named, and its error is not transient.
+    error = ActorGroup._root_cause(1, "train", raised.value, [waiting], {waiting: 2}, grace_s=1.0)
+    assert (error.rank, error.transient) == (1, False), error
+    assert "actor rank 1 failed during train" in str(error) and "Connection closed by peer" in str(error)
+    ray.kill(slow)
+    ray.kill(live)
+
+
 def test_gradient_is_global_token_mean(ray_cluster: None, model_path: str) -> None:
     """2 ranks x small micro-batches == 1 rank x one micro-batch: same gradient, same step."""
     batch = make_batch(9, seed=7)  # 9 samples: shards of 4 and 5, micro-batches of 2 -> uneven
