@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import socket
 import sys
 import tempfile
@@ -37,6 +38,7 @@ from rlhpc.launch.startup import StartupClock
 from rlhpc.logs import setup_logging
 from rlhpc.run_dir import JobRayState, RunDir
 from rlhpc.util.files import NODE_TMP_ENV, apply_access, private_dir, ray_temp_dir
+from rlhpc.util.processes import die_with_parent
 from rlhpc.util.secrets import write_secret
 
 log = logging.getLogger(__name__)
@@ -318,6 +320,16 @@ class TrainJob:
         apply_access(run.path, cfg.run_dir_access)  # on every node: Slurm's umask is the submitter's shell's
         console = setup_logging(cfg.logging.level)
         env = submitit.JobEnvironment()
+        # From here a SIGTERM (`kill PID`, a preemption without USR2) stops the job at its first
+        # safe point; submitit's own handler would drop one that comes before Ray is up.
+        stop = StopRequest().install((signal.SIGTERM,))
+        if env.cluster == "local":
+            # The run dir's owner record names the controller, our parent: if it dies (kill -9),
+            # so do we, at once, rather than train on as an orphan in a run dir that looks free
+            # (a SIGKILL loses nothing: checkpoints are renamed into place whole).
+            die_with_parent(signal.SIGKILL)
+            if str(os.getppid()) != str(env.job_id):
+                raise RlhpcError(f"the local job's controller (pid {env.job_id}) is gone", "submit the run again")
         job_id = slurm.own_job_id(str(env.job_id))  # an array task: 77_3, as the run dir's owner names it
         self.job_id = job_id
         if env.global_rank == 0:
@@ -333,7 +345,7 @@ class TrainJob:
             startup.record("prepare", began)
         staged = self._stage(cfg, run, env, job_id, startup) if cfg.cluster.stage_dir else NOT_STAGED
         try:
-            return self._run_staged(cfg, run, env, job_id, startup, staged, console)
+            return self._run_staged(cfg, run, env, job_id, startup, staged, console, stop)
         finally:
             staged.remove()
 
@@ -346,10 +358,10 @@ class TrainJob:
         startup: StartupClock,
         staged: Staged,
         console: Console,
+        stop: StopRequest,
     ) -> dict:
         from rlhpc.cluster.layout import plan_layout
 
-        stop = StopRequest()
         ray_began = time.monotonic()
         cluster = (
             slurm_ray(cfg, run, env, stop)

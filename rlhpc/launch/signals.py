@@ -34,8 +34,11 @@ class StopRequest:
         self.signum: int | None = None
         self.at: float | None = None
 
-    def install(self) -> StopRequest:
-        for sig in (signal.SIGUSR2, signal.SIGTERM):
+    def install(self, signals: tuple[int, ...] = (signal.SIGUSR2, signal.SIGTERM)) -> StopRequest:
+        """Record ``signals`` from now on. SIGTERM can be recorded from a task's first line (what
+        this process starts gets it back as the default at exec either way); SIGUSR2 only once Ray
+        and the engines were started with it ignored (``shield_from_user_signal``)."""
+        for sig in signals:
             signal.signal(sig, self._record)
         return self
 

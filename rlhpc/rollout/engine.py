@@ -17,11 +17,9 @@ The server listens on ``host`` (loopback when every peer is on this node), else 
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import threading
@@ -37,19 +35,9 @@ from rlhpc.rollout.engine_key import read_key
 from rlhpc.rollout.sglang_server import SGLangSpec
 from rlhpc.util.files import node_tmp_dir, read_trusted_json, tail
 from rlhpc.util.net import http_url, url_host
-from rlhpc.util.processes import stop_group
+from rlhpc.util.processes import die_with_parent, stop_group
 
 log = logging.getLogger(__name__)
-
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    """preexec_fn: SIGTERM us when the forking thread's process goes away (Linux only)."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass  # not Linux: the server's --parent-pid watchdog still covers it
 
 
 @ray.remote
@@ -137,7 +125,7 @@ class EngineActor:
                 stdout=logf,
                 stderr=subprocess.STDOUT,
                 env=self._env(),
-                preexec_fn=_die_with_parent if main else None,
+                preexec_fn=die_with_parent if main else None,
             )
         log.info("engine %d: server pid %d, log %s", self.engine_id, self.proc.pid, self.log_path)
         self._url = self._wait_ready()
@@ -197,7 +185,7 @@ class EngineActor:
                     stdout=logf,
                     stderr=subprocess.STDOUT,
                     env=env,
-                    preexec_fn=_die_with_parent if main else None,
+                    preexec_fn=die_with_parent if main else None,
                     start_new_session=True,
                 )
             log.info("%s: SGLang pid %d (GPUs %s), log %s", name, self.proc.pid, gpu_ids, self.log_path)
@@ -209,7 +197,7 @@ class EngineActor:
             self.log_path,
             env,
             self.startup_timeout_s,
-            preexec_fn=_die_with_parent if main else None,
+            preexec_fn=die_with_parent if main else None,
             api_key=self.api_key,
         )
         self._url = http_url(self.host, port)

@@ -1,13 +1,26 @@
-"""Stopping a process and everything it started: TERM to its group, a short wait, then KILL."""
+"""Stopping a process and everything it started: TERM to its group, a short wait, then KILL;
+and a process that dies with its parent."""
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import signal
 import subprocess
 
 log = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """``sig`` to this process when the thread that forked it exits (Linux's PR_SET_PDEATHSIG);
+    as a ``preexec_fn``, or called by the child itself. Elsewhere a no-op."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, sig)
+    except OSError:
+        pass  # not Linux
 
 
 def signal_group(pgid: int, sig: int) -> None:

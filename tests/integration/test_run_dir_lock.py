@@ -6,9 +6,12 @@ import signal
 import subprocess
 import time
 
-from support.jobs import REPO, job_args, rollouts, said, submit
+from support.hold import HOLD_ENV
+from support.jobs import HELD, REPO, job_args, rollouts, said, submit
 
-from rlhpc.launch.run_owner import read
+from rlhpc.invariants import processes_using
+from rlhpc.launch.restarts import read_history
+from rlhpc.launch.run_owner import liveness, read
 
 
 def snapshot(run) -> dict:
@@ -46,3 +49,36 @@ def test_second_submission_is_refused_while_the_first_job_lives(tmp_path):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "which is gone" in said(p)
     assert not (run / "owner.json").exists()  # released when the run finished
+
+
+def wait_until(what, timeout: float, why: str) -> None:
+    deadline = time.time() + timeout
+    while not what():
+        assert time.time() < deadline, why
+        time.sleep(0.2)
+
+
+def test_a_local_job_stops_with_its_controller_and_kill_stops_it_for_good(tmp_path):
+    # Issue 32, item 7: `kill PID` (what a refused submission says) restarted the job, and
+    # `kill -9 PID` left its task training as an orphan in a run dir that looked free.
+    run, hold = tmp_path / "run", tmp_path / "hold"
+    hold.touch()  # the job waits at its first reward while this exists
+    env = {**os.environ, HOLD_ENV: str(hold)}
+    args = [*job_args(run, HELD, "rollout.num_rollout=3", "checkpoint.save_interval=1"), "--no-follow"]
+    for kill in (signal.SIGKILL, signal.SIGTERM):
+        # Output to a file: the controller left running holds it open (a pipe would never end).
+        with open(tmp_path / f"submit-{kill.name}.log", "w+") as out:
+            p = subprocess.run(args, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=240)
+            out.seek(0)
+            assert p.returncode == 0, out.read()[-3000:]
+        controller = int(read(run).job_id)
+        task_logs = list((run / "logs" / "submitit").glob(f"{controller}_0_log.*"))
+        wait_until(lambda: any("local Ray up" in f.read_text() for f in task_logs), 240, "the job's Ray is not up")  # noqa: B023
+        os.kill(controller, kill)
+        if kill == signal.SIGTERM:
+            hold.unlink()  # let it reach its next safe point, where it saves and stops
+        wait_until(lambda: not processes_using(run), 120, f"left after {kill.name}: {processes_using(run)}")
+        assert read(run) is None or liveness(read(run)).alive is False  # free for the next submission
+    starts = read_history(run)
+    assert len(starts) == 2, starts  # one start each: the SIGTERM was no restart
+    assert not (run / "FINISHED").exists() and len(rollouts(run)) < 3  # stopped before the end, resumable
