@@ -16,11 +16,17 @@ from rlhpc.logs import setup_logging
 from rlhpc.model import TinyModelConfig, build_tiny_model
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """This command's options; the docs test checks the commands the docs show against it."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out_dir", type=Path)
     for f in dataclasses.fields(TinyModelConfig):
         p.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     setup_logging()
     if args.out_dir.exists():

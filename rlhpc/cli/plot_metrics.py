@@ -91,10 +91,16 @@ def plot_sweep(sweep: SweepDir, out: Path) -> Path:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """This command's options; the docs test checks the commands the docs show against it."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dir", type=Path)
     p.add_argument("-o", "--out", type=Path, help="PNG path (default: RUN_DIR/metrics.png)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     try:
         if SweepDir.is_sweep(args.run_dir):

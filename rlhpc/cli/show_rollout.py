@@ -32,11 +32,17 @@ def find(path: Path, rollout_id: int | None) -> Path:
     return f
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """This command's options; the docs test checks the commands the docs show against it."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("path", type=Path, help="a run dir or an .h5 dump")
     p.add_argument("rollout_id", type=int, nargs="?", help="default: the newest dump")
     p.add_argument("--limit", type=int, default=24, help="samples to print")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     try:
         f = find(args.path, args.rollout_id)

@@ -19,9 +19,15 @@ from rlhpc.metrics import MetricsFileCorrupt, read_metrics
 from rlhpc.run_dir import RunDir, SweepDir
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """This command's options; the docs test checks the commands the docs show against it."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("target", help="run dir or Slurm job id")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     try:
         return show(args.target)

@@ -29,7 +29,8 @@ DEFAULT_CONFIG = REPO / "jobs" / "configs" / "embedded.yaml"
 log = logging.getLogger("rlhpc.submit")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``jobs/submit.py``; the docs test checks the commands it shows against it."""
     p = argparse.ArgumentParser(
         description="Run RL post-training as a batch job (Slurm when available, else locally).",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -131,7 +132,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="OPTION[=VALUE]",
         help="any other sbatch option, e.g. --sbatch mail-type=END (repeatable)",
     )
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,7 +15,7 @@ guess the head IP from the hostname and leave Ray open to anyone on the network.
 - readiness is polled (all nodes and GPUs registered) against a deadline; nodes that never
   joined are named, with their log files;
 - each task stops only its own Ray processes: the process group of its own ``ray start``;
-- at scale (README "At scale"): every task raises its open-file limit to the hard limit (Slurm
+- at scale (docs/guides/scale.md): every task raises its open-file limit to the hard limit (Slurm
   propagates the login shell's soft limit, often 1024), and jobs of ``LARGE_JOB_NODES`` nodes or
   more give the GCS and its clients longer timeouts (``scale_env``; a site's own RAY_* values win).
 """

@@ -34,7 +34,7 @@ def test_defaults_and_overrides_are_typed(tmp_path):
 
 
 def test_exponent_floats_without_a_dot_are_numbers(tmp_path):
-    # PyYAML reads 1e-4 as a string; the README's `--set actor.lr=1e-4` must still work
+    # PyYAML reads 1e-4 as a string; the docs' `--sweep actor.lr=1e-4,3e-4` (docs/guides/sweeps.md) must still work
     f = tmp_path / "c.yaml"
     f.write_text("actor:\n  adam_eps: 1E-6\n")
     cfg = load_config(f, [*TINY, "actor.lr=1e-4", "actor.weight_decay=+2.5e-2"])
