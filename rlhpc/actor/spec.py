@@ -19,6 +19,8 @@ class ActorSpec:
     log_level: str  # logging.level: each rank is a process of its own
     # rollout.partial_rollout: a weight push pauses generation with "retract", keeping requests in flight
     weight_pause_mode: str = "abort"
+    # rollout.max_new_tokens: the constant of algo.loss_agg_mode = seq-mean-token-sum-norm
+    max_response_len: int = 1
 
     @classmethod
     def from_config(cls, cfg: Config) -> ActorSpec:
@@ -30,6 +32,7 @@ class ActorSpec:
             weight_bucket_mb=cfg.rollout.update_weight_buffer_mb,
             log_level=cfg.logging.level,
             weight_pause_mode="retract" if cfg.rollout.partial_rollout else "abort",
+            max_response_len=cfg.rollout.max_new_tokens,
         )
 
     @property

@@ -66,11 +66,25 @@ def test_two_ranks_train_in_lockstep(ray_cluster: None, model_path: str) -> None
         assert e.value.rank == 1
 
 
-def test_gradient_is_global_token_mean(ray_cluster: None, model_path: str) -> None:
+# The loss aggregations, each with another policy loss and the entropy bonus: the per-rank share
+# must be normalised by the whole minibatch's counts, whatever they are.
+LOSS_SETTINGS = {
+    "token-mean": {},
+    "seq-mean-token-mean": {"loss_agg_mode": "seq-mean-token-mean", "policy_loss": "gspo", "entropy_coef": 0.01},
+    "seq-mean-token-sum": {"loss_agg_mode": "seq-mean-token-sum", "policy_loss": "cispo"},
+    "seq-mean-token-sum-norm": {"loss_agg_mode": "seq-mean-token-sum-norm", "entropy_coef": 0.01},
+}
+
+
+@pytest.mark.parametrize("loss", list(LOSS_SETTINGS))
+def test_gradient_is_global_token_mean(ray_cluster: None, model_path: str, loss: str) -> None:
     """2 ranks x small micro-batches == 1 rank x one micro-batch: same gradient, same step."""
     batch = make_batch(9, seed=7)  # 9 samples: shards of 4 and 5, micro-batches of 2 -> uneven
     cfg_split = make_cfg(micro_batch_size=2, grad_clip=1e9)
     cfg_whole = make_cfg(micro_batch_size=64, grad_clip=1e9)
+    for cfg in (cfg_split, cfg_whole):
+        for k, v in LOSS_SETTINGS[loss].items():
+            setattr(cfg.algo, k, v)
     with Group(cfg_split, model_path, 2) as split, Group(cfg_whole, model_path, 1) as whole:
         m_split = split.train(0, batch)
         m_whole = whole.train(0, batch)
