@@ -527,6 +527,13 @@ class ActorConfig(Section):
     grad_clip: float = 1.0
     num_steps_per_rollout: int = 1  # optimizer steps (minibatches) per rollout batch
     micro_batch_size: int = 64  # samples per forward/backward on one rank
+    # The rate of each optimizer step (rlhpc/actor/lr_schedule.py): a linear warmup to lr over
+    # lr_warmup_steps, then constant, or a linear or cosine decay to min_lr at lr_decay_steps
+    # (null: the run's last step, rollouts x num_steps_per_rollout). Resumes exactly.
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    lr_warmup_steps: int = 0
+    lr_decay_steps: int | None = None
+    min_lr: float = 0.0
     # Longest wait for one call on the training ranks (load, train, save, weight push, ...): a
     # rank silent for this long is taken as hung, the call fails naming it and the job requeues
     # (checkpoint.requeue_on_failure). Generous: a whole train step or checkpoint save must fit.
@@ -544,6 +551,16 @@ class ActorConfig(Section):
         self._above(0, "adam_eps", fix="set a small positive value, e.g. 1e-8")
         self._above(0, "grad_clip", fix="set the gradient-norm clip, e.g. 1.0")
         self._at_least(1, "num_steps_per_rollout", "micro_batch_size")
+        self._at_least(0, "lr_warmup_steps", "min_lr")
+        self._at_least(1, "lr_decay_steps", fix="set a positive step count, or null for the run's last step")
+        if self.min_lr > self.lr:
+            self._refuse("min_lr", f"is above actor.lr = {self.lr!r}", "set actor.min_lr at or below actor.lr")
+        if self.lr_decay_steps is not None and self.lr_decay_steps <= self.lr_warmup_steps:
+            self._refuse(
+                "lr_decay_steps",
+                f"is not after the warmup (actor.lr_warmup_steps = {self.lr_warmup_steps})",
+                "set actor.lr_decay_steps above actor.lr_warmup_steps, or null for the run's last step",
+            )
         self._above(0, "call_timeout_s", fix="give actor.call_timeout_s seconds, e.g. 3600")
 
 

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from rlhpc.actor.checkpoint_dir import rng_file
+from rlhpc.actor.lr_schedule import lr_at
 from rlhpc.actor.rng import get_rng_state, seed_everything, set_rng_state
 from rlhpc.actor.spec import ActorSpec
 from rlhpc.algo.grpo import AggNorm, agg_counts, agg_loss, kl_estimate, policy_loss_per_token, truncated_is_weights
@@ -110,6 +111,11 @@ class RankBase:
     def __init__(self, spec: ActorSpec, model_path: str, rank: int, world_size: int):
         logging.basicConfig(level=spec.log_level, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
         self.spec = spec
+        if spec.actor.lr_schedule != "constant" and spec.lr_decay_steps == 0:
+            raise RlhpcError(
+                f"actor.lr_schedule = {spec.actor.lr_schedule!r} decays to the run's last step, which is not known here",
+                "set actor.lr_decay_steps (or rollout.num_rollout)",
+            )
         self.model_path = model_path
         self.rank = rank
         self.world_size = world_size
@@ -248,6 +254,7 @@ class RankBase:
                     # the micro-batch's share of the minibatch loss, times the DP size to undo the averaging
                     (loss * self.dp_size).backward()
             self._finish_grad_sync(empty=not mbs)
+            self._set_lr()
             grad_norm, stepped = self._clip_and_step()
             grad_norms.append(grad_norm)
             if stepped:
@@ -262,6 +269,14 @@ class RankBase:
         if self.rank == 0:
             log.debug("rollout %d: %s", rollout_id, ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
         return metrics
+
+    def _set_lr(self) -> None:
+        """The rate of the step about to be taken (``actor.lr_schedule``), on every param group
+        (times megatron's per-group ``lr_mult``). A skipped step does not advance the schedule."""
+        a = self.spec.actor
+        lr = lr_at(self.optimizer_steps, a.lr, a.lr_schedule, a.lr_warmup_steps, self.spec.lr_decay_steps, a.min_lr)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr * group.get("lr_mult", 1.0)
 
     def _micro_batches(self, batch: RolloutBatch) -> list[list[RolloutBatch]]:
         """Per optimizer step: the micro-batches of this rank's share of that minibatch."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from pathlib import Path
@@ -106,9 +107,12 @@ def test_save_load_resumes_bit_exact(ray_cluster: None, model_path: str, tmp_pat
     """Four data-parallel ranks (two can hide a summation-order difference: a + b == b + a): the
     first step after a load gives the uninterrupted run's loss, gradients and weights, bit for
     bit. The uninterrupted ranks take that step as their second (DDP rebuilt its gradient
-    buckets there, so a resumed DDP rank rounded its sum differently: issue 34)."""
+    buckets there, so a resumed DDP rank rounded its sum differently: issue 34). With a warmup
+    and a cosine decay, the resumed steps take the rate of the same step (issue 31)."""
     ranks = 4
     cfg = make_cfg(micro_batch_size=3, num_steps_per_rollout=2)
+    cfg.actor.lr_schedule, cfg.actor.lr_warmup_steps, cfg.actor.lr_decay_steps = "cosine", 1, 6
+    cfg.actor.min_lr = 1e-3
     ckpt, again = tmp_path / "ckpt", tmp_path / "again"
     with Group(cfg, model_path, ranks) as a:
         a.train(0, make_batch(16, seed=0))
@@ -138,6 +142,8 @@ def test_save_load_resumes_bit_exact(ray_cluster: None, model_path: str, tmp_pat
         resumed_grads = tensors(b, rank=3, grads=True)
         assert b.fingerprints() == uninterrupted
     assert resumed_metrics == uninterrupted_metrics  # every float, exactly
+    # the last step is the 4th (index 3): 2 after the 1-step warmup, of the 5 of the decay
+    assert resumed_metrics["lr"] == pytest.approx(1e-3 + 9e-3 * (1 + math.cos(math.pi * 2 / 5)) / 2, rel=1e-12)
     assert resumed_grads.keys() == uninterrupted_grads.keys()
     for name, g in uninterrupted_grads.items():
         assert torch.equal(resumed_grads[name], g), name
