@@ -103,6 +103,20 @@ def test_gradient_is_global_token_mean(ray_cluster: None, model_path: str, loss:
         assert (w_split[k] - w_whole[k]).abs().max() <= 2 * cfg_whole.actor.lr
 
 
+def test_the_entropy_bonus_keeps_entropy_higher(ray_cluster: None, model_path: str) -> None:
+    """The same rollouts with and without algo.entropy_coef: after a few steps the policy trained
+    with the bonus has the higher entropy (the metric is the policy's before each rollout)."""
+    entropy = {}
+    for coef in (0.0, 0.5):
+        cfg = make_cfg(micro_batch_size=8)
+        cfg.algo.entropy_coef = coef
+        with Group(cfg, model_path, 1) as g:
+            start = g.train(0, make_batch(8, seed=0))["entropy"]
+            for rollout_id in range(1, 5):
+                entropy[coef] = g.train(rollout_id, make_batch(8, seed=rollout_id))["entropy"]
+    assert entropy[0.5] > entropy[0.0], (start, entropy)
+
+
 def test_save_load_resumes_bit_exact(ray_cluster: None, model_path: str, tmp_path: Path) -> None:
     """Four data-parallel ranks (two can hide a summation-order difference: a + b == b + a): the
     first step after a load gives the uninterrupted run's loss, gradients and weights, bit for
