@@ -527,6 +527,13 @@ class ActorConfig(Section):
     grad_clip: float = 1.0
     num_steps_per_rollout: int = 1  # optimizer steps (minibatches) per rollout batch
     micro_batch_size: int = 64  # samples per forward/backward on one rank
+    # The rate of each optimizer step (rlhpc/actor/lr_schedule.py): a linear warmup to lr over
+    # lr_warmup_steps, then constant, or a linear or cosine decay to min_lr at lr_decay_steps
+    # (null: the run's last step, rollouts x num_steps_per_rollout). Resumes exactly.
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    lr_warmup_steps: int = 0
+    lr_decay_steps: int | None = None
+    min_lr: float = 0.0
     # Longest wait for one call on the training ranks (load, train, save, weight push, ...): a
     # rank silent for this long is taken as hung, the call fails naming it and the job requeues
     # (checkpoint.requeue_on_failure). Generous: a whole train step or checkpoint save must fit.
@@ -544,6 +551,16 @@ class ActorConfig(Section):
         self._above(0, "adam_eps", fix="set a small positive value, e.g. 1e-8")
         self._above(0, "grad_clip", fix="set the gradient-norm clip, e.g. 1.0")
         self._at_least(1, "num_steps_per_rollout", "micro_batch_size")
+        self._at_least(0, "lr_warmup_steps", "min_lr")
+        self._at_least(1, "lr_decay_steps", fix="set a positive step count, or null for the run's last step")
+        if self.min_lr > self.lr:
+            self._refuse("min_lr", f"is above actor.lr = {self.lr!r}", "set actor.min_lr at or below actor.lr")
+        if self.lr_decay_steps is not None and self.lr_decay_steps <= self.lr_warmup_steps:
+            self._refuse(
+                "lr_decay_steps",
+                f"is not after the warmup (actor.lr_warmup_steps = {self.lr_warmup_steps})",
+                "set actor.lr_decay_steps above actor.lr_warmup_steps, or null for the run's last step",
+            )
         self._above(0, "call_timeout_s", fix="give actor.call_timeout_s seconds, e.g. 3600")
 
 
@@ -551,11 +568,25 @@ class ActorConfig(Section):
 class AlgoConfig(Section):
     SECTION: ClassVar[str] = "algo"
 
-    advantage_estimator: Literal["grpo", "rloo"] = "grpo"
+    # The definitions of these knobs, and the names verl, slime and OpenRLHF give them, are in
+    # docs/guides/losses.md.
+    advantage_estimator: Literal["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"] = "grpo"
     normalize_std: bool = True
+    # ppo_clip: token ratios clipped to [1 - eps_clip, 1 + eps_clip_high]; gspo: one ratio per
+    # sample, clipped to [1 - gspo_eps_clip, 1 + gspo_eps_clip_high]; cispo: the token ratio
+    # truncated at 1 + eps_clip_high and detached, times A * logprob.
+    policy_loss: Literal["ppo_clip", "gspo", "cispo"] = "ppo_clip"
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = (
+        "token-mean"
+    )
     eps_clip: float = 0.2
     eps_clip_high: float = 0.28
-    kl_coef: float = 0.0  # > 0 adds a k3 KL penalty to the reference model (loaded then)
+    # A sequence ratio moves far less than a token's, hence GSPO's much narrower range (its paper's).
+    gspo_eps_clip: float = 3e-4
+    gspo_eps_clip_high: float = 4e-4
+    entropy_coef: float = 0.0  # > 0 subtracts coef * entropy (aggregated as the loss) from the loss
+    kl_coef: float = 0.0  # > 0 adds a KL penalty to the reference model (loaded then)
+    kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = "k3"
     # Off-policy correction (truncated importance sampling): each token's loss is weighted by
     # min(pi_old / pi_engine, tis_clip), where pi_engine is the probability the engine sampled
     # it with (its own logprobs: older weights with rollout.max_staleness >= 1, and a different
@@ -568,6 +599,8 @@ class AlgoConfig(Section):
         self._at_least(0, "eps_clip", "eps_clip_high")
         self._above(0, "tis_clip", fix="set the truncation of the importance weights, e.g. 2.0")
         self._at_least(0, "kl_coef", fix="set 0 for no KL penalty, or a positive weight")
+        self._at_least(0, "gspo_eps_clip", "gspo_eps_clip_high")
+        self._at_least(0, "entropy_coef", fix="set 0 for no entropy bonus, or a small positive weight, e.g. 0.001")
 
 
 @dataclass
@@ -890,9 +923,10 @@ def validate(cfg: Config) -> None:
             "set rollout.partial_rollout=false (the fixed-lag async pipeline is reproducible), or deterministic=false",
         )
 
-    if cfg.algo.advantage_estimator == "rloo" and r.n_samples_per_prompt < 2:
+    if cfg.algo.advantage_estimator in ("rloo", "reinforce_plus_plus_baseline") and r.n_samples_per_prompt < 2:
         raise ConfigError(
-            "algo.advantage_estimator = 'rloo' needs rollout.n_samples_per_prompt >= 2",
+            f"algo.advantage_estimator = {cfg.algo.advantage_estimator!r} needs rollout.n_samples_per_prompt >= 2 "
+            "(its baseline is the other samples of the same prompt)",
             "sample at least 2 responses per prompt",
         )
     if r.rollout_batch_size * r.n_samples_per_prompt < c.actor_num_gpus:

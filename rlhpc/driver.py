@@ -166,7 +166,12 @@ class TrainLoop:
         engines_up = None if layout.colocate else startup.background("engines_up", start_engines)
         with startup.phase("actor_up"):
             self.actor = ActorGroup(
-                ActorSpec.from_config(cfg), model_path, self.placement, layout.actor_slots, cfg.cluster.colocate, stop
+                ActorSpec.from_config(cfg, self.num_rollout),
+                model_path,
+                self.placement,
+                layout.actor_slots,
+                cfg.cluster.colocate,
+                stop,
             )
         self.checkpoints = CheckpointManager(run.checkpoints, cfg.checkpoint.keep_last)
         self.checkpoints.clean_debris()  # staging left by a killed save

@@ -6,10 +6,11 @@ own checkpoint format, offloads its own way, and supplies the few backend steps 
 training loop (forward, gradient reduction, clip + optimizer step; see ``train``) and its
 weights in HF names. Every method that runs a collective must be called on all ranks.
 
-Gradients are the *global* token mean: each micro-batch loss (a token mean over its own
-tokens) is weighted by ``its tokens / minibatch tokens of all data-parallel ranks`` and by the
-data-parallel size, because both backends average gradients over those ranks. So any split of
-a minibatch over ranks and micro-batches gives the gradient of one big batch. Both reduce them
+Gradients are those of the whole minibatch's loss (``algo.loss_agg_mode``): each micro-batch's
+loss is its share of that loss, normalised by the minibatch's token and sample counts summed
+over all data-parallel ranks (``AggNorm``), and multiplied by the data-parallel size, because
+both backends average gradients over those ranks. So any split of a minibatch over ranks and
+micro-batches gives the gradient of one big batch. Both reduce them
 in a layout fixed by the model (``FlatGrads``; megatron's contiguous grad buffer), never by
 the history of the process, so a resumed rank sums in the same order as the rank it replaces.
 """
@@ -31,9 +32,10 @@ import torch
 import torch.distributed as dist
 
 from rlhpc.actor.checkpoint_dir import rng_file
+from rlhpc.actor.lr_schedule import lr_at
 from rlhpc.actor.rng import get_rng_state, seed_everything, set_rng_state
 from rlhpc.actor.spec import ActorSpec
-from rlhpc.algo.grpo import kl_k3, masked_mean, policy_loss, truncated_is_weights
+from rlhpc.algo.grpo import AggNorm, agg_counts, agg_loss, kl_estimate, policy_loss_per_token, truncated_is_weights
 from rlhpc.batch import RolloutBatch
 from rlhpc.errors import RlhpcError
 from rlhpc.model import load_tokenizer
@@ -96,6 +98,11 @@ class MicroBatch:
     def tokens(self) -> float:
         return float(self.mask.sum())
 
+    @property
+    def seqs(self) -> float:
+        """Samples with at least one response token (the ``seq-mean-*`` aggregations' count)."""
+        return agg_counts(self.mask)[1]
+
 
 class RankBase:
     """One training rank. Subclasses implement ``init_process_group``, ``load``, ``snapshot``,
@@ -104,6 +111,11 @@ class RankBase:
     def __init__(self, spec: ActorSpec, model_path: str, rank: int, world_size: int):
         logging.basicConfig(level=spec.log_level, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
         self.spec = spec
+        if spec.actor.lr_schedule != "constant" and spec.lr_decay_steps == 0:
+            raise RlhpcError(
+                f"actor.lr_schedule = {spec.actor.lr_schedule!r} decays to the run's last step, which is not known here",
+                "set actor.lr_decay_steps (or rollout.num_rollout)",
+            )
         self.model_path = model_path
         self.rank = rank
         self.world_size = world_size
@@ -220,13 +232,17 @@ class RankBase:
         """
         self.onload()  # the driver may have offloaded us for generation; no-op otherwise
         steps, sums, local_tokens = self._prepare(batch)
-        step_tokens = self._all_reduce_sum([sum(mb.tokens for mb in mbs) for mbs in steps], group=self.dp_group)
+        # One all-reduce of every step's counts (in a fixed order: deterministic) for the loss normalisation.
+        counts = self._all_reduce_sum(
+            [sum(mb.tokens for mb in mbs) for mbs in steps] + [sum(mb.seqs for mb in mbs) for mbs in steps],
+            group=self.dp_group,
+        )
         loss_sums = {"pg_loss": 0.0, "kl": 0.0, "clipfrac": 0.0}
         grad_norms: list[float] = []
         skipped = 0
         for k, mbs in enumerate(steps):
             self._zero_grad()
-            global_tokens = max(step_tokens[k], 1.0)
+            norm = AggNorm(counts[k], counts[len(steps) + k], float(self.spec.max_response_len))
             for j, mb in enumerate(mbs):
                 with self._grad_sync(last=j == len(mbs) - 1):
                     logits = self._logits(self._policy(train=True), mb)
@@ -234,10 +250,11 @@ class RankBase:
                     if mb.old_logprobs is None:  # the first step: no update yet, so this forward is the old policy's
                         with torch.no_grad():
                             self._old_policy(mb, logits.detach(), logprobs.detach(), sums)
-                    loss = self._grpo_loss(logprobs, mb, loss_sums)
-                    # token share of the global minibatch, times the DP size to undo the averaging
-                    (loss * (mb.tokens * self.dp_size / global_tokens)).backward()
+                    loss = self._grpo_loss(logits, logprobs, mb, norm, loss_sums)
+                    # the micro-batch's share of the minibatch loss, times the DP size to undo the averaging
+                    (loss * self.dp_size).backward()
             self._finish_grad_sync(empty=not mbs)
+            self._set_lr()
             grad_norm, stepped = self._clip_and_step()
             grad_norms.append(grad_norm)
             if stepped:
@@ -252,6 +269,14 @@ class RankBase:
         if self.rank == 0:
             log.debug("rollout %d: %s", rollout_id, ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
         return metrics
+
+    def _set_lr(self) -> None:
+        """The rate of the step about to be taken (``actor.lr_schedule``), on every param group
+        (times megatron's per-group ``lr_mult``). A skipped step does not advance the schedule."""
+        a = self.spec.actor
+        lr = lr_at(self.optimizer_steps, a.lr, a.lr_schedule, a.lr_warmup_steps, self.spec.lr_decay_steps, a.min_lr)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr * group.get("lr_mult", 1.0)
 
     def _micro_batches(self, batch: RolloutBatch) -> list[list[RolloutBatch]]:
         """Per optimizer step: the micro-batches of this rank's share of that minibatch."""
@@ -301,21 +326,30 @@ class RankBase:
             sums["tis_clipfrac"] += float(clipped) * mb.tokens
             sums["tis_weight"] += float(mb.tis_weights.sum())
 
-    def _grpo_loss(self, logprobs: torch.Tensor, mb: MicroBatch, sums: dict[str, float]) -> torch.Tensor:
-        """A micro-batch's loss (policy + KL penalty); adds its token-weighted terms to ``sums``."""
+    def _grpo_loss(
+        self, logits: torch.Tensor, logprobs: torch.Tensor, mb: MicroBatch, norm: AggNorm, sums: dict[str, float]
+    ) -> torch.Tensor:
+        """A micro-batch's share of the minibatch loss (policy + KL penalty - entropy bonus, per
+        token, aggregated once by ``algo.loss_agg_mode``); adds its token sums to ``sums`` (the
+        metrics are token means whatever the aggregation, so runs with different modes compare)."""
         algo = self.spec.algo
-        tokens = mb.tokens
-        pg, clipfrac = policy_loss(
-            logprobs, mb.old_logprobs, mb.advantages, mb.mask, algo.eps_clip, algo.eps_clip_high, mb.tis_weights
+        if algo.policy_loss == "gspo":
+            eps_low, eps_high = algo.gspo_eps_clip, algo.gspo_eps_clip_high
+        else:
+            eps_low, eps_high = algo.eps_clip, algo.eps_clip_high
+        pg, clipped = policy_loss_per_token(
+            algo.policy_loss, logprobs, mb.old_logprobs, mb.advantages, mb.mask, eps_low, eps_high, mb.tis_weights
         )
-        loss = pg
+        per_token = pg
         if mb.ref_logprobs is not None:
-            kl = masked_mean(kl_k3(logprobs, mb.ref_logprobs), mb.mask)
-            loss = loss + algo.kl_coef * kl
-            sums["kl"] += float(kl.detach()) * tokens
-        sums["pg_loss"] += float(pg.detach()) * tokens
-        sums["clipfrac"] += float(clipfrac.detach()) * tokens
-        return loss
+            kl = kl_estimate(logprobs, mb.ref_logprobs, algo.kl_estimator)
+            per_token = per_token + algo.kl_coef * kl
+            sums["kl"] += float((kl.detach() * mb.mask).sum())
+        if algo.entropy_coef > 0:  # the entropy with its gradient (the logged one is the old policy's)
+            per_token = per_token - algo.entropy_coef * self._entropy(logits)
+        sums["pg_loss"] += float((pg.detach() * mb.mask).sum())
+        sums["clipfrac"] += float((clipped * mb.mask).sum())
+        return agg_loss(per_token, mb.mask, algo.loss_agg_mode, norm)
 
     def _rollout_metrics(
         self, sums: dict[str, float], local_tokens: float, grad_norms: list[float], skipped: int
@@ -326,7 +360,8 @@ class RankBase:
         tokens = max(totals[-1], 1.0)
         # every token is in exactly one minibatch, so these are token means over the rollout
         metrics = {k: v / tokens for k, v in zip(keys, totals[:-1])}
-        metrics["loss"] = metrics["pg_loss"] + self.spec.algo.kl_coef * metrics["kl"]
+        algo = self.spec.algo
+        metrics["loss"] = metrics["pg_loss"] + algo.kl_coef * metrics["kl"] - algo.entropy_coef * metrics["entropy"]
         finite = [g for g in grad_norms if math.isfinite(g)]  # already global (post all-reduce)
         metrics["grad_norm"] = sum(finite) / len(finite) if finite else float("nan")
         metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
@@ -351,7 +386,8 @@ class RankBase:
         raise NotImplementedError
 
     def _entropy(self, logits: torch.Tensor) -> torch.Tensor:
-        """Entropy [N, L-1] of the full-vocab softmax (a metric: no grad)."""
+        """Entropy [N, L-1] of the full-vocab softmax: a metric (no grad), and with its gradient
+        in the loss when ``algo.entropy_coef`` > 0."""
         raise NotImplementedError
 
     def _zero_grad(self) -> None:

@@ -19,9 +19,16 @@ class ActorSpec:
     log_level: str  # logging.level: each rank is a process of its own
     # rollout.partial_rollout: a weight push pauses generation with "retract", keeping requests in flight
     weight_pause_mode: str = "abort"
+    # rollout.max_new_tokens: the constant of algo.loss_agg_mode = seq-mean-token-sum-norm
+    max_response_len: int = 1
+    # actor.lr_decay_steps, or the run's optimizer steps (0: unknown; only a constant schedule runs then)
+    lr_decay_steps: int = 0
 
     @classmethod
-    def from_config(cls, cfg: Config) -> ActorSpec:
+    def from_config(cls, cfg: Config, num_rollout: int | None = None) -> ActorSpec:
+        """``num_rollout``: the run's rollouts (the driver's count, derived from the data when
+        rollout.num_rollout is null): where a decaying learning rate ends by default."""
+        rollouts = num_rollout or cfg.rollout.num_rollout or 0
         return cls(
             actor=cfg.actor,
             algo=cfg.algo,
@@ -30,6 +37,8 @@ class ActorSpec:
             weight_bucket_mb=cfg.rollout.update_weight_buffer_mb,
             log_level=cfg.logging.level,
             weight_pause_mode="retract" if cfg.rollout.partial_rollout else "abort",
+            max_response_len=cfg.rollout.max_new_tokens,
+            lr_decay_steps=cfg.actor.lr_decay_steps or rollouts * cfg.actor.num_steps_per_rollout,
         )
 
     @property

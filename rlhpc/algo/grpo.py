@@ -1,12 +1,14 @@
-"""Advantage estimators and the clipped policy-gradient loss (GRPO and friends).
+"""Advantage estimators, policy losses, KL estimators and loss aggregation (GRPO and friends).
 
 Tensors are token-aligned: ``logprobs``, ``old_logprobs``, ``ref_logprobs`` and ``mask`` are
-``[batch, response_len]``; ``mask`` is 1 on response tokens that count.
+``[batch, response_len]``; ``mask`` is 1 on response tokens that count. The definitions, and the
+names other frameworks give them, are in docs/guides/losses.md.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -35,16 +37,151 @@ def rloo_advantages(
     return (groups - baseline).view(-1)
 
 
+def reinforce_pp_advantages(
+    rewards: torch.Tensor, group_size: int, normalize_std: bool = True, eps: float = 1e-6
+) -> torch.Tensor:
+    """REINFORCE++: (r - mean(batch)) / (std(batch) + eps), no per-prompt baseline.
+
+    Each sample counts once (population std over the rollout's samples, not over its tokens).
+    """
+    r = rewards.float()
+    centered = r - r.mean()
+    if normalize_std:
+        centered = centered / (r.std(unbiased=False) + eps)
+    return centered
+
+
+def reinforce_pp_baseline_advantages(
+    rewards: torch.Tensor, group_size: int, normalize_std: bool = True, eps: float = 1e-6
+) -> torch.Tensor:
+    """REINFORCE++ with a baseline: (r - mean(group)) / (std(batch of those) + eps).
+
+    The group mean removes the prompt's difficulty; the one batch-wide std keeps the scale of
+    easy and hard prompts comparable (GRPO divides each group by its own std instead).
+    """
+    groups = rewards.float().view(-1, group_size)
+    centered = (groups - groups.mean(dim=1, keepdim=True)).view(-1)
+    if normalize_std:
+        centered = centered / (centered.std(unbiased=False) + eps)
+    return centered
+
+
 # Per-sample estimators, selected by ``algo.advantage_estimator``. A token-level estimator
 # (PPO with a critic, GAE) plugs in here with the same signature plus values.
 ADVANTAGE_ESTIMATORS: dict[str, Callable[..., torch.Tensor]] = {
     "grpo": grpo_advantages,
     "rloo": rloo_advantages,
+    "reinforce_plus_plus": reinforce_pp_advantages,
+    "reinforce_plus_plus_baseline": reinforce_pp_baseline_advantages,
 }
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum() / mask.sum().clamp(min=1)
+
+
+# ---------------------------------------------------------------- loss aggregation
+
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+
+
+@dataclass(frozen=True)
+class AggNorm:
+    """The denominators of one minibatch's loss, counted over all its micro-batches on all
+    data-parallel ranks: a micro-batch's ``agg_loss`` is then its exact share of the whole."""
+
+    tokens: float  # response tokens
+    seqs: float  # samples with at least one response token
+    max_len: float = 1.0  # seq-mean-token-sum-norm's constant (rollout.max_new_tokens)
+
+
+def agg_counts(mask: torch.Tensor) -> tuple[float, float]:
+    """(response tokens, samples with a response token) of a ``mask``: ``AggNorm``'s counts."""
+    return float(mask.sum()), float((mask.sum(-1) > 0).sum())
+
+
+def agg_loss(
+    per_token: torch.Tensor, mask: torch.Tensor, mode: str, norm: AggNorm | None = None, max_len: float = 1.0
+) -> torch.Tensor:
+    """Reduce a per-token loss to a scalar (``algo.loss_agg_mode``), T_i the tokens of sample i,
+    T their total and N the samples (with a response token):
+
+    * ``token-mean``: sum_i sum_t l_it / T (every token weighs the same);
+    * ``seq-mean-token-mean``: (1/N) sum_i (sum_t l_it / T_i) (every sample weighs the same);
+    * ``seq-mean-token-sum``: (1/N) sum_i sum_t l_it;
+    * ``seq-mean-token-sum-norm``: (1/N) sum_i sum_t l_it / max_len (Dr. GRPO: a constant
+      instead of each sample's length).
+
+    ``norm``: the whole minibatch's counts when ``per_token`` is one micro-batch of it (the
+    result is then its share: the shares of all micro-batches and ranks sum to the loss of the
+    whole); None: this batch is the whole.
+    """
+    if norm is None:
+        tokens, seqs = agg_counts(mask)
+        norm = AggNorm(tokens, seqs, max_len)
+    masked = per_token * mask
+    if mode == "token-mean":
+        return masked.sum() / max(norm.tokens, 1.0)
+    seq_sums = masked.sum(-1)
+    if mode == "seq-mean-token-mean":
+        seq_sums = seq_sums / mask.sum(-1).clamp(min=1)
+    elif mode == "seq-mean-token-sum-norm":
+        seq_sums = seq_sums / norm.max_len
+    elif mode != "seq-mean-token-sum":
+        raise ValueError(f"unknown loss aggregation {mode!r}: one of {', '.join(LOSS_AGG_MODES)}")
+    return seq_sums.sum() / max(norm.seqs, 1.0)
+
+
+# ---------------------------------------------------------------- policy losses
+
+POLICY_LOSSES = ("ppo_clip", "gspo", "cispo")
+
+
+def policy_loss_per_token(
+    kind: str,
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    eps_clip: float,
+    eps_clip_high: float,
+    tis_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token policy loss ``[batch, len]`` and where it was clipped (float 0/1), before
+    aggregation (``agg_loss``). r is pi / pi_old, A the advantage:
+
+    * ``ppo_clip``: max(-A r_t, -A clip(r_t, 1 - eps_clip, 1 + eps_clip_high)) per token;
+    * ``gspo``: the same with the sample's sequence ratio s_i = exp(mean_t(log r_t)) in every
+      token (its gradient is that of GSPO's token form sg(s_i) * r_t / sg(r_t));
+    * ``cispo``: -sg(min(r_t, 1 + eps_clip_high)) * A * log pi_t: the truncated weight has no
+      gradient, so no token's gradient is ever dropped by the clip (``eps_clip`` is unused).
+
+    ``tis_weights`` (per token, no grad; see ``truncated_is_weights``) multiply each token's
+    term in all three: they correct for the engine's sampling policy, the ratio for the
+    trainer's own steps within a rollout, so the two compose.
+    """
+    if advantages.dim() == 1:
+        advantages = advantages[:, None]
+    log_ratio = logprobs - old_logprobs
+    if kind in ("ppo_clip", "gspo"):
+        if kind == "gspo":
+            seq_log_ratio = (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+            ratio = torch.exp(seq_log_ratio).expand_as(logprobs)
+        else:
+            ratio = torch.exp(log_ratio)
+        unclipped = -advantages * ratio
+        clipped = -advantages * ratio.clamp(1.0 - eps_clip, 1.0 + eps_clip_high)
+        per_token = torch.maximum(unclipped, clipped)
+        was_clipped = (clipped > unclipped).float()
+    elif kind == "cispo":
+        ratio = torch.exp(log_ratio.detach())
+        per_token = -ratio.clamp(max=1.0 + eps_clip_high) * advantages * logprobs
+        was_clipped = (ratio > 1.0 + eps_clip_high).float()
+    else:
+        raise ValueError(f"unknown policy loss {kind!r}: one of {', '.join(POLICY_LOSSES)}")
+    if tis_weights is not None:
+        per_token = per_token * tis_weights
+    return per_token, was_clipped
 
 
 def policy_loss(
@@ -55,24 +192,17 @@ def policy_loss(
     eps_clip: float,
     eps_clip_high: float,
     tis_weights: torch.Tensor | None = None,
+    kind: str = "ppo_clip",
+    agg: str = "token-mean",
+    max_len: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """PPO clipped surrogate, averaged over response tokens. Returns (loss, clip fraction).
-
-    ``advantages`` is per sample ``[batch]`` (broadcast over tokens) or per token.
-    ``tis_weights`` (per token, no grad; see ``truncated_is_weights``) reweight each token's
-    surrogate for samples drawn from another policy than ``old_logprobs``'.
-    """
-    if advantages.dim() == 1:
-        advantages = advantages[:, None]
-    ratio = torch.exp(logprobs - old_logprobs)
-    unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1.0 - eps_clip, 1.0 + eps_clip_high)
-    per_token = torch.maximum(unclipped, clipped)
-    if tis_weights is not None:
-        per_token = per_token * tis_weights
-    loss = masked_mean(per_token, mask)
-    clipfrac = masked_mean((clipped > unclipped).float(), mask)
-    return loss, clipfrac
+    """A batch's policy loss (``policy_loss_per_token`` reduced by ``agg_loss``) and its clip
+    fraction (share of response tokens clipped). ``advantages`` is per sample ``[batch]``
+    (broadcast over tokens) or per token."""
+    per_token, was_clipped = policy_loss_per_token(
+        kind, logprobs, old_logprobs, advantages, mask, eps_clip, eps_clip_high, tis_weights
+    )
+    return agg_loss(per_token, mask, agg, max_len=max_len), masked_mean(was_clipped, mask)
 
 
 def truncated_is_weights(
@@ -92,7 +222,35 @@ def truncated_is_weights(
     return weights.detach(), clipped
 
 
+# ---------------------------------------------------------------- KL to the reference
+
+KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
+
+
 def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     """Per-token k3 estimator of KL(policy || ref): exp(ref - lp) - (ref - lp) - 1 (>= 0)."""
     log_ratio = ref_logprobs - logprobs
     return torch.exp(log_ratio) - log_ratio - 1.0
+
+
+def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str) -> torch.Tensor:
+    """Per-token estimate of KL(policy || ref) from the sampled tokens (``algo.kl_estimator``),
+    with d = lp - ref:
+
+    * ``k1``: d (unbiased, can be negative per token);
+    * ``k2``: d^2 / 2 (biased, >= 0; its gradient is that of the reverse KL);
+    * ``k3``: exp(-d) + d - 1 (unbiased, >= 0);
+    * ``low_var_kl``: k3 with d clamped to [-20, 20] and the result to [-10, 10], so one token
+      the reference finds very unlikely cannot dominate the penalty.
+    """
+    d = logprobs - ref_logprobs
+    if kind == "k1":
+        return d
+    if kind == "k2":
+        return 0.5 * d.square()
+    if kind == "k3":
+        return kl_k3(logprobs, ref_logprobs)
+    if kind == "low_var_kl":
+        d = d.clamp(-20.0, 20.0)
+        return (torch.exp(-d) + d - 1.0).clamp(-10.0, 10.0)
+    raise ValueError(f"unknown KL estimator {kind!r}: one of {', '.join(KL_ESTIMATORS)}")

@@ -46,7 +46,7 @@ def figure(run: RunDir):
         (axes[0][1], "response_len", "response length (tokens)"),
         (axes[0][2], "entropy", "entropy (nats per token): a collapse shows here first"),
         (axes[1][0], "loss", "policy loss"),
-        (axes[1][1], "kl", "KL to the reference (k3; 0 when algo.kl_coef = 0)"),
+        (axes[1][1], "kl", "KL to the reference (algo.kl_estimator; 0 when algo.kl_coef = 0)"),
         (axes[1][2], "time/step", "seconds per rollout"),
     ):
         pts = [(r["rollout_id"] + 1, r[key]) for r in train if key in r]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from pathlib import Path
@@ -98,11 +99,25 @@ def test_a_rank_failing_because_its_peer_died_is_blamed_on_the_dead_peer(ray_clu
     ray.kill(live)
 
 
-def test_gradient_is_global_token_mean(ray_cluster: None, model_path: str) -> None:
+# The loss aggregations, each with another policy loss and the entropy bonus: the per-rank share
+# must be normalised by the whole minibatch's counts, whatever they are.
+LOSS_SETTINGS = {
+    "token-mean": {},
+    "seq-mean-token-mean": {"loss_agg_mode": "seq-mean-token-mean", "policy_loss": "gspo", "entropy_coef": 0.01},
+    "seq-mean-token-sum": {"loss_agg_mode": "seq-mean-token-sum", "policy_loss": "cispo"},
+    "seq-mean-token-sum-norm": {"loss_agg_mode": "seq-mean-token-sum-norm", "entropy_coef": 0.01},
+}
+
+
+@pytest.mark.parametrize("loss", list(LOSS_SETTINGS))
+def test_gradient_is_global_token_mean(ray_cluster: None, model_path: str, loss: str) -> None:
     """2 ranks x small micro-batches == 1 rank x one micro-batch: same gradient, same step."""
     batch = make_batch(9, seed=7)  # 9 samples: shards of 4 and 5, micro-batches of 2 -> uneven
     cfg_split = make_cfg(micro_batch_size=2, grad_clip=1e9)
     cfg_whole = make_cfg(micro_batch_size=64, grad_clip=1e9)
+    for cfg in (cfg_split, cfg_whole):
+        for k, v in LOSS_SETTINGS[loss].items():
+            setattr(cfg.algo, k, v)
     with Group(cfg_split, model_path, 2) as split, Group(cfg_whole, model_path, 1) as whole:
         m_split = split.train(0, batch)
         m_whole = whole.train(0, batch)
@@ -120,13 +135,30 @@ def test_gradient_is_global_token_mean(ray_cluster: None, model_path: str) -> No
         assert (w_split[k] - w_whole[k]).abs().max() <= 2 * cfg_whole.actor.lr
 
 
+def test_the_entropy_bonus_keeps_entropy_higher(ray_cluster: None, model_path: str) -> None:
+    """The same rollouts with and without algo.entropy_coef: after a few steps the policy trained
+    with the bonus has the higher entropy (the metric is the policy's before each rollout)."""
+    entropy = {}
+    for coef in (0.0, 0.5):
+        cfg = make_cfg(micro_batch_size=8)
+        cfg.algo.entropy_coef = coef
+        with Group(cfg, model_path, 1) as g:
+            start = g.train(0, make_batch(8, seed=0))["entropy"]
+            for rollout_id in range(1, 5):
+                entropy[coef] = g.train(rollout_id, make_batch(8, seed=rollout_id))["entropy"]
+    assert entropy[0.5] > entropy[0.0], (start, entropy)
+
+
 def test_save_load_resumes_bit_exact(ray_cluster: None, model_path: str, tmp_path: Path) -> None:
     """Four data-parallel ranks (two can hide a summation-order difference: a + b == b + a): the
     first step after a load gives the uninterrupted run's loss, gradients and weights, bit for
     bit. The uninterrupted ranks take that step as their second (DDP rebuilt its gradient
-    buckets there, so a resumed DDP rank rounded its sum differently: issue 34)."""
+    buckets there, so a resumed DDP rank rounded its sum differently: issue 34). With a warmup
+    and a cosine decay, the resumed steps take the rate of the same step (issue 31)."""
     ranks = 4
     cfg = make_cfg(micro_batch_size=3, num_steps_per_rollout=2)
+    cfg.actor.lr_schedule, cfg.actor.lr_warmup_steps, cfg.actor.lr_decay_steps = "cosine", 1, 6
+    cfg.actor.min_lr = 1e-3
     ckpt, again = tmp_path / "ckpt", tmp_path / "again"
     with Group(cfg, model_path, ranks) as a:
         a.train(0, make_batch(16, seed=0))
@@ -156,6 +188,8 @@ def test_save_load_resumes_bit_exact(ray_cluster: None, model_path: str, tmp_pat
         resumed_grads = tensors(b, rank=3, grads=True)
         assert b.fingerprints() == uninterrupted
     assert resumed_metrics == uninterrupted_metrics  # every float, exactly
+    # the last step is the 4th (index 3): 2 after the 1-step warmup, of the 5 of the decay
+    assert resumed_metrics["lr"] == pytest.approx(1e-3 + 9e-3 * (1 + math.cos(math.pi * 2 / 5)) / 2, rel=1e-12)
     assert resumed_grads.keys() == uninterrupted_grads.keys()
     for name, g in uninterrupted_grads.items():
         assert torch.equal(resumed_grads[name], g), name

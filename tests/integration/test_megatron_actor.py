@@ -3,6 +3,7 @@ PyTorch actor, TP=2 / DP=2 the same as TP=1, torch_dist checkpoints that reshard
 
 from __future__ import annotations
 
+import math
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -90,6 +91,21 @@ def test_two_ranks(torch_reference, model_path: str, tp: int, dist_opt: bool) ->
     all-reduce, or the distributed optimizer's reduce-scatter and sharded Adam state) like two
     PyTorch DDP ranks."""
     assert_same_training(torch_reference[2 // tp], train_two(make_cfg(tp=tp, dist_opt=dist_opt), model_path, 2))
+
+
+def test_loss_knobs_and_lr_schedule_train_as_in_pytorch(model_path: str, ray_cluster: None) -> None:
+    """The entropy bonus through the vocab shards (its gradient crosses the TP all-reduce), a
+    sequence-level aggregation and a warmup + cosine rate: megatron at TP=2 trains as the
+    PyTorch actor does (issue 31)."""
+
+    def knobs(cfg: Config) -> Config:
+        cfg.algo.entropy_coef, cfg.algo.loss_agg_mode = 0.05, "seq-mean-token-mean"
+        cfg.actor.lr_schedule, cfg.actor.lr_warmup_steps, cfg.actor.lr_decay_steps = "cosine", 1, 4
+        return cfg
+
+    reference = train_two(knobs(make_cfg("torch")), model_path, 1)
+    assert reference[0][1]["lr"] == pytest.approx(1e-2 * (1 + math.cos(math.pi * 2 / 3)) / 2)  # step 3 of 1 + 3
+    assert_same_training(reference, train_two(knobs(make_cfg(tp=2)), model_path, 2))
 
 
 def assert_resumes(

@@ -192,6 +192,13 @@ REFUSED = [
     ("algo.eps_clip=-0.1", "algo.eps_clip = -0.1 must be >= 0"),
     ("algo.eps_clip_high=-0.1", "algo.eps_clip_high = -0.1 must be >= 0"),
     ("algo.kl_coef=-0.01", "algo.kl_coef = -0.01 must be >= 0"),
+    ("algo.entropy_coef=-0.01", "algo.entropy_coef = -0.01 must be >= 0"),
+    ("algo.gspo_eps_clip=-1e-4", "algo.gspo_eps_clip = -0.0001 must be >= 0"),
+    ("algo.gspo_eps_clip_high=-1e-4", "algo.gspo_eps_clip_high = -0.0001 must be >= 0"),
+    ("algo.loss_agg_mode=seq-mean", "algo.loss_agg_mode = 'seq-mean' is not one of 'token-mean' | "),
+    ("algo.policy_loss=dapo", "algo.policy_loss = 'dapo' is not one of 'ppo_clip' | 'gspo' | 'cispo'"),
+    ("algo.kl_estimator=k4", "algo.kl_estimator = 'k4' is not one of 'k1' | 'k2' | 'k3' | 'low_var_kl'"),
+    ("algo.advantage_estimator=reinforce", "algo.advantage_estimator = 'reinforce' is not one of"),
     ("actor.lr=.nan", "actor.lr = nan is not a finite number"),
     ("algo.kl_coef=.nan", "algo.kl_coef = nan is not a finite number"),
     ("rollout.temperature=.inf", "rollout.temperature = inf is not a finite number"),
@@ -322,6 +329,34 @@ def test_tis_keys():
     assert cfg.algo.tis is False and cfg.algo.tis_clip == 2.0
     assert load_config(None, TINY + ["algo.tis=true", "algo.tis_clip=1.5"]).algo.tis_clip == 1.5
     assert "algo.tis_clip" in error(["algo.tis_clip=0"])
+
+
+def test_loss_keys_default_to_the_old_behaviour_and_take_every_choice():
+    algo = load_config(None, TINY).algo
+    assert (algo.policy_loss, algo.loss_agg_mode, algo.kl_estimator) == ("ppo_clip", "token-mean", "k3")
+    assert algo.entropy_coef == 0.0 and (algo.gspo_eps_clip, algo.gspo_eps_clip_high) == (3e-4, 4e-4)
+    sets = [
+        "algo.policy_loss=gspo",
+        "algo.loss_agg_mode=seq-mean-token-sum-norm",
+        "algo.kl_estimator=low_var_kl",
+        "algo.entropy_coef=0.001",
+        "algo.advantage_estimator=reinforce_plus_plus_baseline",
+    ]
+    algo = load_config(None, TINY + sets).algo
+    assert (algo.policy_loss, algo.loss_agg_mode, algo.kl_estimator) == (
+        "gspo",
+        "seq-mean-token-sum-norm",
+        "low_var_kl",
+    )
+    assert algo.entropy_coef == 0.001 and algo.advantage_estimator == "reinforce_plus_plus_baseline"
+
+
+@pytest.mark.parametrize("estimator", ["rloo", "reinforce_plus_plus_baseline"])
+def test_a_group_baseline_needs_two_samples_per_prompt(estimator):
+    message = error([f"algo.advantage_estimator={estimator}", "rollout.n_samples_per_prompt=1"])
+    assert f"algo.advantage_estimator = '{estimator}' needs rollout.n_samples_per_prompt >= 2" in message
+    # the batch-wide baseline has no groups: one sample per prompt is fine
+    load_config(None, TINY + ["algo.advantage_estimator=reinforce_plus_plus", "rollout.n_samples_per_prompt=1"])
 
 
 def test_actor_call_timeout_key():

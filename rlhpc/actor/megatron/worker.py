@@ -313,12 +313,22 @@ class MegatronTrainWorker(RankBase):
         return -vocab_parallel_cross_entropy(logits.clone(), ids[:, 1:])
 
     def _entropy(self, logits: torch.Tensor) -> torch.Tensor:
-        """Entropy of the full-vocab softmax from the vocab shards (a reduction in the TP group)."""
-        m = logits.max(-1).values
+        """Entropy of the full-vocab softmax from the vocab shards (a reduction in the TP group).
+
+        Differentiable (``algo.entropy_coef``): the max only shifts for stability, so it is a
+        constant; the sums' all-reduce passes the gradient through unchanged (megatron's
+        reduce-from-TP region), as every TP rank computes the same loss from them.
+        """
+        m = logits.detach().max(-1).values
         dist.all_reduce(m, dist.ReduceOp.MAX, group=self.tp_group)
         e = (logits - m.unsqueeze(-1)).exp()
         sums = torch.stack([e.sum(-1), (e * logits.nan_to_num(neginf=0.0)).sum(-1)])
-        dist.all_reduce(sums, group=self.tp_group)
+        if sums.requires_grad:
+            from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+            sums = reduce_from_tensor_model_parallel_region(sums)
+        else:
+            dist.all_reduce(sums, group=self.tp_group)
         return m + sums[0].log() - sums[1] / sums[0]
 
     def _zero_grad(self) -> None:
