@@ -54,7 +54,9 @@ class Section:
         """The section's own rules: ranges, counts, rules between its fields."""
 
     def key(self, name: str) -> str:
-        return f"{self.SECTION}.{name}" if self.SECTION else name
+        # _where: the place _build constructed it at (eval.sets.NAME), where a class has many
+        where = getattr(self, "_where", None) or self.SECTION
+        return f"{where}.{name}" if where else name
 
     def _refuse(self, name: str, rule: str, fix: str) -> typing.NoReturn:
         raise ConfigError(f"{self.key(name)} = {getattr(self, name)!r} {rule}", fix)
@@ -482,6 +484,30 @@ class RolloutConfig(Section):
             )
 
 
+DEFAULT_EVAL_SET = "default"  # the set of the old keys (data.eval_file, eval.*): its metrics keep their names
+_SET_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+
+
+@dataclass
+class EvalSetConfig(Section):
+    """One named eval set (``eval.sets.NAME``). An unset key takes the value of the key that
+    configures the default set: ``data.prompt_key``, ``eval.temperature``, ..."""
+
+    SECTION: ClassVar[str] = "eval.sets"
+
+    file: str | None = None  # None: the task's own generated eval split (data.num_eval rows)
+    prompt_key: str | None = None  # None: data.prompt_key
+    label_key: str | None = None  # None: data.label_key
+    n_samples_per_prompt: int | None = None  # None: eval.n_samples_per_prompt
+    temperature: float | None = None  # None: eval.temperature
+    max_new_tokens: int | None = None  # None: eval.max_new_tokens, else rollout.max_new_tokens
+
+    def check(self) -> None:
+        self._at_least(1, "n_samples_per_prompt", fix=f"set {self.key('n_samples_per_prompt')} to at least 1")
+        self._at_least(0, "temperature", fix="use 0 for greedy decoding, or e.g. 1.0 to sample")
+        self._at_least(1, "max_new_tokens", fix="set a positive count, or null to use eval.max_new_tokens")
+
+
 @dataclass
 class EvalConfig(Section):
     SECTION: ClassVar[str] = "eval"
@@ -491,12 +517,50 @@ class EvalConfig(Section):
     temperature: float = 0.0
     max_new_tokens: int | None = None  # None: rollout.max_new_tokens
     pass_threshold: float = 1.0  # a sample passes (pass@k, maj@n) when its reward is at least this
+    # Named eval sets, each logged as eval/NAME/mean, eval/NAME/pass@k, eval/NAME/maj@n. Empty:
+    # one set from data.eval_file and the keys above, logged as eval/reward, eval/pass@k, ...
+    sets: dict[str, EvalSetConfig] = field(default_factory=dict)
 
     def check(self) -> None:
         self._at_least(1, "interval", fix="set a positive interval, or null to disable eval")
         self._at_least(1, "n_samples_per_prompt")
         self._at_least(0, "temperature", fix="use 0 for greedy decoding, or e.g. 1.0 to sample")
         self._at_least(1, "max_new_tokens", fix="set a positive count, or null to use rollout.max_new_tokens")
+        for name, s in self.sets.items():
+            if not _SET_NAME.fullmatch(name):
+                raise ConfigError(
+                    f"eval.sets has a set named {name!r}: a set's name is part of its metric names (eval/NAME/mean)",
+                    "name it with letters, digits, _ . - only, e.g. gsm8k",
+                )
+            s.check()  # again: a set's fields may have been assigned after it was built
+
+    def resolved_sets(self, data: DataConfig, rollout: RolloutConfig) -> dict[str, EvalSetConfig]:
+        """Every set evaluated, each key given (the old keys are the set ``DEFAULT_EVAL_SET``)."""
+        sets = self.sets or {DEFAULT_EVAL_SET: EvalSetConfig(file=data.eval_file)}
+        out = {}
+        for name, s in sets.items():
+            out[name] = dataclasses.replace(
+                s,
+                prompt_key=s.prompt_key or data.prompt_key,
+                label_key=s.label_key or data.label_key,
+                n_samples_per_prompt=s.n_samples_per_prompt or self.n_samples_per_prompt,
+                temperature=self.temperature if s.temperature is None else s.temperature,
+                max_new_tokens=s.max_new_tokens or self.max_new_tokens or rollout.max_new_tokens,
+            )
+        return out
+
+
+def eval_metric(set_name: str, metric: str) -> str:
+    """A set's metric as logged in the eval record: the default set's under today's names
+    (``reward``, ``pass@4``), a named set's under ``NAME/`` with its mean reward as ``NAME/mean``."""
+    if set_name == DEFAULT_EVAL_SET:
+        return metric
+    return f"{set_name}/{'mean' if metric == 'reward' else metric}"
+
+
+def eval_split(set_name: str) -> str:
+    """The split name a set's prompts are prepared and logged under (``eval`` for the default set)."""
+    return "eval" if set_name == DEFAULT_EVAL_SET else f"eval/{set_name}"
 
 
 @dataclass
@@ -710,6 +774,13 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         if not isinstance(value, list):
             raise ConfigError(f"{where} must be a list, got {value!r}", f"write e.g. {where}: [a, b]")
         return [_coerce(v, arg, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        key_type, arg = typing.get_args(tp)
+        if value is None:
+            return {}
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where} must be a mapping, got {value!r}", f"write e.g. {where}: {{name: {{...}}}}")
+        return {_coerce(k, key_type, f"{where} key"): _coerce(v, arg, f"{where}.{k}") for k, v in value.items()}
     if dataclasses.is_dataclass(tp):
         return _build(tp, value, where)
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
@@ -746,7 +817,10 @@ def _build(cls: type, data: Any, where: str) -> Any:
             )
             raise ConfigError(f"unknown config key {path!r}", fix)
         kwargs[key] = _coerce(value, hints[key], path)
-    return cls(**kwargs)
+    obj = cls.__new__(cls)
+    obj._where = where  # before __init__: its checks name the key where it was read
+    obj.__init__(**kwargs)
+    return obj
 
 
 def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
@@ -875,14 +949,25 @@ def validate(cfg: Config) -> None:
         )
 
     d = cfg.data
-    for key in ("train_file", "eval_file"):
-        f = getattr(d, key)
-        if f is not None and not Path(f).exists():
-            raise ConfigError(f"data.{key} {f} does not exist", f"create it ({FORMATS}) or unset data.{key}")
-    files = [f for f in (d.train_file, d.eval_file) if f is not None]
+    if cfg.eval.sets and d.eval_file is not None:
+        raise ConfigError(
+            "data.eval_file and eval.sets are both set: with eval.sets only the named sets are evaluated",
+            f"move data.eval_file into eval.sets (e.g. eval.sets.{DEFAULT_EVAL_SET}.file: {d.eval_file}) "
+            "or unset eval.sets",
+        )
+    sets = cfg.eval.resolved_sets(d, r)
+    # (key, file, prompt key, label key) of every data file the run reads
+    files = [("data.train_file", d.train_file, d.prompt_key, d.label_key)] if d.train_file is not None else []
+    for name, s in sets.items():
+        if s.file is not None:
+            key = "data.eval_file" if not cfg.eval.sets else f"eval.sets.{name}.file"
+            files.append((key, s.file, s.prompt_key, s.label_key))
+    for key, f, _, _ in files:
+        if not Path(f).exists():
+            raise ConfigError(f"{key} {f} does not exist", f"create it ({FORMATS}) or unset {key}")
     if files and d.reward is None:
         raise ConfigError(
-            f"data.train_file / data.eval_file are set but data.reward is not: the toy task {d.task!r}'s "
+            f"{' / '.join(k for k, *_ in files)} set but data.reward is not: the toy task {d.task!r}'s "
             "reward would score your data",
             "set data.reward: rlhpc.rewards:math (math-verify), rlhpc.rewards:exact, or your own module:function",
         )
@@ -891,8 +976,8 @@ def validate(cfg: Config) -> None:
             f"data.chat_template {d.chat_template} is neither auto, none, nor an existing file",
             "use auto (the tokenizer's template), none, or the path of a Jinja template",
         )
-    for f in files:  # a bad file is refused here, at submit, not after the queue wait
-        rows = read_rows(f, d.prompt_key, d.label_key)
+    for _, f, prompt_key, label_key in files:  # a bad file is refused here, at submit, not after the queue wait
+        rows = read_rows(f, prompt_key, label_key)
         if d.chat_template == "none" and any(isinstance(r["prompt"], list) for r in rows):
             raise ConfigError(
                 f"{f} has chat-message prompts but data.chat_template is none",
@@ -972,6 +1057,7 @@ def _validate_context(cfg: Config) -> None:
     for key, new in (
         ("rollout.max_new_tokens", cfg.rollout.max_new_tokens),
         ("eval.max_new_tokens", cfg.eval.max_new_tokens),
+        *((f"eval.sets.{name}.max_new_tokens", s.max_new_tokens) for name, s in cfg.eval.sets.items()),
     ):
         if new is not None and prompt + new > context:
             with_prompt = f" + data.max_prompt_tokens = {prompt}" if cfg.data.max_prompt_tokens else " + a prompt token"

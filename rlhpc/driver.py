@@ -21,14 +21,14 @@ from rlhpc.actor.group import ActorGroup, ActorSpec
 from rlhpc.checkpoint import CheckpointManager
 from rlhpc.cluster.layout import plan_layout, summarize_layout
 from rlhpc.cluster.placement import create_placement
-from rlhpc.config import Config, config_to_dict
+from rlhpc.config import Config, EvalSetConfig, config_to_dict, eval_metric, eval_split
 from rlhpc.launch.restarts import read_history
 from rlhpc.launch.signals import Stopped, StopRequest
 from rlhpc.launch.staging import NOT_STAGED, Staged
 from rlhpc.launch.startup import StartupClock
 from rlhpc.metrics import MetricsLogger, read_metrics
 from rlhpc.model import context_length, load_tokenizer
-from rlhpc.rollout.buffer import load_data
+from rlhpc.rollout.buffer import load_eval_sets, load_train
 from rlhpc.rollout.engine_pool import EnginePool
 from rlhpc.rollout.generation import Generation, GenerationAborted, task_reward
 from rlhpc.rollout.prompts import PromptPrep, prepare_prompts
@@ -50,14 +50,31 @@ class Timer(dict):
 
 def prompt_prep(cfg: Config, tokenizer: Any, context: int | None) -> PromptPrep:
     """Chat rows rendered, and each split's prompts held to ``data.max_prompt_tokens`` or what the
-    context leaves after the split's ``max_new_tokens`` (no limit when neither is known)."""
-    new = {"train": cfg.rollout.max_new_tokens, "eval": cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens}
+    context leaves after the split's ``max_new_tokens`` (no limit when neither is known). The
+    splits: ``train`` and each eval set's (``eval_split``)."""
+    sets = cfg.eval.resolved_sets(cfg.data, cfg.rollout)
+    new = {
+        "train": cfg.rollout.max_new_tokens,
+        "eval": cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens,
+        **{eval_split(name): s.max_new_tokens for name, s in sets.items()},
+    }
     limits: dict[str, int] | None = None
     if cfg.data.max_prompt_tokens is not None:
         limits = dict.fromkeys(new, cfg.data.max_prompt_tokens)
     elif context is not None:
         limits = {split: context - n for split, n in new.items()}
     return prepare_prompts(tokenizer, cfg.data, limits)
+
+
+def evaluate_sets(
+    generation: Generation, rollout_id: int, sets: dict[str, EvalSetConfig], rows: dict[str, list[dict]]
+) -> dict[str, float]:
+    """One eval record: every set's metrics (``Generation.evaluate``) under its names (``eval_metric``)."""
+    values = {}
+    for name, s in sets.items():
+        metrics = generation.evaluate(rollout_id, rows[name], s, seed_tag=eval_split(name))
+        values.update({eval_metric(name, k): v for k, v in metrics.items()})
+    return values
 
 
 def every(interval: int | None, rollout_id: int, epoch_end: bool) -> bool:
@@ -132,12 +149,10 @@ class TrainLoop:
             self.placement = create_placement(layout.num_slots, layout.slot_groups if layout.heterogeneous else None)
         model_path = staged.get(run.model_path(cfg))
         tokenizer = load_tokenizer(model_path)
-        self.buffer, self.eval_rows = load_data(
-            cfg.data,
-            cfg.rollout.rollout_batch_size,
-            cfg.seed,
-            prompt_prep(cfg, tokenizer, context_length(model_path)),
-        )
+        prepare = prompt_prep(cfg, tokenizer, context_length(model_path))
+        self.buffer = load_train(cfg.data, cfg.rollout.rollout_batch_size, cfg.seed, prepare)
+        self.eval_sets = cfg.eval.resolved_sets(cfg.data, cfg.rollout)
+        self.eval_rows = load_eval_sets(cfg.data, self.eval_sets, prepare)
         self.num_rollout = cfg.rollout.num_rollout or self.buffer.num_rollout_per_epoch * cfg.rollout.num_epoch
 
         # When each rollout is generated (rlhpc/schedule.py): inline, or ahead of training in a thread.
@@ -375,7 +390,7 @@ class TrainLoop:
     def evaluate(self, rollout_id: int) -> None:
         try:
             with self.schedule.exclusive():  # between two rollouts: the engines hold the newest weights
-                values = self.generation.evaluate(rollout_id, self.eval_rows)
+                values = evaluate_sets(self.generation, rollout_id, self.eval_sets, self.eval_rows)
         except GenerationAborted:
             log.warning("evaluation after rollout %d cut short by a stop request; it runs again at resume", rollout_id)
             self.stop_if_requested(rollout_id + 1)

@@ -67,6 +67,13 @@ def read_metrics(run: RunDir | str | Path) -> list[dict]:
     return records
 
 
+def eval_means(record: dict) -> dict[str, float]:
+    """An eval record's mean reward per set: ``{"eval": ...}`` for the default set (``reward``),
+    ``{NAME: ...}`` for each named set (``NAME/mean``), in the order they were logged."""
+    return {"eval" if k == "reward" else k.removesuffix("/mean"): v for k, v in record.items()
+            if k == "reward" or k.endswith("/mean")}  # fmt: skip
+
+
 def _console_line(kind: str, rollout_id: int, num_rollout: int, values: dict) -> str:
     keys = (
         ("reward", "reward {:.3f}"),

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from rlhpc.errors import RlhpcError
-from rlhpc.metrics import read_metrics
+from rlhpc.metrics import eval_means, read_metrics
 from rlhpc.run_dir import RunDir, SweepDir
 
 
@@ -39,7 +39,9 @@ def figure(run: RunDir):
     ax.plot(
         [r["rollout_id"] + 1 for r in train], [r["reward"] for r in train], lw=0.8, alpha=0.6, label="train (sampled)"
     )
-    ax.plot([r["rollout_id"] + 1 for r in evals], [r["reward"] for r in evals], "o-", label="eval (greedy)")
+    for name in dict.fromkeys(n for r in evals for n in eval_means(r)):  # one line per eval set
+        points = [(r["rollout_id"] + 1, eval_means(r)[name]) for r in evals if name in eval_means(r)]
+        ax.plot(*zip(*points), "o-", label=name if name != "eval" else "eval (greedy)")
     ax.set(title="reward", xlabel="rollouts trained", ylim=(-0.02, 1.02))
     ax.legend()
     for ax, key, title in (
@@ -79,9 +81,9 @@ def plot_sweep(sweep: SweepDir, out: Path) -> Path:
             color=color,
             label=f"{i}: {label}",
         )
-        eval_ax.plot(
-            [r["rollout_id"] + 1 for r in evals], [r["reward"] for r in evals], "o-", color=color, label=f"{i}: {label}"
-        )
+        firsts = [(r["rollout_id"] + 1, next(iter(eval_means(r).values()))) for r in evals if eval_means(r)]
+        if firsts:  # the first eval set of each task
+            eval_ax.plot(*zip(*firsts), "o-", color=color, label=f"{i}: {label}")
     train_ax.set(title="train reward (sampled)", xlabel="rollouts trained", ylim=(-0.02, 1.02))
     eval_ax.set(title="eval reward (greedy)", xlabel="rollouts trained", ylim=(-0.02, 1.02))
     train_ax.legend(fontsize="small")

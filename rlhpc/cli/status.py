@@ -15,7 +15,7 @@ from rlhpc.checkpoint import CheckpointManager
 from rlhpc.errors import RlhpcError
 from rlhpc.launch import slurm
 from rlhpc.launch.startup import read_startup
-from rlhpc.metrics import MetricsFileCorrupt, read_metrics
+from rlhpc.metrics import MetricsFileCorrupt, eval_means, read_metrics
 from rlhpc.run_dir import RunDir, SweepDir
 
 
@@ -126,7 +126,8 @@ def task_row(run: RunDir) -> dict[str, str]:
         "state": state,
         "restarts": str(max(0, len(read_history(run)) - 1)),
         "rollouts": str(max(trained) + 1 if trained else 0),
-        "eval reward": f"{evals[-1]['reward']:.3f}" if evals else "-",
+        # the default eval set's mean, or the first named set's
+        "eval reward": next((f"{v:.3f}" for v in eval_means(evals[-1]).values()), "-") if evals else "-",
     }
 
 

@@ -13,11 +13,12 @@ import json
 import random
 from typing import TYPE_CHECKING
 
+from rlhpc.config import eval_split
 from rlhpc.errors import ConfigError
 from rlhpc.tasks import TASKS, load_split
 
 if TYPE_CHECKING:
-    from rlhpc.config import DataConfig
+    from rlhpc.config import DataConfig, EvalSetConfig
     from rlhpc.rollout.prompts import PromptPrep
 
 
@@ -99,10 +100,28 @@ def load_data(
 ) -> tuple[DataBuffer, list[dict]]:
     """The training buffer and the eval rows of ``data.task`` (or of its files), each split
     passed through ``prepare`` (``rlhpc.rollout.prompts.prepare_prompts``) before the order is drawn."""
-    task = TASKS[data.task]
-    keys = (data.prompt_key, data.label_key)
-    train_rows = load_split(task, data.train_file, data.num_train, data.seed, *keys)
-    eval_rows = load_split(task, data.eval_file, data.num_eval, data.seed + 1, *keys)
+    eval_rows = load_split(
+        TASKS[data.task], data.eval_file, data.num_eval, data.seed + 1, data.prompt_key, data.label_key
+    )
     if prepare is not None:
-        train_rows, eval_rows = prepare("train", train_rows), prepare("eval", eval_rows)
-    return DataBuffer(train_rows, rollout_batch_size, seed), eval_rows
+        eval_rows = prepare("eval", eval_rows)
+    return load_train(data, rollout_batch_size, seed, prepare), eval_rows
+
+
+def load_train(data: DataConfig, rollout_batch_size: int, seed: int, prepare: PromptPrep | None = None) -> DataBuffer:
+    """The training buffer of ``data.task`` (or of its file)."""
+    rows = load_split(TASKS[data.task], data.train_file, data.num_train, data.seed, data.prompt_key, data.label_key)
+    return DataBuffer(prepare("train", rows) if prepare is not None else rows, rollout_batch_size, seed)
+
+
+def load_eval_sets(
+    data: DataConfig, sets: dict[str, EvalSetConfig], prepare: PromptPrep | None = None
+) -> dict[str, list[dict]]:
+    """Each eval set's rows (``EvalConfig.resolved_sets``): its file, or the task's generated eval
+    split (the same rows for every set without a file), through ``prepare`` under its split name."""
+    task = TASKS[data.task]
+    out = {}
+    for name, s in sets.items():
+        rows = load_split(task, s.file, data.num_eval, data.seed + 1, s.prompt_key, s.label_key)
+        out[name] = prepare(eval_split(name), rows) if prepare is not None else rows
+    return out

@@ -31,7 +31,7 @@ from rlhpc.tasks import TASKS, RewardFn, resolve_reward
 if TYPE_CHECKING:
     from rich.progress import Progress
 
-    from rlhpc.config import AlgoConfig, DataConfig, EvalConfig, RolloutConfig
+    from rlhpc.config import AlgoConfig, DataConfig, EvalConfig, EvalSetConfig, RolloutConfig
 
 log = logging.getLogger(__name__)
 
@@ -386,15 +386,16 @@ class Generation:
         }
         return s, metrics
 
-    def evaluate(self, rollout_id: int, rows: list[dict]) -> dict[str, float]:
+    def evaluate(self, rollout_id: int, rows: list[dict], eval_set: EvalSetConfig, seed_tag: str) -> dict[str, float]:
         """Mean reward, response length, pass@k and maj@n (``rlhpc.algo.pass_at_k``) on ``rows``
-        (the eval split) after ``rollout_id``."""
+        after ``rollout_id``, sampled as ``eval_set`` says (``EvalConfig.resolved_sets``: every
+        key given). ``seed_tag``: the sampling seeds' tag, one per set (``eval_split``)."""
         e = self.eval_cfg
-        max_new = e.max_new_tokens or self.rollout_cfg.max_new_tokens
-        s = self.sample(rows, e.n_samples_per_prompt, e.temperature, max_new, "eval", f"eval after {rollout_id}")
+        n, desc = eval_set.n_samples_per_prompt, f"{seed_tag} after {rollout_id}"
+        s = self.sample(rows, n, eval_set.temperature, eval_set.max_new_tokens, seed_tag, desc)
         return {
             "reward": s.rewards.mean().item(),
             "response_len": sum(map(len, s.response_ids)) / len(s.response_ids),
-            **pass_metrics(s.rewards.tolist(), s.texts["response"], e.n_samples_per_prompt, e.pass_threshold),
+            **pass_metrics(s.rewards.tolist(), s.texts["response"], n, e.pass_threshold),
             **s.part_metrics(),
         }

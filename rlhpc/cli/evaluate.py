@@ -1,0 +1,144 @@
+"""Evaluate a saved checkpoint of a run on its eval sets, with the code the run evaluates with.
+
+rlhpc-eval runs/exp1                                  # the newest checkpoint
+rlhpc-eval runs/exp1 --checkpoint rollout_19          # a given one
+rlhpc-eval runs/exp1 --set eval.sets.hard.file=hard.jsonl --set data.reward=rlhpc.rewards:math
+
+The run's own config.yaml (with the --set values on top) says the eval sets, the reward and the
+engines; the engines start from the checkpoint's model (the actor's HF directory) in a local Ray,
+as the embedded default's do. The metrics are printed and written to RUN_DIR/evals/rollout_N.json.
+Without RUN_DIR it reads $RLHPC_RUN_DIR, so it runs as a follow-up: jobs/submit.py --then rlhpc-eval.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from rlhpc.actor.checkpoint_dir import ACTOR_SUBDIR
+from rlhpc.checkpoint import PREFIX, STATE, CheckpointManager, checkpoint_name, validate
+from rlhpc.config import Config, load_config
+from rlhpc.errors import RlhpcError
+from rlhpc.launch.followup import RUN_DIR_ENV
+from rlhpc.logs import setup_logging
+from rlhpc.run_dir import RunDir
+from rlhpc.util.files import write_atomic
+
+log = logging.getLogger(__name__)
+
+
+def find_checkpoint(run: RunDir, name: str | None) -> tuple[Path, int]:
+    """(directory, rollout id) of checkpoint ``name`` (``rollout_N``; None: the newest valid one)."""
+    if not run.config_file.is_file():
+        raise RlhpcError(
+            f"{run.path} is not a run dir (it has no config.yaml)",
+            "pass the --run-dir of a submitted run, e.g. rlhpc-eval runs/exp1",
+        )
+    if name is None:
+        latest = CheckpointManager(run.checkpoints, keep_last=1).latest() if run.checkpoints.is_dir() else None
+        if latest is None:
+            raise RlhpcError(
+                f"run {run.path} has no complete checkpoint yet",
+                "wait for the run's first save (checkpoint.save_interval), or evaluate another run",
+            )
+        return latest.path, latest.rollout_id
+    digits = name.removeprefix(PREFIX)
+    if not digits.isdigit():
+        raise RlhpcError(f"--checkpoint {name!r} is not rollout_N", "name a checkpoint as rollout_N, e.g. rollout_19")
+    path = run.checkpoints / checkpoint_name(int(digits))
+    problem = validate(path) if path.is_dir() else f"{path} does not exist"
+    if problem is not None:
+        have = (
+            sorted(p.name for p in run.checkpoints.glob(f"{PREFIX}*") if p.is_dir()) if run.checkpoints.is_dir() else []
+        )
+        raise RlhpcError(
+            f"checkpoint {name} of {run.path} cannot be evaluated: {problem}",
+            f"pick one of: {', '.join(have)}" if have else "wait for the run's first checkpoint",
+        )
+    return path, json.loads((path / STATE).read_text())["rollout_id"]
+
+
+def model_dir(ckpt: Path) -> Path:
+    """The checkpoint's model as an HF directory the engines load."""
+    actor = ckpt / ACTOR_SUBDIR
+    if not (actor / "config.json").is_file():
+        raise RlhpcError(
+            f"{actor} holds no HF model (a megatron checkpoint keeps its weights sharded under dist/)",
+            "convert it with tools/convert_checkpoint.py and evaluate the HF directory it writes",
+        )
+    return actor
+
+
+def evaluate_checkpoint(cfg: Config, run: RunDir, ckpt: Path, rollout_id: int) -> dict[str, float]:
+    """The eval record of ``ckpt`` (``rlhpc.driver.evaluate_sets``), on engines started from its model."""
+    from rlhpc.cluster.layout import plan_layout
+    from rlhpc.launch.job import local_ray
+    from rlhpc.launch.signals import StopRequest
+
+    layout = plan_layout(cfg.cluster)
+    with local_ray(cfg.cluster, layout.num_slots, StopRequest()):
+        from rlhpc.cluster.placement import create_placement
+        from rlhpc.driver import evaluate_sets, prompt_prep
+        from rlhpc.model import context_length, load_tokenizer
+        from rlhpc.rollout.buffer import load_eval_sets
+        from rlhpc.rollout.engine_pool import EnginePool
+        from rlhpc.rollout.generation import Generation, task_reward
+
+        weights = str(model_dir(ckpt))
+        tokenizer = load_tokenizer(run.model_path(cfg))  # the run's, as its driver encodes prompts with
+        sets = cfg.eval.resolved_sets(cfg.data, cfg.rollout)
+        rows = load_eval_sets(cfg.data, sets, prompt_prep(cfg, tokenizer, context_length(weights)))
+        placement = create_placement(layout.num_slots, layout.slot_groups if layout.heterogeneous else None)
+        try:
+            logs = Path(tempfile.mkdtemp(prefix="rlhpc-eval-logs-"))
+            engines = EnginePool(cfg.rollout, cfg.cluster, cfg.seed, weights, placement, layout, logs)
+            try:
+                generation = Generation(
+                    tokenizer, task_reward(cfg.data), cfg.rollout, cfg.eval, cfg.algo, cfg.seed,
+                    send=engines.generate, num_engines=len(layout.engine_slots),
+                )  # fmt: skip
+                return evaluate_sets(generation, rollout_id, sets, rows)
+            finally:
+                engines.shutdown()
+        finally:
+            placement.remove()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run_dir", nargs="?", default=os.environ.get(RUN_DIR_ENV), help=f"default: ${RUN_DIR_ENV}")
+    p.add_argument("--checkpoint", help="rollout_N (default: the newest complete checkpoint)")
+    p.add_argument("--set", action="append", default=[], dest="overrides", help="override the run's config, KEY=VALUE")
+    args = p.parse_args(argv)
+    setup_logging()
+    try:
+        if args.run_dir is None:
+            raise RlhpcError(f"no run dir given and ${RUN_DIR_ENV} is not set", "run: rlhpc-eval RUN_DIR")
+        run = RunDir(args.run_dir)
+        ckpt, rollout_id = find_checkpoint(run, args.checkpoint)
+        model_dir(ckpt)  # refused before Ray starts
+        cfg = load_config(run.config_file, args.overrides)
+        values = evaluate_checkpoint(cfg, run, ckpt, rollout_id)
+    except RlhpcError as e:
+        log.error("%s", e)
+        return 2
+    except KeyboardInterrupt:
+        log.warning("interrupted; nothing was written")
+        return 130
+    out = run.path / "evals" / f"{ckpt.name}.json"
+    out.parent.mkdir(exist_ok=True)
+    record = {"checkpoint": ckpt.name, "rollout_id": rollout_id, "overrides": args.overrides, "metrics": values}
+    write_atomic(out, json.dumps(record, indent=1) + "\n")
+    for key, value in values.items():
+        print(f"{key:<24} {value:.4f}")
+    print(f"written to {out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
