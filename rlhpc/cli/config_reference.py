@@ -171,6 +171,8 @@ def blocks(cls: type = config.Config, where: str = "") -> list[Block]:
             nested += blocks(section, key)
             continue
         tp = hints[f.name]
+        if typing.get_origin(tp) is dict and dataclasses.is_dataclass(element := typing.get_args(tp)[-1]):
+            nested += blocks(element, f"{key}.NAME")  # a map of named sections (eval.sets.NAME.file)
         found = list(rules.get(f.name, []))
         if typing.get_origin(tp) is Literal:
             found.insert(0, "one of " + ", ".join(f"`{a}`" for a in typing.get_args(tp)))

@@ -109,12 +109,16 @@ def evaluate_checkpoint(cfg: Config, run: RunDir, ckpt: Path, rollout_id: int) -
             placement.remove()
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dir", nargs="?", default=os.environ.get(RUN_DIR_ENV), help=f"default: ${RUN_DIR_ENV}")
     p.add_argument("--checkpoint", help="rollout_N (default: the newest complete checkpoint)")
     p.add_argument("--set", action="append", default=[], dest="overrides", help="override the run's config, KEY=VALUE")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     setup_logging()
     try:
         if args.run_dir is None:

@@ -234,7 +234,10 @@ def _keys(cls: type, where: str = "") -> list[str]:
         key = f"{where}.{f.name}" if where else f.name
         tp = typing.get_type_hints(cls)[f.name]
         inner = [a for a in (tp, *typing.get_args(tp)) if dataclasses.is_dataclass(a)]
-        out += _keys(inner[0], key) if inner else [key]
+        if typing.get_origin(tp) is dict:  # named sections: the map itself and each one's keys
+            out += [key, *(_keys(inner[0], f"{key}.NAME") if inner else [])]
+        else:
+            out += _keys(inner[0], key) if inner else [key]
     return out
 
 
