@@ -240,7 +240,6 @@ NO_EFFECT_VALUES: dict[str, tuple[Any, ...]] = {
     "presence_penalty": (0.0,),
     "repetition_penalty": (1.0,),
     "min_new_tokens": (0,),
-    "stop": ([], ""),
     "stop_regex": ([], ""),
     "json_schema": (),
     "regex": (),
@@ -264,6 +263,7 @@ class MetaInfo:
     WEIGHT_VERSIONS = "weight_versions"
     E2E_LATENCY = "e2e_latency"
     OUTPUT_TOKEN_LOGPROBS = "output_token_logprobs"  # [[logprob, token id, text or None], ...]
+    OUTPUT_TOP_LOGPROBS = "output_top_logprobs"  # per output token: its top_logprobs_num [[logprob, id, text], ...]
 
     @classmethod
     def all(cls) -> frozenset[str]:

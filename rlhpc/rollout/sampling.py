@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -20,7 +20,10 @@ RECOMPUTE = "recompute"  # a step hook's answer: the weights changed, rebuild th
 class Sample:
     output_ids: list[int]
     output_logprobs: list[float]
-    finish_reason: str  # "stop" (eos or a stop token: the last output id) | "length" | "abort"
+    finish_reason: str  # "stop" (eos, a stop token or a stop string) | "length" | "abort"
+    matched: int | str | None = None  # what stopped it: the stop token (the last output id) or stop string
+    # per output token, when asked: its top-k [(logprob, token id), ...], most likely first
+    output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
 
 
 def _top_p_filter(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -42,6 +45,8 @@ def sample(
     pad_id: int,
     *,
     stop_ids: list[Collection[int]] | None = None,
+    stop_fns: list[Callable[[list[int]], str | None] | None] | None = None,
+    top_logprobs: list[int] | None = None,
     step_hook: Callable[[], bool | str] | None = None,
 ) -> list[Sample]:
     """Generate for a batch of prompts. Temperature 0 means greedy.
@@ -50,7 +55,10 @@ def sample(
     SGLang reports them by default.
 
     ``stop_ids[i]``, when given, replaces ``{eos_id}`` as row i's set of stopping tokens (SGLang's
-    ``stop_token_ids`` / ``ignore_eos``). ``step_hook`` runs before every forward pass; it may
+    ``stop_token_ids`` / ``ignore_eos``). ``stop_fns[i]``, when given, sees row i's output ids after
+    each new token and returns the stop string they now contain (the row ends, "stop") or None;
+    it is asked before the stop tokens, as SGLang checks strings first. ``top_logprobs[i]`` > 0
+    records that many most likely tokens per step for row i. ``step_hook`` runs before every forward pass; it may
     block (an engine pausing mid-batch) and returning True ends all unfinished rows as "abort";
     returning ``RECOMPUTE`` drops the KV cache and runs the next step over every token so far (the
     prompts and the tokens sampled up to now), so the cache holds the weights loaded meanwhile.
@@ -82,6 +90,10 @@ def sample(
     lps: list[list[float]] = [[] for _ in range(batch)]
     done = [n <= 0 for n in limits]  # max_new_tokens=0 rows produce nothing, even beside longer rows
     finish = ["length"] * batch
+    matched: list[int | str | None] = [None] * batch
+    tops_k = list(top_logprobs) if top_logprobs is not None else [0] * batch
+    top_lps: list[list[list[tuple[float, int]]]] = [[] for _ in range(batch)]
+    k_max = max(tops_k, default=0)
     position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
     # transformers >= 5 names the KV cache argument ``cache``; older releases ``past_key_values``.
     cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
@@ -101,14 +113,21 @@ def sample(
         past = out[cache_kw]
         logits = out.logits[:, -1, :].float()
         next_ids = _draw(logits, temps, tops, greedy, uniforms[:, step])
-        chosen_lps = torch.log_softmax(logits, dim=-1).gather(1, next_ids[:, None])[:, 0]
+        log_probs = torch.log_softmax(logits, dim=-1)
+        chosen_lps = log_probs.gather(1, next_ids[:, None])[:, 0]
+        best = _top(log_probs, k_max)
         for i, (tok, lp) in enumerate(zip(next_ids.tolist(), chosen_lps.tolist())):
             if done[i]:
                 continue
             outs[i].append(tok)
             lps[i].append(lp)
-            if tok in stops[i]:
-                done[i], finish[i] = True, "stop"
+            if tops_k[i] > 0:
+                top_lps[i].append(best[i][: tops_k[i]])
+            hit = stop_fns[i](outs[i]) if stop_fns is not None and stop_fns[i] is not None else None
+            if hit is not None:
+                done[i], finish[i], matched[i] = True, "stop", hit
+            elif tok in stops[i]:
+                done[i], finish[i], matched[i] = True, "stop", tok
             elif len(outs[i]) >= limits[i]:
                 done[i] = True
         if all(done):
@@ -118,7 +137,15 @@ def sample(
         attn = torch.cat([attn, running.long()[:, None]], dim=1)
         step_ids = next_ids[:, None]
         step_pos = step_pos[:, -1:] + 1
-    return [Sample(outs[i], lps[i], finish[i]) for i in range(batch)]
+    return [Sample(outs[i], lps[i], finish[i], matched[i], top_lps[i]) for i in range(batch)]
+
+
+def _top(log_probs: torch.Tensor, k: int) -> list[list[tuple[float, int]]]:
+    """Each row's ``k`` most likely tokens as [(logprob, token id), ...] (nothing when k is 0)."""
+    if k <= 0:
+        return [[] for _ in range(log_probs.shape[0])]
+    values, ids = log_probs.topk(min(k, log_probs.shape[-1]), dim=-1)
+    return [list(zip(v, t)) for v, t in zip(values.tolist(), ids.tolist())]
 
 
 def _draw(

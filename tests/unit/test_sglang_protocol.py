@@ -15,6 +15,7 @@ from support import sglang_wheel as sgl
 from rlhpc.rollout import protocol as P
 from rlhpc.rollout import sglang_server
 from rlhpc.rollout.cpu_server import requests as cpu_requests
+from rlhpc.rollout.openai_protocol import OpenAIRoute
 from rlhpc.rollout.protocol import Route
 from rlhpc.rollout.sglang_server import SGLangSpec
 
@@ -64,7 +65,7 @@ def test_cpu_server_serves_only_protocol_routes() -> None:
 
     app = build_app(engine=None, address={})  # routes only; no engine is touched until a request
     served = {r.path for r in app.routes}
-    assert served == set(Route.all().values())
+    assert served == set(Route.all().values()) | set(OpenAIRoute.all().values())
 
 
 # ------------------------------------------------------------------ sampling params, outputs

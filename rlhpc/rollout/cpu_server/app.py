@@ -1,4 +1,5 @@
-"""The CPU engine's HTTP app: SGLang's native routes (``rlhpc.rollout.protocol.Route``) over an ``Engine``.
+"""The CPU engine's HTTP app: SGLang's native routes (``rlhpc.rollout.protocol.Route``) over an
+``Engine``, and its OpenAI-compatible ones (``openai_routes``).
 
 Request bodies are validated as the protocol's dataclasses (SGLang's field names; fields SGLang
 clients may send and we do not use are ignored). /generate bodies are read by hand, since SGLang
@@ -27,7 +28,8 @@ from pydantic import TypeAdapter, ValidationError
 
 from rlhpc.rollout import protocol as P
 from rlhpc.rollout.cpu_server.engine import Engine
-from rlhpc.rollout.cpu_server.requests import EngineError
+from rlhpc.rollout.cpu_server.openai_routes import add_openai_routes
+from rlhpc.rollout.cpu_server.requests import EngineError, Item
 from rlhpc.rollout.engine_key import HEADER, authorized
 from rlhpc.rollout.protocol import PAUSE_MODES, Route
 
@@ -230,4 +232,8 @@ def build_app(engine: Engine, address: dict[str, Any], api_key: str | None = Non
             return error_response(str(e))
         return None
 
+    async def generate_items(items: list[Item], seq: int) -> list[dict[str, Any]]:
+        return await on(gen_pool, engine.generate, items, seq)
+
+    add_openai_routes(app, engine, generate_items)  # behind the same key (the middleware covers every path)
     return app

@@ -17,6 +17,7 @@ import itertools
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -204,6 +205,8 @@ class Engine:
                     eos_id=min(self.eos_ids, default=-1),  # unused: stop_ids decides per row
                     pad_id=self.pad_id,
                     stop_ids=[it.stop_ids for it in items],
+                    stop_fns=[self._stop_matcher(it.stop_strs) for it in items],
+                    top_logprobs=[it.top_logprobs_num for it in items],
                     step_hook=lambda: self._step_hook(seq, rids, steps),
                 )
             finally:
@@ -215,16 +218,42 @@ class Engine:
             for it, s in zip(items, samples)
         ]
 
+    def _stop_matcher(self, stops: list[str]) -> Callable[[list[int]], str | None] | None:
+        """Row output ids -> the stop string their text now contains, or None. As SGLang, only the
+        tail is decoded: the longest stop string's token count plus one (a string may start inside
+        a token), so a step costs the same however long the output grows."""
+        if not stops:
+            return None
+        tail = 1 + max(len(self.tokenizer.encode(s, add_special_tokens=False)) for s in stops)
+
+        def matched(ids: list[int]) -> str | None:
+            text = self.tokenizer.decode(ids[-tail:])
+            return next((s for s in stops if s in text), None)
+
+        return matched
+
+    def _text(self, it: Item, s: Any) -> str:
+        """The output text as SGLang's detokenizer trims it; the token ids are never trimmed (RL
+        trains on exactly what was sampled). A stop token is cut from the text unless
+        ``no_stop_trim``; a stop string is cut with everything after it, or (``no_stop_trim``)
+        kept, with only what follows it in its last token cut."""
+        if s.finish_reason == "stop" and isinstance(s.matched, int) and not it.no_stop_trim:
+            return self.tokenizer.decode(s.output_ids[:-1], skip_special_tokens=it.skip_special_tokens)
+        text = self.tokenizer.decode(s.output_ids, skip_special_tokens=it.skip_special_tokens)
+        if s.finish_reason == "stop" and isinstance(s.matched, str):
+            pos = text.find(s.matched)
+            if pos != -1:
+                return text[: pos + len(s.matched)] if it.no_stop_trim else text[:pos]
+        return text
+
     def _output(self, it: Item, s: Any, spans: list[dict[str, Any]], latency: float) -> dict[str, Any]:
         if s.finish_reason == "stop":
-            finish: dict[str, Any] = {"type": "stop", "matched": s.output_ids[-1]}
+            # "matched": the stop token id, or the stop string (SGLang's FINISH_MATCHED_TOKEN/_STR)
+            finish: dict[str, Any] = {"type": "stop", "matched": s.matched}
         elif s.finish_reason == "length":
             finish = {"type": "length", "length": it.max_new_tokens}
         else:
             finish = {"type": "abort", "message": "Abort in waiting queue" if not s.output_ids else "Aborted"}
-        text_ids = s.output_ids
-        if s.finish_reason == "stop" and not it.no_stop_trim:
-            text_ids = text_ids[:-1]  # SGLang trims the matched stop token from the text only
         meta: dict[str, Any] = {
             MetaInfo.ID: it.rid,
             MetaInfo.FINISH_REASON: finish,
@@ -237,8 +266,12 @@ class Engine:
         }
         if it.return_logprob:
             meta[MetaInfo.OUTPUT_TOKEN_LOGPROBS] = [[lp, tok, None] for lp, tok in zip(s.output_logprobs, s.output_ids)]
+        if it.top_logprobs_num:
+            meta[MetaInfo.OUTPUT_TOP_LOGPROBS] = [
+                [[lp, tok, None] for lp, tok in step] for step in s.output_top_logprobs
+            ]
         return {
-            "text": self.tokenizer.decode(text_ids, skip_special_tokens=it.skip_special_tokens),
+            "text": self._text(it, s),
             "output_ids": s.output_ids,
             "meta_info": meta,
         }

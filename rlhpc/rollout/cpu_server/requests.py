@@ -31,6 +31,7 @@ USED = frozenset(
         "top_k",
         "sampling_seed",
         "stop_token_ids",
+        "stop",
         "ignore_eos",
         "skip_special_tokens",
         "no_stop_trim",
@@ -39,6 +40,8 @@ USED = frozenset(
 HARMLESS = frozenset({"n", "spaces_between_special_tokens", "stream_interval", "custom_params"})
 _ACCEPTED = USED | HARMLESS
 
+MAX_STOP_COUNT = 32  # SGLang's limit on stop strings per request (sampling_params.py)
+MAX_TOP_LOGPROBS = 20  # as OpenAI's top_logprobs: a typo must not ask for the whole vocabulary per token
 MAX_ROWS = 1 << 16  # rows of one /generate (a rollout: a few thousand): a typo in n must not eat the node
 _UNSUPPORTED_INPUTS = ("input_embeds", "image_data", "video_data", "audio_data", "lora_path")
 
@@ -57,6 +60,8 @@ class Item:
     return_logprob: bool
     skip_special_tokens: bool
     no_stop_trim: bool
+    stop_strs: list[str]
+    top_logprobs_num: int = 0
 
 
 @dataclass(frozen=True)
@@ -86,8 +91,6 @@ def normalize_generate(
             raise EngineError(f"{unsupported} is not supported by the CPU engine")
     if body.get("stream"):
         raise EngineError("stream=true is not supported by the CPU engine")
-    if body.get("top_logprobs_num"):
-        raise EngineError("top_logprobs_num is not supported by the CPU engine")
     text, input_ids = body.get("text"), body.get("input_ids")
     if (text is None) == (input_ids is None):
         raise EngineError("Either text or input_ids should be provided.")
@@ -133,6 +136,7 @@ def normalize_generate(
     prompts = prompts * n
     param_list = [params] * num if isinstance(params, dict) else _per_item(params, batch_size, "sampling_params") * n
     logprob_flags = _per_item(body.get("return_logprob") or False, batch_size, "return_logprob") * n
+    tops = [_top_logprobs_num(k) for k in _per_item(body.get("top_logprobs_num") or 0, batch_size, "top_logprobs_num")]
 
     rid = body.get("rid")
     if not (rid is None or isinstance(rid, str) or (isinstance(rid, list) and all(isinstance(r, str) for r in rid))):
@@ -148,7 +152,28 @@ def normalize_generate(
         base = _per_item(rid, batch_size, "rid")
         rids = base if n == 1 else [f"{r}_{k}" for k in range(n) for r in base]
     items = [_item(r, p, sp, bool(lp), limits) for r, p, sp, lp in zip(rids, prompts, param_list, logprob_flags)]
+    for it, lp, k in zip(items, logprob_flags, tops * n):
+        it.top_logprobs_num = k if lp else 0  # SGLang reports top logprobs only with return_logprob
     return items, single
+
+
+def _top_logprobs_num(k: Any) -> int:
+    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_TOP_LOGPROBS:
+        raise EngineError(f"top_logprobs_num must be an integer in [0, {MAX_TOP_LOGPROBS}], got {k!r}")
+    return k
+
+
+def stop_strings(value: Any) -> list[str]:
+    """SGLang's ``stop``: None, one string or a list of them. An empty string is refused: SGLang
+    would find it in any text and end every generation at its first token."""
+    strs = [] if value is None else [value] if isinstance(value, str) else value
+    if not isinstance(strs, list) or not all(isinstance(s, str) for s in strs):
+        raise EngineError(f"stop must be a string or a list of strings, got {value!r}")
+    if len(strs) > MAX_STOP_COUNT:  # SGLang's words
+        raise EngineError(f"at most {MAX_STOP_COUNT} stop strings are allowed, got {len(strs)}")
+    if "" in strs:
+        raise EngineError("stop strings must not be empty (an empty one matches any text); leave it out")
+    return strs
 
 
 def _item(rid: str, prompt: list[int], sp: dict[str, Any], return_logprob: bool, limits: ModelLimits) -> Item:
@@ -201,6 +226,7 @@ def _item(rid: str, prompt: list[int], sp: dict[str, Any], return_logprob: bool,
         return_logprob=return_logprob,
         skip_special_tokens=sp.get("skip_special_tokens", True) is not False,
         no_stop_trim=bool(sp.get("no_stop_trim")),
+        stop_strs=stop_strings(sp.get("stop")),
     )
 
 

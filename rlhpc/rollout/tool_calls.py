@@ -1,0 +1,66 @@
+"""Tool calls in a model's output text, in the Hermes/Qwen format the common chat templates teach:
+
+    Let me look that up.
+    <tool_call>
+    {"name": "search", "arguments": {"query": "rlhpc"}}
+    </tool_call>
+
+What SGLang's ``--tool-call-parser hermes`` / ``qwen25`` return, the same way: the text before
+the first ``<tool_call>`` (stripped) is the message's content; each block holds one JSON object
+(or a list of them) with ``name`` and ``arguments`` (or ``parameters``); an unclosed last block
+is still read (the output hit its length or a stop string); a call to a function the request did
+not offer is dropped. If any block is not valid JSON nothing is parsed, and the whole text stays
+content, so a caller never acts on half a call.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from dataclasses import dataclass
+
+log = logging.getLogger("rlhpc.tool_calls")
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+_BLOCK = re.compile(re.escape(OPEN) + r"(.*?)(?:" + re.escape(CLOSE) + r"|\Z)", re.DOTALL)
+
+
+@dataclass(frozen=True)
+class ParsedCall:
+    name: str
+    arguments: str  # JSON text of an object, as the OpenAI API carries it
+
+
+@dataclass(frozen=True)
+class ParsedOutput:
+    content: str
+    calls: list[ParsedCall]
+
+
+def parse_hermes(text: str, tool_names: set[str]) -> ParsedOutput:
+    """Split ``text`` into content and the calls to functions in ``tool_names``."""
+    start = text.find(OPEN)
+    if start == -1:
+        return ParsedOutput(text, [])
+    calls: list[ParsedCall] = []
+    try:
+        for block in _BLOCK.findall(text):
+            if not block.strip():
+                continue
+            parsed = json.loads(block.strip())
+            for call in parsed if isinstance(parsed, list) else [parsed]:
+                calls.extend(_call(call, tool_names))
+    except (json.JSONDecodeError, AttributeError, TypeError) as e:
+        log.warning("tool call markup that is not a JSON call (%s); kept as content", e)
+        return ParsedOutput(text, [])
+    return ParsedOutput(text[:start].strip(), calls)
+
+
+def _call(call: dict, tool_names: set[str]) -> list[ParsedCall]:
+    name = call.get("name")
+    if not (isinstance(name, str) and name in tool_names):
+        log.warning("the model called %r, which the request's tools do not offer; dropped", name)
+        return []
+    arguments = call.get("parameters") or call.get("arguments", {})
+    return [ParsedCall(name, json.dumps(arguments, ensure_ascii=False))]
