@@ -38,7 +38,6 @@ class _Request(BaseModel):
     seed: int | None = None
     stream: bool = False
     stream_options: dict[str, Any] | None = None
-    top_k: int | None = None
     ignore_eos: bool = False
     no_stop_trim: bool = False
     skip_special_tokens: bool = True
@@ -53,6 +52,7 @@ class CompletionRequest(_Request):
     temperature: float = 1.0
     top_p: float = 1.0
     logprobs: int | None = None  # the number of top logprobs per token (0: the sampled token's only)
+    top_k: int = -1
 
 
 class ChatCompletionRequest(_Request):
@@ -63,6 +63,7 @@ class ChatCompletionRequest(_Request):
     top_p: float | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    top_k: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] = "auto"
     parallel_tool_calls: bool = True

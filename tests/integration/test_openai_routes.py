@@ -15,6 +15,7 @@ from transformers import AutoTokenizer
 
 from rlhpc.errors import RlhpcError
 from rlhpc.model import TinyModelConfig, build_tiny_model
+from rlhpc.rollout import openai_protocol as OP
 from rlhpc.rollout.client import EngineClient
 
 
@@ -265,3 +266,21 @@ def test_refusals(oai: openai.OpenAI, server: str) -> None:
             model="m", messages=[{"role": "assistant", "content": "", "tool_calls": [bad_call]}], max_tokens=1
         )
     assert oai.completions.create(model="m", prompt="ab", max_tokens=1, frequency_penalty=0).choices
+
+
+def test_responses_write_only_the_pinned_sglang_fields(server: str) -> None:
+    """The keys on the wire are the sets tests/unit/test_sglang_protocol.py checks against SGLang."""
+    c = _post(server, "/v1/completions", {"prompt": "ab", "max_tokens": 2, "logprobs": 1, "return_token_ids": True})
+    body = c.json()
+    assert set(body) == OP.COMPLETION_RESPONSE_FIELDS and set(body["usage"]) == OP.USAGE_FIELDS
+    assert set(body["choices"][0]) == OP.COMPLETION_CHOICE_FIELDS
+    assert set(body["choices"][0]["logprobs"]) == OP.COMPLETION_LOGPROBS_FIELDS
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logprobs": True, "top_logprobs": 1}
+    body = _post(server, "/v1/chat/completions", {**chat, "return_token_ids": True, "return_meta_info": True}).json()
+    assert set(body) == OP.CHAT_RESPONSE_FIELDS and set(body["choices"][0]) == OP.CHAT_CHOICE_FIELDS
+    assert set(body["choices"][0]["message"]) <= OP.CHAT_MESSAGE_FIELDS
+    assert set(body["choices"][0]["logprobs"]["content"][0]) == OP.CHAT_TOKEN_LOGPROB_FIELDS
+    models = urllib3.PoolManager().request(
+        "GET", f"{server}/v1/models", headers={"Authorization": f"Bearer {KEYS[server]}"}
+    )
+    assert set(models.json()["data"][0]) == OP.MODEL_CARD_FIELDS

@@ -3,7 +3,8 @@
 The Makefile (`make test`, `make test-fast`) downloads the wheel of the version rlhpc supports
 into ``$(VENV)/wheels`` (SGLang itself needs CUDA, so it is not installed). The readers below
 parse its sources with ``ast``: request structs (``io_struct.py``), sampling params, HTTP routes
-and the body type each route takes (``http_server.py``), ``meta_info`` keys
+and the body type each route takes (``http_server.py``), the OpenAI-compatible request and response
+models (``entrypoints/openai/protocol.py``), ``meta_info`` keys
 (``tokenizer_manager.py``), the launch flags (``server_args.py`` and the field namespaces it
 assembles ``ServerArgs`` from) and how a flattened weight bucket is received (``weight_updater.py``,
 ``weight_sync/tensor_bucket.py``).
@@ -404,3 +405,32 @@ def refusal_messages(function: str) -> frozenset[str]:
         if isinstance(success, ast.Constant) and success.value is False and isinstance(message, ast.Constant):
             found.add(message.value)
     return frozenset(found)
+
+
+# ------------------------------------------------------------------ OpenAI-compatible protocol
+
+OPENAI_PROTOCOL = "sglang/srt/entrypoints/openai/protocol.py"
+
+
+@functools.cache
+def openai_models() -> dict[str, dict[str, Field]]:
+    """Pydantic model name -> its fields (own and inherited from models of the same module), in
+    ``entrypoints/openai/protocol.py``; private attributes (``_name``) are no fields."""
+    classes = _classes(OPENAI_PROTOCOL)
+
+    def fields_of(name: str, inherited: bool) -> dict[str, Field]:
+        out: dict[str, Field] = {}
+        for base in classes[name].bases:
+            if isinstance(base, ast.Name) and base.id in classes:
+                out.update(fields_of(base.id, True))
+        for stmt in classes[name].body:
+            if (
+                isinstance(stmt, ast.AnnAssign)
+                and isinstance(stmt.target, ast.Name)
+                and not stmt.target.id.startswith("_")
+            ):
+                n = stmt.target.id
+                out[n] = Field(n, stmt.value is None, _default(stmt.value), inherited)
+        return out
+
+    return {name: fields_of(name, False) for name in classes}

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from support import sglang_wheel as sgl
 
+from rlhpc.rollout import openai_protocol as OP
 from rlhpc.rollout import protocol as P
 from rlhpc.rollout import sglang_server
 from rlhpc.rollout.cpu_server import requests as cpu_requests
@@ -210,3 +211,59 @@ def test_weight_update_session_refusals_are_sglangs() -> None:
         assert sgl.refusal_messages(route.lstrip("/")) == {P.outside_session_message(route)}
     assert sgl.refusal_messages("begin_weight_update") == {P.SESSION_ALREADY_OPEN}
     assert sgl.refusal_messages("end_weight_update") == {P.NO_SESSION_OPEN}
+
+
+# ------------------------------------------------------------------ OpenAI-compatible routes (issue 29)
+
+
+def test_openai_routes_are_sglangs() -> None:
+    theirs = sgl.http_routes()
+    assert set(OpenAIRoute.all().values()) <= set(theirs), set(OpenAIRoute.all().values()) - set(theirs)
+
+
+@pytest.mark.parametrize("cls", [OP.CompletionRequest, OP.ChatCompletionRequest], ids=lambda c: c.__name__)
+def test_openai_request_fields_are_sglangs_with_its_defaults(cls: type) -> None:
+    theirs = sgl.openai_models()[cls.__name__]
+    ours = cls.model_fields
+    assert set(ours) <= set(theirs), f"{cls.__name__}: not in SGLang {P.SGLANG_VERSION}: {set(ours) - set(theirs)}"
+    for name, f in ours.items():
+        assert f.is_required() == theirs[name].required, f"{cls.__name__}.{name}: required differs"
+        their = theirs[name].default
+        if not theirs[name].required and their is not sgl.NotLiteral:
+            assert f.default == their, f"{cls.__name__}.{name}: {f.default!r} != SGLang's {their!r}"
+
+
+def test_openai_fields_accepted_at_no_effect_values_are_sglangs() -> None:
+    models = sgl.openai_models()
+    theirs = set(models["CompletionRequest"]) | set(models["ChatCompletionRequest"])
+    assert set(OP.NO_EFFECT) <= theirs, set(OP.NO_EFFECT) - theirs
+    for name, values in OP.NO_EFFECT.items():  # SGLang's default is among the values that change nothing
+        for model in ("CompletionRequest", "ChatCompletionRequest"):
+            field = models[model].get(name)
+            if field is not None and field.default is not sgl.NotLiteral:
+                assert field.default in values, f"{model}.{name}: SGLang's default {field.default!r} not in {values}"
+
+
+@pytest.mark.parametrize(
+    ("ours", "their_models"),
+    [
+        (OP.MODEL_CARD_FIELDS, ["ModelCard"]),
+        (OP.COMPLETION_RESPONSE_FIELDS, ["CompletionResponse"]),
+        (OP.COMPLETION_CHOICE_FIELDS, ["CompletionResponseChoice"]),
+        (OP.CHAT_RESPONSE_FIELDS, ["ChatCompletionResponse"]),
+        (OP.CHAT_CHOICE_FIELDS, ["ChatCompletionResponseChoice"]),
+        (OP.CHAT_MESSAGE_FIELDS, ["ChatMessage"]),
+        (OP.TOOL_CALL_FIELDS, ["ToolCall"]),
+        (OP.FUNCTION_FIELDS, ["FunctionResponse"]),
+        (OP.COMPLETION_LOGPROBS_FIELDS, ["LogProbs"]),
+        (OP.CHAT_TOKEN_LOGPROB_FIELDS, ["ChatCompletionTokenLogprob"]),
+        (OP.USAGE_FIELDS, ["UsageInfo"]),
+        (OP.DELTA_FIELDS, ["DeltaMessage"]),
+        (OP.STREAM_CHOICE_FIELDS, ["CompletionResponseStreamChoice", "ChatCompletionResponseStreamChoice"]),
+    ],
+    ids=lambda x: x[0] if isinstance(x, list) else "",
+)
+def test_openai_response_fields_are_sglangs(ours: frozenset[str], their_models: list[str]) -> None:
+    models = sgl.openai_models()
+    theirs = set().union(*(models[m] for m in their_models))
+    assert ours <= theirs, f"not in SGLang's {their_models}: {ours - theirs}"
