@@ -24,6 +24,13 @@ class RolloutBatch:
     # Per response token, the version it was sampled with (SGLang's meta_info "weight_versions"
     # spans); empty when unknown. Differs within a sample only with rollout.partial_rollout.
     token_versions: list[list[int]] = field(default_factory=list)
+    # Multi-turn episodes (rollout.env): per response token, 1 where the engine generated it and 0
+    # on observation tokens (the loss and TIS skip those), and the turn it belongs to; per
+    # sample, whether the episode was cut (rollout.max_turns / max_episode_tokens). Empty for
+    # single-turn samples: every response token is trained on.
+    loss_masks: list[list[int]] = field(default_factory=list)
+    turns: list[list[int]] = field(default_factory=list)
+    truncated: list[bool] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
@@ -43,6 +50,9 @@ class RolloutBatch:
             group_size=self.group_size,
             weight_versions=self.weight_versions[start:stop],
             token_versions=self.token_versions[start:stop],
+            loss_masks=self.loss_masks[start:stop],
+            turns=self.turns[start:stop],
+            truncated=self.truncated[start:stop],
         )
 
     def to_padded(self, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -60,4 +70,13 @@ class RolloutBatch:
         pos = torch.arange(width)[None, :]
         attention = (pos < lengths).long()
         loss_mask = ((pos[:, :-1] >= starts) & (pos[:, :-1] < lengths - 1)).float()
+        if self.loss_masks:  # observation tokens of multi-turn samples are not trained on
+            per_token = torch.tensor(
+                [
+                    [0] * (len(p) - 1) + m + [0] * (width - len(p) - len(m) + 1)
+                    for p, m in zip(self.prompt_ids, self.loss_masks)
+                ],
+                dtype=torch.float32,
+            )
+            loss_mask = loss_mask * per_token[:, : width - 1]
         return input_ids, attention, loss_mask

@@ -452,6 +452,14 @@ class RolloutConfig(Section):
     # Each token records the weight version it was sampled with. Not with `deterministic: true`:
     # where a push lands in a generation depends on timing.
     partial_rollout: bool = False
+    # Multi-turn episodes (docs/guides/multi-turn.md): "module:Class", an environment with
+    # reset(row) -> messages and step(reply) -> (messages, reward, done); None: single-turn (or
+    # the data.task's own environment, for a multi-turn task such as guess).
+    env: str | None = None
+    max_turns: int = 4  # replies per episode; an episode still running after them is cut (truncated)
+    # Response tokens per episode (the replies and the observations between them); an episode
+    # whose next observation would not leave room for a token more is cut (truncated).
+    max_episode_tokens: int = 256
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
 
@@ -460,7 +468,7 @@ class RolloutConfig(Section):
             1, "num_rollout", fix="set rollout.num_rollout to a positive count, or null to derive it from num_epoch"
         )
         self._at_least(1, "num_epoch", "rollout_batch_size", "n_samples_per_prompt", "max_new_tokens")
-        self._at_least(1, "update_weight_buffer_mb")
+        self._at_least(1, "update_weight_buffer_mb", "max_turns", "max_episode_tokens")
         self._at_least(0, "temperature", fix="use 0 for greedy decoding, or e.g. 1.0 to sample")
         if not 0 < self.top_p <= 1:
             self._refuse("top_p", "must be in (0, 1]", "use 1.0 to sample from the whole distribution")
@@ -965,7 +973,8 @@ def validate(cfg: Config) -> None:
     for key, f, _, _ in files:
         if not Path(f).exists():
             raise ConfigError(f"{key} {f} does not exist", f"create it ({FORMATS}) or unset {key}")
-    if files and d.reward is None:
+    env = r.env or TASKS[d.task].env
+    if files and d.reward is None and env is None:
         raise ConfigError(
             f"{' / '.join(k for k, *_ in files)} set but data.reward is not: the toy task {d.task!r}'s "
             "reward would score your data",
@@ -1000,6 +1009,8 @@ def validate(cfg: Config) -> None:
             )
     if r.dynamic_sampling.filter is not None:
         resolve_filter(r.dynamic_sampling.filter)
+    if env is not None:
+        _validate_env(cfg, env)
     if r.partial_rollout and cfg.deterministic:
         raise ConfigError(
             "rollout.partial_rollout = true with deterministic = true: a weight push lands in the middle of a "
@@ -1035,6 +1046,34 @@ def validate(cfg: Config) -> None:
         _validate_megatron(cfg)
     _validate_engine_tp(cfg)
     _validate_context(cfg)
+
+
+def _validate_env(cfg: Config, env: str) -> None:
+    """A multi-turn run: the environment imports and has its methods, its chat renders, and a
+    whole episode fits the context."""
+    from rlhpc.rollout.episodes import resolve_env  # late: the rollout package imports this module
+
+    key = "rollout.env" if cfg.rollout.env else f"data.task = {cfg.data.task}'s environment"
+    resolve_env(env, key)
+    if cfg.data.chat_template == "none":
+        raise ConfigError(
+            f"{key} {env} renders its episodes as chat messages but data.chat_template is none",
+            "set data.chat_template: auto (the tokenizer's template) or a Jinja file",
+        )
+    tiny = cfg.model.tiny
+    if tiny is not None and tiny.tokenizer == "char" and cfg.data.chat_template == "auto":
+        raise ConfigError(
+            f"{key} {env} needs a chat template, and the tiny model's char tokenizer has none",
+            "set model.tiny.tokenizer: bpe (a ChatML template, as Qwen's), or data.chat_template: a Jinja file",
+        )
+    context = _context_len(cfg)
+    prompt = cfg.data.max_prompt_tokens or 1
+    if context is not None and prompt + cfg.rollout.max_episode_tokens > context:
+        raise ConfigError(
+            f"rollout.max_episode_tokens = {cfg.rollout.max_episode_tokens} + a prompt of {prompt} token(s) exceeds "
+            f"the model's context length of {context} tokens: the engines would refuse an episode's later turns",
+            f"set rollout.max_episode_tokens to at most {context - prompt}, or use a model with a longer context",
+        )
 
 
 def _context_len(cfg: Config) -> int | None:

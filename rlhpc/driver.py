@@ -30,10 +30,12 @@ from rlhpc.metrics import MetricsLogger, read_metrics
 from rlhpc.model import context_length, load_tokenizer
 from rlhpc.rollout.buffer import load_eval_sets, load_train
 from rlhpc.rollout.engine_pool import EnginePool
+from rlhpc.rollout.episodes import make_episodes
 from rlhpc.rollout.generation import Generation, GenerationAborted, task_reward
 from rlhpc.rollout.prompts import PromptPrep, prepare_prompts
 from rlhpc.run_dir import RunDir
 from rlhpc.schedule import AsyncRollouts, BusyClock, Generated, SyncRollouts
+from rlhpc.tasks import TASKS
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +60,8 @@ def prompt_prep(cfg: Config, tokenizer: Any, context: int | None) -> PromptPrep:
         "eval": cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens,
         **{eval_split(name): s.max_new_tokens for name, s in sets.items()},
     }
+    if cfg.rollout.env or TASKS[cfg.data.task].env:  # an episode's prompt leaves room for all its turns
+        new = dict.fromkeys(new, cfg.rollout.max_episode_tokens)
     limits: dict[str, int] | None = None
     if cfg.data.max_prompt_tokens is not None:
         limits = dict.fromkeys(new, cfg.data.max_prompt_tokens)
@@ -220,6 +224,7 @@ class TrainLoop:
         self.generation = Generation(
             tokenizer, task_reward(cfg.data), cfg.rollout, cfg.eval, cfg.algo, cfg.seed,
             send=self.engines.generate, progress=progress, num_engines=len(layout.engine_slots),
+            episodes=make_episodes(cfg, tokenizer),
         )  # fmt: skip
         with startup.phase("weight_channel"):
             self.engines.connect_weights(

@@ -58,7 +58,8 @@ def build_bpe_tokenizer(seed: int = 0) -> PreTrainedTokenizerFast:
     from rlhpc.tasks import TASKS  # late: the tasks import the config, which this module re-exports
 
     rng = random.Random(seed)
-    corpus = [f"{r['prompt']}{r['answer']}" for t in TASKS.values() for r in t.make(2000, rng)]
+    # single-turn tasks only: the vocabulary (and every tiny model built so far) stays as it was
+    corpus = [f"{r['prompt']}{r['answer']}" for t in TASKS.values() if t.env is None for r in t.make(2000, rng)]
     core = Tokenizer(models.BPE())
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     core.decoder = decoders.ByteLevel()

@@ -71,6 +71,9 @@ class Generated:
             "group_size": b.group_size,
             "weight_versions": b.weight_versions,
             "token_versions": b.token_versions,
+            "loss_masks": b.loss_masks,
+            "turns": b.turns,
+            "truncated": b.truncated,
             "metrics": self.metrics,
             "texts": self.texts,
         }
@@ -79,7 +82,8 @@ class Generated:
     def from_state_dict(cls, d: dict) -> Generated:
         batch = RolloutBatch(
             d["prompt_ids"], d["response_ids"], d["rollout_logprobs"], d["rewards"], d["advantages"],
-            d["group_size"], d["weight_versions"], d.get("token_versions", []),
+            d["group_size"], d["weight_versions"], d.get("token_versions", []), d.get("loss_masks", []),
+            d.get("turns", []), d.get("truncated", []),
         )  # fmt: skip
         return cls(d["rollout_id"], batch, d["metrics"], d["texts"])
 

@@ -87,6 +87,7 @@ def evaluate_checkpoint(cfg: Config, run: RunDir, ckpt: Path, rollout_id: int) -
         from rlhpc.model import context_length, load_tokenizer
         from rlhpc.rollout.buffer import load_eval_sets
         from rlhpc.rollout.engine_pool import EnginePool
+        from rlhpc.rollout.episodes import make_episodes
         from rlhpc.rollout.generation import Generation, task_reward
 
         weights = str(model_dir(ckpt))
@@ -101,6 +102,7 @@ def evaluate_checkpoint(cfg: Config, run: RunDir, ckpt: Path, rollout_id: int) -
                 generation = Generation(
                     tokenizer, task_reward(cfg.data), cfg.rollout, cfg.eval, cfg.algo, cfg.seed,
                     send=engines.generate, num_engines=len(layout.engine_slots),
+                    episodes=make_episodes(cfg, tokenizer),
                 )  # fmt: skip
                 return evaluate_sets(generation, rollout_id, sets, rows)
             finally:

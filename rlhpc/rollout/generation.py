@@ -9,6 +9,7 @@ same tokens.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import math
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
     from rich.progress import Progress
 
     from rlhpc.config import AlgoConfig, DataConfig, EvalConfig, EvalSetConfig, RolloutConfig
+    from rlhpc.rollout.episodes import EpisodeConfig
 
 log = logging.getLogger(__name__)
 
@@ -159,6 +161,14 @@ class Samples:
     weight_versions: list[int]  # the weights each sample was generated with (its oldest token's)
     token_versions: list[list[int]]  # per response token
     parts: dict[str, list[float]] = field(default_factory=dict)  # a dict reward's other parts, per sample
+    # Multi-turn episodes only (empty for single-turn samples, whose response is all generated):
+    loss_masks: list[list[int]] = field(default_factory=list)  # per response token: 1 generated, 0 observation
+    turns: list[list[int]] = field(default_factory=list)  # per response token: its turn
+    episode: dict[str, list[float]] = field(default_factory=dict)  # per sample: turns, truncated, ...
+
+    def episode_metrics(self) -> dict[str, float]:
+        """``episode/<stat>``: each episode statistic's mean over the samples."""
+        return {f"episode/{key}": sum(v) / max(len(v), 1) for key, v in self.episode.items()}
 
     def part_metrics(self) -> dict[str, float]:
         """``reward/<part>``: each part's mean over the samples that have it (``errors``: the count)."""
@@ -185,6 +195,9 @@ class Samples:
             [self.weight_versions[k] for k in idx],
             [self.token_versions[k] for k in idx],
             {key: [v[k] for k in idx] for key, v in self.parts.items()},
+            [self.loss_masks[k] for k in idx] if self.loss_masks else [],
+            [self.turns[k] for k in idx] if self.turns else [],
+            {key: [v[k] for k in idx] for key, v in self.episode.items()},
         )
 
     @staticmethod
@@ -201,6 +214,9 @@ class Samples:
                 key: [x for p in parts for x in p.parts.get(key, [math.nan] * len(p.rewards))]
                 for key in dict.fromkeys(k for p in parts for k in p.parts)
             },
+            [x for p in parts for x in p.loss_masks],
+            [x for p in parts for x in p.turns],
+            {key: [x for p in parts for x in p.episode.get(key, [])] for key in parts[0].episode},
         )
 
 
@@ -222,6 +238,7 @@ class Generation:
         send: Send,
         progress: Progress | None = None,
         num_engines: int = 1,
+        episodes: EpisodeConfig | None = None,
     ):
         self.tokenizer = tokenizer
         self.reward_fn = (
@@ -232,6 +249,7 @@ class Generation:
         self.send = send
         self.num_engines = num_engines
         self.progress = progress
+        self.episodes = episodes  # multi-turn: every sample is an episode of this environment
         spec = rollout.dynamic_sampling.filter
         self.group_filter: GroupFilter | None = resolve_filter(spec) if spec is not None else None
 
@@ -243,6 +261,8 @@ class Generation:
         A request's rows depend only on the row index, and every sample has its own seed, so a
         rerun sends exactly the same batches and gets the same tokens.
         """
+        if self.episodes is not None:
+            return self._sample_episodes(rows, n, temperature, max_new_tokens, seed_tag, desc)
         top_p = self.rollout_cfg.top_p
         per_request = rows_per_request(len(rows), n, self.num_engines)
         chunks = [range(i, min(i + per_request, len(rows))) for i in range(0, len(rows), per_request)]
@@ -305,6 +325,94 @@ class Generation:
             parts,
         )  # fmt: skip
 
+    def _sample_episodes(
+        self, rows: list[dict], n: int, temperature: float, max_new_tokens: int, seed_tag: object, desc: str
+    ) -> Samples:
+        """``n`` episodes per row, run turn by turn in lockstep: each turn sends every running
+        episode's tokens so far (prompt, then the engine's own tokens and the observations'), and
+        steps each environment with the engine's text. A turn's requests and seeds depend only on
+        the episodes' indices, so a rerun replays every episode exactly."""
+        ep = self.episodes
+        assert ep is not None
+        top_p, total = self.rollout_cfg.top_p, len(rows) * n
+        per_request = rows_per_request(len(rows), n, self.num_engines) * n
+        progress = self.progress
+        bar = progress.add_task(desc, total=total) if progress is not None else None
+        loop = asyncio.new_event_loop()  # one per call: async environments keep theirs across turns
+        try:
+            episodes = [
+                ep.start(self.tokenizer, rows[k // n], sample_seed(self.seed, seed_tag, k // n, k % n, "env"), loop)
+                for k in range(total)
+            ]
+            for turn in range(ep.max_turns):
+                active = [k for k, e in enumerate(episodes) if not e.done]
+                if not active:
+                    break
+                chunks = [active[i : i + per_request] for i in range(0, len(active), per_request)]
+                requests = [
+                    Request(
+                        input_ids=[episodes[k].input_ids for k in chunk],
+                        sampling_params=[
+                            {
+                                "max_new_tokens": min(
+                                    max_new_tokens, ep.max_episode_tokens - len(episodes[k].response_ids)
+                                ),
+                                "temperature": temperature,
+                                "top_p": top_p,
+                                # turn 0 with a single-turn sample's seed; later turns their own
+                                "sampling_seed": sample_seed(
+                                    self.seed, seed_tag, k // n, k % n, *((turn,) if turn else ())
+                                ),
+                            }
+                            for k in chunk
+                        ],
+                    )
+                    for chunk in chunks
+                ]
+                outputs = [out for answer in self.send(requests, lambda c: None) for out in answer]
+                for k, out in zip(active, outputs):
+                    ids = list(out["output_ids"])
+                    lps = [lp for lp, _tok, _ in out["meta_info"].get("output_token_logprobs", [])]
+                    episodes[k].turn = turn
+                    episodes[k].add(ids, lps, token_versions(out["meta_info"], len(ids)), generated=True)
+                steps = ep.step([episodes[k] for k in active], [out["text"] for out in outputs], loop)
+                for k, out, (observation, reward, done) in zip(active, outputs, steps):
+                    e = episodes[k]
+                    e.reward += reward
+                    if not done:
+                        extra = e.conversation.extend(out["output_ids"], out["text"], observation)
+                        # no room for the observation and a token more: the episode is cut here
+                        if turn + 1 == ep.max_turns or len(e.response_ids) + len(extra) >= ep.max_episode_tokens:
+                            e.truncated = done = True
+                        else:
+                            e.add(extra, [], [e.versions[-1] if e.versions else 0] * len(extra), generated=False)
+                    if done:
+                        e.done = True
+                        if bar is not None:
+                            progress.advance(bar, 1)
+        finally:
+            loop.close()
+            if bar is not None:
+                progress.remove_task(bar)
+        decode = self.tokenizer.decode
+        texts = {
+            "prompt": [decode(e.conversation.prompt_ids) for e in episodes],
+            "response": [decode(e.response_ids) for e in episodes],  # the transcript, template tokens and all
+            "answer": [rows[k // n]["answer"] for k in range(total)],
+        }
+        versions = [min(v) if v else 0 for v in (e.versions for e in episodes)]
+        return Samples(
+            [e.conversation.prompt_ids for e in episodes], [e.response_ids for e in episodes],
+            [e.logprobs for e in episodes], torch.tensor([e.reward for e in episodes], dtype=torch.float32), texts,
+            versions, [e.versions for e in episodes], {}, [e.loss_mask for e in episodes],
+            [e.turns for e in episodes],
+            {
+                "turns": [float(e.turn + 1) for e in episodes],
+                "truncated": [float(e.truncated) for e in episodes],
+                "observation_tokens": [float(len(e.loss_mask) - sum(e.loss_mask)) for e in episodes],
+            },
+        )  # fmt: skip
+
     def rollout(
         self, rollout_id: int, rows: list[dict], more_rows: MoreRows | None = None
     ) -> tuple[RolloutBatch, dict[str, float], dict[str, list[str]]]:
@@ -324,8 +432,9 @@ class Generation:
             s, filter_metrics = self._filtered(rollout_id, rows, more_rows)
         advantages = ADVANTAGE_ESTIMATORS[algo.advantage_estimator](s.rewards, n, algo.normalize_std)
         batch = RolloutBatch(
-            s.prompt_ids, s.response_ids, s.logprobs, s.rewards, advantages, n, s.weight_versions, s.token_versions
-        )
+            s.prompt_ids, s.response_ids, s.logprobs, s.rewards, advantages, n, s.weight_versions, s.token_versions,
+            s.loss_masks, s.turns, [bool(t) for t in s.episode.get("truncated", [])],
+        )  # fmt: skip
         lengths = torch.tensor([len(x) for x in s.response_ids], dtype=torch.float32)
         staleness = [rollout_id - v for v in s.weight_versions]
         tokens = sum(map(len, s.token_versions))
@@ -340,6 +449,7 @@ class Generation:
             # share of samples whose tokens come from more than one weight version (partial rollouts)
             "staleness/straddling": sum(len(set(v)) > 1 for v in s.token_versions) / max(len(batch), 1),
             **s.part_metrics(),
+            **s.episode_metrics(),
             **filter_metrics,
         }
         return batch, metrics, s.texts
@@ -398,4 +508,5 @@ class Generation:
             "response_len": sum(map(len, s.response_ids)) / len(s.response_ids),
             **pass_metrics(s.rewards.tolist(), s.texts["response"], n, e.pass_threshold),
             **s.part_metrics(),
+            **s.episode_metrics(),
         }

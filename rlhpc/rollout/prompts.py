@@ -63,15 +63,30 @@ def chat_template(data: DataConfig, tokenizer: Any) -> str | None:
 
 def render(tokenizer: Any, template: str, messages: list[dict], system_prompt: str | None) -> tuple[str, list[int]]:
     """(text, ids) of ``messages`` with the generation prompt, by ``apply_chat_template``."""
+    return render_messages(tokenizer, template, with_system(messages, system_prompt), add_generation_prompt=True)
+
+
+def with_system(messages: list[dict], system_prompt: str | None) -> list[dict]:
+    """``messages`` with ``data.system_prompt`` first where they have no system message."""
     if system_prompt is not None and messages[0]["role"] != "system":
-        messages = [{"role": "system", "content": system_prompt}, *messages]
+        return [{"role": "system", "content": system_prompt}, *messages]
+    return messages
+
+
+def render_messages(
+    tokenizer: Any, template: str, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None
+) -> tuple[str, list[int]]:
+    """(text, ids) of ``messages`` as ``apply_chat_template`` renders them (``tools``: OpenAI
+    tool schemas, for templates that list them)."""
+    extra = {"tools": tools} if tools else {}
     try:
         text = tokenizer.apply_chat_template(
-            messages, chat_template=template, add_generation_prompt=True, tokenize=False
+            messages, chat_template=template, add_generation_prompt=add_generation_prompt, tokenize=False, **extra
         )
         ids = tokenizer.apply_chat_template(
-            messages, chat_template=template, add_generation_prompt=True, tokenize=True, return_dict=False
-        )
+            messages, chat_template=template, add_generation_prompt=add_generation_prompt, tokenize=True,
+            return_dict=False, **extra,
+        )  # fmt: skip
     except Exception as e:  # jinja2's errors: a template that does not render these messages
         raise ConfigError(
             f"the chat template does not render the messages {str(messages)[:120]} ({type(e).__name__}: {e})",

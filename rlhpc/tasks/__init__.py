@@ -10,6 +10,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from rlhpc.tasks import guess
 from rlhpc.tasks.files import read_rows
 from rlhpc.util.imports import import_function
 
@@ -22,6 +23,7 @@ class Task:
     make: Callable[[int, random.Random], list[dict]]  # (count, rng) -> [{"prompt", "answer"}]
     reward: RewardFn
     description: str
+    env: str | None = None  # multi-turn: the environment ("module:Class") its episodes run in
 
 
 def _digit_sum_data(count: int, rng: random.Random) -> list[dict]:
@@ -55,6 +57,9 @@ TASKS: dict[str, Task] = {
     for t in (
         Task("digit_sum", _digit_sum_data, _digit_sum_reward, "'a+b=' -> (a+b) mod 10"),
         Task("reverse", _reverse_data, _reverse_reward, "'abc:' -> 'cba'"),
+        Task(
+            "guess", guess.make, guess.reward, "guess 1-8, told higher/lower (multi-turn)", "rlhpc.tasks.guess:GuessEnv"
+        ),
     )
 }
 

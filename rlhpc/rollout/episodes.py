@@ -1,0 +1,212 @@
+"""Multi-turn rollouts driven by an environment (``rollout.env: "module:Class"``), token-in/token-out.
+
+The interface (``docs/guides/multi-turn.md``): a class built with no arguments, one per episode, with
+
+- ``reset(row) -> list[dict]``: the first chat messages of the episode. ``row`` is the data row
+  (``prompt``, ``answer``, ...) plus ``episode_seed``, an int that is a pure function of (run
+  seed, rollout, sample): seed any randomness of the episode from it, and a rerun or a resume
+  replays the episode exactly.
+- ``step(assistant_message: str) -> (observation: list[dict], reward: float, done: bool)``: the
+  model's reply (the engine's detokenized text) in, the next messages out (usually one
+  ``{"role": "user", ...}``), the turn's reward, and whether the episode is over.
+
+Either may be ``async def``. The sample's reward is the sum of the turns' rewards.
+
+What rlhpc guarantees: the trained tokens are the engine's tokens, as it produced them. The first
+prompt is rendered with the chat template; after that only the observation's tokens are appended
+(loss mask 0), computed as the difference between the template rendered with and without the new
+messages. A template that breaks this prefix property (one that rewrites earlier turns, such as a
+reasoning template that strips earlier thinking) is an error naming the template: rlhpc never
+re-tokenizes a turn it trains on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlhpc.errors import ConfigError, RlhpcError
+from rlhpc.rollout.prompts import render_messages, with_system
+
+log = logging.getLogger(__name__)
+
+ENV_SIGNATURE = "class with reset(row) -> messages and step(assistant_message) -> (messages, reward, done)"
+
+
+def resolve_env(spec: str, key: str = "rollout.env") -> type:
+    """Import ``"module:Class"`` and check it is a class with ``reset`` and ``step``; errors name the key."""
+    import importlib
+
+    module_name, sep, name = spec.partition(":")
+    if not sep or not module_name or not name:
+        raise ConfigError(f"{key} = {spec!r} is not 'module:Class'", f"write {key}: my_module:MyEnv, a {ENV_SIGNATURE}")
+    try:
+        cls = getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(
+            f"{key} = {spec!r} cannot be imported: {e}",
+            "make the module importable from the job (PYTHONPATH) and check the class's name",
+        ) from e
+    missing = [m for m in ("reset", "step") if not callable(getattr(cls, m, None))]
+    if not inspect.isclass(cls) or missing:
+        what = "is not a class" if not inspect.isclass(cls) else f"has no {' or '.join(missing)} method"
+        raise ConfigError(f"{key} = {spec!r} {what}", f"point it at a {ENV_SIGNATURE}")
+    return cls
+
+
+class TemplateBreaksPrefix(RlhpcError):
+    """The chat template renders earlier turns differently once new messages follow."""
+
+
+class Conversation:
+    """One episode's chat, rendered incrementally: ``prompt_ids`` first, then for each assistant
+    turn the tokens to append after the engine's own (``extend``)."""
+
+    def __init__(self, tokenizer: Any, template: str, template_name: str, messages: list[dict]):
+        self.tokenizer, self.template, self.template_name = tokenizer, template, template_name
+        self.messages = list(messages)
+        _, self.prompt_ids = render_messages(tokenizer, template, self.messages, add_generation_prompt=True)
+        self._rendered = self.prompt_ids  # the template's ids of the chat so far, generation prompt included
+
+    def _require(self, ok: bool, what: str) -> None:
+        if not ok:
+            raise TemplateBreaksPrefix(
+                f"the chat template {self.template_name} {what}, so the tokens trained on would not be the "
+                "tokens generated (rlhpc appends only the new messages' tokens, it never re-tokenizes a turn)",
+                "use a template that renders earlier turns unchanged as the chat grows (data.chat_template: a "
+                "Jinja file), e.g. one that keeps the assistant's reasoning instead of stripping it",
+            )
+
+    def extend(self, generated: Sequence[int], reply: str, observation: list[dict]) -> list[int]:
+        """The tokens that follow the engine's ``generated`` ids (its text: ``reply``) when
+        ``observation`` is the next message(s): what the template closes the assistant's turn
+        with, less what the engine already produced (its stop token), then the observation and
+        the next generation prompt."""
+        before = self._rendered
+        chat = [*self.messages, {"role": "assistant", "content": reply}]
+        _, closed = render_messages(self.tokenizer, self.template, chat, add_generation_prompt=False)
+        _, after = render_messages(self.tokenizer, self.template, chat + observation, add_generation_prompt=True)
+        self._require(closed[: len(before)] == before, "renders the chat before the assistant's turn differently")
+        self._require(after[: len(closed)] == closed, "renders earlier turns differently once new messages follow")
+        turn = closed[len(before) :]
+        content = self.tokenizer.encode(reply, add_special_tokens=False)
+        self._require(turn[: len(content)] == content, "does not render the assistant's reply as it was generated")
+        closing = turn[len(content) :]
+        # the engine's stop token (<|im_end|>) is the closing's first token: not appended twice
+        done = max(
+            k
+            for k in range(len(closing) + 1)
+            if k <= len(generated) and list(generated[len(generated) - k :]) == closing[:k]
+        )
+        self.messages, self._rendered = chat + observation, after
+        return closing[done:] + after[len(closed) :]
+
+
+@dataclass
+class Episode:
+    """One sample's episode as it runs: the response grows by generated and observation tokens."""
+
+    env: Any
+    conversation: Conversation
+    response_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    turns: list[int] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    reward: float = 0.0
+    turn: int = 0
+    done: bool = False
+    truncated: bool = False
+    texts: list[str] = field(default_factory=list)  # the assistant's replies
+
+    @property
+    def input_ids(self) -> list[int]:
+        return self.conversation.prompt_ids + self.response_ids
+
+    def add(self, ids: Sequence[int], logprobs: Sequence[float], versions: Sequence[int], generated: bool) -> None:
+        self.response_ids += ids
+        self.logprobs += logprobs if generated else [0.0] * len(ids)
+        self.loss_mask += [int(generated)] * len(ids)
+        self.turns += [self.turn] * len(ids)
+        self.versions += versions
+
+
+def _call(loop: asyncio.AbstractEventLoop, fns: list[Callable[[], Any]]) -> list[Any]:
+    """Call each of ``fns``; those that return awaitables run concurrently on ``loop``."""
+    results = [fn() for fn in fns]
+    waiting = [i for i, r in enumerate(results) if inspect.isawaitable(r)]
+    if waiting:
+
+        async def gather() -> list[Any]:
+            return await asyncio.gather(*(results[i] for i in waiting))
+
+        for i, r in zip(waiting, loop.run_until_complete(gather())):
+            results[i] = r
+    return results
+
+
+def _observation(spec: str, result: Any) -> tuple[list[dict], float, bool]:
+    try:
+        messages, reward, done = result
+        messages = [messages] if isinstance(messages, dict) else list(messages)
+        if not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
+            raise TypeError(f"observation {messages!r} is not a list of chat messages")
+        return messages, float(reward), bool(done)
+    except (TypeError, ValueError) as e:
+        raise RlhpcError(
+            f"the environment {spec}'s step returned {str(result)[:200]}: {e}",
+            "return (observation messages, reward, done), e.g. ([{'role': 'user', 'content': 'higher'}], 0.0, False)",
+        ) from e
+
+
+@dataclass(frozen=True)
+class EpisodeConfig:
+    """What ``Generation`` needs to run episodes (``make_episodes``)."""
+
+    spec: str  # the environment's "module:Class"
+    env_cls: type
+    template: str
+    template_name: str
+    system_prompt: str | None
+    max_turns: int
+    max_episode_tokens: int
+
+    def start(self, tokenizer: Any, row: dict, episode_seed: int, loop: asyncio.AbstractEventLoop) -> Episode:
+        env = self.env_cls()
+        (messages,) = _call(loop, [lambda: env.reset({**row, "episode_seed": episode_seed})])
+        if not isinstance(messages, list) or not messages:
+            raise RlhpcError(
+                f"the environment {self.spec}'s reset returned {str(messages)[:200]}, not a list of chat messages",
+                "return the episode's first messages, e.g. [{'role': 'user', 'content': 'guess a number'}]",
+            )
+        chat = with_system(messages, self.system_prompt)
+        return Episode(env, Conversation(tokenizer, self.template, self.template_name, chat))
+
+    def step(self, episodes: list[Episode], replies: list[str], loop: asyncio.AbstractEventLoop) -> list[tuple]:
+        results = _call(loop, [lambda e=e, r=r: e.env.step(r) for e, r in zip(episodes, replies)])
+        return [_observation(self.spec, r) for r in results]
+
+
+def make_episodes(cfg: Any, tokenizer: Any) -> EpisodeConfig | None:
+    """The run's episode settings from its ``Config``; None without an environment (single-turn)."""
+    from rlhpc.rollout.prompts import chat_template
+    from rlhpc.tasks import TASKS
+
+    spec = cfg.rollout.env or TASKS[cfg.data.task].env
+    if spec is None:
+        return None
+    template = chat_template(cfg.data, tokenizer)
+    if template is None:
+        raise ConfigError(
+            f"rollout.env = {spec} renders chat messages, but data.chat_template is none",
+            "set data.chat_template: auto (the tokenizer's template) or a Jinja file",
+        )
+    name = "of the tokenizer" if cfg.data.chat_template == "auto" else cfg.data.chat_template
+    r = cfg.rollout
+    return EpisodeConfig(
+        spec, resolve_env(spec), template, name, cfg.data.system_prompt, r.max_turns, r.max_episode_tokens
+    )

@@ -1,0 +1,168 @@
+"""Multi-turn episodes (rollout.env): incremental token-in/token-out rendering checked against
+``transformers``' ``apply_chat_template`` of the whole conversation, the per-token loss mask, the
+built-in guess environment, and a whole rollout of episodes through an in-process CPU engine."""
+
+import h5py
+import pytest
+import torch
+
+from rlhpc.batch import RolloutBatch
+from rlhpc.config import TinyModelConfig, load_config
+from rlhpc.errors import ConfigError
+from rlhpc.metrics import write_rollout_dump
+from rlhpc.model import IM_END, build_bpe_tokenizer, build_tiny_model
+from rlhpc.rollout.episodes import Conversation, TemplateBreaksPrefix, make_episodes, resolve_env
+from rlhpc.rollout.generation import Generation
+from rlhpc.tasks.guess import GuessEnv
+
+USER = [{"role": "user", "content": "guess 1-8"}]
+
+
+def whole(tok, messages, generation_prompt):
+    return tok.apply_chat_template(messages, add_generation_prompt=generation_prompt, return_dict=False)
+
+
+def test_observations_are_appended_as_the_whole_conversation_renders_them():
+    tok = build_bpe_tokenizer()
+    eos = tok.convert_tokens_to_ids(IM_END)
+    chat = Conversation(tok, tok.chat_template, "t", USER)
+    assert chat.prompt_ids == whole(tok, USER, True)
+    stream, mask, messages = list(chat.prompt_ids), [], list(USER)
+    # the engine's replies: one that stopped (<|im_end|> generated) and one cut at max_new_tokens
+    for reply, stopped, hint in (("3 then", True, "higher"), ("5", False, "lower"), ("4", True, None)):
+        generated = tok.encode(reply, add_special_tokens=False) + ([eos] if stopped else [])
+        stream += generated
+        mask += [1] * len(generated)
+        messages.append({"role": "assistant", "content": reply})
+        if hint is None:
+            break
+        extra = chat.extend(generated, reply, [{"role": "user", "content": hint}])
+        stream += extra
+        mask += [0] * len(extra)
+        messages.append({"role": "user", "content": hint})
+        assert stream == whole(tok, messages, True)  # token for token, the generation prompt included
+        # only the template's own tokens were added: the stop token the engine produced is not doubled
+        assert extra[0] == (tok.encode("\n")[0] if stopped else eos)
+    full = whole(tok, messages, False)
+    assert stream == full[: len(stream)] and tok.decode(full[len(stream) :]) == "\n"
+    # the mask is 1 exactly over the replies' tokens
+    replies = [t for t, m in zip(stream[len(chat.prompt_ids) :], mask) if m]
+    want = [*tok.encode("3 then"), eos, *tok.encode("5"), *tok.encode("4"), eos]
+    assert replies == want
+
+
+def test_a_template_that_strips_earlier_replies_is_refused_naming_it(tmp_path):
+    tok = build_bpe_tokenizer()
+    # a reasoning-style template: earlier assistant turns lose their text
+    strip = (
+        "{% for m in messages %}{% if m['role'] == 'assistant' and not loop.last %}"
+        "{{ '<|im_start|>assistant\\n<|im_end|>\\n' }}{% else %}"
+        "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    )
+    chat = Conversation(tok, strip, "strip.jinja", USER)
+    reply = tok.encode("3", add_special_tokens=False) + [tok.convert_tokens_to_ids(IM_END)]
+    with pytest.raises(TemplateBreaksPrefix, match="strip.jinja renders earlier turns differently"):
+        chat.extend(reply, "3", [{"role": "user", "content": "higher"}])
+
+
+def test_the_loss_mask_skips_observation_tokens_and_single_turn_is_unchanged():
+    batch = RolloutBatch(
+        [[5, 6], [7]], [[1, 2, 3], [4, 5]], [[-1.0] * 3, [-1.0] * 2], torch.zeros(2), torch.zeros(2), 1
+    )
+    _, _, single = batch.to_padded(0)
+    assert single.tolist() == [[0, 1, 1, 1], [1, 1, 0, 0]]  # every response token (logits at t predict t+1)
+    batch.loss_masks = [[1, 0, 1], [0, 1]]
+    _, _, multi = batch.to_padded(0)
+    assert multi.tolist() == [[0, 1, 0, 1], [0, 1, 0, 0]]
+    assert batch.slice(1, 2).loss_masks == [[0, 1]]
+
+
+def test_the_guess_environment_answers_and_rewards_fewer_turns():
+    env = GuessEnv()
+    assert env.reset({"prompt": "guess 1-8", "answer": "6", "episode_seed": 1}) == USER
+    assert env.step("3") == ([{"role": "user", "content": "higher"}], 0.0, False)
+    assert env.step("no digit") == ([{"role": "user", "content": "a digit"}], 0.0, False)
+    assert env.step("7") == ([{"role": "user", "content": "lower"}], 0.0, False)
+    assert env.step("6") == ([], 0.25, True)
+
+
+class NoStep:
+    def reset(self, row):
+        return USER
+
+
+def test_the_env_is_checked_at_submit():
+    with pytest.raises(ConfigError, match="rollout.env = 'nowhere:Env' cannot be imported"):
+        resolve_env("nowhere:Env")
+    with pytest.raises(ConfigError, match="has no step method"):
+        resolve_env(f"{__name__}:NoStep")
+    with pytest.raises(ConfigError, match="char tokenizer has none"):
+        load_config(None, ["model.tiny={}", "data.task=guess", "rollout.max_episode_tokens=64"])
+    with pytest.raises(ConfigError, match="rollout.max_episode_tokens = 256 .* exceeds the model's context length"):
+        load_config(None, ["model.tiny.tokenizer=bpe", "data.task=guess"])
+    with pytest.raises(ConfigError, match="rollout.max_turns = 0 must be >= 1"):
+        load_config(None, ["model.tiny.tokenizer=bpe", "rollout.max_turns=0"])
+    load_config(None, ["model.tiny.tokenizer=bpe", "data.task=guess", "rollout.max_episode_tokens=64"])
+
+
+def test_episodes_through_a_cpu_engine_train_the_engines_tokens(tmp_path):
+    """A rollout of guess episodes on an in-process CPU engine: every request sends the episode's
+    tokens so far unchanged, the tokens masked 1 are exactly the engine's answers in order, the
+    rest are the template's, and the dump holds the masks and turns."""
+    from transformers import AutoTokenizer
+
+    from rlhpc.rollout.cpu_server.engine import Engine
+
+    model = build_tiny_model(tmp_path / "tiny", TinyModelConfig(tokenizer="bpe"))
+    cfg = load_config(
+        None,
+        [f"model.path={model}", "data.task=guess", "rollout.max_episode_tokens=40", "rollout.max_turns=3",
+         "rollout.max_new_tokens=6", "rollout.n_samples_per_prompt=2"],
+    )  # fmt: skip
+    tok = AutoTokenizer.from_pretrained(model)
+    engine = Engine(str(model), "default")
+    sent: list[list[int]] = []
+    answers: list[list[int]] = []
+
+    def send(requests, done):
+        out = []
+        for c, r in enumerate(requests):
+            items, _ = engine.normalize(
+                {"input_ids": r.input_ids, "sampling_params": r.sampling_params, "return_logprob": True}
+            )
+            out.append(engine.generate(items, engine.next_seq()))
+            sent.extend(r.input_ids)
+            answers.extend(list(o["output_ids"]) for o in out[-1])
+            done(c)
+        return out
+
+    episodes = make_episodes(cfg, tok)
+    gen = Generation(tok, lambda *a: 0.0, cfg.rollout, cfg.eval, cfg.algo, cfg.seed, send, episodes=episodes)
+    rows = [{"prompt": "guess 1-8", "answer": str(a)} for a in (2, 7)]
+    batch, metrics, texts = gen.rollout(0, rows, None)
+
+    assert len(batch) == 4 and {"episode/turns", "episode/truncated", "episode/observation_tokens"} <= set(metrics)
+    for k in range(len(batch)):
+        prompt, response, mask = batch.prompt_ids[k], batch.response_ids[k], batch.loss_masks[k]
+        assert len(mask) == len(response) == len(batch.turns[k]) == len(batch.rollout_logprobs[k])
+        # the episode's requests: its first is the k-th sent; each next one extends the one before
+        # by the engine's answer exactly as returned (token-in/token-out), then the template's tokens
+        chain = [k]
+        for i in range(len(batch), len(sent)):
+            ids, last = sent[i], chain[-1]
+            if ids[: len(sent[last]) + len(answers[last])] == sent[last] + answers[last]:
+                between = ids[len(sent[last]) + len(answers[last]) :]
+                assert between and tok.decode(between).endswith("<|im_start|>assistant\n")
+                chain.append(i)
+        assert len(chain) == len(set(batch.turns[k]))
+        generated = [t for t, m in zip(response, mask) if m]
+        assert generated == [t for i in chain for t in answers[i]]  # the engine's tokens, in order
+        assert (prompt + response)[: len(sent[chain[-1]])] == sent[chain[-1]]
+        assert all(lp == 0.0 for lp, m in zip(batch.rollout_logprobs[k], mask) if not m)
+    # the dump holds the per-token data
+    write_rollout_dump(tmp_path / "r.h5", 0, batch, texts)
+    with h5py.File(tmp_path / "r.h5") as f:
+        assert [list(m) for m in f["loss_mask"][:]] == batch.loss_masks
+        assert [list(t) for t in f["turn"][:]] == batch.turns
+        assert list(f["truncated"][:]) == batch.truncated
