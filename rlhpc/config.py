@@ -599,6 +599,14 @@ class ActorConfig(Section):
     grad_clip: float = 1.0
     num_steps_per_rollout: int = 1  # optimizer steps (minibatches) per rollout batch
     micro_batch_size: int = 64  # samples per forward/backward on one rank
+    # Micro-batches by tokens instead (docs/guides/losses.md, "Micro-batches and packing"):
+    # null keeps micro_batch_size samples each; N puts a minibatch's samples in micro-batches of
+    # at most N tokens (first-fit, longest first), which micro_batch_size then no longer bounds.
+    max_tokens_per_micro_batch: int | None = None
+    # With max_tokens_per_micro_batch, the PyTorch actor packs a micro-batch's samples into one
+    # row (own position ids, block-diagonal attention, no padding); false, or the megatron actor
+    # (megatron-core packs only with Transformer Engine), pads them: rows x longest <= N tokens.
+    sequence_packing: bool = True
     # The rate of each optimizer step (rlhpc/actor/lr_schedule.py): a linear warmup to lr over
     # lr_warmup_steps, then constant, or a linear or cosine decay to min_lr at lr_decay_steps
     # (null: the run's last step, rollouts x num_steps_per_rollout). Resumes exactly.
@@ -623,6 +631,9 @@ class ActorConfig(Section):
         self._above(0, "adam_eps", fix="set a small positive value, e.g. 1e-8")
         self._above(0, "grad_clip", fix="set the gradient-norm clip, e.g. 1.0")
         self._at_least(1, "num_steps_per_rollout", "micro_batch_size")
+        self._at_least(
+            1, "max_tokens_per_micro_batch", fix="set a token count, e.g. 8192, or null for micro_batch_size samples"
+        )
         self._at_least(0, "lr_warmup_steps", "min_lr")
         self._at_least(1, "lr_decay_steps", fix="set a positive step count, or null for the run's last step")
         if self.min_lr > self.lr:

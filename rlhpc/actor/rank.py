@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from rlhpc.actor.checkpoint_dir import rng_file
 from rlhpc.actor.lr_schedule import lr_at
+from rlhpc.actor.packing import micro_batch_groups, pack_rows
 from rlhpc.actor.rng import get_rng_state, seed_everything, set_rng_state
 from rlhpc.actor.spec import ActorSpec
 from rlhpc.algo.grpo import AggNorm, agg_counts, agg_loss, kl_estimate, policy_loss_per_token, truncated_is_weights
@@ -83,16 +84,25 @@ def node_ip_address() -> str:
 
 @dataclass
 class MicroBatch:
-    """One micro-batch on the device, padded once and reused by the no-grad passes and its step."""
+    """One micro-batch on the device, padded (or packed) once and reused by the no-grad passes
+    and its step. Packed, the forward runs on one row of all its samples (``ids``,
+    ``positions``) and ``per_sample`` lays its per-position results out as the padded rows
+    [N, L-1] that every per-token tensor below has, so the loss is computed as padded."""
 
-    ids: torch.Tensor  # [N, L] right-padded (causal attention never lets a real token see a pad)
-    attention: torch.Tensor  # [N, L]
+    ids: torch.Tensor  # [N, L] right-padded (causal attention never lets a real token see a pad); packed: [1, T]
+    attention: torch.Tensor | None  # [N, L]; packed: None (the position ids delimit the samples)
     mask: torch.Tensor  # [N, L-1] 1 where position t predicts a response token
     advantages: torch.Tensor  # [N]
     rollout_logprobs: torch.Tensor | None = None  # [N, L-1] the engines' logprobs (the behaviour policy)
     old_logprobs: torch.Tensor | None = None  # [N, L-1] the policy before this rollout's steps
     ref_logprobs: torch.Tensor | None = None  # [N, L-1] the initial model (KL penalty only)
     tis_weights: torch.Tensor | None = None  # [N, L-1] truncated importance weights (algo.tis only)
+    positions: torch.Tensor | None = None  # packed: [1, T] position ids, from 0 in each sample
+    unpack_index: torch.Tensor | None = None  # packed: [N, L-1] into the packed row's positions
+
+    def per_sample(self, x: torch.Tensor) -> torch.Tensor:
+        """A per-position result of the forward ([rows, width-1]) as the padded [N, L-1]."""
+        return x if self.unpack_index is None else x.reshape(-1)[self.unpack_index]
 
     @property
     def tokens(self) -> float:
@@ -107,6 +117,9 @@ class MicroBatch:
 class RankBase:
     """One training rank. Subclasses implement ``init_process_group``, ``load``, ``snapshot``,
     ``write_snapshot``, ``offload``, ``onload``, ``_hf_named`` and the train-step hooks below ``train``."""
+
+    # The backend's ``_logits`` runs a packed micro-batch (``MicroBatch.positions``).
+    can_pack = False
 
     def __init__(self, spec: ActorSpec, model_path: str, rank: int, world_size: int):
         logging.basicConfig(level=spec.log_level, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
@@ -246,7 +259,7 @@ class RankBase:
             for j, mb in enumerate(mbs):
                 with self._grad_sync(last=j == len(mbs) - 1):
                     logits = self._logits(self._policy(train=True), mb)
-                    logprobs = self._token_logprobs(logits, mb.ids)
+                    logprobs = mb.per_sample(self._token_logprobs(logits, mb.ids))
                     if mb.old_logprobs is None:  # the first step: no update yet, so this forward is the old policy's
                         with torch.no_grad():
                             self._old_policy(mb, logits.detach(), logprobs.detach(), sums)
@@ -278,14 +291,30 @@ class RankBase:
         for group in self.optimizer.param_groups:
             group["lr"] = lr * group.get("lr_mult", 1.0)
 
+    @property
+    def packs(self) -> bool:
+        """Micro-batches are packed rows (``actor.sequence_packing``, where the backend can)."""
+        a = self.spec.actor
+        return a.max_tokens_per_micro_batch is not None and a.sequence_packing and self.can_pack
+
     def _micro_batches(self, batch: RolloutBatch) -> list[list[RolloutBatch]]:
-        """Per optimizer step: the micro-batches of this rank's share of that minibatch."""
+        """Per optimizer step: the micro-batches of this rank's share of that minibatch.
+
+        Ranks may hold different numbers of them (uneven shards and lengths): neither backend
+        runs a data-parallel collective per micro-batch (gradients are reduced once per step,
+        ``_finish_grad_sync``), and the tensor-parallel ranks of a replica share its data, so
+        they form the same micro-batches.
+        """
         steps = []
         a = self.spec.actor
         for start, stop in split_even(len(batch), a.num_steps_per_rollout):
-            steps.append(
-                [batch.slice(i, min(i + a.micro_batch_size, stop)) for i in range(start, stop, a.micro_batch_size)]
-            )
+            if a.max_tokens_per_micro_batch is not None:
+                minibatch = batch.slice(start, stop)
+                steps.append(micro_batch_groups(minibatch, a.max_tokens_per_micro_batch, padded=not self.packs))
+            else:
+                steps.append(
+                    [batch.slice(i, min(i + a.micro_batch_size, stop)) for i in range(start, stop, a.micro_batch_size)]
+                )
         return steps
 
     def _prepare(self, batch: RolloutBatch) -> tuple[list[list[MicroBatch]], dict[str, float], float]:
@@ -303,12 +332,15 @@ class RankBase:
                 for rmb in rollout_mbs:
                     ids, attention, mask = (t.to(self.device) for t in rmb.to_padded(self.pad_id))
                     mb = MicroBatch(ids, attention, mask, rmb.advantages.to(self.device))
+                    if self.packs:  # the loss still sees padded rows (``MicroBatch.per_sample``)
+                        mb.ids, mb.positions, mb.unpack_index = pack_rows(ids, attention)
+                        mb.attention = None
                     mb.rollout_logprobs = _rollout_logprob_tensor(rmb, mask.shape).to(self.device)
                     if self.ref is not None:
-                        mb.ref_logprobs = self._token_logprobs(self._logits(self.ref, mb), ids)
+                        mb.ref_logprobs = mb.per_sample(self._token_logprobs(self._logits(self.ref, mb), mb.ids))
                     if k > 0:
                         logits = self._logits(self._policy(train=False), mb)
-                        self._old_policy(mb, logits, self._token_logprobs(logits, ids), sums)
+                        self._old_policy(mb, logits, mb.per_sample(self._token_logprobs(logits, mb.ids)), sums)
                         del logits
                     local_tokens += mb.tokens
                     steps[-1].append(mb)
@@ -319,7 +351,7 @@ class RankBase:
         weights; its entropy, engine mismatch and TIS terms added to ``sums``."""
         algo = self.spec.algo
         mb.old_logprobs = logprobs
-        sums["entropy"] += float((self._entropy(logits) * mb.mask).sum())
+        sums["entropy"] += float((mb.per_sample(self._entropy(logits)) * mb.mask).sum())
         sums["rollout_logprob_abs_diff"] += float(((logprobs - mb.rollout_logprobs).abs() * mb.mask).sum())
         if algo.tis:  # the engines' logprobs are the behaviour policy
             mb.tis_weights, clipped = truncated_is_weights(logprobs, mb.rollout_logprobs, mb.mask, algo.tis_clip)
@@ -346,7 +378,7 @@ class RankBase:
             per_token = per_token + algo.kl_coef * kl
             sums["kl"] += float((kl.detach() * mb.mask).sum())
         if algo.entropy_coef > 0:  # the entropy with its gradient (the logged one is the old policy's)
-            per_token = per_token - algo.entropy_coef * self._entropy(logits)
+            per_token = per_token - algo.entropy_coef * mb.per_sample(self._entropy(logits))
         sums["pg_loss"] += float((pg.detach() * mb.mask).sum())
         sums["clipfrac"] += float((clipped * mb.mask).sum())
         return agg_loss(per_token, mb.mask, algo.loss_agg_mode, norm)

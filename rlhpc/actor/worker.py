@@ -80,6 +80,8 @@ class TrainWorker(RankBase):
     ``master_addr_port``, (all) ``init_process_group``, ``load``, then ``train`` / ``save`` /
     ``update_weights``..."""
 
+    can_pack = True
+
     def __init__(self, spec: ActorSpec, model_path: str, rank: int, world_size: int):
         super().__init__(spec, model_path, rank, world_size)
         self.module: torch.nn.Module | None = None  # the unwrapped HF model
@@ -217,6 +219,10 @@ class TrainWorker(RankBase):
         return self.module
 
     def _logits(self, model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
+        if mb.positions is not None:
+            # Packed: with no attention mask, transformers makes the attention block-diagonal
+            # where the position ids restart, but only without a KV cache (with one it ignores them).
+            return model(input_ids=mb.ids, position_ids=mb.positions, use_cache=False).logits[:, :-1].float()
         return model(input_ids=mb.ids, attention_mask=mb.attention).logits[:, :-1].float()
 
     def _token_logprobs(self, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 from support.actors import Group, engine_weights, make_batch
 
 from rlhpc.actor.group import ActorGroup, ActorRankError
+from rlhpc.actor.packing import first_fit_decreasing, sample_lengths
 from rlhpc.actor.worker import read_optimizer
 from rlhpc.config import Config
 from rlhpc.errors import RlhpcError
@@ -133,6 +134,63 @@ def test_gradient_is_global_token_mean(ray_cluster: None, model_path: str, loss:
         clear = g_whole[k].abs() > 1e-5
         torch.testing.assert_close(w_split[k][clear], w_whole[k][clear], rtol=1e-6, atol=1e-6)
         assert (w_split[k] - w_whole[k]).abs().max() <= 2 * cfg_whole.actor.lr
+
+
+# Micro-batches by tokens (issue 31, item 8): packed rows, or padded rows within a token budget,
+# each with a loss and aggregation whose normalisation or per-sample terms a wrong layout breaks
+# (the sequence ratio of gspo, per-sample means, the reference model's logprobs, TIS weights).
+TOKEN_BUDGET_SETTINGS = {
+    "token-mean-packed": ({}, True),
+    "seq-mean-token-mean-gspo-entropy-packed": (
+        {"loss_agg_mode": "seq-mean-token-mean", "policy_loss": "gspo", "entropy_coef": 0.01},
+        True,
+    ),
+    "seq-mean-token-sum-cispo-padded": ({"loss_agg_mode": "seq-mean-token-sum", "policy_loss": "cispo"}, False),
+    "seq-mean-token-sum-norm-kl-tis-packed": (
+        {"loss_agg_mode": "seq-mean-token-sum-norm", "kl_coef": 0.1, "kl_estimator": "low_var_kl", "tis": True},
+        True,
+    ),
+}
+
+
+@pytest.mark.parametrize("setting", list(TOKEN_BUDGET_SETTINGS))
+def test_token_budget_micro_batches_give_the_padded_gradient(ray_cluster: None, model_path: str, setting: str) -> None:
+    """2 ranks x micro-batches of <= 20 tokens (packed or padded) == 1 rank x one padded
+    micro-batch: the same loss, gradient and step. The two ranks form different numbers of
+    micro-batches, and the first-fit puts samples out of their order."""
+    batch = make_batch(9, seed=7)  # shards of 4 and 5 samples
+    knobs, packed = TOKEN_BUDGET_SETTINGS[setting]
+    lengths = sample_lengths(batch)
+    groups = [first_fit_decreasing(lengths[:4], 20, not packed), first_fit_decreasing(lengths[4:], 20, not packed)]
+    assert [len(g) for g in groups] == [2, 3], groups
+    assert any(g != list(range(g[0], g[-1] + 1)) for g in groups[1]), groups  # not a contiguous slice
+    cfg_budget = make_cfg(max_tokens_per_micro_batch=20, sequence_packing=packed, grad_clip=1e9)
+    cfg_whole = make_cfg(micro_batch_size=64, grad_clip=1e9)
+    for cfg in (cfg_budget, cfg_whole):
+        for k, v in knobs.items():
+            setattr(cfg.algo, k, v)
+    with Group(cfg_budget, model_path, 2) as split, Group(cfg_whole, model_path, 1) as whole:
+        m_split = split.train(0, batch)
+        m_whole = whole.train(0, batch)
+        g_split, g_whole = tensors(split, grads=True), tensors(whole, grads=True)
+    assert m_split["tokens"] == m_whole["tokens"]
+    for key in ("pg_loss", "kl", "entropy", "clipfrac", "rollout_logprob_abs_diff", "grad_norm"):
+        assert m_split[key] == pytest.approx(m_whole[key], rel=1e-5, abs=1e-7), key
+    for k in g_whole:
+        torch.testing.assert_close(g_split[k], g_whole[k], rtol=1e-5, atol=1e-7)
+
+
+def test_packed_training_is_deterministic(ray_cluster: None, model_path: str) -> None:
+    """Packed micro-batches on two ranks, two steps a rollout: a rerun gives every metric and
+    weight bit for bit."""
+    cfg = make_cfg(max_tokens_per_micro_batch=24, num_steps_per_rollout=2)
+    runs = []
+    for _ in range(2):
+        with Group(cfg, model_path, 2) as g:
+            metrics = [g.train(r, make_batch(12, seed=r)) for r in range(2)]
+            runs.append((metrics, g.fingerprints()))
+    assert runs[0] == runs[1]
+    assert len(set(runs[0][1])) == 1 and runs[0][0][1]["optimizer_steps"] == 4
 
 
 def test_the_entropy_bonus_keeps_entropy_higher(ray_cluster: None, model_path: str) -> None:

@@ -238,3 +238,17 @@ def test_tp2_weights_reach_engine_bit_exact(ray_cluster: None, model_path: str, 
     finally:
         ray.get(engine.shutdown.remote())
         ray.kill(engine)
+
+
+def test_token_budget_micro_batches_train_as_sample_counts_do(model_path: str, ray_cluster: None) -> None:
+    """actor.max_tokens_per_micro_batch: the PyTorch actor's packed rows and megatron's padded
+    micro-batches (TP=2; megatron-core packs only with Transformer Engine) train, over two
+    rollouts of two steps, as the PyTorch actor on micro-batches of 3 samples (issue 31, item 8)."""
+
+    def budget(cfg: Config) -> Config:
+        cfg.actor.max_tokens_per_micro_batch = 24
+        return cfg
+
+    reference = train_two(make_cfg("torch"), model_path, 1)
+    assert_same_training(reference, train_two(budget(make_cfg("torch")), model_path, 1))
+    assert_same_training(reference, train_two(budget(make_cfg(tp=2)), model_path, 2))

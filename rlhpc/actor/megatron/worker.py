@@ -155,6 +155,13 @@ class MegatronTrainWorker(RankBase):
             sum(p.numel() for p in self.gpt.parameters()),
             ", with reference model" if self.ref is not None else "",
         )
+        a = self.spec.actor
+        if self.rank == 0 and a.max_tokens_per_micro_batch is not None and a.sequence_packing:
+            # megatron-core packs (PackedSeqParams, thd) only in Transformer Engine's attention;
+            # the local spec's DotProductAttention asserts packed_seq_params is None.
+            log.info(
+                "megatron actor: micro-batches of <= %d tokens are padded, not packed", a.max_tokens_per_micro_batch
+            )
 
     def _build(self, hf_sd: dict[str, torch.Tensor]) -> torch.nn.Module:
         dtype = torch.bfloat16 if self.mcfg.bf16 else torch.float32
