@@ -268,7 +268,8 @@ class TinyModelConfig(Section):
 
     SECTION: ClassVar[str] = "model.tiny"
 
-    architecture: Literal["llama", "qwen2"] = "llama"
+    # The HF model type: Llama, Qwen2 (qkv bias), Qwen3 (QK-norm), Qwen3-MoE (QK-norm, routed experts).
+    architecture: Literal["llama", "qwen2", "qwen3", "qwen3_moe"] = "llama"
     # "char": one token per character, with a BOS. "bpe": a byte-level BPE trained on the tasks'
     # text, shaped as Qwen's ships (no BOS, ChatML special tokens and chat template, every byte).
     tokenizer: Literal["char", "bpe"] = "char"
@@ -278,6 +279,10 @@ class TinyModelConfig(Section):
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
     max_position_embeddings: int = 128
+    # qwen3_moe only: routed experts per layer, experts per token and each expert's ffn size.
+    num_experts: int = 4
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 64
     seed: int = 0
 
     def check(self) -> None:
@@ -288,8 +293,17 @@ class TinyModelConfig(Section):
             "num_attention_heads",
             "num_key_value_heads",
             "max_position_embeddings",
+            "num_experts",
+            "num_experts_per_tok",
+            "moe_intermediate_size",
         )
         self._at_least(1, *sizes)
+        if self.num_experts_per_tok > self.num_experts:
+            self._refuse(
+                "num_experts_per_tok",
+                f"is above {self.key('num_experts')} = {self.num_experts}",
+                "route each token to at most as many experts as a layer has",
+            )
         if self.hidden_size % self.num_attention_heads:
             self._refuse(
                 "hidden_size",
