@@ -334,6 +334,19 @@ class MegatronTrainWorker(RankBase):
             self._moe_forwards += micro_batches
 
     def train(self, rollout_id: int, batch: Any) -> dict[str, float]:
+        if self.moe and self.ep_size > 1:
+            # every forward is a collective over the EP group: its ranks must run as many
+            counts = torch.tensor([len(mbs) for mbs in self._micro_batches(batch)], dtype=torch.float64)
+            low, high = counts.clone(), counts.clone()
+            dist.all_reduce(low, dist.ReduceOp.MIN, group=self.ep_group)
+            dist.all_reduce(high, dist.ReduceOp.MAX, group=self.ep_group)
+            if not torch.equal(low, high):
+                raise RlhpcError(
+                    f"rollout {rollout_id}: the expert-parallel ranks got {low.tolist()} to {high.tolist()} "
+                    "micro-batches per step; expert parallelism needs the same number on each",
+                    "make rollout samples per step a multiple of data-parallel size x actor.micro_batch_size, "
+                    "or set actor.megatron.expert_model_parallel_size: 1",
+                )
         metrics = super().train(rollout_id, batch)
         if self.moe:
             metrics.update(self._moe_metrics())
@@ -364,8 +377,16 @@ class MegatronTrainWorker(RankBase):
         Right-padded ids and causal attention: no mask needed, a real token never sees a pad.
         """
         ids = mb.ids
+        rows, cols = ids.shape
+        if self.moe and self.ep_size > 1:
+            # megatron's allgather dispatcher gathers the tokens of the EP group as equal blocks:
+            # every EP rank's micro-batch gets the group's largest shape (pad rows and columns,
+            # cut off below; they pass through the router like right-padding already does)
+            shape = torch.tensor([rows, cols], device=ids.device)
+            dist.all_reduce(shape, dist.ReduceOp.MAX, group=self.ep_group)
+            ids = torch.nn.functional.pad(ids, (0, int(shape[1]) - cols, 0, int(shape[0]) - rows), value=self.pad_id)
         pos = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
-        logits = model(ids, pos, attention_mask=None)[:, :-1].float()
+        logits = model(ids, pos, attention_mask=None)[:rows, : cols - 1].float()
         shard = logits.shape[-1]
         first = self.tp_rank * shard
         if first + shard > self.hf_config.vocab_size:
