@@ -268,7 +268,8 @@ class TinyModelConfig(Section):
 
     SECTION: ClassVar[str] = "model.tiny"
 
-    architecture: Literal["llama", "qwen2"] = "llama"
+    # The HF model type: Llama, Qwen2 (qkv bias), Qwen3 (QK-norm), Qwen3-MoE (QK-norm, routed experts).
+    architecture: Literal["llama", "qwen2", "qwen3", "qwen3_moe"] = "llama"
     # "char": one token per character, with a BOS. "bpe": a byte-level BPE trained on the tasks'
     # text, shaped as Qwen's ships (no BOS, ChatML special tokens and chat template, every byte).
     tokenizer: Literal["char", "bpe"] = "char"
@@ -278,6 +279,10 @@ class TinyModelConfig(Section):
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
     max_position_embeddings: int = 128
+    # qwen3_moe only: routed experts per layer, experts per token and each expert's ffn size.
+    num_experts: int = 4
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 64
     seed: int = 0
 
     def check(self) -> None:
@@ -288,8 +293,17 @@ class TinyModelConfig(Section):
             "num_attention_heads",
             "num_key_value_heads",
             "max_position_embeddings",
+            "num_experts",
+            "num_experts_per_tok",
+            "moe_intermediate_size",
         )
         self._at_least(1, *sizes)
+        if self.num_experts_per_tok > self.num_experts:
+            self._refuse(
+                "num_experts_per_tok",
+                f"is above {self.key('num_experts')} = {self.num_experts}",
+                "route each token to at most as many experts as a layer has",
+            )
         if self.hidden_size % self.num_attention_heads:
             self._refuse(
                 "hidden_size",
@@ -582,9 +596,18 @@ class MegatronConfig(Section):
     # but the same TP size; the plain optimizer's reshard to any TP/DP.
     use_distributed_optimizer: bool = False
     bf16: bool = False  # bf16 params/compute with fp32 master weights (GPU); fp32 otherwise
+    # MoE models (qwen3_moe): experts split over this many ranks of the data-parallel group
+    # (megatron's expert parallelism; it must divide DP and the number of experts).
+    expert_model_parallel_size: int = 1
+    # The router's load-balancing loss, added to the policy loss and logged as
+    # moe_load_balancing_loss (unscaled). null: the model's router_aux_loss_coef (config.json).
+    moe_router_load_balancing_type: Literal["aux_loss", "seq_aux_loss", "none"] = "aux_loss"
+    moe_aux_loss_coeff: float | None = None
 
     def check(self) -> None:
         self._at_least(1, "tensor_model_parallel_size", fix="use 1, 2, 4 or 8")
+        self._at_least(1, "expert_model_parallel_size", fix="use 1 (no expert parallelism) or a divisor of the experts")
+        self._at_least(0, "moe_aux_loss_coeff", fix="set 0 (no load-balancing loss) or a small value, e.g. 1e-3")
 
 
 @dataclass
@@ -1150,6 +1173,13 @@ def _validate_megatron(cfg: Config) -> None:
         raise ConfigError(
             f"actor.megatron.tensor_model_parallel_size = {tp} does not divide cluster.actor_num_gpus = {c.actor_num_gpus}",
             "make the actor GPUs a multiple of the TP size (data parallel = actor GPUs / TP)",
+        )
+    ep = cfg.actor.megatron.expert_model_parallel_size
+    if (c.actor_num_gpus // tp) % ep:
+        raise ConfigError(
+            f"actor.megatron.expert_model_parallel_size = {ep} does not divide the data-parallel size "
+            f"{c.actor_num_gpus // tp} (cluster.actor_num_gpus / TP)",
+            "choose an EP size that divides actor GPUs / TP, or 1",
         )
     if tp > c.gpus_per_node:
         raise ConfigError(

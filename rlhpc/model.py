@@ -1,4 +1,4 @@
-"""The model in Hugging Face format: tiny Llama/Qwen2 builds with a character-level tokenizer
+"""The model in Hugging Face format: tiny Llama/Qwen2/Qwen3/Qwen3-MoE builds with a character-level tokenizer
 (with a BOS) or a byte-level BPE shaped as Qwen's (no BOS, ChatML tokens and chat template).
 
 Everything downstream (actor, engines, checkpoints) reads and writes a plain HF directory
@@ -83,6 +83,17 @@ def build_tiny_model(out_dir: str | Path, cfg: TinyModelConfig) -> Path:
     """Write a tiny random model + tokenizer to ``out_dir`` (deterministic in ``cfg.seed``)."""
     out = Path(out_dir)
     tok = build_char_tokenizer() if cfg.tokenizer == "char" else build_bpe_tokenizer(cfg.seed)
+    extra: dict[str, object] = {}
+    if cfg.architecture in ("qwen3", "qwen3_moe"):
+        # Qwen3's config defaults head_dim to 128 whatever the hidden size: derive it as the others do.
+        extra["head_dim"] = cfg.hidden_size // cfg.num_attention_heads
+    if cfg.architecture == "qwen3_moe":
+        extra.update(
+            num_experts=cfg.num_experts,
+            num_experts_per_tok=cfg.num_experts_per_tok,
+            moe_intermediate_size=cfg.moe_intermediate_size,
+            norm_topk_prob=True,  # as Qwen3-30B-A3B and 235B-A22B ship
+        )
     hf_config = AutoConfig.for_model(
         cfg.architecture,
         vocab_size=len(tok),
@@ -96,6 +107,7 @@ def build_tiny_model(out_dir: str | Path, cfg: TinyModelConfig) -> Path:
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
         tie_word_embeddings=False,
+        **extra,
     )
     torch.manual_seed(cfg.seed)
     model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)

@@ -255,6 +255,7 @@ class RankBase:
         skipped = 0
         for k, mbs in enumerate(steps):
             self._zero_grad()
+            self._begin_step(len(mbs))
             norm = AggNorm(counts[k], counts[len(steps) + k], float(self.spec.max_response_len))
             for j, mb in enumerate(mbs):
                 with self._grad_sync(last=j == len(mbs) - 1):
@@ -421,6 +422,9 @@ class RankBase:
         """Entropy [N, L-1] of the full-vocab softmax: a metric (no grad), and with its gradient
         in the loss when ``algo.entropy_coef`` > 0."""
         raise NotImplementedError
+
+    def _begin_step(self, micro_batches: int) -> None:
+        """Before a step's forwards: how many micro-batches this rank runs in it (MoE aux-loss scale)."""
 
     def _zero_grad(self) -> None:
         raise NotImplementedError

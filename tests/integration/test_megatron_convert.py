@@ -24,16 +24,32 @@ from rlhpc.actor.megatron.convert import (  # noqa: E402
 )
 from rlhpc.model import TinyModelConfig, build_tiny_model, load_model  # noqa: E402
 
-ARCHS = ["llama", "qwen2"]
+ARCHS = ["llama", "qwen2", "qwen3", "qwen3_moe"]
 # A few sequences of different lengths over the tiny char vocab (47 tokens).
 SEQS = [[1, 5, 6, 21, 7, 30, 12, 40, 2], [1, 44, 3, 3, 18, 19, 20], [1, 9]]
+
+
+def _perturb_norms(model_dir: Path) -> None:
+    """Random norm weights (HF initialises them to ones): a swapped or dropped q/k norm, or a
+    final norm read as a layer's, then changes the logits."""
+    hf = load_model(model_dir)
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(0.3 * torch.randn(p.shape, generator=gen))
+    hf.save_pretrained(model_dir)
 
 
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("megatron_models")
-    # 4 query heads in 2 kv groups: GQA, and TP=2 gives each rank one whole group.
-    return {a: build_tiny_model(root / a, TinyModelConfig(architecture=a, seed=3)) for a in ARCHS}
+    # 4 query heads in 2 kv groups: GQA, and TP=2 gives each rank one whole group. qwen3_moe:
+    # 4 experts, 2 per token, so EP=2 gives each rank two.
+    models = {a: build_tiny_model(root / a, TinyModelConfig(architecture=a, seed=3)) for a in ARCHS}
+    for path in models.values():
+        _perturb_norms(path)
+    return models
 
 
 def _free_port() -> int:
@@ -42,7 +58,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _init_megatron(rank: int, world_size: int, tp_size: int, port: int) -> None:
+def _init_megatron(rank: int, world_size: int, tp_size: int, port: int, ep_size: int = 1) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -51,7 +67,7 @@ def _init_megatron(rank: int, world_size: int, tp_size: int, port: int) -> None:
 
     apply_cpu_shim()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp_size)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp_size, expert_model_parallel_size=ep_size)
     model_parallel_cuda_manual_seed(1234)
 
 
@@ -66,13 +82,16 @@ def _teardown_megatron() -> None:
     remove_cpu_shim()
 
 
-def _megatron_logits(model_dir: Path, tp_size: int, tp_rank: int) -> list[torch.Tensor]:
+def _megatron_logits(
+    model_dir: Path, tp_size: int, tp_rank: int, ep_size: int = 1, ep_rank: int = 0
+) -> list[torch.Tensor]:
     """Full-vocab logits of the converted megatron model for each of SEQS (one sequence per call)."""
     from rlhpc.actor.megatron.model import build_gpt_model
 
     hf = load_model(model_dir)
-    model = build_gpt_model(hf.config, tp_size=tp_size, parallel_output=False)
-    load_into(model, hf_to_megatron(hf.state_dict(), hf.config, tp_size=tp_size, tp_rank=tp_rank))
+    model = build_gpt_model(hf.config, tp_size=tp_size, parallel_output=False, expert_model_parallel_size=ep_size)
+    sd = hf_to_megatron(hf.state_dict(), hf.config, tp_size=tp_size, tp_rank=tp_rank, ep_size=ep_size, ep_rank=ep_rank)
+    load_into(model, sd)
     model.eval()
     out = []
     with torch.no_grad():
@@ -105,6 +124,10 @@ def test_round_trip_bit_exact(tiny_models, arch, tp_size):
     hf_sd = hf.state_dict()
     if arch == "qwen2":
         assert "model.layers.0.self_attn.q_proj.bias" in hf_sd
+    if arch.startswith("qwen3"):
+        assert "model.layers.0.self_attn.k_norm.weight" in hf_sd
+    if arch == "qwen3_moe":
+        assert hf_sd["model.layers.0.mlp.experts.gate_up_proj"].shape[0] == 4
     shards = [hf_to_megatron(hf_sd, hf.config, tp_size=tp_size, tp_rank=r) for r in range(tp_size)]
     back = megatron_to_hf(shards, hf.config)
     assert set(back) == set(hf_sd)
@@ -116,6 +139,27 @@ def test_round_trip_bit_exact(tiny_models, arch, tp_size):
     for r in range(tp_size):
         again = shard_for_tp(full, tp_size, r)
         assert all(torch.equal(again[k], shards[r][k]) for k in shards[r])
+
+
+@pytest.mark.parametrize(("tp_size", "ep_size"), [(1, 2), (2, 2), (1, 4)])
+def test_expert_parallel_round_trip_bit_exact(tiny_models, tp_size, ep_size):
+    hf = load_model(tiny_models["qwen3_moe"])
+    hf_sd = hf.state_dict()
+    shards = [
+        hf_to_megatron(hf_sd, hf.config, tp_size=tp_size, tp_rank=t, ep_size=ep_size, ep_rank=e)
+        for e in range(ep_size)
+        for t in range(tp_size)
+    ]
+    # each EP rank holds only its own experts, numbered from 0
+    experts = {n.split("local_experts.")[1].split(".")[0] for n in shards[-1] if "local_experts" in n}
+    assert experts == {str(i) for i in range(4 // ep_size)}
+    assert torch.equal(
+        shards[-1]["decoder.layers.1.mlp.experts.local_experts.0.linear_fc2.weight"],
+        hf_sd["model.layers.1.mlp.experts.down_proj"][4 - 4 // ep_size].chunk(tp_size, dim=1)[-1],
+    )
+    back = megatron_to_hf(shards, hf.config, ep_size=ep_size)
+    assert set(back) == set(hf_sd)
+    assert all(torch.equal(back[k], v) for k, v in hf_sd.items())
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -136,21 +180,27 @@ def test_megatron_logits_match_hf(tiny_models, megatron_tp1, arch):
         torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5)
 
 
-def _tp2_worker(rank: int, port: int, model_dir: str, out_dir: str) -> None:
+def _tp2_worker(rank: int, port: int, model_dir: str, out_dir: str, tp_size: int, ep_size: int) -> None:
     torch.set_num_threads(1)
-    _init_megatron(rank, 2, 2, port)
+    _init_megatron(rank, 2, tp_size, port, ep_size=ep_size)
     try:
-        logits = _megatron_logits(Path(model_dir), tp_size=2, tp_rank=rank)
+        # megatron's rank order: TP fastest, then EP (TP x EP = 2 here, so no DP)
+        tp_rank, ep_rank = rank % tp_size, rank // tp_size % ep_size
+        logits = _megatron_logits(Path(model_dir), tp_size, tp_rank, ep_size=ep_size, ep_rank=ep_rank)
         torch.save(logits, os.path.join(out_dir, f"logits_rank{rank}.pt"))
     finally:
         _teardown_megatron()
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_tp2_logits_match_tp1(tiny_models, megatron_tp1, tmp_path, arch):
+@pytest.mark.parametrize(
+    ("arch", "tp_size", "ep_size"), [(a, 2, 1) for a in ARCHS] + [("qwen3_moe", 1, 2)], ids=lambda v: str(v)
+)
+def test_tp2_logits_match_tp1(tiny_models, megatron_tp1, tmp_path, arch, tp_size, ep_size):
+    """Two gloo ranks (TP=2, or EP=2 for the MoE) give the TP=1 and the HF logits."""
     import torch.multiprocessing as mp
 
-    mp.spawn(_tp2_worker, args=(_free_port(), str(tiny_models[arch]), str(tmp_path)), nprocs=2, join=True)
+    args = (_free_port(), str(tiny_models[arch]), str(tmp_path), tp_size, ep_size)
+    mp.spawn(_tp2_worker, args=args, nprocs=2, join=True)
     tp1 = _megatron_logits(tiny_models[arch], tp_size=1, tp_rank=0)
     ref = _hf_logits(tiny_models[arch])
     for rank in range(2):

@@ -51,6 +51,12 @@ def tiny_llama(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def tiny_qwen3(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("megatron_train_qwen3")
+    return {a: build_tiny_model(root / a, TinyModelConfig(architecture=a, seed=5)) for a in ("qwen3", "qwen3_moe")}
+
+
+@pytest.fixture(scope="module")
 def megatron_tp1():
     """This process as a gloo group of one with megatron's model-parallel state (TP=1)."""
     import torch.distributed as dist
@@ -96,7 +102,7 @@ def _train_hf(model_dir: Path, ids: torch.Tensor) -> tuple[list[float], list[flo
 
 
 def _train_megatron(
-    model_dir: Path, ids: torch.Tensor, tp_size: int = 1, tp_rank: int = 0
+    model_dir: Path, ids: torch.Tensor, tp_size: int = 1, tp_rank: int = 0, ep_size: int = 1, ep_rank: int = 0, **moe
 ) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
     """STEPS megatron steps; returns losses, pre-clip grad norms and this rank's megatron weights."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -107,8 +113,10 @@ def _train_megatron(
     hf = load_model(model_dir)
     vocab = hf.config.vocab_size
     # Full-vocab logits on every rank (gathered over TP), so the loss is the plain HF one.
-    gpt = build_gpt_model(hf.config, tp_size=tp_size, parallel_output=False)
-    load_into(gpt, hf_to_megatron(hf.state_dict(), hf.config, tp_size=tp_size, tp_rank=tp_rank))
+    if ep_size > 1:
+        moe["expert_model_parallel_size"] = ep_size
+    gpt = build_gpt_model(hf.config, tp_size=tp_size, parallel_output=False, **moe)
+    load_into(gpt, hf_to_megatron(hf.state_dict(), hf.config, tp_size, tp_rank, ep_size, ep_rank))
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
     )
@@ -142,11 +150,15 @@ def _train_megatron(
     return losses, grad_norms, model_state_dict(gpt)
 
 
-def test_megatron_adam_steps_match_hf_adamw(tiny_llama, megatron_tp1):
-    ids = _batch(load_model(tiny_llama).config.vocab_size)
-    hf_losses, hf_grad_norms, hf_weights = _train_hf(tiny_llama, ids)
-    mg_losses, mg_grad_norms, mg_state = _train_megatron(tiny_llama, ids)
-    mg_weights = megatron_to_hf([mg_state], load_model(tiny_llama).config)
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe"])
+def test_megatron_adam_steps_match_hf_adamw(tiny_llama, tiny_qwen3, megatron_tp1, arch):
+    model_dir = tiny_llama if arch == "llama" else tiny_qwen3[arch]
+    ids = _batch(load_model(model_dir).config.vocab_size)
+    hf_losses, hf_grad_norms, hf_weights = _train_hf(model_dir, ids)
+    # HF's loss has no load-balancing term (output_router_logits off): none on megatron's side either
+    moe = {"moe_aux_loss_coeff": 0.0} if arch == "qwen3_moe" else {}
+    mg_losses, mg_grad_norms, mg_state = _train_megatron(model_dir, ids, **moe)
+    mg_weights = megatron_to_hf([mg_state], load_model(model_dir).config)
 
     assert mg_losses[-1] < mg_losses[0]
     assert hf_losses[-1] < hf_losses[0]
@@ -160,7 +172,7 @@ def test_megatron_adam_steps_match_hf_adamw(tiny_llama, megatron_tp1):
         torch.testing.assert_close(mg_weights[name], ref, rtol=0, atol=WEIGHT_ATOL, msg=name)
 
 
-def _tp2_worker(rank: int, port: int, model_dir: str, out_dir: str) -> None:
+def _tp2_worker(rank: int, port: int, model_dir: str, out_dir: str, ep_size: int = 1) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -171,10 +183,12 @@ def _tp2_worker(rank: int, port: int, model_dir: str, out_dir: str) -> None:
     apply_cpu_shim()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
+        tp_size = 2 // ep_size
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp_size, expert_model_parallel_size=ep_size)
         model_parallel_cuda_manual_seed(1234)
         ids = _batch(load_model(model_dir).config.vocab_size)
-        result = _train_megatron(Path(model_dir), ids, tp_size=2, tp_rank=rank)
+        moe = {"moe_aux_loss_coeff": AUX_COEFF} if ep_size > 1 else {}
+        result = _train_megatron(Path(model_dir), ids, tp_size, rank % tp_size, ep_size, rank // tp_size, **moe)
         torch.save(result, os.path.join(out_dir, f"tp2_rank{rank}.pt"))
     finally:
         parallel_state.destroy_model_parallel()
@@ -200,3 +214,32 @@ def test_tp2_steps_match_tp1(tiny_llama, megatron_tp1, tmp_path):
     # TP=2 vs TP=1 differ only by fp32 rounding of split GEMMs / reductions: same bound as vs HF.
     for name, ref in tp1.items():
         torch.testing.assert_close(tp2[name], ref, rtol=0, atol=WEIGHT_ATOL, msg=name)
+
+
+AUX_COEFF = 1e-2  # large enough to move the router measurably in three steps
+
+
+def test_ep2_steps_match_ep1(tiny_qwen3, megatron_tp1, tmp_path):
+    """Qwen3-MoE with its experts split over two ranks (EP=2 over gloo, the allgather dispatcher;
+    both ranks see the same batch, DP=2 for the dense weights) trains as one rank holding all
+    four, the router's load-balancing loss included."""
+    import torch.multiprocessing as mp
+
+    model_dir = tiny_qwen3["qwen3_moe"]
+    mp.spawn(_tp2_worker, args=(_free_port(), str(model_dir), str(tmp_path), 2), nprocs=2, join=True)
+    config = load_model(model_dir).config
+    ids = _batch(config.vocab_size)
+    ep1_losses, ep1_grad_norms, ep1_state = _train_megatron(model_dir, ids, moe_aux_loss_coeff=AUX_COEFF)
+    ep1 = megatron_to_hf([ep1_state], config)
+    # the aux loss reaches the router (else this test would not see it scaled wrong under EP)
+    without_aux = megatron_to_hf([_train_megatron(model_dir, ids, moe_aux_loss_coeff=0.0)[2]], config)
+    router = "model.layers.0.mlp.gate.weight"
+    assert (without_aux[router] - ep1[router]).abs().max() > 20 * WEIGHT_ATOL
+    ranks = [torch.load(tmp_path / f"tp2_rank{r}.pt") for r in range(2)]
+    for losses, grad_norms, _ in ranks:
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ep1_losses), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(torch.tensor(grad_norms), torch.tensor(ep1_grad_norms), rtol=1e-5, atol=1e-5)
+    ep2 = megatron_to_hf([state for _, _, state in ranks], config, ep_size=2)
+    assert set(ep2) == set(ep1)
+    for name, ref in ep1.items():
+        torch.testing.assert_close(ep2[name], ref, rtol=0, atol=WEIGHT_ATOL, msg=name)

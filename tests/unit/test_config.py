@@ -213,7 +213,8 @@ REFUSED = [
     ("model.tiny.hidden_size=66", "model.tiny.hidden_size = 66 is not divisible by model.tiny.num_attention_heads"),
     ("model.tiny.hidden_size=60", "model.tiny.num_attention_heads = 15 is odd"),
     ("model.tiny.num_key_value_heads=3", "model.tiny.num_attention_heads = 4 is not divisible by"),
-    ("model.tiny.architecture=gpt2", "model.tiny.architecture = 'gpt2' is not one of 'llama' | 'qwen2'"),
+    ("model.tiny.architecture=gpt2", "model.tiny.architecture = 'gpt2' is not one of 'llama' | 'qwen2' | 'qwen3'"),
+    ("model.tiny.num_experts_per_tok=5", "model.tiny.num_experts_per_tok = 5 is above model.tiny.num_experts = 4"),
 ]
 
 

@@ -1,4 +1,5 @@
-"""HF Llama/Qwen2 <-> megatron-core GPTModel (local spec) weight conversion, with TP sharding.
+"""HF Llama/Qwen2/Qwen3/Qwen3-MoE <-> megatron-core GPTModel (local spec) weight conversion,
+with TP and expert-parallel (EP) sharding.
 
 Pure functions over state dicts of CPU/GPU tensors; no process groups needed.
 
@@ -16,6 +17,14 @@ Layout, per decoder layer ``i`` (megatron name <- HF name):
   chunks fc1's output in two, ``silu(first) * second``). Column parallel: each rank holds
   ``[gate shard; up shard]``, so gate and up are split separately, then concatenated.
 * ``decoder.layers.i.mlp.linear_fc2.weight`` <- ``mlp.down_proj.weight``; row parallel (dim 1).
+* Qwen3 (QK-norm): ``self_attention.{q,k}_layernorm.weight`` <- ``self_attn.{q,k}_norm.weight``
+  (one ``head_dim`` vector shared by every head: replicated).
+* Qwen3-MoE: ``mlp.router.weight`` <- ``mlp.gate.weight`` (replicated), and for expert ``e``
+  ``mlp.experts.local_experts.e.linear_fc1.weight`` <- ``mlp.experts.gate_up_proj[e]`` (HF
+  keeps the experts as one 3-D tensor in memory, gate rows then up rows: megatron's fc1 order)
+  and ``...linear_fc2.weight`` <- ``mlp.experts.down_proj[e]``; TP-split as fc1/fc2 above
+  (megatron's expert-TP size is the TP size). Under expert parallelism EP rank ``r`` holds
+  experts ``[r*E/EP, (r+1)*E/EP)`` numbered from 0 (``shard_for_ep``).
 
 Plus ``embedding.word_embeddings.weight`` <- ``model.embed_tokens.weight`` (vocab parallel,
 dim 0), ``decoder.final_layernorm.weight`` <- ``model.norm.weight`` and ``output_layer.weight``
@@ -30,7 +39,7 @@ from typing import Any
 
 import torch
 
-from rlhpc.actor.megatron.model import padded_vocab_size
+from rlhpc.actor.megatron.model import is_moe, num_experts, padded_vocab_size
 
 Tensor = torch.Tensor
 StateDict = dict[str, Tensor]
@@ -45,11 +54,61 @@ def _dims(hf_config: Any) -> tuple[int, int, int]:
 
 def _check_tp(hf_config: Any, tp_size: int) -> None:
     heads, kv_heads, _ = _dims(hf_config)
-    if kv_heads % tp_size or heads % tp_size or hf_config.intermediate_size % tp_size:
-        raise ValueError(
-            f"TP={tp_size} must divide heads ({heads}), kv heads ({kv_heads}) and ffn size "
-            f"({hf_config.intermediate_size})"
-        )
+    ffn = hf_config.moe_intermediate_size if is_moe(hf_config) else hf_config.intermediate_size
+    if kv_heads % tp_size or heads % tp_size or ffn % tp_size:
+        raise ValueError(f"TP={tp_size} must divide heads ({heads}), kv heads ({kv_heads}) and ffn size ({ffn})")
+
+
+def _check_ep(hf_config: Any, ep_size: int) -> None:
+    experts = num_experts(hf_config)
+    if ep_size > 1 and (not experts or experts % ep_size):
+        raise ValueError(f"EP={ep_size} must divide the number of experts ({experts or 'none: not a MoE model'})")
+
+
+EXPERT = ".mlp.experts.local_experts."
+
+
+def expert_index(name: str) -> int | None:
+    """The (local) expert a megatron tensor belongs to, None for everything else."""
+    if EXPERT not in name:
+        return None
+    return int(name.split(EXPERT, 1)[1].split(".", 1)[0])
+
+
+def _renumber_expert(name: str, new: int) -> str:
+    head, tail = name.split(EXPERT, 1)
+    return f"{head}{EXPERT}{new}.{tail.split('.', 1)[1]}"
+
+
+def shard_for_ep(mg_sd: StateDict, hf_config: Any, ep_size: int, ep_rank: int) -> StateDict:
+    """EP rank ``ep_rank``'s part of a state dict numbered by global expert: its own experts,
+    renumbered from 0, and every non-expert tensor."""
+    if ep_size == 1:
+        return dict(mg_sd)
+    per_rank = num_experts(hf_config) // ep_size
+    first = ep_rank * per_rank
+    out: StateDict = {}
+    for name, t in mg_sd.items():
+        e = expert_index(name)
+        if e is None:
+            out[name] = t
+        elif first <= e < first + per_rank:
+            out[_renumber_expert(name, e - first)] = t
+    return out
+
+
+def gather_ep_shards(shards: list[StateDict]) -> StateDict:
+    """Inverse of :func:`shard_for_ep`: the EP ranks' state dicts (in rank order) -> global numbering."""
+    if len(shards) == 1:
+        return dict(shards[0])
+    per_rank = 1 + max((e for e in map(expert_index, shards[0]) if e is not None), default=-1)
+    out = {name: t for name, t in shards[0].items() if expert_index(name) is None}
+    for r, shard in enumerate(shards):
+        for name, t in shard.items():
+            e = expert_index(name)
+            if e is not None:
+                out[_renumber_expert(name, r * per_rank + e)] = t
+    return out
 
 
 def fuse_qkv(q: Tensor, k: Tensor, v: Tensor, heads: int, kv_heads: int, head_dim: int) -> Tensor:
@@ -103,6 +162,16 @@ def hf_to_megatron_full(hf_sd: StateDict, hf_config: Any, tp_size: int = 1) -> S
         if h + "self_attn.o_proj.bias" in hf_sd:
             raise NotImplementedError("o_proj bias")
         out[m + "self_attention.linear_proj.weight"] = hf_sd[h + "self_attn.o_proj.weight"]
+        for p in "qk":
+            if f"{h}self_attn.{p}_norm.weight" in hf_sd:
+                out[f"{m}self_attention.{p}_layernorm.weight"] = hf_sd[f"{h}self_attn.{p}_norm.weight"]
+        if is_moe(hf_config):
+            out[m + "mlp.router.weight"] = hf_sd[h + "mlp.gate.weight"]
+            gate_up, down = hf_sd[h + "mlp.experts.gate_up_proj"], hf_sd[h + "mlp.experts.down_proj"]
+            for e in range(gate_up.shape[0]):
+                out[f"{m}mlp.experts.local_experts.{e}.linear_fc1.weight"] = gate_up[e]
+                out[f"{m}mlp.experts.local_experts.{e}.linear_fc2.weight"] = down[e]
+            continue
         out[m + "mlp.linear_fc1.weight"] = torch.cat(
             [hf_sd[h + "mlp.gate_proj.weight"], hf_sd[h + "mlp.up_proj.weight"]], dim=0
         )
@@ -141,6 +210,17 @@ def megatron_full_to_hf(mg_sd: StateDict, hf_config: Any) -> StateDict:
             for p, t in zip("qkv", split_qkv(mg_sd[key], heads, kv_heads, head_dim)):
                 out[f"{h}self_attn.{p}_proj.{kind}"] = t
         out[h + "self_attn.o_proj.weight"] = mg_sd[m + "self_attention.linear_proj.weight"]
+        for p in "qk":
+            if f"{m}self_attention.{p}_layernorm.weight" in mg_sd:
+                out[f"{h}self_attn.{p}_norm.weight"] = mg_sd[f"{m}self_attention.{p}_layernorm.weight"]
+        if is_moe(hf_config):
+            out[h + "mlp.gate.weight"] = mg_sd[m + "mlp.router.weight"]
+            experts = range(num_experts(hf_config))
+            for kind, hf_name in (("linear_fc1", "gate_up_proj"), ("linear_fc2", "down_proj")):
+                out[f"{h}mlp.experts.{hf_name}"] = torch.stack(
+                    [mg_sd[f"{m}mlp.experts.local_experts.{e}.{kind}.weight"] for e in experts]
+                )
+            continue
         gate, up = torch.chunk(mg_sd[m + "mlp.linear_fc1.weight"], 2, dim=0)
         out[h + "mlp.gate_proj.weight"] = gate
         out[h + "mlp.up_proj.weight"] = up
@@ -151,7 +231,7 @@ def megatron_full_to_hf(mg_sd: StateDict, hf_config: Any) -> StateDict:
 # How each megatron tensor is split over TP ranks: dim to split, or None if replicated.
 # fc1 is special (gate and up split separately), see _shard / _gather.
 def _tp_dim(name: str) -> int | None:
-    if name.endswith("layernorm.weight"):
+    if name.endswith(("layernorm.weight", "mlp.router.weight")):
         return None
     if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
         return 1  # row parallel
@@ -200,15 +280,23 @@ def gather_tp_shards(shards: list[StateDict]) -> StateDict:
     return out
 
 
-def hf_to_megatron(hf_sd: StateDict, hf_config: Any, tp_size: int = 1, tp_rank: int = 0) -> StateDict:
-    """HF state dict -> the megatron state dict of TP rank ``tp_rank`` (load with ``load_into``)."""
+def hf_to_megatron(
+    hf_sd: StateDict, hf_config: Any, tp_size: int = 1, tp_rank: int = 0, ep_size: int = 1, ep_rank: int = 0
+) -> StateDict:
+    """HF state dict -> the megatron state dict of TP rank ``tp_rank`` and EP rank ``ep_rank``
+    (load with ``load_into``)."""
     _check_tp(hf_config, tp_size)
-    return shard_for_tp(hf_to_megatron_full(hf_sd, hf_config, tp_size), tp_size, tp_rank)
+    _check_ep(hf_config, ep_size)
+    full = shard_for_ep(hf_to_megatron_full(hf_sd, hf_config, tp_size), hf_config, ep_size, ep_rank)
+    return shard_for_tp(full, tp_size, tp_rank)
 
 
-def megatron_to_hf(shards: list[StateDict], hf_config: Any) -> StateDict:
-    """All TP ranks' megatron state dicts (rank order) -> the HF state dict."""
-    return megatron_full_to_hf(gather_tp_shards(shards), hf_config)
+def megatron_to_hf(shards: list[StateDict], hf_config: Any, ep_size: int = 1) -> StateDict:
+    """All ranks' megatron state dicts -> the HF state dict. ``shards`` in megatron's rank order
+    for TP x EP: EP rank ``e``'s TP shards are ``shards[e*TP:(e+1)*TP]``."""
+    tp_size = len(shards) // ep_size
+    per_ep = [gather_tp_shards(shards[e * tp_size : (e + 1) * tp_size]) for e in range(ep_size)]
+    return megatron_full_to_hf(gather_ep_shards(per_ep), hf_config)
 
 
 def load_into(model: torch.nn.Module, mg_sd: StateDict) -> None:

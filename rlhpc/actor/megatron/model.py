@@ -1,4 +1,5 @@
-"""Build a megatron-core ``GPTModel`` (local spec, no Transformer Engine) from an HF Llama/Qwen2 config.
+"""Build a megatron-core ``GPTModel`` (local spec, no Transformer Engine) from an HF Llama, Qwen2,
+Qwen3 (QK-norm) or Qwen3-MoE (QK-norm, routed experts) config.
 
 Needs ``megatron.core.parallel_state.initialize_model_parallel`` to have run in this process
 (the tensor-parallel size comes from there). On a CPU-only process, call
@@ -12,7 +13,32 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")  # RMSNorm over each head's queries and keys
+MOE_MODEL_TYPES = ("qwen3_moe",)
+
+
+def is_moe(hf_config: Any) -> bool:
+    return hf_config.model_type in MOE_MODEL_TYPES
+
+
+def num_experts(hf_config: Any) -> int:
+    return int(getattr(hf_config, "num_experts", 0) or 0) if is_moe(hf_config) else 0
+
+
+def _check_moe(hf_config: Any) -> None:
+    if getattr(hf_config, "mlp_only_layers", None) or getattr(hf_config, "decoder_sparse_step", 1) != 1:
+        raise NotImplementedError("Qwen3-MoE with dense layers (mlp_only_layers, decoder_sparse_step != 1)")
+
+
+def _define_missing_te_names() -> None:
+    """megatron-core 0.16's router gating reads ``te_general_gemm``, which its ``moe_utils`` only
+    defines when Transformer Engine imports: without TE a MoE forward raises NameError. None is
+    what its own code checks for to take the torch path."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 def rope_theta(hf_config: Any) -> float:
@@ -35,13 +61,21 @@ def padded_vocab_size(vocab_size: int, tp_size: int, divisible_by: int = 128) ->
 
 
 def transformer_config(hf_config: Any, tp_size: int = 1, dtype: torch.dtype = torch.float32, **overrides: Any):
-    """The ``TransformerConfig`` matching an HF Llama/Qwen2 config (dropout off, no fusions)."""
+    """The ``TransformerConfig`` matching an HF Llama/Qwen2/Qwen3/Qwen3-MoE config (dropout off, no fusions).
+
+    For MoE, ``overrides`` take ``expert_model_parallel_size``, ``moe_aux_loss_coeff`` and
+    ``moe_router_load_balancing_type``.
+    """
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     if hf_config.model_type not in SUPPORTED_MODEL_TYPES:
         raise NotImplementedError(f"model_type {hf_config.model_type!r}; supported: {SUPPORTED_MODEL_TYPES}")
     if getattr(hf_config, "hidden_act", "silu") != "silu":
         raise NotImplementedError(f"hidden_act {hf_config.hidden_act!r}")
+    if hf_config.model_type in QK_NORM_MODEL_TYPES and getattr(hf_config, "attention_bias", False):
+        raise NotImplementedError("Qwen3 with attention_bias (q/k/v and o_proj biases)")
+    if getattr(hf_config, "use_sliding_window", False):
+        raise NotImplementedError("sliding-window attention")
     heads = hf_config.num_attention_heads
     kwargs: dict[str, Any] = dict(
         num_layers=hf_config.num_hidden_layers,
@@ -69,7 +103,26 @@ def transformer_config(hf_config: Any, tp_size: int = 1, dtype: torch.dtype = to
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
         use_cpu_initialization=not torch.cuda.is_available(),
+        qk_layernorm=hf_config.model_type in QK_NORM_MODEL_TYPES,
     )
+    if is_moe(hf_config):
+        _check_moe(hf_config)
+        kwargs.update(
+            num_moe_experts=hf_config.num_experts,
+            moe_ffn_hidden_size=hf_config.moe_intermediate_size,
+            moe_router_topk=hf_config.num_experts_per_tok,
+            # HF: softmax over all experts, top-k, renormalised if norm_topk_prob. megatron's
+            # default (top-k of the logits, then softmax over those k) is the renormalised case;
+            # pre-softmax is the other.
+            moe_router_pre_softmax=not hf_config.norm_topk_prob,
+            moe_router_dtype="fp32",  # HF's router softmax is in float32
+            moe_router_load_balancing_type="aux_loss",
+            moe_aux_loss_coeff=getattr(hf_config, "router_aux_loss_coef", 0.0),
+            # grouped GEMM needs TE or CUDA kernels; the all-to-all dispatcher creates CUDA
+            # streams: the allgather dispatcher and one MLP per expert run anywhere.
+            moe_grouped_gemm=False,
+            moe_token_dispatcher_type="allgather",
+        )
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 
@@ -86,9 +139,17 @@ def build_gpt_model(hf_config: Any, tp_size: int = 1, parallel_output: bool = Tr
     if getattr(hf_config, "tie_word_embeddings", False):
         raise NotImplementedError("tied embeddings")
     config = transformer_config(hf_config, tp_size=tp_size, **config_overrides)
+    if is_moe(hf_config):
+        _define_missing_te_names()
+    spec = get_gpt_layer_local_spec(
+        num_experts=config.num_moe_experts,
+        moe_grouped_gemm=False,
+        qk_layernorm=config.qk_layernorm,
+        normalization="RMSNorm",
+    )
     return GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        transformer_layer_spec=spec,
         vocab_size=padded_vocab_size(hf_config.vocab_size, tp_size),
         max_sequence_length=hf_config.max_position_embeddings,
         parallel_output=parallel_output,

@@ -20,6 +20,11 @@ same data shard.
 * Weight sync: one layer at a time, TP shards are gathered inside the TP group, converted to
   HF names and handed to the sender on rank 0 (which buckets them), so the peak extra memory
   is one layer, not the model.
+* MoE (Qwen3-MoE): experts over ``actor.megatron.expert_model_parallel_size`` ranks of the
+  data-parallel group (megatron's EP; the allgather token dispatcher), the router's
+  load-balancing loss from megatron's router (in train mode only, so the MoE model trains in
+  train mode: dropout is off, the function is the same) averaged over the step's micro-batches,
+  and logged as ``moe_load_balancing_loss``. Weight sync gathers the experts over the EP group.
 * On a machine without a GPU the megatron CPU shim (``cpu_shim.py``) is applied first.
 """
 
@@ -39,13 +44,15 @@ from rlhpc.actor.checkpoint_dir import ACTOR_SUBDIR, DIST_SUBDIR, MEGATRON_BACKE
 from rlhpc.actor.megatron import torch_dist_load
 from rlhpc.actor.megatron.async_save import TorchDistSave
 from rlhpc.actor.megatron.convert import (
+    expert_index,
+    gather_ep_shards,
     gather_tp_shards,
     hf_to_megatron,
     layer_index,
     load_into,
     megatron_full_to_hf,
 )
-from rlhpc.actor.megatron.model import build_gpt_model
+from rlhpc.actor.megatron.model import build_gpt_model, is_moe
 from rlhpc.actor.offload import StorageOffloader
 from rlhpc.actor.rank import MicroBatch, RankBase
 from rlhpc.actor.spec import ActorSpec
@@ -88,6 +95,8 @@ class MegatronTrainWorker(RankBase):
         self.model = None  # the same, wrapped in megatron DDP
         self.offloader = StorageOffloader()
         self._snapshot_meta: tuple[Path, int] | None = None  # the last snapshot's dir and step count
+        self.moe = is_moe(self.hf_config)
+        self._moe_forwards = 0  # training forwards since the last train() (the aux-loss tracker's count)
 
     # ------------------------------------------------------------------ setup
 
@@ -103,11 +112,19 @@ class MegatronTrainWorker(RankBase):
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-        tp = self.mcfg.tensor_model_parallel_size
-        mpu.initialize_model_parallel(tensor_model_parallel_size=tp)
+        tp, ep = self.mcfg.tensor_model_parallel_size, self.mcfg.expert_model_parallel_size
+        if ep > 1 and not self.moe:
+            raise RlhpcError(
+                f"actor.megatron.expert_model_parallel_size = {ep} for a {self.hf_config.model_type} model, which has no experts",
+                "set actor.megatron.expert_model_parallel_size: 1, or train a MoE model (qwen3_moe)",
+            )
+        mpu.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
         model_parallel_cuda_manual_seed(self.spec.seed)
         self.tp_size, self.tp_rank = tp, mpu.get_tensor_model_parallel_rank()
         self.tp_group = mpu.get_tensor_model_parallel_group()
+        self.ep_size, self.ep_rank = ep, mpu.get_expert_model_parallel_rank()
+        self.ep_group = mpu.get_expert_model_parallel_group()
+        self.etp_group = mpu.get_expert_tensor_parallel_group()  # the TP group of the experts (same size as TP)
         self.dp_group = mpu.get_data_parallel_group()
         self.dp_size, self.dp_rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
 
@@ -143,13 +160,15 @@ class MegatronTrainWorker(RankBase):
         )
         self.saver = TorchDistSave()
         log.info(
-            "rank %d/%d: megatron TP %d/%d DP %d/%d, %s on %s, %d params in this shard%s",
+            "rank %d/%d: megatron TP %d/%d DP %d/%d EP %d/%d, %s on %s, %d params in this shard%s",
             self.rank,
             self.world_size,
             self.tp_rank,
             self.tp_size,
             self.dp_rank,
             self.dp_size,
+            self.ep_rank,
+            self.ep_size,
             self.backend,
             self.device,
             sum(p.numel() for p in self.gpt.parameters()),
@@ -165,8 +184,16 @@ class MegatronTrainWorker(RankBase):
 
     def _build(self, hf_sd: dict[str, torch.Tensor]) -> torch.nn.Module:
         dtype = torch.bfloat16 if self.mcfg.bf16 else torch.float32
-        gpt = build_gpt_model(self.hf_config, tp_size=self.tp_size, dtype=dtype)
-        load_into(gpt, hf_to_megatron(hf_sd, self.hf_config, self.tp_size, self.tp_rank))
+        moe: dict[str, Any] = {}
+        if self.moe:
+            moe = dict(
+                expert_model_parallel_size=self.ep_size,
+                moe_router_load_balancing_type=self.mcfg.moe_router_load_balancing_type,
+            )
+            if self.mcfg.moe_aux_loss_coeff is not None:
+                moe["moe_aux_loss_coeff"] = self.mcfg.moe_aux_loss_coeff
+        gpt = build_gpt_model(self.hf_config, tp_size=self.tp_size, dtype=dtype, **moe)
+        load_into(gpt, hf_to_megatron(hf_sd, self.hf_config, self.tp_size, self.tp_rank, self.ep_size, self.ep_rank))
         # All parameters in one dtype, as megatron's Float16Module does: the local spec's norms
         # are created in fp32 even for a bf16 model, and the optimizers' checkpoint mapping
         # assumes one dtype per model (mixed, it pairs Adam states with the wrong tensors).
@@ -209,6 +236,7 @@ class MegatronTrainWorker(RankBase):
                 "backend": MEGATRON_BACKEND,
                 "world_size": self.world_size,
                 "tensor_model_parallel_size": self.tp_size,
+                "expert_model_parallel_size": self.ep_size,
                 "use_distributed_optimizer": self.mcfg.use_distributed_optimizer,
                 "optimizer_steps": optimizer_steps,
                 "initial_model": self.model_path,
@@ -296,7 +324,59 @@ class MegatronTrainWorker(RankBase):
     # ------------------------------------------------------------------ train-step hooks (RankBase.train)
 
     def _policy(self, train: bool) -> torch.nn.Module:
+        if self.moe:
+            # megatron's router adds its load-balancing loss in train mode only; dropout is
+            # off, so train and eval compute the same function
+            self.gpt.train(train)
         return self.model if train else self.gpt
+
+    def _begin_step(self, micro_batches: int) -> None:
+        """The aux loss's gradient is added once per forward, times megatron's scale: make it the
+        mean over this rank's micro-batches, as DDP then averages over the data-parallel ranks
+        (the policy loss is backpropagated times the DP size for the same reason)."""
+        if self.moe and micro_batches:
+            from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+            MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(self.dp_size / micro_batches, device=self.device))
+            self._moe_forwards += micro_batches
+
+    def train(self, rollout_id: int, batch: Any) -> dict[str, float]:
+        if self.moe and self.ep_size > 1:
+            # every forward is a collective over the EP group: its ranks must run as many
+            counts = torch.tensor([len(mbs) for mbs in self._micro_batches(batch)], dtype=torch.float64)
+            low, high = counts.clone(), counts.clone()
+            dist.all_reduce(low, dist.ReduceOp.MIN, group=self.ep_group)
+            dist.all_reduce(high, dist.ReduceOp.MAX, group=self.ep_group)
+            if not torch.equal(low, high):
+                raise RlhpcError(
+                    f"rollout {rollout_id}: the expert-parallel ranks got {low.tolist()} to {high.tolist()} "
+                    "micro-batches per step; expert parallelism needs the same number on each",
+                    "make rollout samples per step a multiple of data-parallel size x actor.micro_batch_size, "
+                    "or set actor.megatron.expert_model_parallel_size: 1",
+                )
+        metrics = super().train(rollout_id, batch)
+        if self.moe:
+            metrics.update(self._moe_metrics())
+        self.gpt.eval()
+        return metrics
+
+    def _moe_metrics(self) -> dict[str, float]:
+        """The router's load-balancing loss (unscaled by its coefficient): megatron's tracker,
+        reduced over the ranks by megatron, per layer and training forward; then cleared."""
+        from megatron.core.transformer.moe import moe_utils
+
+        forwards = self._all_reduce_sum([float(self._moe_forwards)], group=self.dp_group)[0] / self.dp_size
+        self._moe_forwards = 0
+        tracker = moe_utils.get_moe_layer_wise_logging_tracker()
+        if not tracker or forwards == 0:
+            return {}
+        moe_utils.reduce_aux_losses_tracker_across_ranks()
+        out = {
+            f"moe_{name}": float(entry["values"].sum()) / self.hf_config.num_hidden_layers / forwards
+            for name, entry in tracker.items()
+        }
+        moe_utils.clear_aux_losses_tracker()
+        return out
 
     def _logits(self, model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
         """This rank's vocab shard of the logits [N, L-1, V/TP] (float32), padded vocab at -inf.
@@ -304,8 +384,16 @@ class MegatronTrainWorker(RankBase):
         Right-padded ids and causal attention: no mask needed, a real token never sees a pad.
         """
         ids = mb.ids
+        rows, cols = ids.shape
+        if self.moe and self.ep_size > 1:
+            # megatron's allgather dispatcher gathers the tokens of the EP group as equal blocks:
+            # every EP rank's micro-batch gets the group's largest shape (pad rows and columns,
+            # cut off below; they pass through the router like right-padding already does)
+            shape = torch.tensor([rows, cols], device=ids.device)
+            dist.all_reduce(shape, dist.ReduceOp.MAX, group=self.ep_group)
+            ids = torch.nn.functional.pad(ids, (0, int(shape[1]) - cols, 0, int(shape[0]) - rows), value=self.pad_id)
         pos = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
-        logits = model(ids, pos, attention_mask=None)[:, :-1].float()
+        logits = model(ids, pos, attention_mask=None)[:rows, : cols - 1].float()
         shard = logits.shape[-1]
         first = self.tp_rank * shard
         if first + shard > self.hf_config.vocab_size:
@@ -373,15 +461,25 @@ class MegatronTrainWorker(RankBase):
             groups.setdefault(layer_index(name), []).append((name, p))
         order = sorted(k for k in groups if k is not None)
         for key in [None, *order]:
-            full = {}
+            full, experts = {}, {}
             for name, p in groups.get(key, []):
                 t = self.offloader.host_view(p.main_grad if grads else p.detach()).to(self.device).contiguous()
+                expert = expert_index(name) is not None
                 if self.tp_size > 1:
                     shards = [torch.empty_like(t) for _ in range(self.tp_size)]
-                    dist.all_gather(shards, t, group=self.tp_group)
+                    dist.all_gather(shards, t, group=self.etp_group if expert else self.tp_group)
                     t = gather_tp_shards([{name: s} for s in shards])[name]
-                full[name] = t
-            yield from megatron_full_to_hf(full, self.hf_config).items()
+                (experts if expert else full)[name] = t
+            if experts and self.ep_size > 1:
+                # every EP rank's experts of this layer, renumbered from its local to the global index
+                per_rank: list[dict[str, torch.Tensor]] = [{} for _ in range(self.ep_size)]
+                for name, t in experts.items():
+                    gathered = [torch.empty_like(t) for _ in range(self.ep_size)]
+                    dist.all_gather(gathered, t, group=self.ep_group)
+                    for r, g in enumerate(gathered):
+                        per_rank[r][name] = g
+                experts = gather_ep_shards(per_rank)
+            yield from megatron_full_to_hf({**full, **experts}, self.hf_config).items()
 
     # ------------------------------------------------------------------ memory
 
