@@ -196,8 +196,8 @@ def dry_run(
     # script shows each path as sbatch gets it, quoted whatever characters it holds.
     executor = slurm_executor(RunDir(run_dir), opts, preview=True, max_parallel=max_parallel)
     script = sbatch_script(executor, array)
-    layout = summarize_layout(plan_layout(cfg.cluster))
-    idle = idle_note(cfg.cluster)
+    layout = summarize_layout(plan_layout(cfg.cluster, cfg.reward_model))
+    idle = idle_note(cfg.cluster, cfg.reward_model)
     notes = f"\nWARNING: {idle}" if idle else ""
     where = "each task's layout.txt" if array else RunDir(run_dir).layout_file
     engine = (
