@@ -63,7 +63,7 @@ def test_a_local_run_trains_on_the_reward_models_score(tmp_path):
     assert p.returncode == 0, said(p)[-4000:]
     assert "reward engine 0   (tp=1) -> " in (run / "layout.txt").read_text()
     assert "1 reward engine(s)" in said(p)
-    records = [r for r in read_metrics(run) if r["kind"] == "train"]
+    records = [r for r in read_metrics(run) if r["kind"] == "rollout"]
     assert len(records) == 2
     path = run / "reward_model"
     tok = AutoTokenizer.from_pretrained(path)
@@ -77,3 +77,48 @@ def test_a_local_run_trains_on_the_reward_models_score(tmp_path):
         m = records[r]
         assert m["reward/reward_model"] == pytest.approx(sum(expected) / len(expected), abs=1e-5)
         assert "reward/rule" in m and m["reward"] == pytest.approx(m["reward/reward_model"], abs=1e-5)
+
+
+@pytest.mark.ray
+def test_a_killed_reward_engine_is_restarted_and_its_samples_scored_once(tmp_path):
+    """Two frozen reward engines; one SIGKILLed between two scorings: the requests it does not
+    answer fail, it is restarted (on the model on disk: no weights to push), they are sent again,
+    and every sample gets the score it got before, in its place."""
+    import os
+    import signal
+
+    import ray
+
+    from rlhpc.cluster.layout import plan_layout
+    from rlhpc.cluster.placement import create_placement
+    from rlhpc.config import ClusterConfig, RewardModelConfig, RolloutConfig
+    from rlhpc.rollout.reward_model import RewardModel, start_reward_engines
+    from rlhpc.rollout.scoring import Sample
+
+    path = build_tiny_model(tmp_path / "rm", RM, classifier=True)
+    cluster = ClusterConfig(gpus_per_node=4, actor_num_gpus=1, rollout_num_gpus=1)
+    rm = RewardModelConfig(path=str(path), num_gpus=2)
+    samples = [Sample(prompt=f"{i}+{i}=", response=str(2 * i) * (i % 3 + 1), label="") for i in range(12)]
+    ray.init(num_cpus=4, num_gpus=4, include_dashboard=False, log_to_driver=False)
+    try:
+        layout = plan_layout(cluster, rm)
+        placement = create_placement(layout.num_slots)
+        engines = start_reward_engines(rm, RolloutConfig(), cluster, 0, str(path), placement, layout, tmp_path / "logs")
+        try:
+            scorer = RewardModel(engines, AutoTokenizer.from_pretrained(path), batch_size=3)
+            before = scorer.score(samples)  # four requests over two engines
+            tok = AutoTokenizer.from_pretrained(path)
+            texts = [conversation(tok, s.prompt, s.response) for s in samples]
+            assert before == pytest.approx(hf_scores(path, texts), abs=1e-5)
+            pid = ray.get(engines.engines[1].pid.remote())
+            os.kill(pid, signal.SIGKILL)
+            assert scorer.score(samples) == pytest.approx(before, abs=1e-6)
+            assert engines.restarts == [0, 1]
+            assert (tmp_path / "logs" / "engine_1.log").read_text().count("starting at") == 2
+            with pytest.raises(RlhpcError, match="frozen"):
+                engines.connect_weights(None)
+        finally:
+            engines.shutdown()
+            placement.remove()
+    finally:
+        ray.shutdown()

@@ -145,3 +145,24 @@ def test_mixed_score_is_the_weighted_sum_and_each_component_is_a_part():
     scores, parts = mixed(samples)
     assert scores == [0.5, 20.0, 40.5]
     assert parts == {"format": [0.5] * 3, "rule": [1.0, 0.0, 1.0], "reward_model": [0.0, 10.0, 20.0]}
+
+
+def test_the_dry_run_shows_the_third_group_and_the_reward_engines_launch_line(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    run = tmp_path / "run"
+    p = subprocess.run(
+        [sys.executable, str(repo / "jobs" / "submit.py"), "--dry-run", "--run-dir", str(run), "--nodes", "1",
+         "--gpus-per-node", "8", "--set", "rollout.backend=sglang", "--set", "reward_model.tiny.seed=1",
+         "--set", "reward_model.num_gpus=2", "--set", "reward_model.backend=sglang"],
+        capture_output=True, text=True, timeout=120, cwd=repo,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    assert "3 actor rank(s), 3 engine(s) (tp=1), 2 reward engine(s)" in p.stdout
+    assert "node0: actor ranks 0-2 on gpu0-2; engines 0-2 on gpu3-5; reward engines 0-1 on gpu6-7" in p.stdout
+    line = p.stdout.split("reward engine 0's launch line (each reward engine's alike):\n", 1)[1].splitlines()[0]
+    assert "--model-path <run dir>/reward_model" in line and line.endswith(EMBEDDING_FLAG)
+    assert not run.exists()  # a dry run writes nothing
