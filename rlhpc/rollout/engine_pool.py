@@ -601,7 +601,7 @@ class EnginePool:
         limit, log_file = self.rollout_cfg.max_engine_restarts, self.engine_logs[e]
         if self.restarts[e] >= limit:
             raise RlhpcError(
-                f"rollout engine {e} ({self.clients[e].base_url}) died or stopped answering /health after "
+                f"{self.role} engine {e} ({self.clients[e].base_url}) died or stopped answering /health after "
                 f"{self.restarts[e]} restart(s), the most rollout.max_engine_restarts = {limit} allows; "
                 f"its log {log_file} ends with:\n{tail(Path(log_file), 15)}",
                 f"read {log_file} for why the server stopped (out of memory, a crash, a lost GPU); "
@@ -609,7 +609,8 @@ class EnginePool:
             )
         self.restarts[e] += 1
         log.warning(
-            "rollout engine %d (%s) is down; restart %d of at most %d (log %s)",
+            "%s engine %d (%s) is down; restart %d of at most %d (log %s)",
+            self.role,
             e,
             self.clients[e].base_url,
             self.restarts[e],
@@ -621,13 +622,13 @@ class EnginePool:
             url = ray.get(parts[0].restart.remote()) if len(parts) == 1 else self._start_parts(parts)
         except ray.exceptions.RayActorError as err:  # the actor itself is gone (its node, most likely)
             raise RlhpcError(
-                f"rollout engine {e}'s Ray actor died, so its server cannot be restarted: {err}",
+                f"{self.role} engine {e}'s Ray actor died, so its server cannot be restarted: {err}",
                 "check that the engine's node is still up; the job can resume from the last checkpoint",
             ) from err
         self.clients[e].close()
         self.clients[e] = EngineClient(url, api_key=self.api_key)
         self._reconnect = True  # the old weight-sync group is gone with the server
-        log.warning("rollout engine %d is back at %s", e, url)
+        log.warning("%s engine %d is back at %s", self.role, e, url)
 
     def _resync(self) -> None:
         """Open the weight-sync channel again (all engines share one group) and push the current version."""

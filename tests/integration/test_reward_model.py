@@ -80,7 +80,7 @@ def test_a_local_run_trains_on_the_reward_models_score(tmp_path):
 
 
 @pytest.mark.ray
-def test_a_killed_reward_engine_is_restarted_and_its_samples_scored_once(tmp_path):
+def test_a_killed_reward_engine_is_restarted_and_its_samples_scored_once(tmp_path, caplog):
     """Two frozen reward engines; one SIGKILLed between two scorings: the requests it does not
     answer fail, it is restarted (on the model on disk: no weights to push), they are sent again,
     and every sample gets the score it got before, in its place."""
@@ -114,6 +114,7 @@ def test_a_killed_reward_engine_is_restarted_and_its_samples_scored_once(tmp_pat
             os.kill(pid, signal.SIGKILL)
             assert scorer.score(samples) == pytest.approx(before, abs=1e-6)
             assert engines.restarts == [0, 1]
+            assert "reward engine 1 (" in caplog.text and "reward engine 1 is back" in caplog.text
             assert (tmp_path / "logs" / "engine_1.log").read_text().count("starting at") == 2
             with pytest.raises(RlhpcError, match="frozen"):
                 engines.connect_weights(None)
