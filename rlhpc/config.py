@@ -145,7 +145,7 @@ class ClusterConfig(Section):
     def total_gpus(self) -> int:
         return sum(self.node_gpus)
 
-    def split(self, tp: int = 1) -> tuple[int, int]:
+    def split(self, tp: int = 1, reserved: int = 0) -> tuple[int, int]:
         """(actor GPUs, rollout GPUs): the values set, and for those left unset (None) the default
         split of the whole allocation, the one place it is decided:
 
@@ -159,8 +159,9 @@ class ClusterConfig(Section):
           of component 0 (whole TP groups), the engines as many whole engines as component 1 holds.
 
         The embedded default (1 node x 2 GPUs) is 1 actor rank + 1 engine; 2 x 4 is 4 + 4.
+        ``reserved``: GPUs of a third group (``reward_model.num_gpus``), taken off the total first.
         """
-        total, per = self.total_gpus, self.rollout_gpus_per_engine
+        total, per = self.total_gpus - reserved, self.rollout_gpus_per_engine
         actor, rollout = self.actor_num_gpus, self.rollout_num_gpus
         if self.heterogeneous:
             actor = actor if actor is not None else self.num_nodes * self.gpus_per_node // tp * tp
@@ -176,10 +177,14 @@ class ClusterConfig(Section):
             actor = max(0, total - rollout) // tp * tp
         return actor, rollout
 
-    def idle_gpus(self) -> int:
-        """GPUs of the allocation that neither the actor nor an engine uses."""
-        actor, rollout = self.split()
-        return self.total_gpus - (actor if self.colocate else actor + rollout)
+    def used_gpus(self, reserved: int = 0) -> int:
+        """GPUs the layout takes: the actor's and the rollout's (colocated: shared) and ``reserved``."""
+        actor, rollout = self.split(reserved=reserved)
+        return (actor if self.colocate else actor + rollout) + reserved
+
+    def idle_gpus(self, reserved: int = 0) -> int:
+        """GPUs of the allocation that neither the actor nor an engine (nor a reward engine) uses."""
+        return self.total_gpus - self.used_gpus(reserved)
 
     def check(self) -> None:
         # The GPU layout reads only cluster.* keys, so its rules live here.
@@ -369,6 +374,9 @@ class DataConfig(Section):
     # > 0: a local data.reward runs in this many processes of its own, each call cut at
     # reward_timeout_s (0: in the driver, unbounded; for cheap rewards)
     reward_workers: int = 0
+    # The rule reward's weight in score = reward_weight x rule + reward_model.weight x reward model
+    # (only a reward_model section makes the sum; without one the rule reward is the score).
+    reward_weight: float = 1.0
     seed: int = 0
 
     def check(self) -> None:
@@ -386,6 +394,61 @@ class DataConfig(Section):
             self._refuse("reward_timeout_s", "must be > 0", "give each remote reward call a limit in seconds, e.g. 60")
         if self.max_prompt_tokens is not None:
             self._at_least(1, "max_prompt_tokens", fix="set a positive token count, or null for the model's context")
+
+
+@dataclass
+class RewardTinyModelConfig(TinyModelConfig):
+    """A tiny random classifier (one label) built at submit, on the tiny model's tokenizer (tests)."""
+
+    SECTION: ClassVar[str] = "reward_model.tiny"
+
+
+@dataclass
+class RewardModelConfig(Section):
+    """A frozen reward model on GPUs of its own (issue 30): a sequence-classification model
+    (HF ``*ForSequenceClassification``, one label) served by engines that never get weight pushes.
+    Each sample's prompt + response, rendered with the reward model's chat template, is scored
+    through SGLang's ``/classify`` route; the score mixes in as ``weight`` x that score."""
+
+    SECTION: ClassVar[str] = "reward_model"
+
+    # Exactly one of the two: an HF directory, or a tiny random classifier built at submit (tests).
+    path: str | None = None
+    tiny: RewardTinyModelConfig | None = None
+    kind: Literal["classifier", "judge"] = "classifier"
+    backend: Literal["cpu", "sglang"] = "cpu"
+    num_gpus: int = 1  # the reward group's GPUs, a third group beside the actor's and the rollout's
+    gpus_per_engine: int = 1  # each reward engine's TP
+    weight: float = 1.0  # of the reward model's score in the sum (data.reward_weight: the rule reward's)
+    batch_size: int = 64  # samples per /classify request
+    mem_fraction_static: float = 0.8  # SGLang: no KV cache to grow, so most of the GPU may hold weights
+    extra_args: list[str] = field(default_factory=list)  # passed to sglang.launch_server as they are
+
+    def check(self) -> None:
+        if (self.path is None) == (self.tiny is None):
+            raise ConfigError(
+                "reward_model needs exactly one of reward_model.path and reward_model.tiny",
+                "point reward_model.path at an HF *ForSequenceClassification directory, or use reward_model.tiny",
+            )
+        if self.kind == "judge":
+            self._refuse(
+                "kind",
+                "(a generative judge) is not built yet (issue 30)",
+                "use reward_model.kind: classifier, or score with a judge of your own through data.reward",
+            )
+        self._at_least(1, "num_gpus", "gpus_per_engine", "batch_size")
+        if self.num_gpus % self.gpus_per_engine:
+            self._refuse(
+                "num_gpus",
+                f"is not a multiple of {self.key('gpus_per_engine')} = {self.gpus_per_engine}",
+                "make the reward GPUs a whole number of engines",
+            )
+        if not 0 < self.mem_fraction_static < 1:
+            self._refuse("mem_fraction_static", "must be in (0, 1)", "give SGLang a share of each GPU, e.g. 0.8")
+
+    @property
+    def num_engines(self) -> int:
+        return self.num_gpus // self.gpus_per_engine
 
 
 @dataclass
@@ -762,6 +825,7 @@ class Config:
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    reward_model: RewardModelConfig | None = None  # None: no reward model (the rule reward alone)
     seed: int = 1234
     deterministic: bool = False  # reruns and resumed runs give bit-identical weights (CPU)
     # Who may read the run dir (checkpoints, dumps, logs, keys): "private", this user only (dirs
@@ -975,8 +1039,20 @@ def validate(cfg: Config) -> None:
     # An open split is resolved once, here, with the actor's TP size, and written to the run
     # dir's config.yaml as numbers: a resume gets exactly the layout of the first start.
     tp = cfg.actor.megatron.tensor_model_parallel_size if cfg.actor.backend == "megatron" else 1
-    c.actor_num_gpus, c.rollout_num_gpus = c.split(tp)
+    rm = cfg.reward_model
+    reserved = rm.num_gpus if rm is not None else 0
+    actor, rollout = c.split(tp, reserved)
+    if rm is not None and not c.heterogeneous and actor < 1:
+        raise ConfigError(
+            f"the job has {c.total_gpus} GPUs (cluster.num_nodes={c.num_nodes} x cluster.gpus_per_node="
+            f"{c.gpus_per_node}): after reward_model.num_gpus = {rm.num_gpus} and {rollout} rollout GPUs "
+            "none is left for the actor",
+            "ask for more nodes/GPUs, or lower reward_model.num_gpus / cluster.rollout_num_gpus",
+        )
+    c.actor_num_gpus, c.rollout_num_gpus = actor, rollout
     c.__post_init__()
+    if rm is not None:
+        _validate_reward_model(cfg, rm)
 
     m = cfg.model
     if (m.path is None) == (m.tiny is None):
@@ -1107,6 +1183,45 @@ def _validate_env(cfg: Config, env: str) -> None:
             f"rollout.max_episode_tokens = {cfg.rollout.max_episode_tokens} + a prompt of {prompt} token(s) exceeds "
             f"the model's context length of {context} tokens: the engines would refuse an episode's later turns",
             f"set rollout.max_episode_tokens to at most {context - prompt}, or use a model with a longer context",
+        )
+
+
+def _validate_reward_model(cfg: Config, rm: RewardModelConfig) -> None:
+    """The reward group fits the allocation beside the others, on whole nodes, with a model."""
+    c = cfg.cluster
+    if c.heterogeneous:
+        raise ConfigError(
+            "reward_model with cluster.rollout_nodes: a reward group on a component of its own "
+            "(--reward-nodes) is not built yet (issue 30)",
+            "drop cluster.rollout_nodes: the reward engines then take GPUs of the one allocation",
+        )
+    if c.used_gpus(rm.num_gpus) > c.total_gpus:
+        raise ConfigError(
+            f"the layout needs {c.used_gpus(rm.num_gpus)} GPUs (actor {c.actor_num_gpus} + rollout "
+            f"{c.rollout_num_gpus}{', colocated' if c.colocate else ''} + reward model {rm.num_gpus}) but the job "
+            f"has {c.total_gpus} (cluster.num_nodes={c.num_nodes} x cluster.gpus_per_node={c.gpus_per_node})",
+            "ask for more nodes/GPUs, or shrink cluster.actor_num_gpus / cluster.rollout_num_gpus / reward_model.num_gpus",
+        )
+    if rm.gpus_per_engine > c.gpus_per_node:
+        raise ConfigError(
+            f"reward_model.gpus_per_engine = {rm.gpus_per_engine} > cluster.gpus_per_node = {c.gpus_per_node}: "
+            "a reward engine over several nodes is not supported",
+            "keep each reward engine on one node (gpus_per_engine <= gpus_per_node)",
+        )
+    from rlhpc.cluster.layout import plan_layout  # late: the layout module imports this one
+
+    layout = plan_layout(c, rm)
+    for e, slots in enumerate(layout.reward_slots):
+        if len({layout.slot_homes[s][0] for s in slots}) > 1:
+            raise ConfigError(
+                f"reward engine {e} would straddle two nodes (slots {list(slots)}, "
+                f"{c.gpus_per_node} GPUs per node): the groups before it leave a partial node",
+                "make the actor and rollout GPUs a multiple of reward_model.gpus_per_engine, or use gpus_per_engine 1",
+            )
+    if rm.path is not None and not (Path(rm.path) / "config.json").is_file():
+        raise ConfigError(
+            f"reward_model.path {rm.path} has no config.json",
+            "point reward_model.path at a Hugging Face *ForSequenceClassification directory",
         )
 
 

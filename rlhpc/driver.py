@@ -33,6 +33,8 @@ from rlhpc.rollout.engine_pool import EnginePool
 from rlhpc.rollout.episodes import make_episodes
 from rlhpc.rollout.generation import Generation, GenerationAborted, task_reward
 from rlhpc.rollout.prompts import PromptPrep, prepare_prompts
+from rlhpc.rollout.reward_model import RewardModel, start_reward_engines
+from rlhpc.rollout.scoring import MixedScorer
 from rlhpc.run_dir import RunDir
 from rlhpc.schedule import AsyncRollouts, BusyClock, Generated, SyncRollouts
 from rlhpc.tasks import TASKS
@@ -147,7 +149,7 @@ class TrainLoop:
         staged: Staged,
     ):
         self.cfg, self.rundir, self.progress, self.stop, self.startup = cfg, run, progress, stop, startup
-        layout = plan_layout(cfg.cluster)
+        layout = plan_layout(cfg.cluster, cfg.reward_model)
         log.info("%s\n  full map: %s", summarize_layout(layout), run.layout_file)
         with startup.phase("placement"):
             self.placement = create_placement(layout.num_slots, layout.slot_groups if layout.heterogeneous else None)
@@ -183,6 +185,17 @@ class TrainLoop:
         # other until the weight channel opens. Not when they share GPUs: an engine sizes its memory
         # by what the actor left free.
         engines_up = None if layout.colocate else startup.background("engines_up", start_engines)
+        # The reward engines have GPUs of their own in either mode: they start beside everything else.
+        rm_path = run.reward_model_path(cfg)
+        reward_up = None
+        if cfg.reward_model is not None:
+            reward_up = startup.background(
+                "reward_engines_up",
+                lambda: start_reward_engines(
+                    cfg.reward_model, cfg.rollout, cfg.cluster, cfg.seed, rm_path, self.placement, layout,
+                    run.engine_logs / "reward", pool_stop,
+                ),
+            )  # fmt: skip
         with startup.phase("actor_up"):
             self.actor = ActorGroup(
                 ActorSpec.from_config(cfg, self.num_rollout),
@@ -221,8 +234,15 @@ class TrainLoop:
                 self.engines = start_engines()
         else:
             self.engines = engines_up.result()
+        self.reward_engines = reward_up.result() if reward_up is not None else None
+        reward = task_reward(cfg.data)
+        if self.reward_engines is not None:
+            rm = RewardModel(
+                self.reward_engines, load_tokenizer(rm_path), cfg.reward_model.batch_size, context_length(rm_path)
+            )
+            reward = MixedScorer(reward, cfg.data.reward_weight, {"reward_model": (cfg.reward_model.weight, rm.score)})
         self.generation = Generation(
-            tokenizer, task_reward(cfg.data), cfg.rollout, cfg.eval, cfg.algo, cfg.seed,
+            tokenizer, reward, cfg.rollout, cfg.eval, cfg.algo, cfg.seed,
             send=self.engines.generate, progress=progress, num_engines=len(layout.engine_slots),
             episodes=make_episodes(cfg, tokenizer),
         )  # fmt: skip
@@ -429,6 +449,8 @@ class TrainLoop:
     def shutdown(self) -> None:
         """After a run that ended well: the engines, the ranks and the GPUs' reservation."""
         self.engines.shutdown()
+        if self.reward_engines is not None:
+            self.reward_engines.shutdown()
         self.actor.shutdown()
         self.placement.remove()
 

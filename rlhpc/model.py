@@ -13,7 +13,13 @@ from pathlib import Path
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    PreTrainedTokenizerFast,
+)
 from transformers.utils import logging as hf_logging
 
 from rlhpc.config import TinyModelConfig  # a config section (torch-free); re-exported here
@@ -79,8 +85,10 @@ def build_bpe_tokenizer(seed: int = 0) -> PreTrainedTokenizerFast:
     )
 
 
-def build_tiny_model(out_dir: str | Path, cfg: TinyModelConfig) -> Path:
-    """Write a tiny random model + tokenizer to ``out_dir`` (deterministic in ``cfg.seed``)."""
+def build_tiny_model(out_dir: str | Path, cfg: TinyModelConfig, classifier: bool = False) -> Path:
+    """Write a tiny random model + tokenizer to ``out_dir`` (deterministic in ``cfg.seed``).
+    ``classifier``: a one-label ``*ForSequenceClassification`` (a reward model) on the same
+    tokenizer, instead of a causal LM."""
     out = Path(out_dir)
     tok = build_char_tokenizer() if cfg.tokenizer == "char" else build_bpe_tokenizer(cfg.seed)
     extra: dict[str, object] = {}
@@ -108,19 +116,33 @@ def build_tiny_model(out_dir: str | Path, cfg: TinyModelConfig) -> Path:
         pad_token_id=tok.pad_token_id,
         tie_word_embeddings=False,
         **extra,
+        **({"num_labels": 1} if classifier else {}),  # a reward model's one score
     )
     torch.manual_seed(cfg.seed)
-    model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    auto = AutoModelForSequenceClassification if classifier else AutoModelForCausalLM
+    model = auto.from_config(hf_config, dtype=torch.float32)
     tmp = out.with_name(out.name + ".tmp")
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
     tmp.rename(out)  # a half-written model dir is never seen under its final name
-    log.info("built tiny %s model (%d params) in %s", cfg.architecture, model.num_parameters(), out)
+    kind = "classifier" if classifier else "model"
+    log.info("built tiny %s %s (%d params) in %s", cfg.architecture, kind, model.num_parameters(), out)
     return out
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu") -> torch.nn.Module:
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    return model.to(device)
+
+
+def is_classifier(path: str | Path) -> bool:
+    """Whether the HF model at ``path`` is a sequence classifier (a reward model), by its config."""
+    architectures = getattr(AutoConfig.from_pretrained(str(path)), "architectures", None) or []
+    return any(a.endswith("ForSequenceClassification") for a in architectures)
+
+
+def load_classifier(path: str | Path, device: str | torch.device = "cpu") -> torch.nn.Module:
+    model = AutoModelForSequenceClassification.from_pretrained(str(path), dtype=torch.float32)
     return model.to(device)
 
 

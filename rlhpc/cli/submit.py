@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
             rollout_partition=cfg.cluster.rollout_partition,
         )
         opts.check()
-        idle = idle_note(cfg.cluster)
+        idle = idle_note(cfg.cluster, cfg.reward_model)
         if idle and not args.dry_run:  # the dry run prints it with the plan
             log.warning("%s", idle)
         if sweeps:

@@ -11,6 +11,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import submitit
 from submitit.local.local import LocalJob
@@ -196,8 +197,8 @@ def dry_run(
     # script shows each path as sbatch gets it, quoted whatever characters it holds.
     executor = slurm_executor(RunDir(run_dir), opts, preview=True, max_parallel=max_parallel)
     script = sbatch_script(executor, array)
-    layout = summarize_layout(plan_layout(cfg.cluster))
-    idle = idle_note(cfg.cluster)
+    layout = summarize_layout(plan_layout(cfg.cluster, cfg.reward_model))
+    idle = idle_note(cfg.cluster, cfg.reward_model)
     notes = f"\nWARNING: {idle}" if idle else ""
     where = "each task's layout.txt" if array else RunDir(run_dir).layout_file
     engine = (
@@ -205,15 +206,29 @@ def dry_run(
         if cfg.rollout.backend == "sglang"
         else ""
     )
+    rm = cfg.reward_model
+    if rm is not None and rm.backend == "sglang":
+        engine += f"\n\nreward engine 0's launch line (each reward engine's alike):\n  {reward_engine_preview(cfg)}"
     return (
         f"{script}\n\n{layout}\n  full map: {where} (written at submission){notes}{engine}\n\n"
         f"# the resolved config the job runs (written to {RunDir(run_dir).path / 'config.yaml'}):\n{dump_config(cfg)}"
     )
 
 
+def reward_engine_preview(cfg: Config) -> str:
+    """The SGLang server command of reward engine 0 (``--is-embedding``: it serves /classify)."""
+    from rlhpc.rollout.reward_model import reward_rollout_config
+    from rlhpc.rollout.sglang_server import SGLangSpec
+
+    rm = cfg.reward_model
+    sg = reward_rollout_config(cfg.rollout, rm).sglang
+    spec = SGLangSpec(rm.gpus_per_engine, sg.mem_fraction_static, False, cfg.seed, extra_args=tuple(sg.extra_args))
+    return _preview(spec, rm.path or "<run dir>/reward_model")
+
+
 def engine_preview(cfg: Config) -> str:
     """The SGLang server command of engine 0, with what is known only on the node as <...>."""
-    from rlhpc.rollout.sglang_server import SGLangSpec, launch_server_command
+    from rlhpc.rollout.sglang_server import SGLangSpec
 
     c, sg = cfg.cluster, cfg.rollout.sglang
     tp = c.rollout_gpus_per_engine
@@ -221,7 +236,14 @@ def engine_preview(cfg: Config) -> str:
     spec = SGLangSpec(
         tp, sg.mem_fraction_static, c.colocate or c.offload, cfg.seed, extra_args=tuple(sg.extra_args), nnodes=nnodes
     )
-    model = cfg.model.path or "<run dir>/base_model"
+    return _preview(spec, cfg.model.path or "<run dir>/base_model")
+
+
+def _preview(spec: Any, model: str) -> str:
+    """``spec``'s launch line (an ``SGLangSpec``), with what is known only on the node as <...>."""
+    from rlhpc.rollout.sglang_server import launch_server_command
+
+    nnodes = spec.nnodes
     cmd = launch_server_command(
         "python", model, "<node ip>", 0, 0, spec, "<node rank 0 ip>:<port>" if nnodes > 1 else None,
         Path("<engine tmp dir>/sglang_key.yaml"),

@@ -204,6 +204,19 @@ class EngineClient:
         )
         return self._json("POST", Route.GENERATE, P.body(req, drop_none=("text", "input_ids", "rid")), timeout_s)
 
+    def classify(self, input_ids: list[list[int]], timeout_s: float | None = None) -> list[float]:
+        """A reward model's score of each input (its first label), through SGLang's /classify."""
+        req = P.EmbeddingReqInput(input_ids=input_ids)
+        answers = self._json("POST", Route.CLASSIFY, P.body(req, drop_none=("text", "input_ids", "rid")), timeout_s)
+        if isinstance(answers, dict):  # SGLang answers a batch of one as one dict
+            answers = [answers]
+        if not isinstance(answers, list) or len(answers) != len(input_ids):
+            raise RlhpcError(
+                f"engine {self.base_url}{Route.CLASSIFY} answered {str(answers)[:200]} to {len(input_ids)} inputs",
+                "serve a *ForSequenceClassification model on the reward engines (SGLang: --is-embedding)",
+            )
+        return [float(a[P.EMBEDDING][0]) for a in answers]
+
     def flush_cache(self) -> None:
         self._request("POST", Route.FLUSH_CACHE)  # no body; 400 while requests are pending
 

@@ -136,6 +136,9 @@ class EnginePool:
     ``key_file``: where the engine key is written (``RunDir.engine_key``); None: a private temp dir.
     """
 
+    frozen = False  # see __init__
+    role = "rollout"
+
     def __init__(
         self,
         rollout: RolloutConfig,
@@ -147,7 +150,12 @@ class EnginePool:
         log_dir: Path,
         stop: StopRequest | None = None,
         key_file: Path | None = None,
+        frozen: bool = False,
     ):
+        # frozen: the reward engines (``layout.reward_slots``), on GPUs of their own, never given
+        # weights: a restarted one serves the model on disk, as the others do (no channel to reopen)
+        self.frozen = frozen
+        self.role = "reward" if frozen else "rollout"
         self.rollout_cfg, self.cluster_cfg, self.seed = rollout, cluster, seed
         self.stop = stop
         self._key_dir = None if key_file is not None else Path(tempfile.mkdtemp(prefix="rlhpc-engine-key-"))
@@ -156,18 +164,19 @@ class EnginePool:
         here = ray.util.get_node_ip_address()
         # Loopback when every engine and actor rank is on the driver's node (the embedded default).
         self.engine_host = "127.0.0.1" if all(ip == here for ip, _ in placement.location_of_slot) else None
-        self.engine_world_sizes = [len(slots) for slots in layout.engine_slots]
+        self._layout = layout
+        self.engine_world_sizes = [len(slots) for slots in self._own_slots()]
         self._placement, self._layout, self._model_path, self._log_dir = placement, layout, model_path, log_dir
         # engine e's actors, one per node it spans (node rank 0 first, the one serving HTTP)
         self.engine_parts = [
             self._start_engine(e, slots, model_path, placement, layout, log_dir)
-            for e, slots in enumerate(layout.engine_slots)
+            for e, slots in enumerate(self._own_slots())
         ]
         self.engines = [parts[0] for parts in self.engine_parts]
         urls = ray.get([e.url.remote() for e in self.engines])
         self.clients = [EngineClient(url, api_key=self.api_key) for url in urls]
         self.engine_logs: list[str] = ray.get([e.log_file.remote() for e in self.engines])
-        log.info("rollout engines up: %s", ", ".join(urls))
+        log.info("%s engines up: %s", self.role, ", ".join(urls))
         self.router: Router | None = None
         self.router_client: EngineClient | None = None  # generation goes through it when set
         self.router_restarts = 0  # after it died, bounded by rollout.max_engine_restarts
@@ -191,7 +200,7 @@ class EnginePool:
         # are left out of the weight-sync group until their bundles are placed on a live node again.
         self.lost: dict[int, str] = {}
         self._nodes_checked = -NODE_CHECK_S  # monotonic time of the last node-table query
-        self._engine_bundles = [[placement.bundle_of_slot[s] for s in slots] for slots in layout.engine_slots]
+        self._engine_bundles = [[placement.bundle_of_slot[s] for s in slots] for slots in self._own_slots()]
         self._actor_bundles = [placement.bundle_of_slot[s] for s in layout.actor_slots]
         where = self._bundle_nodes()
         self._engine_nodes = [{where.get(b) for b in bundles} for bundles in self._engine_bundles]
@@ -202,11 +211,11 @@ class EnginePool:
     ) -> list[ray.actor.ActorHandle]:
         """Create engine e's actor(s); they start their servers (an engine over nodes: all at once)."""
         r = self.rollout_cfg
-        gpu = COLOCATED_ENGINE_GPU if layout.colocate else 1
+        gpu = COLOCATED_ENGINE_GPU if layout.colocate and not self.frozen else 1
         if r.backend == "cpu":
             parts = [(slots[0], None)]
         else:
-            memory_saver = self.cluster_cfg.colocate or self.cluster_cfg.offload
+            memory_saver = not self.frozen and (self.cluster_cfg.colocate or self.cluster_cfg.offload)
             parts = engine_parts(
                 slots, placement.location_of_slot, r.sglang.mem_fraction_static, memory_saver, self.seed,
                 r.sglang.extra_args,
@@ -229,6 +238,10 @@ class EnginePool:
         if multi:
             self._start_parts(actors)
         return actors
+
+    def _own_slots(self) -> tuple[tuple[int, ...], ...]:
+        """The slots of each engine of this pool: the rollout engines', or the reward engines'."""
+        return self._layout.reward_slots if self.frozen else self._layout.engine_slots
 
     @staticmethod
     def _start_parts(actors: list[ray.actor.ActorHandle]) -> str:
@@ -297,7 +310,7 @@ class EnginePool:
                 continue  # not placed yet
             try:
                 parts = self._start_engine(
-                    e, self._layout.engine_slots[e], self._model_path, self._placement, self._layout, self._log_dir
+                    e, self._own_slots()[e], self._model_path, self._placement, self._layout, self._log_dir
                 )
                 url = ray.get(parts[0].url.remote(), timeout=self.rollout_cfg.engine_startup_timeout_s)
             except Exception as err:  # the new node may be gone again: try at the next boundary
@@ -364,19 +377,27 @@ class EnginePool:
             return [self.router_client]
         return [c for e, c in enumerate(self.clients) if e not in self.down and e not in self.lost]
 
-    def send(self, requests: Sequence[Request], done: Callable[[int], None] | None = None) -> list[list[dict]]:
+    def send(
+        self,
+        requests: Sequence[Any],
+        done: Callable[[int], None] | None = None,
+        call: Callable[[EngineClient, Any], Any] | None = None,
+    ) -> list[Any]:
         """Send request c to engine c mod the engine count (or to the router), all at once; the
         answers in request order. Requests that failed on an engine found dead are sent again
         once it is back on the current weights, or (``restarts_deferred``) to the healthy engines;
-        ``done(c)`` runs as request c succeeds."""
+        ``done(c)`` runs as request c succeeds. ``call(client, request)``: what a request is (default:
+        a /generate of a ``generation.Request``; the reward engines' scoring passes its own)."""
 
-        def request(c: int, targets: list[EngineClient]) -> list[dict]:
+        def request(c: int, targets: list[EngineClient]) -> Any:
             r = requests[c]
+            if call is not None:
+                return call(targets[c % len(targets)], r)
             return targets[c % len(targets)].generate(
                 input_ids=r.input_ids, sampling_params=r.sampling_params, return_logprob=r.return_logprob
             )
 
-        answers: list[list[dict]] = [[] for _ in requests]
+        answers: list[Any] = [[] for _ in requests]
         pending = list(range(len(requests)))
         while pending:
             targets = self._targets()
@@ -452,6 +473,8 @@ class EnginePool:
     def connect_weights(self, source: WeightSource) -> None:
         """Open the weight-sync channel from ``source`` (the actor) to every engine; ``source`` is
         also how a restarted engine gets the current weights back."""
+        if self.frozen:
+            raise RlhpcError("connect_weights on the reward engines", "the reward model is frozen: push nothing to it")
         self._weights = source
         live = [e for e in range(len(self.clients)) if e not in self.lost]  # a lost engine cannot join the group
         source.connect_rollout(
@@ -578,7 +601,7 @@ class EnginePool:
         limit, log_file = self.rollout_cfg.max_engine_restarts, self.engine_logs[e]
         if self.restarts[e] >= limit:
             raise RlhpcError(
-                f"rollout engine {e} ({self.clients[e].base_url}) died or stopped answering /health after "
+                f"{self.role} engine {e} ({self.clients[e].base_url}) died or stopped answering /health after "
                 f"{self.restarts[e]} restart(s), the most rollout.max_engine_restarts = {limit} allows; "
                 f"its log {log_file} ends with:\n{tail(Path(log_file), 15)}",
                 f"read {log_file} for why the server stopped (out of memory, a crash, a lost GPU); "
@@ -586,7 +609,8 @@ class EnginePool:
             )
         self.restarts[e] += 1
         log.warning(
-            "rollout engine %d (%s) is down; restart %d of at most %d (log %s)",
+            "%s engine %d (%s) is down; restart %d of at most %d (log %s)",
+            self.role,
             e,
             self.clients[e].base_url,
             self.restarts[e],
@@ -598,13 +622,13 @@ class EnginePool:
             url = ray.get(parts[0].restart.remote()) if len(parts) == 1 else self._start_parts(parts)
         except ray.exceptions.RayActorError as err:  # the actor itself is gone (its node, most likely)
             raise RlhpcError(
-                f"rollout engine {e}'s Ray actor died, so its server cannot be restarted: {err}",
+                f"{self.role} engine {e}'s Ray actor died, so its server cannot be restarted: {err}",
                 "check that the engine's node is still up; the job can resume from the last checkpoint",
             ) from err
         self.clients[e].close()
         self.clients[e] = EngineClient(url, api_key=self.api_key)
         self._reconnect = True  # the old weight-sync group is gone with the server
-        log.warning("rollout engine %d is back at %s", e, url)
+        log.warning("%s engine %d is back at %s", self.role, e, url)
 
     def _resync(self) -> None:
         """Open the weight-sync channel again (all engines share one group) and push the current version."""

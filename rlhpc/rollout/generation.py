@@ -26,7 +26,7 @@ from rlhpc.errors import RlhpcError
 from rlhpc.rollout.dynamic_sampling import Group, GroupFilter, resolve_filter
 from rlhpc.rollout.prompts import encode_rows
 from rlhpc.rollout.protocol import WEIGHT_VERSION_SPAN_KEYS, MetaInfo
-from rlhpc.rollout.scoring import PooledReward, RemoteReward, Sample, Scorer, is_remote
+from rlhpc.rollout.scoring import MixedScorer, PooledReward, RemoteReward, Sample, Scorer, is_remote
 from rlhpc.tasks import TASKS, RewardFn, resolve_reward
 
 if TYPE_CHECKING:
@@ -230,7 +230,7 @@ class Generation:
     def __init__(
         self,
         tokenizer: Any,
-        reward_fn: Scorer | RewardFn,
+        reward_fn: Scorer | MixedScorer | RewardFn,
         rollout: RolloutConfig,
         eval: EvalConfig,
         algo: AlgoConfig,
@@ -242,7 +242,9 @@ class Generation:
     ):
         self.tokenizer = tokenizer
         self.reward_fn = (
-            reward_fn if isinstance(reward_fn, Scorer) else Scorer(reward_fn, getattr(reward_fn, "__name__", "reward"))
+            reward_fn
+            if isinstance(reward_fn, Scorer | MixedScorer)
+            else Scorer(reward_fn, getattr(reward_fn, "__name__", "reward"))
         )
         self.rollout_cfg, self.eval_cfg, self.algo_cfg = rollout, eval, algo
         self.seed = seed

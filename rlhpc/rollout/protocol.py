@@ -37,6 +37,9 @@ class Route:
     SERVER_INFO = "/server_info"
     SERVER_INFO_OLD = "/get_server_info"  # deprecated in SGLang, still served
     GENERATE = "/generate"
+    # A reward model's scores (a *ForSequenceClassification model; SGLang serves it as an
+    # embedding model: the answer's "embedding" holds the num_labels scores of the last token)
+    CLASSIFY = "/classify"
     FLUSH_CACHE = "/flush_cache"  # no body
     PAUSE_GENERATION = "/pause_generation"
     CONTINUE_GENERATION = "/continue_generation"
@@ -70,6 +73,19 @@ class GenerateReqInput:
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
     return_logprob: bool | list[bool] | None = None
     rid: str | list[str] | None = None
+
+
+@dataclass
+class EmbeddingReqInput:
+    """/classify's body: exactly one of ``input_ids`` / ``text``; one input or a batch."""
+
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    rid: str | list[str] | None = None
+
+
+# The key of a /classify answer's scores (one answer per input: {"embedding": [...], "meta_info"})
+EMBEDDING = "embedding"
 
 
 @dataclass
@@ -158,6 +174,7 @@ class ResumeMemoryOccupationReqInput:
 # Which body each route takes (routes absent here take none, or a body of their own shape).
 ROUTE_BODIES: dict[str, type] = {
     Route.GENERATE: GenerateReqInput,
+    Route.CLASSIFY: EmbeddingReqInput,
     Route.PAUSE_GENERATION: PauseGenerationReqInput,
     Route.CONTINUE_GENERATION: ContinueGenerationReqInput,
     Route.ABORT_REQUEST: AbortReq,

@@ -267,3 +267,29 @@ class Scorer:
                 )
             return float(value["score"]), {str(k): float(v) for k, v in value.items() if k != "score"}
         return float(value), {}
+
+
+class MixedScorer:
+    """``score = rule_weight x rule + sum of weight x component`` (issue 30's reward mixing): the
+    rule reward (a ``Scorer``, its dict parts kept) and model components, each ``fn(samples) ->
+    one float per sample``. Every component is a part of its own, logged as ``reward/<name>``
+    (the rule reward's as ``reward/rule``)."""
+
+    def __init__(self, rule: Scorer, rule_weight: float, components: dict[str, tuple[float, Callable]]):
+        self.rule, self.rule_weight, self.components = rule, rule_weight, components
+
+    def __call__(self, samples: list[Sample]) -> tuple[list[float], dict[str, list[float]]]:
+        if not samples:
+            return [], {}
+        rule, parts = self.rule(samples)
+        scores = [self.rule_weight * r for r in rule]
+        parts = {**parts, "rule": rule}
+        for name, (weight, fn) in self.components.items():
+            values = [float(v) for v in fn(samples)]
+            if len(values) != len(samples):
+                raise RlhpcError(
+                    f"the {name} component scored {len(values)} of {len(samples)} samples", "this is a bug: report it"
+                )
+            scores = [s + weight * v for s, v in zip(scores, values)]
+            parts[name] = values
+        return scores, parts

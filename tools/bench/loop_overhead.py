@@ -131,7 +131,7 @@ def interleaved(cfg: Config, run: RunDir, rollouts: int, block: int) -> tuple[li
     plain_loop = PlainLoop(cfg, str(run.base_model))
     plain: list[dict] = []
     ours: list[dict] = []
-    with local_ray(cfg.cluster, plan_layout(cfg.cluster).num_slots, StopRequest()):
+    with local_ray(cfg.cluster, plan_layout(cfg.cluster, cfg.reward_model).num_slots, StopRequest()):
         loop = TrainLoop(cfg, run, None, None, StartupClock(run), NOT_STAGED)
         try:
             loop.begin()

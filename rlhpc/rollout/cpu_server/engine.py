@@ -23,9 +23,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rlhpc.model import load_model, load_tokenizer
+from rlhpc.model import is_classifier, load_classifier, load_model, load_tokenizer
 from rlhpc.rollout import protocol as P
-from rlhpc.rollout.cpu_server.requests import EngineError, Item, ModelLimits, check_tags, normalize_generate
+from rlhpc.rollout.cpu_server.requests import (
+    EngineError,
+    Item,
+    ModelLimits,
+    check_tags,
+    normalize_classify,
+    normalize_generate,
+)
 from rlhpc.rollout.protocol import MetaInfo
 from rlhpc.rollout.sampling import RECOMPUTE, sample
 from rlhpc.rollout.tensor_transport import (
@@ -69,7 +76,13 @@ class Engine:
             if self.device.index is None:
                 self.device = torch.device("cuda", 0)
             torch.cuda.set_device(self.device)
-        self.model = load_model(model_path, self.device).eval().requires_grad_(False)
+        # A *ForSequenceClassification model (a reward model) serves /classify, not /generate,
+        # as SGLang serves it as an embedding model
+        self.classifier = is_classifier(model_path)
+        load = load_classifier if self.classifier else load_model
+        self.model = load(model_path, self.device).eval().requires_grad_(False)
+        if self.classifier and not isinstance(getattr(self.model, "score", None), torch.nn.Linear):
+            raise EngineError(f"{model_path}: a classifier without a linear `score` head (as Llama's and Qwen2's)")
         flatten_parameters(self.model)  # so that flattened buckets land in place
         self.tokenizer = load_tokenizer(model_path)
         cfg = self.model.config
@@ -129,7 +142,35 @@ class Engine:
 
     def normalize(self, body: dict[str, Any]) -> tuple[list[Item], bool]:
         """GenerateReqInput -> rows (see ``requests.normalize_generate``)."""
+        if self.classifier:
+            raise EngineError(f"{self.model_path} is a classifier: it serves /classify, not /generate")
         return normalize_generate(body, self.limits, self.tokenizer.encode)
+
+    def normalize_classify(self, body: dict[str, Any]) -> tuple[list[list[int]], bool]:
+        """EmbeddingReqInput -> the token ids of each input (see ``requests.normalize_classify``)."""
+        if not self.classifier:
+            raise EngineError(f"{self.model_path} is not a *ForSequenceClassification model: /classify has no scores")
+        return normalize_classify(body, self.limits, self.tokenizer.encode)
+
+    @torch.no_grad()
+    def classify(self, inputs: list[list[int]]) -> list[dict[str, Any]]:
+        """Each input's scores (num_labels of them) at its last token, as SGLang's LAST pooling
+        reads them; inputs of one length run as one batch (no padding, so nothing to mask)."""
+        self.require_usable()
+        by_length: dict[int, list[int]] = collections.defaultdict(list)
+        for i, ids in enumerate(inputs):
+            by_length[len(ids)].append(i)
+        scores: list[list[float]] = [[] for _ in inputs]
+        with self.model_lock:
+            for idx in by_length.values():
+                ids = torch.tensor([inputs[i] for i in idx], device=self.device)
+                hidden = self.model.base_model(input_ids=ids).last_hidden_state[:, -1]
+                for i, row in zip(idx, self.model.score(hidden).float().tolist()):
+                    scores[i] = row
+        return [
+            {P.EMBEDDING: s, "meta_info": {MetaInfo.ID: f"classify-{i}", MetaInfo.PROMPT_TOKENS: len(ids)}}
+            for i, (s, ids) in enumerate(zip(scores, inputs))
+        ]
 
     def _aborted(self, seq: int, rids: list[str]) -> bool:
         with self._abort_lock:
@@ -533,7 +574,7 @@ class Engine:
         return {
             "model_path": self.model_path,
             "tokenizer_path": self.model_path,
-            "is_generation": True,
+            "is_generation": not self.classifier,
             "preferred_sampling_params": None,
             "weight_version": self.weight_version,
             "has_image_understanding": False,

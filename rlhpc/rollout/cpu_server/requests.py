@@ -81,16 +81,11 @@ def _per_item(value: Any, num: int, what: str) -> list[Any]:
     return [value] * num
 
 
-def normalize_generate(
+def _inputs(
     body: dict[str, Any], limits: ModelLimits, encode: Callable[[str], list[int]]
-) -> tuple[list[Item], bool]:
-    """GenerateReqInput -> (rows, whether the answer is a single dict), following SGLang's
-    batching and parallel-sampling rules."""
-    for unsupported in _UNSUPPORTED_INPUTS:
-        if body.get(unsupported) is not None:
-            raise EngineError(f"{unsupported} is not supported by the CPU engine")
-    if body.get("stream"):
-        raise EngineError("stream=true is not supported by the CPU engine")
+) -> tuple[list[list[int]], bool]:
+    """The token ids of each input (``text`` or ``input_ids``, one or a batch), checked against
+    the model; and whether it was a single input (answered with a dict, not a list)."""
     text, input_ids = body.get("text"), body.get("input_ids")
     if (text is None) == (input_ids is None):
         raise EngineError("Either text or input_ids should be provided.")
@@ -110,6 +105,30 @@ def normalize_generate(
             raise EngineError(f"token id out of range [0, {limits.vocab_size})")
         if len(p) >= limits.context_len:
             raise EngineError(f"prompt of {len(p)} tokens does not fit the context length {limits.context_len}")
+    return prompts, single
+
+
+def normalize_classify(
+    body: dict[str, Any], limits: ModelLimits, encode: Callable[[str], list[int]]
+) -> tuple[list[list[int]], bool]:
+    """EmbeddingReqInput (/classify) -> (the token ids of each input, whether it was a single one)."""
+    for unsupported in _UNSUPPORTED_INPUTS:
+        if body.get(unsupported) is not None:
+            raise EngineError(f"{unsupported} is not supported by the CPU engine")
+    return _inputs(body, limits, encode)
+
+
+def normalize_generate(
+    body: dict[str, Any], limits: ModelLimits, encode: Callable[[str], list[int]]
+) -> tuple[list[Item], bool]:
+    """GenerateReqInput -> (rows, whether the answer is a single dict), following SGLang's
+    batching and parallel-sampling rules."""
+    for unsupported in _UNSUPPORTED_INPUTS:
+        if body.get(unsupported) is not None:
+            raise EngineError(f"{unsupported} is not supported by the CPU engine")
+    if body.get("stream"):
+        raise EngineError("stream=true is not supported by the CPU engine")
+    prompts, single = _inputs(body, limits, encode)
 
     params = body.get("sampling_params")
     params = {} if params is None else params

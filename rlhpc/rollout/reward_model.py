@@ -1,0 +1,109 @@
+"""The classifier reward model (issue 30): frozen engines of their own, and how a sample is scored.
+
+The engines are an ``EnginePool`` over ``layout.reward_slots`` (``frozen``: no weight channel, so
+a restarted engine serves the model on disk as the others do), each serving a
+``*ForSequenceClassification`` model through SGLang's ``/classify`` (SGLang: ``--is-embedding``;
+the CPU engine server: the same route). A sample is the conversation ``prompt`` + ``response``
+rendered with the reward model's own chat template when its tokenizer has one (else the plain
+text, tokenized with the tokenizer's special tokens), tokenized here, so the engine scores
+exactly the ids a test can give ``transformers``; the score is the model's first label at the
+last token.
+
+Samples are scored after their rollout's generation, in requests of ``reward_model.batch_size``
+spread over the engines (not yet as each sample finishes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rlhpc.config import RewardModelConfig, RolloutConfig, SGLangConfig
+from rlhpc.rollout.client import EngineClient
+from rlhpc.rollout.engine_pool import EnginePool
+from rlhpc.rollout.scoring import Sample
+
+if TYPE_CHECKING:
+    from rlhpc.cluster.layout import Layout
+    from rlhpc.cluster.placement import Placement
+    from rlhpc.config import ClusterConfig
+    from rlhpc.launch.signals import StopRequest
+
+log = logging.getLogger(__name__)
+
+# SGLang serves a model as an embedding model (answering /classify) with this flag; it infers it
+# for the classifiers it knows, the flag makes it so for any architecture.
+EMBEDDING_FLAG = "--is-embedding"
+
+
+def reward_rollout_config(rollout: RolloutConfig, rm: RewardModelConfig) -> RolloutConfig:
+    """The engine settings of the reward pool: the rollout's lifecycle limits (start-up timeout,
+    restarts), the reward model's backend and SGLang options, no router."""
+    extra = [EMBEDDING_FLAG, *rm.extra_args] if EMBEDDING_FLAG not in rm.extra_args else list(rm.extra_args)
+    return dataclasses.replace(
+        rollout,
+        backend=rm.backend,
+        sglang=SGLangConfig(mem_fraction_static=rm.mem_fraction_static, router=False, extra_args=extra),
+    )
+
+
+def start_reward_engines(
+    rm: RewardModelConfig,
+    rollout: RolloutConfig,
+    cluster: ClusterConfig,
+    seed: int,
+    model_path: str,
+    placement: Placement,
+    layout: Layout,
+    log_dir: Path,
+    stop: StopRequest | None = None,
+) -> EnginePool:
+    """The reward engines on ``layout.reward_slots``, up and answering /health."""
+    return EnginePool(
+        reward_rollout_config(rollout, rm), cluster, seed, model_path, placement, layout, log_dir, stop, frozen=True
+    )
+
+
+def render(tokenizer: Any, sample: Sample) -> list[int]:
+    """The token ids the reward model scores for ``sample``: the conversation (a chat prompt's
+    messages, else the prompt as the user's turn, then the response as the assistant's) through
+    the reward model's chat template, or, without one, the prompt text + the response."""
+    if getattr(tokenizer, "chat_template", None):
+        messages = (
+            [dict(m) for m in sample.messages] if sample.messages else [{"role": "user", "content": sample.prompt}]
+        )
+        messages.append({"role": "assistant", "content": sample.response})
+        text = tokenizer.apply_chat_template(messages, tokenize=False)
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])  # the template writes its own
+    return list(tokenizer(sample.prompt + sample.response)["input_ids"])
+
+
+class RewardModel:
+    """Score samples with the reward engines: ``score(samples)`` is one float per sample."""
+
+    def __init__(self, engines: EnginePool, tokenizer: Any, batch_size: int, context_len: int | None = None):
+        self.engines, self.tokenizer, self.batch_size = engines, tokenizer, batch_size
+        # an input must be shorter than the context (the engines refuse the rest): keep its end,
+        # where the response and the token the score is read at are
+        self.max_len = context_len - 1 if context_len else None
+        self.truncated = 0
+
+    def inputs(self, samples: list[Sample]) -> list[list[int]]:
+        out = []
+        for s in samples:
+            ids = render(self.tokenizer, s)
+            if self.max_len is not None and len(ids) > self.max_len:
+                self.truncated += 1
+                ids = ids[-self.max_len :]
+            out.append(ids)
+        return out
+
+    def score(self, samples: list[Sample]) -> list[float]:
+        if not samples:
+            return []
+        ids = self.inputs(samples)
+        batches = [ids[i : i + self.batch_size] for i in range(0, len(ids), self.batch_size)]
+        answers = self.engines.send(batches, call=lambda client, batch: EngineClient.classify(client, batch))
+        return [score for answer in answers for score in answer]
