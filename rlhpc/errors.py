@@ -41,3 +41,7 @@ class WeightPushFailed(RlhpcError):
             "see the engine logs (RUN_DIR/logs/engines/); engines that died are restarted and the push repeated",
         )
         self.version = version
+
+
+class StoppedByUser(RlhpcError):
+    """A local job stopped at its next safe point because its submitter was interrupted (Ctrl-C)."""

@@ -40,6 +40,7 @@ from rlhpc.invariants import processes_using, violations
 from rlhpc.launch.job import local_ray_temp_dir
 from rlhpc.metrics import read_metrics
 from rlhpc.run_dir import RunDir
+from rlhpc.util.processes import kill_groups, process_groups
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -186,10 +187,8 @@ def one_of(run: Path, prefix: str) -> int:
 
 
 def kill_session(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    """SIGKILL the submission and its job (whose controller leads a session of its own)."""
+    kill_groups(process_groups(proc.pid))
     proc.wait()
 
 

@@ -20,7 +20,7 @@ import os
 import sys
 from pathlib import Path
 
-from rlhpc.errors import RlhpcError
+from rlhpc.errors import RlhpcError, StoppedByUser
 from rlhpc.logs import FORCE_TERMINAL_ENV, setup_logging
 
 REPO = Path(__file__).resolve().parents[2]  # the checkout rlhpc is installed from (editable)
@@ -241,11 +241,17 @@ def main(argv: list[str] | None = None) -> int:
         code = follow(job)
         run_now(run, args.then)
         return code
+    except StoppedByUser as e:
+        log.warning("%s", e)
+        return 130
     except RlhpcError as e:
         log.error("%s", e)
         return 2
     except KeyboardInterrupt:
-        log.warning("interrupted; run the same command again to resume from the last checkpoint")
+        log.warning(
+            "interrupted: a job already submitted goes on (Slurm) or stops at its next safe point (local); "
+            "`rlhpc-status RUN_DIR` shows where it stands, and the same command resumes it once it has stopped"
+        )
         return 130
 
 

@@ -6,6 +6,7 @@ import logging
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -18,7 +19,7 @@ from submitit.local.local import LocalJob
 
 from rlhpc.cluster.layout import idle_note, plan_layout, summarize_layout
 from rlhpc.config import Config, dump_config
-from rlhpc.errors import RlhpcError
+from rlhpc.errors import RlhpcError, StoppedByUser
 from rlhpc.launch import run_owner, slurm
 from rlhpc.launch.job import ENDED_LINE, TrainJob
 from rlhpc.launch.run_owner import Owner
@@ -63,7 +64,10 @@ class LocalExecutor(submitit.LocalExecutor):
             "SUBMITIT_LOCAL_WITH_SHELL": "",
         }
         cmd = [sys.executable, "-m", "rlhpc.launch.local_controller", str(self.folder), str(self.max_starts)]
-        process = subprocess.Popen(cmd, env=env)
+        # A session of its own: a terminal's Ctrl-C reaches every process of its foreground group
+        # (Ray's workers take it as a task cancellation, engines as a shutdown). It reaches only
+        # this submission, which stops the job through its controller (``follow``'s ``stop``).
+        process = subprocess.Popen(cmd, env=env, start_new_session=True)
         return LocalJob(folder=self.folder, job_id=str(process.pid), process=process, tasks=list(range(ntasks)))
 
 
@@ -86,9 +90,15 @@ def _slurm_done(job: submitit.Job) -> bool:
 
 
 def follow(job: submitit.Job, poll_s: float = 0.5) -> int:
-    """Stream task 0's output to this terminal until the job ends; 0 if it succeeded."""
+    """Stream task 0's output to this terminal until the job ends; 0 if it succeeded.
+
+    A local job is stopped by the first Ctrl-C (or the terminal closing): its controller gets
+    SIGTERM, so the job saves at its next safe point and ends for good, and this raises
+    ``StoppedByUser`` once it has. A second Ctrl-C leaves it stopping on its own."""
     is_done = _slurm_done if isinstance(job, submitit.SlurmJob) else (lambda j: j.done())
+    stop = isinstance(job, LocalJob)
     out_pos = err_pos = 0
+    stopping = False
 
     def pump(path: Path, pos: int, stream) -> int:
         if path.is_file():
@@ -101,13 +111,32 @@ def follow(job: submitit.Job, poll_s: float = 0.5) -> int:
             return pos + len(chunk)
         return pos
 
-    while True:
-        done = is_done(job)
-        out_pos = pump(job.paths.stdout, out_pos, sys.stdout)
-        err_pos = pump(job.paths.stderr, err_pos, sys.stderr)
-        if done:
-            break
-        time.sleep(poll_s)
+    hangup = signal.signal(signal.SIGHUP, _interrupt) if stop else None
+    try:
+        while True:
+            try:
+                done = is_done(job)
+                out_pos = pump(job.paths.stdout, out_pos, sys.stdout)
+                err_pos = pump(job.paths.stderr, err_pos, sys.stderr)
+                if done:
+                    break
+                time.sleep(poll_s)
+            except KeyboardInterrupt:
+                if not stop or stopping:
+                    raise
+                stopping = True
+                os.kill(int(job.job_id), signal.SIGTERM)  # the controller: rlhpc/launch/local_controller.py
+                log.warning(
+                    "stopping local job %s at its next safe point (it saves there); Ctrl-C again leaves it "
+                    "stopping on its own", job.job_id,
+                )  # fmt: skip
+    finally:
+        if hangup is not None:
+            signal.signal(signal.SIGHUP, hangup)
+    if stopping:
+        raise StoppedByUser(
+            f"local job {job.job_id} stopped at your request", "run the same command again to resume where it stopped"
+        )
     for _ in range(20):  # the result file can land a moment after the state changes
         if job.paths.result_pickle.exists():
             break
@@ -120,6 +149,10 @@ def follow(job: submitit.Job, poll_s: float = 0.5) -> int:
             f"job {job.job_id} failed: {_exception_line(str(value))}", f"see the job log {job.paths.stderr}"
         )
     return 0
+
+
+def _interrupt(*_: object) -> None:
+    raise KeyboardInterrupt  # the terminal closed: stop the job as a Ctrl-C would
 
 
 # The line a task writes when it ends on purpose without a result (a hold, a refused requeue).

@@ -45,3 +45,33 @@ def stop_group(proc: subprocess.Popen, grace_s: float = 5.0, name: str = "proces
             log.warning("%s %d ignored SIGTERM for %.0f s; killing its process group", name, proc.pid, grace_s)
     signal_group(proc.pid, signal.SIGKILL)
     proc.wait()
+
+
+def process_groups(pid: int) -> list[int]:
+    """The process group of ``pid`` and those of its children that lead sessions of their own
+    (a local job's controller: ``rlhpc.launch.submit.LocalExecutor``), for a test or the soak
+    to kill a submission and its job at once, as a crash would."""
+    import psutil  # late: only the tests and the soak kill this way
+
+    try:
+        groups = [os.getpgid(pid)]
+    except ProcessLookupError:
+        return []  # gone (and reaped) already
+    try:
+        children = psutil.Process(pid).children()
+    except psutil.Error:
+        children = []
+    for child in children:
+        try:
+            group = os.getpgid(child.pid)
+        except ProcessLookupError:
+            continue
+        if group not in groups:
+            groups.append(group)
+    return groups
+
+
+def kill_groups(groups: list[int]) -> None:
+    """SIGKILL every process of ``groups`` (from ``process_groups``)."""
+    for group in groups:
+        signal_group(group, signal.SIGKILL)

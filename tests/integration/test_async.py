@@ -12,7 +12,7 @@ from pathlib import Path
 
 import h5py
 import pytest
-from support.jobs import HELD, REPO, job_args, kill_when, rollouts
+from support.jobs import HELD, REPO, job_args, kill_job, kill_when, rollouts
 
 from rlhpc.checkpoint import CheckpointManager
 from rlhpc.invariants import comparable, final_weights
@@ -127,8 +127,7 @@ def test_engine_killed_mid_run_ends_like_the_uninterrupted_async_run(uninterrupt
         out, _ = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            kill_job(proc)
     assert proc.returncode == 0, out[-4000:]
     assert "rollout engine 0" in out and "restart 1 of at most" in out, out[-4000:]  # the recorded restart
     assert engine_log.read_text().count("starting at") == 2

@@ -10,7 +10,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from support.jobs import REPO, job_args, rollouts
+from support.jobs import REPO, job_args, kill_job, rollouts
 
 from rlhpc.launch.restarts import read_history
 
@@ -92,8 +92,7 @@ def finish(proc: subprocess.Popen, hung: int | None) -> str:
         out, _ = proc.communicate(timeout=900)
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            kill_job(proc)
         if hung is not None and alive(hung):
             os.kill(hung, signal.SIGKILL)
     return out

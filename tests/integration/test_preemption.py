@@ -10,11 +10,13 @@ import time
 from pathlib import Path
 
 import pytest
+from support.jobs import kill_job
 
 from rlhpc.checkpoint import CheckpointManager
 from rlhpc.invariants import comparable, final_weights
 from rlhpc.launch.restarts import read_history
 from rlhpc.metrics import read_metrics
+from rlhpc.util.processes import process_groups
 
 REPO = Path(__file__).resolve().parents[2]
 BASE = [
@@ -178,15 +180,18 @@ def test_sigkill_during_a_checkpoint_write_resumes_from_the_previous_one(tmp_pat
     for _attempt in range(3):  # a save takes milliseconds: catch one in the act
         proc = start(run, *overrides)
         deadline = time.time() + 240
+        groups = None  # the job's process groups, found once it runs: the kill must be instant
         while time.time() < deadline and proc.poll() is None:
             armed = (run / "checkpoints" / "latest").is_file()  # one complete checkpoint to fall back to
+            groups = groups or (process_groups(proc.pid) if armed else None)
             staging = list((run / "checkpoints").glob(".staging-rollout_*")) if armed else []
             if staging and any(staging[0].rglob("*")):
-                os.killpg(proc.pid, signal.SIGKILL)  # mid-write, no cleanup of any kind
+                kill_job(proc, groups)  # mid-write, no cleanup of any kind
                 caught = True
                 break
             time.sleep(0.001)
-        proc.wait()
+        if not caught:
+            kill_job(proc)
         if caught:
             break
     assert caught, "never caught a checkpoint being written"

@@ -7,7 +7,7 @@ import subprocess
 import time
 
 from support.hold import HOLD_ENV
-from support.jobs import HELD, REPO, job_args, rollouts, said, submit
+from support.jobs import HELD, REPO, job_args, kill_job, rollouts, said, submit
 
 from rlhpc.invariants import processes_using
 from rlhpc.launch.restarts import read_history
@@ -43,8 +43,7 @@ def test_second_submission_is_refused_while_the_first_job_lives(tmp_path):
         assert snapshot(run) == before  # nothing written, nothing submitted
         assert read(run) == owner
     finally:
-        os.killpg(first.pid, signal.SIGKILL)  # no chance to release: a stale owner is left
-        first.wait()
+        kill_job(first)  # no chance to release: a stale owner is left
     p = submit(run, "rollout.num_rollout=2")
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "which is gone" in said(p)
@@ -82,3 +81,29 @@ def test_a_local_job_stops_with_its_controller_and_kill_stops_it_for_good(tmp_pa
     starts = read_history(run)
     assert len(starts) == 2, starts  # one start each: the SIGTERM was no restart
     assert not (run / "FINISHED").exists() and len(rollouts(run)) < 3  # stopped before the end, resumable
+
+    # Issue 28: Ctrl-C in the terminal (SIGINT to its foreground group: the submission, following
+    # the job) stops the job at its next safe point and says how to resume.
+    hold.touch()
+    follow = [a for a in args if a != "--no-follow"]
+    proc = subprocess.Popen(
+        follow, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    try:
+        wait_until(lambda: read(run) is not None and read(run).kind == "local", 240, "the job did not start")
+        task_logs = list((run / "logs" / "submitit").glob(f"{read(run).job_id}_0_log.*"))
+        wait_until(lambda: any("local Ray up" in f.read_text() for f in task_logs), 240, "the job's Ray is not up")
+        os.killpg(proc.pid, signal.SIGINT)
+        hold.unlink()
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            kill_job(proc)
+    said_ = " ".join(out.split())
+    assert proc.returncode == 130, out[-3000:]
+    assert "stopped at your request" in said_ and "run the same command again to resume" in said_, out[-3000:]
+    wait_until(lambda: not processes_using(run), 120, f"left after Ctrl-C: {processes_using(run)}")
+    assert len(read_history(run)) == 3 and not (run / "FINISHED").exists()
+    p = subprocess.run(follow, cwd=REPO, capture_output=True, text=True, timeout=300)  # and the same command resumes
+    assert p.returncode == 0 and (run / "FINISHED").exists(), p.stdout[-3000:] + p.stderr[-3000:]
+    assert sorted(rollouts(run)) == [0, 1, 2]  # each rollout logged once

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -11,6 +10,7 @@ import time
 from pathlib import Path
 
 from rlhpc.metrics import read_metrics
+from rlhpc.util.processes import kill_groups, process_groups
 from support.hold import HOLD_ENV
 
 REPO = Path(__file__).resolve().parents[2]  # the checkout
@@ -84,6 +84,14 @@ def rollouts(run_dir: Path) -> list[int]:
 HELD = "data.reward=support.hold:digit_sum"  # the default task's reward, held for ``kill_when``
 
 
+def kill_job(proc: subprocess.Popen, groups: list[int] | None = None) -> None:
+    """SIGKILL a submission and its local job, as a crash would: the submitter's process group
+    and the job's (its controller leads a session of its own). ``groups``: from
+    ``process_groups`` taken earlier, for a kill that must land within milliseconds."""
+    kill_groups(groups if groups is not None else process_groups(proc.pid))
+    proc.wait()
+
+
 def kill_when(args: list[str], path: Path, timeout: float = 300) -> None:
     """Run a job until ``path`` exists, then SIGKILL it all: no chance to clean up or save. The
     job scores with a reward of ``support.hold`` (``HELD``), which holds it still once ``path``
@@ -92,17 +100,15 @@ def kill_when(args: list[str], path: Path, timeout: float = 300) -> None:
     assert any("support.hold:" in a for a in args), f"kill_when needs a held reward: add --set {HELD}"
     env = {**os.environ, HOLD_ENV: str(path)}
     with tempfile.TemporaryFile("w+") as out:
-        # A new session, like a terminal: Ctrl-C reaches submit.py, the job and its Ray together.
+        # A new session, like a terminal (the job's controller makes a session of its own).
         proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=env, start_new_session=True)
         deadline = time.time() + timeout
         while not path.exists():
             if time.time() > deadline or proc.poll() is not None:
                 ended = f"exited with {proc.returncode}" if proc.poll() is not None else "still running"
                 if proc.poll() is None:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
+                    kill_job(proc)
                 out.seek(0)
                 raise AssertionError(f"no {path.name} within {timeout:.0f} s; the job {ended}:\n{out.read()[-4000:]}")
             time.sleep(0.2)
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        kill_job(proc)
