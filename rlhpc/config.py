@@ -832,10 +832,6 @@ class Config:
     # 0700, files 0600), or "group", readable by the user's group too (0750/0640; keys stay 0600).
     run_dir_access: Literal["private", "group"] = "private"
 
-    @property
-    def kl_needed(self) -> bool:
-        return self.algo.kl_coef > 0
-
 
 # ---------------------------------------------------------------- loading and typing
 

@@ -8,16 +8,13 @@ imports another."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
 
 
@@ -82,7 +79,7 @@ def ray_cluster() -> Iterator[None]:
 
 
 # =====================================================================================
-# Slurm minicluster (tools/minicluster.py)
+# Slurm minicluster (rlhpc/devtools/minicluster.py, command line tools/minicluster.py)
 #
 # `minicluster`: a real 4-node Slurm cluster with 8 (placeholder) GPUs per node (partitions
 # low and high over all of them, train = node0 and gen = node1-2), shared
@@ -101,23 +98,13 @@ MINICLUSTER_GPUS_PER_NODE = 8
 MINICLUSTER_PARTITIONS = (("train", 1, None), ("gen", 2, None))
 
 
-def _load_minicluster_tool() -> ModuleType:
-    name = "rlhpc_tools_minicluster"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "tools" / "minicluster.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # dataclasses look their module up here
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
 @pytest.fixture(scope="session")
 def minicluster_tool() -> ModuleType:
-    """The tools/minicluster.py module, once the machine is known to be able to run it."""
+    """The rlhpc.devtools.minicluster module, once the machine is known to be able to run it."""
     if os.environ.get("RLHPC_SKIP_SLURM") == "1":
         pytest.skip("RLHPC_SKIP_SLURM=1")
-    tool = _load_minicluster_tool()
+    from rlhpc.devtools import minicluster as tool
+
     problem = None
     try:
         tool.preflight()
@@ -130,7 +117,7 @@ def minicluster_tool() -> ModuleType:
 
 @pytest.fixture(scope="session")
 def minicluster(minicluster_tool: ModuleType) -> Iterator:
-    """A running MiniCluster (see tools/minicluster.py); SLURM_CONF points at it."""
+    """A running MiniCluster (see rlhpc/devtools/minicluster.py); SLURM_CONF points at it."""
     mc = minicluster_tool.MiniCluster(
         nodes=MINICLUSTER_NODES, gpus_per_node=MINICLUSTER_GPUS_PER_NODE, partitions=MINICLUSTER_PARTITIONS
     )

@@ -30,10 +30,6 @@ class Layout:
     reward_slots: tuple[tuple[int, ...], ...] = ()
 
     @property
-    def rollout_slots(self) -> tuple[int, ...]:
-        return tuple(s for engine in self.engine_slots for s in engine)
-
-    @property
     def heterogeneous(self) -> bool:
         return any(self.slot_groups)
 

@@ -131,11 +131,6 @@ class RayPorts:
         )
 
     @classmethod
-    def for_job(cls, job_id: str) -> RayPorts:
-        """The job's first-choice block (``choose_ports`` moves on when it is taken)."""
-        return cls.block(block_index(job_id))
-
-    @classmethod
     def candidates(cls, first_index: int) -> list[RayPorts]:
         """The blocks a node tries, in order."""
         return [cls.block(first_index + i) for i in range(MAX_BLOCK_TRIES)]

@@ -84,11 +84,6 @@ def flat_layout(dtypes: list[torch.dtype], shapes: list[list[int]]) -> list[tupl
     return spans
 
 
-def as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor's bytes as a 1-D uint8 view (no copy)."""
-    return t.reshape(-1).view(torch.uint8)
-
-
 def adjacent_bytes(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     """One uint8 view over all tensors if they already lie back to back, in this order, in one
     storage (a flat parameter buffer); else None. Sending or receiving it needs no copy."""

@@ -1,9 +1,8 @@
-"""The fault-injection soak (tools/chaos.py) on a few local faults, and the invariants it checks
-(rlhpc/invariants.py) catching each kind of damage."""
+"""The fault-injection soak (rlhpc/devtools/chaos.py, run as tools/chaos.py) on a few local
+faults, and the invariants it checks (rlhpc/invariants.py) catching each kind of damage."""
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 import subprocess
 import sys
@@ -14,17 +13,12 @@ import pytest
 
 from rlhpc.invariants import violations
 
-REPO = Path(__file__).resolve().parents[2]
-
 
 @pytest.fixture(scope="module")
 def chaos() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("rlhpc_tools_chaos", REPO / "tools" / "chaos.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up here
-    spec.loader.exec_module(module)
-    return module
+    from rlhpc.devtools import chaos
+
+    return chaos
 
 
 @pytest.fixture(scope="module")

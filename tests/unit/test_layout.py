@@ -20,7 +20,7 @@ def test_disaggregated_actor_first_then_engines():
 def test_colocate_shares_slots():
     lay = plan_layout(ClusterConfig(gpus_per_node=4, actor_num_gpus=4, rollout_num_gpus=4, colocate=True))
     assert lay.actor_slots == (0, 1, 2, 3)
-    assert lay.rollout_slots == (0, 1, 2, 3)
+    assert lay.engine_slots == ((0,), (1,), (2,), (3,))
     assert lay.num_slots == 4
 
 

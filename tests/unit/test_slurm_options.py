@@ -47,8 +47,13 @@ def test_sbatch_passthrough():
     }
 
 
+def first_choice(job_id: str) -> RayPorts:
+    """The block a job's node takes when all its ports are free: what RayNode._start picks."""
+    return choose_ports(block_index(job_id), is_free=lambda p: True)
+
+
 def test_port_blocks_per_job():
-    a, b = RayPorts.for_job("1234"), RayPorts.for_job("1235")
+    a, b = first_choice("1234"), first_choice("1235")
     ports_a = set(vars(a).values())
     assert len(ports_a) == 10  # no port used twice inside a job
     assert not (set(range(a.gcs, a.gcs + PORT_BLOCK)) & set(range(b.gcs, b.gcs + PORT_BLOCK)))
@@ -57,14 +62,14 @@ def test_port_blocks_per_job():
 
 
 def test_array_task_ids_do_not_alias_plain_ids():
-    blocks = {RayPorts.for_job(j).gcs for j in ("77_3", "773", "77_4", "7_73")}
+    blocks = {first_choice(j).gcs for j in ("77_3", "773", "77_4", "7_73")}
     assert len(blocks) == 4
 
 
 def test_taken_ports_move_to_the_next_free_block():
     # Jobs 1234 and 1454 share a first choice (220 blocks); the second finds it taken and moves.
     assert block_index("1234") == block_index("1454")
-    first = RayPorts.for_job("1234")
+    first = first_choice("1234")
     taken = set(first.all())
     ports = choose_ports(block_index("1454"), is_free=lambda p: p not in taken)
     assert ports.index == first.index + 1 and not taken & set(ports.all())

@@ -22,7 +22,6 @@ The last line is one JSON object of ratios, so runs can be compared:
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import logging
 import os
@@ -100,14 +99,6 @@ def task(out_dir: Path, timeout_s: float) -> int:
 # ---------------------------------------------------------------- the benchmark (login side)
 
 
-def load_minicluster():
-    spec = importlib.util.spec_from_file_location("rlhpc_tools_minicluster", REPO / "tools" / "minicluster.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up here
-    spec.loader.exec_module(module)
-    return module
-
-
 def run_job(env: dict[str, str], work: Path, num_nodes: int, timeout_s: float) -> dict:
     out = work / f"n{num_nodes}-{time.time_ns()}"
     out.mkdir(parents=True)
@@ -165,8 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     if max(args.nodes) > MAX_NODES or min(args.nodes) < 1:
         p.error(f"--nodes must lie in 1..{MAX_NODES}")
 
-    mc_tool = load_minicluster()
-    mc = mc_tool.MiniCluster(STATE_DIR, nodes=MAX_NODES, gpus_per_node=1, subnet=SUBNET, port=PORT)
+    from rlhpc.devtools.minicluster import MiniCluster
+
+    mc = MiniCluster(STATE_DIR, nodes=MAX_NODES, gpus_per_node=1, subnet=SUBNET, port=PORT)
     started = mc.up()
     log.info("minicluster %s in %s (%d nodes x 1 GPU)", "started" if started else "reused", STATE_DIR, MAX_NODES)
     env = {**os.environ, "SLURM_CONF": str(mc.slurm_conf), "PYTHONPATH": str(REPO)}

@@ -293,7 +293,12 @@ def hf_to_megatron(
 
 def megatron_to_hf(shards: list[StateDict], hf_config: Any, ep_size: int = 1) -> StateDict:
     """All ranks' megatron state dicts -> the HF state dict. ``shards`` in megatron's rank order
-    for TP x EP: EP rank ``e``'s TP shards are ``shards[e*TP:(e+1)*TP]``."""
+    for TP x EP: EP rank ``e``'s TP shards are ``shards[e*TP:(e+1)*TP]``.
+
+    Only the tests call it: it is :func:`hf_to_megatron`'s whole-model inverse, which the
+    conversion and TP/EP training tests compare against. The worker gathers one layer at a
+    time instead (``_hf_named``), from the same pieces; the checkpoint tool reads a resharded
+    full state dict (``megatron_full_to_hf``)."""
     tp_size = len(shards) // ep_size
     per_ep = [gather_tp_shards(shards[e * tp_size : (e + 1) * tp_size]) for e in range(ep_size)]
     return megatron_full_to_hf(gather_ep_shards(per_ep), hf_config)

@@ -48,18 +48,80 @@ placed through ``torch.cuda.current_device`` above, no overlap / communication s
 ``get_megatron_optimizer`` with the plain or the distributed fp32 optimizer, and
 ``dist_checkpointing`` save/load (which also needs ``psutil`` installed). Not covered:
 ``overlap_grad_reduce`` (CUDA streams) and optimizer CPU offloading.
+
+Every redirect replaces a private function or module global of megatron-core 0.16.1 (the
+version pyproject.toml pins). :func:`apply_cpu_shim` refuses a megatron-core that lacks one of
+them, and warns when the version differs but all are there.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
+import importlib.metadata
+import logging
 import types
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from rlhpc.errors import RlhpcError
+
+log = logging.getLogger(__name__)
+
 _ORIGINALS: dict[str, Any] = {}
+
+# The release the redirects were written against and tested with.
+TESTED_MEGATRON_CORE = "0.16.1"
+# What apply_cpu_shim replaces or reads, by module: with any of these gone it cannot work.
+_REPLACED = {
+    "megatron.core.fusions.fused_softmax": ("get_default_causal_mask",),
+    "megatron.core.optimizer.optimizer": ("torch", "clip_grad_by_total_norm_fp32", "Float16OptimizerWithFloat16Params"),
+    "megatron.core.optimizer.clip_grads": ("torch", "l2_norm_impl"),
+    "megatron.core.optimizer.grad_scaler": ("torch",),
+    "megatron.core.optimizer.distrib_optimizer": ("DistributedOptimizer",),
+    "megatron.core.tensor_parallel.random": (
+        "CudaRNGStatesTracker",
+        "initialize_rng_tracker",
+        "_MODEL_PARALLEL_RNG_TRACKER_NAME",
+    ),
+}
+
+
+def megatron_core_version() -> str:
+    """The installed megatron-core's version ("unknown" when its metadata is missing)."""
+    try:
+        return importlib.metadata.version("megatron-core")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def check_megatron_core(version: str, import_module: Callable[[str], Any] = importlib.import_module) -> None:
+    """Raise when megatron-core lacks something the shim replaces (it would certainly break);
+    warn when only the version differs from the tested one (it may break in subtler ways)."""
+    missing = []
+    for name, attrs in _REPLACED.items():
+        try:
+            module = import_module(name)
+        except ImportError:
+            missing.append(name)
+            continue
+        missing += [f"{name}.{attr}" for attr in attrs if not hasattr(module, attr)]
+    if missing:
+        raise RlhpcError(
+            f"the megatron CPU shim (rlhpc/actor/megatron/cpu_shim.py) cannot run on megatron-core {version}: "
+            f"it replaces {', '.join(missing)}, which this version lacks (it is written for {TESTED_MEGATRON_CORE})",
+            f"pip install megatron-core=={TESTED_MEGATRON_CORE}, or run the megatron actor on GPUs (no shim there)",
+        )
+    if version != TESTED_MEGATRON_CORE:
+        log.warning(
+            "megatron-core %s is installed; the megatron CPU shim is written for %s and replaces its "
+            "internals, so CPU runs of the megatron actor may fail or train differently: "
+            "pip install megatron-core==%s if they do",
+            version, TESTED_MEGATRON_CORE, TESTED_MEGATRON_CORE,
+        )  # fmt: skip
 
 
 def _cpu_current_device() -> str:
@@ -211,8 +273,7 @@ def apply_cpu_shim() -> None:
         return
     if torch.cuda.is_available():
         raise RuntimeError("apply_cpu_shim() is for CPU-only processes; this one sees a GPU")
-    import importlib
-
+    check_megatron_core(megatron_core_version())
     from megatron.core.fusions import fused_softmax
     from megatron.core.optimizer import clip_grads as mclip
     from megatron.core.optimizer import optimizer as moptimizer
@@ -246,8 +307,6 @@ def remove_cpu_shim() -> None:
     """Undo :func:`apply_cpu_shim`."""
     if not _ORIGINALS:
         return
-    import importlib
-
     from megatron.core.fusions import fused_softmax
     from megatron.core.optimizer import clip_grads as mclip
     from megatron.core.optimizer import optimizer as moptimizer

@@ -1,0 +1,593 @@
+#!/usr/bin/env python3
+"""Fault-injection soak: short deterministic runs, each hit by one fault, checked at the end.
+
+    python tools/chaos.py --trials 30                       # local kinds, round robin
+    python tools/chaos.py --trials 6 --cluster slurm        # requeue, preemption, node kill on the minicluster
+    python tools/chaos.py --kinds rank_kill --layouts dp4 --seed 1007 --trials 1   # replay one trial
+
+Each trial starts a short deterministic run through jobs/submit.py, waits for a seeded random
+moment (after rollout K is logged, plus a share of a step), injects one fault, lets the run finish
+(resubmitting where the fault ends the job, as a user or Slurm would), and checks it with
+``rlhpc.invariants.violations`` against an undisturbed run of the same config, made once per
+config. Every kind is tried on each actor layout (``LAYOUTS``: one training rank, and four
+data-parallel ranks, whose gradient sums depend on the order they are added in): trial i takes
+kind ``i mod K`` on layout ``(i div K) mod L``. While the job runs, its engines are asked to
+generate without the engine key and must refuse. Trial i uses seed ``--seed + i``: ``--seed S --kinds KIND --layouts L --trials 1``
+replays it.
+Prints one line per trial, survived / tried per kind, then one JSON line
+``{"tried": N, "survived": M, "by_kind": {...}, "by_layout": {...}}``. Needs root for ``full_disk`` (a tmpfs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rlhpc.devtools.minicluster import MiniCluster
+from rlhpc.invariants import processes_using, violations
+from rlhpc.launch.job import local_ray_temp_dir
+from rlhpc.metrics import read_metrics
+from rlhpc.run_dir import RunDir
+from rlhpc.util.processes import kill_groups, process_groups
+
+# The checkout this module lies in: the soak submits through its jobs/submit.py.
+REPO = Path(__file__).resolve().parents[2]
+
+NUM_ROLLOUT = 8
+EVAL_INTERVAL = 4
+# A tiny model on CPU, deterministic: an interrupted run must end bit for bit where this ends.
+CONFIG = (
+    "data.num_train=64",
+    "rollout.rollout_batch_size=8",
+    "rollout.n_samples_per_prompt=4",
+    f"rollout.num_rollout={NUM_ROLLOUT}",
+    "logging.wandb_mode=disabled",
+    "deterministic=true",
+    "checkpoint.save_interval=3",  # a kill loses up to 2 rollouts, recomputed at resume
+    f"eval.interval={EVAL_INTERVAL}",
+    "data.num_eval=256",  # evaluations long enough for a stop to land inside one
+    "eval.max_new_tokens=16",
+)
+SLURM_NODES = ("node0", "node1", "node2", "node3")
+# node_kill: the head (driver, actor rank 0) on node1; where the rest lies is the layout's.
+NODE_KILL_NODES = "node[1-3]"
+
+
+@dataclass(frozen=True)
+class ActorLayout:
+    """The submit options that give a trial its actor layout, per way of running it."""
+
+    local: tuple[str, ...]
+    slurm: tuple[str, ...]  # on one minicluster node
+    node_kill: tuple[str, ...]  # over NODE_KILL_NODES, the head (rank 0) on node1
+
+
+def _split(actor: int, rollout: int) -> tuple[str, ...]:
+    return ("--set", f"cluster.actor_num_gpus={actor}", "--set", f"cluster.rollout_num_gpus={rollout}")
+
+
+# The embedded default's batch: with CONFIG's 8 x 4 samples most groups score all 0 (a zero
+# gradient), so rarely more than two ranks add non-zero terms and a summation order cannot show.
+_WIDE = ("--set", "rollout.rollout_batch_size=32", "--set", "rollout.n_samples_per_prompt=8")
+
+
+LAYOUTS = {
+    # one rank and one engine (the embedded default's split)
+    "1rank": ActorLayout(
+        local=(),
+        slurm=("--nodes", "1", "--gpus-per-node", "2"),
+        node_kill=("--nodes", "3", "--gpus-per-node", "1", *_split(1, 2)),
+    ),
+    # four data-parallel ranks, on a wider batch; under node_kill ranks 0-1 on the head, 2-3 on
+    # node2, both engines on node3
+    "dp4": ActorLayout(
+        local=("--set", "cluster.gpus_per_node=5", *_split(4, 1), *_WIDE),
+        slurm=("--nodes", "1", "--gpus-per-node", "5", *_split(4, 1), *_WIDE),
+        node_kill=("--nodes", "3", "--gpus-per-node", "2", *_split(4, 2), *_WIDE),
+    ),
+}
+NODE_KILL_TARGETS = ("node3", "node1")  # an engine node (the run goes on) or the head (the job requeues)
+JOB_TIMEOUT_S = 900
+DISK_MB = 64  # the tmpfs a full_disk trial runs in: the run needs a few MB
+
+
+class TrialError(Exception):
+    """The trial itself could not be carried out (not a violation by the run)."""
+
+
+# ---------------------------------------------------------------------------- jobs
+
+
+def submit_command(run: Path, cluster: str, layout: str, *extra: str, node_kill: bool = False) -> list[str]:
+    cmd = [sys.executable, str(REPO / "jobs" / "submit.py"), "--cluster", cluster, "--run-dir", str(run)]
+    for o in CONFIG:
+        cmd += ["--set", o]
+    lay = LAYOUTS[layout]  # after CONFIG: its --set values win
+    if cluster == "slurm":
+        cmd += [*(lay.node_kill if node_kill else lay.slurm), *extra, "--no-follow"]
+    else:
+        cmd += [*lay.local, *extra]
+    return cmd
+
+
+def env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+
+
+def start(cmd: list[str], log: Path) -> subprocess.Popen:
+    """A job in a session of its own (as from a terminal), output appended to ``log``."""
+    with log.open("a") as out:
+        return subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env())
+
+
+def trained(run: Path) -> list[int]:
+    try:
+        return [r["rollout_id"] for r in read_metrics(run) if r["kind"] == "rollout"]
+    except Exception:  # noqa: BLE001 - mid-write or damaged on purpose: not yet
+        return []
+
+
+def wait_for(cond: Callable[[], bool], timeout: float, what: str, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if proc is not None and proc.poll() is not None:
+            raise TrialError(f"the job ended (exit {proc.returncode}) before {what}")
+        if time.monotonic() > deadline:
+            raise TrialError(f"no {what} within {timeout:.0f} s")
+        time.sleep(0.05)
+
+
+def processes() -> dict[int, tuple[int, str]]:
+    """pid -> (parent pid, command line)."""
+    out = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                args = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+            except (OSError, IndexError, ValueError):
+                continue
+            out[int(entry.name)] = (ppid, args)
+    return out
+
+
+def task_pid(run: Path) -> int:
+    """The job's task process (where the driver runs; what Slurm signals)."""
+    marker = f"submitit.core._submit {run}/logs/submitit"
+    pids = [pid for pid, (_, args) in processes().items() if marker in args]
+    if len(pids) != 1:
+        raise TrialError(f"expected one task process of {run}, found {pids}")
+    return pids[0]
+
+
+def descendants(root: int) -> dict[int, str]:
+    procs = processes()
+    family = {root}
+    for _ in range(8):
+        family |= {pid for pid, (ppid, _) in procs.items() if ppid in family}
+    return {pid: procs[pid][1] for pid in family if pid in procs}
+
+
+def one_of(run: Path, prefix: str) -> int:
+    found = [pid for pid, args in descendants(task_pid(run)).items() if args.startswith(prefix) or prefix in args]
+    if not found:
+        raise TrialError(f"no process {prefix!r} in the job")
+    return found[0]
+
+
+def kill_session(proc: subprocess.Popen) -> None:
+    """SIGKILL the submission and its job (whose controller leads a session of its own)."""
+    kill_groups(process_groups(proc.pid))
+    proc.wait()
+
+
+def job_id(run: Path) -> str:
+    return RunDir(run).read_job_id() or ""
+
+
+# ---------------------------------------------------------------------------- engine key probe
+
+
+def engine_probe(run: Path) -> list[str]:
+    """Ask each live engine of the job to generate without the key, and with a wrong one: both must get 401."""
+    problems = []
+    for pid, args in descendants(task_pid(run)).items():
+        if "rlhpc.rollout.cpu_server" not in args or "--ready-file" not in args:
+            continue
+        ready = Path(args.split("--ready-file", 1)[1].split()[0])
+        try:
+            info = json.loads(ready.read_text())
+        except (OSError, ValueError):
+            continue  # starting or restarting
+        url = f"http://{info['host']}:{info['port']}/generate"
+        for headers in ({}, {"Authorization": "Bearer not-the-key"}):
+            body = json.dumps({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}}).encode()
+            req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json", **headers})
+            try:
+                with urllib.request.urlopen(req, timeout=10) as r:
+                    problems.append(
+                        f"engine pid {pid} at {url} answered {r.status} to a caller {headers or 'without key'}"
+                    )
+            except urllib.error.HTTPError as e:
+                if e.code != 401:
+                    problems.append(f"engine pid {pid} at {url} answered {e.code}, not 401, without the key")
+            except OSError:
+                pass  # it died meanwhile: nobody can call it
+    return problems
+
+
+# ---------------------------------------------------------------------------- trials
+
+
+@dataclass
+class Trial:
+    index: int
+    kind: str
+    seed: int
+    after_rollout: int  # the fault lands once this rollout is logged ...
+    step_fraction: float  # ... plus this share of the undisturbed run's mean step (so it lands in the run)
+    node: str = "node0"  # slurm: where the job runs
+    layout: str = "1rank"  # a key of LAYOUTS
+
+    def describe(self) -> str:
+        where = f" node={self.node}" if self.kind == "node_kill" else ""
+        return f"trial {self.index} kind={self.kind} layout={self.layout}{where} seed={self.seed} moment=rollout {self.after_rollout} +{self.step_fraction:.2f} step"
+
+
+@dataclass
+class Outcome:
+    trial: Trial
+    problems: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def survived(self) -> bool:
+        return not self.problems
+
+
+@dataclass
+class Context:
+    trial: Trial
+    run: Path
+    cluster: str
+    log: Path
+    proc: subprocess.Popen | None = None
+    problems: list[str] = field(default_factory=list)
+    cleanup: list[Callable[[], None]] = field(default_factory=list)
+
+    def command(self) -> list[str]:
+        layout = self.trial.layout
+        if self.cluster == "local":
+            return submit_command(self.run, self.cluster, layout)
+        if self.trial.kind == "node_kill":
+            extra = ("--partition", "low", "--sbatch", f"nodelist={NODE_KILL_NODES}")
+            return submit_command(self.run, self.cluster, layout, *extra, node_kill=True)
+        extra = ("--partition", "low", "--sbatch", f"nodelist={self.trial.node}")
+        return submit_command(self.run, self.cluster, layout, *extra)
+
+
+# Each fault acts once the moment has come. It returns True when it ends the job for good
+# (the run then has to be submitted again); False when the job must finish by itself.
+
+
+def kill_engine(c: Context) -> bool:
+    os.kill(one_of(c.run, "rlhpc.rollout.cpu_server"), signal.SIGKILL)
+    return False  # the engine pool restarts it
+
+
+def kill_rank(c: Context) -> bool:
+    os.kill(one_of(c.run, "ray::TrainWorker"), signal.SIGKILL)
+    return False  # the job requeues itself
+
+
+def kill_driver(c: Context) -> bool:
+    os.kill(task_pid(c.run), signal.SIGKILL)
+    return True  # nothing left to requeue it: a node crash, a kill -9
+
+
+def stop_in_eval(c: Context) -> bool:
+    os.kill(task_pid(c.run), signal.SIGUSR2)  # the moment is right before an evaluation
+    return False
+
+
+def tear_metrics(c: Context) -> bool:
+    """Kill the whole job mid-run, and leave half a metrics line behind, as a kill mid-write does."""
+    assert c.proc is not None
+    kill_session(c.proc)
+    metrics = RunDir(c.run).metrics_file
+    last = metrics.read_bytes().rstrip(b"\n").rsplit(b"\n", 1)[-1]
+    with metrics.open("ab") as f:
+        f.write(last[: len(last) // 2])
+    return True
+
+
+def fill_disk(c: Context) -> bool:
+    """Fill the file system under the run dir; give the space back once the job tripped over it."""
+    ballast = c.run.parent / "ballast"
+    restarts = RunDir(c.run).restarts_file
+    before = restarts.stat().st_size if restarts.exists() else 0
+    with ballast.open("wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * (1 << 20))
+                f.flush()
+        except OSError:
+            pass
+    assert c.proc is not None
+    try:  # the job fails on its next write (metrics, checkpoint), then ends or restarts
+        wait_for(
+            lambda: c.proc.poll() is not None or (restarts.exists() and restarts.stat().st_size != before),
+            120,
+            "the job to notice the full disk",
+        )
+    except TrialError:
+        pass  # it wrote nothing meanwhile: still a full disk it lived through
+    ballast.unlink()
+    return False  # whether it ends or carries on, the runner resubmits if it ended unfinished
+
+
+def second_submission(c: Context) -> bool:
+    p = subprocess.run(c.command(), cwd=REPO, capture_output=True, text=True, timeout=300, env=env())
+    said = " ".join((p.stdout + p.stderr).split())
+    if p.returncode == 0:  # refused: the live job named, or (a fast run) the run already finished
+        c.problems.append(
+            f"a second submission to the live run dir was not refused (exit {p.returncode}): {said[-300:]}"
+        )
+    return False
+
+
+def scontrol_requeue(c: Context) -> bool:
+    subprocess.run(["scontrol", "requeue", job_id(c.run)], check=True, capture_output=True)
+    return False
+
+
+def preempt(c: Context) -> bool:
+    subprocess.run(
+        ["sbatch", "-p", "high", "-w", c.trial.node, "--gpus-per-node=8", "-o", "/dev/null", "--wrap", "sleep 2"],
+        check=True,
+        capture_output=True,
+    )
+    return False
+
+
+def minicluster() -> MiniCluster:
+    """The minicluster that SLURM_CONF names (its state dir holds slurm.conf)."""
+    return MiniCluster.attach(Path(os.environ["SLURM_CONF"]).parent)
+
+
+def kill_node(c: Context) -> bool:
+    """Power loss of one of the job's nodes; it comes back once Slurm has marked it DOWN, as a
+    rebooted node would (sooner, Slurm takes it for a slurmd restart and aborts the step)."""
+    cluster, node = minicluster(), c.trial.node
+    cluster.kill_node(node)
+    c.cleanup.append(lambda: cluster.revive_node(node))  # if the revive below is cut short
+    cluster.revive_node(node)
+    return False  # an engine node: the run goes on; the head: the job requeues itself
+
+
+@dataclass(frozen=True)
+class Kind:
+    inject: Callable[[Context], bool]
+    cluster: str  # local or slurm
+    must_finish_alone: bool  # the job itself must reach FINISHED (no resubmission)
+    needs_eval_moment: bool = False
+    needs_tmpfs: bool = False
+
+
+KINDS: dict[str, Kind] = {
+    "engine_kill": Kind(kill_engine, "local", True),
+    "rank_kill": Kind(kill_rank, "local", True),
+    "driver_kill": Kind(kill_driver, "local", False),
+    "eval_stop": Kind(stop_in_eval, "local", True, needs_eval_moment=True),
+    "full_disk": Kind(fill_disk, "local", False, needs_tmpfs=True),
+    "torn_metrics": Kind(tear_metrics, "local", False),
+    "second_submission": Kind(second_submission, "local", True),
+    "scontrol_requeue": Kind(scontrol_requeue, "slurm", True),
+    "preemption": Kind(preempt, "slurm", True),
+    "node_kill": Kind(kill_node, "slurm", True),
+}
+LOCAL_KINDS = [k for k, v in KINDS.items() if v.cluster == "local"]
+SLURM_KINDS = [k for k, v in KINDS.items() if v.cluster == "slurm"]
+
+
+def plan(index: int, kind: str, seed: int, layout: str = "1rank") -> Trial:
+    """The trial's moment, a pure function of its seed."""
+    rng = random.Random(seed)
+    if KINDS[kind].needs_eval_moment:  # right after a rollout that an evaluation follows
+        after = rng.choice([r for r in range(EVAL_INTERVAL - 1, NUM_ROLLOUT - 1, EVAL_INTERVAL)])
+        fraction = 0.0
+    else:
+        after, fraction = rng.randint(0, NUM_ROLLOUT - 3), round(rng.uniform(0, 1.5), 2)
+    node = rng.choice(NODE_KILL_TARGETS) if kind == "node_kill" else SLURM_NODES[index % len(SLURM_NODES)]
+    return Trial(index, kind, seed, after, fraction, node=node, layout=layout)
+
+
+def mean_step_s(reference: Path) -> float:
+    """Seconds per rollout of the undisturbed run: a moment is placed in steps, not seconds, so
+    it lands inside the run on a fast machine as on a slow one."""
+    steps = [r["time/step"] for r in read_metrics(reference) if r["kind"] == "rollout" and "time/step" in r]
+    return sum(steps) / len(steps) if steps else 0.5
+
+
+def mount_tmpfs(where: Path, mb: int) -> Callable[[], None]:
+    where.mkdir(parents=True, exist_ok=True)
+    p = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={mb}m", "tmpfs", str(where)], capture_output=True, text=True
+    )
+    if p.returncode != 0:
+        raise TrialError(f"full_disk needs a tmpfs (root): mount said {p.stderr.strip()}")
+    return lambda: subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def wait_finished(c: Context, timeout: float) -> None:
+    """Local: the job process ends; Slurm: FINISHED appears (the job requeues itself meanwhile)."""
+    assert c.proc is not None
+    if c.cluster == "local":
+        try:
+            c.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired as e:
+            raise TrialError(f"the job did not end within {timeout:.0f} s") from e
+    else:
+        c.proc.wait(timeout=300)  # sbatch returns at once
+        wait_for(lambda: RunDir(c.run).is_finished(), timeout, "FINISHED")
+        # FINISHED is written before the job's processes exit: give Slurm time to end them
+        wait_for(lambda: not processes_using(c.run), 120, "the job's processes to exit")
+
+
+def run_trial(trial: Trial, workdir: Path, reference: Path, keep: bool = False) -> Outcome:
+    kind = KINDS[trial.kind]
+    home = workdir / f"trial-{trial.index:03d}-{trial.kind}"
+    shutil.rmtree(home, ignore_errors=True)
+    home.mkdir(parents=True)
+    c = Context(trial, home / "disk" / "run", kind.cluster, home / "job.log")
+    started = time.monotonic()
+    try:
+        if kind.needs_tmpfs:
+            c.cleanup.append(mount_tmpfs(c.run.parent, DISK_MB))
+        c.run.parent.mkdir(parents=True, exist_ok=True)
+        c.proc = start(c.command(), c.log)
+        timeout = 300 if kind.cluster == "local" else 600
+        target = trial.after_rollout
+        wait_for(
+            lambda: target in trained(c.run), timeout, f"rollout {target}", c.proc if c.cluster == "local" else None
+        )
+        time.sleep(trial.step_fraction * mean_step_s(reference))
+        if c.cluster == "local":
+            c.problems += engine_probe(c.run)
+            if not local_ray_temp_dir(RunDir(c.run)).is_dir():  # else a kill leaves it in /tmp for good
+                c.problems.append(f"the job's Ray does not keep its files in {local_ray_temp_dir(RunDir(c.run))}")
+        ended = kind.inject(c)
+        if ended:
+            c.proc.wait()
+        wait_finished(c, JOB_TIMEOUT_S)
+        if kind.must_finish_alone and not RunDir(c.run).is_finished():
+            c.problems.append(f"the job ended (exit {c.proc.returncode}) without finishing the run")
+        for _ in range(3):  # what a user does after a crash: submit the same command again
+            if RunDir(c.run).is_finished():
+                break
+            c.proc = start(c.command(), c.log)
+            wait_finished(c, JOB_TIMEOUT_S)
+        c.problems += violations(c.run, reference)
+    except TrialError as e:
+        c.problems.append(f"trial not carried out: {e}")
+    finally:
+        if c.proc is not None and c.proc.poll() is None:
+            kill_session(c.proc)
+        for pid_line in processes_using(c.run):  # counted as debris above; do not leave them running
+            pid = int(pid_line.split()[1].rstrip(":"))
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for undo in reversed(c.cleanup):
+            undo()
+    if c.problems:
+        c.problems.append(f"log: {c.log}; run dir: {c.run}")
+    elif not keep:
+        shutil.rmtree(home, ignore_errors=True)
+    return Outcome(trial, c.problems, time.monotonic() - started)
+
+
+def make_reference(workdir: Path, cluster: str, layout: str = "1rank") -> Path:
+    """The undisturbed run of the config on ``layout``, made once per config and workdir."""
+    run = workdir / f"reference-{cluster}-{layout}" / "run"
+    if RunDir(run).is_finished():
+        return run
+    shutil.rmtree(run.parent, ignore_errors=True)
+    run.parent.mkdir(parents=True)
+    extra = ("--sbatch", "nodelist=node0") if cluster == "slurm" else ()
+    proc = start(submit_command(run, cluster, layout, *extra), run.parent / "job.log")
+    c = Context(plan(0, LOCAL_KINDS[0], 0, layout), run, cluster, run.parent / "job.log", proc)
+    wait_finished(c, JOB_TIMEOUT_S)
+    if not RunDir(run).is_finished():
+        raise TrialError(f"the undisturbed {cluster} run did not finish: see {run.parent / 'job.log'}")
+    return run
+
+
+# ---------------------------------------------------------------------------- the soak
+
+
+def soak(
+    trials: int,
+    kinds: list[str],
+    seed: int,
+    workdir: Path,
+    keep: bool = False,
+    echo=print,
+    layouts: list[str] | None = None,
+) -> dict:
+    """Run ``trials`` trials, kinds round robin, each round on the next layout; the summary dict
+    (the tool's last line), tries counted per kind and per layout."""
+    layouts = layouts or list(LAYOUTS)
+    workdir.mkdir(parents=True, exist_ok=True)
+    references = {}
+    by_kind = {k: {"tried": 0, "survived": 0} for k in kinds}
+    by_layout = {name: {"tried": 0, "survived": 0} for name in layouts}
+    for i in range(trials):
+        trial = plan(i, kinds[i % len(kinds)], seed + i, layouts[(i // len(kinds)) % len(layouts)])
+        where = (KINDS[trial.kind].cluster, trial.layout)
+        if where not in references:
+            t0 = time.monotonic()
+            references[where] = make_reference(workdir, *where)
+            echo(f"undisturbed {where[0]} run on {where[1]}: {references[where]} ({time.monotonic() - t0:.0f} s)")
+        out = run_trial(trial, workdir, references[where], keep)
+        for counts in (by_kind[trial.kind], by_layout[trial.layout]):
+            counts["tried"] += 1
+            counts["survived"] += out.survived
+        verdict = "survived" if out.survived else "FAILED"
+        echo(f"{trial.describe()}: {verdict} ({out.seconds:.0f} s)")
+        for p in out.problems:
+            echo(f"    {p}")
+    survived = sum(v["survived"] for v in by_kind.values())
+    echo("")
+    echo(f"{'fault':<20} survived / tried")
+    for k, v in by_kind.items():
+        echo(f"{k:<20} {v['survived']:>8} / {v['tried']}")
+    for name, v in by_layout.items():
+        echo(f"{'layout ' + name:<20} {v['survived']:>8} / {v['tried']}")
+    return {"tried": trials, "survived": survived, "by_kind": by_kind, "by_layout": by_layout}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--trials", type=int, default=len(LOCAL_KINDS), help="number of trials (default %(default)s)")
+    parser.add_argument("--cluster", choices=["local", "slurm", "both"], default="local")
+    parser.add_argument("--kinds", help=f"comma-separated fault kinds (default: all of --cluster): {', '.join(KINDS)}")
+    parser.add_argument("--layouts", help=f"comma-separated actor layouts (default: all): {', '.join(LAYOUTS)}")
+    parser.add_argument("--seed", type=int, default=0, help="trial i uses seed SEED + i (default %(default)s)")
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/rlhpc-chaos"), help="default %(default)s")
+    parser.add_argument("--keep", action="store_true", help="keep the run dirs of survived trials too")
+    args = parser.parse_args(argv)
+    if args.kinds:
+        kinds = args.kinds.split(",")
+        unknown = [k for k in kinds if k not in KINDS]
+        if unknown:
+            parser.error(f"unknown fault kinds {unknown}; known: {', '.join(KINDS)}")
+    else:
+        kinds = {"local": LOCAL_KINDS, "slurm": SLURM_KINDS, "both": LOCAL_KINDS + SLURM_KINDS}[args.cluster]
+    layouts = args.layouts.split(",") if args.layouts else list(LAYOUTS)
+    if unknown := [name for name in layouts if name not in LAYOUTS]:
+        parser.error(f"unknown layouts {unknown}; known: {', '.join(LAYOUTS)}")
+    if args.trials < 1:
+        parser.error("--trials must be at least 1")
+    if any(KINDS[k].cluster == "slurm" for k in kinds) and "SLURM_CONF" not in os.environ:
+        parser.error("Slurm kinds need a cluster: export SLURM_CONF (tools/minicluster.py up prints it)")
+    summary = soak(args.trials, kinds, args.seed, args.workdir.resolve(), args.keep, layouts=layouts)
+    print(json.dumps(summary), flush=True)
+    return 0 if summary["survived"] == summary["tried"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
