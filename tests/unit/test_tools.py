@@ -256,3 +256,65 @@ def test_the_tools_are_checked_at_submit():
     assert cfg.rollout.tools == [f"{here}:calculator", f"{here}:search"]
     load_config(None, [*TINY, "data.task=guess", f"rollout.tools=[{here}:calculator]"])
     assert CHAT_ENV == "rlhpc.rollout.episodes:ChatEnv"
+
+
+def length(text: str) -> int:
+    """The length of a text."""
+    return len(text)
+
+
+def every_reply_calls(text: str) -> list[ParsedCall]:
+    """A parser for the random tiny model, which never writes <tool_call>: every reply calls ``length``."""
+    return [ParsedCall("length", json.dumps({"text": text}))]
+
+
+def test_tool_episodes_through_a_cpu_engine(tmp_path):
+    """Tools without an environment on an in-process CPU engine: the tools' answers are appended
+    masked 0 after the engine's tokens, counted per episode, and data.reward scores the last reply."""
+    from transformers import AutoTokenizer
+
+    from rlhpc.config import TinyModelConfig
+    from rlhpc.model import build_tiny_model
+    from rlhpc.rollout.cpu_server.engine import Engine
+    from rlhpc.rollout.episodes import make_episodes
+    from rlhpc.rollout.generation import Generation
+
+    # a context that holds the tools' schema (the byte-level BPE spends many tokens on JSON)
+    model = build_tiny_model(tmp_path / "tiny", TinyModelConfig(tokenizer="bpe", max_position_embeddings=512))
+    cfg = load_config(
+        None,
+        [f"model.path={model}", f"rollout.tools=[{__name__}:length]", f"rollout.tool_parser={__name__}:every_reply_calls",
+         "rollout.max_episode_tokens=200", "rollout.max_turns=2", "rollout.max_new_tokens=4",
+         "rollout.n_samples_per_prompt=2"],
+    )  # fmt: skip
+    tok = AutoTokenizer.from_pretrained(model)
+    engine = Engine(str(model), "default")
+    replies: list[str] = []
+
+    def send(requests, done):
+        out = []
+        for c, r in enumerate(requests):
+            items, _ = engine.normalize(
+                {"input_ids": r.input_ids, "sampling_params": r.sampling_params, "return_logprob": True}
+            )
+            out.append(engine.generate(items, engine.next_seq()))
+            replies.extend(o["text"] for o in out[-1])
+            done(c)
+        return out
+
+    episodes = make_episodes(cfg, tok)
+    assert episodes is not None and episodes.score_replies and CHAT_ENV == episodes.spec
+
+    def reward(prompt: str, response: str, answer: str) -> float:
+        return float(len(response))
+
+    gen = Generation(tok, reward, cfg.rollout, cfg.eval, cfg.algo, cfg.seed, send, episodes=episodes)
+    batch, metrics, texts = gen.rollout(0, [{"prompt": "2+3=", "answer": "5"}], None)
+    assert len(batch) == 2 and len(replies) == 4  # 2 episodes x 2 turns, each reply a call
+    assert metrics["episode/tool_calls"] == 2.0 and metrics["episode/tool_errors"] == 0.0
+    assert metrics["episode/truncated"] == 1.0  # still calling after max_turns
+    for k in range(2):
+        first, last = replies[k], replies[2 + k]
+        observed = tok.decode([t for t, m in zip(batch.response_ids[k], batch.loss_masks[k]) if not m])
+        assert f"<|im_start|>tool\n{len(first)}<|im_end|>" in observed  # the tool's answer, masked 0
+        assert batch.rewards[k].item() == float(len(last))  # data.reward on the last reply
