@@ -537,6 +537,16 @@ class RolloutConfig(Section):
     # Response tokens per episode (the replies and the observations between them); an episode
     # whose next observation would not leave room for a token more is cut (truncated).
     max_episode_tokens: int = 256
+    # Tools in episodes (docs/guides/multi-turn.md#tools): "module:function"s, typed Python
+    # functions whose OpenAI schemas (from their signatures) the chat template lists; a reply
+    # that calls any goes to them instead of the environment's step. Without rollout.env (and a
+    # single-turn data.task) an episode ends at its first reply without calls, scored by data.reward.
+    tools: list[str] = field(default_factory=list)
+    # "module:function" reading a reply's tool calls: (text) -> rlhpc.rollout.tool_calls.ParsedOutput
+    # or a list of ParsedCall; the default reads Hermes/Qwen <tool_call> JSON blocks.
+    tool_parser: str = "rlhpc.rollout.tool_calls:parse_hermes"
+    # Each call's limit in seconds; one still running after it answers "error: timed out after N s".
+    tool_timeout_s: float = 30.0
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
 
@@ -546,6 +556,7 @@ class RolloutConfig(Section):
         )
         self._at_least(1, "num_epoch", "rollout_batch_size", "n_samples_per_prompt", "max_new_tokens")
         self._at_least(1, "update_weight_buffer_mb", "max_turns", "max_episode_tokens")
+        self._above(0, "tool_timeout_s", fix="give rollout.tool_timeout_s seconds, e.g. 30")
         self._at_least(0, "temperature", fix="use 0 for greedy decoding, or e.g. 1.0 to sample")
         if not 0 < self.top_p <= 1:
             self._refuse("top_p", "must be in (0, 1]", "use 1.0 to sample from the whole distribution")
@@ -1080,7 +1091,7 @@ def validate(cfg: Config) -> None:
         if not Path(f).exists():
             raise ConfigError(f"{key} {f} does not exist", f"create it ({FORMATS}) or unset {key}")
     env = r.env or TASKS[d.task].env
-    if files and d.reward is None and env is None:
+    if files and d.reward is None and env is None:  # tools without an env: data.reward scores the replies
         raise ConfigError(
             f"{' / '.join(k for k, *_ in files)} set but data.reward is not: the toy task {d.task!r}'s "
             "reward would score your data",
@@ -1115,7 +1126,7 @@ def validate(cfg: Config) -> None:
             )
     if r.dynamic_sampling.filter is not None:
         resolve_filter(r.dynamic_sampling.filter)
-    if env is not None:
+    if env is not None or r.tools:
         _validate_env(cfg, env)
     if r.partial_rollout and cfg.deterministic:
         raise ConfigError(
@@ -1154,13 +1165,23 @@ def validate(cfg: Config) -> None:
     _validate_context(cfg)
 
 
-def _validate_env(cfg: Config, env: str) -> None:
-    """A multi-turn run: the environment imports and has its methods, its chat renders, and a
-    whole episode fits the context."""
-    from rlhpc.rollout.episodes import resolve_env  # late: the rollout package imports this module
+def _validate_env(cfg: Config, env: str | None) -> None:
+    """A multi-turn run: the environment (None: tools alone) imports and has its methods, the
+    tools and their parser import and have schemas, its chat renders, and a whole episode fits
+    the context."""
+    # late: the rollout package imports this module
+    from rlhpc.rollout.episodes import resolve_env
+    from rlhpc.rollout.tools import resolve_parser, resolve_tools
 
-    key = "rollout.env" if cfg.rollout.env else f"data.task = {cfg.data.task}'s environment"
-    resolve_env(env, key)
+    r = cfg.rollout
+    if env is not None:
+        key = "rollout.env" if r.env else f"data.task = {cfg.data.task}'s environment"
+        resolve_env(env, key)
+    else:
+        key, env = "rollout.tools", ", ".join(r.tools)
+    if r.tools:
+        resolve_tools(r.tools)
+        resolve_parser(r.tool_parser)
     if cfg.data.chat_template == "none":
         raise ConfigError(
             f"{key} {env} renders its episodes as chat messages but data.chat_template is none",

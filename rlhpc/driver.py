@@ -62,7 +62,8 @@ def prompt_prep(cfg: Config, tokenizer: Any, context: int | None) -> PromptPrep:
         "eval": cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens,
         **{eval_split(name): s.max_new_tokens for name, s in sets.items()},
     }
-    if cfg.rollout.env or TASKS[cfg.data.task].env:  # an episode's prompt leaves room for all its turns
+    # an episode's prompt leaves room for all its turns
+    if cfg.rollout.env or cfg.rollout.tools or TASKS[cfg.data.task].env:
         new = dict.fromkeys(new, cfg.rollout.max_episode_tokens)
     limits: dict[str, int] | None = None
     if cfg.data.max_prompt_tokens is not None:

@@ -37,7 +37,12 @@ CHARS = list("0123456789+-*=?:; ") + [chr(c) for c in range(ord("a"), ord("z") +
 END_OF_TEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 BPE_VOCAB_SIZE = 320  # the 256 bytes, the specials, and merges of the tasks' frequent pairs
 # A ChatML template (the shape Qwen's tokenizers ship), written for this tiny tokenizer.
+# Tools (a request's or an episode's OpenAI schemas) are listed in a system turn of their own,
+# with Qwen's instruction to answer in <tool_call> blocks; without tools nothing changes.
 CHATML_TEMPLATE = (
+    '{% if tools %}{{ \'<|im_start|>system\\n# Tools\\nCall a function by writing <tool_call>{"name": ..., '
+    "\"arguments\": {...}}</tool_call>. The functions:\\n' }}{% for t in tools %}{{ t | tojson }}{{ '\\n' }}"
+    "{% endfor %}{{ '<|im_end|>\\n' }}{% endif %}"
     "{% if messages[0]['role'] != 'system' and system_prompt is defined %}"
     "{{ '<|im_start|>system\\n' + system_prompt + '<|im_end|>\\n' }}{% endif %}"
     "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"

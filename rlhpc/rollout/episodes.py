@@ -12,6 +12,12 @@ The interface (``docs/guides/multi-turn.md``): a class built with no arguments, 
 
 Either may be ``async def``. The sample's reward is the sum of the turns' rewards.
 
+With tools (``rollout.tools``, ``rlhpc.rollout.tools``) a reply that calls any goes to the tools,
+not to ``step``: their answers are the observation, the turn's reward 0, and the episode goes on.
+A reply without calls goes to ``step`` as above. Tools without an environment: the episode starts
+from the row's prompt (``ChatEnv``), its first reply without calls ends it, and ``data.reward``
+scores that reply (``Sample.messages``: the whole conversation).
+
 What rlhpc guarantees: the trained tokens are the engine's tokens, as it produced them. The first
 prompt is rendered with the chat template; after that only the observation's tokens are appended
 (loss mask 0), computed as the difference between the template rendered with and without the new
@@ -31,9 +37,11 @@ from typing import Any
 
 from rlhpc.errors import ConfigError, RlhpcError
 from rlhpc.rollout.prompts import render_messages, with_system
+from rlhpc.rollout.tools import Tools, resolve_parser, resolve_tools
 
 log = logging.getLogger(__name__)
 
+CHAT_ENV = "rlhpc.rollout.episodes:ChatEnv"  # tools without an environment
 ENV_SIGNATURE = "class with reset(row) -> messages and step(assistant_message) -> (messages, reward, done)"
 
 
@@ -66,11 +74,17 @@ class Conversation:
     """One episode's chat, rendered incrementally: ``prompt_ids`` first, then for each assistant
     turn the tokens to append after the engine's own (``extend``)."""
 
-    def __init__(self, tokenizer: Any, template: str, template_name: str, messages: list[dict]):
+    def __init__(
+        self, tokenizer: Any, template: str, template_name: str, messages: list[dict], tools: list[dict] | None = None
+    ):
         self.tokenizer, self.template, self.template_name = tokenizer, template, template_name
+        self.tools = tools  # OpenAI tool schemas, rendered by the template every time (it lists them first)
         self.messages = list(messages)
-        _, self.prompt_ids = render_messages(tokenizer, template, self.messages, add_generation_prompt=True)
+        self.prompt_ids = self._render(self.messages, True)
         self._rendered = self.prompt_ids  # the template's ids of the chat so far, generation prompt included
+
+    def _render(self, messages: list[dict], generation_prompt: bool) -> list[int]:
+        return render_messages(self.tokenizer, self.template, messages, generation_prompt, self.tools)[1]
 
     def _require(self, ok: bool, what: str) -> None:
         if not ok:
@@ -88,8 +102,8 @@ class Conversation:
         the next generation prompt."""
         before = self._rendered
         chat = [*self.messages, {"role": "assistant", "content": reply}]
-        _, closed = render_messages(self.tokenizer, self.template, chat, add_generation_prompt=False)
-        _, after = render_messages(self.tokenizer, self.template, chat + observation, add_generation_prompt=True)
+        closed = self._render(chat, False)
+        after = self._render(chat + observation, True)
         self._require(closed[: len(before)] == before, "renders the chat before the assistant's turn differently")
         self._require(after[: len(closed)] == closed, "renders earlier turns differently once new messages follow")
         turn = closed[len(before) :]
@@ -122,6 +136,9 @@ class Episode:
     done: bool = False
     truncated: bool = False
     texts: list[str] = field(default_factory=list)  # the assistant's replies
+    tool_calls: int = 0
+    tool_errors: int = 0
+    tool_timeouts: int = 0
 
     @property
     def input_ids(self) -> list[int]:
@@ -163,6 +180,18 @@ def _observation(spec: str, result: Any) -> tuple[list[dict], float, bool]:
         ) from e
 
 
+class ChatEnv:
+    """The environment of tools without one: the row's prompt (its chat messages, or its text as
+    a user message) opens the episode, and the first reply without tool calls ends it, scored
+    afterwards by ``data.reward`` (``EpisodeConfig.score_replies``)."""
+
+    def reset(self, row: dict) -> list[dict]:
+        return list(row.get("messages") or [{"role": "user", "content": row["prompt"]}])
+
+    def step(self, reply: str) -> tuple[list[dict], float, bool]:
+        return [], 0.0, True
+
+
 @dataclass(frozen=True)
 class EpisodeConfig:
     """What ``Generation`` needs to run episodes (``make_episodes``)."""
@@ -174,6 +203,8 @@ class EpisodeConfig:
     system_prompt: str | None
     max_turns: int
     max_episode_tokens: int
+    tools: Tools | None = None
+    score_replies: bool = False  # ChatEnv: data.reward scores each episode's last reply
 
     def start(self, tokenizer: Any, row: dict, episode_seed: int, loop: asyncio.AbstractEventLoop) -> Episode:
         env = self.env_cls()
@@ -184,11 +215,31 @@ class EpisodeConfig:
                 "return the episode's first messages, e.g. [{'role': 'user', 'content': 'guess a number'}]",
             )
         chat = with_system(messages, self.system_prompt)
-        return Episode(env, Conversation(tokenizer, self.template, self.template_name, chat))
+        schemas = self.tools.schemas if self.tools is not None else None
+        return Episode(env, Conversation(tokenizer, self.template, self.template_name, chat, schemas))
 
     def step(self, episodes: list[Episode], replies: list[str], loop: asyncio.AbstractEventLoop) -> list[tuple]:
-        results = _call(loop, [lambda e=e, r=r: e.env.step(r) for e, r in zip(episodes, replies)])
-        return [_observation(self.spec, r) for r in results]
+        """Each episode's (observation, reward, done) after its reply: the tools' answers where the
+        reply calls tools (every episode's calls run at once), ``env.step``'s elsewhere."""
+        for e, r in zip(episodes, replies):
+            e.texts.append(r)
+        calls = [self.tools.calls(r) if self.tools is not None else [] for r in replies]
+        to_env = [i for i, c in enumerate(calls) if not c]
+        results: list[tuple] = [()] * len(episodes)
+        stepped = _call(loop, [lambda e=episodes[i], r=replies[i]: e.env.step(r) for i in to_env])
+        for i, result in zip(to_env, stepped):
+            results[i] = _observation(self.spec, result)
+        to_tools = [i for i, c in enumerate(calls) if c]
+        if to_tools:
+            assert self.tools is not None
+            answers, counts = self.tools.run([calls[i] for i in to_tools])
+            for i, messages, n in zip(to_tools, answers, counts):
+                e = episodes[i]
+                e.tool_calls, e.tool_errors, e.tool_timeouts = (
+                    e.tool_calls + n.calls, e.tool_errors + n.errors, e.tool_timeouts + n.timeouts,
+                )  # fmt: skip
+                results[i] = (messages, 0.0, False)
+        return results
 
 
 def make_episodes(cfg: Any, tokenizer: Any) -> EpisodeConfig | None:
@@ -196,7 +247,8 @@ def make_episodes(cfg: Any, tokenizer: Any) -> EpisodeConfig | None:
     from rlhpc.rollout.prompts import chat_template
     from rlhpc.tasks import TASKS
 
-    spec = cfg.rollout.env or TASKS[cfg.data.task].env
+    r = cfg.rollout
+    spec = r.env or TASKS[cfg.data.task].env or (CHAT_ENV if r.tools else None)
     if spec is None:
         return None
     template = chat_template(cfg.data, tokenizer)
@@ -206,7 +258,8 @@ def make_episodes(cfg: Any, tokenizer: Any) -> EpisodeConfig | None:
             "set data.chat_template: auto (the tokenizer's template) or a Jinja file",
         )
     name = "of the tokenizer" if cfg.data.chat_template == "auto" else cfg.data.chat_template
-    r = cfg.rollout
+    tools = Tools(resolve_tools(r.tools), resolve_parser(r.tool_parser), r.tool_timeout_s) if r.tools else None
     return EpisodeConfig(
-        spec, resolve_env(spec), template, name, cfg.data.system_prompt, r.max_turns, r.max_episode_tokens
-    )
+        spec, resolve_env(spec), template, name, cfg.data.system_prompt, r.max_turns, r.max_episode_tokens,
+        tools, spec == CHAT_ENV,
+    )  # fmt: skip

@@ -402,16 +402,45 @@ class Generation:
             "response": [decode(e.response_ids) for e in episodes],  # the transcript, template tokens and all
             "answer": [rows[k // n]["answer"] for k in range(total)],
         }
+        parts: dict[str, list[float]] = {}
+        if ep.score_replies:  # tools without an environment: data.reward scores the last reply
+            # the whole chat: a cut episode's already ends with its last reply and the tools' answers
+            chats = [
+                e.conversation.messages + ([] if e.truncated else [{"role": "assistant", "content": e.texts[-1]}])
+                for e in episodes
+            ]
+            rewards, parts = self.reward_fn(
+                [
+                    Sample(
+                        prompt=texts["prompt"][k], response=e.texts[-1], label=texts["answer"][k],
+                        response_ids=e.response_ids, messages=chats[k], metadata=rows[k // n].get("metadata", {}),
+                        finish_reason="length" if e.truncated else "stop",
+                    )
+                    for k, e in enumerate(episodes)
+                ]
+            )  # fmt: skip
+            for e, reward in zip(episodes, rewards):
+                e.reward = float(reward)
         versions = [min(v) if v else 0 for v in (e.versions for e in episodes)]
+        tool_stats = (
+            {
+                "tool_calls": [float(e.tool_calls) for e in episodes],
+                "tool_errors": [float(e.tool_errors) for e in episodes],
+                "tool_timeouts": [float(e.tool_timeouts) for e in episodes],
+            }
+            if ep.tools is not None
+            else {}
+        )
         return Samples(
             [e.conversation.prompt_ids for e in episodes], [e.response_ids for e in episodes],
             [e.logprobs for e in episodes], torch.tensor([e.reward for e in episodes], dtype=torch.float32), texts,
-            versions, [e.versions for e in episodes], {}, [e.loss_mask for e in episodes],
+            versions, [e.versions for e in episodes], parts, [e.loss_mask for e in episodes],
             [e.turns for e in episodes],
             {
                 "turns": [float(e.turn + 1) for e in episodes],
                 "truncated": [float(e.truncated) for e in episodes],
                 "observation_tokens": [float(len(e.loss_mask) - sum(e.loss_mask)) for e in episodes],
+                **tool_stats,
             },
         )  # fmt: skip
 

@@ -9,7 +9,8 @@ What SGLang's ``--tool-call-parser hermes`` / ``qwen25`` return, the same way: t
 the first ``<tool_call>`` (stripped) is the message's content; each block holds one JSON object
 (or a list of them) with ``name`` and ``arguments`` (or ``parameters``); an unclosed last block
 is still read (the output hit its length or a stop string); a call to a function the request did
-not offer is dropped. If any block is not valid JSON nothing is parsed, and the whole text stays
+not offer is dropped (with ``tool_names`` None every call is kept: an episode's tools answer an
+unknown name with an error observation instead). If any block is not valid JSON nothing is parsed, and the whole text stays
 content, so a caller never acts on half a call.
 """
 
@@ -38,8 +39,8 @@ class ParsedOutput:
     calls: list[ParsedCall]
 
 
-def parse_hermes(text: str, tool_names: set[str]) -> ParsedOutput:
-    """Split ``text`` into content and the calls to functions in ``tool_names``."""
+def parse_hermes(text: str, tool_names: set[str] | None = None) -> ParsedOutput:
+    """Split ``text`` into content and the calls to functions in ``tool_names`` (None: every call)."""
     start = text.find(OPEN)
     if start == -1:
         return ParsedOutput(text, [])
@@ -57,9 +58,9 @@ def parse_hermes(text: str, tool_names: set[str]) -> ParsedOutput:
     return ParsedOutput(text[:start].strip(), calls)
 
 
-def _call(call: dict, tool_names: set[str]) -> list[ParsedCall]:
+def _call(call: dict, tool_names: set[str] | None) -> list[ParsedCall]:
     name = call.get("name")
-    if not (isinstance(name, str) and name in tool_names):
+    if not (isinstance(name, str) and (tool_names is None or name in tool_names)):
         log.warning("the model called %r, which the request's tools do not offer; dropped", name)
         return []
     arguments = call.get("parameters") or call.get("arguments", {})

@@ -1,0 +1,215 @@
+"""Tools in episodes (``rollout.tools: ["module:fn", ...]``, ``docs/guides/multi-turn.md``).
+
+A tool is a plain typed Python function, ``def calculator(expression: str) -> str``. Its OpenAI
+tool schema comes from its signature (``tool_schema``) and goes to the chat template's ``tools``;
+the model's replies are read for calls by ``rollout.tool_parser`` (by default the Hermes/Qwen
+``<tool_call>`` parser of ``rlhpc.rollout.tool_calls``); ``Tools.run`` runs one turn's calls,
+all of them at once, each cut at ``rollout.tool_timeout_s``, and answers each with a
+``{"role": "tool", "name": ..., "content": ...}`` message. A tool that raises, times out, or does
+not exist answers ``"error: ..."``: the episode goes on, and the error is counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+import json
+import logging
+import threading
+import time
+import types
+import typing
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from rlhpc.errors import ConfigError, RlhpcError
+from rlhpc.rollout.tool_calls import ParsedCall, ParsedOutput
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PARSER = "rlhpc.rollout.tool_calls:parse_hermes"
+TOOL_SIGNATURE = "a function whose parameters are annotated with str, int, float, bool, list, dict, Optional or Literal"
+_SCALARS = {str: "string", int: "integer", float: "number", bool: "boolean"}
+
+
+def _import(spec: str, key: str, what: str) -> Any:
+    module_name, sep, name = spec.partition(":")
+    if not sep or not module_name or not name:
+        raise ConfigError(f"{key} = {spec!r} is not 'module:function'", f"write {key}: my_module:my_fn, {what}")
+    try:
+        return getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(
+            f"{key} = {spec!r} cannot be imported: {e}",
+            "make the module importable from the job (PYTHONPATH) and check the function's name",
+        ) from e
+
+
+def json_schema(tp: Any, where: str) -> dict:
+    """The JSON schema of the annotation ``tp``; ``where`` names it in the error for a type JSON cannot carry."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp in _SCALARS:
+        return {"type": _SCALARS[tp]}
+    if tp is type(None):
+        return {"type": "null"}
+    if tp is list or origin is list:
+        return {"type": "array", **({"items": json_schema(args[0], where)} if args else {})}
+    if tp is dict or origin is dict:
+        if args and args[0] is not str:
+            raise ConfigError(f"{where} is {tp}: JSON objects have string keys", "annotate it dict[str, ...] or dict")
+        return {"type": "object", **({"additionalProperties": json_schema(args[1], where)} if args else {})}
+    if origin is Literal:
+        kinds = {_SCALARS.get(type(a)) for a in args}
+        if None in kinds:
+            raise ConfigError(f"{where} is {tp}: only str, int, float and bool literals", "use such values")
+        return {"type": kinds.pop(), "enum": list(args)} if len(kinds) == 1 else {"enum": list(args)}
+    if origin in (typing.Union, types.UnionType):  # Optional[X] is Union[X, None]
+        return {"anyOf": [json_schema(a, where) for a in args]}
+    raise ConfigError(f"{where} is annotated {tp!r}, which JSON cannot carry", f"annotate it as {TOOL_SIGNATURE}")
+
+
+def tool_schema(fn: Callable, key: str = "rollout.tools") -> dict:
+    """The OpenAI tool schema of ``fn``: its name, its docstring, and its parameters (those with
+    no default are required)."""
+    name = getattr(fn, "__name__", repr(fn))
+    try:
+        hints = typing.get_type_hints(fn)
+        params = inspect.signature(fn).parameters.values()
+    except (NameError, TypeError, ValueError) as e:
+        raise ConfigError(f"{key}: the tool {name}'s signature cannot be read: {e}", f"make it {TOOL_SIGNATURE}") from e
+    properties, required = {}, []
+    for p in params:
+        where = f"{key}: the tool {name}'s parameter {p.name}"
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD, p.POSITIONAL_ONLY):
+            raise ConfigError(f"{where} is not a named parameter", "the model passes arguments by name: name each")
+        if p.name not in hints:
+            raise ConfigError(f"{where} has no type annotation", f"annotate it, e.g. {p.name}: str")
+        properties[p.name] = json_schema(hints[p.name], where)
+        if p.default is p.empty:
+            required.append(p.name)
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": inspect.getdoc(fn) or "",
+            "parameters": {"type": "object", "properties": properties, "required": required},
+        },
+    }
+
+
+def resolve_tools(specs: Sequence[str], key: str = "rollout.tools") -> list[Callable]:
+    """Import each ``"module:fn"``, check it is callable with a schema, and that no two share a name."""
+    fns = []
+    for i, spec in enumerate(specs):
+        fn = _import(spec, f"{key}[{i}]", TOOL_SIGNATURE)
+        if not callable(fn) or inspect.isclass(fn):
+            raise ConfigError(f"{key}[{i}] = {spec!r} is not a function", f"point it at {TOOL_SIGNATURE}")
+        tool_schema(fn, f"{key}[{i}]")
+        fns.append(fn)
+    names = [fn.__name__ for fn in fns]
+    if len(set(names)) != len(names):
+        twice = sorted({n for n in names if names.count(n) > 1})
+        raise ConfigError(
+            f"{key} has two tools named {', '.join(twice)}: the model calls tools by name",
+            "give each tool function its own name",
+        )
+    return fns
+
+
+def resolve_parser(spec: str, key: str = "rollout.tool_parser") -> Callable[[str], Any]:
+    fn = _import(spec, key, "a function (reply text) -> ParsedOutput or a list of ParsedCall")
+    if not callable(fn):
+        raise ConfigError(f"{key} = {spec!r} is not callable", "point it at a function of the reply's text")
+    return fn
+
+
+@dataclass
+class ToolCounts:
+    """One turn's tally, per episode."""
+
+    calls: int = 0
+    errors: int = 0  # raised, or no such tool
+    timeouts: int = 0
+
+
+class _Run:
+    """One call, run on a thread of its own; ``content`` is set when it returns or raises."""
+
+    def __init__(self, fn: Callable, call: ParsedCall):
+        self.fn, self.call = fn, call
+        self.content: str | None = None
+        self.error = False
+        self.thread = threading.Thread(target=self._run, name=f"tool-{call.name}", daemon=True)
+
+    def _run(self) -> None:
+        try:
+            args = self.call.arguments
+            args = json.loads(args) if isinstance(args, str) else args
+            if not isinstance(args, dict):
+                raise TypeError(f"arguments {self.call.arguments!r} are not a JSON object")
+            result = self.fn(**args)
+            if inspect.isawaitable(result):  # an async def tool: its own loop, on this thread
+                result = asyncio.run(result)
+            self.error, self.content = (
+                False,
+                result if isinstance(result, str) else json.dumps(result, ensure_ascii=False, default=str),
+            )
+        except Exception as e:  # the model's arguments or the tool's own failure: the model reads it
+            log.debug("tool %s raised %s: %s", self.call.name, type(e).__name__, e)
+            self.error, self.content = True, f"error: {type(e).__name__}: {e}"
+
+
+class Tools:
+    """The run's tools: their schemas for the chat template, and ``run`` for a turn's calls."""
+
+    def __init__(self, fns: Sequence[Callable], parser: Callable[[str], Any], timeout_s: float):
+        self.fns = {fn.__name__: fn for fn in fns}
+        self.schemas = [tool_schema(fn) for fn in fns]
+        self.parser, self.timeout_s = parser, timeout_s
+
+    def calls(self, reply: str) -> list[ParsedCall]:
+        """The calls in ``reply``, as the parser reads them (unknown names kept: ``run`` answers them)."""
+        out = self.parser(reply)
+        calls = out.calls if isinstance(out, ParsedOutput) else out
+        try:
+            return [c if isinstance(c, ParsedCall) else ParsedCall(c.name, c.arguments) for c in calls]
+        except (AttributeError, TypeError) as e:
+            raise RlhpcError(
+                f"the tool parser returned {str(out)[:200]}, not calls: {e}",
+                "return a ParsedOutput or a list of ParsedCall(name, arguments) (rlhpc.rollout.tool_calls)",
+            ) from e
+
+    def run(self, calls: Sequence[Sequence[ParsedCall]]) -> tuple[list[list[dict]], list[ToolCounts]]:
+        """Run every episode's calls (``calls[i]``: episode i's, in its reply's order) at once; the
+        tool messages answering them, in the same order, and each episode's counts."""
+        # Threads, not processes: tools are mostly I/O (a request, a subprocess) and need not be
+        # picklable or importable in a fresh process. Daemon threads, not a pool: a call cut at the
+        # timeout cannot be killed, and a pool's workers are joined when the interpreter exits,
+        # so one hung tool would hang the job's end; a daemon thread is left behind instead.
+        runs = [[_Run(self.fns[c.name], c) if c.name in self.fns else c for c in cs] for cs in calls]
+        started = [r for rs in runs for r in rs if isinstance(r, _Run)]
+        for r in started:
+            r.thread.start()
+        deadline = time.monotonic() + self.timeout_s
+        for r in started:
+            r.thread.join(max(0.0, deadline - time.monotonic()))
+        messages, counts = [], []
+        for rs in runs:
+            out, n = [], ToolCounts(calls=len(rs))
+            for r in rs:
+                if isinstance(r, ParsedCall):
+                    n.errors += 1
+                    name, content = r.name, f"error: no tool named {r.name!r}; the tools are {', '.join(self.fns)}"
+                elif r.content is None:  # still running: abandoned, its result never read
+                    n.timeouts += 1
+                    log.warning("tool %s still running after %s s; answered as timed out", r.call.name, self.timeout_s)
+                    name, content = r.call.name, f"error: timed out after {self.timeout_s:g} s"
+                else:
+                    n.errors += r.error
+                    name, content = r.call.name, r.content
+                out.append({"role": "tool", "name": name, "content": content})
+            messages.append(out)
+            counts.append(n)
+        return messages, counts
