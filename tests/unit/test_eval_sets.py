@@ -33,7 +33,7 @@ def test_sets_are_parsed_each_key_falling_back_to_the_old_ones(tmp_path):
     assert list(sets) == ["hard", "toy"]
     assert sets["hard"] == EvalSetConfig(str(q), "question", "solution", 8, 1.0, 4, -1, 0.0, 1.0, [])
     # unset keys: data.prompt_key/label_key, eval.n_samples_per_prompt/temperature, rollout.max_new_tokens
-    assert sets["toy"] == EvalSetConfig(None, "prompt", "answer", 2, 0.5, 2)
+    assert sets["toy"] == EvalSetConfig(None, "prompt", "answer", 2, 0.5, 2, -1, 0.0, 1.0, [])
 
 
 def test_the_old_keys_are_one_set_that_keeps_todays_metric_names(tmp_path):
