@@ -539,7 +539,7 @@ class RolloutConfig(Section):
     top_k: int = -1  # -1: off
     min_p: float = 0.0
     repetition_penalty: float = 1.0  # > 1 discourages tokens already generated
-    stop: list[str] = field(default_factory=list)  # stop strings (the match stays in the response)
+    stop: list[str] = field(default_factory=list)  # stop strings (the text is cut before one, its tokens kept)
     # DAPO's overlong filtering: a sample cut at max_new_tokens (finish reason "length"; for
     # multi-turn episodes, one cut by max_turns / max_episode_tokens) gets loss mask 0.
     overlong_filter: bool = False
