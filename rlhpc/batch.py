@@ -27,7 +27,8 @@ class RolloutBatch:
     # Multi-turn episodes (rollout.env): per response token, 1 where the engine generated it and 0
     # on observation tokens (the loss and TIS skip those), and the turn it belongs to; per
     # sample, whether the episode was cut (rollout.max_turns / max_episode_tokens). Empty for
-    # single-turn samples: every response token is trained on.
+    # single-turn samples (every response token is trained on), except with
+    # rollout.overlong_filter: then a sample cut at max_new_tokens is truncated, its mask all 0.
     loss_masks: list[list[int]] = field(default_factory=list)
     turns: list[list[int]] = field(default_factory=list)
     truncated: list[bool] = field(default_factory=list)

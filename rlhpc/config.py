@@ -476,6 +476,26 @@ class SGLangConfig(Section):
             )
 
 
+MAX_STOP_STRINGS = 32  # SGLang's MAX_STOP_COUNT (sampling_params.py)
+
+
+def _check_sampling_knobs(section: Section) -> None:
+    """SGLang's ranges (SamplingParams.verify) for a section's top_k, min_p, repetition_penalty and
+    stop; None (unset) passes. Refused here, at submit, not by every engine at the first request."""
+    top_k, min_p, rep, stop = section.top_k, section.min_p, section.repetition_penalty, section.stop
+    if top_k is not None and top_k != -1 and top_k < 1:
+        section._refuse("top_k", "must be -1 (off) or at least 1", "use -1 to sample from the whole vocabulary")
+    if min_p is not None and not 0 <= min_p <= 1:
+        section._refuse("min_p", "must be in [0, 1]", "use 0.0 for no min-p filter")
+    if rep is not None and not 0 < rep <= 2:
+        section._refuse("repetition_penalty", "must be in (0, 2]", "use 1.0 for no repetition penalty")
+    if stop is not None:
+        if not isinstance(stop, list) or not all(isinstance(x, str) and x for x in stop):
+            section._refuse("stop", "must be a list of non-empty strings", 'write e.g. ["</answer>"]')
+        if len(stop) > MAX_STOP_STRINGS:
+            section._refuse("stop", f"has more than SGLang's {MAX_STOP_STRINGS} stop strings", "keep at most 32")
+
+
 @dataclass
 class DynamicSamplingConfig(Section):
     """Drop prompt groups that cannot teach anything and generate more prompts to refill the batch.
@@ -514,6 +534,15 @@ class RolloutConfig(Section):
     max_new_tokens: int = 4
     temperature: float = 1.0
     top_p: float = 1.0
+    # SGLang's sampling params, sent only when set away from these no-op defaults
+    # (docs/guides/losses.md, "Sampling"); eval has its own (eval.top_k, ...).
+    top_k: int = -1  # -1: off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # > 1 discourages tokens already generated
+    stop: list[str] = field(default_factory=list)  # stop strings (the text is cut before one, its tokens kept)
+    # DAPO's overlong filtering: a sample cut at max_new_tokens (finish reason "length"; for
+    # multi-turn episodes, one cut by max_turns / max_episode_tokens) gets loss mask 0.
+    overlong_filter: bool = False
     update_weight_buffer_mb: int = 512  # bucket size for weight sync
     engine_startup_timeout_s: float = 120.0
     max_engine_restarts: int = 3  # per engine: a dead/unhealthy engine is restarted and re-synced
@@ -560,6 +589,7 @@ class RolloutConfig(Section):
         self._at_least(0, "temperature", fix="use 0 for greedy decoding, or e.g. 1.0 to sample")
         if not 0 < self.top_p <= 1:
             self._refuse("top_p", "must be in (0, 1]", "use 1.0 to sample from the whole distribution")
+        _check_sampling_knobs(self)
         self._above(0, "engine_startup_timeout_s", fix="give rollout.engine_startup_timeout_s seconds, e.g. 120")
         self._at_least(0, "max_engine_restarts", fix="set 0 to never restart an engine")
         self._at_least(
@@ -597,10 +627,15 @@ class EvalSetConfig(Section):
     n_samples_per_prompt: int | None = None  # None: eval.n_samples_per_prompt
     temperature: float | None = None  # None: eval.temperature
     max_new_tokens: int | None = None  # None: eval.max_new_tokens, else rollout.max_new_tokens
+    top_k: int | None = None  # None: eval.top_k (and so on for the three below)
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    stop: list[str] | None = None
 
     def check(self) -> None:
         self._at_least(1, "n_samples_per_prompt", fix=f"set {self.key('n_samples_per_prompt')} to at least 1")
         self._at_least(0, "temperature", fix="use 0 for greedy decoding, or e.g. 1.0 to sample")
+        _check_sampling_knobs(self)
         self._at_least(1, "max_new_tokens", fix="set a positive count, or null to use eval.max_new_tokens")
 
 
@@ -612,6 +647,12 @@ class EvalConfig(Section):
     n_samples_per_prompt: int = 1  # > 1 (with temperature > 0): pass@k for k = 1, 2, 4, ... n and maj@n
     temperature: float = 0.0
     max_new_tokens: int | None = None  # None: rollout.max_new_tokens
+    # SGLang's sampling params for eval, apart from rollout.*: the no-op defaults, as a
+    # benchmark's protocol usually wants (top_p is rollout.top_p's).
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: list[str] = field(default_factory=list)
     pass_threshold: float = 1.0  # a sample passes (pass@k, maj@n) when its reward is at least this
     # Named eval sets, each logged as eval/NAME/mean, eval/NAME/pass@k, eval/NAME/maj@n. Empty:
     # one set from data.eval_file and the keys above, logged as eval/reward, eval/pass@k, ...
@@ -622,6 +663,7 @@ class EvalConfig(Section):
         self._at_least(1, "n_samples_per_prompt")
         self._at_least(0, "temperature", fix="use 0 for greedy decoding, or e.g. 1.0 to sample")
         self._at_least(1, "max_new_tokens", fix="set a positive count, or null to use rollout.max_new_tokens")
+        _check_sampling_knobs(self)
         for name, s in self.sets.items():
             if not _SET_NAME.fullmatch(name):
                 raise ConfigError(
@@ -642,6 +684,10 @@ class EvalConfig(Section):
                 n_samples_per_prompt=s.n_samples_per_prompt or self.n_samples_per_prompt,
                 temperature=self.temperature if s.temperature is None else s.temperature,
                 max_new_tokens=s.max_new_tokens or self.max_new_tokens or rollout.max_new_tokens,
+                top_k=self.top_k if s.top_k is None else s.top_k,
+                min_p=self.min_p if s.min_p is None else s.min_p,
+                repetition_penalty=self.repetition_penalty if s.repetition_penalty is None else s.repetition_penalty,
+                stop=list(self.stop if s.stop is None else s.stop),
             )
         return out
 
@@ -774,9 +820,16 @@ class AlgoConfig(Section):
     # Reported: tis_clipfrac (share of tokens truncated) and tis_weight (mean weight).
     tis: bool = False
     tis_clip: float = 2.0
+    # DAPO's soft overlong punishment: a response longer than rollout.max_new_tokens -
+    # overlong_buffer tokens gets up to -overlong_penalty added to its reward, linearly over the
+    # buffer, before advantages. 0: off.
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0
 
     def check(self) -> None:
         self._at_least(0, "eps_clip", "eps_clip_high")
+        self._at_least(0, "overlong_buffer", fix="set 0 for no overlong penalty, or a token count below max_new_tokens")
+        self._at_least(0, "overlong_penalty", fix="set the largest penalty (a positive number, e.g. 1.0)")
         self._above(0, "tis_clip", fix="set the truncation of the importance weights, e.g. 2.0")
         self._at_least(0, "kl_coef", fix="set 0 for no KL penalty, or a positive weight")
         self._at_least(0, "gspo_eps_clip", "gspo_eps_clip_high")
@@ -1128,6 +1181,19 @@ def validate(cfg: Config) -> None:
         resolve_filter(r.dynamic_sampling.filter)
     if env is not None or r.tools:
         _validate_env(cfg, env)
+    a = cfg.algo
+    if a.overlong_buffer > r.max_new_tokens:
+        raise ConfigError(
+            f"algo.overlong_buffer = {a.overlong_buffer} > rollout.max_new_tokens = {r.max_new_tokens}: the "
+            "penalty would start before the first token",
+            "set algo.overlong_buffer to at most rollout.max_new_tokens (DAPO: a fifth of it, e.g. 4096 of 20480)",
+        )
+    if a.overlong_buffer and env is not None:
+        raise ConfigError(
+            "algo.overlong_buffer with multi-turn episodes: an episode's length is not bounded by "
+            "rollout.max_new_tokens (a turn's limit) alone",
+            "set algo.overlong_buffer=0 (rollout.overlong_filter works with episodes: it masks cut ones)",
+        )
     if r.partial_rollout and cfg.deterministic:
         raise ConfigError(
             "rollout.partial_rollout = true with deterministic = true: a weight push lands in the middle of a "

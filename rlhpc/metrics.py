@@ -231,9 +231,12 @@ def _dump_bytes(rollout_id: int, batch: RolloutBatch, texts: dict[str, list[str]
             f.create_dataset("weight_versions", data=np.asarray(batch.weight_versions, dtype=np.int64))
         if batch.token_versions:  # per response token (partial rollouts: a sample may span versions)
             _ragged(f, "token_versions", batch.token_versions, np.int64)
-        if batch.loss_masks:  # multi-turn episodes: 0 on observation tokens, and each token's turn
+        # 0 on tokens not trained on: episodes' observations, cut samples' (rollout.overlong_filter)
+        if batch.loss_masks:
             _ragged(f, "loss_mask", batch.loss_masks, np.int8)
+        if batch.turns:  # multi-turn episodes: each token's turn
             _ragged(f, "turn", batch.turns, np.int32)
+        if batch.truncated:
             f.create_dataset("truncated", data=np.asarray(batch.truncated, dtype=bool))
         for name, values in texts.items():
             f.create_dataset(name, data=[readable(v) for v in values], dtype=h5py.string_dtype())

@@ -76,6 +76,16 @@ ADVANTAGE_ESTIMATORS: dict[str, Callable[..., torch.Tensor]] = {
 }
 
 
+def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer: int, penalty: float) -> torch.Tensor:
+    """DAPO's soft overlong punishment, added to each sample's reward before advantages: 0 for a
+    response of L <= max_len - buffer tokens, else -penalty * (L - (max_len - buffer)) / buffer
+    (so -penalty at L = max_len). ``buffer`` 0: no penalty."""
+    if buffer <= 0:
+        return torch.zeros(lengths.shape, dtype=torch.float32)
+    over = (lengths.float() - (max_len - buffer)).clamp(min=0)
+    return -penalty * over / buffer
+
+
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum() / mask.sum().clamp(min=1)
 

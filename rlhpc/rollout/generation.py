@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from rlhpc.algo.grpo import ADVANTAGE_ESTIMATORS
+from rlhpc.algo.grpo import ADVANTAGE_ESTIMATORS, overlong_penalty
 from rlhpc.algo.pass_at_k import pass_metrics
 from rlhpc.batch import RolloutBatch
 from rlhpc.errors import RlhpcError
@@ -91,6 +91,21 @@ def token_versions(meta_info: dict, num_tokens: int) -> list[int]:
 def finish_reason(meta_info: dict) -> str | None:
     reason = meta_info.get(MetaInfo.FINISH_REASON)
     return reason.get("type") if isinstance(reason, dict) else reason
+
+
+def knob_params(top_k: int, min_p: float, repetition_penalty: float, stop: Sequence[str]) -> dict[str, Any]:
+    """SGLang's sampling params for the knobs set away from their no-op defaults (SGLang's own):
+    with the defaults a request is exactly what it was before these knobs existed."""
+    out: dict[str, Any] = {}
+    if top_k != -1:
+        out["top_k"] = top_k
+    if min_p != 0:
+        out["min_p"] = min_p
+    if repetition_penalty != 1:
+        out["repetition_penalty"] = repetition_penalty
+    if stop:
+        out["stop"] = list(stop)
+    return out
 
 
 def task_reward(data: DataConfig) -> Scorer:
@@ -165,6 +180,7 @@ class Samples:
     loss_masks: list[list[int]] = field(default_factory=list)  # per response token: 1 generated, 0 observation
     turns: list[list[int]] = field(default_factory=list)  # per response token: its turn
     episode: dict[str, list[float]] = field(default_factory=dict)  # per sample: turns, truncated, ...
+    finish_reasons: list[str | None] = field(default_factory=list)  # single-turn: the engine's, per sample
 
     def episode_metrics(self) -> dict[str, float]:
         """``episode/<stat>``: each episode statistic's mean over the samples."""
@@ -198,6 +214,7 @@ class Samples:
             [self.loss_masks[k] for k in idx] if self.loss_masks else [],
             [self.turns[k] for k in idx] if self.turns else [],
             {key: [v[k] for k in idx] for key, v in self.episode.items()},
+            [self.finish_reasons[k] for k in idx] if self.finish_reasons else [],
         )
 
     @staticmethod
@@ -217,7 +234,15 @@ class Samples:
             [x for p in parts for x in p.loss_masks],
             [x for p in parts for x in p.turns],
             {key: [x for p in parts for x in p.episode.get(key, [])] for key in parts[0].episode},
+            [x for p in parts for x in p.finish_reasons],
         )
+
+    def cut(self) -> list[bool]:
+        """Per sample, whether it was cut short: a single-turn sample at max_new_tokens (finish
+        reason "length"), an episode by max_turns or max_episode_tokens."""
+        if self.loss_masks:
+            return [bool(t) for t in self.episode.get("truncated", [0.0] * len(self.response_ids))]
+        return [r == "length" for r in self.finish_reasons]
 
 
 class Generation:
@@ -252,19 +277,29 @@ class Generation:
         self.num_engines = num_engines
         self.progress = progress
         self.episodes = episodes  # multi-turn: every sample is an episode of this environment
+        self.train_params = knob_params(rollout.top_k, rollout.min_p, rollout.repetition_penalty, rollout.stop)
         spec = rollout.dynamic_sampling.filter
         self.group_filter: GroupFilter | None = resolve_filter(spec) if spec is not None else None
 
     def sample(
-        self, rows: list[dict], n: int, temperature: float, max_new_tokens: int, seed_tag: object, desc: str
+        self,
+        rows: list[dict],
+        n: int,
+        temperature: float,
+        max_new_tokens: int,
+        seed_tag: object,
+        desc: str,
+        params: dict[str, Any] | None = None,
     ) -> Samples:
         """Sample ``n`` responses per row, in requests of a few rows each, and score them.
+        ``params``: further sampling params of every request (``knob_params``).
 
         A request's rows depend only on the row index, and every sample has its own seed, so a
         rerun sends exactly the same batches and gets the same tokens.
         """
+        params = params or {}
         if self.episodes is not None:
-            return self._sample_episodes(rows, n, temperature, max_new_tokens, seed_tag, desc)
+            return self._sample_episodes(rows, n, temperature, max_new_tokens, seed_tag, desc, params)
         top_p = self.rollout_cfg.top_p
         per_request = rows_per_request(len(rows), n, self.num_engines)
         chunks = [range(i, min(i + per_request, len(rows))) for i in range(0, len(rows), per_request)]
@@ -278,6 +313,7 @@ class Generation:
                         "temperature": temperature,
                         "top_p": top_p,
                         "sampling_seed": sample_seed(self.seed, seed_tag, i, j),
+                        **params,
                     }
                     for i in chunk
                     for j in range(n)
@@ -324,11 +360,18 @@ class Generation:
         versions = [min(v) if v else weight_version(out["meta_info"]) for v, out in zip(per_token, outputs)]
         return Samples(
             prompt_ids, response_ids, logprobs, torch.tensor(rewards, dtype=torch.float32), texts, versions, per_token,
-            parts,
+            parts, finish_reasons=[finish_reason(out["meta_info"]) for out in outputs],
         )  # fmt: skip
 
     def _sample_episodes(
-        self, rows: list[dict], n: int, temperature: float, max_new_tokens: int, seed_tag: object, desc: str
+        self,
+        rows: list[dict],
+        n: int,
+        temperature: float,
+        max_new_tokens: int,
+        seed_tag: object,
+        desc: str,
+        params: dict[str, Any],
     ) -> Samples:
         """``n`` episodes per row, run turn by turn in lockstep: each turn sends every running
         episode's tokens so far (prompt, then the engine's own tokens and the observations'), and
@@ -365,6 +408,7 @@ class Generation:
                                 "sampling_seed": sample_seed(
                                     self.seed, seed_tag, k // n, k % n, *((turn,) if turn else ())
                                 ),
+                                **params,
                             }
                             for k in chunk
                         ],
@@ -453,7 +497,8 @@ class Generation:
         n = r.n_samples_per_prompt
         filter_metrics: dict[str, float] = {}
         if self.group_filter is None:
-            s = self.sample(rows, n, r.temperature, r.max_new_tokens, rollout_id, f"rollout {rollout_id}")
+            desc = f"rollout {rollout_id}"
+            s = self.sample(rows, n, r.temperature, r.max_new_tokens, rollout_id, desc, self.train_params)
         else:
             if more_rows is None:
                 raise RlhpcError(
@@ -461,12 +506,19 @@ class Generation:
                     "pass more_rows (the driver passes DataBuffer.extra_rows)",
                 )
             s, filter_metrics = self._filtered(rollout_id, rows, more_rows)
-        advantages = ADVANTAGE_ESTIMATORS[algo.advantage_estimator](s.rewards, n, algo.normalize_std)
-        batch = RolloutBatch(
-            s.prompt_ids, s.response_ids, s.logprobs, s.rewards, advantages, n, s.weight_versions, s.token_versions,
-            s.loss_masks, s.turns, [bool(t) for t in s.episode.get("truncated", [])],
-        )  # fmt: skip
         lengths = torch.tensor([len(x) for x in s.response_ids], dtype=torch.float32)
+        # DAPO's soft overlong penalty joins the reward the advantages are computed from; the
+        # logged "reward" stays the task's, comparable across runs with and without it.
+        penalty = overlong_penalty(lengths, r.max_new_tokens, algo.overlong_buffer, algo.overlong_penalty)
+        rewards = s.rewards + penalty if algo.overlong_buffer else s.rewards
+        advantages = ADVANTAGE_ESTIMATORS[algo.advantage_estimator](rewards, n, algo.normalize_std)
+        loss_masks, overlong_metrics = self._overlong_masks(s)
+        batch = RolloutBatch(
+            s.prompt_ids, s.response_ids, s.logprobs, rewards, advantages, n, s.weight_versions, s.token_versions,
+            loss_masks, s.turns, s.cut() if s.loss_masks or r.overlong_filter else [],
+        )  # fmt: skip
+        if algo.overlong_buffer:
+            overlong_metrics["overlong/penalty"] = penalty.mean().item()
         staleness = [rollout_id - v for v in s.weight_versions]
         tokens = sum(map(len, s.token_versions))
         metrics = {
@@ -482,8 +534,20 @@ class Generation:
             **s.part_metrics(),
             **s.episode_metrics(),
             **filter_metrics,
+            **overlong_metrics,
         }
         return batch, metrics, s.texts
+
+    def _overlong_masks(self, s: Samples) -> tuple[list[list[int]], dict[str, float]]:
+        """``rollout.overlong_filter``: the loss masks with every cut sample's all 0 (its reward
+        judged an unfinished answer; it still counts in its group's baseline), and how many."""
+        if not self.rollout_cfg.overlong_filter:
+            return s.loss_masks, {}
+        cut = s.cut()
+        # single-turn samples have no masks of their own: every response token counts
+        masks = s.loss_masks or [[1] * len(ids) for ids in s.response_ids]
+        masks = [[0] * len(m) if c else m for m, c in zip(masks, cut)]
+        return masks, {"overlong/filtered": float(sum(cut))}
 
     def _filtered(self, rollout_id: int, rows: list[dict], more_rows: MoreRows) -> tuple[Samples, dict[str, float]]:
         """Dynamic sampling: rounds of ``over_sampling_batch_size`` prompts (the first: the rollout's
@@ -500,7 +564,8 @@ class Generation:
         while num_kept < want and rounds < ds.max_rounds:
             round_rows = rows + more_rows(0, per_round - want) if rounds == 0 else more_rows(rounds, per_round)
             tag = rollout_id if rounds == 0 else f"{rollout_id}/{rounds}"
-            s = self.sample(round_rows, n, r.temperature, r.max_new_tokens, tag, f"rollout {rollout_id} round {rounds}")
+            desc = f"rollout {rollout_id} round {rounds}"
+            s = self.sample(round_rows, n, r.temperature, r.max_new_tokens, tag, desc, self.train_params)
             verdicts = [bool(self.group_filter(s.group(g, n))) for g in range(len(round_rows))]
             keep = [g for g, v in enumerate(verdicts) if v]
             kept.append(s.groups(n, keep))
@@ -533,7 +598,8 @@ class Generation:
         key given). ``seed_tag``: the sampling seeds' tag, one per set (``eval_split``)."""
         e = self.eval_cfg
         n, desc = eval_set.n_samples_per_prompt, f"{seed_tag} after {rollout_id}"
-        s = self.sample(rows, n, eval_set.temperature, eval_set.max_new_tokens, seed_tag, desc)
+        params = knob_params(eval_set.top_k, eval_set.min_p, eval_set.repetition_penalty, eval_set.stop)
+        s = self.sample(rows, n, eval_set.temperature, eval_set.max_new_tokens, seed_tag, desc, params)
         return {
             "reward": s.rewards.mean().item(),
             "response_len": sum(map(len, s.response_ids)) / len(s.response_ids),

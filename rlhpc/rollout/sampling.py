@@ -3,6 +3,11 @@
 One ``torch.Generator`` per sample (seeded by SGLang's ``sampling_seed``) makes a sample's
 tokens independent of which other requests share its batch, so reruns are reproducible; the
 draw itself is one vectorised step over the batch.
+
+The distribution is shaped as SGLang 0.5's is (its penalizers, then its sampler): repetition
+penalty on the logits of tokens the row has already generated, temperature, then top-k (and
+the rest renormalised), top-p, and min-p relative to the most likely token. A shaping at its
+no-op value is skipped, so the default path is the same computation as before these existed.
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 import torch
+
+from rlhpc.rollout.protocol import TOP_K_ALL
 
 RECOMPUTE = "recompute"  # a step hook's answer: the weights changed, rebuild the KV cache with them
 
@@ -24,6 +31,27 @@ class Sample:
     matched: int | str | None = None  # what stopped it: the stop token (the last output id) or stop string
     # per output token, when asked: its top-k [(logprob, token id), ...], most likely first
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+
+
+def _top_k_filter(probs: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Each row's ``top_k`` most likely tokens (ties by token order), renormalised: SGLang's
+    default (flashinfer) sampler renormalises after top-k, so top-p then sees the kept mass."""
+    sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
+    rank = torch.arange(probs.shape[-1], device=probs.device)[None, :]
+    kept = torch.zeros_like(probs).scatter(-1, order, sorted_probs * (rank < top_k[:, None]))
+    return kept / kept.sum(dim=-1, keepdim=True)
+
+
+def _min_p_filter(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drops tokens less likely than ``min_p`` times the row's most likely one."""
+    return probs * (probs >= min_p[:, None] * probs.max(dim=-1, keepdim=True).values)
+
+
+def penalize_repeats(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
+    """SGLang's repetition penalty: a token already generated (``seen``) has its logit divided by
+    the row's ``penalty`` when positive and multiplied when negative (> 1 makes it less likely)."""
+    scaled = torch.where(logits < 0, logits * penalty[:, None], logits / penalty[:, None])
+    return torch.where(seen, scaled, logits)
 
 
 def _top_p_filter(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -48,6 +76,9 @@ def sample(
     stop_fns: list[Callable[[list[int]], str | None] | None] | None = None,
     top_logprobs: list[int] | None = None,
     step_hook: Callable[[], bool | str] | None = None,
+    top_k: list[int] | None = None,
+    min_p: list[float] | None = None,
+    repetition_penalty: list[float] | None = None,
 ) -> list[Sample]:
     """Generate for a batch of prompts. Temperature 0 means greedy.
 
@@ -58,7 +89,10 @@ def sample(
     ``stop_token_ids`` / ``ignore_eos``). ``stop_fns[i]``, when given, sees row i's output ids after
     each new token and returns the stop string they now contain (the row ends, "stop") or None;
     it is asked before the stop tokens, as SGLang checks strings first. ``top_logprobs[i]`` > 0
-    records that many most likely tokens per step for row i. ``step_hook`` runs before every forward pass; it may
+    records that many most likely tokens per step for row i. ``top_k`` (-1 or ``TOP_K_ALL``: off),
+    ``min_p`` and ``repetition_penalty`` shape row i's distribution as SGLang's sampling params of
+    those names; the reported logprobs stay the model's own (before any shaping), which is what
+    the trainer recomputes. ``step_hook`` runs before every forward pass; it may
     block (an engine pausing mid-batch) and returning True ends all unfinished rows as "abort";
     returning ``RECOMPUTE`` drops the KV cache and runs the next step over every token so far (the
     prompts and the tokens sampled up to now), so the cache holds the weights loaded meanwhile.
@@ -83,6 +117,13 @@ def sample(
     greedy = temps <= 0
     tops = torch.tensor(top_p, dtype=torch.float32, device=device)
     limits = list(max_new_tokens)
+    # each shaping only when some row asks for it: the default path stays as it was
+    ks = [TOP_K_ALL if k is None or k <= 0 else k for k in top_k] if top_k is not None else []
+    ks_t = torch.tensor(ks, dtype=torch.long, device=device) if any(k < TOP_K_ALL for k in ks) else None
+    min_ps = torch.tensor(min_p, dtype=torch.float64, device=device) if min_p and any(min_p) else None
+    pens = repetition_penalty if repetition_penalty and any(p != 1 for p in repetition_penalty) else None
+    pens_t = torch.tensor(pens, dtype=torch.float32, device=device) if pens is not None else None
+    seen: torch.Tensor | None = None  # [batch, vocab]: tokens each row generated (repetition penalty)
 
     stops = [set(s) for s in stop_ids] if stop_ids is not None else [{eos_id}] * batch
 
@@ -112,7 +153,14 @@ def sample(
         out = model(input_ids=step_ids, attention_mask=attn, position_ids=step_pos, use_cache=True, **{cache_kw: past})
         past = out[cache_kw]
         logits = out.logits[:, -1, :].float()
-        next_ids = _draw(logits, temps, tops, greedy, uniforms[:, step])
+        shaped = logits
+        if pens_t is not None:
+            if seen is None:
+                seen = torch.zeros(logits.shape, dtype=torch.bool, device=device)
+            shaped = penalize_repeats(logits, seen, pens_t)
+        next_ids = _draw(shaped, temps, tops, greedy, uniforms[:, step], ks_t, min_ps)
+        if seen is not None:
+            seen[torch.arange(batch, device=device), next_ids] = True
         log_probs = torch.log_softmax(logits, dim=-1)
         chosen_lps = log_probs.gather(1, next_ids[:, None])[:, 0]
         best = _top(log_probs, k_max)
@@ -149,12 +197,23 @@ def _top(log_probs: torch.Tensor, k: int) -> list[list[tuple[float, int]]]:
 
 
 def _draw(
-    logits: torch.Tensor, temps: torch.Tensor, tops: torch.Tensor, greedy: torch.Tensor, u: torch.Tensor
+    logits: torch.Tensor,
+    temps: torch.Tensor,
+    tops: torch.Tensor,
+    greedy: torch.Tensor,
+    u: torch.Tensor,
+    top_k: torch.Tensor | None = None,
+    min_p: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Each row's next token: its argmax when greedy, else the inverse CDF of its temperature- and
-    top-p-shaped distribution at its uniform ``u`` (float64, so no filtered-out token is ever hit)."""
+    """Each row's next token: its argmax when greedy, else the inverse CDF of its temperature-,
+    top-k-, top-p- and min-p-shaped distribution at its uniform ``u`` (float64, so no filtered-out
+    token is ever hit)."""
     probs = torch.softmax(logits / temps.clamp(min=1e-5)[:, None], dim=-1)
+    if top_k is not None:
+        probs = _top_k_filter(probs, top_k)
     probs = _top_p_filter(probs, tops).double()
+    if min_p is not None:
+        probs = _min_p_filter(probs, min_p)
     cdf = probs.cumsum(dim=-1)
     # the first token whose CDF exceeds u * total; a token of probability 0 owns an empty interval
     drawn = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]

@@ -151,8 +151,10 @@ def test_stop_tokens_ignore_eos_and_zero_length(client: EngineClient, model_path
 
 
 def test_bad_requests_fail_clearly(client: EngineClient) -> None:
-    with pytest.raises(RlhpcError, match="top_k=5 is not supported"):
-        client.generate(input_ids=[1, 5], sampling_params={"top_k": 5})
+    with pytest.raises(RlhpcError, match=r"top_k must be -1 \(disable\) or at least 1, got 0"):
+        client.generate(input_ids=[1, 5], sampling_params={"top_k": 0})
+    with pytest.raises(RlhpcError, match="frequency_penalty=0.5 is not supported"):  # not implemented: refused
+        client.generate(input_ids=[1, 5], sampling_params={"frequency_penalty": 0.5})
     with pytest.raises(RlhpcError, match="unknown sampling param 'temprature'"):
         client.generate(input_ids=[1, 5], sampling_params={"temprature": 0.5})
     with pytest.raises(RlhpcError, match="out of range"):
@@ -175,6 +177,8 @@ def test_bad_requests_fail_clearly(client: EngineClient) -> None:
         ({}, "You requested a total of 131 tokens"),  # SGLang's default max_new_tokens, 128
         ({"top_p": True}, "top_p must be a number"),
         ({"stop_token_ids": "2"}, "stop_token_ids must be a list"),
+        ({"min_p": 1.5}, "min_p must be in [0, 1], got 1.5"),
+        ({"repetition_penalty": 0}, "repetition_penalty must be in (0, 2]"),
     ],
 )
 def test_requests_no_engine_could_serve_are_refused_as_sglang_does(client: EngineClient, params, message) -> None:

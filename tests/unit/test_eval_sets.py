@@ -31,16 +31,16 @@ def test_sets_are_parsed_each_key_falling_back_to_the_old_ones(tmp_path):
     assert isinstance(cfg.eval.sets["hard"], EvalSetConfig)
     sets = cfg.eval.resolved_sets(cfg.data, cfg.rollout)
     assert list(sets) == ["hard", "toy"]
-    assert sets["hard"] == EvalSetConfig(str(q), "question", "solution", 8, 1.0, 4)
+    assert sets["hard"] == EvalSetConfig(str(q), "question", "solution", 8, 1.0, 4, -1, 0.0, 1.0, [])
     # unset keys: data.prompt_key/label_key, eval.n_samples_per_prompt/temperature, rollout.max_new_tokens
-    assert sets["toy"] == EvalSetConfig(None, "prompt", "answer", 2, 0.5, 2)
+    assert sets["toy"] == EvalSetConfig(None, "prompt", "answer", 2, 0.5, 2, -1, 0.0, 1.0, [])
 
 
 def test_the_old_keys_are_one_set_that_keeps_todays_metric_names(tmp_path):
     f = write_rows(tmp_path / "e.jsonl")
     cfg = load_config(None, [*TINY, f"data.eval_file={f}", "data.reward=rlhpc.rewards:exact", "eval.max_new_tokens=3"])
     assert cfg.eval.resolved_sets(cfg.data, cfg.rollout) == {
-        DEFAULT_EVAL_SET: EvalSetConfig(str(f), "prompt", "answer", 1, 0.0, 3)
+        DEFAULT_EVAL_SET: EvalSetConfig(str(f), "prompt", "answer", 1, 0.0, 3, -1, 0.0, 1.0, [])
     }
     assert [eval_metric(DEFAULT_EVAL_SET, k) for k in ("reward", "pass@1", "maj@4")] == ["reward", "pass@1", "maj@4"]
     assert [eval_metric("gsm8k", k) for k in ("reward", "pass@2", "maj@4")] == [

@@ -70,3 +70,80 @@ def test_greedy_and_seeds() -> None:
     # a row's tokens depend on its own seed only: the same seed alone gives the same row
     assert draw(1, 1.0, 1.0, seed0=103, new_tokens=5)[0] == a[3]
     assert len({tuple(r) for r in a}) > 1
+
+
+# ---------------------------------------------------------------- top-k, min-p, repetition penalty (issue 31)
+# The expected laws are worked out by hand from LOGITS: e^2 = 7.389056, e^1 = 2.718282,
+# e^0.5 = 1.648721, e^0 = 1, e^-1 = 0.367879, e^-3 = 0.049787 (sum 13.173725).
+
+
+def draw_shaped(n: int, new_tokens: int = 1, temperature: float = 1.0, top_p: float = 1.0, **knobs) -> list[list[int]]:
+    out = sample(
+        FixedLogits(),
+        [[1, 2]] * n,
+        [new_tokens] * n,
+        [temperature] * n,
+        [top_p] * n,
+        list(range(n)),
+        eos_id=-1,
+        pad_id=0,
+        **{k: [v] * n for k, v in knobs.items()},
+    )
+    return [s.output_ids for s in out]
+
+
+def follows(got: torch.Tensor, expected: list[float], n: int) -> bool:
+    want = torch.tensor(expected, dtype=torch.float64)
+    tolerance = 4.5 * (want * (1 - want) / n).sqrt() + 1e-9  # as above: 4.5 standard errors a token
+    return bool(((got - want).abs() <= tolerance).all())
+
+
+def test_top_k_keeps_the_k_most_likely_and_renormalises() -> None:
+    n = 20000
+    # k = 2: e^2 / (e^2 + e^1) = 0.731059, e^1 / (e^2 + e^1) = 0.268941
+    got = frequencies(draw_shaped(n, top_k=2))
+    assert follows(got, [0.731059, 0.268941, 0, 0, 0, 0], n), got
+    # k = 3 renormalises to 0.628533, 0.231224, 0.140244 before top-p = 0.8 (SGLang's order):
+    # token 2 starts at 0.859757 > 0.8 and goes. Top-p over the unrenormalised probabilities
+    # (0.560893, 0.206341: token 2 would start at 0.767235) would have kept it.
+    got = frequencies(draw_shaped(n, top_p=0.8, top_k=3))
+    assert follows(got, [0.731059, 0.268941, 0, 0, 0, 0], n), got
+    # k = 1 is greedy, as in SGLang
+    assert draw_shaped(3, new_tokens=2, top_k=1) == [[0, 0]] * 3
+
+
+def test_min_p_drops_tokens_below_a_share_of_the_most_likely() -> None:
+    n = 20000
+    # probs 0.560893, 0.206341, 0.125152, 0.075909, ...; 0.2 x 0.560893 = 0.112179 keeps tokens 0-2,
+    # renormalised: 7.389056 / 11.756059 = 0.628533, 2.718282 / 11.756059 = 0.231224, 0.140244
+    got = frequencies(draw_shaped(n, min_p=0.2))
+    assert follows(got, [0.628533, 0.231224, 0.140244, 0, 0, 0], n), got
+    # temperature 0.5 (probs 0.8292, 0.1122, 0.0413, ...): 0.2 x 0.8292 = 0.1658 keeps token 0 only
+    assert frequencies(draw_shaped(200, temperature=0.5, min_p=0.2))[0] == 1.0
+
+
+def test_repetition_penalty_scales_the_logits_of_generated_tokens() -> None:
+    from rlhpc.rollout.sampling import penalize_repeats
+
+    logits = torch.tensor([[2.0, -1.0, 0.5, 0.0, -3.0]])
+    seen = torch.tensor([[True, True, False, True, False]])
+    # seen: positive divided (2 / 2 = 1), negative multiplied (-1 x 2 = -2), 0 stays 0; unseen as they were
+    got = penalize_repeats(logits, seen, torch.tensor([2.0]))
+    assert got.tolist() == [[1.0, -2.0, 0.5, 0.0, -3.0]]
+    # greedy with penalty 2.5 over LOGITS: 0; then token 0 at 2 / 2.5 = 0.8 < 1: token 1; then
+    # token 1 at 1 / 2.5 = 0.4, token 0 (0.8) wins again, and stays (the penalty does not compound)
+    assert draw_shaped(2, new_tokens=4, temperature=0.0, repetition_penalty=2.5) == [[0, 1, 0, 0]] * 2
+    assert draw_shaped(2, new_tokens=4, temperature=0.0) == [[0, 0, 0, 0]] * 2
+    # sampling: after a first token 0 the logits are [1, 1, 0.5, 0, -1, -3]: the second token
+    # follows e^1, e^1, e^0.5, 1, e^-1, e^-3 over 8.502951: 0.319687, 0.319687, 0.1939, 0.117606, ...
+    n = 20000
+    rows = draw_shaped(n, new_tokens=2, repetition_penalty=2.0)
+    second = [[r[1]] for r in rows if r[0] == 0]
+    got = frequencies(second)
+    assert follows(got, [0.319687, 0.319687, 0.1939, 0.117606, 0.043265, 0.005855], len(second)), got
+
+
+def test_the_knobs_at_their_no_op_values_change_no_token() -> None:
+    plain = draw_shaped(500, new_tokens=3)
+    assert draw_shaped(500, new_tokens=3, top_k=-1, min_p=0.0, repetition_penalty=1.0) == plain
+    assert draw_shaped(500, new_tokens=3, repetition_penalty=1.5) != plain  # the comparison can fail

@@ -248,6 +248,9 @@ class Engine:
                     stop_ids=[it.stop_ids for it in items],
                     stop_fns=[self._stop_matcher(it.stop_strs) for it in items],
                     top_logprobs=[it.top_logprobs_num for it in items],
+                    top_k=[it.top_k for it in items],
+                    min_p=[it.min_p for it in items],
+                    repetition_penalty=[it.repetition_penalty for it in items],
                     step_hook=lambda: self._step_hook(seq, rids, steps),
                 )
             finally:

@@ -108,7 +108,7 @@ def _sampling(req: CompletionRequest | ChatCompletionRequest, max_new_tokens: in
         "no_stop_trim": req.no_stop_trim,
         "skip_special_tokens": req.skip_special_tokens,
     }
-    if req.top_k is not None:  # chat's default; the native rules (-1 or 1 only) apply
+    if req.top_k is not None:  # chat's default; the native rules apply
         params["top_k"] = req.top_k
     return params
 

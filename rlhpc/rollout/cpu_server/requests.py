@@ -20,15 +20,17 @@ class EngineError(Exception):
     """A request the engine refuses; answered as HTTP 400 with SGLang's error body."""
 
 
-# Sampling parameters by how the CPU engine treats them. Those in NO_EFFECT_VALUES are accepted
-# only at those values (anything else changes the distribution, and silently ignoring it would
-# make CPU and GPU runs differ).
+# Sampling parameters by how the CPU engine treats them. Those in NO_EFFECT_VALUES and not USED
+# are accepted only at those values (anything else changes the distribution, and silently
+# ignoring it would make CPU and GPU runs differ).
 USED = frozenset(
     {
         "max_new_tokens",
         "temperature",
         "top_p",
         "top_k",
+        "min_p",
+        "repetition_penalty",
         "sampling_seed",
         "stop_token_ids",
         "stop",
@@ -62,6 +64,9 @@ class Item:
     no_stop_trim: bool
     stop_strs: list[str]
     top_logprobs_num: int = 0
+    top_k: int = TOP_K_ALL
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -207,14 +212,20 @@ def _item(rid: str, prompt: list[int], sp: dict[str, Any], return_logprob: bool,
     temperature = _number(sp, "temperature", 1.0, float)
     top_p = _number(sp, "top_p", 1.0, float)
     top_k = _number(sp, "top_k", -1, int)
+    min_p = _number(sp, "min_p", 0.0, float)
+    repetition_penalty = _number(sp, "repetition_penalty", 1.0, float)
     if not math.isfinite(temperature) or temperature < 0:  # SGLang's words (SamplingParams.verify)
         raise EngineError(f"temperature must be a non-negative finite number, got {temperature}.")
     if not 0 < top_p <= 1:
         raise EngineError(f"top_p must be in (0, 1], got {top_p}.")
+    if top_k < 1 and top_k != -1:
+        raise EngineError(f"top_k must be -1 (disable) or at least 1, got {top_k}.")
+    if not 0 <= min_p <= 1:
+        raise EngineError(f"min_p must be in [0, 1], got {min_p}.")
+    if not 0 < repetition_penalty <= 2:
+        raise EngineError(f"repetition_penalty must be in (0, 2] (1.0 = no penalty), got {repetition_penalty}.")
     if top_k == 1 or temperature < 1e-6:  # SGLang: both mean greedy
         temperature = 0.0
-    elif top_k not in (-1, TOP_K_ALL):
-        raise EngineError(f"top_k={top_k} is not supported by the CPU engine (only -1 or 1)")
     room = limits.context_len - len(prompt)
     max_new = (
         room if "max_new_tokens" in sp and sp["max_new_tokens"] is None else _number(sp, "max_new_tokens", 128, int)
@@ -246,6 +257,9 @@ def _item(rid: str, prompt: list[int], sp: dict[str, Any], return_logprob: bool,
         skip_special_tokens=sp.get("skip_special_tokens", True) is not False,
         no_stop_trim=bool(sp.get("no_stop_trim")),
         stop_strs=stop_strings(sp.get("stop")),
+        top_k=TOP_K_ALL if top_k == -1 else top_k,
+        min_p=min_p,
+        repetition_penalty=repetition_penalty,
     )
 
 
