@@ -280,7 +280,7 @@ def check_fits(cfg: Config) -> None:
         raise ConfigError(
             f"an actor rank needs ~{actor.total / GIB:.1f} GiB{shared}, more than the {actor_room / GIB:.1f} GiB "
             f"it has (cluster.gpu_memory_gb = {gpu:g}); the biggest term is {name} ({b / GIB:.1f} GiB)",
-            _actor_fix(cfg, name) + " (the dry run prints every term)",
+            _actor_fix(cfg, name, bool(read_shape(cfg).experts)) + " (the dry run prints every term)",
         )
     if engine is not None and engine.terms[0][1] >= cfg.rollout.sglang.mem_fraction_static * have:
         raise ConfigError(
@@ -291,11 +291,11 @@ def check_fits(cfg: Config) -> None:
         )
 
 
-def _actor_fix(cfg: Config, term: str) -> str:
+def _actor_fix(cfg: Config, term: str, moe: bool) -> str:
     """The knobs that reduce ``term``, those of that term first."""
     m = cfg.actor.megatron
     tp = "raise actor.megatron.tensor_model_parallel_size (within a node)"
-    ep = "raise actor.megatron.expert_model_parallel_size" if cfg.actor.backend == "megatron" else ""
+    ep = "raise actor.megatron.expert_model_parallel_size" if moe and cfg.actor.backend == "megatron" else ""
     tokens = "lower actor.max_tokens_per_micro_batch (or actor.micro_batch_size)"
     knobs = {
         "weights": [tp, ep],
@@ -308,6 +308,7 @@ def _actor_fix(cfg: Config, term: str) -> str:
             ep,
         ],
         "logits": [tokens, tp],
+        "runtime": ["use GPUs with more memory (it is a fixed allowance)"],
     }.get(term.split(" (")[0], ["" if m.recompute else "set actor.megatron.recompute: true", tokens, tp])
     if cfg.actor.backend != "megatron":
         knobs = ["use actor.backend: megatron (bf16, TP, distributed optimizer)", tokens]
