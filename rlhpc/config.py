@@ -122,6 +122,10 @@ class ClusterConfig(Section):
     # base model and the checkpoint resumed from are copied to before anything loads them. None: off.
     stage_dir: str | None = None
     stage_with: Literal["auto", "sbcast", "copy"] = "auto"  # auto: sbcast where Slurm has it
+    # Memory of one GPU in GiB (nvidia-smi's memory.total / 1024; an H100 80GB reports 79.6).
+    # Set: the dry run and submission refuse a layout whose estimate (rlhpc/cluster/memory.py,
+    # docs/guides/scale.md "Will it fit?") exceeds it. None: unknown, the plan is shown only.
+    gpu_memory_gb: float | None = None
 
     @property
     def heterogeneous(self) -> bool:
@@ -192,6 +196,8 @@ class ClusterConfig(Section):
         for name in (*counts, "rollout_nodes", "rollout_gpus_per_node"):
             self._at_least(1, name, fix=f"set {self.key(name)} to a positive count")
         self._above(0, "ray_start_timeout_s", fix=f"give {self.key('ray_start_timeout_s')} seconds, e.g. 300")
+        if self.gpu_memory_gb is not None:
+            self._above(0, "gpu_memory_gb", fix="give one GPU's memory in GiB (e.g. 80), or null for unknown")
         if self.stage_dir is not None and not self.stage_dir.startswith(("/", "~", "$")):
             raise ConfigError(
                 f"{self.key('stage_dir')} = {self.stage_dir!r} is not an absolute path",
@@ -723,6 +729,9 @@ class MegatronConfig(Section):
     # moe_load_balancing_loss (unscaled). null: the model's router_aux_loss_coef (config.json).
     moe_router_load_balancing_type: Literal["aux_loss", "seq_aux_loss", "none"] = "aux_loss"
     moe_aux_loss_coeff: float | None = None
+    # Full activation recompute (megatron-core's recompute_granularity "full", method "uniform",
+    # one layer per chunk): only each layer's input is kept, the layer is recomputed in backward.
+    recompute: bool = False
 
     def check(self) -> None:
         self._at_least(1, "tensor_model_parallel_size", fix="use 1, 2, 4 or 8")
@@ -1229,6 +1238,9 @@ def validate(cfg: Config) -> None:
         _validate_megatron(cfg)
     _validate_engine_tp(cfg)
     _validate_context(cfg)
+    from rlhpc.cluster.memory import check_fits  # late: the cluster package imports this module
+
+    check_fits(cfg)  # last: the estimate reads the layout and the model's shape checked above
 
 
 def _validate_env(cfg: Config, env: str | None) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 import submitit
 from submitit.local.local import LocalJob
 
+from rlhpc.cluster import memory
 from rlhpc.cluster.layout import idle_note, plan_layout, summarize_layout
 from rlhpc.config import Config, dump_config
 from rlhpc.errors import RlhpcError, StoppedByUser
@@ -243,7 +244,7 @@ def dry_run(
     if rm is not None and rm.backend == "sglang":
         engine += f"\n\nreward engine 0's launch line (each reward engine's alike):\n  {reward_engine_preview(cfg)}"
     return (
-        f"{script}\n\n{layout}\n  full map: {where} (written at submission){notes}{engine}\n\n"
+        f"{script}\n\n{layout}\n  full map: {where} (written at submission){notes}\n\n{memory.summarize(cfg)}{engine}\n\n"
         f"# the resolved config the job runs (written to {RunDir(run_dir).path / 'config.yaml'}):\n{dump_config(cfg)}"
     )
 

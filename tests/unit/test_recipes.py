@@ -1,6 +1,7 @@
 """The real-model recipes in jobs/configs/ dry-run as a user would submit them, against their
 model's config.json shape (tests/support/models/) and data in their layout (verl's GSM8K)."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +19,11 @@ MODELS = REPO / "tests" / "support" / "models"
 RECIPES = {
     "gsm8k_qwen2.5_1.5b_1x8.yaml": ("qwen2.5-1.5b-instruct", "node0: actor ranks 0-3 on gpu0-3; engines 0-3 on gpu4-7"),
     "gsm8k_qwen2.5_7b_4x8.yaml": ("qwen2.5-7b-instruct", "engines 0-7"),
+    # tests/support/models/qwen3-*: the published config.json shapes of Qwen3-8B, Qwen3-32B and
+    # Qwen3-30B-A3B (sizes only, no weights)
+    "gsm8k_qwen3_8b_1x8.yaml": ("qwen3-8b", "node0: actor ranks 0-3 on gpu0-3; engines 0-3 on gpu4-7"),
+    "gsm8k_qwen3_32b_4x8.yaml": ("qwen3-32b", "node2..node3 (2 nodes): engines 0-3 on gpu0-7"),
+    "gsm8k_qwen3_30b_a3b_2x8.yaml": ("qwen3-30b-a3b", "actor ranks 0-15 on gpu0-7; engines 0-7 on gpu0-7"),
 }
 
 
@@ -61,6 +67,30 @@ def test_a_recipe_dry_runs_against_its_models_shape(recipe, tmp_path):
         MODELS / model
     )
     assert not (tmp_path / "run").exists()
+    # the memory plan: checked against cluster.gpu_memory_gb where the recipe sets it (the dry run
+    # above would have been refused), and the totals its comment shows are the dry run's
+    plan = p.stdout.split("GPU memory plan", 1)[1].split("\n\n", 1)[0]
+    if cfg.cluster.gpu_memory_gb is not None:
+        assert f"of {cfg.cluster.gpu_memory_gb:g} GiB (cluster.gpu_memory_gb)" in plan
+        comment = (REPO / "jobs" / "configs" / recipe).read_text()
+        for who in ("actor rank", "engine"):
+            total = re.search(rf"^  {who}: ([\d.]+)$", plan, re.M).group(1)
+            assert f"#   {who} {total} " in comment, (who, total, plan)
+
+
+def test_qwen3_32b_does_not_fit_at_tp_4_without_pipeline_parallelism(tmp_path):
+    data = gsm8k_parquet(tmp_path / "gsm8k.parquet")
+    sets = [f"model.path={MODELS / 'qwen3-32b'}", f"data.train_file={data}", f"data.eval_file={data}"]
+    recipe = REPO / "jobs" / "configs" / "gsm8k_qwen3_32b_4x8.yaml"
+    with pytest.raises(ConfigError, match=r"actor rank needs ~.* biggest term is gradients") as e:
+        load_config(recipe, [*sets, "actor.megatron.tensor_model_parallel_size=4"])
+    assert (
+        "tensor_model_parallel_size" in e.value.fix
+        and "expert" not in e.value.fix
+        and "pipeline parallelism is not built" in e.value.fix
+    )
+    with pytest.raises(ConfigError, match=r"biggest term is activations \(no recompute\)"):
+        load_config(recipe, [*sets, "actor.megatron.recompute=false"])
 
 
 def test_the_heads_decide_which_parallel_sizes_a_model_takes(tmp_path):

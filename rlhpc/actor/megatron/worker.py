@@ -192,7 +192,8 @@ class MegatronTrainWorker(RankBase):
             )
             if self.mcfg.moe_aux_loss_coeff is not None:
                 moe["moe_aux_loss_coeff"] = self.mcfg.moe_aux_loss_coeff
-        gpt = build_gpt_model(self.hf_config, tp_size=self.tp_size, dtype=dtype, **moe)
+        full = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+        gpt = build_gpt_model(self.hf_config, self.tp_size, dtype=dtype, **moe, **(full if self.mcfg.recompute else {}))
         load_into(gpt, hf_to_megatron(hf_sd, self.hf_config, self.tp_size, self.tp_rank, self.ep_size, self.ep_rank))
         # All parameters in one dtype, as megatron's Float16Module does: the local spec's norms
         # are created in fp32 even for a bf16 model, and the optimizers' checkpoint mapping

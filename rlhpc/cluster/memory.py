@@ -1,0 +1,318 @@
+"""Will it fit? An estimate of GPU memory per actor rank and per engine, from the config alone.
+
+Pure Python (the login node reads configs without torch). The formulas and their assumptions
+are in docs/guides/scale.md, "Will it fit?"; in short, per actor rank of the megatron actor
+(TP t, EP e, DP d; the torch actor: t = e = 1, fp32, no sharding):
+
+- weights: 2 bytes per parameter of the rank's shard in bf16 (4 in fp32); dense tensors split
+  over t (norms and routers replicated), experts over e x t; the vocab padded as megatron pads it;
+- gradients: 4 bytes per parameter (fp32 grad buffer, ``grad_reduce_in_fp32``);
+- Adam: fp32 master (bf16 only) + 2 fp32 moments = 12 bytes (8 in fp32), divided over d (dense)
+  and d / e (experts) with ``use_distributed_optimizer``;
+- the reference model's weights again when the KL penalty needs it;
+- activations of one micro-batch (bf16, no sequence parallelism, unfused attention of the
+  local spec), or with ``recompute`` each layer's input plus one layer's;
+- logits: 14 bytes per token per vocab entry / t (bf16 output, fp32 copy, the cross entropy's
+  copy, its softmax);
+- a fixed allowance for the CUDA context, NCCL and allocator slack.
+
+An SGLang engine takes ``rollout.sglang.mem_fraction_static`` of its GPU for weights + KV cache
+(SGLang sizes its KV cache to fill that fraction), so its row is the weights / engine TP and
+the KV cache it gets from what is left of that fraction.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from rlhpc.config import Config, TinyModelConfig
+from rlhpc.errors import ConfigError
+
+GIB = 2**30
+RUNTIME_GIB = 2.0  # CUDA context, NCCL buffers, allocator fragmentation: assumed, not measured
+ASSUMED_PROMPT_TOKENS = 512  # data.max_prompt_tokens unset: prompts of this length are assumed
+TINY_VOCAB = 320  # the tiny BPE tokenizer's vocabulary (rlhpc.model.BPE_VOCAB_SIZE); char is smaller
+LOGIT_BYTES = 2 + 4 + 4 + 4  # per token and vocab entry: bf16 output, fp32 copy, CE's copy, its softmax
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the estimate needs of a model: its HF config.json's sizes."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    vocab: int
+    experts: int = 0  # routed experts per layer (0: dense)
+    topk: int = 0
+    moe_ffn: int = 0
+    qkv_bias: bool = False  # qwen2
+    qk_norm: bool = False  # qwen3, qwen3_moe
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> ModelShape:
+        heads = hf["num_attention_heads"]
+        kind = hf.get("model_type", "")
+        return cls(
+            hidden=hf["hidden_size"],
+            layers=hf["num_hidden_layers"],
+            heads=heads,
+            kv_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            ffn=hf["intermediate_size"],
+            vocab=hf["vocab_size"],
+            experts=hf.get("num_experts") or 0,
+            topk=hf.get("num_experts_per_tok") or 0,
+            moe_ffn=hf.get("moe_intermediate_size") or 0,
+            qkv_bias=kind == "qwen2",
+            qk_norm=kind in ("qwen3", "qwen3_moe"),
+        )
+
+    @classmethod
+    def from_tiny(cls, t: TinyModelConfig) -> ModelShape:
+        moe = t.architecture == "qwen3_moe"
+        return cls(
+            hidden=t.hidden_size,
+            layers=t.num_hidden_layers,
+            heads=t.num_attention_heads,
+            kv_heads=t.num_key_value_heads,
+            head_dim=t.hidden_size // t.num_attention_heads,
+            ffn=t.intermediate_size,
+            vocab=TINY_VOCAB,
+            experts=t.num_experts if moe else 0,
+            topk=t.num_experts_per_tok if moe else 0,
+            moe_ffn=t.moe_intermediate_size if moe else 0,
+            qkv_bias=t.architecture == "qwen2",
+            qk_norm=t.architecture in ("qwen3", "qwen3_moe"),
+        )
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    def layer_params(self) -> tuple[int, int, int]:
+        """(TP-split, replicated, expert) parameters of one decoder layer."""
+        h = self.hidden
+        split = h * self.q_dim + 2 * h * self.kv_dim + self.q_dim * h
+        if self.qkv_bias:
+            split += self.q_dim + 2 * self.kv_dim
+        replicated = 2 * h + (2 * self.head_dim if self.qk_norm else 0)
+        if self.experts:
+            return split, replicated + h * self.experts, self.experts * 3 * h * self.moe_ffn  # router, experts
+        return split + 3 * h * self.ffn, replicated, 0
+
+    def params(self) -> int:
+        """All parameters (untied embedding and output layer, unpadded vocab), as the HF checkpoint has."""
+        split, replicated, expert = self.layer_params()
+        return self.layers * (split + replicated + expert) + 2 * self.vocab * self.hidden + self.hidden
+
+
+def padded_vocab(vocab: int, tp: int, divisible_by: int = 128) -> int:
+    """megatron's vocab padding (rlhpc/actor/megatron/model.py's padded_vocab_size, without torch)."""
+    multiple = divisible_by * tp
+    return -(-vocab // multiple) * multiple
+
+
+def read_shape(cfg: Config) -> ModelShape | None:
+    """The configured model's shape, or None where its config.json cannot be read."""
+    if cfg.model.tiny is not None:
+        return ModelShape.from_tiny(cfg.model.tiny)
+    try:
+        return ModelShape.from_hf(json.loads((Path(cfg.model.path) / "config.json").read_text()))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """One GPU's estimate: named terms in bytes, in the order the table shows them."""
+
+    who: str  # "actor rank" / "engine"
+    terms: tuple[tuple[str, float], ...]
+    notes: tuple[str, ...] = ()
+
+    @property
+    def total(self) -> float:
+        return sum(b for _, b in self.terms)
+
+    def biggest(self) -> tuple[str, float]:
+        return max(self.terms, key=lambda t: t[1])
+
+
+def micro_batch_tokens(cfg: Config) -> tuple[int, int, str]:
+    """(tokens of one micro-batch, its longest row, where they come from)."""
+    a = cfg.actor
+    prompt = cfg.data.max_prompt_tokens
+    row = (prompt or ASSUMED_PROMPT_TOKENS) + cfg.rollout.max_new_tokens
+    said = "" if prompt else f", prompt assumed {ASSUMED_PROMPT_TOKENS} (data.max_prompt_tokens unset)"
+    if a.max_tokens_per_micro_batch is not None:
+        n = a.max_tokens_per_micro_batch
+        return n, min(row, n), f"actor.max_tokens_per_micro_batch = {n}"
+    return a.micro_batch_size * row, row, f"actor.micro_batch_size {a.micro_batch_size} x {row} tokens{said}"
+
+
+def actor_estimate(cfg: Config, shape: ModelShape) -> Estimate:
+    """One actor rank's peak: the training step's (weights, grads, Adam, one micro-batch)."""
+    megatron = cfg.actor.backend == "megatron"
+    m = cfg.actor.megatron
+    tp, ep = (m.tensor_model_parallel_size, m.expert_model_parallel_size) if megatron else (1, 1)
+    dp = (cfg.cluster.actor_num_gpus or 1) // tp
+    bf16 = megatron and m.bf16
+    distributed = megatron and m.use_distributed_optimizer
+    split, replicated, expert = shape.layer_params()
+    vocab = padded_vocab(shape.vocab, tp) if megatron else shape.vocab
+    dense = shape.layers * (split / tp + replicated) + 2 * vocab * shape.hidden / tp + shape.hidden
+    experts = shape.layers * expert / (ep * tp)
+    params = dense + experts
+    weight_bytes = 2 if bf16 else 4
+    adam_bytes = 12 if bf16 else 8  # fp32 master (bf16 only) + exp_avg + exp_avg_sq
+    adam = adam_bytes * (dense / dp + experts / max(1, dp // ep) if distributed else params)
+    terms = [("weights", weight_bytes * params), ("gradients", 4.0 * params), ("optimizer", adam)]
+    if cfg.kl_needed:
+        terms.append(("reference weights", weight_bytes * params))
+    tokens, row, where = micro_batch_tokens(cfg)
+    act = 2 if bf16 else 4
+    layer = layer_activation_bytes(shape, tokens, row, tp, ep, act)
+    recompute = megatron and m.recompute
+    kept = shape.layers * act * shape.hidden * tokens + layer if recompute else shape.layers * layer
+    terms.append((f"activations ({'recompute' if recompute else 'no recompute'})", kept))
+    terms.append(("logits", LOGIT_BYTES * tokens * vocab / tp))
+    terms.append(("runtime (CUDA, NCCL)", RUNTIME_GIB * GIB))
+    notes = (
+        f"{tokens} tokens per micro-batch ({where})",
+        f"TP {tp} EP {ep} DP {dp}, {'bf16' if bf16 else 'fp32'}"
+        f"{', distributed optimizer' if distributed else ''}, {params / 1e9:.2f}B parameters on the rank",
+    )
+    return Estimate("actor rank", tuple(terms), notes)
+
+
+def layer_activation_bytes(shape: ModelShape, tokens: int, row: int, tp: int, ep: int, act: int) -> float:
+    """Bytes one decoder layer keeps for backward over ``tokens`` tokens in rows of ``row``.
+
+    Per token: the two norms' inputs and outputs and the residual (4 x hidden, replicated over
+    TP without sequence parallelism); q, k, v and the attention output; the MLP's fc1 output
+    (gate and up), the SiLU output and the product fed to fc2 (4 x ffn). Per row: the score
+    matrix and its softmax (2.5 x act bytes per entry: scores, probabilities in act, a fp32
+    softmax share), heads / TP of them. MoE: each token's k experts' MLP, the router logits
+    (fp32) and the allgather dispatcher's copy of the EP group's tokens.
+    """
+    h = shape.hidden
+    per_token = 4 * h + (2 * shape.q_dim + 2 * shape.kv_dim) / tp
+    if shape.experts:
+        per_token += shape.topk * 4 * shape.moe_ffn / tp + (4 / act) * shape.experts + ep * h
+    else:
+        per_token += 4 * shape.ffn / tp
+    scores = 2.5 * tokens * row * shape.heads / tp
+    return act * (per_token * tokens + scores)
+
+
+def engine_estimate(cfg: Config, shape: ModelShape) -> Estimate:
+    """One SGLang engine GPU: its weights shard (bf16) and the KV cache the fraction leaves."""
+    tp, frac = cfg.cluster.rollout_gpus_per_engine, cfg.rollout.sglang.mem_fraction_static
+    weights = 2.0 * shape.params() / tp
+    kv_per_token = 2 * shape.layers * 2 * shape.kv_dim / min(tp, shape.kv_heads)  # k and v, bf16
+    gpu = cfg.cluster.gpu_memory_gb
+    if gpu is None:
+        return Estimate(
+            "engine",
+            (("weights", weights),),
+            (f"KV cache: the rest of {frac} of the GPU (rollout.sglang.mem_fraction_static), {kv_per_token / 2**10:.0f} KiB/token",),
+        )  # fmt: skip
+    kv = max(0.0, frac * gpu * GIB - weights)
+    return Estimate(
+        "engine",
+        (("weights", weights), ("KV cache", kv)),
+        (f"mem_fraction_static {frac} of {gpu:g} GiB: KV cache for ~{int(kv // kv_per_token)} tokens",),
+    )
+
+
+def plan(cfg: Config) -> tuple[Estimate, Estimate | None] | None:
+    """(actor rank, engine) estimates; None where the model's shape is unknown."""
+    shape = read_shape(cfg)
+    if shape is None:
+        return None
+    engine = engine_estimate(cfg, shape) if cfg.rollout.backend == "sglang" else None
+    return actor_estimate(cfg, shape), engine
+
+
+def summarize(cfg: Config) -> str:
+    """The dry run's memory table."""
+    p = plan(cfg)
+    if p is None:
+        return f"GPU memory plan: unknown (no config.json readable at model.path = {cfg.model.path})"
+    gpu = cfg.cluster.gpu_memory_gb
+    of = f"of {gpu:g} GiB (cluster.gpu_memory_gb)" if gpu else "(cluster.gpu_memory_gb unset: nothing checked)"
+    lines = [f"GPU memory plan, GiB per GPU {of}:"]
+    for est in filter(None, p):
+        total = est.total if est.who == "actor rank" or gpu else None
+        lines.append(f"  {est.who}: " + (f"{total / GIB:.1f}" if total is not None else "weights + KV cache"))
+        lines += [f"    {name:<28} {b / GIB:8.2f}" for name, b in est.terms]
+        lines += [f"    ({n})" for n in est.notes]
+    if cfg.cluster.colocate:
+        lines.append("  colocated: the actor's and the engine's share the same GPU" + (
+            " (cluster.offload: one at a time)" if cfg.cluster.offload else ""))  # fmt: skip
+    return "\n".join(lines)
+
+
+def check_fits(cfg: Config) -> None:
+    """Refuse, naming the biggest term and its knobs, a layout whose estimate exceeds
+    ``cluster.gpu_memory_gb``; nothing is checked while that is unset."""
+    gpu = cfg.cluster.gpu_memory_gb
+    p = plan(cfg) if gpu is not None else None
+    if p is None:
+        return
+    actor, engine = p
+    have = gpu * GIB
+    sharing = cfg.cluster.colocate and not cfg.cluster.offload and engine is not None
+    actor_room = have - (cfg.rollout.sglang.mem_fraction_static * have if sharing else 0)
+    if actor.total > actor_room:
+        name, b = actor.biggest()
+        shared = " beside the colocated engine's mem_fraction_static" if sharing else ""
+        raise ConfigError(
+            f"an actor rank needs ~{actor.total / GIB:.1f} GiB{shared}, more than the {actor_room / GIB:.1f} GiB "
+            f"it has (cluster.gpu_memory_gb = {gpu:g}); the biggest term is {name} ({b / GIB:.1f} GiB)",
+            _actor_fix(cfg, name, bool(read_shape(cfg).experts)) + " (the dry run prints every term)",
+        )
+    if engine is not None and engine.terms[0][1] >= cfg.rollout.sglang.mem_fraction_static * have:
+        raise ConfigError(
+            f"an engine's weights (~{engine.terms[0][1] / GIB:.1f} GiB per GPU) fill its "
+            f"rollout.sglang.mem_fraction_static = {cfg.rollout.sglang.mem_fraction_static} of {gpu:g} GiB: "
+            "no room for a KV cache",
+            "give each engine more GPUs (cluster.rollout_gpus_per_engine) or raise rollout.sglang.mem_fraction_static",
+        )
+
+
+def _actor_fix(cfg: Config, term: str, moe: bool) -> str:
+    """The knobs that reduce ``term``, those of that term first."""
+    m = cfg.actor.megatron
+    tp = "raise actor.megatron.tensor_model_parallel_size (within a node)"
+    ep = "raise actor.megatron.expert_model_parallel_size" if moe and cfg.actor.backend == "megatron" else ""
+    tokens = "lower actor.max_tokens_per_micro_batch (or actor.micro_batch_size)"
+    knobs = {
+        "weights": [tp, ep],
+        "gradients": [tp, ep],
+        "reference weights": [tp, ep, "set algo.kl_coef: 0 (no reference model)"],
+        "optimizer": [
+            "" if m.use_distributed_optimizer else "set actor.megatron.use_distributed_optimizer: true",
+            "add data-parallel ranks (cluster.actor_num_gpus)",
+            tp,
+            ep,
+        ],
+        "logits": [tokens, tp],
+        "runtime": ["use GPUs with more memory (it is a fixed allowance)"],
+    }.get(term.split(" (")[0], ["" if m.recompute else "set actor.megatron.recompute: true", tokens, tp])
+    if cfg.actor.backend != "megatron":
+        knobs = ["use actor.backend: megatron (bf16, TP, distributed optimizer)", tokens]
+    if cfg.cluster.colocate and not cfg.cluster.offload:
+        knobs.append("set cluster.offload: true (engine and actor take turns on the GPU)")
+    knobs.append("pipeline parallelism is not built yet")
+    return "; ".join(k for k in knobs if k)

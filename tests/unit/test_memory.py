@@ -1,0 +1,136 @@
+"""The GPU memory plan (rlhpc/cluster/memory.py): each term on one shape computed by hand, the
+refusal naming the biggest term and its knobs, and megatron's own weight + optimizer formula."""
+
+import pytest
+
+from rlhpc.cluster.memory import GIB, ModelShape, actor_estimate, check_fits, engine_estimate, read_shape, summarize
+from rlhpc.config import load_config
+from rlhpc.errors import ConfigError
+
+# The tiny qwen3 (hidden 64, ffn 256, 2 layers, 4 heads of 16, 2 key/value heads, BPE vocab 320)
+# on 4 megatron ranks: TP 2, DP 2, bf16, distributed optimizer; micro-batches of 2 samples of
+# 32 prompt + 96 new tokens = 2 rows of 128, 256 tokens.
+TINY = [
+    "model.tiny.architecture=qwen3", "cluster.gpus_per_node=16", "cluster.actor_num_gpus=4", "cluster.rollout_num_gpus=2",
+    "rollout.backend=sglang", "cluster.rollout_gpus_per_engine=2", "actor.backend=megatron",
+    "actor.megatron.tensor_model_parallel_size=2", "actor.megatron.use_distributed_optimizer=true",
+    "actor.megatron.bf16=true", "actor.micro_batch_size=2", "data.max_prompt_tokens=32", "rollout.max_new_tokens=96",
+    "rollout.rollout_batch_size=4",
+]  # fmt: skip
+
+
+def tiny(*more: str):
+    return load_config("jobs/configs/embedded.yaml", [*TINY, *more])
+
+
+def test_the_terms_of_one_shape_computed_by_hand():
+    cfg = tiny()
+    shape = read_shape(cfg)
+    # per layer: q 64x64 + k, v 2 x 64x32 + o 64x64 + gate, up, down 3 x 64x256 = 61440 split
+    # over TP; 2 norms of 64 + q/k norms of 16 = 160 replicated
+    assert shape.layer_params() == (61440, 160, 0)
+    # on a rank: 2 x (61440 / 2 + 160) + embedding and output 2 x 512 (320 padded to 128 x TP) x 64 / 2
+    # + the final norm 64 = 61760 + 32768 + 64 = 94592
+    terms = dict(actor_estimate(cfg, shape).terms)
+    assert terms["weights"] == 2 * 94592 == 189184
+    assert terms["gradients"] == 4 * 94592 == 378368
+    assert terms["optimizer"] == 12 * 94592 / 2 == 567552  # fp32 master + 2 moments over DP 2
+    # per token and layer: 4 x 64 + (2 x 64 + 2 x 32) / 2 + 4 x 256 / 2 = 864 values; per row the
+    # scores of 4 / 2 heads: 2.5 x 256 x 128 x 2 = 163840; bf16: 2 x (864 x 256 + 163840) = 770048
+    assert terms["activations (no recompute)"] == 2 * 770048 == 1540096
+    assert terms["logits"] == 14 * 256 * 512 / 2 == 917504
+    assert terms["runtime (CUDA, NCCL)"] == 2 * GIB
+    # recompute: each layer's input (2 bytes x 64 x 256 tokens) and one whole layer
+    recomputed = dict(actor_estimate(tiny("actor.megatron.recompute=true"), shape).terms)
+    assert recomputed["activations (recompute)"] == 2 * 2 * 64 * 256 + 770048 == 835584
+    # the plain optimizer keeps all of it; a KL penalty adds the reference model's weights
+    plain = dict(
+        actor_estimate(tiny("actor.megatron.use_distributed_optimizer=false", "algo.kl_coef=0.1"), shape).terms
+    )
+    assert plain["optimizer"] == 12 * 94592 and plain["reference weights"] == 189184
+    # max_tokens_per_micro_batch bounds the tokens; a row is at most the longest sample
+    packed = dict(actor_estimate(tiny("actor.max_tokens_per_micro_batch=512"), shape).terms)
+    assert packed["logits"] == 14 * 512 * 512 / 2
+
+
+def test_moe_experts_split_over_ep_and_tp_and_their_adam_over_expert_data_parallel():
+    moe = [
+        "model.tiny.architecture=qwen3_moe",
+        "cluster.actor_num_gpus=8",
+        "actor.megatron.expert_model_parallel_size=2",
+    ]
+    cfg = tiny(*moe)
+    shape = read_shape(cfg)
+    # 4 experts of gate, up, down 3 x 64 x 64; the router (64 x 4) is replicated
+    assert shape.layer_params() == (4096 * 3, 160 + 256, 4 * 3 * 64 * 64)
+    dense = 2 * (4096 * 3 / 2 + 416) + 2 * 512 * 64 / 2 + 64
+    experts = 2 * 4 * 3 * 64 * 64 / (2 * 2)  # over EP 2 x TP 2
+    terms = dict(actor_estimate(cfg, shape).terms)
+    assert terms["weights"] == 2 * (dense + experts)
+    assert terms["optimizer"] == 12 * (dense / 4 + experts / 2)  # DP 4; expert DP = DP / EP = 2
+
+
+def test_an_engine_takes_its_fraction_of_the_gpu():
+    cfg = tiny()
+    cfg.cluster.gpu_memory_gb = 1  # after loading: the actor's 2 GiB of runtime alone would be refused
+    shape = read_shape(cfg)
+    weights = 2 * shape.params() / 2
+    assert engine_estimate(cfg, shape).terms == (("weights", weights), ("KV cache", 0.7 * GIB - weights))
+
+
+def test_nothing_is_refused_while_the_gpu_memory_is_unknown():
+    cfg = tiny("actor.max_tokens_per_micro_batch=10000000")
+    check_fits(cfg)
+    assert "cluster.gpu_memory_gb unset: nothing checked" in summarize(cfg)
+
+
+def test_a_layout_that_cannot_fit_is_refused_naming_the_biggest_term_and_its_knobs():
+    # 2 GiB of runtime alone is more than 1.5 GiB; with recompute, the logits of 40M tokens are the biggest term
+    with pytest.raises(ConfigError, match=r"needs ~.* GiB, more than the 1.5 GiB .* biggest term is runtime") as e:
+        tiny("cluster.gpu_memory_gb=1.5")
+    with pytest.raises(ConfigError, match=r"biggest term is logits \(.* GiB\)") as e:
+        tiny("cluster.gpu_memory_gb=40", "actor.max_tokens_per_micro_batch=40000000", "actor.megatron.recompute=true")
+    assert "lower actor.max_tokens_per_micro_batch" in e.value.fix and "tensor_model_parallel_size" in e.value.fix
+    # rows of 8032 tokens: the unfused attention's scores (5 GiB a layer) make the activations
+    # the biggest term; with recompute only one layer's are kept, and it fits
+    long = [
+        "actor.max_tokens_per_micro_batch=65536",
+        "rollout.max_new_tokens=8000",
+        "model.tiny.max_position_embeddings=8192",
+    ]
+    with pytest.raises(ConfigError, match=r"biggest term is activations \(no recompute\)") as e:
+        tiny("cluster.gpu_memory_gb=9", *long)
+    assert e.value.fix.startswith("set actor.megatron.recompute: true")
+    tiny("cluster.gpu_memory_gb=9", *long, "actor.megatron.recompute=true")
+    # colocated without offload, the engine's fraction is taken first
+    with pytest.raises(ConfigError, match=r"beside the colocated engine's mem_fraction_static") as e:
+        tiny("cluster.gpu_memory_gb=6", "cluster.colocate=true", "cluster.rollout_num_gpus=4")
+    assert "cluster.offload: true" in e.value.fix
+
+
+def test_megatron_lms_weight_and_optimizer_formula_on_qwen3_8b():
+    """megatron-core (installed) reports no memory estimate; Megatron-LM's
+    megatron/training/theoretical_memory_usage.py (not installed) does: its weight + optimizer
+    memory is the largest shard's parameters x (18 bytes, or 6 + 12 / DP with the distributed
+    optimizer). Its parameter count, written out by hand for Qwen3-8B (h 4096, 36 layers, 32
+    heads of 128, 8 query groups, ffn 12288, vocab 151936, a multiple of 128: not padded at TP 1):
+    2 L h^2 (attention (1 + 8/32) x 128 x 32 / 4096 + gated MLP 3/2 x 12288 / 4096 + 2 / h
+    + 1 / (L h)) + 2 x 151936 x h. It counts each norm as a LayerNorm (weight and bias: 2h, the
+    final one too) and leaves out the QK norms (2 x 128 per layer); ours counts RMSNorms."""
+    L, h = 36, 4096
+    megatron_lm = 2 * L * h * h * ((1 + 8 / 32) * 1 + 1.5 * 12288 / h + 2 / h + 1 / (L * h)) + 2 * 151936 * h
+    assert megatron_lm == 8_191_025_152
+    shape = ModelShape(4096, 36, 32, 8, 128, 12288, 151936, qk_norm=True)
+    split, replicated, _ = shape.layer_params()
+    ours = L * (split + replicated) + 2 * 151936 * h + h
+    assert ours - megatron_lm == L * 2 * 128 - L * 2 * h - h == -289792
+    for dp, distributed, per_param in ((1, False, 18), (8, True, 6 + 12 / 8)):
+        cfg = load_config(
+            "jobs/configs/embedded.yaml",
+            ["model.tiny.architecture=qwen3", "actor.backend=megatron", "actor.megatron.bf16=true",
+             f"actor.megatron.use_distributed_optimizer={distributed}", "cluster.gpus_per_node=16",
+             f"cluster.actor_num_gpus={dp}", "cluster.rollout_num_gpus=1"],
+        )  # fmt: skip
+        t = dict(actor_estimate(cfg, shape).terms)
+        assert t["weights"] + t["gradients"] + t["optimizer"] == pytest.approx(per_param * ours)
+        assert t["weights"] + t["gradients"] + t["optimizer"] == pytest.approx(per_param * megatron_lm, rel=4e-5)
