@@ -835,6 +835,11 @@ class AlgoConfig(Section):
     overlong_buffer: int = 0
     overlong_penalty: float = 1.0
 
+    @property
+    def needs_reference(self) -> bool:
+        """The KL penalty is on: the actor keeps a frozen copy of the initial model."""
+        return self.kl_coef > 0
+
     def check(self) -> None:
         self._at_least(0, "eps_clip", "eps_clip_high")
         self._at_least(0, "overlong_buffer", fix="set 0 for no overlong penalty, or a token count below max_new_tokens")

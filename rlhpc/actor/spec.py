@@ -43,8 +43,7 @@ class ActorSpec:
 
     @property
     def needs_reference(self) -> bool:
-        """The KL penalty is on: ranks keep a frozen copy of the initial model."""
-        return self.algo.kl_coef > 0
+        return self.algo.needs_reference
 
     @property
     def tp_size(self) -> int:

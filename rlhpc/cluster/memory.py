@@ -177,7 +177,7 @@ def actor_estimate(cfg: Config, shape: ModelShape) -> Estimate:
     adam_bytes = 12 if bf16 else 8  # fp32 master (bf16 only) + exp_avg + exp_avg_sq
     adam = adam_bytes * (dense / dp + experts / max(1, dp // ep) if distributed else params)
     terms = [("weights", weight_bytes * params), ("gradients", 4.0 * params), ("optimizer", adam)]
-    if cfg.kl_needed:
+    if cfg.algo.needs_reference:
         terms.append(("reference weights", weight_bytes * params))
     tokens, row, where = micro_batch_tokens(cfg)
     act = 2 if bf16 else 4
