@@ -83,7 +83,9 @@ def refuse_reason(history: list[dict], policy: RestartPolicy) -> str | None:
     if this["restart_count"] > policy.max_restarts:
         return f"job {this['job_id']} was requeued {this['restart_count']} times (checkpoint.max_restarts = {policy.max_restarts})"
     n = policy.max_starts_without_progress
-    recent = history[-(n + 1) :]
+    # Starts of this job only: a submission (a new job) is a person's decision to try again,
+    # after a stop they asked for (Ctrl-C, `kill PID`) as much as after a crash.
+    recent = [h for h in history if h["job_id"] == this["job_id"]][-(n + 1) :]
     if len(recent) == n + 1 and len({h["next_rollout_id"] for h in recent}) == 1:
         return f"the last {n + 1} starts all began at rollout {this['next_rollout_id']}: no rollout was trained in between (a restart loop)"
     return None

@@ -90,9 +90,11 @@ def test_a_local_job_stops_with_its_controller_and_kill_stops_it_for_good(tmp_pa
         follow, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )
     try:
-        wait_until(lambda: read(run) is not None and read(run).kind == "local", 240, "the job did not start")
-        task_logs = list((run / "logs" / "submitit").glob(f"{read(run).job_id}_0_log.*"))
-        wait_until(lambda: any("local Ray up" in f.read_text() for f in task_logs), 240, "the job's Ray is not up")
+        started = lambda: (o := read(run)) is not None and o.kind == "local" and o.job_id != str(controller)  # noqa: E731
+        wait_until(started, 240, "the job did not start")  # its own controller, not the last one's record
+        logs = run / "logs" / "submitit"
+        ray_up = lambda: any("local Ray up" in f.read_text() for f in logs.glob(f"{read(run).job_id}_0_log.*"))  # noqa: E731
+        wait_until(ray_up, 240, "the job's Ray is not up")
         os.killpg(proc.pid, signal.SIGINT)
         hold.unlink()
         out, _ = proc.communicate(timeout=240)

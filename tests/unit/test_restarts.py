@@ -87,3 +87,17 @@ def test_local_executor_allows_the_configured_restarts(tmp_path):
 
     # the first start, 10 restarts, and the start rlhpc's own policy refuses
     assert local_executor(RunDir(tmp_path), 60, 0, max_restarts=10).max_starts == 12
+
+
+def test_a_restart_loop_is_counted_within_one_job():
+    from rlhpc.launch.restarts import RestartPolicy, refuse_reason
+
+    policy = RestartPolicy(max_restarts=20, max_starts_without_progress=2)
+    start = lambda job, count: {"job_id": job, "restart_count": count, "next_rollout_id": 0}  # noqa: E731
+    # one job restarting at the same rollout: the third start is a loop
+    assert refuse_reason([start("7", 0), start("7", 1)], policy) is None
+    reason = refuse_reason([start("7", 0), start("7", 1), start("7", 2)], policy)
+    assert reason is not None and "the last 3 starts all began at rollout 0" in reason
+    # three submissions stopped by their user before a rollout: each a decision, not a loop
+    assert refuse_reason([start("7", 0), start("8", 0), start("9", 0)], policy) is None
+    assert refuse_reason([start("7", 0), start("8", 0), start("8", 1)], policy) is None
