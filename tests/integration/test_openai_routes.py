@@ -21,7 +21,11 @@ from rlhpc.rollout.client import EngineClient
 
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return str(build_tiny_model(tmp_path_factory.mktemp("bpe") / "tiny", TinyModelConfig(tokenizer="bpe")))
+    return str(
+        build_tiny_model(
+            tmp_path_factory.mktemp("bpe") / "tiny", TinyModelConfig(tokenizer="bpe", max_position_embeddings=512)
+        )
+    )  # room for a tools system turn
 
 
 @pytest.fixture(scope="module")
@@ -219,6 +223,9 @@ def test_chat_with_tools_passes_them_to_the_template_and_stays_plain_without_mar
     r = oai.chat.completions.create(
         model="m", messages=[{"role": "user", "content": "hi"}], tools=tools, max_tokens=4, temperature=0
     )
+    # the template lists the tools in a system turn of its own: the prompt grew by their schema
+    plain = oai.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=1)
+    assert r.usage.prompt_tokens > plain.usage.prompt_tokens + 10
     # the tiny random model writes no <tool_call> markup: the output is content (parsing: unit tests)
     assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason in ("stop", "length")
 
