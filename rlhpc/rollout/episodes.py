@@ -38,6 +38,7 @@ from typing import Any
 from rlhpc.errors import ConfigError, RlhpcError
 from rlhpc.rollout.prompts import render_messages, with_system
 from rlhpc.rollout.tools import Tools, resolve_parser, resolve_tools
+from rlhpc.util.imports import import_function
 
 log = logging.getLogger(__name__)
 
@@ -47,18 +48,7 @@ ENV_SIGNATURE = "class with reset(row) -> messages and step(assistant_message) -
 
 def resolve_env(spec: str, key: str = "rollout.env") -> type:
     """Import ``"module:Class"`` and check it is a class with ``reset`` and ``step``; errors name the key."""
-    import importlib
-
-    module_name, sep, name = spec.partition(":")
-    if not sep or not module_name or not name:
-        raise ConfigError(f"{key} = {spec!r} is not 'module:Class'", f"write {key}: my_module:MyEnv, a {ENV_SIGNATURE}")
-    try:
-        cls = getattr(importlib.import_module(module_name), name)
-    except (ImportError, AttributeError) as e:
-        raise ConfigError(
-            f"{key} = {spec!r} cannot be imported: {e}",
-            "make the module importable from the job (PYTHONPATH) and check the class's name",
-        ) from e
+    cls = import_function(key, spec, ENV_SIGNATURE.removeprefix("class "), kind="class")
     missing = [m for m in ("reset", "step") if not callable(getattr(cls, m, None))]
     if not inspect.isclass(cls) or missing:
         what = "is not a class" if not inspect.isclass(cls) else f"has no {' or '.join(missing)} method"
