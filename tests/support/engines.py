@@ -95,3 +95,21 @@ def assert_generation_matches(client: EngineClient, model: torch.nn.Module, mode
     outs = client.generate(input_ids=ids, sampling_params={"max_new_tokens": 8, "temperature": 0})
     ref = sample(model, ids, [8, 8], [0.0, 0.0], [1.0, 1.0], [None, None], tok.eos_token_id, tok.pad_token_id)
     assert [o["output_ids"] for o in outs] == [r.output_ids for r in ref]
+
+
+def in_process_send(engine, answered):
+    """A ``Generation`` send over an in-process CPU ``Engine``: each request generated as the
+    server would, ``answered(request, outputs)`` told of each one (what a test checks)."""
+
+    def send(requests, done):
+        out = []
+        for c, r in enumerate(requests):
+            items, _ = engine.normalize(
+                {"input_ids": r.input_ids, "sampling_params": r.sampling_params, "return_logprob": True}
+            )
+            out.append(engine.generate(items, engine.next_seq()))
+            answered(r, out[-1])
+            done(c)
+        return out
+
+    return send

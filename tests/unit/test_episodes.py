@@ -5,6 +5,7 @@ built-in guess environment, and a whole rollout of episodes through an in-proces
 import h5py
 import pytest
 import torch
+from support.engines import in_process_send
 
 from rlhpc.batch import RolloutBatch
 from rlhpc.config import TinyModelConfig, load_config
@@ -125,17 +126,11 @@ def test_episodes_through_a_cpu_engine_train_the_engines_tokens(tmp_path):
     sent: list[list[int]] = []
     answers: list[list[int]] = []
 
-    def send(requests, done):
-        out = []
-        for c, r in enumerate(requests):
-            items, _ = engine.normalize(
-                {"input_ids": r.input_ids, "sampling_params": r.sampling_params, "return_logprob": True}
-            )
-            out.append(engine.generate(items, engine.next_seq()))
-            sent.extend(r.input_ids)
-            answers.extend(list(o["output_ids"]) for o in out[-1])
-            done(c)
-        return out
+    def answered(request, outputs):
+        sent.extend(request.input_ids)
+        answers.extend(list(o["output_ids"]) for o in outputs)
+
+    send = in_process_send(engine, answered)
 
     episodes = make_episodes(cfg, tok)
     gen = Generation(tok, lambda *a: 0.0, cfg.rollout, cfg.eval, cfg.algo, cfg.seed, send, episodes=episodes)

@@ -12,6 +12,7 @@ import time
 from typing import Literal, Optional
 
 import pytest
+from support.engines import in_process_send
 
 from rlhpc.config import load_config
 from rlhpc.errors import ConfigError
@@ -291,16 +292,7 @@ def test_tool_episodes_through_a_cpu_engine(tmp_path):
     engine = Engine(str(model), "default")
     replies: list[str] = []
 
-    def send(requests, done):
-        out = []
-        for c, r in enumerate(requests):
-            items, _ = engine.normalize(
-                {"input_ids": r.input_ids, "sampling_params": r.sampling_params, "return_logprob": True}
-            )
-            out.append(engine.generate(items, engine.next_seq()))
-            replies.extend(o["text"] for o in out[-1])
-            done(c)
-        return out
+    send = in_process_send(engine, lambda request, outputs: replies.extend(o["text"] for o in outputs))
 
     episodes = make_episodes(cfg, tok)
     assert episodes is not None and episodes.score_replies and CHAT_ENV == episodes.spec
