@@ -56,6 +56,22 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
     return SlurmTogether(config, log)
 
 
+# Seconds spent per worker's share (the Slurm tests on one worker, the rest on the other), summed
+# from every test's setup, call and teardown: CI prints them so the long pole can be seen at once.
+_SPENT: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    share = "slurm" if report.nodeid.startswith("tests/slurm/") else "unit+integration"
+    _SPENT[share] = _SPENT.get(share, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    if _SPENT:
+        shares = ", ".join(f"{share} {seconds / 60:.1f} min" for share, seconds in sorted(_SPENT.items()))
+        terminalreporter.write_line(f"time spent in tests by share: {shares}")
+
+
 # =====================================================================================
 # A tiny random Llama (module scope) and a local Ray with 4 declared GPUs (module scope).
 # A module that needs another model overrides `model_path` locally.
