@@ -275,6 +275,10 @@ class ActorGroup:
     def fingerprints(self) -> list[str]:
         return self._call("state_fingerprint")
 
+    def reference_fingerprints(self) -> list[str | None]:
+        """Per rank, the reference model's fingerprint (torch actor only; None: no reference)."""
+        return self._call("reference_fingerprint")
+
     def shutdown(self) -> None:
         """Close process groups where ranks still answer, then kill every actor."""
         refs = [w.shutdown.remote() for w in self.workers]

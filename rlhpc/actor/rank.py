@@ -158,7 +158,9 @@ class RankBase:
         self.tokenizer = None
         self.pad_id = 0
         self.sender = None
-        self.ref: torch.nn.Module | None = None  # frozen initial model, when the KL penalty is on
+        self.ref: torch.nn.Module | None = None  # frozen reference model, when the KL penalty is on
+        # rollouts trained when the reference was last reset to the policy (algo.ref_update_interval); 0: the initial model
+        self.ref_reset_at = 0
         self.optimizer = None
         self.optimizer_steps = 0
         self.offloaded = False
@@ -288,6 +290,11 @@ class RankBase:
                 )
 
         metrics = self._rollout_metrics({**loss_sums, **sums}, local_tokens, grad_norms, skipped)
+        interval = self.spec.algo.ref_update_interval
+        if interval and (rollout_id + 1) % interval == 0:
+            self._reset_reference()
+            self.ref_reset_at = rollout_id + 1
+            log.info("rank %d: the reference model is now the policy after rollout %d", self.rank, rollout_id)
         if self.rank == 0:
             log.debug("rollout %d: %s", rollout_id, ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
         return metrics
@@ -465,6 +472,13 @@ class RankBase:
         """Entropy [N, L-1] of the full-vocab softmax: a metric (no grad), and with its gradient
         in the loss when ``algo.entropy_coef`` > 0."""
         raise NotImplementedError
+
+    def _reset_reference(self) -> None:
+        """Make the reference model the current policy (``algo.ref_update_interval``)."""
+        raise RlhpcError(
+            f"the {self.spec.actor.backend} actor cannot reset its reference model",
+            "set algo.ref_update_interval: 0, or use actor.backend: torch",
+        )
 
     def _begin_step(self, micro_batches: int) -> None:
         """Before a step's forwards: how many micro-batches this rank runs in it (MoE aux-loss scale)."""

@@ -329,6 +329,40 @@ def test_kl_against_initial_model(ray_cluster: None, model_path: str, tmp_path: 
         assert g.train(2, make_batch(6, seed=2))["kl"] > 0
 
 
+def test_the_reference_is_reset_every_interval_and_a_resume_restores_it(
+    ray_cluster: None, model_path: str, tmp_path: Path
+) -> None:
+    """algo.ref_update_interval = 2: the reference is the initial model until rollout 1 is
+    trained, then that policy (equal to it right after the reset, behind it after rollout 2).
+    A checkpoint after rollout 2 holds it: the resumed rank has the same reference (not the
+    initial model, nor the checkpoint's policy) and trains rollout 3 exactly as the
+    uninterrupted one (its KL term reads the reference)."""
+    cfg = make_cfg(micro_batch_size=4)
+    cfg.algo.kl_coef, cfg.algo.ref_update_interval = 0.1, 2
+    ckpt = tmp_path / "ckpt"
+    with Group(cfg, model_path, 1) as a:
+        initial = a.fingerprints()[0]
+        assert a.reference_fingerprints() == [initial]
+        a.train(0, make_batch(6, seed=0))
+        assert a.reference_fingerprints() == [initial] != a.fingerprints()
+        a.train(1, make_batch(6, seed=1))
+        reset = a.fingerprints()[0]
+        assert a.reference_fingerprints() == [reset] != [initial]
+        # the policy about to be trained is the reference: no KL in the first step, as at the start
+        assert a.train(2, make_batch(6, seed=2))["kl"] == 0.0
+        assert a.reference_fingerprints() == [reset] != a.fingerprints()
+        a.save(str(ckpt))
+        uninterrupted_metrics = a.train(3, make_batch(6, seed=3))
+        uninterrupted = a.fingerprints()
+        assert a.reference_fingerprints() == uninterrupted  # the second reset
+    assert uninterrupted_metrics["kl"] > 0
+    with Group(cfg, model_path, 1) as b:
+        b.load(str(ckpt))
+        assert b.reference_fingerprints() == [reset]
+        assert b.train(3, make_batch(6, seed=3)) == uninterrupted_metrics
+        assert b.fingerprints() == uninterrupted == b.reference_fingerprints()
+
+
 def test_kl_in_reward_measures_each_samples_kl_as_transformers_does(ray_cluster: None, model_path: str) -> None:
     """algo.kl_in_reward: two ranks in packed micro-batches of <= 20 tokens (the first-fit puts
     samples out of order) give every sample's sum_t KL_t in the batch's order, as a plain
