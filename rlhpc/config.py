@@ -822,6 +822,13 @@ class AlgoConfig(Section):
     entropy_coef: float = 0.0  # > 0 subtracts coef * entropy (aggregated as the loss) from the loss
     kl_coef: float = 0.0  # > 0 adds a KL penalty to the reference model (loaded then)
     kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = "k3"
+    # Where the KL penalty goes: false, into the loss (per token, with its gradient); true, into
+    # the reward before advantages: reward_i -= kl_coef * sum_t KL_t over sample i's response
+    # tokens, KL_t of the policy about to be trained against the reference (no gradient).
+    kl_in_reward: bool = False
+    # Every N rollouts the reference becomes the current policy (reference resetting); 0: it
+    # stays the initial model. The reference at the last reset is saved with each checkpoint.
+    ref_update_interval: int = 0
     # Off-policy correction (truncated importance sampling): each token's loss is weighted by
     # min(pi_old / pi_engine, tis_clip), where pi_engine is the probability the engine sampled
     # it with (its own logprobs: older weights with rollout.max_staleness >= 1, and a different
@@ -837,8 +844,14 @@ class AlgoConfig(Section):
 
     @property
     def needs_reference(self) -> bool:
-        """The KL penalty is on: the actor keeps a frozen copy of the initial model."""
+        """The KL penalty is on: the actor keeps a frozen reference model (the initial model, or
+        the policy at the last reset with ``ref_update_interval``)."""
         return self.kl_coef > 0
+
+    @property
+    def kl_loss_coef(self) -> float:
+        """The KL term's weight in the loss: 0 when the penalty goes into the reward instead."""
+        return 0.0 if self.kl_in_reward else self.kl_coef
 
     def check(self) -> None:
         self._at_least(0, "eps_clip", "eps_clip_high")
@@ -846,6 +859,19 @@ class AlgoConfig(Section):
         self._at_least(0, "overlong_penalty", fix="set the largest penalty (a positive number, e.g. 1.0)")
         self._above(0, "tis_clip", fix="set the truncation of the importance weights, e.g. 2.0")
         self._at_least(0, "kl_coef", fix="set 0 for no KL penalty, or a positive weight")
+        self._at_least(0, "ref_update_interval", fix="set 0 to keep the initial model as the reference")
+        if self.kl_coef == 0 and self.kl_in_reward:
+            self._refuse(
+                "kl_in_reward",
+                "is true but algo.kl_coef = 0: there is no KL penalty to put into the reward",
+                "set algo.kl_coef to the penalty's weight (e.g. 0.01), or algo.kl_in_reward: false",
+            )
+        if self.kl_coef == 0 and self.ref_update_interval:
+            self._refuse(
+                "ref_update_interval",
+                "is set but algo.kl_coef = 0: there is no reference model to reset",
+                "set algo.kl_coef to the KL penalty's weight (e.g. 0.01), or algo.ref_update_interval: 0",
+            )
         self._at_least(0, "gspo_eps_clip", "gspo_eps_clip_high")
         self._at_least(0, "entropy_coef", fix="set 0 for no entropy bonus, or a small positive weight, e.g. 0.001")
 
@@ -1384,6 +1410,13 @@ def _validate_engine_tp(cfg: Config) -> None:
 
 def _validate_megatron(cfg: Config) -> None:
     c, tp = cfg.cluster, cfg.actor.megatron.tensor_model_parallel_size
+    if cfg.algo.ref_update_interval:
+        raise ConfigError(
+            f"algo.ref_update_interval = {cfg.algo.ref_update_interval} with actor.backend = megatron: the megatron "
+            "actor cannot reset its reference model yet (nor save a reset one in its distributed checkpoint)",
+            "use actor.backend: torch for reference resetting, or algo.ref_update_interval: 0 "
+            "(the reference stays the initial model)",
+        )
     if c.actor_num_gpus % tp:
         raise ConfigError(
             f"actor.megatron.tensor_model_parallel_size = {tp} does not divide cluster.actor_num_gpus = {c.actor_num_gpus}",

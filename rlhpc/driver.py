@@ -7,6 +7,7 @@ step (rows -> scored samples, through the pool), the checkpoint manager and the 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -18,6 +19,7 @@ import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from rlhpc.actor.group import ActorGroup, ActorSpec
+from rlhpc.algo.grpo import kl_in_reward
 from rlhpc.checkpoint import CheckpointManager
 from rlhpc.cluster.layout import plan_layout, summarize_layout
 from rlhpc.cluster.placement import create_placement
@@ -305,7 +307,11 @@ class TrainLoop:
             if cfg.cluster.offload:
                 self.engines.offload()
             with timer("train"):
+                kl_metrics: dict[str, float] = {}
+                if cfg.algo.kl_in_reward:  # with the weights about to be trained: the same when resumed
+                    generated, kl_metrics = self._kl_in_reward(generated)
                 train_metrics = self.actor.train(rollout_id, generated.batch, self._push_with_training(rollout_id))
+                train_metrics.update(kl_metrics)
             if (pushed_s := train_metrics.pop("time/update_weights", None)) is not None:
                 timer["time/train"] -= pushed_s  # the push made in the same call counts as the push
                 timer["time/update_weights"] = pushed_s
@@ -357,6 +363,17 @@ class TrainLoop:
         # engines serving at the end of the rollout: fewer after a node loss, back after it rejoined
         extra = {"rollout/num_engines": self.engines.num_engines, "time/generate": time.perf_counter() - start_s}
         return Generated(rollout_id, batch, {**rollout_metrics, **extra}, texts)
+
+    def _kl_in_reward(self, generated: Generated) -> tuple[Generated, dict[str, float]]:
+        """``algo.kl_in_reward``: the rollout with each reward less kl_coef x its KL to the
+        reference, and the advantages of those; its metric. A new batch: a pending rollout's
+        checkpointed copy stays as generated (its penalty is measured when it is trained)."""
+        a, b = self.cfg.algo, generated.batch
+        rewards, advantages, penalty = kl_in_reward(
+            b.rewards, self.actor.kl_to_reference(b), a.kl_coef, a.advantage_estimator, b.group_size, a.normalize_std
+        )
+        batch = dataclasses.replace(b, rewards=rewards, advantages=advantages)
+        return dataclasses.replace(generated, batch=batch), {"kl/reward_penalty": penalty.mean().item()}
 
     def _push_with_training(self, rollout_id: int) -> int | None:
         """The version the ranks push right after training, in the same call (one trip to them

@@ -3,7 +3,8 @@
 
 Both backends write ``actor_meta.json`` (world size, optimizer steps, initial model, and the
 backend's own keys) and one RNG file per rank; the rest is the backend's: an HF model
-directory plus ``optim.safetensors`` (torch; ``optim.pt`` before 2026-12), or a torch_dist checkpoint under ``dist/`` (megatron).
+directory plus ``optim.safetensors`` (torch; ``optim.pt`` before 2026-12) and, once reset,
+the reference model's ``reference.safetensors``, or a torch_dist checkpoint under ``dist/`` (megatron).
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ import time
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import ray
+import torch
 
 from rlhpc.actor.rank import RankBase
 from rlhpc.actor.spec import ActorSpec
@@ -223,6 +224,15 @@ class ActorGroup:
         self._pushed = (push_version, error)
         return {**metrics, "time/update_weights": push_s}
 
+    def kl_to_reference(self, batch: RolloutBatch) -> torch.Tensor:
+        """Per sample of ``batch`` [N]: sum_t KL_t of the current policy to the reference over its
+        response tokens (``algo.kl_in_reward``); each data-parallel rank measures its shard."""
+        shards = [batch.shard(r // self.tp_size, self.dp_size) for r in range(self.world_size)]
+        refs = [w.kl_to_reference.remote(shard) for w, shard in zip(self.workers, shards)]
+        per_rank = self._get(refs, "kl_to_reference")
+        # the TP ranks of a replica hold the same shard and agree: one replica's answer each, in shard order
+        return torch.tensor([kl for kls in per_rank[:: self.tp_size] for kl in kls], dtype=torch.float32)
+
     def save(self, ckpt_dir: str) -> None:
         """All ranks write into ``ckpt_dir/actor/``; returns when every rank has finished."""
         self._call("save", ckpt_dir)
@@ -264,6 +274,10 @@ class ActorGroup:
 
     def fingerprints(self) -> list[str]:
         return self._call("state_fingerprint")
+
+    def reference_fingerprints(self) -> list[str | None]:
+        """Per rank, the reference model's fingerprint (torch actor only; None: no reference)."""
+        return self._call("reference_fingerprint")
 
     def shutdown(self) -> None:
         """Close process groups where ranks still answer, then kill every actor."""

@@ -33,10 +33,18 @@ import torch.distributed as dist
 
 from rlhpc.actor.checkpoint_dir import rng_file
 from rlhpc.actor.lr_schedule import lr_at
-from rlhpc.actor.packing import micro_batch_groups, pack_rows
+from rlhpc.actor.packing import first_fit_decreasing, micro_batch_groups, pack_rows, sample_lengths, select
 from rlhpc.actor.rng import get_rng_state, seed_everything, set_rng_state
 from rlhpc.actor.spec import ActorSpec
-from rlhpc.algo.grpo import AggNorm, agg_counts, agg_loss, kl_estimate, policy_loss_per_token, truncated_is_weights
+from rlhpc.algo.grpo import (
+    AggNorm,
+    agg_counts,
+    agg_loss,
+    kl_estimate,
+    policy_loss_per_token,
+    sequence_kl,
+    truncated_is_weights,
+)
 from rlhpc.batch import RolloutBatch
 from rlhpc.errors import RlhpcError
 from rlhpc.model import load_tokenizer
@@ -95,7 +103,7 @@ class MicroBatch:
     advantages: torch.Tensor  # [N]
     rollout_logprobs: torch.Tensor | None = None  # [N, L-1] the engines' logprobs (the behaviour policy)
     old_logprobs: torch.Tensor | None = None  # [N, L-1] the policy before this rollout's steps
-    ref_logprobs: torch.Tensor | None = None  # [N, L-1] the initial model (KL penalty only)
+    ref_logprobs: torch.Tensor | None = None  # [N, L-1] the reference model (KL penalty in the loss only)
     tis_weights: torch.Tensor | None = None  # [N, L-1] truncated importance weights (algo.tis only)
     positions: torch.Tensor | None = None  # packed: [1, T] position ids, from 0 in each sample
     unpack_index: torch.Tensor | None = None  # packed: [N, L-1] into the packed row's positions
@@ -150,7 +158,9 @@ class RankBase:
         self.tokenizer = None
         self.pad_id = 0
         self.sender = None
-        self.ref: torch.nn.Module | None = None  # frozen initial model, when the KL penalty is on
+        self.ref: torch.nn.Module | None = None  # frozen reference model, when the KL penalty is on
+        # rollouts trained when the reference was last reset to the policy (algo.ref_update_interval); 0: the initial model
+        self.ref_reset_at = 0
         self.optimizer = None
         self.optimizer_steps = 0
         self.offloaded = False
@@ -280,6 +290,11 @@ class RankBase:
                 )
 
         metrics = self._rollout_metrics({**loss_sums, **sums}, local_tokens, grad_norms, skipped)
+        interval = self.spec.algo.ref_update_interval
+        if interval and (rollout_id + 1) % interval == 0:
+            self._reset_reference()
+            self.ref_reset_at = rollout_id + 1
+            log.info("rank %d: the reference model is now the policy after rollout %d", self.rank, rollout_id)
         if self.rank == 0:
             log.debug("rollout %d: %s", rollout_id, ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
         return metrics
@@ -331,13 +346,8 @@ class RankBase:
             for k, rollout_mbs in enumerate(self._micro_batches(batch)):
                 steps.append([])
                 for rmb in rollout_mbs:
-                    ids, attention, mask = (t.to(self.device) for t in rmb.to_padded(self.pad_id))
-                    mb = MicroBatch(ids, attention, mask, rmb.advantages.to(self.device))
-                    if self.packs:  # the loss still sees padded rows (``MicroBatch.per_sample``)
-                        mb.ids, mb.positions, mb.unpack_index = pack_rows(ids, attention)
-                        mb.attention = None
-                    mb.rollout_logprobs = _rollout_logprob_tensor(rmb, mask.shape).to(self.device)
-                    if self.ref is not None:
+                    mb = self._on_device(rmb)
+                    if self.ref is not None and not self.spec.algo.kl_in_reward:
                         mb.ref_logprobs = mb.per_sample(self._token_logprobs(self._logits(self.ref, mb), mb.ids))
                     if k > 0:
                         logits = self._logits(self._policy(train=False), mb)
@@ -346,6 +356,44 @@ class RankBase:
                     local_tokens += mb.tokens
                     steps[-1].append(mb)
         return steps, sums, local_tokens
+
+    def _on_device(self, rmb: RolloutBatch) -> MicroBatch:
+        """A micro-batch's samples padded (or packed) on the device, with the engines' logprobs."""
+        ids, attention, mask = (t.to(self.device) for t in rmb.to_padded(self.pad_id))
+        mb = MicroBatch(ids, attention, mask, rmb.advantages.to(self.device))
+        if self.packs:  # the loss still sees padded rows (``MicroBatch.per_sample``)
+            mb.ids, mb.positions, mb.unpack_index = pack_rows(ids, attention)
+            mb.attention = None
+        mb.rollout_logprobs = _rollout_logprob_tensor(rmb, mask.shape).to(self.device)
+        return mb
+
+    def kl_to_reference(self, batch: RolloutBatch) -> list[float]:
+        """Per sample of this rank's shard, sum_t KL_t of the current policy (the one ``train``
+        is about to start from) to the reference over its response tokens (``algo.kl_estimator``;
+        ``algo.kl_in_reward``). No grad; micro-batches as ``train`` forms them, over the whole shard."""
+        if self.ref is None:
+            raise RlhpcError(
+                "the KL to the reference was asked for, but this actor has no reference model",
+                "set algo.kl_coef > 0 (the reference model is loaded then)",
+            )
+        self.onload()
+        a = self.spec.actor
+        if a.max_tokens_per_micro_batch is not None:
+            groups = first_fit_decreasing(sample_lengths(batch), a.max_tokens_per_micro_batch, padded=not self.packs)
+        else:
+            groups = [
+                list(range(i, min(i + a.micro_batch_size, len(batch))))
+                for i in range(0, len(batch), a.micro_batch_size)
+            ]
+        out = [0.0] * len(batch)
+        with torch.no_grad():
+            for g in groups:
+                mb = self._on_device(select(batch, g))
+                logprobs = mb.per_sample(self._token_logprobs(self._logits(self._policy(train=False), mb), mb.ids))
+                ref = mb.per_sample(self._token_logprobs(self._logits(self.ref, mb), mb.ids))
+                for i, kl in zip(g, sequence_kl(logprobs, ref, mb.mask, self.spec.algo.kl_estimator).tolist()):
+                    out[i] = kl
+        return out
 
     def _old_policy(self, mb: MicroBatch, logits: torch.Tensor, logprobs: torch.Tensor, sums: dict[str, float]) -> None:
         """Record the policy before this rollout's steps (no grad): ``mb``'s old logprobs and TIS
@@ -376,7 +424,7 @@ class RankBase:
         per_token = pg
         if mb.ref_logprobs is not None:
             kl = kl_estimate(logprobs, mb.ref_logprobs, algo.kl_estimator)
-            per_token = per_token + algo.kl_coef * kl
+            per_token = per_token + algo.kl_loss_coef * kl
             sums["kl"] += float((kl.detach() * mb.mask).sum())
         if algo.entropy_coef > 0:  # the entropy with its gradient (the logged one is the old policy's)
             per_token = per_token - algo.entropy_coef * mb.per_sample(self._entropy(logits))
@@ -394,7 +442,9 @@ class RankBase:
         # every token is in exactly one minibatch, so these are token means over the rollout
         metrics = {k: v / tokens for k, v in zip(keys, totals[:-1])}
         algo = self.spec.algo
-        metrics["loss"] = metrics["pg_loss"] + algo.kl_coef * metrics["kl"] - algo.entropy_coef * metrics["entropy"]
+        metrics["loss"] = (
+            metrics["pg_loss"] + algo.kl_loss_coef * metrics["kl"] - algo.entropy_coef * metrics["entropy"]
+        )
         finite = [g for g in grad_norms if math.isfinite(g)]  # already global (post all-reduce)
         metrics["grad_norm"] = sum(finite) / len(finite) if finite else float("nan")
         metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
@@ -422,6 +472,13 @@ class RankBase:
         """Entropy [N, L-1] of the full-vocab softmax: a metric (no grad), and with its gradient
         in the loss when ``algo.entropy_coef`` > 0."""
         raise NotImplementedError
+
+    def _reset_reference(self) -> None:
+        """Make the reference model the current policy (``algo.ref_update_interval``)."""
+        raise RlhpcError(
+            f"the {self.spec.actor.backend} actor cannot reset its reference model",
+            "set algo.ref_update_interval: 0, or use actor.backend: torch",
+        )
 
     def _begin_step(self, micro_batches: int) -> None:
         """Before a step's forwards: how many micro-batches this rank runs in it (MoE aux-loss scale)."""

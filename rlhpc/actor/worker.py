@@ -20,7 +20,7 @@ import torch
 
 from rlhpc.actor.checkpoint_dir import ACTOR_SUBDIR, RNG_PREFIX, read_meta, rng_file, write_meta
 from rlhpc.actor.flat_grads import FlatGrads
-from rlhpc.actor.rank import MicroBatch, RankBase
+from rlhpc.actor.rank import MicroBatch, RankBase, fingerprint
 from rlhpc.actor.rng import get_rng_state
 from rlhpc.actor.snapshot import (
     FlatTensors,
@@ -40,6 +40,9 @@ log = logging.getLogger(__name__)
 MODEL_FILE = "model.safetensors"
 OPTIM_FILE = "optim.safetensors"  # the optimizer's tensors; the rest of its state dict is in the metadata
 OLD_OPTIM_FILE = "optim.pt"  # torch.save of the whole state dict, written before 2026-12
+# The reference model once reset to the policy (algo.ref_update_interval): the policy at the last
+# reset is in no other file (checkpoints are not kept at resets), so it travels with each save.
+REF_FILE = "reference.safetensors"
 
 
 def flatten_optimizer(sd: dict) -> tuple[dict[str, torch.Tensor], dict]:
@@ -75,6 +78,17 @@ def read_optimizer(actor_dir: Path, current: dict | None = None) -> dict:
     return {"state": state, "param_groups": rest["param_groups"]}
 
 
+def _untied(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``model``'s state dict with tied weights (an output layer sharing the embeddings) once,
+    under their first name, as transformers saves them."""
+    out, seen = {}, set()
+    for name, t in model.state_dict().items():
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            out[name] = t
+    return out
+
+
 class TrainWorker(RankBase):
     """Data-parallel rank ``rank`` of ``world_size``. Call order: (rank 0)
     ``master_addr_port``, (all) ``init_process_group``, ``load``, then ``train`` / ``save`` /
@@ -89,6 +103,7 @@ class TrainWorker(RankBase):
         # the checkpoint snapshot: host buffers kept between saves, and what the next write needs
         self._model_snap = FlatTensors(pin=self.device.type == "cuda")
         self._optim_snap = FlatTensors(pin=self.device.type == "cuda")
+        self._ref_snap = FlatTensors(pin=self.device.type == "cuda")
         self._snapshot: dict | None = None
 
     def init_process_group(self, master_addr: str, master_port: int) -> None:
@@ -123,7 +138,8 @@ class TrainWorker(RankBase):
 
         Each file is read once, in one pass; the weights straight into the parameters of the
         model built at start (no second model, no copy). The reference model stays the initial
-        model: KL is measured to where training started.
+        model (KL is measured to where training started), unless it was reset to the policy
+        (``algo.ref_update_interval``): then it is the one saved.
         """
         if ckpt_dir is None:
             return
@@ -132,7 +148,17 @@ class TrainWorker(RankBase):
             raise FileNotFoundError(f"checkpoint {d} has no config.json or optimizer state: not an actor checkpoint")
         self._load_weights(d)
         self.optimizer.load_state_dict(read_optimizer(d, self.optimizer.state_dict()))
-        self.optimizer_steps = int(read_meta(d).get("optimizer_steps", 0))
+        meta = read_meta(d)
+        self.optimizer_steps = int(meta.get("optimizer_steps", 0))
+        self.ref_reset_at = int(meta.get("ref_reset_at", 0))
+        if self.ref is not None and self.ref_reset_at:
+            if not (d / REF_FILE).is_file():
+                raise RlhpcError(
+                    f"checkpoint {d} says its reference model was reset after rollout {self.ref_reset_at - 1}, "
+                    f"but has no {REF_FILE}",
+                    "resume from an intact checkpoint (an older one under checkpoints/), or start the run afresh",
+                )
+            read_safetensors_into(d / REF_FILE, _untied(self.ref))
         self._restore_rng(d)  # on more ranks than saved, the extra ranks keep their fresh seed
         log.info("rank %d: restored actor state from %s", self.rank, d)
 
@@ -170,12 +196,9 @@ class TrainWorker(RankBase):
         d = Path(ckpt_dir) / ACTOR_SUBDIR
         d.mkdir(parents=True, exist_ok=True)
         if self.rank == 0:
-            weights, seen = {}, set()
-            for name, t in self.module.state_dict().items():
-                if t.data_ptr() not in seen:  # tied weights once, as transformers saves them
-                    seen.add(t.data_ptr())
-                    weights[name] = t
-            self._model_snap.fill(weights, {"format": "pt"})
+            self._model_snap.fill(_untied(self.module), {"format": "pt"})
+            if self.ref is not None and self.ref_reset_at:
+                self._ref_snap.fill(_untied(self.ref), {"format": "pt"})
             tensors, rest = flatten_optimizer(self.optimizer.state_dict())
             self._optim_snap.fill(tensors, {"format": "pt", "optimizer": json.dumps(rest)})
             if self.device.type == "cuda":
@@ -187,6 +210,7 @@ class TrainWorker(RankBase):
                 "world_size": self.world_size,
                 "optimizer_steps": self.optimizer_steps,
                 "initial_model": self.model_path,
+                "ref_reset_at": self.ref_reset_at,
             },
         }
 
@@ -199,7 +223,10 @@ class TrainWorker(RankBase):
         d = snap["dir"]
         sums, small = {}, []
         if self.rank == 0:
-            for name, flat in ((MODEL_FILE, self._model_snap), (OPTIM_FILE, self._optim_snap)):
+            files = [(MODEL_FILE, self._model_snap), (OPTIM_FILE, self._optim_snap)]
+            if snap["meta"]["ref_reset_at"] and self.ref is not None:
+                files.append((REF_FILE, self._ref_snap))
+            for name, flat in files:
                 sums[f"{ACTOR_SUBDIR}/{name}"] = flat.write(d / name)
             self.module.config.save_pretrained(d)
             if self.module.can_generate():
@@ -233,6 +260,15 @@ class TrainWorker(RankBase):
 
     def _zero_grad(self) -> None:
         self.grads.zero()
+
+    def _reset_reference(self) -> None:
+        with torch.no_grad():
+            for r, p in zip(self.ref.parameters(), self.module.parameters(), strict=True):
+                r.copy_(p)
+
+    def reference_fingerprint(self) -> str | None:
+        """SHA-256 of the reference model's weights, named as ``state_fingerprint``'s (None: no reference)."""
+        return None if self.ref is None else fingerprint(self.ref.named_parameters())
 
     def _finish_grad_sync(self, empty: bool) -> None:
         # the micro-batches' backwards only accumulated; a rank with no sample adds its zeros

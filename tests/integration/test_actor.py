@@ -11,7 +11,7 @@ import pytest
 import ray
 import torch
 from safetensors.torch import load_file
-from support.actors import Group, engine_weights, make_batch
+from support.actors import Group, engine_weights, make_batch, sequence_k1_by_transformers
 
 from rlhpc.actor.group import ActorGroup, ActorRankError
 from rlhpc.actor.packing import first_fit_decreasing, sample_lengths
@@ -327,6 +327,58 @@ def test_kl_against_initial_model(ray_cluster: None, model_path: str, tmp_path: 
         g.load(str(tmp_path / "ckpt"))
         # the reference is the initial model, not the checkpoint: KL is nonzero at once
         assert g.train(2, make_batch(6, seed=2))["kl"] > 0
+
+
+def test_the_reference_is_reset_every_interval_and_a_resume_restores_it(
+    ray_cluster: None, model_path: str, tmp_path: Path
+) -> None:
+    """algo.ref_update_interval = 2: the reference is the initial model until rollout 1 is
+    trained, then that policy (equal to it right after the reset, behind it after rollout 2).
+    A checkpoint after rollout 2 holds it: the resumed rank has the same reference (not the
+    initial model, nor the checkpoint's policy) and trains rollout 3 exactly as the
+    uninterrupted one (its KL term reads the reference)."""
+    cfg = make_cfg(micro_batch_size=4)
+    cfg.algo.kl_coef, cfg.algo.ref_update_interval = 0.1, 2
+    ckpt = tmp_path / "ckpt"
+    with Group(cfg, model_path, 1) as a:
+        initial = a.fingerprints()[0]
+        assert a.reference_fingerprints() == [initial]
+        a.train(0, make_batch(6, seed=0))
+        assert a.reference_fingerprints() == [initial] != a.fingerprints()
+        a.train(1, make_batch(6, seed=1))
+        reset = a.fingerprints()[0]
+        assert a.reference_fingerprints() == [reset] != [initial]
+        # the policy about to be trained is the reference: no KL in the first step, as at the start
+        assert a.train(2, make_batch(6, seed=2))["kl"] == 0.0
+        assert a.reference_fingerprints() == [reset] != a.fingerprints()
+        a.save(str(ckpt))
+        uninterrupted_metrics = a.train(3, make_batch(6, seed=3))
+        uninterrupted = a.fingerprints()
+        assert a.reference_fingerprints() == uninterrupted  # the second reset
+    assert uninterrupted_metrics["kl"] > 0
+    with Group(cfg, model_path, 1) as b:
+        b.load(str(ckpt))
+        assert b.reference_fingerprints() == [reset]
+        assert b.train(3, make_batch(6, seed=3)) == uninterrupted_metrics
+        assert b.fingerprints() == uninterrupted == b.reference_fingerprints()
+
+
+def test_kl_in_reward_measures_each_samples_kl_as_transformers_does(ray_cluster: None, model_path: str) -> None:
+    """algo.kl_in_reward: two ranks in packed micro-batches of <= 20 tokens (the first-fit puts
+    samples out of order) give every sample's sum_t KL_t in the batch's order, as a plain
+    transformers forward of each sample does; the loss then has no KL term."""
+    cfg = make_cfg(max_tokens_per_micro_batch=20)
+    cfg.algo.kl_coef, cfg.algo.kl_in_reward, cfg.algo.kl_estimator = 0.1, True, "k1"
+    batch = make_batch(9, seed=5)
+    with Group(cfg, model_path, 2) as g:
+        assert g.kl_to_reference(batch).tolist() == [0.0] * 9  # the policy is the reference
+        m = g.train(0, make_batch(8, seed=0))
+        assert m["kl"] == 0.0 and m["loss"] == m["pg_loss"]
+        measured = g.kl_to_reference(batch)
+        weights = tensors(g)
+    expected = sequence_k1_by_transformers(model_path, weights, batch)
+    assert measured.tolist() == pytest.approx(expected, rel=1e-4, abs=1e-6)
+    assert all(x != 0 for x in expected)
 
 
 def test_update_weights_reaches_engine_bit_exact(ray_cluster: None, model_path: str, tmp_path: Path) -> None:

@@ -121,11 +121,16 @@ def test_killed_run_resumes_from_last_checkpoint(tmp_path):
     assert rollouts(run) == list(range(30))  # every rollout exactly once, none lost, none doubled
 
 
+# The entropy bonus moves the policy even where a rollout's rewards are all equal (no advantage).
+KL_IN_REWARD = ["algo.kl_in_reward=true", "algo.kl_coef=0.1", "algo.ref_update_interval=2", "algo.entropy_coef=0.01"]
+
+
 @pytest.mark.parametrize(
     "layout",
     [
         ["cluster.colocate=true", "cluster.offload=true", "cluster.gpus_per_node=1"],
-        ["cluster.gpus_per_node=4", "cluster.actor_num_gpus=2", "cluster.rollout_num_gpus=2"],
+        # with the KL in the reward, measured by both ranks, and the reference reset after rollout 1
+        ["cluster.gpus_per_node=4", "cluster.actor_num_gpus=2", "cluster.rollout_num_gpus=2", *KL_IN_REWARD],
     ],
     ids=["colocate-offload", "2-actor-ranks-2-engines"],
 )
@@ -135,6 +140,11 @@ def test_other_layouts_train(tmp_path, layout):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert rollouts(run) == [0, 1, 2]
     assert json.loads((run / "FINISHED").read_text())["num_rollout"] == 3
+    if KL_IN_REWARD[0] in layout:
+        # k3 is 0 exactly where the policy is the reference: at the start, and right after the reset
+        penalty = [r["kl/reward_penalty"] for r in read_metrics(run) if r["kind"] == "rollout"]
+        assert penalty[0] == 0.0 and penalty[1] > 0 and penalty[2] == 0.0, penalty
+        assert all(r["kl"] == 0.0 for r in read_metrics(run) if r["kind"] == "rollout")  # none in the loss
 
 
 def test_bad_config_submits_nothing(tmp_path):

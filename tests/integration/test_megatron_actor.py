@@ -13,7 +13,7 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from support.actors import Group, engine_weights, make_batch  # noqa: E402
+from support.actors import Group, engine_weights, make_batch, sequence_k1_by_transformers  # noqa: E402
 
 from rlhpc.checkpoint import file_crc32  # noqa: E402
 from rlhpc.config import Config  # noqa: E402
@@ -106,6 +106,23 @@ def test_loss_knobs_and_lr_schedule_train_as_in_pytorch(model_path: str, ray_clu
     reference = train_two(knobs(make_cfg("torch")), model_path, 1)
     assert reference[0][1]["lr"] == pytest.approx(1e-2 * (1 + math.cos(math.pi * 2 / 3)) / 2)  # step 3 of 1 + 3
     assert_same_training(reference, train_two(knobs(make_cfg(tp=2)), model_path, 2))
+
+
+def test_kl_in_reward_measures_each_samples_kl_through_the_vocab_shards(model_path: str, ray_cluster: None) -> None:
+    """algo.kl_in_reward on megatron at TP=2 (logprobs across vocab shards): every sample's
+    sum_t KL_t, in the batch's order, is a plain transformers forward's; the loss has no KL term."""
+    cfg = make_cfg(tp=2, steps=1)
+    cfg.algo.kl_coef, cfg.algo.kl_in_reward, cfg.algo.kl_estimator = 0.1, True, "k1"
+    batch = make_batch(7, seed=5)
+    with Group(cfg, model_path, 2) as g:
+        assert g.kl_to_reference(batch).tolist() == pytest.approx([0.0] * 7, abs=1e-6)  # the policy is the reference
+        m = g.train(0, make_batch(12, seed=0))
+        assert m["kl"] == 0.0 and m["loss"] == m["pg_loss"]
+        measured = g.kl_to_reference(batch)
+        weights = tensors(g)
+    expected = sequence_k1_by_transformers(model_path, weights, batch)
+    assert measured.tolist() == pytest.approx(expected, rel=1e-4, abs=1e-5)
+    assert all(abs(x) > 1e-4 for x in expected)
 
 
 def assert_resumes(

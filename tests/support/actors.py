@@ -44,3 +44,26 @@ class Group:
 def engine_weights(client: Any, names: list[str]) -> dict[str, torch.Tensor]:
     # floats come back as JSON doubles, which hold float32 values exactly
     return {n: torch.tensor(client.get_weights_by_name(n, truncate_size=10**9), dtype=torch.float32) for n in names}
+
+
+def sequence_k1_by_transformers(model_path: str, weights: dict[str, torch.Tensor], batch: RolloutBatch) -> list[float]:
+    """sum over each sample's response tokens of log pi(token) - log ref(token), the policy
+    ``weights`` in transformers' own model, the reference the initial model: plain per-sample
+    forwards, no padding, no packing."""
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(model_path).eval()
+    policy = AutoModelForCausalLM.from_pretrained(model_path).eval()
+    policy.load_state_dict(weights, strict=False)
+    out = []
+    with torch.no_grad():
+        for prompt, response in zip(batch.prompt_ids, batch.response_ids):
+            ids = torch.tensor([prompt + response])
+            positions = range(len(prompt) - 1, len(prompt) + len(response) - 1)  # those predicting the response
+
+            def logprobs(model, ids=ids, positions=positions, response=response):
+                lp = torch.log_softmax(model(input_ids=ids).logits[0].float(), -1)
+                return torch.tensor([lp[t, tok] for t, tok in zip(positions, response)])
+
+            out.append(float((logprobs(policy) - logprobs(ref)).sum()))
+    return out

@@ -151,6 +151,19 @@ def test_megatron_layout_errors():
     assert cfg.actor.megatron.tensor_model_parallel_size == 2
 
 
+def test_kl_knobs_need_a_kl_penalty():
+    msg = error(["algo.kl_in_reward=true"])
+    assert "algo.kl_in_reward = True is true but algo.kl_coef = 0" in msg and "set algo.kl_coef" in msg
+    msg = error(["algo.ref_update_interval=4"])
+    assert "algo.ref_update_interval = 4 is set but algo.kl_coef = 0" in msg
+    assert "algo.ref_update_interval = -1 must be >= 0" in error(["algo.kl_coef=0.1", "algo.ref_update_interval=-1"])
+    cfg = load_config(None, [*TINY, "algo.kl_coef=0.1", "algo.kl_in_reward=true", "algo.ref_update_interval=4"])
+    assert cfg.algo.kl_loss_coef == 0.0 and cfg.algo.needs_reference
+    # the megatron actor cannot reset its reference: refused at submit, not at the first reset
+    msg = error(["actor.backend=megatron", "algo.kl_coef=0.1", "algo.ref_update_interval=4"])
+    assert "actor.backend = megatron" in msg and "actor.backend: torch" in msg
+
+
 def test_sglang_options_are_checked():
     assert "must be in (0, 1)" in error(["rollout.backend=sglang", "rollout.sglang.mem_fraction_static=1.5"])
     assert "rollout.sglang.extra_args[0] must be str" in error(["rollout.sglang.extra_args=[7]"])

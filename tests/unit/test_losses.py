@@ -13,8 +13,10 @@ from rlhpc.algo.grpo import (
     agg_counts,
     agg_loss,
     kl_estimate,
+    kl_in_reward,
     policy_loss,
     policy_loss_per_token,
+    sequence_kl,
 )
 
 
@@ -188,3 +190,45 @@ def test_kl_estimators_by_hand(kind, expected):
 def test_unknown_kl_estimator_is_refused():
     with pytest.raises(ValueError, match="unknown KL estimator"):
         kl_estimate(LP, REF, "k4")
+
+
+# ---------------------------------------------------------------- KL in the reward (algo.kl_in_reward)
+
+# Two samples. The first has 2 response tokens (the third position is masked, and its 9s would
+# show if the mask were forgotten): d = lp - ref = [0.5, 0]. The second has 3: d = [0.3, 0, -0.1].
+SEQ_LP = torch.tensor([[-1.0, -2.0, 9.0], [-0.1, -0.3, -0.2]])
+SEQ_REF = torch.tensor([[-1.5, -2.0, -9.0], [-0.4, -0.3, -0.1]])
+SEQ_MASK = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+
+
+@pytest.mark.parametrize(
+    "kind,expected",
+    [
+        ("k1", [0.5, 0.3 - 0.1]),  # sum of d
+        ("k2", [0.125, 0.045 + 0.005]),  # sum of d^2 / 2
+        # sum of e^-d + d - 1: e^-0.5 - 0.5; (e^-0.3 - 0.7) + 0 + (e^0.1 - 1.1)
+        ("k3", [0.1065306597, 0.0408182207 + 0.0051709181]),
+    ],
+)
+def test_sequence_kl_sums_each_samples_response_tokens_by_hand(kind, expected):
+    assert sequence_kl(SEQ_LP, SEQ_REF, SEQ_MASK, kind).tolist() == pytest.approx(expected, rel=1e-6)
+
+
+def test_sequence_kl_keeps_a_tiny_k3():
+    # d = 1e-4: k3 = e^-d + d - 1 = d^2/2 - d^3/6 + ... = 5e-9 (float32 would cancel it to 0)
+    lp, ref = torch.tensor([[-1.0 + 1e-4]]), torch.tensor([[-1.0]])
+    d = (lp - ref).item()  # 1e-4 as float32 holds it
+    assert sequence_kl(lp, ref, torch.ones(1, 1), "k3").item() == pytest.approx(d * d / 2 - d**3 / 6, rel=1e-6)
+
+
+def test_kl_in_reward_penalises_rewards_before_the_advantages_by_hand():
+    # two prompts of two samples; coef 0.1 x sequence KL [0.5, 0.1, 0, 0.2] = [0.05, 0.01, 0, 0.02]
+    rewards, seq_kl = torch.tensor([1.0, 0.0, 1.0, 1.0]), torch.tensor([0.5, 0.1, 0.0, 0.2])
+    penalized, adv, penalty = kl_in_reward(rewards, seq_kl, 0.1, "grpo", 2, False)
+    assert penalty.tolist() == pytest.approx([0.05, 0.01, 0.0, 0.02], rel=1e-6)
+    assert penalized.tolist() == pytest.approx([0.95, -0.01, 1.0, 0.98], rel=1e-6)
+    # group means 0.47 and 0.99; the second prompt's equal rewards now differ, by the KL alone
+    assert adv.tolist() == pytest.approx([0.48, -0.48, 0.01, -0.01], rel=1e-5)
+    # reinforce++ (no std): the batch mean (0.95 - 0.01 + 1.0 + 0.98) / 4 = 0.73 is the baseline
+    _, adv, _ = kl_in_reward(rewards, seq_kl, 0.1, "reinforce_plus_plus", 2, False)
+    assert adv.tolist() == pytest.approx([0.22, -0.74, 0.27, 0.25], rel=1e-5)
