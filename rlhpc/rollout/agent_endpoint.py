@@ -42,6 +42,7 @@ from pydantic import ValidationError
 
 from rlhpc.errors import RlhpcError
 from rlhpc.rollout.cpu_server.openai_routes import assistant_message, openai_error, sse_events, template_message
+from rlhpc.rollout.cpu_server.requests import EngineError
 from rlhpc.rollout.episodes import Conversation, TemplateBreaksPrefix
 from rlhpc.rollout.openai_protocol import ChatCompletionRequest, OpenAIRoute, unsupported_fields
 from rlhpc.rollout.protocol import MetaInfo
@@ -155,7 +156,7 @@ class AgentEndpoint:
                 return openai_error(f"not supported by rlhpc's agent endpoint: {', '.join(bad) or f'n={req.n}'}")
             try:
                 body = await self._complete(ep, req)
-            except (ValueError, TemplateBreaksPrefix) as e:  # a template that refuses the messages
+            except (ValueError, EngineError) as e:  # messages the template refuses, content it cannot take
                 return openai_error(f"{type(e).__name__}: {e}")
             if req.stream:
                 return StreamingResponse(sse_events(body, req), media_type="text/event-stream")

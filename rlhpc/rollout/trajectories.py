@@ -98,7 +98,7 @@ class Segment:
         self.logprobs += logprobs if generated else [0.0] * len(ids)
         self.loss_mask += [int(generated)] * len(ids)
         self.versions += versions
-        self.turns += [self.turn] * len(ids)
+        self.turns += [max(self.turn, 0)] * len(ids)  # tokens before the first call's are turn 0
 
 
 def assemble(calls: Sequence[Call]) -> list[Segment]:
@@ -430,12 +430,25 @@ def run_custom(
 ) -> list[EpisodeResult]:
     """Run one episode per row of ``rows`` (a row per sample), all at once; each episode's
     calls go to engine ``k mod num_engines``, call t with seed ``call_seed(k, t)``."""
+    from rlhpc.rollout.generation import GenerationAborted
+
     calls = EngineCalls(send, num_engines)
     handles = [EngineHandle(calls, k, params, lambda t, k=k: call_seed(k, t), tokenizer) for k in range(len(rows))]
     user_rows = [{**row, "episode_seed": episode_seed(k)} for k, row in enumerate(rows)]
 
+    async def user(*args: Any) -> Any:
+        try:
+            return await _call_user(custom.fn, *args)
+        except (RlhpcError, GenerationAborted):
+            raise
+        except Exception as e:  # the user's code: named, with its traceback chained
+            raise RlhpcError(
+                f"{custom.key} {custom.spec} raised {type(e).__name__}: {e}",
+                "fix the function (the traceback above shows where it raised)",
+            ) from e
+
     async def generate_fn(k: int) -> EpisodeResult:
-        traj = await _call_user(custom.fn, user_rows[k], handles[k])
+        traj = await user(user_rows[k], handles[k])
         made = handles[k].calls
         segment = check_trajectory(custom.spec, traj, made)
         reward = None if traj.reward is None else float(traj.reward)
@@ -446,7 +459,7 @@ def run_custom(
     async def agent(k: int, endpoint: Any) -> EpisodeResult:
         key = endpoint.open(handles[k])
         try:
-            reward = await _call_user(custom.fn, user_rows[k], endpoint.base_url, key)
+            reward = await user(user_rows[k], endpoint.base_url, key)
         finally:
             transcript = endpoint.close(key)
         made = handles[k].calls

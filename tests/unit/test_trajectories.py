@@ -199,3 +199,51 @@ def test_the_ways_in_are_checked_at_submit():
     with pytest.raises(ConfigError, match="rollout.generate_fn = 'nowhere:fn' cannot be imported"):
         load_config(None, [*base, "rollout.generate_fn=nowhere:fn"])
     assert asyncio.run(agent({}, "", "")) is None
+
+
+async def raises(row, base_url, api_key):
+    raise KeyError("no such field")
+
+
+async def makes_no_call(row, base_url, api_key):
+    return 1.0
+
+
+@pytest.mark.parametrize(
+    ("fn", "problem"),
+    [(raises, "raised KeyError: 'no such field'"), (makes_no_call, "made no call to the endpoint it was given")],
+)
+def test_an_agent_that_fails_stops_the_rollout_naming_it(engine_model, fn, problem):
+    from rlhpc.errors import RlhpcError
+
+    model, engine = engine_model
+    gen = generation(model, engine, fn, lambda *a: None)
+    gen.custom = CustomRollout("agent", f"{__name__}:{fn.__name__}", fn, gen.tokenizer.chat_template, "t")
+    with pytest.raises(RlhpcError, match=f"rollout.agent {__name__}:{fn.__name__} {problem}"):
+        gen.rollout(0, [{"prompt": "ab", "answer": "0"}])
+
+
+def test_an_agents_several_samples_count_as_one_episode():
+    """Samples.episode_of: groups, the last sample per episode, concatenation, episode rewards."""
+    from rlhpc.rollout.generation import Samples
+
+    def samples(episode_of, rewards):
+        k = len(rewards)
+        return Samples(
+            [[1]] * k, [[10 + i] for i in range(k)], [[0.0]] * k, torch.tensor(rewards),
+            {"prompt": ["p"] * k, "response": [f"r{i}" for i in range(k)], "answer": ["a"] * k},
+            [0] * k, [[0]] * k, loss_masks=[[1]] * k, turns=[[0]] * k, episode={"turns": [1.0] * k},
+            episode_of=episode_of,
+        )  # fmt: skip
+
+    # n = 2: group 0 is episodes 0 (two samples) and 1, group 1 episodes 2 and 3 (two samples)
+    s = samples([0, 0, 1, 2, 3, 3], [1.0, 1.0, 0.0, 2.0, 4.0, 4.0])
+    assert s.num_episodes() == 4
+    assert s.episode_rewards(s.rewards).tolist() == [1.0, 0.0, 2.0, 4.0]
+    last = s.last_per_episode()
+    assert last.response_ids == [[11], [12], [13], [15]] and not last.episode_of
+    assert s.group(1, 2).responses == ["r3", "r5"]
+    kept = s.groups(2, [1])
+    assert kept.response_ids == [[13], [14], [15]] and kept.episode_of == [0, 1, 1]
+    both = Samples.concat([kept, samples([], [3.0])])
+    assert both.episode_of == [0, 1, 1, 2] and both.num_episodes() == 3
