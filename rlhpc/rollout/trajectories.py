@@ -136,60 +136,69 @@ def check_trajectory(spec: str, traj: Any, calls: Sequence[Call]) -> Segment:
         raise refuse(
             f"that is a {type(traj).__name__}, not a Trajectory", "return rlhpc.rollout.trajectories.Trajectory(...)"
         )
-    n = len(traj.response_ids)
-    if len(traj.loss_mask) != n or len(traj.logprobs) != n:
-        raise refuse(
-            f"whose lists differ in length: {n} response_ids, {len(traj.loss_mask)} loss_mask, "
-            f"{len(traj.logprobs)} logprobs",
-            "give one loss_mask entry and one logprob per response token",
-        )
     if any(m not in (0, 1) for m in traj.loss_mask):
         raise refuse("with a loss_mask entry other than 0 or 1", "mark engine tokens 1 and every other token 0")
-    if not traj.prompt_ids:
+    try:  # numpy or torch values as plain ints and floats, compared and stored as the engine's are
+        prompt, response = [int(t) for t in traj.prompt_ids], [int(t) for t in traj.response_ids]
+        mask, logprobs = [int(m) for m in traj.loss_mask], [float(lp) for lp in traj.logprobs]
+    except (TypeError, ValueError) as e:
+        raise refuse(f"with a value that is not a number: {e}", "give token ids as ints, logprobs as floats") from e
+    n = len(response)
+    if len(mask) != n or len(logprobs) != n:
+        raise refuse(
+            f"whose lists differ in length: {n} response_ids, {len(mask)} loss_mask, {len(logprobs)} logprobs",
+            "give one loss_mask entry and one logprob per response token",
+        )
+    if not prompt:
         raise refuse("with no prompt_ids", "give the tokens of the first engine call's prompt")
-    full = list(traj.prompt_ids) + list(traj.response_ids)
-    seg = Segment(list(traj.prompt_ids))
-    base = len(traj.prompt_ids)
+    full = prompt + response
+    seg = Segment(list(prompt))
     pos = 0
     while pos < n:
-        m = traj.loss_mask[pos]
+        if mask[pos] == 0:
+            seg.add([response[pos]], [], [seg.versions[-1] if seg.versions else 0], False)
+            pos += 1
+            continue
         end = pos
-        while end < n and traj.loss_mask[end] == m:
+        while end < n and mask[end] == 1:
             end += 1
-        if m == 0:
-            seg.add(traj.response_ids[pos:end], [], [seg.versions[-1] if seg.versions else 0] * (end - pos), False)
-        else:
-            versions = _engine_piece(full, base + pos, base + end, traj.logprobs[pos:end], calls)
-            if versions is None:
-                raise refuse(
-                    f"whose response tokens {pos}..{end - 1} (loss mask 1) are not what an engine generated in "
-                    "that context, or not with the logprobs it reported",
-                    "mark 1 only tokens engine.generate returned, after exactly the input_ids it was given and "
-                    "the tokens it returned before them, with the logprobs it returned; mark any other token 0",
-                )
-            seg.turn += 1
-            seg.add(traj.response_ids[pos:end], traj.logprobs[pos:end], versions, True)
-        pos = end
+        # the run may hold several calls' outputs back to back (a call continuing a cut one)
+        piece = _engine_piece(full, len(prompt) + pos, len(prompt) + end, logprobs[pos:end], calls)
+        if piece is None:
+            raise refuse(
+                f"whose response tokens {pos}..{end - 1} (loss mask 1) are not what an engine generated in "
+                "that context, or not with the logprobs it reported",
+                "mark 1 only tokens engine.generate returned, after exactly the input_ids it was given and "
+                "the tokens it returned before them, with the logprobs it returned; mark any other token 0",
+            )
+        seg.turn += 1
+        seg.add(response[pos : pos + len(piece)], logprobs[pos : pos + len(piece)], piece, True)
+        pos += len(piece)
     return seg
 
 
 def _engine_piece(
     full: list[int], start: int, end: int, logprobs: Sequence[float], calls: Sequence[Call]
 ) -> list[int] | None:
-    """The weight versions of ``full[start:end]`` if some call generated exactly those tokens, with
-    those logprobs, and everything before them is that call's prompt and its own earlier output
-    (the context the trainer recomputes the logprobs in); None if no call did."""
+    """The weight versions of the longest ``full[start:k]`` (k <= ``end``) that one call generated,
+    with those logprobs, right after everything before it (the call's prompt and its own earlier
+    output: the context the trainer recomputes the logprobs in); None if no call did."""
+    best: list[int] | None = None
     for call in calls:
-        out, o = call.output, start - len(call.prompt_ids)  # the piece's offset in the output
-        if o < 0 or o + end - start > len(out.tokens):
+        out, o = call.output, start - len(call.prompt_ids)  # where the piece would begin in the output
+        if o < 0 or o >= len(out.tokens) or full[:start] != call.prompt_ids + out.tokens[:o]:
             continue
-        if (
-            full[:start] == call.prompt_ids + out.tokens[:o]
-            and full[start:end] == out.tokens[o : o + end - start]
-            and list(logprobs) == out.logprobs[o : o + end - start]
+        k = 0
+        while (
+            start + k < end
+            and o + k < len(out.tokens)
+            and full[start + k] == out.tokens[o + k]
+            and logprobs[k] == out.logprobs[o + k]
         ):
-            return out.weight_versions[o : o + end - start]
-    return None
+            k += 1
+        if k and (best is None or k > len(best)):
+            best = out.weight_versions[o : o + k]
+    return best
 
 
 # ------------------------------------------------------------------ engine calls

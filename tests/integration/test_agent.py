@@ -4,6 +4,8 @@ engine. What is trained is what the engine returned, token for token; calls that
 conversation merge into one sample, a call that does not starts another; the example agent
 (examples/calculator_agent.py) runs rollouts."""
 
+from pathlib import Path
+
 import openai
 import pytest
 from support.engines import in_process_send
@@ -100,7 +102,8 @@ def engine_tokens(batch, k, calls):
     return mine
 
 
-def test_the_example_agent_trains_what_the_engine_returned(engine_model):
+def test_the_example_agent_trains_what_the_engine_returned(engine_model, monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2]))  # examples/, as PYTHONPATH=$PWD does
     scored = []
 
     def reward(sample):

@@ -55,6 +55,10 @@ def test_a_trajectory_of_the_engines_tokens_is_taken_with_their_versions():
     # a piece of an output is fine, so long as the context before it is the call's
     seg = check_trajectory("m:f", Trajectory([1, 2, 5], [6], [1], [-0.2]), CALLS)
     assert seg.loss_mask == [1] and seg.versions == [3]
+    # two calls' outputs back to back (the second continues the first, cut at its length): one run of 1s
+    cont = [Call([1, 2], out([5, 6], [-0.1, -0.2])), Call([1, 2, 5, 6], out([7], [-0.3], version=1))]
+    seg = check_trajectory("m:f", Trajectory([1, 2], [5, 6, 7], [1, 1, 1], [-0.1, -0.2, -0.3]), cont)
+    assert seg.turns == [0, 0, 1] and seg.versions == [0, 0, 1]
 
 
 @pytest.mark.parametrize(
@@ -63,7 +67,8 @@ def test_a_trajectory_of_the_engines_tokens_is_taken_with_their_versions():
         (Trajectory([1, 2], [5, 6], [1, 1], [-0.1]), "lists differ in length: 2 response_ids, 2 loss_mask, 1 logprobs"),
         (Trajectory([1, 2], [5, 6], [1, 2], [-0.1, -0.2]), "loss_mask entry other than 0 or 1"),
         # a token the engine did not generate, marked 1
-        (Trajectory([1, 2], [5, 9], [1, 1], [-0.1, -0.2]), "response tokens 0..1 .* not what an engine generated"),
+        (Trajectory([1, 2], [5, 9], [1, 1], [-0.1, -0.2]), "response tokens 1..1 .* not what an engine generated"),
+        (Trajectory([1, 2], [5, 6], [1, 0.5], [-0.1, -0.2]), "loss_mask entry other than 0 or 1"),
         # the engine's tokens with made-up logprobs
         (Trajectory([1, 2], [5, 6], [1, 1], [-0.1, -0.9]), "not with the logprobs it reported"),
         # the engine's tokens after a context it did not see (the second call's output after a changed observation)
