@@ -12,10 +12,11 @@
   (``rlhpc.rollout.agent_endpoint``). Each call is recorded with its exact token ids, and
   ``assemble`` makes the samples from them.
 
-Every engine call of every episode goes through ``EngineCalls``: the calls waiting when the
-previous batch returns go out together through the run's ``Send`` (the engine pool: restarts
-and resends on engine death, stop requests), an episode's calls to one engine where the pool
-has several, each call with its own seed (run seed, rollout, sample, call number).
+Every engine call of every episode goes through ``EngineCalls``: the calls made while a batch
+is out (and those following within ``GATHER_S``) go out together through the run's ``Send``
+(the engine pool: restarts and resends on engine death, stop requests), an episode's calls to
+one engine where the pool has several, each call with its own seed (run seed, rollout, sample,
+call number).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 GENERATE_FN_SIGNATURE = "(row, engine) -> Trajectory, async def or def (rlhpc.rollout.trajectories)"
+GATHER_S = 0.02  # a batch of engine calls takes those that arrive within this of the one before (s)
 AGENT_SIGNATURE = "async def fn(row, base_url, api_key) -> float | None, using the OpenAI client"
 
 
@@ -225,8 +227,9 @@ def generated(out: dict) -> Generated:
 class EngineCalls:
     """Every episode's engine calls, sent from the thread that runs ``run``: the episodes run on
     an event loop of a thread of their own (and the agent endpoint on another), and the calls
-    waiting when a batch returns go out as the next batch. Sends stay on the caller's thread,
-    where the engine pool expects them (its restart rules are per thread)."""
+    made while a batch is out (and within ``GATHER_S`` of each other) are the next batch. Sends
+    stay on the caller's thread, where the engine pool expects them (its restart rules are per
+    thread)."""
 
     def __init__(self, send: Send, num_engines: int):
         self.send, self.num_engines = send, max(1, num_engines)
@@ -260,8 +263,13 @@ class EngineCalls:
         ended = False
         while not ended:
             batch = [self._queue.get()]
-            while not self._queue.empty():
-                batch.append(self._queue.get_nowait())
+            # the other episodes' calls usually follow within a moment (their previous answers
+            # arrived together): they join this batch rather than wait for it to return
+            while batch[-1] is not None:
+                try:
+                    batch.append(self._queue.get(timeout=GATHER_S))
+                except queue.Empty:
+                    break
             ended = None in batch
             self._dispatch([b for b in batch if b is not None])
         thread.join()

@@ -48,9 +48,17 @@ async def tool_loop(row, base_url, api_key):
 async def two_conversations(row, base_url, api_key):
     """A call, then a call with a fresh conversation (a summarizer's, say): two samples."""
     client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
-    first = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": row["prompt"]}])
+    first = await client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": row["prompt"]}], logprobs=True
+    )
     text = first.choices[0].message.content
-    await client.chat.completions.create(model="m", messages=[{"role": "user", "content": f"sum up: {text}"}])
+    assert len(first.choices[0].logprobs.content) == first.usage.completion_tokens > 0
+    # streamed: the same answer, as chunks
+    stream = await client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": f"sum up: {text}"}], stream=True
+    )
+    chunks = [c async for c in stream]
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[-1].choices[0].finish_reason in ("stop", "length")
     with pytest.raises(openai.AuthenticationError):  # another episode's key, or none, is refused
         await openai.AsyncOpenAI(base_url=base_url, api_key="wrong", max_retries=0).models.list()
     assert [m.id for m in (await client.models.list()).data] == ["rlhpc-policy"]
