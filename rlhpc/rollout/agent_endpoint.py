@@ -52,8 +52,6 @@ from rlhpc.rollout.trajectories import EngineHandle, Generated
 log = logging.getLogger(__name__)
 
 MODEL_NAME = "rlhpc-policy"  # what /v1/models lists; any model name a request gives is served by the policy
-# Request fields the endpoint accepts and ignores (the run's sampling applies), beyond NO_EFFECT's.
-IGNORED = frozenset({"temperature", "top_p", "top_k", "seed", "parallel_tool_calls", "user"})
 
 
 class _Episode:
@@ -151,9 +149,15 @@ class AgentEndpoint:
                 req = ChatCompletionRequest.model_validate_json(await request.body())
             except ValidationError as e:
                 return openai_error(f"invalid request: {e.errors(include_url=False)}")
-            bad = [f for f in unsupported_fields(req) if f.partition("=")[0] not in IGNORED]
+            bad = unsupported_fields(req)
+            # declared for the CPU engine's routes, not served here: refused rather than dropped
+            bad += [f"{k}={v!r}" for k, v in (("chat_template_kwargs", req.chat_template_kwargs),
+                                              ("top_logprobs", req.top_logprobs)) if v]  # fmt: skip
             if bad or req.n != 1:
-                return openai_error(f"not supported by rlhpc's agent endpoint: {', '.join(bad) or f'n={req.n}'}")
+                return openai_error(
+                    f"not supported by rlhpc's agent endpoint: {', '.join(bad) or f'n={req.n}'}; leave them out "
+                    "(the run's data.chat_template renders the messages)"
+                )
             try:
                 body = await self._complete(ep, req)
             except (ValueError, EngineError) as e:  # messages the template refuses, content it cannot take

@@ -59,6 +59,10 @@ async def two_conversations(row, base_url, api_key):
     )
     chunks = [c async for c in stream]
     assert chunks[0].choices[0].delta.role == "assistant" and chunks[-1].choices[0].finish_reason in ("stop", "length")
+    with pytest.raises(openai.BadRequestError, match="chat_template_kwargs"):  # refused, not silently dropped
+        await client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "x"}], extra_body={"chat_template_kwargs": {"a": 1}}
+        )
     with pytest.raises(openai.AuthenticationError):  # another episode's key, or none, is refused
         await openai.AsyncOpenAI(base_url=base_url, api_key="wrong", max_retries=0).models.list()
     assert [m.id for m in (await client.models.list()).data] == ["rlhpc-policy"]
