@@ -603,9 +603,9 @@ class Generation:
             [seg.turns for _, seg in samples],
             {
                 "turns": [float(seg.turn + 1) for _, seg in samples],
-                "truncated": [0.0] * len(samples),
+                # cut: the episode's last reply stopped at its token limit (rollout.overlong_filter masks it)
+                "truncated": [float(results[k].finish == "length") for k, _ in samples],
                 "observation_tokens": [float(len(seg.loss_mask) - sum(seg.loss_mask)) for _, seg in samples],
-                "samples": [float(len(results[k].segments)) for k, _ in samples],
             },
             episode_of=[k for k, _ in samples] if several else [],
         )  # fmt: skip
@@ -657,6 +657,8 @@ class Generation:
             "staleness/straddling": sum(len(set(v)) > 1 for v in s.token_versions) / max(len(batch), 1),
             **s.part_metrics(),
             **s.episode_metrics(),
+            # a generate function's or agent's episodes: samples per episode (an agent's may give several)
+            **({"episode/samples": len(batch) / s.num_episodes()} if self.custom is not None else {}),
             **filter_metrics,
             **overlong_metrics,
         }

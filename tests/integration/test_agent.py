@@ -98,7 +98,7 @@ def run(engine_model, agent, *sets, reward=None, rollouts=(0,)):
     gen = Generation(tok, reward or (lambda p, r, a: 0.5), cfg.rollout, cfg.eval, cfg.algo, cfg.seed, send,
                      num_engines=2, custom=make_custom(cfg, tok))  # fmt: skip
     rows = [{"prompt": "3+4=", "answer": "7"}, {"prompt": "5+1=", "answer": "6"}]
-    return [gen.rollout(r, rows)[0] for r in rollouts], calls
+    return [gen.rollout(r, rows)[:2] for r in rollouts], calls
 
 
 def engine_tokens(batch, k, calls):
@@ -123,7 +123,8 @@ def test_the_example_agent_trains_what_the_engine_returned(engine_model, monkeyp
         return 1.0 if sample.label in sample.response else 0.0
 
     batches, calls = run(engine_model, "examples.calculator_agent:solve", reward=reward, rollouts=(0, 1))
-    for batch in batches:
+    for batch, metrics in batches:
+        assert metrics["episode/samples"] == 1.0
         assert len(batch) == 4  # the model calls no tool: one call per episode, one sample each
         for k in range(len(batch)):
             (call,) = engine_tokens(batch, k, calls)
@@ -136,8 +137,8 @@ def test_the_example_agent_trains_what_the_engine_returned(engine_model, monkeyp
 
 def test_tool_calls_sent_back_merge_into_one_sample(engine_model):
     batches, calls = run(engine_model, f"{__name__}:tool_loop", f"rollout.tool_parser={__name__}:always_calls")
-    batch = batches[0]
-    assert len(batch) == 4 and batch.rewards.tolist() == [1.0] * 4
+    batch, metrics = batches[0]
+    assert len(batch) == 4 and batch.rewards.tolist() == [1.0] * 4 and metrics["episode/samples"] == 1.0
     for k in range(len(batch)):
         mine = engine_tokens(batch, k, calls)
         assert len(mine) == 3 and sorted(set(batch.turns[k])) == [0, 1, 2]
@@ -149,8 +150,8 @@ def test_tool_calls_sent_back_merge_into_one_sample(engine_model):
 
 
 def test_a_call_that_does_not_continue_starts_a_new_sample(engine_model):
-    (batch,), calls = run(engine_model, f"{__name__}:two_conversations")
-    assert len(batch) == 8  # two samples per episode, each the engine's tokens
+    ((batch, metrics),), calls = run(engine_model, f"{__name__}:two_conversations")
+    assert len(batch) == 8 and metrics["episode/samples"] == 2.0  # two samples per episode, each the engine's tokens
     for k in range(len(batch)):
         assert len(engine_tokens(batch, k, calls)) == 1
     # an episode's two samples share its reward and advantage

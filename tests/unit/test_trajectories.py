@@ -148,7 +148,11 @@ def test_a_generate_function_trains_the_engines_tokens(engine_model):
     rows = [{"prompt": p, "answer": "0"} for p in ("ab", "cd")]
     batch, metrics, _ = gen.rollout(0, rows)
     assert len(batch) == 4 and len(sent) == 8
-    assert metrics["episode/turns"] == 2.0
+    assert metrics["episode/turns"] == 2.0 and metrics["episode/samples"] == 1.0
+    # cut: exactly the episodes whose second (last) call stopped at its 2-token limit
+    for k in range(len(batch)):
+        j = next(j for j in range(len(sent)) if sent[j] + answers[j] == batch.prompt_ids[k] + batch.response_ids[k])
+        assert batch.truncated[k] == (len(answers[j]) == 2 and answers[j][-1] != gen.tokenizer.eos_token_id)
     for k in range(len(batch)):
         prompt, response, mask = batch.prompt_ids[k], batch.response_ids[k], batch.loss_masks[k]
         # this episode's two calls: its prompt (answered with the response's first tokens), and the
