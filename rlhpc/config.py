@@ -582,6 +582,15 @@ class RolloutConfig(Section):
     tool_parser: str = "rlhpc.rollout.tool_calls:parse_hermes"
     # Each call's limit in seconds; one still running after it answers "error: timed out after N s".
     tool_timeout_s: float = 30.0
+    # Rollouts written as code (docs/guides/multi-turn.md#three-ways-in), instead of rollout.env:
+    # "module:fn", (row, engine) -> rlhpc.rollout.trajectories.Trajectory (async def or def); its
+    # engine.generate(input_ids, sampling) samples from the engines. The trajectory is checked:
+    # the tokens it trains on (loss mask 1) must be the engines' own, with their logprobs.
+    generate_fn: str | None = None
+    # "module:fn", async def fn(row, base_url, api_key) -> float | None: OpenAI-client code pointed
+    # at an endpoint rlhpc serves per episode in front of the engines; its calls, recorded token
+    # for token, are the samples. None reward: data.reward scores the final transcript.
+    agent: str | None = None
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
 
@@ -1219,7 +1228,9 @@ def validate(cfg: Config) -> None:
             )
     if r.dynamic_sampling.filter is not None:
         resolve_filter(r.dynamic_sampling.filter)
-    if env is not None or r.tools:
+    if r.generate_fn is not None or r.agent is not None:
+        _validate_custom(cfg, env)
+    elif env is not None or r.tools:
         _validate_env(cfg, env)
     a = cfg.algo
     if a.overlong_buffer > r.max_new_tokens:
@@ -1228,7 +1239,7 @@ def validate(cfg: Config) -> None:
             "penalty would start before the first token",
             "set algo.overlong_buffer to at most rollout.max_new_tokens (DAPO: a fifth of it, e.g. 4096 of 20480)",
         )
-    if a.overlong_buffer and env is not None:
+    if a.overlong_buffer and (env is not None or r.generate_fn is not None or r.agent is not None):
         raise ConfigError(
             "algo.overlong_buffer with multi-turn episodes: an episode's length is not bounded by "
             "rollout.max_new_tokens (a turn's limit) alone",
@@ -1309,6 +1320,48 @@ def _validate_env(cfg: Config, env: str | None) -> None:
             f"rollout.max_episode_tokens = {cfg.rollout.max_episode_tokens} + a prompt of {prompt} token(s) exceeds "
             f"the model's context length of {context} tokens: the engines would refuse an episode's later turns",
             f"set rollout.max_episode_tokens to at most {context - prompt}, or use a model with a longer context",
+        )
+
+
+def _validate_custom(cfg: Config, env: str | None) -> None:
+    """A run with a generate function or an agent: one way in only, importable, and (the agent)
+    a chat template to render its messages with."""
+    from rlhpc.rollout.trajectories import resolve_agent, resolve_generate_fn  # late: imports this module
+
+    r = cfg.rollout
+    if r.generate_fn is not None and r.agent is not None:
+        raise ConfigError(
+            f"rollout.generate_fn = {r.generate_fn} and rollout.agent = {r.agent} are both set: a run has one way in",
+            "keep one of them (docs/guides/multi-turn.md#three-ways-in says which fits)",
+        )
+    key, spec = ("rollout.generate_fn", r.generate_fn) if r.generate_fn is not None else ("rollout.agent", r.agent)
+    if env is not None or r.tools:
+        other = (
+            f"rollout.env = {env}"
+            if r.env
+            else f"data.task = {cfg.data.task}'s environment"
+            if env
+            else "rollout.tools"
+        )
+        raise ConfigError(
+            f"{key} = {spec} with {other}: the {key.removeprefix('rollout.')} runs the whole rollout, the "
+            "environment and tools would never be used",
+            f"unset {other.split(' ')[0]} (an agent passes its own tools in its requests), or unset {key}",
+        )
+    if r.generate_fn is not None:
+        resolve_generate_fn(r.generate_fn)
+        return
+    resolve_agent(spec)
+    if cfg.data.chat_template == "none":
+        raise ConfigError(
+            f"rollout.agent = {spec} talks in chat messages but data.chat_template is none",
+            "set data.chat_template: auto (the tokenizer's template) or a Jinja file",
+        )
+    tiny = cfg.model.tiny
+    if tiny is not None and tiny.tokenizer == "char" and cfg.data.chat_template == "auto":
+        raise ConfigError(
+            f"rollout.agent = {spec} needs a chat template, and the tiny model's char tokenizer has none",
+            "set model.tiny.tokenizer: bpe (a ChatML template, as Qwen's), or data.chat_template: a Jinja file",
         )
 
 

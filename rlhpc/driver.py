@@ -37,6 +37,7 @@ from rlhpc.rollout.generation import Generation, GenerationAborted, task_reward
 from rlhpc.rollout.prompts import PromptPrep, prepare_prompts
 from rlhpc.rollout.reward_model import RewardModel, start_reward_engines
 from rlhpc.rollout.scoring import MixedScorer
+from rlhpc.rollout.trajectories import make_custom
 from rlhpc.run_dir import RunDir
 from rlhpc.schedule import AsyncRollouts, BusyClock, Generated, SyncRollouts
 from rlhpc.tasks import TASKS
@@ -247,7 +248,7 @@ class TrainLoop:
         self.generation = Generation(
             tokenizer, reward, cfg.rollout, cfg.eval, cfg.algo, cfg.seed,
             send=self.engines.generate, progress=progress, num_engines=len(layout.engine_slots),
-            episodes=make_episodes(cfg, tokenizer),
+            episodes=make_episodes(cfg, tokenizer), custom=make_custom(cfg, tokenizer),
         )  # fmt: skip
         with startup.phase("weight_channel"):
             self.engines.connect_weights(

@@ -89,6 +89,7 @@ def evaluate_checkpoint(cfg: Config, run: RunDir, ckpt: Path, rollout_id: int) -
         from rlhpc.rollout.engine_pool import EnginePool
         from rlhpc.rollout.episodes import make_episodes
         from rlhpc.rollout.generation import Generation, task_reward
+        from rlhpc.rollout.trajectories import make_custom
 
         weights = str(model_dir(ckpt))
         tokenizer = load_tokenizer(run.model_path(cfg))  # the run's, as its driver encodes prompts with
@@ -102,7 +103,7 @@ def evaluate_checkpoint(cfg: Config, run: RunDir, ckpt: Path, rollout_id: int) -
                 generation = Generation(
                     tokenizer, task_reward(cfg.data), cfg.rollout, cfg.eval, cfg.algo, cfg.seed,
                     send=engines.generate, num_engines=len(layout.engine_slots),
-                    episodes=make_episodes(cfg, tokenizer),
+                    episodes=make_episodes(cfg, tokenizer), custom=make_custom(cfg, tokenizer),
                 )  # fmt: skip
                 return evaluate_sets(generation, rollout_id, sets, rows)
             finally:

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 
     from rlhpc.config import AlgoConfig, DataConfig, EvalConfig, EvalSetConfig, RolloutConfig
     from rlhpc.rollout.episodes import EpisodeConfig
+    from rlhpc.rollout.trajectories import CustomRollout
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +130,9 @@ class Request:
     input_ids: list[list[int]]
     sampling_params: list[dict]
     return_logprob: bool = True
+    # the engine to send it to (an episode's calls stay on one engine, its cache warm); None:
+    # the pool spreads requests by their index
+    engine: int | None = None
 
 
 class Send(Protocol):
@@ -181,6 +185,28 @@ class Samples:
     turns: list[list[int]] = field(default_factory=list)  # per response token: its turn
     episode: dict[str, list[float]] = field(default_factory=dict)  # per sample: turns, truncated, ...
     finish_reasons: list[str | None] = field(default_factory=list)  # single-turn: the engine's, per sample
+    # An agent's episode may give several samples (``trajectories.assemble``): per sample, its
+    # episode's index (row-major, a row's n episodes adjacent). Empty: sample k is episode k.
+    episode_of: list[int] = field(default_factory=list)
+
+    def num_episodes(self) -> int:
+        return self.episode_of[-1] + 1 if self.episode_of else len(self.response_ids)
+
+    def episode_rewards(self, rewards: torch.Tensor) -> torch.Tensor:
+        """``rewards`` (per sample) per episode: the mean of its samples' (all the episode's reward)."""
+        if not self.episode_of:
+            return rewards
+        index = torch.tensor(self.episode_of)
+        sums = torch.zeros(self.num_episodes()).index_add_(0, index, rewards.float())
+        return sums / torch.bincount(index, minlength=self.num_episodes()).float()
+
+    def last_per_episode(self) -> Samples:
+        """Each episode's last sample (its final reply): one per episode, as evaluation and
+        sampling filters count them."""
+        if not self.episode_of:
+            return self
+        last = {e: k for k, e in enumerate(self.episode_of)}
+        return self._select([last[e] for e in range(self.num_episodes())], [])
 
     def episode_metrics(self) -> dict[str, float]:
         """``episode/<stat>``: each episode statistic's mean over the samples."""
@@ -196,12 +222,20 @@ class Samples:
 
     def group(self, g: int, n: int) -> Group:
         """Group ``g`` (a prompt's n samples), as a dynamic-sampling filter sees it."""
+        if self.episode_of:
+            return self.last_per_episode().group(g, n)
         t, span = self.texts, slice(g * n, (g + 1) * n)
         return Group(t["prompt"][g * n], t["answer"][g * n], t["response"][span], self.rewards[span].tolist())
 
     def groups(self, n: int, keep: Sequence[int]) -> Samples:
         """Groups ``keep`` (a prompt's n samples each, in this order) as Samples of their own."""
-        idx = [g * n + j for g in keep for j in range(n)]
+        if self.episode_of:  # the samples of the groups' episodes, renumbered
+            where = {g: i for i, g in enumerate(keep)}
+            idx = [k for g in keep for k, e in enumerate(self.episode_of) if e // n == g]
+            return self._select(idx, [where[self.episode_of[k] // n] * n + self.episode_of[k] % n for k in idx])
+        return self._select([g * n + j for g in keep for j in range(n)], [])
+
+    def _select(self, idx: list[int], episode_of: list[int]) -> Samples:
         return Samples(
             [self.prompt_ids[k] for k in idx],
             [self.response_ids[k] for k in idx],
@@ -215,6 +249,7 @@ class Samples:
             [self.turns[k] for k in idx] if self.turns else [],
             {key: [v[k] for k in idx] for key, v in self.episode.items()},
             [self.finish_reasons[k] for k in idx] if self.finish_reasons else [],
+            episode_of,
         )
 
     @staticmethod
@@ -235,7 +270,18 @@ class Samples:
             [x for p in parts for x in p.turns],
             {key: [x for p in parts for x in p.episode.get(key, [])] for key in parts[0].episode},
             [x for p in parts for x in p.finish_reasons],
+            Samples._concat_episodes(parts),
         )
+
+    @staticmethod
+    def _concat_episodes(parts: Sequence[Samples]) -> list[int]:
+        if not any(p.episode_of for p in parts):
+            return []
+        out, start = [], 0
+        for p in parts:
+            out += [start + e for e in (p.episode_of or range(len(p.response_ids)))]
+            start += p.num_episodes()
+        return out
 
     def cut(self) -> list[bool]:
         """Per sample, whether it was cut short: a single-turn sample at max_new_tokens (finish
@@ -264,6 +310,7 @@ class Generation:
         progress: Progress | None = None,
         num_engines: int = 1,
         episodes: EpisodeConfig | None = None,
+        custom: CustomRollout | None = None,
     ):
         self.tokenizer = tokenizer
         self.reward_fn = (
@@ -277,6 +324,7 @@ class Generation:
         self.num_engines = num_engines
         self.progress = progress
         self.episodes = episodes  # multi-turn: every sample is an episode of this environment
+        self.custom = custom  # rollout.generate_fn / rollout.agent: every sample from its code
         self.train_params = knob_params(rollout.top_k, rollout.min_p, rollout.repetition_penalty, rollout.stop)
         spec = rollout.dynamic_sampling.filter
         self.group_filter: GroupFilter | None = resolve_filter(spec) if spec is not None else None
@@ -298,6 +346,8 @@ class Generation:
         rerun sends exactly the same batches and gets the same tokens.
         """
         params = params or {}
+        if self.custom is not None:
+            return self._sample_custom(rows, n, temperature, max_new_tokens, seed_tag, desc, params)
         if self.episodes is not None:
             return self._sample_episodes(rows, n, temperature, max_new_tokens, seed_tag, desc, params)
         top_p = self.rollout_cfg.top_p
@@ -488,6 +538,78 @@ class Generation:
             },
         )  # fmt: skip
 
+    def _sample_custom(
+        self,
+        rows: list[dict],
+        n: int,
+        temperature: float,
+        max_new_tokens: int,
+        seed_tag: object,
+        desc: str,
+        params: dict[str, Any],
+    ) -> Samples:
+        """``n`` episodes per row of the generate function or agent, all at once; episode k's calls
+        go to engine k mod the engine count, call t of it with the seed of turn t of an episode."""
+        from rlhpc.rollout.trajectories import run_custom
+
+        custom = self.custom
+        assert custom is not None
+        total = len(rows) * n
+        progress = self.progress
+        bar = progress.add_task(desc, total=total) if progress is not None else None
+        base = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": self.rollout_cfg.top_p, **params}
+        try:
+            results = run_custom(
+                custom, self.tokenizer, self.send, self.num_engines, [rows[k // n] for k in range(total)], base,
+                lambda k, t: sample_seed(self.seed, seed_tag, k // n, k % n, *((t,) if t else ())),
+                lambda k: sample_seed(self.seed, seed_tag, k // n, k % n, "env"),
+                (lambda: progress.advance(bar, 1)) if bar is not None else (lambda: None),
+            )  # fmt: skip
+        finally:
+            if bar is not None:
+                progress.remove_task(bar)
+        rewards = [r.reward for r in results]
+        unscored = [k for k, r in enumerate(rewards) if r is None]
+        parts: dict[str, list[float]] = {}
+        if unscored:  # data.reward scores the final reply (an agent's: with the whole transcript)
+            decode = self.tokenizer.decode
+            scored, parts = self.reward_fn(
+                [
+                    Sample(
+                        prompt=decode(results[k].segments[0].prompt_ids), response=results[k].reply,
+                        label=rows[k // n]["answer"], response_ids=results[k].segments[-1].response_ids,
+                        messages=results[k].messages, metadata=rows[k // n].get("metadata", {}),
+                        finish_reason=results[k].finish,
+                    )
+                    for k in unscored
+                ]
+            )  # fmt: skip
+            for k, reward in zip(unscored, scored):
+                rewards[k] = float(reward)
+            parts = {key: [dict(zip(unscored, v)).get(k, math.nan) for k in range(total)] for key, v in parts.items()}
+        samples = [(k, seg) for k, r in enumerate(results) for seg in r.segments]
+        several = any(len(r.segments) > 1 for r in results)
+        decode = self.tokenizer.decode
+        texts = {
+            "prompt": [decode(seg.prompt_ids) for _, seg in samples],
+            "response": [decode(seg.response_ids) for _, seg in samples],  # the transcript, template tokens and all
+            "answer": [rows[k // n]["answer"] for k, _ in samples],
+        }
+        return Samples(
+            [seg.prompt_ids for _, seg in samples], [seg.response_ids for _, seg in samples],
+            [seg.logprobs for _, seg in samples], torch.tensor([rewards[k] for k, _ in samples], dtype=torch.float32),
+            texts, [min(seg.versions) if seg.versions else 0 for _, seg in samples], [seg.versions for _, seg in samples],
+            {key: [v[k] for k, _ in samples] for key, v in parts.items()}, [seg.loss_mask for _, seg in samples],
+            [seg.turns for _, seg in samples],
+            {
+                "turns": [float(seg.turn + 1) for _, seg in samples],
+                # cut: the episode's last reply stopped at its token limit (rollout.overlong_filter masks it)
+                "truncated": [float(results[k].finish == "length") for k, _ in samples],
+                "observation_tokens": [float(len(seg.loss_mask) - sum(seg.loss_mask)) for _, seg in samples],
+            },
+            episode_of=[k for k, _ in samples] if several else [],
+        )  # fmt: skip
+
     def rollout(
         self, rollout_id: int, rows: list[dict], more_rows: MoreRows | None = None
     ) -> tuple[RolloutBatch, dict[str, float], dict[str, list[str]]]:
@@ -511,7 +633,9 @@ class Generation:
         # logged "reward" stays the task's, comparable across runs with and without it.
         penalty = overlong_penalty(lengths, r.max_new_tokens, algo.overlong_buffer, algo.overlong_penalty)
         rewards = s.rewards + penalty if algo.overlong_buffer else s.rewards
-        advantages = ADVANTAGE_ESTIMATORS[algo.advantage_estimator](rewards, n, algo.normalize_std)
+        advantages = ADVANTAGE_ESTIMATORS[algo.advantage_estimator](s.episode_rewards(rewards), n, algo.normalize_std)
+        if s.episode_of:  # an agent episode's samples share its advantage
+            advantages = advantages[torch.tensor(s.episode_of)]
         loss_masks, overlong_metrics = self._overlong_masks(s)
         batch = RolloutBatch(
             s.prompt_ids, s.response_ids, s.logprobs, rewards, advantages, n, s.weight_versions, s.token_versions,
@@ -533,6 +657,8 @@ class Generation:
             "staleness/straddling": sum(len(set(v)) > 1 for v in s.token_versions) / max(len(batch), 1),
             **s.part_metrics(),
             **s.episode_metrics(),
+            # a generate function's or agent's episodes: samples per episode (an agent's may give several)
+            **({"episode/samples": len(batch) / s.num_episodes()} if self.custom is not None else {}),
             **filter_metrics,
             **overlong_metrics,
         }
@@ -572,7 +698,7 @@ class Generation:
             dropped.append(s.groups(n, [g for g, v in enumerate(verdicts) if not v]))
             num_kept += len(keep)
             num_dropped += len(verdicts) - len(keep)
-            reward_sum += s.rewards.sum().item()
+            reward_sum += s.episode_rewards(s.rewards).sum().item()
             rounds += 1
         short = max(0, want - num_kept)
         if short:
@@ -600,6 +726,7 @@ class Generation:
         n, desc = eval_set.n_samples_per_prompt, f"{seed_tag} after {rollout_id}"
         params = knob_params(eval_set.top_k, eval_set.min_p, eval_set.repetition_penalty, eval_set.stop)
         s = self.sample(rows, n, eval_set.temperature, eval_set.max_new_tokens, seed_tag, desc, params)
+        s = s.last_per_episode()  # pass@k counts episodes
         return {
             "reward": s.rewards.mean().item(),
             "response_len": sum(map(len, s.response_ids)) / len(s.response_ids),

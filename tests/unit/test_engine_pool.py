@@ -313,3 +313,15 @@ def test_an_engine_that_answers_nothing_is_named_long_before_the_read_timeout(mo
     line = next(r.getMessage() for r in caplog.records if "no answer for" in r.getMessage())
     assert "http://e1 (2 request(s), log /logs/engine_1.log)" in line and "http://e0" not in line
     assert "600 s timeout" in line and len(out) == 4
+
+
+def test_a_request_naming_an_engine_goes_there_and_to_a_healthy_one_while_it_is_down():
+    """An episode's calls (rollout.generate_fn / rollout.agent) name one engine; a dead one's go elsewhere."""
+    pool = bare_pool(3)
+    pool.send([Request([[10]], [{}], engine=2), Request([[11]], [{}], engine=2), Request([[12]], [{}], engine=4)])
+    assert pool.clients[2].served == [10, 11] and pool.clients[1].served == [12] and pool.clients[0].served == []
+    pool.clients[2].alive = False
+    with pool.restarts_deferred():
+        answers = pool.send([Request([[13]], [{}], engine=2)])
+    assert answers[0][0]["output_ids"] == [13] and pool.down == {2}
+    assert pool.clients[0].served == [13]  # engine 2 of the 2 healthy ones left: the first

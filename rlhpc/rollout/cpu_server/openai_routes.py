@@ -32,7 +32,7 @@ from rlhpc.rollout.openai_protocol import (
     unsupported_fields,
 )
 from rlhpc.rollout.protocol import MetaInfo
-from rlhpc.rollout.tool_calls import parse_hermes
+from rlhpc.rollout.tool_calls import ParsedOutput, parse_hermes
 
 log = logging.getLogger("rlhpc.cpu_server")
 
@@ -82,7 +82,7 @@ def add_openai_routes(app: FastAPI, engine: Engine, generate: Generate) -> None:
             log.exception("%s failed", request.url.path)
             return openai_error(f"{type(e).__name__}: {e}", status=500)
         if req.stream:
-            return StreamingResponse(_events(body, req), media_type="text/event-stream")
+            return StreamingResponse(sse_events(body, req), media_type="text/event-stream")
         return Response(orjson.dumps(body), media_type="application/json")
 
     @app.post(OpenAIRoute.COMPLETIONS)
@@ -172,7 +172,7 @@ def render_chat(
     if getattr(tokenizer, "chat_template", None) is None:
         raise EngineError("the model's tokenizer has no chat_template; use /v1/completions")
     ids = tokenizer.apply_chat_template(
-        [_template_message(m) for m in messages],
+        [template_message(m) for m in messages],
         tools=tools,
         add_generation_prompt=True,
         tokenize=True,
@@ -182,7 +182,7 @@ def render_chat(
     return [int(t) for t in ids]
 
 
-def _template_message(message: dict[str, Any]) -> dict[str, Any]:
+def template_message(message: dict[str, Any]) -> dict[str, Any]:
     """An OpenAI message as chat templates read it (as SGLang prepares it): text parts joined with
     a space, and tool-call arguments as objects rather than JSON text (templates write them with tojson)."""
     msg = dict(message)
@@ -223,23 +223,8 @@ def _chat(engine: Engine, req: ChatCompletionRequest) -> tuple[list[Item], Calla
     def answer(outs: list[dict]) -> dict:
         choices = []
         for i, out in enumerate(outs):
-            finish = _finish(out)
-            message: dict[str, Any] = {"role": "assistant", "content": out["text"]}
-            if parse_tools:
-                parsed = parse_hermes(out["text"], tool_names)
-                if parsed.calls:
-                    message["content"] = parsed.content
-                    message["tool_calls"] = [
-                        {
-                            "id": f"call_{uuid.uuid4().hex[:24]}",
-                            "index": k,
-                            "type": "function",
-                            "function": {"name": c.name, "arguments": c.arguments},
-                        }
-                        for k, c in enumerate(parsed.calls)
-                    ]
-                    if finish["finish_reason"] == "stop":  # as SGLang: the turn ended to call tools
-                        finish = {"finish_reason": "tool_calls", "matched_stop": None}
+            parsed = parse_hermes(out["text"], tool_names) if parse_tools else None
+            message, finish = assistant_message(out["text"], _finish(out), parsed)
             choice: dict[str, Any] = {"index": i, "message": message, **finish}
             choice["logprobs"] = {"content": _chat_logprobs(engine, out)} if req.logprobs else None
             if req.return_token_ids or req.return_prompt_token_ids:
@@ -255,6 +240,28 @@ def _chat(engine: Engine, req: ChatCompletionRequest) -> tuple[list[Item], Calla
 
 
 # ------------------------------------------------------------------ native outputs -> OpenAI
+
+
+def assistant_message(
+    text: str, finish: dict[str, Any], parsed: ParsedOutput | None
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A choice's message and finish fields for an output ``text`` whose tool calls were read as
+    ``parsed`` (None: not read): with calls, the content is the text before them."""
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if parsed is not None and parsed.calls:
+        message["content"] = parsed.content
+        message["tool_calls"] = [
+            {
+                "id": f"call_{uuid.uuid4().hex[:24]}",
+                "index": k,
+                "type": "function",
+                "function": {"name": c.name, "arguments": c.arguments},
+            }
+            for k, c in enumerate(parsed.calls)
+        ]
+        if finish["finish_reason"] == "stop":  # as SGLang: the turn ended to call tools
+            finish = {"finish_reason": "tool_calls", "matched_stop": None}
+    return message, finish
 
 
 def _finish(out: dict) -> dict[str, Any]:
@@ -312,7 +319,7 @@ def _token_logprob(engine: Engine, logprob: float, token: int) -> dict[str, Any]
 # ------------------------------------------------------------------ streaming
 
 
-async def _events(body: dict, req: Any) -> AsyncIterator[bytes]:
+async def sse_events(body: dict, req: Any) -> AsyncIterator[bytes]:
     """A finished response as SSE chunks: per choice one with its text (chat: role and content,
     then its tool calls) and the finish reason, then usage if asked, then ``[DONE]``."""
     chat = body["object"] == "chat.completion"

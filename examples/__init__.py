@@ -1,0 +1,1 @@
+"""Complete examples of the three ways into multi-turn rollouts (docs/guides/multi-turn.md)."""
