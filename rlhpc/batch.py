@@ -32,6 +32,8 @@ class RolloutBatch:
     loss_masks: list[list[int]] = field(default_factory=list)
     turns: list[list[int]] = field(default_factory=list)
     truncated: list[bool] = field(default_factory=list)
+    # A teacher (issue 30): each response token's logprob under it (empty without one).
+    teacher_logprobs: list[list[float]] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
@@ -54,6 +56,7 @@ class RolloutBatch:
             loss_masks=self.loss_masks[start:stop],
             turns=self.turns[start:stop],
             truncated=self.truncated[start:stop],
+            teacher_logprobs=self.teacher_logprobs[start:stop],
         )
 
     def to_padded(self, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -404,21 +404,57 @@ class DataConfig(Section):
 
 @dataclass
 class RewardTinyModelConfig(TinyModelConfig):
-    """A tiny random classifier (one label) built at submit, on the tiny model's tokenizer (tests)."""
+    """A tiny random reward model built at submit (tests): a one-label classifier, or for
+    ``reward_model.kind: judge`` a causal LM."""
 
     SECTION: ClassVar[str] = "reward_model.tiny"
 
 
 @dataclass
+class JudgeSamplingConfig(Section):
+    """The generative judge's own sampling params (``reward_model.kind: judge``), apart from the
+    rollout's: by default greedy and short, as a grader's verdict wants. Each sample's judgement
+    also has its own seed, so a ``deterministic: true`` run judges alike on rerun."""
+
+    SECTION: ClassVar[str] = "reward_model.sampling"
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    max_new_tokens: int = 64
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: list[str] = field(default_factory=list)
+
+    def check(self) -> None:
+        self._at_least(0, "temperature", fix="use 0 for greedy decoding, or e.g. 1.0 to sample")
+        if not 0 < self.top_p <= 1:
+            self._refuse("top_p", "must be in (0, 1]", "use 1.0 for no nucleus filter")
+        self._at_least(1, "max_new_tokens")
+        _check_sampling_knobs(self)
+
+
+# The built-in judge (``rlhpc.rollout.judge``): asks for a score in [0, 10] and reads it back / 10.
+DEFAULT_JUDGE_PROMPT = "rlhpc.rollout.judge:score_prompt"
+DEFAULT_JUDGE_PARSE = "rlhpc.rollout.judge:parse_score"
+
+
+@dataclass
 class RewardModelConfig(Section):
-    """A frozen reward model on GPUs of its own (issue 30): a sequence-classification model
-    (HF ``*ForSequenceClassification``, one label) served by engines that never get weight pushes.
-    Each sample's prompt + response, rendered with the reward model's chat template, is scored
-    through SGLang's ``/classify`` route; the score mixes in as ``weight`` x that score."""
+    """A frozen reward model on GPUs of its own (issue 30), served by engines that never get
+    weight pushes; its score mixes in as ``weight`` x that score. Two kinds:
+
+    - ``classifier``: a sequence-classification model (HF ``*ForSequenceClassification``, one
+      label). Each sample's prompt + response, rendered with the reward model's chat template, is
+      scored through SGLang's ``/classify`` route.
+    - ``judge``: a chat model (HF ``*ForCausalLM``) asked for a verdict: ``judge_prompt(sample)``
+      writes the messages, the engines generate the answer on ``/generate`` with ``sampling``,
+      and ``judge_parse(text)`` reads the score out of it."""
 
     SECTION: ClassVar[str] = "reward_model"
 
-    # Exactly one of the two: an HF directory, or a tiny random classifier built at submit (tests).
+    # Exactly one of the two: an HF directory, or a tiny random model built at submit (tests):
+    # a classifier for kind classifier, a causal LM on the tiny tokenizer for kind judge.
     path: str | None = None
     tiny: RewardTinyModelConfig | None = None
     kind: Literal["classifier", "judge"] = "classifier"
@@ -426,28 +462,88 @@ class RewardModelConfig(Section):
     num_gpus: int = 1  # the reward group's GPUs, a third group beside the actor's and the rollout's
     gpus_per_engine: int = 1  # each reward engine's TP
     weight: float = 1.0  # of the reward model's score in the sum (data.reward_weight: the rule reward's)
-    batch_size: int = 64  # samples per /classify request
+    batch_size: int = 64  # samples per /classify (or, for a judge, /generate) request
     mem_fraction_static: float = 0.8  # SGLang: no KV cache to grow, so most of the GPU may hold weights
     extra_args: list[str] = field(default_factory=list)  # passed to sglang.launch_server as they are
+    # kind judge: "module:function"s, judge_prompt(sample: Sample) -> list of chat messages and
+    # judge_parse(text: str) -> float; None: the built-in ones (a score from 0 to 10, read / 10)
+    judge_prompt: str | None = None
+    judge_parse: str | None = None
+    sampling: JudgeSamplingConfig = field(default_factory=JudgeSamplingConfig)
 
     def check(self) -> None:
         if (self.path is None) == (self.tiny is None):
+            model = "*ForSequenceClassification" if self.kind == "classifier" else "chat (*ForCausalLM)"
             raise ConfigError(
                 "reward_model needs exactly one of reward_model.path and reward_model.tiny",
-                "point reward_model.path at an HF *ForSequenceClassification directory, or use reward_model.tiny",
+                f"point reward_model.path at an HF {model} directory, or use reward_model.tiny",
             )
-        if self.kind == "judge":
-            self._refuse(
-                "kind",
-                "(a generative judge) is not built yet (issue 30)",
-                "use reward_model.kind: classifier, or score with a judge of your own through data.reward",
-            )
+        if self.kind == "classifier":
+            for name in ("judge_prompt", "judge_parse"):
+                if getattr(self, name) is not None:
+                    self._refuse(name, "is for a generative judge", "drop it, or set reward_model.kind: judge")
         self._at_least(1, "num_gpus", "gpus_per_engine", "batch_size")
         if self.num_gpus % self.gpus_per_engine:
             self._refuse(
                 "num_gpus",
                 f"is not a multiple of {self.key('gpus_per_engine')} = {self.gpus_per_engine}",
                 "make the reward GPUs a whole number of engines",
+            )
+        if not 0 < self.mem_fraction_static < 1:
+            self._refuse("mem_fraction_static", "must be in (0, 1)", "give SGLang a share of each GPU, e.g. 0.8")
+
+    @property
+    def num_engines(self) -> int:
+        return self.num_gpus // self.gpus_per_engine
+
+    @property
+    def prompt_spec(self) -> str:
+        return self.judge_prompt or DEFAULT_JUDGE_PROMPT
+
+    @property
+    def parse_spec(self) -> str:
+        return self.judge_parse or DEFAULT_JUDGE_PARSE
+
+
+@dataclass
+class TeacherTinyModelConfig(TinyModelConfig):
+    """A tiny random causal LM built at submit as the teacher (tests): give it the policy's
+    tokenizer (``model.tiny``'s ``tokenizer`` and, for bpe, ``seed``) so the token ids agree."""
+
+    SECTION: ClassVar[str] = "teacher.tiny"
+
+
+@dataclass
+class TeacherConfig(Section):
+    """A frozen teacher on GPUs of its own (issue 30), a group placed like the reward model's:
+    engines that never get weight pushes score each trained response token (its logprob under
+    the teacher, through SGLang's ``return_logprob`` with ``logprob_start_len``), for on-policy
+    distillation (``algo.distill_coef``) or a KL penalty to the teacher (``algo.kl_target``).
+    The teacher must share the policy's tokenizer: its logprobs are of the policy's token ids."""
+
+    SECTION: ClassVar[str] = "teacher"
+
+    path: str | None = None  # exactly one of path (an HF causal LM directory) and tiny
+    tiny: TeacherTinyModelConfig | None = None
+    backend: Literal["cpu", "sglang"] = "cpu"
+    num_gpus: int = 1  # the teacher group's GPUs, after the actor's, the rollout's and the reward model's
+    gpus_per_engine: int = 1  # each teacher engine's TP
+    batch_size: int = 64  # samples per /generate request (each a prefill: prompt + response, no new token)
+    mem_fraction_static: float = 0.8  # SGLang: prefills only, so most of the GPU may hold weights
+    extra_args: list[str] = field(default_factory=list)  # passed to sglang.launch_server as they are
+
+    def check(self) -> None:
+        if (self.path is None) == (self.tiny is None):
+            raise ConfigError(
+                "teacher needs exactly one of teacher.path and teacher.tiny",
+                "point teacher.path at an HF causal LM directory with the policy's tokenizer, or use teacher.tiny",
+            )
+        self._at_least(1, "num_gpus", "gpus_per_engine", "batch_size")
+        if self.num_gpus % self.gpus_per_engine:
+            self._refuse(
+                "num_gpus",
+                f"is not a multiple of {self.key('gpus_per_engine')} = {self.gpus_per_engine}",
+                "make the teacher GPUs a whole number of engines",
             )
         if not 0 < self.mem_fraction_static < 1:
             self._refuse("mem_fraction_static", "must be in (0, 1)", "give SGLang a share of each GPU, e.g. 0.8")
@@ -851,11 +947,24 @@ class AlgoConfig(Section):
     overlong_buffer: int = 0
     overlong_penalty: float = 1.0
 
+    # On-policy distillation (issue 30; slime's --opd-kl-coef): each response token's advantage
+    # loses distill_coef x (log pi_old - log pi_teacher), the per-token reverse KL to the teacher
+    # section's model (logged as distill/kl). 0: off.
+    distill_coef: float = 0.0
+    # What the kl_coef penalty pulls toward: the initial model ("reference", loaded on the
+    # actor), or the teacher's logprobs of the same tokens ("teacher", no reference copy).
+    kl_target: Literal["reference", "teacher"] = "reference"
+
     @property
     def needs_reference(self) -> bool:
-        """The KL penalty is on: the actor keeps a frozen reference model (the initial model, or
-        the policy at the last reset with ``ref_update_interval``)."""
-        return self.kl_coef > 0
+        """The KL penalty to a reference model is on: the actor keeps a frozen one (the initial
+        model, or the policy at the last reset with ``ref_update_interval``)."""
+        return self.kl_coef > 0 and self.kl_target == "reference"
+
+    @property
+    def needs_teacher(self) -> bool:
+        """The loss reads the teacher's logprobs: distillation, or the KL penalty to the teacher."""
+        return self.distill_coef > 0 or (self.kl_coef > 0 and self.kl_target == "teacher")
 
     @property
     def kl_loss_coef(self) -> float:
@@ -881,6 +990,13 @@ class AlgoConfig(Section):
                 "is set but algo.kl_coef = 0: there is no reference model to reset",
                 "set algo.kl_coef to the KL penalty's weight (e.g. 0.01), or algo.ref_update_interval: 0",
             )
+        if self.kl_target == "teacher" and (self.kl_in_reward or self.ref_update_interval):
+            self._refuse(
+                "kl_target",
+                "is teacher, with algo.kl_in_reward or algo.ref_update_interval, which act on the reference model",
+                "use algo.kl_target: reference with those, or drop them to pull toward the teacher in the loss",
+            )
+        self._at_least(0, "distill_coef", fix="set 0 for no distillation, or a positive weight, e.g. 1.0")
         self._at_least(0, "gspo_eps_clip", "gspo_eps_clip_high")
         self._at_least(0, "entropy_coef", fix="set 0 for no entropy bonus, or a small positive weight, e.g. 0.001")
 
@@ -939,6 +1055,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     reward_model: RewardModelConfig | None = None  # None: no reward model (the rule reward alone)
+    teacher: TeacherConfig | None = None  # None: no teacher (algo.distill_coef and kl_target: teacher need one)
     seed: int = 1234
     deterministic: bool = False  # reruns and resumed runs give bit-identical weights (CPU)
     # Who may read the run dir (checkpoints, dumps, logs, keys): "private", this user only (dirs
@@ -1148,20 +1265,22 @@ def validate(cfg: Config) -> None:
     # An open split is resolved once, here, with the actor's TP size, and written to the run
     # dir's config.yaml as numbers: a resume gets exactly the layout of the first start.
     tp = cfg.actor.megatron.tensor_model_parallel_size if cfg.actor.backend == "megatron" else 1
-    rm = cfg.reward_model
-    reserved = rm.num_gpus if rm is not None else 0
+    rm, teacher = cfg.reward_model, cfg.teacher
+    reserved = frozen_gpus(cfg)
     actor, rollout = c.split(tp, reserved)
-    if rm is not None and not c.heterogeneous and actor < 1:
+    if reserved and not c.heterogeneous and actor < 1:
+        groups = [f"{s.SECTION}.num_gpus = {s.num_gpus}" for s in (rm, teacher) if s is not None]
         raise ConfigError(
             f"the job has {c.total_gpus} GPUs (cluster.num_nodes={c.num_nodes} x cluster.gpus_per_node="
-            f"{c.gpus_per_node}): after reward_model.num_gpus = {rm.num_gpus} and {rollout} rollout GPUs "
+            f"{c.gpus_per_node}): after {' and '.join(groups)} and {rollout} rollout GPUs "
             "none is left for the actor",
-            "ask for more nodes/GPUs, or lower reward_model.num_gpus / cluster.rollout_num_gpus",
+            f"ask for more nodes/GPUs, or lower {' / '.join(g.split(' ')[0] for g in groups)} / cluster.rollout_num_gpus",
         )
     c.actor_num_gpus, c.rollout_num_gpus = actor, rollout
     c.__post_init__()
     if rm is not None:
         _validate_reward_model(cfg, rm)
+    _validate_teacher(cfg)
 
     m = cfg.model
     if (m.path is None) == (m.tiny is None):
@@ -1365,6 +1484,61 @@ def _validate_custom(cfg: Config, env: str | None) -> None:
         )
 
 
+def frozen_gpus(cfg: Config) -> int:
+    """GPUs of the frozen groups (the reward model's, the teacher's), taken off the total first."""
+    return sum(s.num_gpus for s in (cfg.reward_model, cfg.teacher) if s is not None)
+
+
+def _validate_teacher(cfg: Config) -> None:
+    """A teacher when the loss reads one and only then; its group fits beside the others, on whole nodes."""
+    t, a, c = cfg.teacher, cfg.algo, cfg.cluster
+    if t is None:
+        if a.needs_teacher:
+            key = "algo.distill_coef" if a.distill_coef > 0 else "algo.kl_target"
+            raise ConfigError(
+                f"{key} = {getattr(a, key.split('.')[1])!r} reads a teacher's logprobs, but there is no teacher section",
+                "add teacher.path (an HF causal LM with the policy's tokenizer) or teacher.tiny",
+            )
+        return
+    if not a.needs_teacher:
+        raise ConfigError(
+            "the teacher section is set but nothing uses it (algo.distill_coef = 0, no KL penalty to the teacher)",
+            "set algo.distill_coef > 0 (on-policy distillation) or algo.kl_coef > 0 with algo.kl_target: teacher, "
+            "or drop the teacher section",
+        )
+    if c.heterogeneous:
+        raise ConfigError(
+            "teacher with cluster.rollout_nodes: a frozen group in a heterogeneous job is not built yet (issue 30)",
+            "drop cluster.rollout_nodes: the teacher engines then take GPUs of the one allocation",
+        )
+    if c.used_gpus(frozen_gpus(cfg)) > c.total_gpus:
+        raise ConfigError(
+            f"the layout needs {c.used_gpus(frozen_gpus(cfg))} GPUs (actor {c.actor_num_gpus} + rollout "
+            f"{c.rollout_num_gpus} + frozen groups {frozen_gpus(cfg)}) but the job has {c.total_gpus}",
+            "ask for more nodes/GPUs, or shrink cluster.actor_num_gpus / cluster.rollout_num_gpus / teacher.num_gpus",
+        )
+    if t.gpus_per_engine > c.gpus_per_node:
+        raise ConfigError(
+            f"teacher.gpus_per_engine = {t.gpus_per_engine} > cluster.gpus_per_node = {c.gpus_per_node}: "
+            "a teacher engine over several nodes is not supported",
+            "keep each teacher engine on one node (gpus_per_engine <= gpus_per_node)",
+        )
+    from rlhpc.cluster.layout import plan_layout  # late: the layout module imports this one
+
+    layout = plan_layout(c, cfg.reward_model, t)
+    for e, slots in enumerate(layout.teacher_slots):
+        if len({layout.slot_homes[s][0] for s in slots}) > 1:
+            raise ConfigError(
+                f"teacher engine {e} would straddle two nodes (slots {list(slots)}, {c.gpus_per_node} GPUs per node)",
+                "make the GPUs before it a multiple of teacher.gpus_per_engine, or use gpus_per_engine 1",
+            )
+    if t.path is not None and not (Path(t.path) / "config.json").is_file():
+        raise ConfigError(
+            f"teacher.path {t.path} has no config.json",
+            "point teacher.path at a Hugging Face causal LM directory with the policy's tokenizer",
+        )
+
+
 def _validate_reward_model(cfg: Config, rm: RewardModelConfig) -> None:
     """The reward group fits the allocation beside the others, on whole nodes, with a model."""
     c = cfg.cluster
@@ -1374,9 +1548,9 @@ def _validate_reward_model(cfg: Config, rm: RewardModelConfig) -> None:
             "(--reward-nodes) is not built yet (issue 30)",
             "drop cluster.rollout_nodes: the reward engines then take GPUs of the one allocation",
         )
-    if c.used_gpus(rm.num_gpus) > c.total_gpus:
+    if c.used_gpus(frozen_gpus(cfg)) > c.total_gpus:
         raise ConfigError(
-            f"the layout needs {c.used_gpus(rm.num_gpus)} GPUs (actor {c.actor_num_gpus} + rollout "
+            f"the layout needs {c.used_gpus(frozen_gpus(cfg))} GPUs (actor {c.actor_num_gpus} + rollout "
             f"{c.rollout_num_gpus}{', colocated' if c.colocate else ''} + reward model {rm.num_gpus}) but the job "
             f"has {c.total_gpus} (cluster.num_nodes={c.num_nodes} x cluster.gpus_per_node={c.gpus_per_node})",
             "ask for more nodes/GPUs, or shrink cluster.actor_num_gpus / cluster.rollout_num_gpus / reward_model.num_gpus",
@@ -1398,10 +1572,15 @@ def _validate_reward_model(cfg: Config, rm: RewardModelConfig) -> None:
                 "make the actor and rollout GPUs a multiple of reward_model.gpus_per_engine, or use gpus_per_engine 1",
             )
     if rm.path is not None and not (Path(rm.path) / "config.json").is_file():
+        model = "*ForSequenceClassification" if rm.kind == "classifier" else "chat model (*ForCausalLM)"
         raise ConfigError(
             f"reward_model.path {rm.path} has no config.json",
-            "point reward_model.path at a Hugging Face *ForSequenceClassification directory",
+            f"point reward_model.path at a Hugging Face {model} directory",
         )
+    if rm.kind == "judge":  # imported at submit, as data.reward is: a typo fails here, not on the cluster
+        from rlhpc.rollout.judge import resolve_judge
+
+        resolve_judge(rm)
 
 
 def _context_len(cfg: Config) -> int | None:

@@ -34,9 +34,11 @@ from rlhpc.rollout.buffer import load_eval_sets, load_train
 from rlhpc.rollout.engine_pool import EnginePool
 from rlhpc.rollout.episodes import make_episodes
 from rlhpc.rollout.generation import Generation, GenerationAborted, task_reward
+from rlhpc.rollout.judge import Judge
 from rlhpc.rollout.prompts import PromptPrep, prepare_prompts
 from rlhpc.rollout.reward_model import RewardModel, start_reward_engines
 from rlhpc.rollout.scoring import MixedScorer
+from rlhpc.rollout.teacher import Teacher, check_same_vocabulary, start_teacher_engines
 from rlhpc.rollout.trajectories import make_custom
 from rlhpc.run_dir import RunDir
 from rlhpc.schedule import AsyncRollouts, BusyClock, Generated, SyncRollouts
@@ -153,7 +155,7 @@ class TrainLoop:
         staged: Staged,
     ):
         self.cfg, self.rundir, self.progress, self.stop, self.startup = cfg, run, progress, stop, startup
-        layout = plan_layout(cfg.cluster, cfg.reward_model)
+        layout = plan_layout(cfg.cluster, cfg.reward_model, cfg.teacher)
         log.info("%s\n  full map: %s", summarize_layout(layout), run.layout_file)
         with startup.phase("placement"):
             self.placement = create_placement(layout.num_slots, layout.slot_groups if layout.heterogeneous else None)
@@ -200,6 +202,16 @@ class TrainLoop:
                     run.engine_logs / "reward", pool_stop,
                 ),
             )  # fmt: skip
+        teacher_path = run.teacher_path(cfg)
+        teacher_up = None
+        if cfg.teacher is not None:
+            teacher_up = startup.background(
+                "teacher_engines_up",
+                lambda: start_teacher_engines(
+                    cfg.teacher, cfg.rollout, cfg.cluster, cfg.seed, teacher_path, self.placement, layout,
+                    run.engine_logs / "teacher", pool_stop,
+                ),
+            )  # fmt: skip
         with startup.phase("actor_up"):
             self.actor = ActorGroup(
                 ActorSpec.from_config(cfg, self.num_rollout),
@@ -241,14 +253,25 @@ class TrainLoop:
         self.reward_engines = reward_up.result() if reward_up is not None else None
         reward = task_reward(cfg.data)
         if self.reward_engines is not None:
-            rm = RewardModel(
-                self.reward_engines, load_tokenizer(rm_path), cfg.reward_model.batch_size, context_length(rm_path)
-            )
-            reward = MixedScorer(reward, cfg.data.reward_weight, {"reward_model": (cfg.reward_model.weight, rm.score)})
+            rm_cfg = cfg.reward_model
+            if rm_cfg.kind == "judge":
+                rm: RewardModel | Judge = Judge(
+                    self.reward_engines, load_tokenizer(rm_path), rm_cfg, cfg.seed, context_length(rm_path)
+                )
+            else:
+                rm = RewardModel(
+                    self.reward_engines, load_tokenizer(rm_path), rm_cfg.batch_size, context_length(rm_path)
+                )
+            reward = MixedScorer(reward, cfg.data.reward_weight, {"reward_model": (rm_cfg.weight, rm.score)})
+        self.teacher_engines = teacher_up.result() if teacher_up is not None else None
+        teacher = None
+        if self.teacher_engines is not None:
+            check_same_vocabulary(tokenizer, load_tokenizer(teacher_path), teacher_path)
+            teacher = Teacher(self.teacher_engines, cfg.teacher.batch_size).logprobs
         self.generation = Generation(
             tokenizer, reward, cfg.rollout, cfg.eval, cfg.algo, cfg.seed,
             send=self.engines.generate, progress=progress, num_engines=len(layout.engine_slots),
-            episodes=make_episodes(cfg, tokenizer), custom=make_custom(cfg, tokenizer),
+            episodes=make_episodes(cfg, tokenizer), custom=make_custom(cfg, tokenizer), teacher=teacher,
         )  # fmt: skip
         with startup.phase("weight_channel"):
             self.engines.connect_weights(
@@ -468,8 +491,9 @@ class TrainLoop:
     def shutdown(self) -> None:
         """After a run that ended well: the engines, the ranks and the GPUs' reservation."""
         self.engines.shutdown()
-        if self.reward_engines is not None:
-            self.reward_engines.shutdown()
+        for frozen in (self.reward_engines, self.teacher_engines):
+            if frozen is not None:
+                frozen.shutdown()
         self.actor.shutdown()
         self.placement.remove()
 

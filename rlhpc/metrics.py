@@ -238,6 +238,8 @@ def _dump_bytes(rollout_id: int, batch: RolloutBatch, texts: dict[str, list[str]
             _ragged(f, "turn", batch.turns, np.int32)
         if batch.truncated:
             f.create_dataset("truncated", data=np.asarray(batch.truncated, dtype=bool))
+        if batch.teacher_logprobs:  # a teacher's logprob of each response token
+            _ragged(f, "teacher_logprobs", batch.teacher_logprobs, np.float32)
         for name, values in texts.items():
             f.create_dataset(name, data=[readable(v) for v in values], dtype=h5py.string_dtype())
     return buf.getbuffer()

@@ -6,7 +6,8 @@ Every path under a run dir is named here, and only here::
     config.yaml            the resolved config (written before submission)
     layout.txt             the full GPU map: node/GPU of every actor rank and engine (the log has a summary)
     base_model/            the tiny model built at submit time, when ``model.tiny`` is used
-    reward_model/          the tiny classifier built at submit time, when ``reward_model.tiny`` is used
+    reward_model/          the tiny classifier (or judge) built at submit time, when ``reward_model.tiny`` is used
+    teacher/               the tiny teacher built at submit time, when ``teacher.tiny`` is used
     checkpoints/           see rlhpc/checkpoint.py
     metrics.jsonl          one JSON object per rollout and per eval (rlhpc/metrics.py)
     metrics.png            tools/plot_metrics.py's default output
@@ -118,6 +119,7 @@ class RunDir:
         self.logs = self.path / "logs"
         self.base_model = self.path / "base_model"
         self.reward_model = self.path / "reward_model"  # the tiny classifier of reward_model.tiny
+        self.teacher_model = self.path / "teacher"  # the tiny causal LM of teacher.tiny
         self.finished_file = self.path / "FINISHED"
         self.ended_file = self.path / "ENDED"  # how the last job ended without finishing: failed or held
         self.metrics_file = self.path / "metrics.jsonl"
@@ -197,6 +199,12 @@ class RunDir:
             return None
         return rm.path if rm.path is not None else str(self.reward_model)
 
+    def teacher_path(self, cfg: Config) -> str | None:
+        t = cfg.teacher
+        if t is None:
+            return None
+        return t.path if t.path is not None else str(self.teacher_model)
+
     def load_config(self) -> Config:
         return config_from_dict(yaml.safe_load(self.config_file.read_text()))
 
@@ -244,7 +252,7 @@ class RunDir:
         write_atomic(self.config_file, dump_config(cfg))
         from rlhpc.cluster.layout import describe_layout, plan_layout
 
-        write_atomic(self.layout_file, describe_layout(plan_layout(cfg.cluster, cfg.reward_model)) + "\n")
+        write_atomic(self.layout_file, describe_layout(plan_layout(cfg.cluster, cfg.reward_model, cfg.teacher)) + "\n")
         if cfg.model.tiny is not None and not self.base_model.exists():
             from rlhpc.model import build_tiny_model
 
@@ -252,7 +260,11 @@ class RunDir:
         if cfg.reward_model is not None and cfg.reward_model.tiny is not None and not self.reward_model.exists():
             from rlhpc.model import build_tiny_model
 
-            build_tiny_model(self.reward_model, cfg.reward_model.tiny, classifier=True)
+            build_tiny_model(self.reward_model, cfg.reward_model.tiny, classifier=cfg.reward_model.kind == "classifier")
+        if cfg.teacher is not None and cfg.teacher.tiny is not None and not self.teacher_model.exists():
+            from rlhpc.model import build_tiny_model
+
+            build_tiny_model(self.teacher_model, cfg.teacher.tiny)
         self.logs.mkdir(exist_ok=True)
 
     def mark_finished(self, summary: dict) -> None:

@@ -74,6 +74,7 @@ class Generated:
             "loss_masks": b.loss_masks,
             "turns": b.turns,
             "truncated": b.truncated,
+            "teacher_logprobs": b.teacher_logprobs,
             "metrics": self.metrics,
             "texts": self.texts,
         }
@@ -83,7 +84,7 @@ class Generated:
         batch = RolloutBatch(
             d["prompt_ids"], d["response_ids"], d["rollout_logprobs"], d["rewards"], d["advantages"],
             d["group_size"], d["weight_versions"], d.get("token_versions", []), d.get("loss_masks", []),
-            d.get("turns", []), d.get("truncated", []),
+            d.get("turns", []), d.get("truncated", []), d.get("teacher_logprobs", []),
         )  # fmt: skip
         return cls(d["rollout_id"], batch, d["metrics"], d["texts"])
 

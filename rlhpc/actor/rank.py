@@ -40,6 +40,7 @@ from rlhpc.algo.grpo import (
     AggNorm,
     agg_counts,
     agg_loss,
+    distill_advantages,
     kl_estimate,
     policy_loss_per_token,
     sequence_kl,
@@ -59,11 +60,14 @@ def split_even(n: int, parts: int) -> list[tuple[int, int]]:
     return [(k * n // parts, (k + 1) * n // parts) for k in range(parts)]
 
 
-def _rollout_logprob_tensor(batch: RolloutBatch, shape: torch.Size) -> torch.Tensor:
-    """Engine logprobs laid out like ``loss_mask`` (position t predicts token t+1)."""
+def _rollout_logprob_tensor(
+    batch: RolloutBatch, shape: torch.Size, logprobs: list[list[float]] | None = None
+) -> torch.Tensor:
+    """Engine logprobs (or ``logprobs``, the teacher's) laid out like ``loss_mask`` (position t
+    predicts token t+1)."""
     width = shape[1]
     rows = []
-    for p, lps in zip(batch.prompt_ids, batch.rollout_logprobs):
+    for p, lps in zip(batch.prompt_ids, batch.rollout_logprobs if logprobs is None else logprobs):
         before = len(p) - 1 if lps else 0
         rows.append([0.0] * before + list(lps) + [0.0] * (width - before - len(lps)))
     return torch.tensor(rows, dtype=torch.float32)
@@ -105,6 +109,7 @@ class MicroBatch:
     old_logprobs: torch.Tensor | None = None  # [N, L-1] the policy before this rollout's steps
     ref_logprobs: torch.Tensor | None = None  # [N, L-1] the reference model (KL penalty in the loss only)
     tis_weights: torch.Tensor | None = None  # [N, L-1] truncated importance weights (algo.tis only)
+    teacher_logprobs: torch.Tensor | None = None  # [N, L-1] the teacher's (a teacher section only)
     positions: torch.Tensor | None = None  # packed: [1, T] position ids, from 0 in each sample
     unpack_index: torch.Tensor | None = None  # packed: [N, L-1] into the packed row's positions
 
@@ -261,6 +266,8 @@ class RankBase:
             group=self.dp_group,
         )
         loss_sums = {"pg_loss": 0.0, "kl": 0.0, "clipfrac": 0.0}
+        if self.spec.algo.distill_coef > 0:
+            loss_sums["distill/kl"] = 0.0
         grad_norms: list[float] = []
         skipped = 0
         for k, mbs in enumerate(steps):
@@ -347,6 +354,11 @@ class RankBase:
                 steps.append([])
                 for rmb in rollout_mbs:
                     mb = self._on_device(rmb)
+                    if rmb.teacher_logprobs:
+                        teacher = _rollout_logprob_tensor(rmb, mb.mask.shape, rmb.teacher_logprobs).to(self.device)
+                        mb.teacher_logprobs = teacher
+                        if self.spec.algo.kl_target == "teacher" and self.spec.algo.kl_loss_coef > 0:
+                            mb.ref_logprobs = teacher  # the KL penalty pulls toward the teacher instead
                     if self.ref is not None and not self.spec.algo.kl_in_reward:
                         mb.ref_logprobs = mb.per_sample(self._token_logprobs(self._logits(self.ref, mb), mb.ids))
                     if k > 0:
@@ -418,8 +430,14 @@ class RankBase:
             eps_low, eps_high = algo.gspo_eps_clip, algo.gspo_eps_clip_high
         else:
             eps_low, eps_high = algo.eps_clip, algo.eps_clip_high
+        advantages = mb.advantages
+        if algo.distill_coef > 0 and mb.teacher_logprobs is not None:
+            advantages, reverse_kl = distill_advantages(
+                mb.advantages, mb.old_logprobs, mb.teacher_logprobs, mb.mask, algo.distill_coef
+            )
+            sums["distill/kl"] += float((reverse_kl * mb.mask).sum())
         pg, clipped = policy_loss_per_token(
-            algo.policy_loss, logprobs, mb.old_logprobs, mb.advantages, mb.mask, eps_low, eps_high, mb.tis_weights
+            algo.policy_loss, logprobs, mb.old_logprobs, advantages, mb.mask, eps_low, eps_high, mb.tis_weights
         )
         per_token = pg
         if mb.ref_logprobs is not None:

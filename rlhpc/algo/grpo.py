@@ -282,3 +282,20 @@ def kl_in_reward(
     penalty = coef * seq_kl.float()
     penalized = rewards.float() - penalty
     return penalized, ADVANTAGE_ESTIMATORS[estimator](penalized, group_size, normalize_std), penalty
+
+
+def distill_advantages(
+    advantages: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    teacher_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    coef: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """On-policy distillation (``algo.distill_coef``, as slime's ``--opd-kl-coef``): per token,
+    the sample's advantage minus ``coef`` x the reverse-KL estimate log pi_old - log pi_teacher
+    of the sampled token, so the policy gradient pushes each token toward the teacher's
+    probability of it. No gradient flows through the term (both logprobs are fixed). Returns
+    the per-token advantages [N, L] and the per-token reverse KL (0 off the mask)."""
+    reverse_kl = ((old_logprobs - teacher_logprobs) * mask).detach()
+    per_sample = advantages[:, None] if advantages.dim() == 1 else advantages
+    return per_sample - coef * reverse_kl, reverse_kl

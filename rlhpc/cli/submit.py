@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
             rollout_partition=cfg.cluster.rollout_partition,
         )
         opts.check()
-        idle = idle_note(cfg.cluster, cfg.reward_model)
+        idle = idle_note(cfg.cluster, cfg.reward_model, cfg.teacher)
         if idle and not args.dry_run:  # the dry run prints it with the plan
             log.warning("%s", idle)
         if sweeps:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rlhpc.config import ClusterConfig, RewardModelConfig
+from rlhpc.config import ClusterConfig, RewardModelConfig, TeacherConfig
 
 # Ray custom resources that pin each group's bundles to its component of a heterogeneous job.
 GROUP_RESOURCES = ("rlhpc_actor_node", "rlhpc_rollout_node")
@@ -28,28 +28,44 @@ class Layout:
     slot_groups: tuple[int, ...]  # slot -> its group (0 for every slot unless heterogeneous)
     # slots of reward engine e: a third group, frozen (no weight pushes), after the others' GPUs
     reward_slots: tuple[tuple[int, ...], ...] = ()
+    # slots of teacher engine e: frozen too, after the reward engines'
+    teacher_slots: tuple[tuple[int, ...], ...] = ()
 
     @property
     def heterogeneous(self) -> bool:
         return any(self.slot_groups)
 
 
-def plan_layout(c: ClusterConfig, reward: RewardModelConfig | None = None) -> Layout:
+def frozen_groups(
+    reward: RewardModelConfig | None, teacher: TeacherConfig | None
+) -> list[RewardModelConfig | TeacherConfig]:
+    return [s for s in (reward, teacher) if s is not None]
+
+
+def plan_layout(
+    c: ClusterConfig, reward: RewardModelConfig | None = None, teacher: TeacherConfig | None = None
+) -> Layout:
     """Actor first, rollout after it (disaggregated, or on the engines' own nodes in a
-    heterogeneous job) or on the same slots (colocate); the reward engines (``reward``, the
-    ``reward_model`` section) on GPUs of their own after both, in either mode."""
-    reserved = reward.num_gpus if reward is not None else 0
+    heterogeneous job) or on the same slots (colocate); the frozen engines on GPUs of their own
+    after both, in either mode: the reward model's (``reward``), then the teacher's."""
+    reserved = sum(s.num_gpus for s in frozen_groups(reward, teacher))
     actor_gpus, rollout_gpus = c.split(reserved=reserved)  # as resolved by the config (an open split: the default)
     actor = tuple(range(actor_gpus))
     offset = 0 if c.colocate else actor_gpus
     per = c.rollout_gpus_per_engine
     engines = tuple(tuple(range(offset + e * per, offset + (e + 1) * per)) for e in range(rollout_gpus // per))
     num_slots = max(actor[-1], engines[-1][-1]) + 1
-    rewards: tuple[tuple[int, ...], ...] = ()
-    if reward is not None:
-        per = reward.gpus_per_engine
-        rewards = tuple(tuple(range(num_slots + e * per, num_slots + (e + 1) * per)) for e in range(reward.num_engines))
-        num_slots += reward.num_gpus
+    frozen: list[tuple[tuple[int, ...], ...]] = []
+    for group in (reward, teacher):
+        if group is None:
+            frozen.append(())
+            continue
+        per = group.gpus_per_engine
+        frozen.append(
+            tuple(tuple(range(num_slots + e * per, num_slots + (e + 1) * per)) for e in range(group.num_engines))
+        )
+        num_slots += group.num_gpus
+    rewards, teachers = frozen
     if c.heterogeneous:  # the engines' slots count from the first GPU of the rollout component
         homes = [(k // c.gpus_per_node, k % c.gpus_per_node) for k in actor]
         homes += [(c.num_nodes + j // c.rollout_node_gpus, j % c.rollout_node_gpus) for j in range(rollout_gpus)]
@@ -57,12 +73,14 @@ def plan_layout(c: ClusterConfig, reward: RewardModelConfig | None = None) -> La
     else:
         homes = [(k // c.gpus_per_node, k % c.gpus_per_node) for k in range(num_slots)]
         groups = (0,) * num_slots
-    return Layout(num_slots, actor, engines, c.colocate, c.node_gpus, tuple(homes), groups, rewards)
+    return Layout(num_slots, actor, engines, c.colocate, c.node_gpus, tuple(homes), groups, rewards, teachers)
 
 
-def idle_note(c: ClusterConfig, reward: RewardModelConfig | None = None) -> str | None:
+def idle_note(
+    c: ClusterConfig, reward: RewardModelConfig | None = None, teacher: TeacherConfig | None = None
+) -> str | None:
     """What to say when the layout leaves GPUs of the allocation idle; None when it uses them all."""
-    reserved = reward.num_gpus if reward is not None else 0
+    reserved = sum(s.num_gpus for s in frozen_groups(reward, teacher))
     idle = c.idle_gpus(reserved)
     if idle <= 0:
         return None
@@ -82,6 +100,7 @@ def idle_note(c: ClusterConfig, reward: RewardModelConfig | None = None) -> str 
             "component) or raise them; or ask for fewer nodes or GPUs per node for that component"
         )
     used = c.used_gpus(reserved)
+    frozen_part = "".join(f" + {s.SECTION.replace('_', ' ')} {s.num_gpus}" for s in frozen_groups(reward, teacher))
     if used <= c.gpus_per_node:
         fewer = f"--nodes 1 --gpus-per-node {used}"
     elif -(-used // c.gpus_per_node) < c.num_nodes:
@@ -90,7 +109,7 @@ def idle_note(c: ClusterConfig, reward: RewardModelConfig | None = None) -> str 
         fewer = None
     return (
         f"{idle} of the {c.total_gpus} GPUs sit idle: the layout uses {used} (actor {actor} + rollout {rollout}"
-        f"{', colocated' if c.colocate else ''}{f' + reward model {reserved}' if reserved else ''}). To use them, leave cluster.actor_num_gpus and "
+        f"{', colocated' if c.colocate else ''}{frozen_part}). To use them, leave cluster.actor_num_gpus and "
         "cluster.rollout_num_gpus unset (the default split takes the whole allocation) or raise them"
         + (f"; or ask for fewer: {fewer}" if fewer else "")
     )
@@ -103,6 +122,7 @@ def summarize_layout(layout: Layout, node_names: list[str] | None = None) -> str
     actor_on: list[list[tuple[int, int]]] = [[] for _ in range(num_nodes)]  # (rank, gpu) per node
     engine_on: list[list[tuple[int, int]]] = [[] for _ in range(num_nodes)]  # (engine, gpu) per node
     reward_on: list[list[tuple[int, int]]] = [[] for _ in range(num_nodes)]  # (reward engine, gpu) per node
+    teacher_on: list[list[tuple[int, int]]] = [[] for _ in range(num_nodes)]  # (teacher engine, gpu) per node
     for rank, slot in enumerate(layout.actor_slots):
         node, gpu = layout.slot_homes[slot]
         actor_on[node].append((rank, gpu))
@@ -110,17 +130,18 @@ def summarize_layout(layout: Layout, node_names: list[str] | None = None) -> str
         for slot in slots:
             node, gpu = layout.slot_homes[slot]
             engine_on[node].append((e, gpu))
-    for e, slots in enumerate(layout.reward_slots):
-        for slot in slots:
-            node, gpu = layout.slot_homes[slot]
-            reward_on[node].append((e, gpu))
+    for on, group in ((reward_on, layout.reward_slots), (teacher_on, layout.teacher_slots)):
+        for e, slots in enumerate(group):
+            for slot in slots:
+                node, gpu = layout.slot_homes[slot]
+                on[node].append((e, gpu))
 
     def node_shape(n: int) -> tuple:
-        used = {g for _, g in actor_on[n]} | {g for _, g in engine_on[n]} | {g for _, g in reward_on[n]}
+        used = {g for on in (actor_on, engine_on, reward_on, teacher_on) for _, g in on[n]}
         gpus = layout.node_gpus[n]
         return (
             _span(g for _, g in actor_on[n]), _span(g for _, g in engine_on[n]), gpus - len(used), gpus,
-            _span(g for _, g in reward_on[n]),
+            _span(g for _, g in reward_on[n]), _span(g for _, g in teacher_on[n]),
         )  # fmt: skip
 
     shapes = [node_shape(n) for n in range(num_nodes)]
@@ -139,13 +160,18 @@ def summarize_layout(layout: Layout, node_names: list[str] | None = None) -> str
             if layout.reward_slots
             else ""
         )
+        + (
+            f", {len(layout.teacher_slots)} teacher engine(s) (tp={len(layout.teacher_slots[0])}, GPUs of their own)"
+            if layout.teacher_slots
+            else ""
+        )
     ]
     start = 0
     for n in range(1, num_nodes + 1):
         if n < num_nodes and shapes[n] == shapes[start]:
             continue
         nodes = range(start, n)
-        actor_gpus, engine_gpus, idle, gpus, reward_gpus = shapes[start]
+        actor_gpus, engine_gpus, idle, gpus, reward_gpus, teacher_gpus = shapes[start]
         parts = []
         ranks = [r for k in nodes for r, _ in actor_on[k]]
         if ranks:
@@ -156,6 +182,9 @@ def summarize_layout(layout: Layout, node_names: list[str] | None = None) -> str
         rewards = [e for k in nodes for e, _ in reward_on[k]]
         if rewards:
             parts.append(f"reward engines {_span(rewards)} on gpu{reward_gpus}")
+        teachers = [e for k in nodes for e, _ in teacher_on[k]]
+        if teachers:
+            parts.append(f"teacher engines {_span(teachers)} on gpu{teacher_gpus}")
         if idle:
             parts.append(f"{idle} GPU(s) idle" if idle < gpus else "idle")
         where = name(start) if len(nodes) == 1 else f"{name(start)}..{name(n - 1)} ({len(nodes)} nodes)"
@@ -203,4 +232,6 @@ def describe_layout(layout: Layout, node_names: list[str] | None = None) -> str:
         lines.append(f"  engine {e:<3d} (tp={len(slots)}) -> {', '.join(where(s) for s in slots)}")
     for e, slots in enumerate(layout.reward_slots):
         lines.append(f"  reward engine {e:<3d} (tp={len(slots)}) -> {', '.join(where(s) for s in slots)}")
+    for e, slots in enumerate(layout.teacher_slots):
+        lines.append(f"  teacher engine {e:<3d} (tp={len(slots)}) -> {', '.join(where(s) for s in slots)}")
     return "\n".join(lines)

@@ -368,7 +368,7 @@ class TrainJob:
             if env.cluster == "slurm"
             else local_ray(
                 cfg.cluster,
-                plan_layout(cfg.cluster, cfg.reward_model).num_slots,
+                plan_layout(cfg.cluster, cfg.reward_model, cfg.teacher).num_slots,
                 stop,
                 run.ray_state(job_id, 0).token,
                 local_ray_temp_dir(run),

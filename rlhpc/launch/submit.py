@@ -231,8 +231,8 @@ def dry_run(
     # script shows each path as sbatch gets it, quoted whatever characters it holds.
     executor = slurm_executor(RunDir(run_dir), opts, preview=True, max_parallel=max_parallel)
     script = sbatch_script(executor, array)
-    layout = summarize_layout(plan_layout(cfg.cluster, cfg.reward_model))
-    idle = idle_note(cfg.cluster, cfg.reward_model)
+    layout = summarize_layout(plan_layout(cfg.cluster, cfg.reward_model, cfg.teacher))
+    idle = idle_note(cfg.cluster, cfg.reward_model, cfg.teacher)
     notes = f"\nWARNING: {idle}" if idle else ""
     where = "each task's layout.txt" if array else RunDir(run_dir).layout_file
     engine = (
@@ -243,6 +243,8 @@ def dry_run(
     rm = cfg.reward_model
     if rm is not None and rm.backend == "sglang":
         engine += f"\n\nreward engine 0's launch line (each reward engine's alike):\n  {reward_engine_preview(cfg)}"
+    if cfg.teacher is not None and cfg.teacher.backend == "sglang":
+        engine += f"\n\nteacher engine 0's launch line (each teacher engine's alike):\n  {teacher_engine_preview(cfg)}"
     return (
         f"{script}\n\n{layout}\n  full map: {where} (written at submission){notes}\n\n{memory.summarize(cfg)}{engine}\n\n"
         f"# the resolved config the job runs (written to {RunDir(run_dir).path / 'config.yaml'}):\n{dump_config(cfg)}"
@@ -250,7 +252,7 @@ def dry_run(
 
 
 def reward_engine_preview(cfg: Config) -> str:
-    """The SGLang server command of reward engine 0 (``--is-embedding``: it serves /classify)."""
+    """The SGLang server command of reward engine 0 (a classifier's with ``--is-embedding``: it serves /classify)."""
     from rlhpc.rollout.reward_model import reward_rollout_config
     from rlhpc.rollout.sglang_server import SGLangSpec
 
@@ -258,6 +260,17 @@ def reward_engine_preview(cfg: Config) -> str:
     sg = reward_rollout_config(cfg.rollout, rm).sglang
     spec = SGLangSpec(rm.gpus_per_engine, sg.mem_fraction_static, False, cfg.seed, extra_args=tuple(sg.extra_args))
     return _preview(spec, rm.path or "<run dir>/reward_model")
+
+
+def teacher_engine_preview(cfg: Config) -> str:
+    """The SGLang server command of teacher engine 0."""
+    from rlhpc.rollout.sglang_server import SGLangSpec
+    from rlhpc.rollout.teacher import teacher_rollout_config
+
+    t = cfg.teacher
+    sg = teacher_rollout_config(cfg.rollout, t).sglang
+    spec = SGLangSpec(t.gpus_per_engine, sg.mem_fraction_static, False, cfg.seed, extra_args=tuple(sg.extra_args))
+    return _preview(spec, t.path or "<run dir>/teacher")
 
 
 def engine_preview(cfg: Config) -> str:

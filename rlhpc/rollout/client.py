@@ -191,8 +191,10 @@ class EngineClient:
         return_logprob: bool | list[bool] = False,
         rid: str | list[str] | None = None,
         timeout_s: float | None = None,
+        logprob_start_len: int | list[int] | None = None,
     ) -> dict[str, Any] | list[dict[str, Any]]:
-        """One dict for a single prompt, a list for a batch (as SGLang answers)."""
+        """One dict for a single prompt, a list for a batch (as SGLang answers). ``logprob_start_len``
+        (with ``return_logprob``): the prompt tokens' logprobs from there too."""
         if (input_ids is None) == (text is None):
             raise RlhpcError("generate needs exactly one of input_ids and text", "pass token ids or a prompt string")
         req = P.GenerateReqInput(
@@ -200,9 +202,11 @@ class EngineClient:
             input_ids=input_ids,
             sampling_params=sampling_params if sampling_params is not None else {},
             return_logprob=return_logprob,
+            logprob_start_len=logprob_start_len,
             rid=rid,
         )
-        return self._json("POST", Route.GENERATE, P.body(req, drop_none=("text", "input_ids", "rid")), timeout_s)
+        drop = ("text", "input_ids", "rid", "logprob_start_len")
+        return self._json("POST", Route.GENERATE, P.body(req, drop_none=drop), timeout_s)
 
     def classify(self, input_ids: list[list[int]], timeout_s: float | None = None) -> list[float]:
         """A reward model's score of each input (its first label), through SGLang's /classify."""

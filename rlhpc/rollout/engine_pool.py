@@ -151,11 +151,13 @@ class EnginePool:
         stop: StopRequest | None = None,
         key_file: Path | None = None,
         frozen: bool = False,
+        role: str = "reward",
     ):
-        # frozen: the reward engines (``layout.reward_slots``), on GPUs of their own, never given
+        # frozen: the reward (or, ``role`` "teacher", the teacher's) engines (``layout.reward_slots``,
+        # ``layout.teacher_slots``), on GPUs of their own, never given
         # weights: a restarted one serves the model on disk, as the others do (no channel to reopen)
         self.frozen = frozen
-        self.role = "reward" if frozen else "rollout"
+        self.role = role if frozen else "rollout"
         self.rollout_cfg, self.cluster_cfg, self.seed = rollout, cluster, seed
         self.stop = stop
         self._key_dir = None if key_file is not None else Path(tempfile.mkdtemp(prefix="rlhpc-engine-key-"))
@@ -241,7 +243,9 @@ class EnginePool:
 
     def _own_slots(self) -> tuple[tuple[int, ...], ...]:
         """The slots of each engine of this pool: the rollout engines', or the reward engines'."""
-        return self._layout.reward_slots if self.frozen else self._layout.engine_slots
+        if not self.frozen:
+            return self._layout.engine_slots
+        return self._layout.teacher_slots if self.role == "teacher" else self._layout.reward_slots
 
     @staticmethod
     def _start_parts(actors: list[ray.actor.ActorHandle]) -> str:
@@ -478,7 +482,7 @@ class EnginePool:
         """Open the weight-sync channel from ``source`` (the actor) to every engine; ``source`` is
         also how a restarted engine gets the current weights back."""
         if self.frozen:
-            raise RlhpcError("connect_weights on the reward engines", "the reward model is frozen: push nothing to it")
+            raise RlhpcError(f"connect_weights on the {self.role} engines", "the model is frozen: push nothing to it")
         self._weights = source
         live = [e for e in range(len(self.clients)) if e not in self.lost]  # a lost engine cannot join the group
         source.connect_rollout(

@@ -13,6 +13,7 @@ import asyncio
 import hashlib
 import logging
 import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -39,6 +40,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MoreRows = Callable[[int, int], list[dict]]  # (round, count) -> prompts to over-sample
+# (prompt ids, response ids) per sample -> each response token's logprob under the teacher
+TeacherLogprobs = Callable[[list[list[int]], list[list[int]]], list[list[float]]]
 
 # At most this many samples per /generate request: a request is one engine batch on the CPU
 # engine (SGLang batches across requests anyway), and a bar step.
@@ -311,8 +314,10 @@ class Generation:
         num_engines: int = 1,
         episodes: EpisodeConfig | None = None,
         custom: CustomRollout | None = None,
+        teacher: TeacherLogprobs | None = None,
     ):
         self.tokenizer = tokenizer
+        self.teacher = teacher  # each trained token's logprob under the teacher (issue 30), or None
         self.reward_fn = (
             reward_fn
             if isinstance(reward_fn, Scorer | MixedScorer)
@@ -643,6 +648,11 @@ class Generation:
         )  # fmt: skip
         if algo.overlong_buffer:
             overlong_metrics["overlong/penalty"] = penalty.mean().item()
+        teacher_metrics = {}
+        if self.teacher is not None:  # the samples trained on, after any filtering
+            start = time.perf_counter()
+            batch.teacher_logprobs = self.teacher(s.prompt_ids, s.response_ids)
+            teacher_metrics["time/teacher"] = time.perf_counter() - start
         staleness = [rollout_id - v for v in s.weight_versions]
         tokens = sum(map(len, s.token_versions))
         metrics = {
@@ -661,6 +671,7 @@ class Generation:
             **({"episode/samples": len(batch) / s.num_episodes()} if self.custom is not None else {}),
             **filter_metrics,
             **overlong_metrics,
+            **teacher_metrics,
         }
         return batch, metrics, s.texts
 

@@ -72,6 +72,10 @@ class GenerateReqInput:
     input_ids: list[int] | list[list[int]] | None = None
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
     return_logprob: bool | list[bool] | None = None
+    # With return_logprob: the first prompt position whose token's logprob is answered (under
+    # meta_info.input_token_logprobs); None (SGLang: -1): the output tokens' alone. SGLang answers
+    # None for the token at this position, so a teacher asks from the one before the response.
+    logprob_start_len: int | list[int] | None = None
     rid: str | list[str] | None = None
 
 
@@ -280,6 +284,9 @@ class MetaInfo:
     WEIGHT_VERSIONS = "weight_versions"
     E2E_LATENCY = "e2e_latency"
     OUTPUT_TOKEN_LOGPROBS = "output_token_logprobs"  # [[logprob, token id, text or None], ...]
+    # with logprob_start_len: per prompt token from there, [[logprob, token id, text or None], ...];
+    # the first entry's logprob is None
+    INPUT_TOKEN_LOGPROBS = "input_token_logprobs"
     OUTPUT_TOP_LOGPROBS = "output_top_logprobs"  # per output token: its top_logprobs_num [[logprob, id, text], ...]
 
     @classmethod

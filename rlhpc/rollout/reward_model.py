@@ -40,8 +40,11 @@ EMBEDDING_FLAG = "--is-embedding"
 
 def reward_rollout_config(rollout: RolloutConfig, rm: RewardModelConfig) -> RolloutConfig:
     """The engine settings of the reward pool: the rollout's lifecycle limits (start-up timeout,
-    restarts), the reward model's backend and SGLang options, no router."""
-    extra = [EMBEDDING_FLAG, *rm.extra_args] if EMBEDDING_FLAG not in rm.extra_args else list(rm.extra_args)
+    restarts), the reward model's backend and SGLang options, no router; a classifier is served as
+    an embedding model, a judge as the chat model it is."""
+    extra = list(rm.extra_args)
+    if rm.kind == "classifier" and EMBEDDING_FLAG not in extra:
+        extra.insert(0, EMBEDDING_FLAG)
     return dataclasses.replace(
         rollout,
         backend=rm.backend,

@@ -86,7 +86,8 @@ def test_generate_returns_sglang_shapes(client: EngineClient, model_path: str) -
     for out, p, want_max in zip(outs, ids, (6, 3)):
         assert set(out) == {"text", "output_ids", "meta_info"}
         meta = out["meta_info"]
-        assert MetaInfo.all() - {MetaInfo.OUTPUT_TOP_LOGPROBS} <= set(meta)  # with return_logprob: every key but top-k
+        # with return_logprob: every key but top-k and the prompt tokens' (those with logprob_start_len)
+        assert MetaInfo.all() - {MetaInfo.OUTPUT_TOP_LOGPROBS, MetaInfo.INPUT_TOKEN_LOGPROBS} <= set(meta)
         assert meta["prompt_tokens"] == len(p) and meta["completion_tokens"] == len(out["output_ids"]) <= want_max
         assert meta["finish_reason"]["type"] in ("stop", "length")
         if meta["finish_reason"]["type"] == "length":
@@ -134,6 +135,34 @@ def test_greedy_matches_in_process_sampling(client: EngineClient, model_path: st
         assert out["output_ids"] == r.output_ids
         got = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
         assert torch.allclose(torch.tensor(got), torch.tensor(r.output_logprobs), atol=1e-5)
+
+
+def test_prompt_logprobs_are_transformers_log_softmax_in_sglangs_shape(client: EngineClient, model_path: str) -> None:
+    """return_logprob with logprob_start_len (what a teacher is asked): each prompt token from the
+    start, [logprob, id, None], its logprob transformers' log-softmax of the position before it,
+    the first entry's None (as SGLang answers); per request its own start; none without one."""
+    from transformers import AutoModelForCausalLM
+
+    tok = load_tokenizer(model_path)
+    ids = prompts(tok, ["12+30=42", "xyz abc"])
+    outs = client.generate(
+        input_ids=ids, sampling_params={"max_new_tokens": 0}, return_logprob=True, logprob_start_len=[3, 0]
+    )
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    for out, x, start in zip(outs, ids, (3, 0)):
+        entries = out["meta_info"][MetaInfo.INPUT_TOKEN_LOGPROBS]
+        assert [e[1] for e in entries] == x[start:] and entries[0][0] is None
+        assert all(e[2] is None for e in entries) and out["output_ids"] == []
+        with torch.no_grad():
+            ref = torch.log_softmax(model(torch.tensor([x])).logits[0], -1)
+        expected = [ref[j - 1, x[j]].item() for j in range(start + 1, len(x))]
+        assert [e[0] for e in entries[1:]] == pytest.approx(expected, abs=1e-5)
+    plain = client.generate(input_ids=ids[0], sampling_params={"max_new_tokens": 1}, return_logprob=True)
+    assert MetaInfo.INPUT_TOKEN_LOGPROBS not in plain["meta_info"]
+    with pytest.raises(RlhpcError, match="logprob_start_len"):
+        client.generate(
+            input_ids=ids[0], sampling_params={"max_new_tokens": 0}, return_logprob=True, logprob_start_len=99
+        )
 
 
 def test_stop_tokens_ignore_eos_and_zero_length(client: EngineClient, model_path: str) -> None:

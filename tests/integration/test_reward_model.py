@@ -1,5 +1,6 @@
-"""The classifier reward model (issue 30) against transformers: the CPU engine server's /classify,
-and the score a whole local run trains on, each equal to transformers' own forward of the model."""
+"""The reward models (issue 30) against transformers: the CPU engine server's /classify, and the
+score a whole local run trains on (a classifier's, a generative judge's), each equal to
+transformers' own forward (or greedy decoding) of the model."""
 
 from __future__ import annotations
 
@@ -8,12 +9,15 @@ import pytest
 import torch
 from support.engines import engine_client, start_server, stop_server
 from support.jobs import said, submit
-from transformers import AutoModelForSequenceClassification, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from rlhpc.config import TinyModelConfig
 from rlhpc.errors import RlhpcError
 from rlhpc.metrics import read_metrics
 from rlhpc.model import build_tiny_model
+from rlhpc.rollout.judge import render as judge_render
+from rlhpc.rollout.judge import score_prompt
+from rlhpc.rollout.scoring import Sample
 
 RM = TinyModelConfig(architecture="qwen2", tokenizer="bpe", seed=3)  # a ChatML template: rendered with it
 
@@ -79,6 +83,53 @@ def test_a_local_run_trains_on_the_reward_models_score(tmp_path):
         assert "reward/rule" in m and m["reward"] == pytest.approx(m["reward/reward_model"], abs=1e-5)
 
 
+def judge_answers(path, prompts: list[list[int]], max_new_tokens: int) -> list[str]:
+    """transformers' own greedy decoding of each judge question, as text (the stop token cut)."""
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    out = []
+    with torch.no_grad():
+        for ids in prompts:
+            x = torch.tensor([ids])
+            y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, do_sample=False)
+            out.append(tok.decode(y[0, len(ids) :], skip_special_tokens=True))
+    return out
+
+
+def test_a_local_run_trains_on_the_judges_verdict(tmp_path):
+    """A few rollouts with a tiny chat model as the judge on a GPU of its own: the built-in
+    question (rendered with the judge's template), answered greedily on the reward engine, read by
+    the run's judge_parse (the answer's length): each sample's reward is what transformers'
+    greedy decoding of the same question gives."""
+    run = tmp_path / "run"
+    p = submit(
+        run, "rollout.num_rollout=1", "eval.interval=null", "cluster.gpus_per_node=3", "data.reward_weight=0",
+        "reward_model.kind=judge", "reward_model.tiny.architecture=qwen2", "reward_model.tiny.tokenizer=bpe",
+        "reward_model.tiny.seed=3", "reward_model.judge_parse=support.judges:length",
+        "reward_model.sampling.max_new_tokens=6", "reward_model.weight=0.5", "reward_model.tiny.max_position_embeddings=512",
+    )  # fmt: skip
+    assert p.returncode == 0, said(p)[-4000:]
+    assert "reward engine 0   (tp=1) -> " in (run / "layout.txt").read_text()
+    (m,) = [r for r in read_metrics(run) if r["kind"] == "rollout"]
+    path = run / "reward_model"
+    tok = AutoTokenizer.from_pretrained(path)
+    with h5py.File(run / "rollouts" / "rollout_000000.h5") as f:
+        prompts = [x.decode() for x in f["prompt"][:]]
+        responses = [x.decode() for x in f["response"][:]]
+        rewards = f["rewards"][:].tolist()
+    # each question held to the judge's context less the answer's room, keeping its end
+    room = AutoConfig.from_pretrained(path).max_position_embeddings - 6
+    questions = [
+        judge_render(tok, score_prompt(Sample(prompt=q, response=a, label="")))[-room:]
+        for q, a in zip(prompts, responses)
+    ]
+    verdicts = [float(len(t)) for t in judge_answers(path, questions, 6)]
+    assert len(set(verdicts)) > 1  # the answers differ: the check below tells samples apart
+    assert rewards == pytest.approx([0.5 * v for v in verdicts], abs=1e-6)
+    assert m["reward/reward_model"] == pytest.approx(sum(verdicts) / len(verdicts), abs=1e-6)
+    assert m["reward"] == pytest.approx(0.5 * m["reward/reward_model"], abs=1e-6) and "reward/rule" in m
+
+
 @pytest.mark.ray
 def test_a_killed_reward_engine_is_restarted_and_its_samples_scored_once(tmp_path, caplog):
     """Two frozen reward engines; one SIGKILLed between two scorings: the requests it does not
@@ -93,7 +144,6 @@ def test_a_killed_reward_engine_is_restarted_and_its_samples_scored_once(tmp_pat
     from rlhpc.cluster.placement import create_placement
     from rlhpc.config import ClusterConfig, RewardModelConfig, RolloutConfig
     from rlhpc.rollout.reward_model import RewardModel, start_reward_engines
-    from rlhpc.rollout.scoring import Sample
 
     path = build_tiny_model(tmp_path / "rm", RM, classifier=True)
     cluster = ClusterConfig(gpus_per_node=4, actor_num_gpus=1, rollout_num_gpus=1)

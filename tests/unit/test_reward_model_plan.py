@@ -1,4 +1,4 @@
-"""The classifier reward model (issue 30): its config, its GPUs in the layout, its protocol against
+"""The reward model (issue 30): its config, its GPUs in the layout, its protocol against
 SGLang's own sources, how a sample is rendered and how the score is mixed."""
 
 from __future__ import annotations
@@ -42,7 +42,11 @@ def test_a_reward_model_takes_gpus_of_its_own_from_the_open_split():
     [
         ({}, {}, "exactly one of reward_model.path and reward_model.tiny"),
         ({"tiny": {}, "path": "/x"}, {}, "exactly one of"),
-        ({"tiny": {}, "kind": "judge"}, {"gpus_per_node": 3}, r"reward_model\.kind.*issue 30"),
+        (
+            {"tiny": {}, "judge_parse": "support.judges:length"},
+            {"gpus_per_node": 3},
+            r"judge_parse.*(?s:.)*kind: judge",
+        ),
         ({"tiny": {}, "num_gpus": 3, "gpus_per_engine": 2}, {"gpus_per_node": 8}, "whole number of engines"),
         ({"tiny": {}}, {}, r"after reward_model.num_gpus = 1 .* none is left for the actor"),
         ({"tiny": {}}, {"gpus_per_node": 2, "rollout_nodes": 1}, "--reward-nodes.*issue 30"),
@@ -63,12 +67,6 @@ def test_a_reward_model_takes_gpus_of_its_own_from_the_open_split():
 def test_refused_with_the_key_and_the_fix(section, cluster, match):
     with pytest.raises(ConfigError, match=match):
         _cfg(cluster=cluster, reward_model=section)
-
-
-def test_the_judge_is_refused_by_the_section_itself():
-    with pytest.raises(ConfigError) as e:
-        RewardModelConfig(tiny={}, kind="judge")
-    assert "issue 30" in e.value.problem and e.value.fix
 
 
 # ------------------------------------------------------------------ layout

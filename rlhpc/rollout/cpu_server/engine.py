@@ -253,14 +253,32 @@ class Engine:
                     repetition_penalty=[it.repetition_penalty for it in items],
                     step_hook=lambda: self._step_hook(seq, rids, steps),
                 )
+                inputs = [self._input_logprobs(it) if it.logprob_start_len >= 0 else None for it in items]
             finally:
                 self.busy = False
             version = self.weight_version
         latency = time.perf_counter() - t0
-        return [
+        outs = [
             self._output(it, s, version_spans(steps, len(s.output_ids), version), latency)
             for it, s in zip(items, samples)
         ]
+        for out, lps in zip(outs, inputs):
+            if lps is not None:
+                out["meta_info"][MetaInfo.INPUT_TOKEN_LOGPROBS] = lps
+        return outs
+
+    @torch.no_grad()
+    def _input_logprobs(self, it: Item) -> list[list[Any]]:
+        """The prompt tokens' logprobs from ``logprob_start_len`` on, as SGLang answers them: each
+        token's under the (temperature 1) softmax of the position before it, ``[logprob, id,
+        None]``, the first entry's logprob None (SGLang shifts its values by one and pads with
+        None, whatever the start). One forward of the prompt of its own: no padding to mask."""
+        ids = torch.tensor([it.prompt], device=self.device)
+        logits = self.model(input_ids=ids).logits[0].float()
+        targets = ids[0, it.logprob_start_len + 1 :]
+        lps = torch.log_softmax(logits[it.logprob_start_len : -1], -1).gather(-1, targets[:, None])[:, 0]
+        first = [[None, it.prompt[it.logprob_start_len], None]]
+        return first + [[lp, tok, None] for lp, tok in zip(lps.tolist(), targets.tolist())]
 
     def _stop_matcher(self, stops: list[str]) -> Callable[[list[int]], str | None] | None:
         """Row output ids -> the stop string their text now contains, or None. As SGLang, only the

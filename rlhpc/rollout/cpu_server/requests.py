@@ -64,6 +64,7 @@ class Item:
     no_stop_trim: bool
     stop_strs: list[str]
     top_logprobs_num: int = 0
+    logprob_start_len: int = -1  # with return_logprob and >= 0: the prompt tokens' logprobs from there
     top_k: int = TOP_K_ALL
     min_p: float = 0.0
     repetition_penalty: float = 1.0
@@ -176,9 +177,24 @@ def normalize_generate(
         base = _per_item(rid, batch_size, "rid")
         rids = base if n == 1 else [f"{r}_{k}" for k in range(n) for r in base]
     items = [_item(r, p, sp, bool(lp), limits) for r, p, sp, lp in zip(rids, prompts, param_list, logprob_flags)]
-    for it, lp, k in zip(items, logprob_flags, tops * n):
+    starts = _per_item(
+        -1 if body.get("logprob_start_len") is None else body["logprob_start_len"], batch_size, "logprob_start_len"
+    )
+    for it, lp, k, start in zip(items, logprob_flags, tops * n, starts * n):
         it.top_logprobs_num = k if lp else 0  # SGLang reports top logprobs only with return_logprob
+        it.logprob_start_len = _logprob_start(start, len(it.prompt)) if lp else -1
     return items, single
+
+
+def _logprob_start(start: Any, prompt_len: int) -> int:
+    if not isinstance(start, int) or isinstance(start, bool) or start < -1:
+        raise EngineError(f"logprob_start_len must be -1 or a prompt position, got {start!r}")
+    if start >= prompt_len:  # SGLang's words (Scheduler)
+        raise EngineError(
+            f"req.logprob_start_len={start} is higher than the number of input tokens "
+            f"len(req.origin_input_ids)={prompt_len}. Please use a smaller logprob_start_len."
+        )
+    return start
 
 
 def _top_logprobs_num(k: Any) -> int:
