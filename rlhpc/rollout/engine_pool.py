@@ -383,17 +383,22 @@ class EnginePool:
         done: Callable[[int], None] | None = None,
         call: Callable[[EngineClient, Any], Any] | None = None,
     ) -> list[Any]:
-        """Send request c to engine c mod the engine count (or to the router), all at once; the
-        answers in request order. Requests that failed on an engine found dead are sent again
-        once it is back on the current weights, or (``restarts_deferred``) to the healthy engines;
+        """Send request c to engine c (or its ``affinity``) mod the engine count (or to the router),
+        all at once; the answers in request order. Requests that failed on an engine found dead are
+        sent again once it is back on the current weights, or (``restarts_deferred``) to the healthy
+        engines (an episode's turns then keep to the engine its affinity picks among those left);
         ``done(c)`` runs as request c succeeds. ``call(client, request)``: what a request is (default:
         a /generate of a ``generation.Request``; the reward engines' scoring passes its own)."""
+
+        def target(c: int, targets: list[EngineClient]) -> EngineClient:
+            affinity = getattr(requests[c], "affinity", None)  # an episode's turns: one engine while it lives
+            return targets[(c if affinity is None else affinity) % len(targets)]
 
         def request(c: int, targets: list[EngineClient]) -> Any:
             r = requests[c]
             if call is not None:
-                return call(targets[c % len(targets)], r)
-            return targets[c % len(targets)].generate(
+                return call(target(c, targets), r)
+            return target(c, targets).generate(
                 input_ids=r.input_ids, sampling_params=r.sampling_params, return_logprob=r.return_logprob
             )
 
@@ -412,7 +417,7 @@ class EnginePool:
                 if finished:
                     silent.answered()
                 elif silent.due():  # an engine stopped (SIGSTOP), hung or swapping answers nothing, says nothing
-                    self._name_the_silent(silent, [targets[futures[f] % len(targets)] for f in waiting])
+                    self._name_the_silent(silent, [target(futures[f], targets) for f in waiting])
                 for fut in finished:
                     if self.stop is not None and self.stop.requested:
                         self._abort(futures)
@@ -430,7 +435,7 @@ class EnginePool:
                 checked = time.monotonic()
                 if self.check_nodes():  # their requests will never be answered
                     gone_clients = {id(self.clients[e]) for e in self.lost}
-                    gone = {f for f in waiting if id(targets[futures[f] % len(targets)]) in gone_clients}
+                    gone = {f for f in waiting if id(target(futures[f], targets)) in gone_clients}
                     failed += [futures[f] for f in gone]
                     waiting -= gone
                     self._abandon_threads()
