@@ -387,15 +387,16 @@ class EnginePool:
         done: Callable[[int], None] | None = None,
         call: Callable[[EngineClient, Any], Any] | None = None,
     ) -> list[Any]:
-        """Send request c to engine c (or the engine it names) mod the engine count (or to the router), all at once; the
-        answers in request order. Requests that failed on an engine found dead are sent again
-        once it is back on the current weights, or (``restarts_deferred``) to the healthy engines;
+        """Send request c to engine c (or its ``affinity``) mod the engine count (or to the router),
+        all at once; the answers in request order. Requests that failed on an engine found dead are
+        sent again once it is back on the current weights, or (``restarts_deferred``) to the healthy
+        engines (an episode's turns then keep to the engine its affinity picks among those left);
         ``done(c)`` runs as request c succeeds. ``call(client, request)``: what a request is (default:
         a /generate of a ``generation.Request``; the reward engines' scoring passes its own)."""
 
         def target(c: int, targets: list[EngineClient]) -> EngineClient:
-            engine = getattr(requests[c], "engine", None)  # a generation.Request may name its engine
-            return targets[(c if engine is None else engine) % len(targets)]
+            affinity = getattr(requests[c], "affinity", None)  # an episode's turns: one engine while it lives
+            return targets[(c if affinity is None else affinity) % len(targets)]
 
         def request(c: int, targets: list[EngineClient]) -> Any:
             r = requests[c]

@@ -133,9 +133,9 @@ class Request:
     input_ids: list[list[int]]
     sampling_params: list[dict]
     return_logprob: bool = True
-    # the engine to send it to (an episode's calls stay on one engine, its cache warm); None:
-    # the pool spreads requests by their index
-    engine: int | None = None
+    # The engine slot it goes to (engine ``affinity`` mod the engine count) instead of its index
+    # in the send: an episode's turns keep to one engine, which holds their prefix in its cache.
+    affinity: int | None = None
 
 
 class Send(Protocol):
@@ -448,7 +448,9 @@ class Generation:
                 active = [k for k, e in enumerate(episodes) if not e.done]
                 if not active:
                     break
-                chunks = [active[i : i + per_request] for i in range(0, len(active), per_request)]
+                # an episode's home: the request its turn 0 was in, so its turns go to one engine
+                homes = dict.fromkeys(k // per_request for k in active)
+                chunks = [[k for k in active if k // per_request == h] for h in homes]
                 requests = [
                     Request(
                         input_ids=[episodes[k].input_ids for k in chunk],
@@ -467,8 +469,9 @@ class Generation:
                             }
                             for k in chunk
                         ],
+                        affinity=home,
                     )
-                    for chunk in chunks
+                    for home, chunk in zip(homes, chunks)
                 ]
                 outputs = [out for answer in self.send(requests, lambda c: None) for out in answer]
                 for k, out in zip(active, outputs):

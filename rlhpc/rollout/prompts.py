@@ -83,16 +83,14 @@ def render_messages(
         text = tokenizer.apply_chat_template(
             messages, chat_template=template, add_generation_prompt=add_generation_prompt, tokenize=False, **extra
         )
-        ids = tokenizer.apply_chat_template(
-            messages, chat_template=template, add_generation_prompt=add_generation_prompt, tokenize=True,
-            return_dict=False, **extra,
-        )  # fmt: skip
     except Exception as e:  # jinja2's errors: a template that does not render these messages
         raise ConfigError(
             f"the chat template does not render the messages {str(messages)[:120]} ({type(e).__name__}: {e})",
             "fix data.chat_template (a Jinja file), or use the tokenizer's own (auto)",
         ) from e
-    return text, list(ids)
+    # the text tokenized as apply_chat_template(tokenize=True) does it, without rendering it again:
+    # an episode renders its chat twice a turn, and the template was half of that time
+    return text, list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def prepare_prompts(tokenizer: Any, data: DataConfig, limits: dict[str, int] | None) -> PromptPrep:

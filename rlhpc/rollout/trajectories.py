@@ -290,7 +290,7 @@ class EngineCalls:
         for b in batch:
             by_engine.setdefault(b[2], []).append(b)
         groups = list(by_engine.values())
-        requests = [Request([ids for ids, *_ in g], [p for _, p, *_ in g], engine=g[0][2]) for g in groups]
+        requests = [Request([ids for ids, *_ in g], [p for _, p, *_ in g], affinity=g[0][2]) for g in groups]
         try:
             answers = self.send(requests, lambda c: None)
         except BaseException as e:

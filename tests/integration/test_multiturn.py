@@ -1,14 +1,36 @@
-"""A short local job on the built-in multi-turn task (guess): what was trained is what the
-engine generated, token for token, and the loss mask is 0 exactly over the observations."""
+"""Short local jobs on the built-in multi-turn task (guess): what was trained is what the
+engine generated, token for token, and the loss mask is 0 exactly over the observations; a
+SIGKILL of the job or of an engine in the middle of episodes ends like the undisturbed run; a
+weight push between two turns shows in the tokens' versions, within the staleness bound."""
 
+import os
 import re
+import subprocess
+from pathlib import Path
 
 import h5py
+import pytest
 import torch
-from support.jobs import rollouts, submit
+from support.guess_envs import KILL_ENGINE_ENV, WAIT_PUSH_ENV
+from support.hold import MID_EPISODE
+from support.jobs import REPO, job_args, kill_when, rollouts, submit
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from rlhpc.checkpoint import CheckpointManager
+from rlhpc.invariants import comparable, final_weights
+from rlhpc.launch.restarts import read_history
 from rlhpc.metrics import read_metrics
+
+GUESS = (
+    "data.task=guess", "model.tiny.tokenizer=bpe", "rollout.max_turns=3", "rollout.max_new_tokens=4",
+    "rollout.max_episode_tokens=48", "eval.interval=null",
+)  # fmt: skip
+# Two engines: an episode's turns keep to one, and a request is one batch on the CPU engine,
+# whose padded batches make tokens depend on what shares a batch, so runs compare like for like.
+EXACT = (
+    *GUESS, "deterministic=true", "rollout.num_rollout=4", "checkpoint.save_interval=2", "cluster.gpus_per_node=3",
+    "cluster.rollout_num_gpus=2",
+)  # fmt: skip
 
 OBSERVATION = re.compile(
     r"(<\|im_end\|>)?\n<\|im_start\|>user\n(higher|lower|a digit)<\|im_end\|>\n<\|im_start\|>assistant\n"
@@ -61,3 +83,86 @@ def test_guess_episodes_train_the_engines_tokens(tmp_path):
         for t, (m, lp) in enumerate(zip(mask, lps)):
             assert abs(ours[t].item() - lp) < 1e-3 if m else lp == 0.0
     assert multi > 0  # some episodes went on after a wrong guess
+
+
+def run_job(run: Path, *overrides: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    p = subprocess.run(
+        job_args(run, *overrides), capture_output=True, text=True, timeout=300, cwd=REPO,
+        env={**os.environ, **(env or {})},
+    )  # fmt: skip
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return p
+
+
+@pytest.fixture(scope="module")
+def undisturbed(tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("guess") / "run"
+    run_job(run, *EXACT)
+    assert any(m.get("episode/turns", 0) > 1 for m in read_metrics(run) if m["kind"] == "rollout")
+    return run
+
+
+def test_sigkill_in_the_middle_of_episodes_resumes_to_the_same_run(undisturbed, tmp_path):
+    """Episodes run within a rollout and checkpoints fall between rollouts, so the episodes a
+    kill cuts are replayed whole from their seeds: same tokens, same rewards, same weights."""
+    run = tmp_path / "run"
+    # once rollout 1's checkpoint exists, the next episode step holds, and the kill comes there
+    held = run / "checkpoints" / f"rollout_000001{MID_EPISODE}"
+    args = job_args(run, *EXACT, "rollout.env=support.hold:GuessEnv")
+    kill_when(args, held)
+    assert held.read_text().startswith("held after reply")  # between two turns of an episode
+    ck = CheckpointManager(run / "checkpoints", 2).latest()
+    assert ck is not None and ck.rollout_id == 1
+    p = run_job(run, *EXACT, "rollout.env=support.hold:GuessEnv")  # no hold: the resumed job runs on
+    assert f"resuming from {ck.path.name}" in p.stdout
+    assert len(read_history(run)) == 2
+    assert rollouts(run) == [0, 1, 2, 3]
+    assert comparable(run) == comparable(undisturbed)
+    assert final_weights(run) == final_weights(undisturbed)
+
+
+def test_engine_killed_in_the_middle_of_episodes_ends_like_the_undisturbed_run(undisturbed, tmp_path):
+    """Each episode's turns on one of the two engines; engine 0's server is SIGKILLed between
+    two turns of rollout 1: its episodes' next requests fail, it is restarted on the current
+    weights and they are sent again, with the same per-sample seeds, so the same tokens."""
+    run = tmp_path / "run"
+    engine_log = run / "logs" / "engines" / "engine_0.log"
+    p = run_job(
+        run, *EXACT, "rollout.env=support.guess_envs:EngineKillingGuess", env={KILL_ENGINE_ENV: str(engine_log)}
+    )
+    out = p.stdout + p.stderr
+    assert Path(f"{engine_log}.killed").exists(), out[-3000:]
+    assert engine_log.read_text().count("starting at") == 2, out[-3000:]  # restarted once
+    assert "generation request(s) again" in out, out[-3000:]
+    assert len(read_history(run)) == 1  # the job itself never restarted
+    assert comparable(run) == comparable(undisturbed)
+    assert final_weights(run) == final_weights(undisturbed)
+
+
+def test_a_push_between_turns_shows_in_each_tokens_version_within_the_bound(tmp_path):
+    """Partial rollouts (a push does not wait for the rollout in flight), staleness 1: from
+    rollout 1 on, each episode waits after its first reply until the next weights were pushed.
+    Its later turns are generated with them; every token keeps the version it was sampled with
+    (an observation's, the reply's before it), and the episode stays within the bound."""
+    run = tmp_path / "run"
+    run_job(
+        run, *GUESS, "rollout.env=support.guess_envs:PushWaitingGuess", "rollout.max_staleness=1",
+        "rollout.partial_rollout=true", "rollout.num_rollout=3", "checkpoint.save_interval=null",
+        env={WAIT_PUSH_ENV: str(run)},
+    )  # fmt: skip
+    straddling = 0
+    for r in range(3):
+        with h5py.File(run / "rollouts" / f"rollout_{r:06d}.h5") as f:
+            versions = [t.tolist() for t in f["token_versions"][:]]
+            turns = [t.tolist() for t in f["turn"][:]]
+            per_episode = f["weight_versions"][:].tolist()
+        for tokens, turn, oldest in zip(versions, turns, per_episode):
+            assert tokens == sorted(tokens) and all(0 <= r - v <= 1 for v in tokens), (r, tokens)
+            assert min(tokens) == oldest
+            first = {v for v, t in zip(tokens, turn) if t == 0}
+            later = {v for v, t in zip(tokens, turn) if t > 0}
+            straddling += r >= 1 and first == {r - 1} and later == {r}
+    assert straddling > 0  # some episodes' later turns had newer weights than their first
+    records = [m for m in read_metrics(run) if m["kind"] == "rollout"]
+    assert all(m["staleness/max"] <= 1.0 for m in records)
+    assert any(m["staleness/straddling"] > 0 for m in records)

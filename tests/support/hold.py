@@ -4,14 +4,17 @@ about 0.15 s (measured): a poll on a loaded machine can miss it, and the job the
 is killed. Each reward here scores as its namesake does and, while the path named by
 ``$RLHPC_TEST_HOLD_AT`` exists, waits before scoring: nothing after that point is generated,
 trained or saved until the kill. Without the variable (the resumed run) it is its namesake.
+``GuessEnv`` holds a multi-turn job the same way, between two turns of its episodes.
 
-A job names one as ``data.reward: support.hold:NAME`` (``tests/`` is on every test job's PYTHONPATH).
+A job names one as ``data.reward: support.hold:NAME``, the environment as ``rollout.env:
+support.hold:GuessEnv`` (``tests/`` is on every test job's PYTHONPATH).
 """
 
 import os
 import time
 
 from rlhpc.tasks import TASKS
+from rlhpc.tasks.guess import GuessEnv as _GuessEnv
 from support.filters import length_parity as _length_parity
 
 HOLD_ENV = "RLHPC_TEST_HOLD_AT"
@@ -32,3 +35,20 @@ def digit_sum(prompt: str, response: str, answer: str) -> float:
 def length_parity(prompt: str, response: str, answer: str) -> float:
     _hold()
     return _length_parity(prompt, response, answer)
+
+
+MID_EPISODE = ".mid-episode"
+
+
+class GuessEnv(_GuessEnv):
+    """The ``guess`` task's environment, held between two turns of its episodes: with
+    ``kill_when(args, Path(f"{P}{MID_EPISODE}"))`` the first step after ``P`` exists creates the
+    held path (which the kill waits for) and holds, so the kill lands in the middle of episodes."""
+
+    def step(self, reply: str) -> tuple[list[dict], float, bool]:
+        at = os.environ.get(HOLD_ENV)
+        if at and at.endswith(MID_EPISODE) and os.path.exists(at.removesuffix(MID_EPISODE)):
+            with open(at, "a") as f:
+                f.write(f"held after reply {self.replies + 1}\n")
+        _hold()
+        return super().step(reply)

@@ -91,6 +91,18 @@ def test_deferred_restarts_send_a_dead_engines_requests_to_the_healthy_ones():
     assert pool.restarted == [1] and pool.down == set()
 
 
+def test_a_request_with_affinity_goes_to_its_engine_and_to_a_healthy_one_when_it_died():
+    """An episode's later turns: fewer requests than engines, each to its home engine, not by index."""
+    pool = bare_pool(3)
+    pool.send([Request(input_ids=[[c]], sampling_params=[{}], affinity=a) for c, a in ((0, 2), (1, 4))])
+    assert [c.served for c in pool.clients] == [[], [1], [0]]  # 2 -> engine 2, 4 -> engine 4 mod 3
+    pool.clients[2].alive = False
+    with pool.restarts_deferred():
+        answers = pool.send([Request(input_ids=[[7]], sampling_params=[{}], affinity=2)])
+    assert answers[0][0]["output_ids"] == [7] and pool.down == {2}
+    assert pool.clients[0].served == [7]  # 2 mod the two engines left -> engine 0
+
+
 def test_deferred_restarts_with_no_engine_left_raise_engines_down():
     pool = bare_pool(2)
     for c in pool.clients:
@@ -313,15 +325,3 @@ def test_an_engine_that_answers_nothing_is_named_long_before_the_read_timeout(mo
     line = next(r.getMessage() for r in caplog.records if "no answer for" in r.getMessage())
     assert "http://e1 (2 request(s), log /logs/engine_1.log)" in line and "http://e0" not in line
     assert "600 s timeout" in line and len(out) == 4
-
-
-def test_a_request_naming_an_engine_goes_there_and_to_a_healthy_one_while_it_is_down():
-    """An episode's calls (rollout.generate_fn / rollout.agent) name one engine; a dead one's go elsewhere."""
-    pool = bare_pool(3)
-    pool.send([Request([[10]], [{}], engine=2), Request([[11]], [{}], engine=2), Request([[12]], [{}], engine=4)])
-    assert pool.clients[2].served == [10, 11] and pool.clients[1].served == [12] and pool.clients[0].served == []
-    pool.clients[2].alive = False
-    with pool.restarts_deferred():
-        answers = pool.send([Request([[13]], [{}], engine=2)])
-    assert answers[0][0]["output_ids"] == [13] and pool.down == {2}
-    assert pool.clients[0].served == [13]  # engine 2 of the 2 healthy ones left: the first
