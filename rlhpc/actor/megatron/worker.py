@@ -25,6 +25,11 @@ same data shard.
   load-balancing loss from megatron's router (in train mode only, so the MoE model trains in
   train mode: dropout is off, the function is the same) averaged over the step's micro-batches,
   and logged as ``moe_load_balancing_loss``. Weight sync gathers the experts over the EP group.
+* Pipeline parallelism (``actor.megatron.pipeline_model_parallel_size``): each stage holds
+  layers / PP of the layers (megatron numbers them from 0 on every stage); a step's
+  micro-batches, and the no-grad passes', go through megatron-core's schedule
+  (``_pipeline``), the loss and the metric sums on the last stage. Weight sync broadcasts
+  each layer from its stage over the pipeline group (``_from_every_stage``): one model.
 * On a machine without a GPU the megatron CPU shim (``cpu_shim.py``) is applied first.
 """
 
@@ -89,7 +94,7 @@ def _saved_steps(loaded: Any) -> set[float]:
 
 
 class MegatronTrainWorker(RankBase):
-    """Rank ``rank`` of ``world_size`` = TP x DP. Same call order as ``TrainWorker``."""
+    """Rank ``rank`` of ``world_size`` = TP x PP x DP. Same call order as ``TrainWorker``."""
 
     def __init__(self, spec: ActorSpec, model_path: str, rank: int, world_size: int):
         super().__init__(spec, model_path, rank, world_size)
