@@ -818,13 +818,18 @@ def eval_split(set_name: str) -> str:
 
 @dataclass
 class MegatronConfig(Section):
-    """megatron-core options (``actor.backend: megatron``). DP = actor_num_gpus / TP."""
+    """megatron-core options (``actor.backend: megatron``). DP = actor_num_gpus / (TP x PP)."""
 
     SECTION: ClassVar[str] = "actor.megatron"
 
     tensor_model_parallel_size: int = 1
+    # Pipeline stages: the layers split evenly over this many ranks (it must divide the layers),
+    # micro-batches run through them with megatron-core's 1F1B schedule. Each stage holds 1/PP
+    # of the weights, gradients and optimizer state; the first keeps up to PP micro-batches'
+    # activations in flight. The engines still get one model (the push gathers every stage).
+    pipeline_model_parallel_size: int = 1
     # Shard optimizer state over data-parallel ranks. Its checkpoints resume at another DP size
-    # but the same TP size; the plain optimizer's reshard to any TP/DP.
+    # but the same TP and PP sizes; the plain optimizer's reshard to any TP/PP/DP.
     use_distributed_optimizer: bool = False
     bf16: bool = False  # bf16 params/compute with fp32 master weights (GPU); fp32 otherwise
     # MoE models (qwen3_moe): experts split over this many ranks of the data-parallel group
@@ -840,6 +845,7 @@ class MegatronConfig(Section):
 
     def check(self) -> None:
         self._at_least(1, "tensor_model_parallel_size", fix="use 1, 2, 4 or 8")
+        self._at_least(1, "pipeline_model_parallel_size", fix="use 1 (no pipeline) or a divisor of the layers")
         self._at_least(1, "expert_model_parallel_size", fix="use 1 (no expert parallelism) or a divisor of the experts")
         self._at_least(0, "moe_aux_loss_coeff", fix="set 0 (no load-balancing loss) or a small value, e.g. 1e-3")
 
@@ -1629,6 +1635,16 @@ def _model_shape(cfg: Config) -> tuple[int, int, int] | None:
         return None
 
 
+def _model_layers(cfg: Config) -> int | None:
+    """The configured model's decoder layers, or None if unreadable."""
+    if cfg.model.tiny is not None:
+        return cfg.model.tiny.num_hidden_layers
+    try:
+        return int(json.loads((Path(cfg.model.path) / "config.json").read_text())["num_hidden_layers"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def _validate_engine_tp(cfg: Config) -> None:
     """An SGLang engine's TP divides the model's attention heads (SGLang's own rule)."""
     shape, tp = _model_shape(cfg), cfg.cluster.rollout_gpus_per_engine
@@ -1642,6 +1658,7 @@ def _validate_engine_tp(cfg: Config) -> None:
 
 def _validate_megatron(cfg: Config) -> None:
     c, tp = cfg.cluster, cfg.actor.megatron.tensor_model_parallel_size
+    pp = cfg.actor.megatron.pipeline_model_parallel_size
     if cfg.algo.ref_update_interval:
         raise ConfigError(
             f"algo.ref_update_interval = {cfg.algo.ref_update_interval} with actor.backend = megatron: the megatron "
@@ -1649,17 +1666,36 @@ def _validate_megatron(cfg: Config) -> None:
             "use actor.backend: torch for reference resetting, or algo.ref_update_interval: 0 "
             "(the reference stays the initial model)",
         )
+    if pp > 1 and cfg.algo.kl_in_reward:
+        raise ConfigError(
+            f"algo.kl_in_reward with actor.megatron.pipeline_model_parallel_size = {pp}: the per-sample KL is "
+            "measured outside the pipeline schedule, which only the one-stage actor runs",
+            "use pipeline_model_parallel_size: 1 (TP/EP/DP instead), or algo.kl_in_reward: false (the KL in the loss)",
+        )
     if c.actor_num_gpus % tp:
         raise ConfigError(
             f"actor.megatron.tensor_model_parallel_size = {tp} does not divide cluster.actor_num_gpus = {c.actor_num_gpus}",
-            "make the actor GPUs a multiple of the TP size (data parallel = actor GPUs / TP)",
+            "make the actor GPUs a multiple of the TP size (data parallel = actor GPUs / (TP x PP))",
+        )
+    if c.actor_num_gpus % (tp * pp):
+        raise ConfigError(
+            f"actor.megatron.tensor_model_parallel_size x pipeline_model_parallel_size = {tp} x {pp} does not "
+            f"divide cluster.actor_num_gpus = {c.actor_num_gpus}",
+            "make the actor GPUs a multiple of TP x PP (data parallel = actor GPUs / (TP x PP))",
+        )
+    layers = _model_layers(cfg)
+    if layers is not None and layers % pp:
+        raise ConfigError(
+            f"actor.megatron.pipeline_model_parallel_size = {pp} does not divide the model's {layers} layers",
+            "choose a pipeline size that divides the layers (each stage holds layers / PP of them)",
         )
     ep = cfg.actor.megatron.expert_model_parallel_size
-    if (c.actor_num_gpus // tp) % ep:
+    dp = c.actor_num_gpus // (tp * pp)
+    if dp % ep:
         raise ConfigError(
             f"actor.megatron.expert_model_parallel_size = {ep} does not divide the data-parallel size "
-            f"{c.actor_num_gpus // tp} (cluster.actor_num_gpus / TP)",
-            "choose an EP size that divides actor GPUs / TP, or 1",
+            f"{dp} (cluster.actor_num_gpus / (TP x PP))",
+            "choose an EP size that divides actor GPUs / (TP x PP), or 1",
         )
     if tp > c.gpus_per_node:
         raise ConfigError(

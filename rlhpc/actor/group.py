@@ -108,9 +108,10 @@ class ActorGroup:
         self.call_timeout_s = spec.actor.call_timeout_s
         self.stop = stop  # seen between wait slices: a stop shortens the wait for a hung rank
         self.nodes = [f"{ip} (GPU {gpu})" for ip, gpu in (placement.location_of_slot[s] for s in self.slots)]
-        # Ranks of one tensor-parallel group see the same data: megatron orders ranks TP-fastest.
+        # Ranks of one tensor-parallel group see the same data: megatron orders ranks TP-fastest,
+        # then DP, with the pipeline stages outermost (every stage of a replica: the same data).
         self.tp_size = spec.tp_size
-        self.dp_size = self.world_size // self.tp_size
+        self.dp_size = self.world_size // (self.tp_size * spec.pp_size)
         num_gpus = COLOCATE_GPU_FRACTION if colocate else 1
         # Each rank gets a second thread, alive as long as it: checkpoint writes run there beside training.
         remote_cls = ray.remote(concurrency_groups={CHECKPOINT_THREAD: 1})(rank_class(spec.actor.backend))
@@ -215,7 +216,7 @@ class ActorGroup:
                 "raise rollout.rollout_batch_size or lower cluster.actor_num_gpus",
             )
         self._pushed = None
-        shards = [batch.shard(r // self.tp_size, self.dp_size) for r in range(self.world_size)]
+        shards = [batch.shard(r // self.tp_size % self.dp_size, self.dp_size) for r in range(self.world_size)]
         if push_version is None:
             refs = [w.train.remote(rollout_id, shard) for w, shard in zip(self.workers, shards)]
             return self._get(refs, "train")[0]

@@ -274,16 +274,7 @@ class RankBase:
             self._zero_grad()
             self._begin_step(len(mbs))
             norm = AggNorm(counts[k], counts[len(steps) + k], float(self.spec.max_response_len))
-            for j, mb in enumerate(mbs):
-                with self._grad_sync(last=j == len(mbs) - 1):
-                    logits = self._logits(self._policy(train=True), mb)
-                    logprobs = mb.per_sample(self._token_logprobs(logits, mb.ids))
-                    if mb.old_logprobs is None:  # the first step: no update yet, so this forward is the old policy's
-                        with torch.no_grad():
-                            self._old_policy(mb, logits.detach(), logprobs.detach(), sums)
-                    loss = self._grpo_loss(logits, logprobs, mb, norm, loss_sums)
-                    # the micro-batch's share of the minibatch loss, times the DP size to undo the averaging
-                    (loss * self.dp_size).backward()
+            self._forward_backward(mbs, norm, loss_sums, sums)
             self._finish_grad_sync(empty=not mbs)
             self._set_lr()
             grad_norm, stepped = self._clip_and_step()
@@ -305,6 +296,27 @@ class RankBase:
         if self.rank == 0:
             log.debug("rollout %d: %s", rollout_id, ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
         return metrics
+
+    def _forward_backward(
+        self, mbs: list[MicroBatch], norm: AggNorm, loss_sums: dict[str, float], sums: dict[str, float]
+    ) -> None:
+        """A step's forwards and backwards, one micro-batch after the other; gradients accumulate."""
+        for j, mb in enumerate(mbs):
+            with self._grad_sync(last=j == len(mbs) - 1):
+                logits = self._logits(self._policy(train=True), mb)
+                loss = self._micro_batch_loss(logits, mb, norm, loss_sums, sums)
+                # the micro-batch's share of the minibatch loss, times the DP size to undo the averaging
+                (loss * self.dp_size).backward()
+
+    def _micro_batch_loss(
+        self, logits: torch.Tensor, mb: MicroBatch, norm: AggNorm, loss_sums: dict[str, float], sums: dict[str, float]
+    ) -> torch.Tensor:
+        """A training forward's logits -> the micro-batch's share of the minibatch loss."""
+        logprobs = mb.per_sample(self._token_logprobs(logits, mb.ids))
+        if mb.old_logprobs is None:  # the first step: no update yet, so this forward is the old policy's
+            with torch.no_grad():
+                self._old_policy(mb, logits.detach(), logprobs.detach(), sums)
+        return self._grpo_loss(logits, logprobs, mb, norm, loss_sums)
 
     def _set_lr(self) -> None:
         """The rate of the step about to be taken (``actor.lr_schedule``), on every param group
@@ -359,15 +371,21 @@ class RankBase:
                         mb.teacher_logprobs = teacher
                         if self.spec.algo.kl_target == "teacher" and self.spec.algo.kl_loss_coef > 0:
                             mb.ref_logprobs = teacher  # the KL penalty pulls toward the teacher instead
-                    if self.ref is not None and not self.spec.algo.kl_in_reward:
-                        mb.ref_logprobs = mb.per_sample(self._token_logprobs(self._logits(self.ref, mb), mb.ids))
-                    if k > 0:
-                        logits = self._logits(self._policy(train=False), mb)
-                        self._old_policy(mb, logits, mb.per_sample(self._token_logprobs(logits, mb.ids)), sums)
-                        del logits
                     local_tokens += mb.tokens
                     steps[-1].append(mb)
+                self._no_grad_passes(steps[-1], old=k > 0, sums=sums)
         return steps, sums, local_tokens
+
+    def _no_grad_passes(self, mbs: list[MicroBatch], old: bool, sums: dict[str, float]) -> None:
+        """A step's micro-batches get their reference logprobs (KL penalty) and, when ``old``,
+        their old-policy logprobs (``_old_policy``): one no-grad forward each."""
+        for mb in mbs:
+            if self.ref is not None and not self.spec.algo.kl_in_reward:  # else: in the reward
+                mb.ref_logprobs = mb.per_sample(self._token_logprobs(self._logits(self.ref, mb), mb.ids))
+            if old:
+                logits = self._logits(self._policy(train=False), mb)
+                self._old_policy(mb, logits, mb.per_sample(self._token_logprobs(logits, mb.ids)), sums)
+                del logits
 
     def _on_device(self, rmb: RolloutBatch) -> MicroBatch:
         """A micro-batch's samples padded (or packed) on the device, with the engines' logprobs."""

@@ -49,3 +49,8 @@ class ActorSpec:
     def tp_size(self) -> int:
         """Tensor-parallel size: ranks of one TP group train on the same data."""
         return self.actor.megatron.tensor_model_parallel_size if self.actor.backend == "megatron" else 1
+
+    @property
+    def pp_size(self) -> int:
+        """Pipeline-parallel size: the stages of one model replica train on the same data."""
+        return self.actor.megatron.pipeline_model_parallel_size if self.actor.backend == "megatron" else 1

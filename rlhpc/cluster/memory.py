@@ -2,7 +2,9 @@
 
 Pure Python (the login node reads configs without torch). The formulas and their assumptions
 are in docs/guides/scale.md, "Will it fit?"; in short, per actor rank of the megatron actor
-(TP t, EP e, DP d; the torch actor: t = e = 1, fp32, no sharding):
+(TP t, PP p, EP e, DP d; the torch actor: t = p = e = 1, fp32, no sharding), on the pipeline
+stage that needs most (the first: the embedding and p micro-batches in flight; or the last:
+the output layer and the logits), each stage holding layers / p of the layers:
 
 - weights: 2 bytes per parameter of the rank's shard in bf16 (4 in fp32); dense tensors split
   over t (norms and routers replicated), experts over e x t; the vocab padded as megatron pads it;
@@ -11,9 +13,11 @@ are in docs/guides/scale.md, "Will it fit?"; in short, per actor rank of the meg
   and d / e (experts) with ``use_distributed_optimizer``;
 - the reference model's weights again when the KL penalty needs it;
 - activations of one micro-batch (bf16, no sequence parallelism, unfused attention of the
-  local spec), or with ``recompute`` each layer's input plus one layer's;
-- logits: 14 bytes per token per vocab entry / t (bf16 output, fp32 copy, the cross entropy's
-  copy, its softmax);
+  local spec), or with ``recompute`` each layer's input plus one layer's; megatron's 1F1B
+  schedule keeps p - s micro-batches' in flight on stage s, so the first stage's are those of
+  all the layers, as without a pipeline;
+- logits (last stage): 14 bytes per token per vocab entry / t (bf16 output, fp32 copy, the
+  cross entropy's copy, its softmax);
 - a fixed allowance for the CUDA context, NCCL and allocator slack.
 
 An SGLang engine takes ``rollout.sglang.mem_fraction_static`` of its GPU for weights + KV cache
@@ -161,17 +165,31 @@ def micro_batch_tokens(cfg: Config) -> tuple[int, int, str]:
 
 
 def actor_estimate(cfg: Config, shape: ModelShape) -> Estimate:
-    """One actor rank's peak: the training step's (weights, grads, Adam, one micro-batch)."""
+    """One actor rank's peak: the training step's (weights, grads, Adam, micro-batches in
+    flight) on the pipeline stage whose total is largest (the first or the last)."""
+    m = cfg.actor.megatron
+    pp = m.pipeline_model_parallel_size if cfg.actor.backend == "megatron" else 1
+    stages = [stage_estimate(cfg, shape, first=True, last=pp == 1)]
+    if pp > 1:
+        stages.append(stage_estimate(cfg, shape, first=False, last=True))
+    return max(stages, key=lambda e: e.total)
+
+
+def stage_estimate(cfg: Config, shape: ModelShape, first: bool, last: bool) -> Estimate:
     megatron = cfg.actor.backend == "megatron"
     m = cfg.actor.megatron
     tp, ep = (m.tensor_model_parallel_size, m.expert_model_parallel_size) if megatron else (1, 1)
-    dp = (cfg.cluster.actor_num_gpus or 1) // tp
+    pp = m.pipeline_model_parallel_size if megatron else 1
+    dp = (cfg.cluster.actor_num_gpus or 1) // (tp * pp)
     bf16 = megatron and m.bf16
     distributed = megatron and m.use_distributed_optimizer
     split, replicated, expert = shape.layer_params()
     vocab = padded_vocab(shape.vocab, tp) if megatron else shape.vocab
-    dense = shape.layers * (split / tp + replicated) + 2 * vocab * shape.hidden / tp + shape.hidden
-    experts = shape.layers * expert / (ep * tp)
+    layers = -(-shape.layers // pp)
+    # the embedding on the first stage; the final norm and output layer on the last
+    ends = (vocab * shape.hidden / tp if first else 0) + (vocab * shape.hidden / tp + shape.hidden if last else 0)
+    dense = layers * (split / tp + replicated) + ends
+    experts = layers * expert / (ep * tp)
     params = dense + experts
     weight_bytes = 2 if bf16 else 4
     adam_bytes = 12 if bf16 else 8  # fp32 master (bf16 only) + exp_avg + exp_avg_sq
@@ -183,14 +201,22 @@ def actor_estimate(cfg: Config, shape: ModelShape) -> Estimate:
     act = 2 if bf16 else 4
     layer = layer_activation_bytes(shape, tokens, row, tp, ep, act)
     recompute = megatron and m.recompute
-    kept = shape.layers * act * shape.hidden * tokens + layer if recompute else shape.layers * layer
+    in_flight = pp if first else 1  # 1F1B: stage s holds p - s micro-batches' activations
+    per_micro_batch = layers * act * shape.hidden * tokens if recompute else layers * layer
+    kept = in_flight * per_micro_batch + (layer if recompute else 0)
     terms.append((f"activations ({'recompute' if recompute else 'no recompute'})", kept))
-    terms.append(("logits", LOGIT_BYTES * tokens * vocab / tp))
+    if last:
+        terms.append(("logits", LOGIT_BYTES * tokens * vocab / tp))
     terms.append(("runtime (CUDA, NCCL)", RUNTIME_GIB * GIB))
+    stage = (
+        ""
+        if pp == 1
+        else f", the {'first' if first else 'last'} of {pp} pipeline stages ({layers} of {shape.layers} layers)"
+    )
     notes = (
         f"{tokens} tokens per micro-batch ({where})",
-        f"TP {tp} EP {ep} DP {dp}, {'bf16' if bf16 else 'fp32'}"
-        f"{', distributed optimizer' if distributed else ''}, {params / 1e9:.2f}B parameters on the rank",
+        f"TP {tp} {f'PP {pp} ' if pp > 1 else ''}EP {ep} DP {dp}, {'bf16' if bf16 else 'fp32'}"
+        f"{', distributed optimizer' if distributed else ''}, {params / 1e9:.2f}B parameters on the rank{stage}",
     )
     return Estimate("actor rank", tuple(terms), notes)
 
@@ -296,15 +322,18 @@ def _actor_fix(cfg: Config, term: str, moe: bool) -> str:
     m = cfg.actor.megatron
     tp = "raise actor.megatron.tensor_model_parallel_size (within a node)"
     ep = "raise actor.megatron.expert_model_parallel_size" if moe and cfg.actor.backend == "megatron" else ""
+    # stages split the weights and their state, not the first stage's activations or the logits
+    pp = "raise actor.megatron.pipeline_model_parallel_size (stages may span nodes)"
     tokens = "lower actor.max_tokens_per_micro_batch (or actor.micro_batch_size)"
     knobs = {
-        "weights": [tp, ep],
-        "gradients": [tp, ep],
-        "reference weights": [tp, ep, "set algo.kl_coef: 0 (no reference model)"],
+        "weights": [tp, pp, ep],
+        "gradients": [tp, pp, ep],
+        "reference weights": [tp, pp, ep, "set algo.kl_coef: 0 (no reference model)"],
         "optimizer": [
             "" if m.use_distributed_optimizer else "set actor.megatron.use_distributed_optimizer: true",
             "add data-parallel ranks (cluster.actor_num_gpus)",
             tp,
+            pp,
             ep,
         ],
         "logits": [tokens, tp],
@@ -314,5 +343,4 @@ def _actor_fix(cfg: Config, term: str, moe: bool) -> str:
         knobs = ["use actor.backend: megatron (bf16, TP, distributed optimizer)", tokens]
     if cfg.cluster.colocate and not cfg.cluster.offload:
         knobs.append("set cluster.offload: true (engine and actor take turns on the GPU)")
-    knobs.append("pipeline parallelism is not built yet")
     return "; ".join(k for k in knobs if k)

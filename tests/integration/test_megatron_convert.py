@@ -20,6 +20,8 @@ from rlhpc.actor.megatron.convert import (  # noqa: E402
     load_into,
     megatron_to_hf,
     model_state_dict,
+    renumber_layer,
+    shard_for_pp,
     shard_for_tp,
 )
 from rlhpc.model import TinyModelConfig, build_tiny_model, load_model  # noqa: E402
@@ -160,6 +162,21 @@ def test_expert_parallel_round_trip_bit_exact(tiny_models, tp_size, ep_size):
     back = megatron_to_hf(shards, hf.config, ep_size=ep_size)
     assert set(back) == set(hf_sd)
     assert all(torch.equal(back[k], v) for k, v in hf_sd.items())
+
+
+def test_pipeline_stages_split_the_model_and_number_their_layers_from_zero(tiny_models):
+    """Two stages of the 2-layer model: layer 1 is stage 1's layer 0; the embedding is on the
+    first stage only, the final norm and output layer on the last; renumbered back, the two
+    stages are the whole model, bit for bit."""
+    hf = load_model(tiny_models["qwen3"])
+    full = hf_to_megatron(hf.state_dict(), hf.config)
+    first, last = (shard_for_pp(full, s, 1, first_stage=s == 0, last_stage=s == 1) for s in (0, 1))
+    assert "embedding.word_embeddings.weight" in first and "output_layer.weight" not in first
+    assert {"output_layer.weight", "decoder.final_layernorm.weight"} <= set(last)
+    assert "embedding.word_embeddings.weight" not in last and "decoder.layers.1.input_layernorm.weight" not in last
+    assert torch.equal(last["decoder.layers.0.input_layernorm.weight"], full["decoder.layers.1.input_layernorm.weight"])
+    union = {**first, **{renumber_layer(k, 1) if k.startswith("decoder.layers.") else k: v for k, v in last.items()}}
+    assert set(union) == set(full) and all(torch.equal(union[k], v) for k, v in full.items())
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -149,6 +149,22 @@ def test_megatron_layout_errors():
     cfg = load_config(None, [*TINY, "actor.backend=megatron", "cluster.gpus_per_node=3", "cluster.actor_num_gpus=2",
                              "actor.megatron.tensor_model_parallel_size=2"])  # fmt: skip
     assert cfg.actor.megatron.tensor_model_parallel_size == 2
+    # pipeline stages: TP x PP divides the actor GPUs, PP the (tiny model's 2) layers, EP what is left for DP
+    pp = [
+        *megatron,
+        "cluster.gpus_per_node=8",
+        "cluster.actor_num_gpus=6",
+        "actor.megatron.pipeline_model_parallel_size=2",
+    ]
+    assert "2 x 2 does not divide cluster.actor_num_gpus = 6" in error(
+        [*pp, "actor.megatron.tensor_model_parallel_size=2"]
+    )
+    assert "does not divide the model's 2 layers" in error([*pp, "actor.megatron.pipeline_model_parallel_size=3"])
+    assert "does not divide the data-parallel size 3 (cluster.actor_num_gpus / (TP x PP))" in error(
+        [*pp, "model.tiny.architecture=qwen3_moe", "actor.megatron.expert_model_parallel_size=2"]
+    )
+    assert load_config(None, [*TINY, *pp]).actor.megatron.pipeline_model_parallel_size == 2
+    assert "measured outside the pipeline schedule" in error([*pp, "algo.kl_coef=0.1", "algo.kl_in_reward=true"])
 
 
 def test_kl_knobs_need_a_kl_penalty():

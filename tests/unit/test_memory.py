@@ -3,7 +3,16 @@ refusal naming the biggest term and its knobs, and megatron's own weight + optim
 
 import pytest
 
-from rlhpc.cluster.memory import GIB, ModelShape, actor_estimate, check_fits, engine_estimate, read_shape, summarize
+from rlhpc.cluster.memory import (
+    GIB,
+    ModelShape,
+    actor_estimate,
+    check_fits,
+    engine_estimate,
+    read_shape,
+    stage_estimate,
+    summarize,
+)
 from rlhpc.config import load_config
 from rlhpc.errors import ConfigError
 
@@ -68,6 +77,29 @@ def test_moe_experts_split_over_ep_and_tp_and_their_adam_over_expert_data_parall
     terms = dict(actor_estimate(cfg, shape).terms)
     assert terms["weights"] == 2 * (dense + experts)
     assert terms["optimizer"] == 12 * (dense / 4 + experts / 2)  # DP 4; expert DP = DP / EP = 2
+
+
+def test_pipeline_stages_split_the_weights_and_the_first_keeps_a_micro_batch_per_stage():
+    """PP 2 on 8 ranks (TP 2, DP 2): each stage one of the 2 layers; the first stage holds the
+    embedding and two micro-batches' activations, the last the output layer, final norm and
+    logits. The plan shows the stage with the larger total."""
+    cfg = tiny("cluster.actor_num_gpus=8", "actor.megatron.pipeline_model_parallel_size=2")
+    shape = read_shape(cfg)
+    est = actor_estimate(cfg, shape)
+    terms = dict(est.terms)
+    # the last stage: one layer 61440 / 2 + 160, the output layer 512 x 64 / 2 and the final norm 64
+    last = 61440 / 2 + 160 + 512 * 64 / 2 + 64
+    assert terms["weights"] == 2 * last and terms["gradients"] == 4 * last
+    assert terms["optimizer"] == 12 * last / 2  # DP = 8 / (TP 2 x PP 2)
+    assert terms["activations (no recompute)"] == 770048  # one layer, one micro-batch in flight
+    assert terms["logits"] == 14 * 256 * 512 / 2
+    assert "the last of 2 pipeline stages (1 of 2 layers)" in est.notes[1] and "PP 2" in est.notes[1]
+    # the first stage: the layer and the embedding, two micro-batches in flight (1F1B), no logits
+    head_est = stage_estimate(cfg, shape, first=True, last=False)
+    head = dict(head_est.terms)
+    assert head["weights"] == 2 * (61440 / 2 + 160 + 512 * 64 / 2) and "logits" not in head
+    assert head["activations (no recompute)"] == 2 * 770048
+    assert head_est.total < est.total
 
 
 def test_an_engine_takes_its_fraction_of_the_gpu():

@@ -11,6 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
+from rlhpc.cluster.memory import summarize
 from rlhpc.config import load_config
 from rlhpc.errors import ConfigError
 
@@ -87,8 +88,14 @@ def test_qwen3_32b_does_not_fit_at_tp_4_without_pipeline_parallelism(tmp_path):
     assert (
         "tensor_model_parallel_size" in e.value.fix
         and "expert" not in e.value.fix
-        and "pipeline parallelism is not built" in e.value.fix
+        and "raise actor.megatron.pipeline_model_parallel_size" in e.value.fix
     )
+    # the knob it names: two stages halve the weights and their state; the first keeps two
+    # micro-batches' activations, the last the logits (which are the bigger here)
+    two_stages = load_config(recipe, [*sets, "actor.megatron.tensor_model_parallel_size=4",
+                                      "actor.megatron.pipeline_model_parallel_size=2"])  # fmt: skip
+    assert re.search(r"^  actor rank: 56\.0$", summarize(two_stages), re.M)
+    assert "the last of 2 pipeline stages (32 of 64 layers)" in summarize(two_stages)
     with pytest.raises(ConfigError, match=r"biggest term is activations \(no recompute\)"):
         load_config(recipe, [*sets, "actor.megatron.recompute=false"])
 

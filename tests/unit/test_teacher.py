@@ -54,6 +54,9 @@ def test_distillation_takes_a_teacher_on_gpus_of_its_own():
         ({"tiny": {}, "num_gpus": 2}, {"distill_coef": 1.0}, {}, r"teacher\.num_gpus = 2 .* none is left"),
         ({"tiny": {}}, {"distill_coef": -1.0}, {}, r"algo\.distill_coef = -1\.0 must be >= 0"),
         ({"tiny": {}}, {"distill_coef": 1.0}, {"gpus_per_node": 2, "rollout_nodes": 1}, "heterogeneous"),
+        # kl_in_reward and reference resets act on a reference model, which a KL to the teacher has not
+        ({"tiny": {}}, {"kl_coef": 0.1, "kl_target": "teacher", "kl_in_reward": True}, {}, "act on the reference"),
+        ({"tiny": {}}, {"kl_coef": 0.1, "kl_target": "teacher", "ref_update_interval": 2}, {}, "act on the reference"),
     ],
 )
 def test_refused_with_the_key_and_the_fix(teacher, algo, cluster, match):

@@ -185,6 +185,28 @@ def layer_index(name: str) -> int | None:
     return int(parts[2]) if name.startswith("decoder.layers.") else None
 
 
+def renumber_layer(name: str, new: int) -> str:
+    """``decoder.layers.<i>.rest`` -> ``decoder.layers.<new>.rest``."""
+    parts = name.split(".")
+    return ".".join([*parts[:2], str(new), *parts[3:]])
+
+
+def shard_for_pp(mg_sd: StateDict, first_layer: int, num_layers: int, first_stage: bool, last_stage: bool) -> StateDict:
+    """One pipeline stage's part of a state dict numbered by global layer: layers
+    ``[first_layer, first_layer + num_layers)`` renumbered from 0 (megatron numbers a stage's
+    layers locally), the embedding on the first stage, the final norm and output layer on the last."""
+    out: StateDict = {}
+    for name, t in mg_sd.items():
+        i = layer_index(name)
+        if i is None:
+            keep = first_stage if name.startswith("embedding.") else last_stage
+            if keep:
+                out[name] = t
+        elif first_layer <= i < first_layer + num_layers:
+            out[renumber_layer(name, i - first_layer)] = t
+    return out
+
+
 def megatron_full_to_hf(mg_sd: StateDict, hf_config: Any) -> StateDict:
     """Inverse of :func:`hf_to_megatron_full` (drops vocab padding).
 

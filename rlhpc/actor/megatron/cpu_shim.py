@@ -22,12 +22,15 @@ Redirects (each process-wide, idempotent, undone by :func:`remove_cpu_shim`):
   The unfused softmax builds the causal mask with a hard-coded ``device="cuda"`` when the
   caller passes ``attention_mask=None``.
 
-* ``torch`` as seen by ``megatron.core.optimizer.{optimizer,clip_grads,grad_scaler}`` -> a
+* ``torch`` as seen by ``megatron.core.optimizer.{optimizer,clip_grads,grad_scaler}`` and
+  ``megatron.core.pipeline_parallel.schedules`` -> a
   proxy of the torch module whose tensor factories (``tensor``, ``zeros``, ``ones``, ``empty``,
   ``full``) map ``device="cuda"`` to the CPU; every other attribute is the real torch. Those
   modules build scalars with a hard-coded ``device='cuda'`` (``FP32Optimizer._scale``, the
   mixed-precision optimizer's ``found_inf``, grad-norm/overflow buffers in grad clipping, the
-  grad scalers). Nothing outside these three modules sees the proxy.
+  grad scalers, the pipeline schedules' token counter). Nothing outside these modules sees the
+  proxy. (The pipeline's point-to-point sends need nothing more: they allocate through
+  ``torch.cuda.current_device`` and run on gloo.)
 * ``clip_grad_by_total_norm_fp32`` as imported by ``megatron.core.optimizer.optimizer`` -> the
   same clipping (scale every fp32 grad in place by ``max_norm / (total_norm + 1e-6)`` when
   that is below 1) without megatron's ``param.grad.type() == 'torch.cuda.FloatTensor'``
@@ -81,6 +84,7 @@ _REPLACED = {
     "megatron.core.optimizer.optimizer": ("torch", "clip_grad_by_total_norm_fp32", "Float16OptimizerWithFloat16Params"),
     "megatron.core.optimizer.clip_grads": ("torch", "l2_norm_impl"),
     "megatron.core.optimizer.grad_scaler": ("torch",),
+    "megatron.core.pipeline_parallel.schedules": ("torch",),
     "megatron.core.optimizer.distrib_optimizer": ("DistributedOptimizer",),
     "megatron.core.tensor_parallel.random": (
         "CudaRNGStatesTracker",
@@ -142,6 +146,7 @@ _CUDA_FACTORY_MODULES = (
     "megatron.core.optimizer.optimizer",
     "megatron.core.optimizer.clip_grads",
     "megatron.core.optimizer.grad_scaler",
+    "megatron.core.pipeline_parallel.schedules",
 )
 _FACTORIES = ("tensor", "zeros", "ones", "empty", "full")
 

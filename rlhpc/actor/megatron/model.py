@@ -60,8 +60,13 @@ def padded_vocab_size(vocab_size: int, tp_size: int, divisible_by: int = 128) ->
     return -(-vocab_size // multiple) * multiple
 
 
-def transformer_config(hf_config: Any, tp_size: int = 1, dtype: torch.dtype = torch.float32, **overrides: Any):
+def transformer_config(
+    hf_config: Any, tp_size: int = 1, dtype: torch.dtype = torch.float32, pp_size: int = 1, **overrides: Any
+):
     """The ``TransformerConfig`` matching an HF Llama/Qwen2/Qwen3/Qwen3-MoE config (dropout off, no fusions).
+
+    ``pp_size`` > 1: the layers split evenly over that many pipeline stages, activations sent
+    between them in ``dtype`` with their shapes (micro-batches differ in rows and length).
 
     For MoE, ``overrides`` take ``expert_model_parallel_size``, ``moe_aux_loss_coeff`` and
     ``moe_router_load_balancing_type``.
@@ -104,7 +109,15 @@ def transformer_config(hf_config: Any, tp_size: int = 1, dtype: torch.dtype = to
         fp16=dtype == torch.float16,
         use_cpu_initialization=not torch.cuda.is_available(),
         qk_layernorm=hf_config.model_type in QK_NORM_MODEL_TYPES,
+        pipeline_model_parallel_size=pp_size,
     )
+    if pp_size > 1:
+        kwargs["pipeline_dtype"] = dtype
+        if not is_moe(hf_config):
+            # megatron-core 0.16 refuses variable lengths with the default "allgather" dispatcher
+            # even in a dense model, which builds no dispatcher: name another, unused here. (A MoE
+            # pipeline pads every micro-batch of a step to one shape instead: the worker's _pipeline.)
+            kwargs.update(variable_seq_lengths=True, moe_token_dispatcher_type="alltoall")
     if is_moe(hf_config):
         _check_moe(hf_config)
         kwargs.update(
@@ -127,18 +140,23 @@ def transformer_config(hf_config: Any, tp_size: int = 1, dtype: torch.dtype = to
     return TransformerConfig(**kwargs)
 
 
-def build_gpt_model(hf_config: Any, tp_size: int = 1, parallel_output: bool = True, **config_overrides: Any):
+def build_gpt_model(
+    hf_config: Any, tp_size: int = 1, parallel_output: bool = True, pp_size: int = 1, **config_overrides: Any
+):
     """An untied-embedding megatron ``GPTModel`` for ``hf_config`` (vocab padded, see ``padded_vocab_size``).
 
     ``parallel_output=False`` gathers the logits over tensor-parallel ranks (full vocab on
-    every rank); the default keeps them vocab-sharded as training wants.
+    every rank); the default keeps them vocab-sharded as training wants. ``pp_size`` > 1: this
+    process's pipeline stage only (from megatron's parallel state): its layers, the embedding
+    on the first stage, the final norm and output layer on the last.
     """
+    from megatron.core import parallel_state as mpu
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     if getattr(hf_config, "tie_word_embeddings", False):
         raise NotImplementedError("tied embeddings")
-    config = transformer_config(hf_config, tp_size=tp_size, **config_overrides)
+    config = transformer_config(hf_config, tp_size=tp_size, pp_size=pp_size, **config_overrides)
     if is_moe(hf_config):
         _define_missing_te_names()
     spec = get_gpt_layer_local_spec(
@@ -156,4 +174,6 @@ def build_gpt_model(hf_config: Any, tp_size: int = 1, parallel_output: bool = Tr
         share_embeddings_and_output_weights=False,
         position_embedding_type="rope",
         rotary_base=rope_theta(hf_config),
+        pre_process=pp_size == 1 or mpu.is_pipeline_first_stage(),
+        post_process=pp_size == 1 or mpu.is_pipeline_last_stage(),
     )

@@ -25,12 +25,18 @@ same data shard.
   load-balancing loss from megatron's router (in train mode only, so the MoE model trains in
   train mode: dropout is off, the function is the same) averaged over the step's micro-batches,
   and logged as ``moe_load_balancing_loss``. Weight sync gathers the experts over the EP group.
+* Pipeline parallelism (``actor.megatron.pipeline_model_parallel_size``): each stage holds
+  layers / PP of the layers (megatron numbers them from 0 on every stage); a step's
+  micro-batches, and the no-grad passes', go through megatron-core's schedule
+  (``_pipeline``), the loss and the metric sums on the last stage. Weight sync broadcasts
+  each layer from its stage over the pipeline group (``_from_every_stage``): one model.
 * On a machine without a GPU the megatron CPU shim (``cpu_shim.py``) is applied first.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -51,11 +57,14 @@ from rlhpc.actor.megatron.convert import (
     layer_index,
     load_into,
     megatron_full_to_hf,
+    renumber_layer,
+    shard_for_pp,
 )
 from rlhpc.actor.megatron.model import build_gpt_model, is_moe
 from rlhpc.actor.offload import StorageOffloader
 from rlhpc.actor.rank import MicroBatch, RankBase
 from rlhpc.actor.spec import ActorSpec
+from rlhpc.algo.grpo import AggNorm
 from rlhpc.errors import RlhpcError
 from rlhpc.model import load_model
 
@@ -85,7 +94,7 @@ def _saved_steps(loaded: Any) -> set[float]:
 
 
 class MegatronTrainWorker(RankBase):
-    """Rank ``rank`` of ``world_size`` = TP x DP. Same call order as ``TrainWorker``."""
+    """Rank ``rank`` of ``world_size`` = TP x PP x DP. Same call order as ``TrainWorker``."""
 
     def __init__(self, spec: ActorSpec, model_path: str, rank: int, world_size: int):
         super().__init__(spec, model_path, rank, world_size)
@@ -113,12 +122,21 @@ class MegatronTrainWorker(RankBase):
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
         tp, ep = self.mcfg.tensor_model_parallel_size, self.mcfg.expert_model_parallel_size
+        pp = self.mcfg.pipeline_model_parallel_size
         if ep > 1 and not self.moe:
             raise RlhpcError(
                 f"actor.megatron.expert_model_parallel_size = {ep} for a {self.hf_config.model_type} model, which has no experts",
                 "set actor.megatron.expert_model_parallel_size: 1, or train a MoE model (qwen3_moe)",
             )
-        mpu.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
+        layers = self.hf_config.num_hidden_layers
+        if layers % pp:
+            raise RlhpcError(
+                f"actor.megatron.pipeline_model_parallel_size = {pp} does not divide the model's {layers} layers",
+                f"choose a pipeline size that divides {layers}",
+            )
+        mpu.initialize_model_parallel(
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep
+        )
         model_parallel_cuda_manual_seed(self.spec.seed)
         self.tp_size, self.tp_rank = tp, mpu.get_tensor_model_parallel_rank()
         self.tp_group = mpu.get_tensor_model_parallel_group()
@@ -127,6 +145,12 @@ class MegatronTrainWorker(RankBase):
         self.etp_group = mpu.get_expert_tensor_parallel_group()  # the TP group of the experts (same size as TP)
         self.dp_group = mpu.get_data_parallel_group()
         self.dp_size, self.dp_rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
+        # Pipeline stages: megatron's rank order puts PP outermost, so this rank's stage is
+        # rank // (TP x DP); each holds layers_per_stage consecutive layers.
+        self.pp_size, self.pp_rank = pp, mpu.get_pipeline_model_parallel_rank()
+        self.pp_group = mpu.get_pipeline_model_parallel_group()
+        self.layers_per_stage = layers // pp
+        self.first_stage, self.last_stage = self.pp_rank == 0, self.pp_rank == pp - 1
 
         hf_sd = load_model(self.model_path).state_dict()
         self.gpt = self._build(hf_sd)
@@ -160,11 +184,13 @@ class MegatronTrainWorker(RankBase):
         )
         self.saver = TorchDistSave()
         log.info(
-            "rank %d/%d: megatron TP %d/%d DP %d/%d EP %d/%d, %s on %s, %d params in this shard%s",
+            "rank %d/%d: megatron TP %d/%d PP %d/%d DP %d/%d EP %d/%d, %s on %s, %d params in this shard%s",
             self.rank,
             self.world_size,
             self.tp_rank,
             self.tp_size,
+            self.pp_rank,
+            self.pp_size,
             self.dp_rank,
             self.dp_size,
             self.ep_rank,
@@ -193,8 +219,21 @@ class MegatronTrainWorker(RankBase):
             if self.mcfg.moe_aux_loss_coeff is not None:
                 moe["moe_aux_loss_coeff"] = self.mcfg.moe_aux_loss_coeff
         full = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-        gpt = build_gpt_model(self.hf_config, self.tp_size, dtype=dtype, **moe, **(full if self.mcfg.recompute else {}))
-        load_into(gpt, hf_to_megatron(hf_sd, self.hf_config, self.tp_size, self.tp_rank, self.ep_size, self.ep_rank))
+        gpt = build_gpt_model(
+            self.hf_config,
+            self.tp_size,
+            pp_size=self.pp_size,
+            dtype=dtype,
+            **moe,
+            **(full if self.mcfg.recompute else {}),
+        )
+        if self.pp_size > 1:
+            # activations reach the last stage's loss scaled by this: the DP size, as the
+            # single-stage backward scales its loss (MoE's aux loss takes it from here too)
+            gpt.config.grad_scale_func = lambda t: t * self.dp_size
+        mg_sd = hf_to_megatron(hf_sd, self.hf_config, self.tp_size, self.tp_rank, self.ep_size, self.ep_rank)
+        first = self.pp_rank * self.layers_per_stage
+        load_into(gpt, shard_for_pp(mg_sd, first, self.layers_per_stage, self.first_stage, self.last_stage))
         # All parameters in one dtype, as megatron's Float16Module does: the local spec's norms
         # are created in fp32 even for a bf16 model, and the optimizers' checkpoint mapping
         # assumes one dtype per model (mixed, it pairs Adam states with the wrong tensors).
@@ -237,6 +276,7 @@ class MegatronTrainWorker(RankBase):
                 "backend": MEGATRON_BACKEND,
                 "world_size": self.world_size,
                 "tensor_model_parallel_size": self.tp_size,
+                "pipeline_model_parallel_size": self.pp_size,
                 "expert_model_parallel_size": self.ep_size,
                 "use_distributed_optimizer": self.mcfg.use_distributed_optimizer,
                 "optimizer_steps": optimizer_steps,
@@ -266,11 +306,14 @@ class MegatronTrainWorker(RankBase):
                 "start a run from the HF model with model.path, or convert it back with to-hf",
             )
         saved_tp = meta.get("tensor_model_parallel_size")
-        if meta.get("use_distributed_optimizer") and saved_tp != self.tp_size:
+        saved_pp = meta.get("pipeline_model_parallel_size", 1)  # written before pipeline parallelism: 1
+        if meta.get("use_distributed_optimizer") and (saved_tp, saved_pp) != (self.tp_size, self.pp_size):
             raise RlhpcError(
-                f"checkpoint {d} holds distributed-optimizer state at TP={saved_tp}; this actor runs at TP={self.tp_size}",
-                "resume at the same actor.megatron.tensor_model_parallel_size (the data-parallel size may change), "
-                "or convert the weights (tools/convert_checkpoint.py) and start a new run",
+                f"checkpoint {d} holds distributed-optimizer state at TP={saved_tp} PP={saved_pp}; "
+                f"this actor runs at TP={self.tp_size} PP={self.pp_size}",
+                "resume at the same actor.megatron.tensor_model_parallel_size and pipeline_model_parallel_size "
+                "(the data-parallel size may change), or convert the weights (tools/convert_checkpoint.py) "
+                "and start a new run",
             )
         self._create_optimizer_state()
         state = torch_dist_load.load(self._sharded_state_dict(is_loading=True), str(d / DIST_SUBDIR))
@@ -281,10 +324,11 @@ class MegatronTrainWorker(RankBase):
         self.optimizer_steps = int(meta.get("optimizer_steps", 0))
         self._restore_rng(d, same_layout=meta.get("world_size") == self.world_size)
         log.info(
-            "rank %d: restored megatron actor state from %s (saved at TP=%s)",
+            "rank %d: restored megatron actor state from %s (saved at TP=%s PP=%s)",
             self.rank,
             d,
-            meta.get("tensor_model_parallel_size"),
+            saved_tp,
+            saved_pp,
         )
 
     def _create_optimizer_state(self) -> None:
@@ -384,17 +428,30 @@ class MegatronTrainWorker(RankBase):
 
         Right-padded ids and causal attention: no mask needed, a real token never sees a pad.
         """
+        return self._vocab_logits(self._forward(model, mb), mb)
+
+    def _forward(self, model: torch.nn.Module, mb: MicroBatch, shape: tuple[int, int] | None = None) -> torch.Tensor:
+        """The model's output for ``mb``: the logits on the last pipeline stage, the hidden
+        states to send on elsewhere (a later stage's input comes from megatron's schedule).
+        ``shape``: right-pad the ids to these rows and columns first."""
         ids = mb.ids
         rows, cols = ids.shape
-        if self.moe and self.ep_size > 1:
+        if shape is not None:
+            ids = torch.nn.functional.pad(ids, (0, shape[1] - cols, 0, shape[0] - rows), value=self.pad_id)
+        elif self.moe and self.ep_size > 1:
             # megatron's allgather dispatcher gathers the tokens of the EP group as equal blocks:
             # every EP rank's micro-batch gets the group's largest shape (pad rows and columns,
-            # cut off below; they pass through the router like right-padding already does)
+            # cut off in _vocab_logits; they pass through the router like right-padding already does)
             shape = torch.tensor([rows, cols], device=ids.device)
             dist.all_reduce(shape, dist.ReduceOp.MAX, group=self.ep_group)
             ids = torch.nn.functional.pad(ids, (0, int(shape[1]) - cols, 0, int(shape[0]) - rows), value=self.pad_id)
         pos = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
-        logits = model(ids, pos, attention_mask=None)[:rows, : cols - 1].float()
+        return model(ids, pos, attention_mask=None)
+
+    def _vocab_logits(self, output: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+        """The last stage's output -> ``_logits``'s answer (padding rows, columns and vocab cut or masked)."""
+        rows, cols = mb.ids.shape
+        logits = output[:rows, : cols - 1].float()
         shard = logits.shape[-1]
         first = self.tp_rank * shard
         if first + shard > self.hf_config.vocab_size:
@@ -427,6 +484,92 @@ class MegatronTrainWorker(RankBase):
             dist.all_reduce(sums, group=self.tp_group)
         return m + sums[0].log() - sums[1] / sums[0]
 
+    # ------------------------------------------------------------------ pipeline parallelism
+
+    def _pipeline(self, model: torch.nn.Module, mbs: list[MicroBatch], on_logits: Any, forward_only: bool) -> None:
+        """Run ``mbs`` through the pipeline stages with megatron-core's schedule (1F1B; forward
+        only for the no-grad passes). On the last stage ``on_logits(mb, logits)`` gets each
+        micro-batch's logits (``_logits``'s answer) and returns its loss (forward only: None).
+
+        The schedule divides each loss by the number of micro-batches (its mean over them):
+        ours are already shares of the minibatch's loss, so they go in times that number.
+        The DP-size factor comes from ``config.grad_scale_func`` (``_build``).
+        """
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        if not mbs:  # every stage of this replica has the same micro-batches: all skip together
+            return
+        n = len(mbs)
+        rows, cols = max(mb.ids.shape[0] for mb in mbs), max(mb.ids.shape[1] for mb in mbs)
+        shape = None
+        if not self.gpt.config.variable_seq_lengths:
+            # activations travel in one shape (MoE: see transformer_config): every micro-batch
+            # is right-padded to the step's largest, over the EP group too (its dispatcher
+            # gathers equal blocks); cut off again in _vocab_logits
+            if self.ep_size > 1:
+                t = torch.tensor([rows, cols], device=self.device)
+                dist.all_reduce(t, dist.ReduceOp.MAX, group=self.ep_group)
+                rows, cols = int(t[0]), int(t[1])
+            shape = (rows, cols)
+
+        def loss_func(mb: MicroBatch, output: torch.Tensor) -> tuple[torch.Tensor, dict]:
+            loss = on_logits(mb, self._vocab_logits(output, mb))
+            # a fresh tensor either way: the schedule divides it in place
+            return (torch.ones((), device=self.device) if loss is None else loss * n), {}
+
+        def forward_step(data: Iterator[MicroBatch], stage: torch.nn.Module) -> tuple[torch.Tensor, Any]:
+            mb = next(data)
+            return self._forward(stage, mb, shape), functools.partial(loss_func, mb)
+
+        get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter(mbs),
+            model=[model],
+            num_microbatches=n,
+            # with variable_seq_lengths the shapes travel with the activations: only the largest
+            seq_length=cols,
+            micro_batch_size=rows,
+            forward_only=forward_only,
+        )
+
+    def _forward_backward(
+        self, mbs: list[MicroBatch], norm: AggNorm, loss_sums: dict[str, float], sums: dict[str, float]
+    ) -> None:
+        if self.pp_size == 1:
+            return super()._forward_backward(mbs, norm, loss_sums, sums)
+
+        def loss(mb: MicroBatch, logits: torch.Tensor) -> torch.Tensor:
+            return self._micro_batch_loss(logits, mb, norm, loss_sums, sums)
+
+        self._pipeline(self._policy(train=True), mbs, loss, forward_only=False)
+
+    def _no_grad_passes(self, mbs: list[MicroBatch], old: bool, sums: dict[str, float]) -> None:
+        if self.pp_size == 1:
+            return super()._no_grad_passes(mbs, old, sums)
+        # Only the last stage sees logits: the logprobs exist there, where the loss is computed.
+        if self.ref is not None and not self.spec.algo.kl_in_reward:  # else: in the reward
+
+            def ref(mb: MicroBatch, logits: torch.Tensor) -> None:
+                mb.ref_logprobs = mb.per_sample(self._token_logprobs(logits, mb.ids))
+
+            self._pipeline(self.ref, mbs, ref, forward_only=True)
+        if old:
+
+            def old_policy(mb: MicroBatch, logits: torch.Tensor) -> None:
+                self._old_policy(mb, logits, mb.per_sample(self._token_logprobs(logits, mb.ids)), sums)
+
+            self._pipeline(self._policy(train=False), mbs, old_policy, forward_only=True)
+
+    def _rollout_metrics(
+        self, sums: dict[str, float], local_tokens: float, grad_norms: list[float], skipped: int
+    ) -> dict[str, float]:
+        if self.pp_size > 1:
+            # the loss terms were summed on the last stage only (the others hold zeros): every
+            # stage reports them (local_tokens is every stage's own count already)
+            keys = list(sums)
+            sums = dict(zip(keys, self._all_reduce_sum([sums[k] for k in keys], group=self.pp_group)))
+        return super()._rollout_metrics(sums, local_tokens, grad_norms, skipped)
+
     def _zero_grad(self) -> None:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -456,31 +599,59 @@ class MegatronTrainWorker(RankBase):
 
     def _hf_named(self, grads: bool) -> Iterator[tuple[str, torch.Tensor]]:
         """The full weights (or reduced gradients) in HF names, one layer at a time: the TP
-        shards are gathered within each TP group, so peak extra memory is one layer."""
+        shards are gathered within each TP group and the pipeline stages' parts sent to every
+        stage, so peak extra memory is one layer. The same names in the same order at any
+        TP/PP/EP layout (the fingerprint compares across layouts)."""
         groups: dict[int | None, list[tuple[str, torch.nn.Parameter]]] = {}
+        offset = self.pp_rank * self.layers_per_stage
         for name, p in self.gpt.named_parameters():
-            groups.setdefault(layer_index(name), []).append((name, p))
-        order = sorted(k for k in groups if k is not None)
-        for key in [None, *order]:
-            full, experts = {}, {}
-            for name, p in groups.get(key, []):
-                t = self.offloader.host_view(p.main_grad if grads else p.detach()).to(self.device).contiguous()
-                expert = expert_index(name) is not None
-                if self.tp_size > 1:
-                    shards = [torch.empty_like(t) for _ in range(self.tp_size)]
-                    dist.all_gather(shards, t, group=self.etp_group if expert else self.tp_group)
-                    t = gather_tp_shards([{name: s} for s in shards])[name]
-                (experts if expert else full)[name] = t
-            if experts and self.ep_size > 1:
-                # every EP rank's experts of this layer, renumbered from its local to the global index
-                per_rank: list[dict[str, torch.Tensor]] = [{} for _ in range(self.ep_size)]
-                for name, t in experts.items():
-                    gathered = [torch.empty_like(t) for _ in range(self.ep_size)]
-                    dist.all_gather(gathered, t, group=self.ep_group)
-                    for r, g in enumerate(gathered):
-                        per_rank[r][name] = g
-                experts = gather_ep_shards(per_rank)
-            yield from megatron_full_to_hf({**full, **experts}, self.hf_config).items()
+            i = layer_index(name)
+            # megatron numbers a stage's layers from 0: the global index names them
+            groups.setdefault(None if i is None else i + offset, []).append(
+                (name if i is None else renumber_layer(name, i + offset), p)
+            )
+        for key in [None, *range(self.hf_config.num_hidden_layers)]:
+            part = self._gathered(groups.get(key, []), grads)
+            if self.pp_size > 1:
+                part = self._from_every_stage(part)
+            yield from megatron_full_to_hf(part, self.hf_config).items()
+
+    def _from_every_stage(self, part: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The union of every pipeline stage's ``part`` (in the pipeline group; each stage
+        broadcasts its own: names, shapes and dtypes first, then the tensors)."""
+        out: dict[str, torch.Tensor] = {}
+        ranks = dist.get_process_group_ranks(self.pp_group)
+        for stage, src in enumerate(ranks):
+            mine = stage == self.pp_rank
+            meta = [[(n, tuple(t.shape), t.dtype) for n, t in part.items()] if mine else None]
+            dist.broadcast_object_list(meta, src=src, group=self.pp_group)
+            for name, shape, dtype in meta[0]:
+                t = part[name] if mine else torch.empty(shape, dtype=dtype, device=self.device)
+                dist.broadcast(t, src=src, group=self.pp_group)
+                out[name] = t
+        return out
+
+    def _gathered(self, params: list[tuple[str, torch.nn.Parameter]], grads: bool) -> dict[str, torch.Tensor]:
+        """This stage's ``params`` (one layer, or the non-layer tensors) gathered over TP and EP."""
+        full, experts = {}, {}
+        for name, p in params:
+            t = self.offloader.host_view(p.main_grad if grads else p.detach()).to(self.device).contiguous()
+            expert = expert_index(name) is not None
+            if self.tp_size > 1:
+                shards = [torch.empty_like(t) for _ in range(self.tp_size)]
+                dist.all_gather(shards, t, group=self.etp_group if expert else self.tp_group)
+                t = gather_tp_shards([{name: s} for s in shards])[name]
+            (experts if expert else full)[name] = t
+        if experts and self.ep_size > 1:
+            # every EP rank's experts of this layer, renumbered from its local to the global index
+            per_rank: list[dict[str, torch.Tensor]] = [{} for _ in range(self.ep_size)]
+            for name, t in experts.items():
+                gathered = [torch.empty_like(t) for _ in range(self.ep_size)]
+                dist.all_gather(gathered, t, group=self.ep_group)
+                for r, g in enumerate(gathered):
+                    per_rank[r][name] = g
+            experts = gather_ep_shards(per_rank)
+        return {**full, **experts}
 
     # ------------------------------------------------------------------ memory
 
