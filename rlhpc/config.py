@@ -465,7 +465,10 @@ class RewardModelConfig(Section):
     num_gpus: int = 1  # the reward group's GPUs, a third group beside the actor's and the rollout's
     gpus_per_engine: int = 1  # each reward engine's TP
     weight: float = 1.0  # of the reward model's score in the sum (data.reward_weight: the rule reward's)
-    batch_size: int = 64  # samples per /classify request
+    batch_size: int = 64  # samples per /classify request (at most: each /generate request's samples are one or more)
+    # Score each /generate request's samples as soon as it is answered, while the rest generate;
+    # false: once the rollout's generation is done (the same batches, so the same scores).
+    overlap: bool = True
     mem_fraction_static: float = 0.8  # SGLang: no KV cache to grow, so most of the GPU may hold weights
     extra_args: list[str] = field(default_factory=list)  # passed to sglang.launch_server as they are
 

@@ -237,11 +237,16 @@ class TrainLoop:
             self.engines = engines_up.result()
         self.reward_engines = reward_up.result() if reward_up is not None else None
         reward = task_reward(cfg.data)
+        self.reward_clock: BusyClock | None = None  # when the reward group worked (time/reward_idle)
         if self.reward_engines is not None:
             rm = RewardModel(
                 self.reward_engines, load_tokenizer(rm_path), cfg.reward_model.batch_size, context_length(rm_path)
             )
-            reward = MixedScorer(reward, cfg.data.reward_weight, {"reward_model": (cfg.reward_model.weight, rm.score)})
+            reward = MixedScorer(
+                reward, cfg.data.reward_weight, {"reward_model": (cfg.reward_model.weight, rm.score)},
+                groups={"reward_model": rm.score_groups}, overlap=cfg.reward_model.overlap,
+            )  # fmt: skip
+            self.reward_clock = rm.clock
         self.generation = Generation(
             tokenizer, reward, cfg.rollout, cfg.eval, cfg.algo, cfg.seed,
             send=self.engines.generate, progress=progress, num_engines=len(layout.engine_slots),
@@ -325,6 +330,8 @@ class TrainLoop:
         step = timer["time/step"]
         timer["time/actor_idle"] = max(0.0, 1.0 - (timer["time/train"] + timer.get("time/save", 0.0)) / step)
         timer["time/rollout_idle"] = self.clock.idle_fraction(step_start, step_start + step)
+        if self.reward_clock is not None:  # the reward group: idle unless a /classify is in flight
+            timer["time/reward_idle"] = self.reward_clock.idle_fraction(step_start, step_start + step)
         self.record = {**rollout_metrics, **train_metrics, **timer}
         return generated, self.record
 

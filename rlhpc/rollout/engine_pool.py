@@ -346,7 +346,9 @@ class EnginePool:
     def _deferring(self) -> bool:
         return getattr(self._deferred, "on", False)
 
-    def generate(self, requests: Sequence[Request], done: Callable[[int], None] | None = None) -> list[list[dict]]:
+    def generate(
+        self, requests: Sequence[Request], done: Callable[[int, list[dict]], None] | None = None
+    ) -> list[list[dict]]:
         """A ``generation.Send``: bring engines known to be down back first (no round trip when none is), then ``send``."""
         self.ensure_engines()
         return self.send(requests, done)
@@ -380,20 +382,22 @@ class EnginePool:
     def send(
         self,
         requests: Sequence[Any],
-        done: Callable[[int], None] | None = None,
+        done: Callable[[int, Any], None] | None = None,
         call: Callable[[EngineClient, Any], Any] | None = None,
+        first: int = 0,
     ) -> list[Any]:
         """Send request c to engine c mod the engine count (or to the router), all at once; the
         answers in request order. Requests that failed on an engine found dead are sent again
         once it is back on the current weights, or (``restarts_deferred``) to the healthy engines;
-        ``done(c)`` runs as request c succeeds. ``call(client, request)``: what a request is (default:
-        a /generate of a ``generation.Request``; the reward engines' scoring passes its own)."""
+        ``done(c, answer)`` runs as request c succeeds, once. ``call(client, request)``: what a request is (default:
+        a /generate of a ``generation.Request``; the reward engines' scoring passes its own).
+        ``first``: the engine request 0 goes to (a caller sending one request at a time rotates it)."""
 
         def request(c: int, targets: list[EngineClient]) -> Any:
             r = requests[c]
             if call is not None:
-                return call(targets[c % len(targets)], r)
-            return targets[c % len(targets)].generate(
+                return call(targets[(first + c) % len(targets)], r)
+            return targets[(first + c) % len(targets)].generate(
                 input_ids=r.input_ids, sampling_params=r.sampling_params, return_logprob=r.return_logprob
             )
 
@@ -412,7 +416,7 @@ class EnginePool:
                 if finished:
                     silent.answered()
                 elif silent.due():  # an engine stopped (SIGSTOP), hung or swapping answers nothing, says nothing
-                    self._name_the_silent(silent, [targets[futures[f] % len(targets)] for f in waiting])
+                    self._name_the_silent(silent, [targets[(first + futures[f]) % len(targets)] for f in waiting])
                 for fut in finished:
                     if self.stop is not None and self.stop.requested:
                         self._abort(futures)
@@ -424,13 +428,13 @@ class EnginePool:
                         error = e
                         continue
                     if done is not None:
-                        done(c)
+                        done(c, answers[c])
                 if not waiting or time.monotonic() - checked < NODE_CHECK_S:
                     continue
                 checked = time.monotonic()
                 if self.check_nodes():  # their requests will never be answered
                     gone_clients = {id(self.clients[e]) for e in self.lost}
-                    gone = {f for f in waiting if id(targets[futures[f] % len(targets)]) in gone_clients}
+                    gone = {f for f in waiting if id(targets[(first + futures[f]) % len(targets)]) in gone_clients}
                     failed += [futures[f] for f in gone]
                     waiting -= gone
                     self._abandon_threads()
