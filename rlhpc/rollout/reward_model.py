@@ -9,10 +9,10 @@ text, tokenized with the tokenizer's special tokens), tokenized here, so the eng
 exactly the ids a test can give ``transformers``; the score is the model's first label at the
 last token.
 
-A rollout's samples are scored as their /generate request is answered (``reward_model.overlap``,
-the default; else once the rollout's generation is done), one /classify batch per request (split
-at ``reward_model.batch_size``), spread over the engines (``scoring.GroupScores``); an evaluation's
-or an episode's samples after their generation, in batches of ``reward_model.batch_size``.
+A rollout's (or an evaluation's) samples are scored as their /generate request is answered
+(``reward_model.overlap``, the default; else once the generation is done), one /classify batch per
+request (split at ``reward_model.batch_size``), spread over the engines (``scoring.GroupScores``);
+a multi-turn episode's after its generation, in batches of ``reward_model.batch_size``.
 """
 
 from __future__ import annotations
