@@ -118,6 +118,11 @@ class ClusterConfig(Section):
     rollout_nodes: int | None = None
     rollout_gpus_per_node: int | None = None  # None: gpus_per_node
     rollout_partition: str | None = None  # None: the job's own partition
+    # The reward model's component (issue 30): reward_nodes x reward_gpus_per_node from
+    # reward_partition, a third component after the rollout's (needs rollout_nodes and reward_model).
+    reward_nodes: int | None = None
+    reward_gpus_per_node: int | None = None  # None: gpus_per_node
+    reward_partition: str | None = None  # None: the job's own partition
     # Staged start (rlhpc/launch/staging.py): a node-local path ($VARS expanded on the node) the
     # base model and the checkpoint resumed from are copied to before anything loads them. None: off.
     stage_dir: str | None = None
@@ -137,13 +142,32 @@ class ClusterConfig(Section):
         return self.rollout_gpus_per_node if self.rollout_gpus_per_node is not None else self.gpus_per_node
 
     @property
+    def reward_node_gpus(self) -> int:
+        """GPUs per node of the reward component (het jobs with reward_nodes), else of every node."""
+        return self.reward_gpus_per_node if self.reward_gpus_per_node is not None else self.gpus_per_node
+
+    @property
+    def component_nodes(self) -> tuple[int, ...]:
+        """Nodes of each component: (actor, rollout[, reward]) in a heterogeneous job, else (num_nodes,)."""
+        if not self.heterogeneous:
+            return (self.num_nodes,)
+        return (self.num_nodes, self.rollout_nodes or 0, *((self.reward_nodes,) if self.reward_nodes else ()))
+
+    @property
+    def component_gpus(self) -> tuple[int, ...]:
+        """GPUs per node of each component, as ``component_nodes``."""
+        if not self.heterogeneous:
+            return (self.gpus_per_node,)
+        return (self.gpus_per_node, self.rollout_node_gpus, *((self.reward_node_gpus,) if self.reward_nodes else ()))
+
+    @property
     def total_nodes(self) -> int:
-        return self.num_nodes + (self.rollout_nodes or 0)
+        return sum(self.component_nodes)
 
     @property
     def node_gpus(self) -> tuple[int, ...]:
         """GPUs of each node of the allocation, in order: the actor component first (het jobs)."""
-        return (self.gpus_per_node,) * self.num_nodes + (self.rollout_node_gpus,) * (self.rollout_nodes or 0)
+        return tuple(g for n, g in zip(self.component_nodes, self.component_gpus) for _ in range(n))
 
     @property
     def total_gpus(self) -> int:
@@ -163,7 +187,8 @@ class ClusterConfig(Section):
           of component 0 (whole TP groups), the engines as many whole engines as component 1 holds.
 
         The embedded default (1 node x 2 GPUs) is 1 actor rank + 1 engine; 2 x 4 is 4 + 4.
-        ``reserved``: GPUs of a third group (``reward_model.num_gpus``), taken off the total first.
+        ``reserved``: GPUs of a third group (``reward_model.num_gpus``), taken off the total first;
+        in a heterogeneous job with ``reward_nodes`` that group has a component of its own instead.
         """
         total, per = self.total_gpus - reserved, self.rollout_gpus_per_engine
         actor, rollout = self.actor_num_gpus, self.rollout_num_gpus
@@ -193,7 +218,7 @@ class ClusterConfig(Section):
     def check(self) -> None:
         # The GPU layout reads only cluster.* keys, so its rules live here.
         counts = ("num_nodes", "gpus_per_node", "actor_num_gpus", "rollout_num_gpus", "rollout_gpus_per_engine")
-        for name in (*counts, "rollout_nodes", "rollout_gpus_per_node"):
+        for name in (*counts, "rollout_nodes", "rollout_gpus_per_node", "reward_nodes", "reward_gpus_per_node"):
             self._at_least(1, name, fix=f"set {self.key(name)} to a positive count")
         self._above(0, "ray_start_timeout_s", fix=f"give {self.key('ray_start_timeout_s')} seconds, e.g. 300")
         if self.gpu_memory_gb is not None:
@@ -210,6 +235,19 @@ class ClusterConfig(Section):
             raise ConfigError(
                 f"{self.key(key)} is set but cluster.rollout_nodes is not: the engines have no nodes of their own",
                 "set cluster.rollout_nodes (--rollout-nodes N) for a heterogeneous job, or drop the key",
+            )
+        if self.reward_nodes is None and (self.reward_gpus_per_node is not None or self.reward_partition is not None):
+            key = "reward_gpus_per_node" if self.reward_gpus_per_node is not None else "reward_partition"
+            raise ConfigError(
+                f"{self.key(key)} is set but cluster.reward_nodes is not: the reward model has no nodes of its own",
+                "set cluster.reward_nodes (--reward-nodes N) for a reward component, or drop the key",
+            )
+        if self.reward_nodes is not None and not self.heterogeneous:
+            raise ConfigError(
+                "cluster.reward_nodes without cluster.rollout_nodes: the reward model's component is the third "
+                "of a heterogeneous job, after the actor's and the engines'",
+                "set cluster.rollout_nodes too (--rollout-nodes N), or drop cluster.reward_nodes: the reward "
+                "engines then take GPUs of the one allocation",
             )
         actor, rollout = self.split()
         if rollout % self.rollout_gpus_per_engine:
@@ -258,8 +296,9 @@ class ClusterConfig(Section):
                 "have nodes of their own, there is no GPU to share",
                 f"drop {self.key(key)}, or cluster.rollout_nodes for one allocation both groups share",
             )
-        if self.rollout_partition is not None and not re.fullmatch(r"[\w.-]+", self.rollout_partition):
-            self._refuse("rollout_partition", "is not a partition name", "give the name sinfo lists, e.g. gen")
+        for key in ("rollout_partition", "reward_partition"):
+            if getattr(self, key) is not None and not re.fullmatch(r"[\w.-]+", getattr(self, key)):
+                self._refuse(key, "is not a partition name", "give the name sinfo lists, e.g. gen")
         actor, rollout = self.split()
         for group, used, nodes, per_node, keys in (
             ("actor", actor, self.num_nodes, self.gpus_per_node, "cluster.num_nodes x cluster.gpus_per_node"),
@@ -463,6 +502,9 @@ class RewardModelConfig(Section):
     gpus_per_engine: int = 1  # each reward engine's TP
     weight: float = 1.0  # of the reward model's score in the sum (data.reward_weight: the rule reward's)
     batch_size: int = 64  # samples per /classify (or, for a judge, /generate) request
+    # A classifier scores each /generate request's samples as soon as it is answered, while the rest generate;
+    # false: once the rollout's generation is done (the same batches, so the same scores). A judge: always after.
+    overlap: bool = True
     mem_fraction_static: float = 0.8  # SGLang: no KV cache to grow, so most of the GPU may hold weights
     extra_args: list[str] = field(default_factory=list)  # passed to sglang.launch_server as they are
     # kind judge: "module:function"s, judge_prompt(sample: Sample) -> list of chat messages and
@@ -1286,6 +1328,11 @@ def validate(cfg: Config) -> None:
     c.__post_init__()
     if rm is not None:
         _validate_reward_model(cfg, rm)
+    elif c.reward_nodes is not None:
+        raise ConfigError(
+            "cluster.reward_nodes is set but there is no reward_model: the reward component would sit idle",
+            "add a reward_model section (docs/guides/reward-models.md), or drop cluster.reward_nodes (--reward-nodes)",
+        )
     _validate_teacher(cfg)
 
     m = cfg.model
@@ -1491,8 +1538,10 @@ def _validate_custom(cfg: Config, env: str | None) -> None:
 
 
 def frozen_gpus(cfg: Config) -> int:
-    """GPUs of the frozen groups (the reward model's, the teacher's), taken off the total first."""
-    return sum(s.num_gpus for s in (cfg.reward_model, cfg.teacher) if s is not None)
+    """GPUs of the frozen groups (the reward model's, the teacher's) taken off the total first: not
+    the reward model's when it has a component of its own (cluster.reward_nodes)."""
+    reward = cfg.reward_model if cfg.cluster.reward_nodes is None else None
+    return sum(s.num_gpus for s in (reward, cfg.teacher) if s is not None)
 
 
 def _validate_teacher(cfg: Config) -> None:
@@ -1514,7 +1563,8 @@ def _validate_teacher(cfg: Config) -> None:
         )
     if c.heterogeneous:
         raise ConfigError(
-            "teacher with cluster.rollout_nodes: a frozen group in a heterogeneous job is not built yet (issue 30)",
+            "teacher with cluster.rollout_nodes: in a heterogeneous job only the reward model has a component "
+            "of its own (cluster.reward_nodes), a teacher has none",
             "drop cluster.rollout_nodes: the teacher engines then take GPUs of the one allocation",
         )
     if c.used_gpus(frozen_gpus(cfg)) > c.total_gpus:
@@ -1546,30 +1596,43 @@ def _validate_teacher(cfg: Config) -> None:
 
 
 def _validate_reward_model(cfg: Config, rm: RewardModelConfig) -> None:
-    """The reward group fits the allocation beside the others, on whole nodes, with a model."""
+    """The reward group fits the allocation beside the others (or its own component), on whole nodes, with a model."""
     c = cfg.cluster
-    if c.heterogeneous:
+    if c.heterogeneous and c.reward_nodes is None:
         raise ConfigError(
-            "reward_model with cluster.rollout_nodes: a reward group on a component of its own "
-            "(--reward-nodes) is not built yet (issue 30)",
-            "drop cluster.rollout_nodes: the reward engines then take GPUs of the one allocation",
+            "reward_model with cluster.rollout_nodes but no cluster.reward_nodes: in a heterogeneous job the "
+            "reward engines need a component of their own",
+            "set cluster.reward_nodes (--reward-nodes N, with --reward-partition), or drop cluster.rollout_nodes: "
+            "the reward engines then take GPUs of the one allocation",
         )
-    if c.used_gpus(frozen_gpus(cfg)) > c.total_gpus:
+    if c.reward_nodes is not None:
+        have, per_node = c.reward_nodes * c.reward_node_gpus, c.reward_node_gpus
+        where = "cluster.reward_nodes x cluster.reward_gpus_per_node"
+        if rm.num_gpus > have:
+            raise ConfigError(
+                f"reward_model.num_gpus = {rm.num_gpus} but its component has {have} GPUs ({where} = "
+                f"{c.reward_nodes} x {per_node})",
+                "ask for more reward nodes/GPUs (--reward-nodes, --reward-gpus-per-node), or lower reward_model.num_gpus",
+            )
+    else:
+        per_node, where = c.gpus_per_node, "cluster.gpus_per_node"
+        if c.used_gpus(frozen_gpus(cfg)) > c.total_gpus:
+            raise ConfigError(
+                f"the layout needs {c.used_gpus(frozen_gpus(cfg))} GPUs (actor {c.actor_num_gpus} + rollout "
+                f"{c.rollout_num_gpus}{', colocated' if c.colocate else ''} + reward model {rm.num_gpus}) but the "
+                f"job has {c.total_gpus} (cluster.num_nodes={c.num_nodes} x cluster.gpus_per_node={c.gpus_per_node})",
+                "ask for more nodes/GPUs, or shrink cluster.actor_num_gpus / cluster.rollout_num_gpus / "
+                "reward_model.num_gpus",
+            )
+    if rm.gpus_per_engine > per_node:
         raise ConfigError(
-            f"the layout needs {c.used_gpus(frozen_gpus(cfg))} GPUs (actor {c.actor_num_gpus} + rollout "
-            f"{c.rollout_num_gpus}{', colocated' if c.colocate else ''} + reward model {rm.num_gpus}) but the job "
-            f"has {c.total_gpus} (cluster.num_nodes={c.num_nodes} x cluster.gpus_per_node={c.gpus_per_node})",
-            "ask for more nodes/GPUs, or shrink cluster.actor_num_gpus / cluster.rollout_num_gpus / reward_model.num_gpus",
-        )
-    if rm.gpus_per_engine > c.gpus_per_node:
-        raise ConfigError(
-            f"reward_model.gpus_per_engine = {rm.gpus_per_engine} > cluster.gpus_per_node = {c.gpus_per_node}: "
+            f"reward_model.gpus_per_engine = {rm.gpus_per_engine} > {where.split(' x ')[-1]} = {per_node}: "
             "a reward engine over several nodes is not supported",
-            "keep each reward engine on one node (gpus_per_engine <= gpus_per_node)",
+            "keep each reward engine on one node (gpus_per_engine <= GPUs per node)",
         )
     from rlhpc.cluster.layout import plan_layout  # late: the layout module imports this one
 
-    layout = plan_layout(c, rm)
+    layout = plan_layout(c, rm, cfg.teacher)
     for e, slots in enumerate(layout.reward_slots):
         if len({layout.slot_homes[s][0] for s in slots}) > 1:
             raise ConfigError(

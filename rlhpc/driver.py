@@ -252,17 +252,21 @@ class TrainLoop:
             self.engines = engines_up.result()
         self.reward_engines = reward_up.result() if reward_up is not None else None
         reward = task_reward(cfg.data)
+        self.reward_clock: BusyClock | None = None  # when the reward group worked (time/reward_idle)
         if self.reward_engines is not None:
             rm_cfg = cfg.reward_model
-            if rm_cfg.kind == "judge":
-                rm: RewardModel | Judge = Judge(
-                    self.reward_engines, load_tokenizer(rm_path), rm_cfg, cfg.seed, context_length(rm_path)
-                )
+            if rm_cfg.kind == "judge":  # scored once generation is done (a judge's answers are generations too)
+                judge = Judge(self.reward_engines, load_tokenizer(rm_path), rm_cfg, cfg.seed, context_length(rm_path))
+                reward = MixedScorer(reward, cfg.data.reward_weight, {"reward_model": (rm_cfg.weight, judge.score)})
             else:
                 rm = RewardModel(
                     self.reward_engines, load_tokenizer(rm_path), rm_cfg.batch_size, context_length(rm_path)
                 )
-            reward = MixedScorer(reward, cfg.data.reward_weight, {"reward_model": (rm_cfg.weight, rm.score)})
+                reward = MixedScorer(
+                    reward, cfg.data.reward_weight, {"reward_model": (rm_cfg.weight, rm.score)},
+                    groups={"reward_model": rm.score_groups}, overlap=rm_cfg.overlap,
+                )  # fmt: skip
+                self.reward_clock = rm.clock
         self.teacher_engines = teacher_up.result() if teacher_up is not None else None
         teacher = None
         if self.teacher_engines is not None:
@@ -355,6 +359,8 @@ class TrainLoop:
         step = timer["time/step"]
         timer["time/actor_idle"] = max(0.0, 1.0 - (timer["time/train"] + timer.get("time/save", 0.0)) / step)
         timer["time/rollout_idle"] = self.clock.idle_fraction(step_start, step_start + step)
+        if self.reward_clock is not None:  # the reward group: idle unless a /classify is in flight
+            timer["time/reward_idle"] = self.reward_clock.idle_fraction(step_start, step_start + step)
         self.record = {**rollout_metrics, **train_metrics, **timer}
         return generated, self.record
 

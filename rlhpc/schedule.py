@@ -106,9 +106,15 @@ class BusyClock:
                 self.intervals.append((start, time.perf_counter()))
 
     def idle_fraction(self, start: float, stop: float) -> float:
-        """Share of ``[start, stop]`` not covered by busy intervals; forgets intervals before ``start``."""
+        """Share of ``[start, stop]`` not covered by busy intervals (overlapping ones counted once:
+        the group was busy); forgets intervals before ``start``."""
         with self._lock:
-            busy = sum(max(0.0, min(b, stop) - max(a, start)) for a, b in self.intervals)
+            busy, reached = 0.0, start
+            for a, b in sorted(self.intervals):
+                a, b = max(a, reached), min(b, stop)
+                if b > a:
+                    busy += b - a
+                    reached = b
             self.intervals = [(a, b) for a, b in self.intervals if b > stop]
         span = stop - start
         return max(0.0, 1.0 - busy / span) if span > 0 else 0.0

@@ -98,7 +98,7 @@ def ray_cluster() -> Iterator[None]:
 # Slurm minicluster (rlhpc/devtools/minicluster.py, command line tools/minicluster.py)
 #
 # `minicluster`: a real 4-node Slurm cluster with 8 (placeholder) GPUs per node (partitions
-# low and high over all of them, train = node0 and gen = node1-2), shared
+# low and high over all of them, train = node0, gen = node1-2 and score = node3), shared
 # by the whole test session and reused if an identical one is already up. SLURM_CONF is
 # set in os.environ while it lives. At the end of the session it is torn down, unless
 # another live pytest session still uses it (the last one out stops it), it was started
@@ -110,8 +110,9 @@ def ray_cluster() -> Iterator[None]:
 
 MINICLUSTER_NODES = 4
 MINICLUSTER_GPUS_PER_NODE = 8
-# Beside low and high over every node: node0 alone in `train`, node1-2 in `gen`, for heterogeneous jobs.
-MINICLUSTER_PARTITIONS = (("train", 1, None), ("gen", 2, None))
+# Beside low and high over every node: node0 alone in `train`, node1-2 in `gen`, node3 in `score`,
+# for heterogeneous jobs (score: the reward model's component).
+MINICLUSTER_PARTITIONS = (("train", 1, None), ("gen", 2, None), ("score", 1, None))
 
 
 @pytest.fixture(scope="session")

@@ -8,6 +8,8 @@
     python jobs/submit.py --then 'python my_eval.py "$RLHPC_RUN_DIR"'       # a job that runs once training succeeded
     python jobs/submit.py --nodes 1 --gpus-per-node 4 --partition train \
         --rollout-nodes 2 --rollout-gpus-per-node 2 --rollout-partition gen    # a heterogeneous job
+    python jobs/submit.py --nodes 1 --partition train --rollout-nodes 2 --rollout-partition gen \
+        --reward-nodes 1 --reward-partition score --config rm.yaml             # + the reward model's component
 
 Everything is validated before anything is submitted; errors name the problem and the fix.
 """
@@ -119,6 +121,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--rollout-partition", help="the rollout nodes' partition (cluster.rollout_partition; default --partition)"
     )
     slurm.add_argument(
+        "--reward-nodes",
+        type=int,
+        help="a heterogeneous job's third component: the reward engines on this many nodes of their own "
+        "(cluster.reward_nodes; needs --rollout-nodes and a reward_model section)",
+    )
+    slurm.add_argument("--reward-gpus-per-node", type=int, help="GPUs per reward node (cluster.reward_gpus_per_node)")
+    slurm.add_argument(
+        "--reward-partition", help="the reward nodes' partition (cluster.reward_partition; default --partition)"
+    )
+    slurm.add_argument(
         "--signal-grace",
         type=int,
         default=120,
@@ -158,7 +170,10 @@ def main(argv: list[str] | None = None) -> int:
             overrides.append(f"cluster.num_nodes={args.nodes}")
         if args.gpus_per_node is not None:
             overrides.append(f"cluster.gpus_per_node={args.gpus_per_node}")
-        for option in ("rollout_nodes", "rollout_gpus_per_node", "rollout_partition"):
+        for option in (
+            "rollout_nodes", "rollout_gpus_per_node", "rollout_partition",
+            "reward_nodes", "reward_gpus_per_node", "reward_partition",
+        ):  # fmt: skip
             if getattr(args, option) is not None:
                 overrides.append(f"cluster.{option}={getattr(args, option)}")
         sweeps = parse_sweeps(args.sweep)
@@ -182,6 +197,9 @@ def main(argv: list[str] | None = None) -> int:
             rollout_nodes=cfg.cluster.rollout_nodes,
             rollout_gpus_per_node=cfg.cluster.rollout_gpus_per_node,
             rollout_partition=cfg.cluster.rollout_partition,
+            reward_nodes=cfg.cluster.reward_nodes,
+            reward_gpus_per_node=cfg.cluster.reward_gpus_per_node,
+            reward_partition=cfg.cluster.reward_partition,
         )
         opts.check()
         idle = idle_note(cfg.cluster, cfg.reward_model, cfg.teacher)
@@ -268,6 +286,8 @@ def _check_sweep_and_then(args: argparse.Namespace, sweeps: list) -> None:
         "cluster.gpus_per_node",
         "cluster.rollout_nodes",
         "cluster.rollout_gpus_per_node",
+        "cluster.reward_nodes",
+        "cluster.reward_gpus_per_node",
     )
     shape = [k for k, _ in sweeps if k in allocation]
     if shape:

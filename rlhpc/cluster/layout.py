@@ -3,8 +3,8 @@
 Slots are logical GPU indices 0..N-1 of the job. After placement (see ``placement.py``) slot
 ``k`` is the k-th GPU in (node IP, GPU id) order, so slot k lives on node ``k // gpus_per_node``.
 In a heterogeneous job (``cluster.rollout_nodes``) each slot also belongs to a group: the actor's
-slots to component 0, the engines' to component 1, each group in its own (IP, GPU) order; the
-Ray nodes of each component offer ``GROUP_RESOURCES[group]`` and each bundle asks for it.
+slots to component 0, the engines' to component 1, the reward engines' to component 2 (when
+``cluster.reward_nodes`` gives them one), each group in its own (IP, GPU) order; the Ray nodes of each component offer ``GROUP_RESOURCES[group]`` and each bundle asks for it.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from rlhpc.config import ClusterConfig, RewardModelConfig, TeacherConfig
 
 # Ray custom resources that pin each group's bundles to its component of a heterogeneous job.
-GROUP_RESOURCES = ("rlhpc_actor_node", "rlhpc_rollout_node")
+GROUP_RESOURCES = ("rlhpc_actor_node", "rlhpc_rollout_node", "rlhpc_reward_node")
 
 
 @dataclass(frozen=True)
@@ -47,8 +47,10 @@ def plan_layout(
 ) -> Layout:
     """Actor first, rollout after it (disaggregated, or on the engines' own nodes in a
     heterogeneous job) or on the same slots (colocate); the frozen engines on GPUs of their own
-    after both, in either mode: the reward model's (``reward``), then the teacher's."""
-    reserved = sum(s.num_gpus for s in frozen_groups(reward, teacher))
+    after both, in either mode: the reward model's (``reward``), then the teacher's. In a
+    heterogeneous job the reward model's GPUs are a component of their own, not taken off the others."""
+    taken = frozen_groups(reward if c.reward_nodes is None else None, teacher)
+    reserved = sum(s.num_gpus for s in taken)
     actor_gpus, rollout_gpus = c.split(reserved=reserved)  # as resolved by the config (an open split: the default)
     actor = tuple(range(actor_gpus))
     offset = 0 if c.colocate else actor_gpus
@@ -70,6 +72,10 @@ def plan_layout(
         homes = [(k // c.gpus_per_node, k % c.gpus_per_node) for k in actor]
         homes += [(c.num_nodes + j // c.rollout_node_gpus, j % c.rollout_node_gpus) for j in range(rollout_gpus)]
         groups = (0,) * actor_gpus + (1,) * rollout_gpus
+        if rewards:  # validation saw to it that a het job's reward engines have a component of their own
+            first = c.num_nodes + (c.rollout_nodes or 0)
+            homes += [(first + j // c.reward_node_gpus, j % c.reward_node_gpus) for j in range(reward.num_gpus)]
+            groups += (2,) * reward.num_gpus
     else:
         homes = [(k // c.gpus_per_node, k % c.gpus_per_node) for k in range(num_slots)]
         groups = (0,) * num_slots
@@ -91,13 +97,15 @@ def idle_note(
             for group, used, have in (
                 ("the actor", actor, c.num_nodes * c.gpus_per_node),
                 ("the rollout", rollout, (c.rollout_nodes or 0) * c.rollout_node_gpus),
+                ("the reward model", reserved, (c.reward_nodes or 0) * c.reward_node_gpus),
             )
             if used < have
         ]
         return (
             f"{idle} of the {c.total_gpus} GPUs sit idle: {' and '.join(parts)}. To use them, leave "
             "cluster.actor_num_gpus and cluster.rollout_num_gpus unset (each group then takes its whole "
-            "component) or raise them; or ask for fewer nodes or GPUs per node for that component"
+            "component) or raise them (reward_model.num_gpus for the reward model's); or ask for fewer nodes or "
+            "GPUs per node for that component"
         )
     used = c.used_gpus(reserved)
     frozen_part = "".join(f" + {s.SECTION.replace('_', ' ')} {s.num_gpus}" for s in frozen_groups(reward, teacher))
@@ -209,6 +217,8 @@ def _span(values) -> str:
 def _mode(layout: Layout) -> str:
     if layout.colocate:
         return "colocated (actor and engines share GPUs)"
+    if 2 in layout.slot_groups:
+        return "heterogeneous (the actor, the engines and the reward engines on components of their own)"
     return (
         "heterogeneous (the actor and the engines on components of their own)"
         if layout.heterogeneous

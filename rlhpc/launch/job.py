@@ -108,13 +108,13 @@ def local_ray(
 
 
 def node_gpus(c: ClusterConfig) -> dict[int | None, int]:
-    """GPUs per node of each group: the component of a heterogeneous job (0, 1), or None."""
-    return {0: c.gpus_per_node, 1: c.rollout_node_gpus} if c.heterogeneous else {None: c.gpus_per_node}
+    """GPUs per node of each group: the component of a heterogeneous job (0, 1[, 2]), or None."""
+    return dict(enumerate(c.component_gpus)) if c.heterogeneous else {None: c.gpus_per_node}
 
 
 def node_counts(c: ClusterConfig) -> tuple[int, ...]:
     """Nodes of each component (one for a homogeneous job): what a requeue after a node loss asks for again."""
-    return (c.num_nodes, c.rollout_nodes) if c.heterogeneous else (c.num_nodes,)
+    return c.component_nodes
 
 
 def granted_gpus() -> int:
@@ -143,9 +143,10 @@ def slurm_ray(cfg: Config, run: RunDir, env: submitit.JobEnvironment, stop: Stop
             "submit with jobs/submit.py (--rollout-nodes makes the het job); in a template, start the tasks "
             "with srun --het-group=0,1 (slurm_templates/hetjob.sbatch)",
         )
-    gpus, key = (c.rollout_node_gpus, "rollout_gpus_per_node") if group == 1 else (c.gpus_per_node, "gpus_per_node")
+    key = ("gpus_per_node", "rollout_gpus_per_node", "reward_gpus_per_node")[group or 0]
+    gpus = c.component_gpus[group or 0]
     if granted_gpus() != gpus:
-        option = "--rollout-gpus-per-node" if group == 1 else "--gpus-per-node"
+        option = "--" + key.replace("_", "-")
         raise RlhpcError(
             f"task {env.global_rank} on {env.hostname}: Slurm granted {granted_gpus()} GPUs (CUDA_VISIBLE_DEVICES="
             f"{os.environ.get('CUDA_VISIBLE_DEVICES', '')!r}) but cluster.{key} = {gpus}",
@@ -154,8 +155,9 @@ def slurm_ray(cfg: Config, run: RunDir, env: submitit.JobEnvironment, stop: Stop
     if env.num_nodes != c.total_nodes:
         raise RlhpcError(
             f"the job has {env.num_nodes} nodes but the config {c.total_nodes} (cluster.num_nodes"
-            + (" + cluster.rollout_nodes)" if c.heterogeneous else ")"),
-            "submit with --nodes (and --rollout-nodes) equal to the config's (jobs/submit.py sets both)",
+            + (" + cluster.rollout_nodes" if c.heterogeneous else "")
+            + (" + cluster.reward_nodes)" if c.reward_nodes else ")"),
+            "submit with --nodes (and --rollout-nodes, --reward-nodes) equal to the config's (jobs/submit.py sets both)",
         )
     job_id = slurm.own_job_id(env.job_id)  # an array task: 77_3
     cpus = max(int(os.environ.get("SLURM_CPUS_ON_NODE", "0")), os.cpu_count() or 1, 2 * gpus + 2)
@@ -422,7 +424,7 @@ class TrainJob:
         root = staging.stage_root(cfg.cluster.stage_dir, job_id)
         if root.parent.is_dir():
             staging.remove_stale(root, lambda other: job_alive(env.cluster, other))
-        engines_only = env.cluster == "slurm" and slurm.het_group(env.global_rank) == 1
+        engines_only = env.cluster == "slurm" and (slurm.het_group(env.global_rank) or 0) > 0
         paths = staging.plan(root, run.model_path(cfg), None if engines_only or latest is None else str(latest.path))
         state = run.ray_state(job_id, os.environ.get("SLURM_RESTART_COUNT", "0"))  # this attempt's
         broadcast = None

@@ -4,8 +4,9 @@ one home of every ``sinfo``/``scontrol`` call rlhpc makes (nothing else runs Slu
 submitit builds the sbatch script (one task per node, ``--signal``, ``--open-mode=append``)
 and runs sbatch; we add ``--requeue`` and refuse, before submitting, what the partition
 cannot give. submitit cannot express a heterogeneous job: ``HetSlurmExecutor`` adds the
-rollout component (``#SBATCH hetjob`` and its lines) to the script submitit writes, and
-``--het-group=0,1`` to its srun, so one task per node of both components runs the same pickle. ``scontrol`` rather than ``sacct`` answers job states: many sites (and the
+rollout component (and the reward model's, when it has one: ``#SBATCH hetjob`` and its lines
+each) to the script submitit writes, and ``--het-group=0,1[,2]`` to its srun, so one task per
+node of every component runs the same pickle. ``scontrol`` rather than ``sacct`` answers job states: many sites (and the
 minicluster) run no accounting database.
 """
 
@@ -47,6 +48,17 @@ class SlurmOptions:
     rollout_nodes: int | None = None
     rollout_gpus_per_node: int | None = None
     rollout_partition: str | None = None
+    # The reward model's component, third of a heterogeneous job (cluster.reward_*); None: none.
+    reward_nodes: int | None = None
+    reward_gpus_per_node: int | None = None
+    reward_partition: str | None = None
+
+    @property
+    def het_groups(self) -> str | None:
+        """srun's ``--het-group`` value for one task per node of every component; None: not a het job."""
+        if self.rollout_nodes is None:
+            return None
+        return "0,1,2" if self.reward_nodes is not None else "0,1"
 
     def check(self) -> None:
         """Refuse what sbatch would take but the job cannot live with (before anything is written)."""
@@ -68,7 +80,15 @@ class SlurmOptions:
             )
         named = {
             f"--{name.replace('_', '-')}": getattr(self, name)
-            for name in ("partition", "account", "qos", "constraint", "job_name", "rollout_partition")
+            for name in (
+                "partition",
+                "account",
+                "qos",
+                "constraint",
+                "job_name",
+                "rollout_partition",
+                "reward_partition",
+            )
         }
         named.update({f"--sbatch {key}": f"{key}={value}" for key, value in self.extra.items()})
         for option, value in named.items():
@@ -172,6 +192,11 @@ def preflight(opts: SlurmOptions) -> None:
         _check_component(
             parts, opts.rollout_nodes, opts.rollout_gpus_per_node or opts.gpus_per_node, partition, "rollout-"
         )
+    if opts.reward_nodes is not None:
+        partition = opts.reward_partition or opts.partition
+        _check_component(
+            parts, opts.reward_nodes, opts.reward_gpus_per_node or opts.gpus_per_node, partition, "reward-"
+        )
 
 
 def _check_component(parts: dict[str, Partition], nodes: int, gpus: int, partition: str | None, flag: str) -> None:
@@ -179,7 +204,7 @@ def _check_component(parts: dict[str, Partition], nodes: int, gpus: int, partiti
     if nodes < 1:
         raise ConfigError(f"--{flag}nodes {nodes} must be at least 1", "ask for one node or more")
     if gpus < 1:
-        raise ConfigError(f"--{flag}gpus-per-node {gpus} must be at least 1", "the actor and the engines need GPUs")
+        raise ConfigError(f"--{flag}gpus-per-node {gpus} must be at least 1", "every group's engines need GPUs")
     key = partition or ""
     if key not in parts:
         names = ", ".join(sorted(p for p in parts if p))
@@ -202,7 +227,7 @@ def _check_component(parts: dict[str, Partition], nodes: int, gpus: int, partiti
 
 class HetSlurmExecutor(submitit.SlurmExecutor):
     """submitit's SlurmExecutor for a heterogeneous job: the script submitit writes (component 0)
-    plus the rollout component's ``#SBATCH`` lines (``rollout_component``)."""
+    plus the other components' ``#SBATCH`` lines (``rollout_component``)."""
 
     rollout: list[str] = []
 
@@ -220,17 +245,25 @@ class PreviewExecutor(HetSlurmExecutor):
 
 
 def rollout_component(opts: SlurmOptions) -> list[str]:
-    """The ``#SBATCH`` lines of a heterogeneous job's rollout component (none for a homogeneous
-    job): its nodes, GPUs and partition, and what each component needs for itself (one task per
-    node, the time limit and its warning, --no-kill, account, QOS)."""
+    """The ``#SBATCH`` lines of a heterogeneous job's components after the first (none for a
+    homogeneous job): the rollout's, then the reward model's when it has one; for each its nodes,
+    GPUs and partition, and what each component needs for itself (one task per node, the time
+    limit and its warning, --no-kill, account, QOS)."""
     if opts.rollout_nodes is None:
         return []
+    components = [(opts.rollout_nodes, opts.rollout_gpus_per_node, opts.rollout_partition)]
+    if opts.reward_nodes is not None:
+        components.append((opts.reward_nodes, opts.reward_gpus_per_node, opts.reward_partition))
+    return [line for nodes, gpus, partition in components for line in _component(opts, nodes, gpus, partition)]
+
+
+def _component(opts: SlurmOptions, nodes: int, gpus: int | None, partition: str | None) -> list[str]:
     from submitit.slurm.slurm import _as_sbatch_flag
 
     params: dict[str, object] = {
-        "nodes": opts.rollout_nodes,
+        "nodes": nodes,
         "ntasks_per_node": 1,
-        "gpus_per_node": opts.rollout_gpus_per_node or opts.gpus_per_node,
+        "gpus_per_node": gpus or opts.gpus_per_node,
         "time": opts.time_min,
         "signal": f"USR2@{opts.signal_grace_s}",  # measured: without it a preempted component is killed at once
         "no_kill": True,
@@ -238,7 +271,7 @@ def rollout_component(opts: SlurmOptions) -> list[str]:
     for key in ("account", "qos", "cpus_per_task"):
         if getattr(opts, key) is not None:
             params[key] = getattr(opts, key)
-    partition = opts.rollout_partition or opts.partition
+    partition = partition or opts.partition
     if partition:
         params["partition"] = partition
     if opts.exclusive:
@@ -275,8 +308,8 @@ def slurm_executor(
         # --no-kill on the job and on submitit's srun step: a node that dies takes only its own
         # task with it (Slurm drops it from the allocation); the driver decides what that costs.
         "additional_parameters": {"requeue": True, "no_kill": True, **opts.extra},
-        # One task per node of both components (het jobs); srun runs only component 0's otherwise.
-        "srun_args": ["--no-kill", *(["--het-group=0,1"] if het else [])],
+        # One task per node of every component (het jobs); srun runs only component 0's otherwise.
+        "srun_args": ["--no-kill", *([f"--het-group={opts.het_groups}"] if het else [])],
         "stderr_to_stdout": False,
     }
     for key in ("partition", "account", "qos", "constraint", "cpus_per_task"):
@@ -301,10 +334,16 @@ def own_job_id(default: str) -> str:
 
 def het_group(rank: int) -> int | None:
     """This task's component in a heterogeneous job step, None outside one. srun numbers the
-    tasks of a het step globally, component 0's first (measured on Slurm 22.05)."""
-    if not os.environ.get("SLURM_HET_SIZE"):
+    tasks of a het step globally, component 0's first, then 1's, then 2's (measured on Slurm 22.05)."""
+    size = os.environ.get("SLURM_HET_SIZE")
+    if not size:
         return None
-    return 0 if rank < int(os.environ.get("SLURM_NTASKS_HET_GROUP_0", "0")) else 1
+    first = 0
+    for group in range(int(size) - 1):
+        first += int(os.environ.get(f"SLURM_NTASKS_HET_GROUP_{group}", "0"))
+        if rank < first:
+            return group
+    return int(size) - 1
 
 
 def sbatch_script(executor: submitit.SlurmExecutor, array: int | None = None) -> str:

@@ -350,7 +350,9 @@ class EnginePool:
     def _deferring(self) -> bool:
         return getattr(self._deferred, "on", False)
 
-    def generate(self, requests: Sequence[Request], done: Callable[[int], None] | None = None) -> list[list[dict]]:
+    def generate(
+        self, requests: Sequence[Request], done: Callable[[int, list[dict]], None] | None = None
+    ) -> list[list[dict]]:
         """A ``generation.Send``: bring engines known to be down back first (no round trip when none is), then ``send``."""
         self.ensure_engines()
         return self.send(requests, done)
@@ -384,19 +386,22 @@ class EnginePool:
     def send(
         self,
         requests: Sequence[Any],
-        done: Callable[[int], None] | None = None,
+        done: Callable[[int, Any], None] | None = None,
         call: Callable[[EngineClient, Any], Any] | None = None,
+        first: int = 0,
     ) -> list[Any]:
-        """Send request c to engine c (or its ``affinity``) mod the engine count (or to the router),
-        all at once; the answers in request order. Requests that failed on an engine found dead are
-        sent again once it is back on the current weights, or (``restarts_deferred``) to the healthy
-        engines (an episode's turns then keep to the engine its affinity picks among those left);
-        ``done(c)`` runs as request c succeeds. ``call(client, request)``: what a request is (default:
-        a /generate of a ``generation.Request``; the reward engines' scoring passes its own)."""
+        """Send request c to engine ``first`` + c (or its ``affinity``) mod the engine count (or to
+        the router), all at once; the answers in request order. Requests that failed on an engine
+        found dead are sent again once it is back on the current weights, or (``restarts_deferred``)
+        to the healthy engines (an episode's turns then keep to the engine its affinity picks among
+        those left); ``done(c, answer)`` runs as request c succeeds, once. ``call(client, request)``:
+        what a request is (default: a /generate of a ``generation.Request``; the reward engines'
+        scoring passes its own). ``first``: where request 0 goes (a caller sending one request at a
+        time rotates it)."""
 
         def target(c: int, targets: list[EngineClient]) -> EngineClient:
             affinity = getattr(requests[c], "affinity", None)  # an episode's turns: one engine while it lives
-            return targets[(c if affinity is None else affinity) % len(targets)]
+            return targets[(first + c if affinity is None else affinity) % len(targets)]
 
         def request(c: int, targets: list[EngineClient]) -> Any:
             r = requests[c]
@@ -433,7 +438,7 @@ class EnginePool:
                         error = e
                         continue
                     if done is not None:
-                        done(c)
+                        done(c, answers[c])
                 if not waiting or time.monotonic() - checked < NODE_CHECK_S:
                     continue
                 checked = time.monotonic()

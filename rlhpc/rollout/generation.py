@@ -139,10 +139,10 @@ class Request:
 
 
 class Send(Protocol):
-    """Send every request; call ``done(c)`` (in the caller's thread) as request c's answers
-    arrive; return the answers (SGLang's /generate output dicts) in request order."""
+    """Send every request; call ``done(c, answer)`` (in the caller's thread) once, as request c's
+    answer arrives; return the answers (SGLang's /generate output dicts) in request order."""
 
-    def __call__(self, requests: Sequence[Request], done: Callable[[int], None]) -> list[list[dict]]: ...
+    def __call__(self, requests: Sequence[Request], done: Callable[[int, list[dict]], None]) -> list[list[dict]]: ...
 
 
 class Generates(Protocol):
@@ -155,7 +155,7 @@ def one_batch(client: Generates) -> Send:
     """A ``Send`` for one engine and no Ray or restarts: all requests as a single /generate call,
     so the engine samples the whole rollout as one batch."""
 
-    def send(requests: Sequence[Request], done: Callable[[int], None]) -> list[list[dict]]:
+    def send(requests: Sequence[Request], done: Callable[[int, list[dict]], None]) -> list[list[dict]]:
         outputs = client.generate(
             input_ids=[ids for r in requests for ids in r.input_ids],
             sampling_params=[p for r in requests for p in r.sampling_params],
@@ -165,10 +165,22 @@ def one_batch(client: Generates) -> Send:
         for c, r in enumerate(requests):
             answers.append(outputs[start : start + len(r.input_ids)])
             start += len(r.input_ids)
-            done(c)
+            done(c, answers[-1])
         return answers
 
     return send
+
+
+def _samples(rows: list[dict], n: int, row_of: Sequence[int], outputs: Sequence[dict]) -> list[Sample]:
+    """What the reward reads of each output: ``outputs[k]`` answers row ``row_of[k]``."""
+    return [
+        Sample(
+            prompt=rows[i]["prompt"], response=out["text"], label=rows[i]["answer"],
+            response_ids=list(out["output_ids"]), messages=rows[i].get("messages"),
+            metadata=rows[i].get("metadata", {}), finish_reason=finish_reason(out["meta_info"]),
+        )
+        for i, out in zip(row_of, outputs)
+    ]  # fmt: skip
 
 
 @dataclass
@@ -379,13 +391,23 @@ class Generation:
 
         progress = self.progress
         bar = progress.add_task(desc, total=len(rows)) if progress is not None else None
+        # model components (the reward model) score each request's samples as it is answered
+        ahead = self.reward_fn.start() if isinstance(self.reward_fn, MixedScorer) else {}
 
-        def done(c: int) -> None:
+        def done(c: int, answer: list[dict]) -> None:
             if bar is not None:
                 progress.advance(bar, len(chunks[c]))
+            if ahead:
+                group = _samples(rows, n, [i for i in chunks[c] for _ in range(n)], answer)
+                for scores in ahead.values():
+                    scores.add(c, group)
 
         try:
             answers = self.send(requests, done)
+        except BaseException:
+            for scores in ahead.values():
+                scores.close()
+            raise
         finally:
             if bar is not None:
                 progress.remove_task(bar)
@@ -393,23 +415,19 @@ class Generation:
         outputs = [out for answer in answers for out in answer]  # row-major: a row's n samples adjacent
         response_ids = [list(out["output_ids"]) for out in outputs]
         logprobs = [[lp for lp, _tok, _ in out["meta_info"].get("output_token_logprobs", [])] for out in outputs]
+        samples = _samples(rows, n, [k // n for k in range(len(outputs))], outputs)
         texts = {
-            "prompt": [rows[k // n]["prompt"] for k in range(len(outputs))],
+            "prompt": [s.prompt for s in samples],
             # the engine's own detokenization (SGLang's: stop token trimmed, special tokens
             # skipped), not a second one here on the loop's critical path
-            "response": [out["text"] for out in outputs],
-            "answer": [rows[k // n]["answer"] for k in range(len(outputs))],
+            "response": [s.response for s in samples],
+            "answer": [s.label for s in samples],
         }
-        rewards, parts = self.reward_fn(
-            [
-                Sample(
-                    prompt=texts["prompt"][k], response=texts["response"][k], label=texts["answer"][k],
-                    response_ids=response_ids[k], messages=rows[k // n].get("messages"),
-                    metadata=rows[k // n].get("metadata", {}), finish_reason=finish_reason(out["meta_info"]),
-                )
-                for k, out in enumerate(outputs)
-            ]
-        )  # fmt: skip
+        if ahead:
+            ready = {name: scores.scores(range(len(requests))) for name, scores in ahead.items()}
+            rewards, parts = self.reward_fn(samples, ready)
+        else:
+            rewards, parts = self.reward_fn(samples)
         prompt_ids = [prompts[k // n] for k in range(len(outputs))]
         per_token = [token_versions(out["meta_info"], len(ids)) for out, ids in zip(outputs, response_ids)]
         versions = [min(v) if v else weight_version(out["meta_info"]) for v, out in zip(per_token, outputs)]
@@ -473,7 +491,7 @@ class Generation:
                     )
                     for home, chunk in zip(homes, chunks)
                 ]
-                outputs = [out for answer in self.send(requests, lambda c: None) for out in answer]
+                outputs = [out for answer in self.send(requests, lambda c, answer: None) for out in answer]
                 for k, out in zip(active, outputs):
                     ids = list(out["output_ids"])
                     lps = [lp for lp, _tok, _ in out["meta_info"].get("output_token_logprobs", [])]

@@ -9,14 +9,17 @@ text, tokenized with the tokenizer's special tokens), tokenized here, so the eng
 exactly the ids a test can give ``transformers``; the score is the model's first label at the
 last token.
 
-Samples are scored after their rollout's generation, in requests of ``reward_model.batch_size``
-spread over the engines (not yet as each sample finishes).
+A rollout's (or an evaluation's) samples are scored as their /generate request is answered
+(``reward_model.overlap``, the default; else once the generation is done), one /classify batch per
+request (split at ``reward_model.batch_size``), spread over the engines (``scoring.GroupScores``);
+a multi-turn episode's after its generation, in batches of ``reward_model.batch_size``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +27,7 @@ from rlhpc.config import RewardModelConfig, RolloutConfig, SGLangConfig
 from rlhpc.rollout.client import EngineClient
 from rlhpc.rollout.engine_pool import EnginePool
 from rlhpc.rollout.scoring import Sample
+from rlhpc.schedule import BusyClock
 
 if TYPE_CHECKING:
     from rlhpc.cluster.layout import Layout
@@ -84,10 +88,14 @@ def render(tokenizer: Any, sample: Sample) -> list[int]:
 
 
 class RewardModel:
-    """Score samples with the reward engines: ``score(samples)`` is one float per sample."""
+    """Score samples with the reward engines: ``score(samples)`` is one float per sample,
+    ``score_groups(groups)`` one list per group. ``clock``: when the reward group worked (the
+    step's ``time/reward_idle``)."""
 
     def __init__(self, engines: EnginePool, tokenizer: Any, batch_size: int, context_len: int | None = None):
         self.engines, self.tokenizer, self.batch_size = engines, tokenizer, batch_size
+        self.clock = BusyClock()
+        self.sent = 0  # batches sent so far: the next call starts at the engine after the last one
         # an input must be shorter than the context (the engines refuse the rest): keep its end,
         # where the response and the token the score is read at are
         self.max_len = context_len - 1 if context_len else None
@@ -104,9 +112,21 @@ class RewardModel:
         return out
 
     def score(self, samples: list[Sample]) -> list[float]:
-        if not samples:
-            return []
-        ids = self.inputs(samples)
-        batches = [ids[i : i + self.batch_size] for i in range(0, len(ids), self.batch_size)]
-        answers = self.engines.send(batches, call=lambda client, batch: EngineClient.classify(client, batch))
-        return [score for answer in answers for score in answer]
+        return [s for group in self.score_groups([samples]) for s in group]
+
+    def score_groups(self, groups: Sequence[Sequence[Sample]]) -> list[list[float]]:
+        """Each group in batches of its own (at most ``batch_size``), all sent at once."""
+        spans, batches = [], []
+        for group in groups:
+            ids = self.inputs(list(group))
+            first = len(batches)
+            batches += [ids[i : i + self.batch_size] for i in range(0, len(ids), self.batch_size)]
+            spans.append(range(first, len(batches)))
+        if not batches:
+            return [[] for _ in groups]
+        first, self.sent = self.sent, self.sent + len(batches)
+        with self.clock.busy():
+            answers = self.engines.send(
+                batches, call=lambda client, batch: EngineClient.classify(client, batch), first=first
+            )
+        return [[score for b in span for score in answers[b]] for span in spans]

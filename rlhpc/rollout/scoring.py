@@ -18,7 +18,9 @@ import inspect
 import json
 import math
 import multiprocessing
-from collections.abc import Callable
+import queue
+import threading
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -269,23 +271,107 @@ class Scorer:
         return float(value), {}
 
 
+ScoreGroups = Callable[[Sequence[Sequence[Sample]]], list[list[float]]]
+
+
+class GroupScores:
+    """A model component's scores of one generation call, group by group (a group: one
+    /generate request's samples). ``overlap``: a thread scores each group as soon as ``add`` gets
+    it, while generation goes on; every group answered by then goes out in one call of
+    ``score_groups`` (one /classify batch per group, spread over the engines); else the groups
+    wait for ``scores``, which sends them all at once. A score depends only on its sample, so
+    either gives the same scores (the batches are the same groups)."""
+
+    _END = object()
+
+    def __init__(self, score_groups: ScoreGroups, overlap: bool):
+        self.score_groups, self.overlap = score_groups, overlap
+        self.groups: dict[int, Sequence[Sample]] = {}
+        self.scored: dict[int, list[float]] = {}
+        self.error: BaseException | None = None
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread: threading.Thread | None = None
+        if overlap:
+            self.thread = threading.Thread(target=self._serve, name="score-ahead", daemon=True)
+            self.thread.start()
+
+    def add(self, key: int, samples: Sequence[Sample]) -> None:
+        self.groups[key] = samples
+        if self.overlap:
+            self.queue.put(key)
+
+    def _serve(self) -> None:
+        ended = False
+        while not ended:
+            keys = [self.queue.get()]
+            while True:  # what else was answered meanwhile goes in the same call
+                try:
+                    keys.append(self.queue.get_nowait())
+                except queue.Empty:
+                    break
+            ended = self._END in keys
+            keys = [k for k in keys if k is not self._END]
+            if keys and self.error is None:
+                try:
+                    self.scored.update(zip(keys, self.score_groups([self.groups[k] for k in keys])))
+                except BaseException as e:  # raised in the caller's thread, by ``scores``
+                    self.error = e
+
+    def close(self) -> None:
+        """No more groups: returns once the thread has scored what it has, so that nothing else
+        sends to the reward engines meanwhile (generation was cut short, or is done)."""
+        if self.thread is not None:
+            self.queue.put(self._END)
+            self.thread.join()
+            self.thread = None
+
+    def scores(self, keys: Sequence[int]) -> list[float]:
+        """Every sample's score, groups in ``keys`` order (all of them added)."""
+        self.close()
+        if self.error is not None:
+            raise self.error
+        missing = [k for k in keys if k not in self.scored]
+        if missing:
+            self.scored.update(zip(missing, self.score_groups([self.groups[k] for k in missing])))
+        return [v for k in keys for v in self.scored[k]]
+
+
 class MixedScorer:
     """``score = rule_weight x rule + sum of weight x component`` (issue 30's reward mixing): the
     rule reward (a ``Scorer``, its dict parts kept) and model components, each ``fn(samples) ->
     one float per sample``. Every component is a part of its own, logged as ``reward/<name>``
-    (the rule reward's as ``reward/rule``)."""
+    (the rule reward's as ``reward/rule``).
 
-    def __init__(self, rule: Scorer, rule_weight: float, components: dict[str, tuple[float, Callable]]):
+    ``groups``: the components that also score group by group (``score_groups``), so that a
+    generation call can score each request's samples as it is answered (``start``) and pass the
+    scores in (``ready``); ``overlap``: while generation goes on, else once it is done."""
+
+    def __init__(
+        self,
+        rule: Scorer,
+        rule_weight: float,
+        components: dict[str, tuple[float, Callable]],
+        groups: dict[str, ScoreGroups] | None = None,
+        overlap: bool = True,
+    ):
         self.rule, self.rule_weight, self.components = rule, rule_weight, components
+        self.groups, self.overlap = groups or {}, overlap
 
-    def __call__(self, samples: list[Sample]) -> tuple[list[float], dict[str, list[float]]]:
+    def start(self) -> dict[str, GroupScores]:
+        """One generation call's group scorers, one per component that scores groups."""
+        return {name: GroupScores(fn, self.overlap) for name, fn in self.groups.items()}
+
+    def __call__(
+        self, samples: list[Sample], ready: dict[str, list[float]] | None = None
+    ) -> tuple[list[float], dict[str, list[float]]]:
         if not samples:
             return [], {}
+        ready = ready or {}
         rule, parts = self.rule(samples)
         scores = [self.rule_weight * r for r in rule]
         parts = {**parts, "rule": rule}
         for name, (weight, fn) in self.components.items():
-            values = [float(v) for v in fn(samples)]
+            values = [float(v) for v in (ready[name] if name in ready else fn(samples))]
             if len(values) != len(samples):
                 raise RlhpcError(
                     f"the {name} component scored {len(values)} of {len(samples)} samples", "this is a bug: report it"

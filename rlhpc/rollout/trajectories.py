@@ -292,7 +292,7 @@ class EngineCalls:
         groups = list(by_engine.values())
         requests = [Request([ids for ids, *_ in g], [p for _, p, *_ in g], affinity=g[0][2]) for g in groups]
         try:
-            answers = self.send(requests, lambda c: None)
+            answers = self.send(requests, lambda c, answer: None)
         except BaseException as e:
             self._failed = e
             for *_, fut in batch:

@@ -4,15 +4,18 @@ transformers' own forward (or greedy decoding) of the model."""
 
 from __future__ import annotations
 
+import time
+
 import h5py
 import pytest
 import torch
-from support.engines import engine_client, start_server, stop_server
+from support.engines import engine_client, in_process_send, start_server, stop_server
 from support.jobs import said, submit
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from rlhpc.config import TinyModelConfig
 from rlhpc.errors import RlhpcError
+from rlhpc.invariants import comparable, final_weights
 from rlhpc.metrics import read_metrics
 from rlhpc.model import build_tiny_model
 from rlhpc.rollout.judge import render as judge_render
@@ -54,16 +57,21 @@ def test_cpu_server_classifies_as_transformers_scores(tmp_path):
         stop_server(proc)
 
 
+RUN = (
+    "rollout.num_rollout=2", "eval.interval=null", "cluster.gpus_per_node=3", "data.reward_weight=0",
+    "reward_model.tiny.architecture=qwen2", "reward_model.tiny.tokenizer=bpe", "reward_model.tiny.seed=3",
+    "reward_model.batch_size=5", "deterministic=true",
+)  # fmt: skip
+
+
 def test_a_local_run_trains_on_the_reward_models_score(tmp_path):
     """A few rollouts with a tiny classifier on a GPU of its own: each sample's reward is the
     classifier's score of its prompt + response (the rule reward weighted 0), as transformers
-    scores the same conversation; both components logged; the layout shows the third group."""
+    scores the same conversation; both components logged; the layout shows the third group; the
+    reward group's idle share is a metric. Scored as each request is answered (the default) or
+    after the rollout (``reward_model.overlap=false``), a deterministic run trains the same."""
     run = tmp_path / "run"
-    p = submit(
-        run, "rollout.num_rollout=2", "eval.interval=null", "cluster.gpus_per_node=3", "data.reward_weight=0",
-        "reward_model.tiny.architecture=qwen2", "reward_model.tiny.tokenizer=bpe", "reward_model.tiny.seed=3",
-        "reward_model.batch_size=5",
-    )  # fmt: skip
+    p = submit(run, *RUN)
     assert p.returncode == 0, said(p)[-4000:]
     assert "reward engine 0   (tp=1) -> " in (run / "layout.txt").read_text()
     assert "1 reward engine(s)" in said(p)
@@ -81,6 +89,12 @@ def test_a_local_run_trains_on_the_reward_models_score(tmp_path):
         m = records[r]
         assert m["reward/reward_model"] == pytest.approx(sum(expected) / len(expected), abs=1e-5)
         assert "reward/rule" in m and m["reward"] == pytest.approx(m["reward/reward_model"], abs=1e-5)
+        assert 0.0 <= m["time/reward_idle"] < 1.0  # it scored during the step
+
+    after = tmp_path / "after"
+    p = submit(after, *RUN, "reward_model.overlap=false")
+    assert p.returncode == 0, said(p)[-4000:]
+    assert comparable(after) == comparable(run) and final_weights(after) == final_weights(run)
 
 
 def judge_answers(path, prompts: list[list[int]], max_new_tokens: int) -> list[str]:
@@ -131,10 +145,18 @@ def test_a_local_run_trains_on_the_judges_verdict(tmp_path):
 
 
 @pytest.mark.ray
-def test_a_killed_reward_engine_is_restarted_and_its_samples_scored_once(tmp_path, caplog):
-    """Two frozen reward engines; one SIGKILLed between two scorings: the requests it does not
-    answer fail, it is restarted (on the model on disk: no weights to push), they are sent again,
-    and every sample gets the score it got before, in its place."""
+def test_reward_engines_score_overlapped_and_a_killed_one_is_restarted(tmp_path, caplog):
+    """Two frozen reward engines (one Ray session for every part: starting them is the cost).
+
+    Between two scorings: one SIGKILLed, the requests it does not answer fail, it is restarted (on
+    the model on disk: no weights to push), they are sent again, and every sample gets the score
+    it got before, in its place.
+
+    A rollout of 4 requests, generated on an in-process CPU engine: overlapped, request 0's
+    samples are scored before request 1 is answered; scored after the rollout, none is until
+    generation ends; a reward engine SIGKILLed mid-rollout (after request 0 was scored, before the
+    next group goes to it) is restarted and its group sent again. All three give the same
+    rewards, bit for bit, each sample one score in its place."""
     import os
     import signal
 
@@ -142,22 +164,26 @@ def test_a_killed_reward_engine_is_restarted_and_its_samples_scored_once(tmp_pat
 
     from rlhpc.cluster.layout import plan_layout
     from rlhpc.cluster.placement import create_placement
-    from rlhpc.config import ClusterConfig, RewardModelConfig, RolloutConfig
+    from rlhpc.config import AlgoConfig, ClusterConfig, EvalConfig, RewardModelConfig, RolloutConfig
+    from rlhpc.rollout.cpu_server.engine import Engine
+    from rlhpc.rollout.generation import Generation
     from rlhpc.rollout.reward_model import RewardModel, start_reward_engines
+    from rlhpc.rollout.scoring import MixedScorer, Sample, Scorer
 
     path = build_tiny_model(tmp_path / "rm", RM, classifier=True)
     cluster = ClusterConfig(gpus_per_node=4, actor_num_gpus=1, rollout_num_gpus=1)
-    rm = RewardModelConfig(path=str(path), num_gpus=2)
+    rm_cfg = RewardModelConfig(path=str(path), num_gpus=2)
+    rollout = RolloutConfig(n_samples_per_prompt=2, max_new_tokens=6)
     samples = [Sample(prompt=f"{i}+{i}=", response=str(2 * i) * (i % 3 + 1), label="") for i in range(12)]
     ray.init(num_cpus=4, num_gpus=4, include_dashboard=False, log_to_driver=False)
     try:
-        layout = plan_layout(cluster, rm)
+        layout = plan_layout(cluster, rm_cfg)
         placement = create_placement(layout.num_slots)
-        engines = start_reward_engines(rm, RolloutConfig(), cluster, 0, str(path), placement, layout, tmp_path / "logs")
+        engines = start_reward_engines(rm_cfg, rollout, cluster, 0, str(path), placement, layout, tmp_path / "logs")
         try:
-            scorer = RewardModel(engines, AutoTokenizer.from_pretrained(path), batch_size=3)
-            before = scorer.score(samples)  # four requests over two engines
             tok = AutoTokenizer.from_pretrained(path)
+            scorer = RewardModel(engines, tok, batch_size=3)
+            before = scorer.score(samples)  # four requests over two engines
             texts = [conversation(tok, s.prompt, s.response) for s in samples]
             assert before == pytest.approx(hf_scores(path, texts), abs=1e-5)
             pid = ray.get(engines.engines[1].pid.remote())
@@ -168,6 +194,49 @@ def test_a_killed_reward_engine_is_restarted_and_its_samples_scored_once(tmp_pat
             assert (tmp_path / "logs" / "engine_1.log").read_text().count("starting at") == 2
             with pytest.raises(RlhpcError, match="frozen"):
                 engines.connect_weights(None)
+
+            policy = build_tiny_model(tmp_path / "policy", TinyModelConfig())
+            engine = Engine(str(policy), "default")
+            rows = [{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(8)]
+            rm = RewardModel(engines, tok, batch_size=64)
+
+            def rollout_rewards(overlap: bool, kill: bool = False) -> torch.Tensor:
+                scored_before: list[int] = []  # scoring calls finished when each request was answered
+
+                def answered(request, outputs) -> None:
+                    if overlap and len(scored_before) == 1:  # request 0's group is being scored: wait for it
+                        deadline = time.monotonic() + 60
+                        while not rm.clock.intervals and time.monotonic() < deadline:
+                            time.sleep(0.05)
+                        if kill:  # the next group goes to engine 1 (rm.sent rotates the engines)
+                            assert rm.sent == 1
+                            os.kill(ray.get(engines.engines[1].pid.remote()), signal.SIGKILL)
+                    scored_before.append(len(rm.clock.intervals))
+
+                rm.clock.intervals.clear()
+                rm.sent = 0  # each run's first group goes to engine 0
+                mixed = MixedScorer(
+                    Scorer(lambda p, r, a: 0.0, "rule"), 0.0, {"reward_model": (1.0, rm.score)},
+                    groups={"reward_model": rm.score_groups}, overlap=overlap,
+                )  # fmt: skip
+                gen = Generation(
+                    engine.tokenizer, mixed, rollout, EvalConfig(), AlgoConfig(), 7,
+                    in_process_send(engine, answered), num_engines=4,
+                )  # fmt: skip
+                s = gen.sample(rows, 2, 1.0, 6, "r0", "rollout")
+                assert len(scored_before) == 4  # four requests of two rows
+                if overlap:
+                    assert scored_before[1] >= 1  # request 0 scored while request 1 generated
+                else:
+                    assert scored_before == [0, 0, 0, 0]  # nothing before the rollout's end
+                assert s.parts["reward_model"] == s.rewards.tolist() and len(s.rewards) == 16
+                return s.rewards
+
+            after = rollout_rewards(overlap=False)
+            assert torch.equal(rollout_rewards(overlap=True), after)
+            assert engines.restarts == [0, 1]
+            assert torch.equal(rollout_rewards(overlap=True, kill=True), after)
+            assert engines.restarts == [0, 2]  # the engine killed mid-rollout was restarted, once more
         finally:
             engines.shutdown()
             placement.remove()

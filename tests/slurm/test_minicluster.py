@@ -55,7 +55,7 @@ def test_all_nodes_idle_with_8_gpus(minicluster) -> None:
     wait_for(lambda: all(n["State"] == "IDLE" for n in nodes_info().values()), 30, "all nodes idle")
     info = nodes_info()
     assert sorted(info) == minicluster.nodes
-    extra = {"node0": ",train", "node1": ",gen", "node2": ",gen", "node3": ""}  # --partition train:1 gen:2
+    extra = {"node0": ",train", "node1": ",gen", "node2": ",gen", "node3": ",score"}  # train:1 gen:2 score:1
     for name, ip in minicluster.node_ips.items():
         assert info[name]["Gres"] == "gpu:8"
         assert info[name]["NodeAddr"] == ip
@@ -64,7 +64,7 @@ def test_all_nodes_idle_with_8_gpus(minicluster) -> None:
     assert sorted(line for line in sinfo if line) == [f"node{k} idle gpu:8" for k in range(4)]
     partitions = sh(["sinfo", "-h", "-o", "%P %a %N"]).split()
     assert partitions == ["low*", "up", "node[0-3]", "high", "up", "node[0-3]", "train", "up", "node0", "gen", "up",
-                          "node[1-2]"]  # fmt: skip
+                          "node[1-2]", "score", "up", "node3"]  # fmt: skip
 
 
 def test_srun_each_node_sees_its_own_ip(minicluster) -> None:

@@ -1,7 +1,8 @@
 """A heterogeneous job on the minicluster: the actor on partition `train` (node0), the engines on
-partition `gen` (node1-2), one Ray cluster over both components. Trained to the end, and preempted
-by a high-priority job on an engine node: it saves, requeues and ends identical to the undisturbed run.
-Requests either partition cannot give are refused before anything is submitted."""
+partition `gen` (node1-2), a tiny reward model on partition `score` (node3), one Ray cluster over
+the three components. Trained to the end, and preempted by a high-priority job on an engine node:
+it saves, requeues and ends identical to the undisturbed run. Requests a component's partition
+cannot give are refused before anything is submitted."""
 
 import re
 import subprocess
@@ -18,14 +19,18 @@ from rlhpc.metrics import read_metrics
 pytestmark = pytest.mark.slurm
 
 NUM_ROLLOUT = 30
-CONFIG = deterministic_config(NUM_ROLLOUT)
-# 2 actor ranks on node0, one single-GPU engine on each of node1 and node2
+# the reward model's score is half of each sample's reward (its scores are in the metrics compared)
+CONFIG = [*deterministic_config(NUM_ROLLOUT), "reward_model.tiny.seed=3", "reward_model.weight=0.5"]
+# 2 actor ranks on node0, one single-GPU engine on each of node1 and node2, one reward engine on node3
 HET = ["--nodes", "1", "--gpus-per-node", "2", "--partition", "train",
-       "--rollout-nodes", "2", "--rollout-gpus-per-node", "1", "--rollout-partition", "gen"]  # fmt: skip
+       "--rollout-nodes", "2", "--rollout-gpus-per-node", "1", "--rollout-partition", "gen",
+       "--reward-nodes", "1", "--reward-gpus-per-node", "1", "--reward-partition", "score"]  # fmt: skip
 
 
-def submit(run: Path, *args: str, follow: bool, het: list[str] = HET) -> subprocess.CompletedProcess:
-    return submit_slurm(run, *het, *args, overrides=CONFIG, follow=follow)
+def submit(
+    run: Path, *args: str, follow: bool, het: list[str] = HET, config: list[str] = CONFIG
+) -> subprocess.CompletedProcess:
+    return submit_slurm(run, *het, *args, overrides=config, follow=follow)
 
 
 def queued() -> list[str]:
@@ -47,11 +52,11 @@ def wait(cond, timeout: float, what: str, run: Path) -> None:
         time.sleep(0.3)
 
 
-def placed(run: Path) -> tuple[set[str], set[str]]:
-    """(IPs of the actor's slots, IPs of the engines' slots), from the driver's placement line."""
+def placed(run: Path) -> tuple[set[str], set[str], set[str]]:
+    """IPs of the actor's, the engines' and the reward engine's slots, from the driver's placement line."""
     line = re.search(r"placement: (.*?) start-up", job_log(run)).group(1)
     slots = dict(re.findall(r"slot(\d+)=([\d.]+):gpu\d+", line))
-    return {slots["0"], slots["1"]}, {slots["2"], slots["3"]}
+    return {slots["0"], slots["1"]}, {slots["2"], slots["3"]}, {slots["4"]}
 
 
 def test_each_group_on_its_partition_and_a_preemption_resumes_identically(minicluster, tmp_path):
@@ -60,10 +65,13 @@ def test_each_group_on_its_partition_and_a_preemption_resumes_identically(minicl
     p = submit(baseline, follow=True)
     assert p.returncode == 0 and (baseline / "FINISHED").is_file(), p.stdout[-3000:] + p.stderr[-3000:]
     said = job_log(baseline)
-    assert "Ray cluster ready: 3 nodes, 4 GPUs" in said
-    actor, engines = placed(baseline)
-    assert actor == {ip["node0"]} and engines == {ip["node1"], ip["node2"]}  # train, and gen
+    assert "Ray cluster ready: 4 nodes, 5 GPUs" in said
+    actor, engines, reward = placed(baseline)
+    assert actor == {ip["node0"]} and engines == {ip["node1"], ip["node2"]} and reward == {ip["node3"]}
+    assert "reward engine 0   (tp=1) -> node3:gpu0" in (baseline / "layout.txt").read_text()
     assert trained(baseline) == list(range(NUM_ROLLOUT))
+    scored = [r["reward/reward_model"] for r in read_metrics(baseline) if r["kind"] == "rollout"]
+    assert len(set(scored)) > 1  # the reward model scored every rollout
 
     run = tmp_path / "run"
     assert submit(run, follow=False).returncode == 0
@@ -93,13 +101,29 @@ def test_each_group_on_its_partition_and_a_preemption_resumes_identically(minicl
             ["--rollout-nodes", "1", "--rollout-gpus-per-node", "9", "--rollout-partition", "gen"],
             "--rollout-gpus-per-node 9 but nodes in partition 'gen' have 8 GPUs",
         ),
+        (
+            [
+                "--rollout-nodes",
+                "1",
+                "--rollout-partition",
+                "gen",
+                "--reward-nodes",
+                "2",
+                "--reward-partition",
+                "score",
+                "--set",
+                "reward_model.tiny.seed=3",
+            ],
+            "--reward-nodes 2 but partition 'score' has 1 nodes",
+        ),  # fmt: skip
     ],
-    ids=["no-such-partition", "too-many-nodes", "too-many-gpus"],
+    ids=["no-such-partition", "too-many-nodes", "too-many-gpus", "too-many-reward-nodes"],
 )
-def test_what_the_rollout_partition_cannot_give_is_refused_before_submission(minicluster, tmp_path, het, message):
+def test_what_a_components_partition_cannot_give_is_refused_before_submission(minicluster, tmp_path, het, message):
     run = tmp_path / "run"
     before = set(queued())
-    p = submit(run, follow=False, het=["--nodes", "1", "--gpus-per-node", "2", "--partition", "train", *het])
+    het = ["--nodes", "1", "--gpus-per-node", "2", "--partition", "train", *het]
+    p = submit(run, follow=False, het=het, config=deterministic_config(NUM_ROLLOUT))  # a reward model only where named
     out = " ".join((p.stdout + p.stderr).split())
     assert p.returncode == 2 and message in out and "fix:" in out, out[-2000:]
     assert not run.exists()  # nothing written

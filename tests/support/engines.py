@@ -109,7 +109,7 @@ def in_process_send(engine, answered):
             )
             out.append(engine.generate(items, engine.next_seq()))
             answered(r, out[-1])
-            done(c)
+            done(c, out[-1])
         return out
 
     return send

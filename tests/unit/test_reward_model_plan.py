@@ -8,7 +8,7 @@ import ast
 import pytest
 from support import sglang_wheel as sgl
 
-from rlhpc.cluster.layout import describe_layout, plan_layout, summarize_layout
+from rlhpc.cluster.layout import describe_layout, idle_note, plan_layout, summarize_layout
 from rlhpc.config import ClusterConfig, RewardModelConfig, config_from_dict
 from rlhpc.errors import ConfigError
 from rlhpc.model import build_bpe_tokenizer, build_char_tokenizer
@@ -49,7 +49,32 @@ def test_a_reward_model_takes_gpus_of_its_own_from_the_open_split():
         ),
         ({"tiny": {}, "num_gpus": 3, "gpus_per_engine": 2}, {"gpus_per_node": 8}, "whole number of engines"),
         ({"tiny": {}}, {}, r"after reward_model.num_gpus = 1 .* none is left for the actor"),
-        ({"tiny": {}}, {"gpus_per_node": 2, "rollout_nodes": 1}, "--reward-nodes.*issue 30"),
+        ({"tiny": {}}, {"gpus_per_node": 2, "rollout_nodes": 1}, r"(?s)no cluster\.reward_nodes.*--reward-nodes N"),
+        (
+            {"tiny": {}, "num_gpus": 3},
+            {"gpus_per_node": 2, "rollout_nodes": 1, "reward_nodes": 1},
+            r"reward_model\.num_gpus = 3 but its component has 2 GPUs",
+        ),  # fmt: skip
+        (
+            {"tiny": {}, "num_gpus": 4, "gpus_per_engine": 4},
+            {"gpus_per_node": 2, "rollout_nodes": 1, "reward_nodes": 2, "reward_gpus_per_node": 2},
+            r"gpus_per_engine = 4 > cluster\.reward_gpus_per_node = 2",
+        ),  # fmt: skip
+        (
+            {"tiny": {}},
+            {"gpus_per_node": 3, "reward_nodes": 1},
+            r"cluster\.reward_nodes without cluster\.rollout_nodes",
+        ),
+        (
+            {"tiny": {}},
+            {"gpus_per_node": 3, "reward_partition": "score"},
+            r"reward_partition is set but .*reward_nodes",
+        ),
+        (
+            {"tiny": {}},
+            {"gpus_per_node": 2, "rollout_nodes": 1, "reward_nodes": 1, "reward_partition": "a b"},
+            "is not a partition name",
+        ),  # fmt: skip
         ({"tiny": {}, "num_gpus": 4, "gpus_per_engine": 4}, {"gpus_per_node": 2, "num_nodes": 4}, "one node"),
         (
             {"tiny": {}, "num_gpus": 2, "gpus_per_engine": 2},
@@ -67,6 +92,11 @@ def test_a_reward_model_takes_gpus_of_its_own_from_the_open_split():
 def test_refused_with_the_key_and_the_fix(section, cluster, match):
     with pytest.raises(ConfigError, match=match):
         _cfg(cluster=cluster, reward_model=section)
+
+
+def test_a_reward_component_without_a_reward_model_is_refused():
+    with pytest.raises(ConfigError, match="no reward_model: the reward component would sit idle"):
+        _cfg(cluster={"gpus_per_node": 2, "rollout_nodes": 1, "reward_nodes": 1})
 
 
 # ------------------------------------------------------------------ layout
@@ -89,6 +119,32 @@ def test_colocated_layout_keeps_the_reward_engines_off_the_shared_gpus():
     assert layout.actor_slots == (0, 1) and layout.engine_slots == ((0,), (1,))
     assert layout.reward_slots == ((2, 3),) and layout.num_slots == 4
     assert "node1: reward engines 0 on gpu0-1" in summarize_layout(layout)
+
+
+def test_a_heterogeneous_layout_puts_the_reward_engines_on_the_third_component():
+    cfg = _cfg(
+        cluster={"gpus_per_node": 2, "rollout_nodes": 2, "rollout_gpus_per_node": 1, "reward_nodes": 1,
+                 "reward_gpus_per_node": 4},
+        reward_model={"tiny": {}, "num_gpus": 4, "gpus_per_engine": 2},
+    )  # fmt: skip
+    c = cfg.cluster
+    assert (c.actor_num_gpus, c.rollout_num_gpus) == (2, 2)  # the reward GPUs are not taken off the others
+    assert c.component_nodes == (1, 2, 1) and c.node_gpus == (2, 1, 1, 4) and c.total_gpus == 8
+    layout = plan_layout(c, cfg.reward_model)
+    assert layout.reward_slots == ((4, 5), (6, 7)) and layout.slot_groups == (0, 0, 1, 1, 2, 2, 2, 2)
+    assert [layout.slot_homes[s] for s in (4, 5, 6, 7)] == [(3, 0), (3, 1), (3, 2), (3, 3)]
+    summary = summarize_layout(layout)
+    assert "the actor, the engines and the reward engines on components of their own" in summary
+    assert "node3: reward engines 0-1 on gpu0-3" in summary
+    assert "reward engine 1   (tp=2) -> node3:gpu2, node3:gpu3" in describe_layout(layout)
+
+
+def test_the_idle_note_names_the_reward_components_unused_gpus():
+    cfg = _cfg(
+        cluster={"gpus_per_node": 2, "rollout_nodes": 1, "reward_nodes": 1, "reward_gpus_per_node": 3},
+        reward_model={"tiny": {}},
+    )
+    assert "the reward model uses 1 of its component's 3" in idle_note(cfg.cluster, cfg.reward_model)
 
 
 def test_no_reward_model_no_third_group():

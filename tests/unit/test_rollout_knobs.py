@@ -48,7 +48,7 @@ class Engine:
                 meta = {"finish_reason": reason, "output_token_logprobs": [[-0.5, 7, None]] * n}
                 out.append({"output_ids": [7] * n, "text": "x" * n, "meta_info": meta})
             answers.append(out)
-            done(c)
+            done(c, out)
         return answers
 
 

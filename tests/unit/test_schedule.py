@@ -148,6 +148,12 @@ def test_busy_clock_idle_fraction():
     assert c.intervals == [(3.5, 10.0)]
 
 
+def test_busy_clock_counts_overlapping_intervals_once():
+    c = BusyClock()  # two requests of a group in flight together: the group was busy 0-3, idle 3-4
+    c.intervals = [(0.0, 2.0), (1.0, 3.0), (1.5, 2.5)]
+    assert c.idle_fraction(0.0, 4.0) == pytest.approx(0.25)
+
+
 def test_generated_round_trips_through_torch_save(tmp_path):
     batch = RolloutBatch([[1, 2]], [[3]], [[-0.1]], torch.ones(1), torch.zeros(1), 1, [7])
     g = Generated(9, batch, {"reward": 1.0}, {"prompt": ["p"]})

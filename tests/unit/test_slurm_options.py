@@ -12,7 +12,7 @@ from support.other_user import make_as_other_user
 
 from rlhpc.errors import ConfigError, RlhpcError
 from rlhpc.launch.ray_cluster import FIRST_PORT, NUM_BLOCKS, PORT_BLOCK, RayNode, RayPorts, block_index, choose_ports
-from rlhpc.launch.slurm import parse_extra, parse_time
+from rlhpc.launch.slurm import het_group, parse_extra, parse_time
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -277,6 +277,47 @@ def test_a_heterogeneous_dry_run_adds_the_rollout_component_and_spans_both(tmp_p
     assert not run.exists()
 
 
+def test_a_reward_component_is_the_third_and_srun_spans_all_three(tmp_path):
+    run = tmp_path / "run"
+    p = subprocess.run(
+        [sys.executable, str(REPO / "jobs" / "submit.py"), "--dry-run", "--run-dir", str(run), "--nodes", "1",
+         "--gpus-per-node", "2", "--partition", "train", "--rollout-nodes", "2", "--rollout-gpus-per-node", "1",
+         "--rollout-partition", "gen", "--reward-nodes", "1", "--reward-gpus-per-node", "2",
+         "--reward-partition", "score", "--set", "reward_model.tiny.seed=1", "--set", "reward_model.num_gpus=2"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    _, rollout, reward = p.stdout.split("#SBATCH hetjob\n")
+    assert "#SBATCH --partition=gen" in rollout and "#SBATCH --nodes=2" in rollout
+    reward = [x for x in reward.splitlines() if x.startswith("#SBATCH")]
+    assert "#SBATCH --partition=score" in reward and "#SBATCH --nodes=1" in reward
+    assert "#SBATCH --gpus-per-node=2" in reward and "#SBATCH --signal=USR2@120" in reward
+    assert "--het-group=0,1,2" in next(x for x in p.stdout.splitlines() if x.startswith("srun "))
+    assert "node3: reward engines 0-1 on gpu0-1" in p.stdout
+    assert not run.exists()
+
+
+@pytest.mark.parametrize(
+    "env,groups",
+    [
+        ({}, [None] * 4),
+        ({"SLURM_HET_SIZE": "2", "SLURM_NTASKS_HET_GROUP_0": "1", "SLURM_NTASKS_HET_GROUP_1": "3"}, [0, 1, 1, 1]),
+        (
+            {"SLURM_HET_SIZE": "3", "SLURM_NTASKS_HET_GROUP_0": "1", "SLURM_NTASKS_HET_GROUP_1": "2",
+             "SLURM_NTASKS_HET_GROUP_2": "1"},
+            [0, 1, 1, 2],
+        ),
+    ],
+    ids=["homogeneous", "two-components", "three-components"],
+)  # fmt: skip
+def test_a_tasks_component_is_read_from_srun_task_counts(monkeypatch, env, groups):
+    for key in ("SLURM_HET_SIZE", *(f"SLURM_NTASKS_HET_GROUP_{g}" for g in range(3))):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert [het_group(rank) for rank in range(4)] == groups
+
+
 def test_a_homogeneous_script_has_no_second_component(tmp_path):
     p = subprocess.run(
         [sys.executable, str(REPO / "jobs" / "submit.py"), "--dry-run", "--run-dir", str(tmp_path / "run")],
@@ -295,8 +336,10 @@ def test_a_homogeneous_script_has_no_second_component(tmp_path):
         (["--rollout-nodes", "1", "--set", "cluster.rollout_num_gpus=4"],
          "cluster.rollout_num_gpus = 4 but its component has 2 GPUs"),
         (["--rollout-nodes", "1", "--rollout-partition", "gen x"], "cluster.rollout_partition = 'gen x' is not a partition"),
+        (["--reward-nodes", "1", "--set", "reward_model.tiny.seed=1"], "cluster.reward_nodes without cluster.rollout_nodes"),
     ],
-    ids=["local", "sweep", "gpus-without-nodes", "colocate", "too-many-rollout-gpus", "bad-partition"],
+    ids=["local", "sweep", "gpus-without-nodes", "colocate", "too-many-rollout-gpus", "bad-partition",
+         "reward-without-rollout"],
 )  # fmt: skip
 def test_bad_heterogeneous_requests_are_refused_before_anything_is_written(tmp_path, args, message):
     run = tmp_path / "run"
