@@ -97,19 +97,22 @@ def test_the_other_user_can_neither_swap_an_engines_ready_file_nor_serve_a_plant
         engine_dir.mkdir()
         (engine_dir / "ready.json").write_text(json.dumps({"host": "127.0.0.1", "port": 1, "pid": os.getpid()}))
         swap = attacks.Attack.start("ready_swap", str(engine_dir), str(os.getpid()))
-        # stage_plant: the job's own stage root, then the moment it is free (a restart of the job)
-        root = staging.stage_root(str(shared), "4242")  # a stage dir as /tmp: anyone may make a name
-        staging.stage(staging.plan(root, model_path, None), root)
-        plant = attacks.Attack.start("stage_plant", str(root))
-        time.sleep(1.0)
-        staging.Staged(root).remove()
-        deadline = time.monotonic() + 30
-        while not (root.exists() and root.stat().st_uid == attacks.UID):
-            assert time.monotonic() < deadline, "the other user did not plant its copy"
-            time.sleep(0.01)
-        with pytest.raises(RlhpcError, match=f"of uid {attacks.UID}, not of this user"):
+        plant = None
+        try:
+            # stage_plant: the job's own stage root, then the moment it is free (a restart of the job)
+            root = staging.stage_root(str(shared), "4242")  # a stage dir as /tmp: anyone may make a name
             staging.stage(staging.plan(root, model_path, None), root)
-        records = {"ready_swap": swap.finish(), "stage_plant": plant.finish()}
+            plant = attacks.Attack.start("stage_plant", str(root))
+            time.sleep(1.0)
+            staging.Staged(root).remove()
+            deadline = time.monotonic() + 30
+            while not (root.exists() and root.stat().st_uid == attacks.UID):
+                assert time.monotonic() < deadline, "the other user did not plant its copy"
+                time.sleep(0.01)
+            with pytest.raises(RlhpcError, match=f"of uid {attacks.UID}, not of this user"):
+                staging.stage(staging.plan(root, model_path, None), root)
+        finally:
+            records = {"ready_swap": swap.finish(), "stage_plant": plant.finish() if plant else None}
     assert set(records["ready_swap"]["steps"].values()) == {"PermissionError"}, records
     assert records["ready_swap"]["received"] == []
     assert records["stage_plant"]["steps"] == {
