@@ -43,6 +43,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
+
 from rlhpc.devtools import attacks
 from rlhpc.devtools.minicluster import MiniCluster
 from rlhpc.invariants import processes_using, violations
@@ -521,9 +523,17 @@ def send_bad_pickle(c: Context) -> bool:
 def send_huge_requests(c: Context) -> bool:
     """Generations no engine could serve, and bodies none could parse: from the other user
     (401), and from a holder of the key (400); the engine serves on."""
-    _, _, url = engine(c)
+    pid, _, url = engine(c)
+    keyed = attacks.keyed_bad_requests(url, note_key(c))  # first: the run may end within seconds
+    if keyed and not psutil.pid_exists(pid) and c.proc is not None:
+        try:  # the run may have finished meanwhile and stopped its engine (SIGTERM): no finding
+            c.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            pass
+        if c.proc.poll() is not None and RunDir(c.run).is_finished():
+            raise TrialError(f"the run finished before the bad bodies were all sent: {keyed[0]}")
+    c.problems += keyed
     judge(c, "huge_request", attacks.run("huge_request", url))
-    c.problems += attacks.keyed_bad_requests(url, note_key(c))
     return False
 
 
