@@ -14,8 +14,15 @@ data-parallel ranks, whose gradient sums depend on the order they are added in):
 kind ``i mod K`` on layout ``(i div K) mod L``. While the job runs, its engines are asked to
 generate without the engine key and must refuse. Trial i uses seed ``--seed + i``: ``--seed S --kinds KIND --layouts L --trials 1``
 replays it.
+
+The attacker kinds (``ready_swap``, ``stage_plant``, ``conn_flood``, ``bad_pickle``,
+``huge_request``; issue 32) are another user of the node, uid 65534 via ``setpriv``
+(``rlhpc.devtools.attacks``), attacking the job once an engine is up: the run must still end as
+the undisturbed one, and no engine key of the job may reach that user (every key the job used
+is looked for in all it received or read).
 Prints one line per trial, survived / tried per kind, then one JSON line
-``{"tried": N, "survived": M, "by_kind": {...}, "by_layout": {...}}``. Needs root for ``full_disk`` (a tmpfs).
+``{"tried": N, "survived": M, "by_kind": {...}, "by_layout": {...}}``. Needs root for ``full_disk`` (a tmpfs)
+and the attacker kinds.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -35,6 +43,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
+
+from rlhpc.devtools import attacks
 from rlhpc.devtools.minicluster import MiniCluster
 from rlhpc.invariants import processes_using, violations
 from rlhpc.launch.job import local_ray_temp_dir
@@ -243,7 +254,12 @@ class Trial:
 
     def describe(self) -> str:
         where = f" node={self.node}" if self.kind == "node_kill" else ""
-        return f"trial {self.index} kind={self.kind} layout={self.layout}{where} seed={self.seed} moment=rollout {self.after_rollout} +{self.step_fraction:.2f} step"
+        moment = (
+            "an engine up"
+            if KINDS[self.kind].attacker
+            else f"rollout {self.after_rollout} +{self.step_fraction:.2f} step"
+        )
+        return f"trial {self.index} kind={self.kind} layout={self.layout}{where} seed={self.seed} moment={moment}"
 
 
 @dataclass
@@ -251,6 +267,7 @@ class Outcome:
     trial: Trial
     problems: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)  # what an attack tried, and what it got
 
     @property
     def survived(self) -> bool:
@@ -266,11 +283,17 @@ class Context:
     proc: subprocess.Popen | None = None
     problems: list[str] = field(default_factory=list)
     cleanup: list[Callable[[], None]] = field(default_factory=list)
+    after: list[Callable[[], None]] = field(default_factory=list)  # once the run finished, before the checks
+    stage_dir: Path | None = None  # cluster.stage_dir, shared with other users as /tmp is
+    keys: set[str] = field(default_factory=set)  # every engine key the job used while attacked
+    notes: list[str] = field(default_factory=list)
+    step_s: float = 0.5  # seconds per rollout of the undisturbed run
 
     def command(self) -> list[str]:
         layout = self.trial.layout
         if self.cluster == "local":
-            return submit_command(self.run, self.cluster, layout)
+            extra = ("--set", f"cluster.stage_dir={self.stage_dir}") if self.stage_dir else ()
+            return submit_command(self.run, self.cluster, layout, *extra)
         if self.trial.kind == "node_kill":
             extra = ("--partition", "low", "--sbatch", f"nodelist={NODE_KILL_NODES}")
             return submit_command(self.run, self.cluster, layout, *extra, node_kill=True)
@@ -377,6 +400,143 @@ def kill_node(c: Context) -> bool:
     return False  # an engine node: the run goes on; the head: the job requeues itself
 
 
+# ---------------------------------------------------------------------------- attacker kinds
+# Another user of the node (rlhpc.devtools.attacks, run as uid 65534) attacks the live job; the
+# run must still end as the undisturbed one, and no engine key may reach that user.
+
+
+def engine(c: Context) -> tuple[int, Path, str]:
+    """A live engine server of the job: its pid, ready file and URL."""
+    for pid, args in descendants(task_pid(c.run)).items():
+        if "rlhpc.rollout.cpu_server" in args and "--ready-file" in args:
+            ready = Path(args.split("--ready-file", 1)[1].split()[0])
+            try:
+                info = json.loads(ready.read_text())
+            except (OSError, ValueError):
+                continue  # starting
+            return pid, ready, f"http://{info['host']}:{info['port']}"
+    raise TrialError("no engine of the job is up")
+
+
+def engine_up(c: Context) -> bool:
+    try:
+        engine(c)
+        return True
+    except TrialError:
+        return False
+
+
+def note_key(c: Context) -> str:
+    """The job's engine key now (rewritten at every start of the job)."""
+    try:
+        key = RunDir(c.run).engine_key.read_text().strip()
+    except FileNotFoundError:
+        return ""
+    c.keys.add(key)
+    return key
+
+
+def judge(c: Context, kind: str, record: dict) -> None:
+    note_key(c)
+    c.problems += attacks.findings(kind, record, c.keys)
+    tried = {**record["steps"], **record.get("answers", {})}
+    got = f"{len(record['received'])} messages received" if "received" in record else ""
+    counts = {k: record[k] for k in ("opened", "closed_by_engine") if k in record}
+    c.notes.append(f"{kind} as uid {attacks.UID}: {tried} {counts or ''} {got}; keys checked: {len(c.keys)}")
+
+
+def swap_ready_file(c: Context) -> bool:
+    """The other user tries to swap the engine's dir for one whose ready file names its own port,
+    while the engine restarts (when its ready file is read); it listens there for the key."""
+    pid, ready, _ = engine(c)
+    note_key(c)
+    attack = attacks.Attack.start("ready_swap", str(ready.parent), str(pid))
+    c.cleanup.append(lambda: attack.proc.poll() is None and attack.proc.kill())
+    time.sleep(0.5)  # at work before the restart
+    os.kill(pid, signal.SIGKILL)
+
+    def restarted() -> bool:
+        try:
+            return engine(c)[0] != pid
+        except TrialError:
+            return False
+
+    try:
+        wait_for(restarted, 300, "the engine's restart", c.proc)
+        time.sleep(1.0)  # the job's first calls to the restarted engine
+    except TrialError:
+        if c.proc is None or c.proc.poll() is None:
+            raise
+        # the job ended first: it had no more need of that engine
+    judge(c, "ready_swap", attack.finish())
+    return False
+
+
+def plant_stage(c: Context) -> bool:
+    """The other user plants a copy where the job stages its model, the moment that name is free
+    (a restart of the job removes its copy and stages again under the same job id)."""
+    assert c.stage_dir is not None
+    roots = [p for p in c.stage_dir.glob("rlhpc-*") if p.is_dir()]
+    if len(roots) != 1:
+        raise TrialError(f"expected the job's one stage root in {c.stage_dir}, found {roots}")
+    note_key(c)
+    attack = attacks.Attack.start("stage_plant", str(roots[0]))
+    c.cleanup.append(lambda: attack.proc.poll() is None and attack.proc.kill())
+    time.sleep(0.5)
+    os.kill(one_of(c.run, "ray::TrainWorker"), signal.SIGKILL)  # the job requeues itself
+
+    def check() -> None:
+        record = attack.finish()
+        judge(c, "stage_plant", record)
+        if record["steps"].get("plant a copy where the job stages") != "done":
+            c.problems.append("trial not carried out: the other user never found the stage root free")
+        elif "of uid 65534" not in c.log.read_text(errors="replace"):
+            c.problems.append("stage_plant: the job's log does not name the planted copy's owner (was it refused?)")
+
+    c.after.append(check)
+    return False  # a start that finds the planted copy refuses it and ends: the runner resubmits
+
+
+def flood_connections(c: Context) -> bool:
+    """The other user holds 400 half-sent requests open to an engine for 5 s (the start of the run)."""
+    _, _, url = engine(c)
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    note_key(c)
+    attack = attacks.Attack.start("conn_flood", host, port, "400")
+    c.cleanup.append(lambda: attack.proc.poll() is None and attack.proc.kill())
+    time.sleep(5.0)  # the job trains on meanwhile
+    record = attack.finish()
+    judge(c, "conn_flood", record)
+    if record.get("opened", 0) < 400:
+        c.problems.append(f"trial not carried out: the flood opened {record.get('opened')} connections, not 400")
+    return False
+
+
+def send_bad_pickle(c: Context) -> bool:
+    """The other user sends pickles that would set state on, or call, what they name to the
+    weight-update routes (the key holder's variant: tests/integration/test_attacks.py)."""
+    _, _, url = engine(c)
+    judge(c, "bad_pickle", attacks.run("bad_pickle", url))
+    return False
+
+
+def send_huge_requests(c: Context) -> bool:
+    """Generations no engine could serve, and bodies none could parse: from the other user
+    (401), and from a holder of the key (400); the engine serves on."""
+    pid, _, url = engine(c)
+    keyed = attacks.keyed_bad_requests(url, note_key(c))  # first: the run may end within seconds
+    if keyed and not psutil.pid_exists(pid) and c.proc is not None:
+        try:  # the run may have finished meanwhile and stopped its engine (SIGTERM): no finding
+            c.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            pass
+        if c.proc.poll() is not None and RunDir(c.run).is_finished():
+            raise TrialError(f"the run finished before the bad bodies were all sent: {keyed[0]}")
+    c.problems += keyed
+    judge(c, "huge_request", attacks.run("huge_request", url))
+    return False
+
+
 @dataclass(frozen=True)
 class Kind:
     inject: Callable[[Context], bool]
@@ -384,6 +544,8 @@ class Kind:
     must_finish_alone: bool  # the job itself must reach FINISHED (no resubmission)
     needs_eval_moment: bool = False
     needs_tmpfs: bool = False
+    attacker: bool = False  # needs the second user (root, setpriv); acts once an engine is up
+    needs_stage_dir: bool = False
 
 
 KINDS: dict[str, Kind] = {
@@ -394,6 +556,11 @@ KINDS: dict[str, Kind] = {
     "full_disk": Kind(fill_disk, "local", False, needs_tmpfs=True),
     "torn_metrics": Kind(tear_metrics, "local", False),
     "second_submission": Kind(second_submission, "local", True),
+    "ready_swap": Kind(swap_ready_file, "local", True, attacker=True),
+    "stage_plant": Kind(plant_stage, "local", False, attacker=True, needs_stage_dir=True),
+    "conn_flood": Kind(flood_connections, "local", True, attacker=True),
+    "bad_pickle": Kind(send_bad_pickle, "local", True, attacker=True),
+    "huge_request": Kind(send_huge_requests, "local", True, attacker=True),
     "scontrol_requeue": Kind(scontrol_requeue, "slurm", True),
     "preemption": Kind(preempt, "slurm", True),
     "node_kill": Kind(kill_node, "slurm", True),
@@ -456,14 +623,25 @@ def run_trial(trial: Trial, workdir: Path, reference: Path, keep: bool = False) 
     try:
         if kind.needs_tmpfs:
             c.cleanup.append(mount_tmpfs(c.run.parent, DISK_MB))
+        if kind.attacker and (why := attacks.available()):
+            raise TrialError(why)
+        if kind.needs_stage_dir:  # as /tmp: anyone may make a name in it
+            c.stage_dir = Path(tempfile.mkdtemp(prefix="rlhpc-chaos-stage-"))
+            c.stage_dir.chmod(0o1777)
+            c.cleanup.append(lambda: shutil.rmtree(c.stage_dir, ignore_errors=True))
+        c.step_s = mean_step_s(reference)
         c.run.parent.mkdir(parents=True, exist_ok=True)
         c.proc = start(c.command(), c.log)
         timeout = 300 if kind.cluster == "local" else 600
-        target = trial.after_rollout
-        wait_for(
-            lambda: target in trained(c.run), timeout, f"rollout {target}", c.proc if c.cluster == "local" else None
-        )
-        time.sleep(trial.step_fraction * mean_step_s(reference))
+        if kind.attacker:
+            # the moment an engine is up: a run of the tiny model trains for seconds after minutes of start-up
+            wait_for(lambda: engine_up(c), timeout, "an engine up", c.proc)
+        else:
+            target = trial.after_rollout
+            wait_for(
+                lambda: target in trained(c.run), timeout, f"rollout {target}", c.proc if c.cluster == "local" else None
+            )
+            time.sleep(trial.step_fraction * c.step_s)
         if c.cluster == "local":
             c.problems += engine_probe(c.run)
             if not local_ray_temp_dir(RunDir(c.run)).is_dir():  # else a kill leaves it in /tmp for good
@@ -479,8 +657,10 @@ def run_trial(trial: Trial, workdir: Path, reference: Path, keep: bool = False) 
                 break
             c.proc = start(c.command(), c.log)
             wait_finished(c, JOB_TIMEOUT_S)
+        for check in c.after:
+            check()
         c.problems += violations(c.run, reference)
-    except TrialError as e:
+    except (TrialError, attacks.AttackError) as e:
         c.problems.append(f"trial not carried out: {e}")
     finally:
         if c.proc is not None and c.proc.poll() is None:
@@ -497,7 +677,7 @@ def run_trial(trial: Trial, workdir: Path, reference: Path, keep: bool = False) 
         c.problems.append(f"log: {c.log}; run dir: {c.run}")
     elif not keep:
         shutil.rmtree(home, ignore_errors=True)
-    return Outcome(trial, c.problems, time.monotonic() - started)
+    return Outcome(trial, c.problems, time.monotonic() - started, c.notes)
 
 
 def make_reference(workdir: Path, cluster: str, layout: str = "1rank") -> Path:
@@ -550,6 +730,8 @@ def soak(
         echo(f"{trial.describe()}: {verdict} ({out.seconds:.0f} s)")
         for p in out.problems:
             echo(f"    {p}")
+        for note in out.notes:
+            echo(f"    attack: {note}")
     survived = sum(v["survived"] for v in by_kind.values())
     echo("")
     echo(f"{'fault':<20} survived / tried")

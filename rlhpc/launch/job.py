@@ -46,6 +46,10 @@ log = logging.getLogger(__name__)
 ENDED_LINE = "rlhpc: task ended without a result: "
 
 
+# Ray's switch between a cluster-wide node address and loopback (its default off on macOS/Windows).
+LOOPBACK_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
 def local_ray_temp_dir(run: RunDir) -> Path:
     """Where a local job's Ray keeps its sockets and logs: outside the run dir (Unix socket paths
     must stay short), named after it, so what a killed job left there goes at the next start."""
@@ -71,6 +75,11 @@ def local_ray(
     if token_file is not None:
         write_secret(token_file)
         os.environ.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_file)})
+    # Every listener of a one-node Ray on loopback (issue 32, item 12): its node address is then
+    # 127.0.0.1 (what Ray does on macOS), and its gRPC servers (GCS, raylet, workers, the
+    # dashboard's and its agents) bind there, not on all addresses; ray.init(_node_ip_address=
+    # "127.0.0.1") is turned back into the node's IP. Read when ray is first imported.
+    os.environ[LOOPBACK_ONLY_ENV] = "0"
     import ray
     import torch
 
@@ -104,6 +113,7 @@ def local_ray(
     finally:
         ray.shutdown()
         os.environ.pop(NODE_TMP_ENV, None)
+        os.environ.pop(LOOPBACK_ONLY_ENV, None)
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 

@@ -1,4 +1,5 @@
-"""The embedded job's local Ray requires the job's token, as on Slurm (issue 12, item 2)."""
+"""The embedded job's local Ray requires the job's token, as on Slurm (issue 12, item 2), and
+listens on loopback only (issue 32, item 12)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
+
+from rlhpc.launch.job import LOOPBACK_ONLY_ENV
 
 pytestmark = pytest.mark.ray
 
@@ -36,11 +40,27 @@ ray.shutdown()
 
 def client(address: str, env: dict[str, str]) -> subprocess.CompletedProcess:
     # A refused client retries its connection for ~20 s; three tries say as much.
-    env = {**env, "RAY_gcs_server_port_wait_time_s": "3"}
+    # A client on the job's machine takes its loopback node address, as the job's own processes do.
+    env = {**env, "RAY_gcs_server_port_wait_time_s": "3", LOOPBACK_ONLY_ENV: "0"}
     return subprocess.run([sys.executable, "-c", CLIENT, address], env=env, capture_output=True, text=True, timeout=120)
 
 
-def test_local_ray_refuses_a_client_without_the_token(tmp_path: Path) -> None:
+def listeners(root: int) -> set[tuple[str, str]]:
+    """(process name, address) of every TCP socket listening in ``root``'s process tree."""
+    found = set()
+    for p in [psutil.Process(root), *psutil.Process(root).children(recursive=True)]:
+        try:
+            found |= {(p.name(), c.laddr.ip) for c in p.net_connections("inet") if c.status == psutil.CONN_LISTEN}
+        except psutil.Error:
+            pass  # a worker that ended meanwhile
+    return found
+
+
+def loopback(ip: str) -> bool:
+    return ip.removeprefix("::ffff:").startswith("127.") or ip == "::1"
+
+
+def test_local_ray_listens_on_loopback_only_and_refuses_a_client_without_the_token(tmp_path: Path) -> None:
     token = tmp_path / "ray" / "auth_token"
     bare = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
     head = subprocess.Popen(
@@ -59,6 +79,12 @@ def test_local_ray_refuses_a_client_without_the_token(tmp_path: Path) -> None:
         assert denied.returncode != 0 and "CONNECTED" not in denied.stdout, denied.stdout + denied.stderr[-2000:]
         allowed = client(address, {**bare, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)})
         assert "CONNECTED" in allowed.stdout, allowed.stderr[-3000:]
+        # Ray's own default binds its servers (GCS, raylet, workers, dashboard, agents) to all addresses
+        listening = listeners(head.pid)
+        assert {"gcs_server", "raylet"} <= {name for name, _ in listening}, listening
+        assert any("Agent" in name for name, _ in listening), listening
+        assert not {(name, ip) for name, ip in listening if not loopback(ip)}
+        assert address.startswith("127.0.0.1:")
     finally:
         head.stdin.close()
         head.wait(120)
