@@ -24,6 +24,12 @@ prompt is rendered with the chat template; after that only the observation's tok
 messages. A template that breaks this prefix property (one that rewrites earlier turns, such as a
 reasoning template that strips earlier thinking) is an error naming the template: rlhpc never
 re-tokenizes a turn it trains on.
+
+Those ids are the whole chat's tokenization, but only a tail of it is tokenized each turn: a
+tokenizer splits its text at added tokens (ChatML's ``<|im_start|>``, ``<|im_end|>``) before
+anything else, so the ids before such a token do not depend on the text after it. Where the new
+text is not the old text followed by more, or no such token starts the tail, the whole chat is
+tokenized (``Conversation.extend``).
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlhpc.errors import ConfigError, RlhpcError
-from rlhpc.rollout.prompts import render_messages, with_system
+from rlhpc.rollout.prompts import encode_text, render_messages, render_text, with_system
 from rlhpc.rollout.tools import Tools, resolve_parser, resolve_tools
 from rlhpc.util.imports import import_function
 
@@ -60,6 +66,22 @@ class TemplateBreaksPrefix(RlhpcError):
     """The chat template renders earlier turns differently once new messages follow."""
 
 
+def split_tokens(tokenizer: Any) -> tuple[str, ...]:
+    """The added tokens a tokenizer splits its text at wherever they occur: not normalized and
+    without ``lstrip`` or ``single_word``, whose match would depend on the text before them."""
+    return tuple(
+        t.content
+        for t in tokenizer.added_tokens_decoder.values()
+        if not (t.normalized or t.lstrip or t.single_word) and t.content
+    )
+
+
+def split_before(text: str, end: int, tokens: tuple[str, ...]) -> int:
+    """The last offset at most ``end`` where one of ``tokens`` starts and lies whole within
+    ``text[:end]`` or starts at ``end``; -1 if none."""
+    return max((max(text.rfind(t, 0, end), end if text.startswith(t, end) else -1) for t in tokens), default=-1)
+
+
 class Conversation:
     """One episode's chat, rendered incrementally: ``prompt_ids`` first, then for each assistant
     turn the tokens to append after the engine's own (``extend``)."""
@@ -70,11 +92,32 @@ class Conversation:
         self.tokenizer, self.template, self.template_name = tokenizer, template, template_name
         self.tools = tools  # OpenAI tool schemas, rendered by the template every time (it lists them first)
         self.messages = list(messages)
-        self.prompt_ids = self._render(self.messages, True)
+        self._text, self.prompt_ids = render_messages(tokenizer, template, self.messages, True, tools)
         self._rendered = self.prompt_ids  # the template's ids of the chat so far, generation prompt included
+        self._split = split_tokens(tokenizer)
+        self.whole_tokenized = 0  # turns whose chat was tokenized whole (the fallback)
 
-    def _render(self, messages: list[dict], generation_prompt: bool) -> list[int]:
-        return render_messages(self.tokenizer, self.template, messages, generation_prompt, self.tools)[1]
+    def _tails(self, reply: str, closed: str, after: str) -> tuple[list[int], list[int], list[int]] | None:
+        """(reply's ids, closed's ids, after's ids) from the previous turn's ids and the
+        tokenization of tails that start at a split token, in one tokenizer call; None where the
+        texts do not grow by appending, no split token starts a tail, or the previous ids do not
+        end with their tail's."""
+        before = self._text
+        if not (closed.startswith(before) and after.startswith(closed)):
+            return None  # the whole chat's ids decide whether the template breaks the prefix property
+        p0, p1 = split_before(closed, len(before), self._split), split_before(after, len(closed), self._split)
+        if p0 < 0 or p1 < 0:
+            return None
+        content, old0, new0, old1, new1 = self.tokenizer(
+            [reply, before[p0:], closed[p0:], closed[p1:], after[p1:]], add_special_tokens=False
+        )["input_ids"]
+        # the previous ids end with their tail's: the split token at p0 is where they split
+        if self._rendered[len(self._rendered) - len(old0) :] != old0:
+            return None
+        closed_ids = self._rendered[: len(self._rendered) - len(old0)] + new0
+        if closed_ids[len(closed_ids) - len(old1) :] != old1:
+            return None
+        return content, closed_ids, closed_ids[: len(closed_ids) - len(old1)] + new1
 
     def _require(self, ok: bool, what: str) -> None:
         if not ok:
@@ -92,12 +135,18 @@ class Conversation:
         the next generation prompt."""
         before = self._rendered
         chat = [*self.messages, {"role": "assistant", "content": reply}]
-        closed = self._render(chat, False)
-        after = self._render(chat + observation, True)
+        closed_text = render_text(self.tokenizer, self.template, chat, False, self.tools)
+        after_text = render_text(self.tokenizer, self.template, chat + observation, True, self.tools)
+        fast = self._tails(reply, closed_text, after_text)
+        if fast is None:
+            self.whole_tokenized += 1
+            closed, after = encode_text(self.tokenizer, closed_text), encode_text(self.tokenizer, after_text)
+            content = self.tokenizer.encode(reply, add_special_tokens=False)
+        else:
+            content, closed, after = fast
         self._require(closed[: len(before)] == before, "renders the chat before the assistant's turn differently")
         self._require(after[: len(closed)] == closed, "renders earlier turns differently once new messages follow")
         turn = closed[len(before) :]
-        content = self.tokenizer.encode(reply, add_special_tokens=False)
         self._require(turn[: len(content)] == content, "does not render the assistant's reply as it was generated")
         closing = turn[len(content) :]
         # the engine's stop token (<|im_end|>) is the closing's first token: not appended twice
@@ -106,7 +155,7 @@ class Conversation:
             for k in range(len(closing) + 1)
             if k <= len(generated) and list(generated[len(generated) - k :]) == closing[:k]
         )
-        self.messages, self._rendered = chat + observation, after
+        self.messages, self._text, self._rendered = chat + observation, after_text, after
         return closing[done:] + after[len(closed) :]
 
 

@@ -78,6 +78,21 @@ def render_messages(
 ) -> tuple[str, list[int]]:
     """(text, ids) of ``messages`` as ``apply_chat_template`` renders them (``tools``: OpenAI
     tool schemas, for templates that list them)."""
+    text = render_text(tokenizer, template, messages, add_generation_prompt, tools)
+    return text, encode_text(tokenizer, text)
+
+
+def encode_text(tokenizer: Any, text: str) -> list[int]:
+    """A rendered chat's ids as ``apply_chat_template(tokenize=True)`` gives them, without
+    rendering it again: the template writes its own special tokens, none is added."""
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def render_text(
+    tokenizer: Any, template: str, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None
+) -> str:
+    """The text ``apply_chat_template`` renders ``messages`` to, not tokenized (``transformers``
+    caches the compiled template, so this is the Jinja rendering alone)."""
     extra = {"tools": tools} if tools else {}
     try:
         text = tokenizer.apply_chat_template(
@@ -88,9 +103,7 @@ def render_messages(
             f"the chat template does not render the messages {str(messages)[:120]} ({type(e).__name__}: {e})",
             "fix data.chat_template (a Jinja file), or use the tokenizer's own (auto)",
         ) from e
-    # the text tokenized as apply_chat_template(tokenize=True) does it, without rendering it again:
-    # an episode renders its chat twice a turn, and the template was half of that time
-    return text, list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return text
 
 
 def prepare_prompts(tokenizer: Any, data: DataConfig, limits: dict[str, int] | None) -> PromptPrep:

@@ -6,13 +6,14 @@ import h5py
 import pytest
 import torch
 from support.engines import in_process_send
+from tokenizers import AddedToken
 
 from rlhpc.batch import RolloutBatch
 from rlhpc.config import TinyModelConfig, load_config
 from rlhpc.errors import ConfigError
 from rlhpc.metrics import write_rollout_dump
 from rlhpc.model import IM_END, build_bpe_tokenizer, build_tiny_model
-from rlhpc.rollout.episodes import Conversation, TemplateBreaksPrefix, make_episodes, resolve_env
+from rlhpc.rollout.episodes import Conversation, TemplateBreaksPrefix, make_episodes, resolve_env, split_tokens
 from rlhpc.rollout.generation import Generation
 from rlhpc.tasks.guess import GuessEnv
 
@@ -65,6 +66,76 @@ def test_a_template_that_strips_earlier_replies_is_refused_naming_it(tmp_path):
     reply = tok.encode("3", add_special_tokens=False) + [tok.convert_tokens_to_ids(IM_END)]
     with pytest.raises(TemplateBreaksPrefix, match="strip.jinja renders earlier turns differently"):
         chat.extend(reply, "3", [{"role": "user", "content": "higher"}])
+
+
+# Qwen2.5's layout: a default system message, the tools listed in it, consecutive tool answers
+# in one user turn
+QWEN_STYLE = (
+    "{% if messages[0]['role'] == 'system' %}{% set system = messages[0]['content'] %}{% set rest = messages[1:] %}"
+    "{% else %}{% set system = 'You are a helpful assistant.' %}{% set rest = messages %}{% endif %}"
+    "<|im_start|>system\n{{ system }}{% if tools %}\n\n# Tools\n\n<tools>{% for t in tools %}\n{{ t | tojson }}"
+    "{% endfor %}\n</tools>{% endif %}<|im_end|>\n"
+    "{% for m in rest %}{% if m['role'] == 'tool' %}"
+    "{% if loop.first or rest[loop.index0 - 1]['role'] != 'tool' %}<|im_start|>user{% endif %}"
+    "\n<tool_response>\n{{ m['content'] }}\n</tool_response>"
+    "{% if loop.last or rest[loop.index0 + 1]['role'] != 'tool' %}<|im_end|>\n{% endif %}"
+    "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# no added token anywhere: no tail of the chat starts at a split, every turn is tokenized whole
+PLAIN = (
+    "{% for m in messages %}{{ m['role'] }}:\n{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:\n{% endif %}"
+)
+TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+
+
+def play(tok, template, tools, turns):
+    """Run ``turns`` (reply, engine stopped, observation) through a Conversation; at every turn
+    the stream must be the whole chat's ids as ``apply_chat_template`` gives them."""
+    eos = tok.convert_tokens_to_ids(IM_END)
+    chat = Conversation(tok, template, "t", USER, tools)
+    stream, messages = list(chat.prompt_ids), list(USER)
+    for reply, stopped, observation in turns:
+        generated = tok.encode(reply, add_special_tokens=False) + ([eos] if stopped else [])
+        stream += generated + chat.extend(generated, reply, observation)
+        messages += [{"role": "assistant", "content": reply}, *observation]
+        want = tok.apply_chat_template(messages, chat_template=template, tools=tools, add_generation_prompt=True)
+        assert stream == list(want["input_ids"])
+    return chat
+
+
+def test_only_tails_are_tokenized_and_give_the_whole_chats_ids():
+    tok = build_bpe_tokenizer()
+    # replies BPE could merge across a boundary: spaces, digits, non-ASCII, a special token's text
+    turns = [
+        ("3 then", True, [{"role": "user", "content": "higher"}]),
+        (" 5 ", False, [{"role": "user", "content": "lower\n"}]),
+        ("4é <|im_start|>x", True, [{"role": "user", "content": " 4?"}, {"role": "user", "content": "again"}]),
+        ("2", True, [{"role": "user", "content": "yes"}]),
+    ]
+    assert play(tok, tok.chat_template, None, turns).whole_tokenized == 0
+    tool_turns = [
+        ('<tool_call>\n{"name": "add"}\n</tool_call>', True, [{"role": "tool", "content": "2"}]),
+        ("two calls", True, [{"role": "tool", "content": "3"}, {"role": "tool", "content": " 4"}]),
+        ("7", False, [{"role": "user", "content": "done?"}]),
+    ]
+    assert play(tok, QWEN_STYLE, TOOLS, tool_turns).whole_tokenized == 0
+
+
+def test_a_chat_without_split_tokens_is_tokenized_whole():
+    tok = build_bpe_tokenizer()
+    turns = [
+        ("3 then", False, [{"role": "user", "content": "higher"}]),
+        ("5", False, [{"role": "user", "content": "x"}]),
+    ]
+    assert play(tok, PLAIN, None, turns).whole_tokenized == 2
+    # an added token that takes the spaces before it is no split: what it matches depends on them
+    tok.add_tokens([AddedToken("<sep>", lstrip=True, normalized=False)])
+    assert "<sep>" not in split_tokens(tok) and "<|im_start|>" in split_tokens(tok)
+    with_sep = PLAIN.replace("\n{% endfor %}", " <sep>{% endfor %}")
+    assert with_sep != PLAIN
+    assert play(tok, with_sep, None, turns).whole_tokenized == 2
 
 
 def test_the_loss_mask_skips_observation_tokens_and_single_turn_is_unchanged():
