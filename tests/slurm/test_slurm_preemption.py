@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from support.guess_envs import HOLD_FOR_STOP_ENV
 from support.jobs import deterministic_config, submit_slurm
 from support.slow_reward import slow_allocations
 
@@ -77,6 +78,51 @@ def test_preempted_by_a_high_priority_job(baseline, minicluster, tmp_path):
     history = read_history(run)
     assert len(history) == 2 and history[1]["next_rollout_id"] == stopped_before  # lost work: 0 rollouts
     check_same_as(run, baseline)
+
+
+# The guess task as tests/integration/test_multiturn.py runs it, three rollouts; a synchronous save,
+# so rollout 1's checkpoint is there before rollout 2's episodes start (where the stop comes).
+GUESS_ROLLOUTS = 3
+GUESS = [
+    *deterministic_config(GUESS_ROLLOUTS, save_interval=2),
+    "data.task=guess", "model.tiny.tokenizer=bpe", "rollout.max_turns=3", "rollout.max_new_tokens=4",
+    "rollout.max_episode_tokens=48", "rollout.env=support.guess_envs:HeldForStop", "checkpoint.async_save=false",
+]  # fmt: skip
+
+
+def test_preempted_between_two_turns_of_episodes(minicluster, tmp_path):
+    """Rollout 2's episodes are held between their first and second turns while Slurm's signal
+    comes; released, they reach the stop, which cuts them (rollout 1 is saved). The requeued job
+    replays them from their seeds and ends as the uninterrupted run beside it ends."""
+    run, baseline, gpus = tmp_path / "run", tmp_path / "baseline", ["--nodes", "1", "--gpus-per-node", "2"]
+    p = submit_slurm(baseline, *gpus, "--sbatch", "nodelist=node1", overrides=GUESS, follow=False)
+    assert p.returncode == 0, p.stderr
+    hold = run / "checkpoints" / "rollout_000001"  # HeldForStop holds once this exists
+    p = submit_slurm(
+        run, *gpus, "--partition", "low", "--sbatch", "nodelist=node0", overrides=GUESS, follow=False,
+        env={HOLD_FOR_STOP_ENV: str(hold)},
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    held = Path(f"{hold}.held")
+    wait(lambda: held.exists() or (run / "FINISHED").exists(), 240, "the episodes to hold")
+    assert held.is_file() and held.read_text() == "rollout 2\n", job_log(run)[-3000:]
+    subprocess.run(
+        ["sbatch", "-p", "high", "-w", "node0", "--gpus-per-node=8", "-o", "/dev/null", "--wrap", "sleep 2"],
+        check=True,
+        capture_output=True,
+    )
+    wait(lambda: "got SIGUSR2" in job_log(run), 60, "Slurm's signal")  # held: the episodes are in flight
+    held.unlink()
+    wait(lambda: (run / "FINISHED").is_file() and (baseline / "FINISHED").is_file(), 240, "both runs to finish")
+    # rollout 2 was cut, not trained (else the stop were before rollout 3), and generated again
+    assert "stopped before rollout 2 (SIGUSR2)" in job_log(run)
+    history = read_history(run)
+    assert len(history) == 2 and history[1]["next_rollout_id"] == 2
+    assert trained(run) == trained(baseline) == list(range(GUESS_ROLLOUTS))
+    episodes = [m for m in read_metrics(baseline) if m["kind"] == "rollout"]
+    assert all(m["episode/turns"] > 1 for m in episodes)  # episodes went on past their first turn
+    assert final_weights(run) == final_weights(baseline)
+    assert comparable(run) == comparable(baseline)
 
 
 def test_scontrol_requeue_at_an_arbitrary_moment(baseline, minicluster, tmp_path):

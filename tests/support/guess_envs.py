@@ -67,3 +67,33 @@ class PushWaitingGuess(GuessEnv):
                     raise RuntimeError(f"rollout {self.rollout - 1} was not logged within 120 s")
                 time.sleep(0.05)
         return super().step(reply)
+
+
+HOLD_FOR_STOP_ENV = "RLHPC_TEST_HOLD_FOR_STOP"  # a path: once it exists, episodes hold once at <path>.held
+
+
+class HeldForStop(GuessEnv):
+    """In a Slurm job's first allocation, once the path ``$RLHPC_TEST_HOLD_FOR_STOP`` exists, the
+    next episode's step after its first reply writes ``<path>.held`` (``rollout R``) and holds
+    while that exists, once: the test sends the stop there and then removes it, so the stop
+    comes between two turns of rollout R's episodes. A requeued allocation (SLURM_RESTART_COUNT
+    >= 1, the same environment) replays them as the guess environment, held nowhere."""
+
+    resets = 0
+    held = False  # in this process: the steps after the release go on to the stop
+
+    def reset(self, row: dict) -> list[dict]:
+        self.rollout = HeldForStop.resets // EPISODES_PER_ROLLOUT  # the first allocation starts at 0
+        HeldForStop.resets += 1
+        return super().reset(row)
+
+    def step(self, reply: str) -> tuple[list[dict], float, bool]:
+        at = os.environ.get(HOLD_FOR_STOP_ENV)
+        first = int(os.environ.get("SLURM_RESTART_COUNT", "0")) == 0
+        if at and first and not HeldForStop.held and self.replies == 0 and os.path.exists(at):
+            HeldForStop.held = True
+            held = Path(f"{at}.held")
+            held.write_text(f"rollout {self.rollout}\n")
+            while held.exists():
+                time.sleep(0.05)
+        return super().step(reply)
