@@ -326,11 +326,15 @@ def test_qwen3_moe_expert_parallel_actor(tmp_path: Path, ray_cluster: None) -> N
         assert 0.5 < metrics["moe_load_balancing_loss"] < 4
 
 
-def test_a_moe_checkpoint_resumes_at_another_expert_parallel_size(tmp_path: Path, ray_cluster: None) -> None:
-    """Qwen3-MoE saved at EP=2 (each rank saves its 2 of the 4 experts) resumes at EP=1 on the
-    same two data-parallel ranks: torch_dist keys the experts by their global number, so the
-    resumed actor holds the saved weights bit for bit and continues the run (plain optimizer:
-    its Adam moments reshard too). Aux loss off, as in the EP training test."""
+@pytest.mark.parametrize(("saved_ep", "resumed_ep"), [(2, 1), (1, 2)], ids=["ep2-to-ep1", "ep1-to-ep2"])
+def test_a_moe_checkpoint_resumes_at_another_expert_parallel_size(
+    tmp_path: Path, ray_cluster: None, saved_ep: int, resumed_ep: int
+) -> None:
+    """Qwen3-MoE saved at one EP size (at EP=2 each rank saves its 2 of the 4 experts) resumes
+    at another on the same two data-parallel ranks: torch_dist keys the experts by their global
+    number and the optimizer is chained (dense, experts) at any EP size, so the resumed actor
+    holds the saved weights bit for bit and continues the run (plain optimizer: its Adam
+    moments reshard too). Aux loss off, as in the EP training test."""
     path = str(build_tiny_model(tmp_path / "moe", TinyModelConfig(architecture="qwen3_moe", seed=3)))
 
     def cfg(ep: int) -> Config:
@@ -340,14 +344,14 @@ def test_a_moe_checkpoint_resumes_at_another_expert_parallel_size(tmp_path: Path
         return c
 
     ckpt = tmp_path / "ckpt"
-    with Group(cfg(2), path, 2) as g:
+    with Group(cfg(saved_ep), path, 2) as g:
         g.train(0, make_batch(12, seed=0))
         g.save(str(ckpt))
         fingerprints = g.fingerprints()
         g.train(1, make_batch(12, seed=1))
         continued = tensors(g)
     assert len(set(fingerprints)) == 1
-    with Group(cfg(1), path, 2) as g:
+    with Group(cfg(resumed_ep), path, 2) as g:
         g.load(str(ckpt))
         assert set(g.fingerprints()) == {fingerprints[0]}
         g.train(1, make_batch(12, seed=1))
