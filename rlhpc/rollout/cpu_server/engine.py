@@ -583,7 +583,9 @@ class Engine:
         with self.model_lock:
             if "weights" in tags and "weights" in self.released:
                 flatten_parameters(self.model, self._shapes)
-                self.stale.update(self._param_table())  # by the names a push re-sends them under
+                # by the names a push re-sends them under; a tied weight once, as named_parameters has it
+                named = ((n, p.detach()) for n, p in self.model.named_parameters())
+                self.stale.update(n for n, _ in checkpoint_named(named))
                 self._shapes.clear()
             self.released.difference_update(tags)
         log.info("resumed %s; %d parameter(s) await new weights", tags, len(self.stale))
