@@ -49,6 +49,7 @@ from rlhpc.algo.grpo import (
 from rlhpc.batch import RolloutBatch
 from rlhpc.errors import RlhpcError
 from rlhpc.model import load_tokenizer
+from rlhpc.rollout.expert_names import checkpoint_named
 
 log = logging.getLogger(__name__)
 
@@ -623,7 +624,8 @@ class RankBase:
         # gloo sends from host memory; nccl/CUDA IPC from the GPU. Offloaded weights travel to
         # the GPU one tensor at a time, so the peak is one bucket, not the model.
         device = torch.device("cpu") if self.backend == "gloo" else self.device
-        named = ((n, t.to(device).contiguous()) for n, t in self._hf_named(grads=False))
+        # experts in the checkpoint's per-expert names: SGLang ignores HF's fused in-memory ones
+        named = ((n, t.to(device).contiguous()) for n, t in checkpoint_named(self._hf_named(grads=False)))
         try:
             if self.rank == 0:
                 self.sender.send(named, version)

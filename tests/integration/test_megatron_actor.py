@@ -326,6 +326,55 @@ def test_qwen3_moe_expert_parallel_actor(tmp_path: Path, ray_cluster: None) -> N
         assert 0.5 < metrics["moe_load_balancing_loss"] < 4
 
 
+@pytest.mark.parametrize(("saved_ep", "resumed_ep"), [(2, 1), (1, 2)], ids=["ep2-to-ep1", "ep1-to-ep2"])
+def test_a_moe_checkpoint_resumes_at_another_expert_parallel_size(
+    tmp_path: Path, ray_cluster: None, saved_ep: int, resumed_ep: int
+) -> None:
+    """Qwen3-MoE saved at one EP size (at EP=2 each rank saves its 2 of the 4 experts) resumes
+    at another on the same two data-parallel ranks: torch_dist keys the experts by their global
+    number and the optimizer is chained (dense, experts) at any EP size, so the resumed actor
+    holds the saved weights bit for bit and continues the run (plain optimizer: its Adam
+    moments reshard too). Aux loss off, as in the EP training test."""
+    path = str(build_tiny_model(tmp_path / "moe", TinyModelConfig(architecture="qwen3_moe", seed=3)))
+
+    def cfg(ep: int) -> Config:
+        c = make_cfg(steps=1)
+        c.actor.megatron.expert_model_parallel_size = ep
+        c.actor.megatron.moe_aux_loss_coeff = 0.0
+        return c
+
+    ckpt = tmp_path / "ckpt"
+    with Group(cfg(saved_ep), path, 2) as g:
+        g.train(0, make_batch(12, seed=0))
+        g.save(str(ckpt))
+        fingerprints = g.fingerprints()
+        g.train(1, make_batch(12, seed=1))
+        continued = tensors(g)
+    assert len(set(fingerprints)) == 1
+    with Group(cfg(resumed_ep), path, 2) as g:
+        g.load(str(ckpt))
+        assert set(g.fingerprints()) == {fingerprints[0]}
+        g.train(1, make_batch(12, seed=1))
+        resumed = tensors(g)
+    for name, t in continued.items():
+        torch.testing.assert_close(resumed[name], t, rtol=0, atol=WEIGHT_ATOL, msg=name)
+
+
+def test_distributed_optimizer_refuses_another_expert_parallel_size(tmp_path: Path, ray_cluster: None) -> None:
+    path = str(build_tiny_model(tmp_path / "moe", TinyModelConfig(architecture="qwen3_moe", seed=3)))
+
+    def cfg(ep: int) -> Config:
+        c = make_cfg(dist_opt=True, steps=1)
+        c.actor.megatron.expert_model_parallel_size = ep
+        return c
+
+    with Group(cfg(2), path, 2) as g:
+        g.train(0, make_batch(12, seed=0))
+        g.save(str(tmp_path / "ckpt"))
+    with Group(cfg(1), path, 2) as g, pytest.raises(RlhpcError, match="EP=2; this actor runs at TP=1 PP=1 EP=1"):
+        g.load(str(tmp_path / "ckpt"))
+
+
 # PP=2 alone (2 ranks) is a part of this layout: not run on its own, to keep CI inside its time
 @pytest.mark.parametrize(("ranks", "dist_opt"), [(4, True)], ids=["pp2-dp2-distributed-optimizer"])
 def test_pipeline_stages_train_as_one(torch_reference, model_path: str, ranks: int, dist_opt: bool) -> None:

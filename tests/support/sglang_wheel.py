@@ -434,3 +434,40 @@ def openai_models() -> dict[str, dict[str, Field]]:
         return out
 
     return {name: fields_of(name, False) for name in classes}
+
+
+# ------------------------------------------------------------------ MoE expert weight names
+
+QWEN3_MOE = "sglang/srt/models/qwen3_moe.py"
+FUSED_MOE = "sglang/srt/layers/moe/fused_moe_triton/layer.py"
+
+
+def _method(path: str, cls: str, name: str) -> ast.FunctionDef:
+    return next(n for n in _classes(path)[cls].body if isinstance(n, ast.FunctionDef) and n.name == name)
+
+
+def qwen3_moe_expert_mapping(num_experts: int) -> list[tuple[str, str, int, str]]:
+    """``(param_name, weight_name, expert_id, shard_id)`` as ``Qwen3MoeForCausalLM.load_weights``
+    builds them: the keyword arguments of its ``FusedMoE.make_expert_params_mapping`` call, and
+    that classmethod's return expression evaluated on them (a pure list comprehension)."""
+    load = _method(QWEN3_MOE, "Qwen3MoeForCausalLM", "load_weights")
+    call = next(
+        n
+        for n in ast.walk(load)
+        if isinstance(n, ast.Call) and ast.unparse(n.func) == "FusedMoE.make_expert_params_mapping"
+    )
+    kwargs: dict[str, Any] = {k.arg: ast.literal_eval(k.value) for k in call.keywords if k.arg != "num_experts"}
+    make = _method(FUSED_MOE, "FusedMoE", "make_expert_params_mapping")
+    ret = next(n for n in make.body if isinstance(n, ast.Return))
+    code = compile(ast.Expression(ret.value), FUSED_MOE, "eval")
+    return eval(code, {**kwargs, "num_experts": num_experts})  # noqa: S307 - SGLang's own literal comprehension
+
+
+def qwen3_moe_skips_stacked_experts() -> bool:
+    """Does ``load_weights`` keep expert names out of its stacked (q/k/v, gate/up) mapping
+    (``if "mlp.experts" in name: continue``), so they reach the expert mapping unrenamed?"""
+    load = _method(QWEN3_MOE, "Qwen3MoeForCausalLM", "load_weights")
+    return any(
+        isinstance(n, ast.If) and ast.unparse(n.test) == "'mlp.experts' in name" and isinstance(n.body[0], ast.Continue)
+        for n in ast.walk(load)
+    )

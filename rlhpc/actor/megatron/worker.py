@@ -157,6 +157,14 @@ class MegatronTrainWorker(RankBase):
         if self.spec.needs_reference:
             self.ref = self._build(hf_sd).requires_grad_(False)
         del hf_sd
+        if self.moe:
+            # Experts count as expert-parallel (megatron's allreduce=False) at EP=1 too: their
+            # grads then reduce over the expert data-parallel group, at EP=1 the DP group, and
+            # the optimizer chains a dense and an expert part at every EP size. Its checkpoint
+            # keys (chained_0./chained_1.) are then the same at any EP size, so they reshard.
+            for name, p in self.gpt.named_parameters():
+                if expert_index(name) is not None:
+                    p.allreduce = False
         a = self.spec.actor
         self.model = DistributedDataParallel(
             self.gpt.config,
@@ -307,13 +315,17 @@ class MegatronTrainWorker(RankBase):
             )
         saved_tp = meta.get("tensor_model_parallel_size")
         saved_pp = meta.get("pipeline_model_parallel_size", 1)  # written before pipeline parallelism: 1
-        if meta.get("use_distributed_optimizer") and (saved_tp, saved_pp) != (self.tp_size, self.pp_size):
+        saved_ep = meta.get("expert_model_parallel_size", 1)
+        saved, asked = (saved_tp, saved_pp, saved_ep), (self.tp_size, self.pp_size, self.ep_size)
+        # the distributed optimizer's experts are sharded over the expert data-parallel group,
+        # which an EP change resizes: resharded like a TP change, i.e. not at all
+        if meta.get("use_distributed_optimizer") and saved != asked:
             raise RlhpcError(
-                f"checkpoint {d} holds distributed-optimizer state at TP={saved_tp} PP={saved_pp}; "
-                f"this actor runs at TP={self.tp_size} PP={self.pp_size}",
-                "resume at the same actor.megatron.tensor_model_parallel_size and pipeline_model_parallel_size "
-                "(the data-parallel size may change), or convert the weights (tools/convert_checkpoint.py) "
-                "and start a new run",
+                f"checkpoint {d} holds distributed-optimizer state at TP={saved_tp} PP={saved_pp} EP={saved_ep}; "
+                f"this actor runs at TP={self.tp_size} PP={self.pp_size} EP={self.ep_size}",
+                "resume at the same actor.megatron.tensor_model_parallel_size, pipeline_model_parallel_size and "
+                "expert_model_parallel_size (the data-parallel size may change), or convert the weights "
+                "(tools/convert_checkpoint.py) and start a new run",
             )
         self._create_optimizer_state()
         state = torch_dist_load.load(self._sharded_state_dict(is_loading=True), str(d / DIST_SUBDIR))
@@ -324,11 +336,12 @@ class MegatronTrainWorker(RankBase):
         self.optimizer_steps = int(meta.get("optimizer_steps", 0))
         self._restore_rng(d, same_layout=meta.get("world_size") == self.world_size)
         log.info(
-            "rank %d: restored megatron actor state from %s (saved at TP=%s PP=%s)",
+            "rank %d: restored megatron actor state from %s (saved at TP=%s PP=%s EP=%s)",
             self.rank,
             d,
             saved_tp,
             saved_pp,
+            saved_ep,
         )
 
     def _create_optimizer_state(self) -> None:

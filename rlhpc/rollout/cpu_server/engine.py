@@ -33,6 +33,7 @@ from rlhpc.rollout.cpu_server.requests import (
     normalize_classify,
     normalize_generate,
 )
+from rlhpc.rollout.expert_names import checkpoint_named
 from rlhpc.rollout.protocol import MetaInfo
 from rlhpc.rollout.sampling import RECOMPUTE, sample
 from rlhpc.rollout.tensor_transport import (
@@ -340,9 +341,12 @@ class Engine:
 
     # -------------------------------------------------------------- weights
 
-    def _param_table(self) -> dict[str, torch.nn.Parameter]:
-        # with duplicates: a tied lm_head is addressable by either name
-        return dict(self.model.named_parameters(remove_duplicate=False))
+    def _param_table(self) -> dict[str, torch.Tensor]:
+        """The weights by the names a push sends (SGLang's): a fused expert parameter as views of
+        its experts (``expert_names``), so a push in HF's in-memory names is refused as SGLang's
+        loader would drop it. With duplicates: a tied lm_head is addressable by either name."""
+        named = ((n, p.detach()) for n, p in self.model.named_parameters(remove_duplicate=False))
+        return dict(checkpoint_named(named))
 
     def load_weights(self, named: list[tuple[str, torch.Tensor]], version: str | None) -> None:
         """Validate every tensor first, then copy all: an update applies fully or not at all."""
@@ -579,7 +583,9 @@ class Engine:
         with self.model_lock:
             if "weights" in tags and "weights" in self.released:
                 flatten_parameters(self.model, self._shapes)
-                self.stale.update(self._shapes)
+                # by the names a push re-sends them under; a tied weight once, as named_parameters has it
+                named = ((n, p.detach()) for n, p in self.model.named_parameters())
+                self.stale.update(n for n, _ in checkpoint_named(named))
                 self._shapes.clear()
             self.released.difference_update(tags)
         log.info("resumed %s; %d parameter(s) await new weights", tags, len(self.stale))
