@@ -283,20 +283,14 @@ class EpisodeConfig:
 
 def make_episodes(cfg: Any, tokenizer: Any) -> EpisodeConfig | None:
     """The run's episode settings from its ``Config``; None without an environment (single-turn)."""
-    from rlhpc.rollout.prompts import chat_template
+    from rlhpc.rollout.prompts import conversation_template
     from rlhpc.tasks import TASKS
 
     r = cfg.rollout
     spec = r.env or TASKS[cfg.data.task].env or (CHAT_ENV if r.tools else None)
     if spec is None:
         return None
-    template = chat_template(cfg.data, tokenizer)
-    if template is None:
-        raise ConfigError(
-            f"rollout.env = {spec} renders chat messages, but data.chat_template is none",
-            "set data.chat_template: auto (the tokenizer's template) or a Jinja file",
-        )
-    name = "of the tokenizer" if cfg.data.chat_template == "auto" else cfg.data.chat_template
+    template, name = conversation_template(cfg.data, tokenizer, f"rollout.env = {spec}")
     tools = Tools(resolve_tools(r.tools), resolve_parser(r.tool_parser), r.tool_timeout_s) if r.tools else None
     return EpisodeConfig(
         spec, resolve_env(spec), template, name, cfg.data.system_prompt, r.max_turns, r.max_episode_tokens,

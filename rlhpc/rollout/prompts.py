@@ -61,6 +61,18 @@ def chat_template(data: DataConfig, tokenizer: Any) -> str | None:
     return Path(data.chat_template).read_text()
 
 
+def conversation_template(data: DataConfig, tokenizer: Any, user: str) -> tuple[str, str]:
+    """(template, its name for errors) for a multi-turn ``user`` (e.g. ``rollout.env = X``), which
+    cannot run with ``data.chat_template: none``."""
+    template = chat_template(data, tokenizer)
+    if template is None:
+        raise ConfigError(
+            f"{user} talks in chat messages, but data.chat_template is none",
+            "set data.chat_template: auto (the tokenizer's template) or a Jinja file",
+        )
+    return template, "of the tokenizer" if data.chat_template == "auto" else data.chat_template
+
+
 def render(tokenizer: Any, template: str, messages: list[dict], system_prompt: str | None) -> tuple[str, list[int]]:
     """(text, ids) of ``messages`` with the generation prompt, by ``apply_chat_template``."""
     return render_messages(tokenizer, template, with_system(messages, system_prompt), add_generation_prompt=True)

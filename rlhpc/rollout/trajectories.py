@@ -413,16 +413,10 @@ def make_custom(cfg: Any, tokenizer: Any) -> CustomRollout | None:
         return CustomRollout("generate_fn", r.generate_fn, resolve_generate_fn(r.generate_fn))
     if r.agent is None:
         return None
-    from rlhpc.rollout.prompts import chat_template
+    from rlhpc.rollout.prompts import conversation_template
     from rlhpc.rollout.tools import resolve_parser
 
-    template = chat_template(cfg.data, tokenizer)
-    if template is None:
-        raise ConfigError(
-            f"rollout.agent = {r.agent} talks in chat messages, but data.chat_template is none",
-            "set data.chat_template: auto (the tokenizer's template) or a Jinja file",
-        )
-    name = "of the tokenizer" if cfg.data.chat_template == "auto" else cfg.data.chat_template
+    template, name = conversation_template(cfg.data, tokenizer, f"rollout.agent = {r.agent}")
     return CustomRollout("agent", r.agent, resolve_agent(r.agent), template, name, resolve_parser(r.tool_parser))
 
 
