@@ -26,11 +26,11 @@ from typing import Any, ClassVar, Literal
 
 import yaml
 
+from rlhpc.data.dynamic_sampling import resolve_filter
+from rlhpc.data.files import FORMATS, read_rows
+from rlhpc.data.tasks import TASKS, resolve_reward
 from rlhpc.errors import ConfigError
-from rlhpc.rollout.dynamic_sampling import resolve_filter
 from rlhpc.rollout.scoring import is_batched, is_remote, takes_sample
-from rlhpc.tasks import TASKS, resolve_reward
-from rlhpc.tasks.files import FORMATS, read_rows
 
 # ---------------------------------------------------------------- sections
 
@@ -393,7 +393,7 @@ class DataConfig(Section):
     SECTION: ClassVar[str] = "data"
 
     task: str = "digit_sum"
-    # .jsonl, .json, .parquet or a datasets.save_to_disk directory (rlhpc.tasks.files)
+    # .jsonl, .json, .parquet or a datasets.save_to_disk directory (rlhpc.data.files)
     train_file: str | None = None
     eval_file: str | None = None
     prompt_key: str = "prompt"  # where a row's prompt is (text or chat messages); dotted for nested fields
@@ -647,7 +647,7 @@ class DynamicSamplingConfig(Section):
     ``filter`` keeps a group (a prompt's ``n_samples_per_prompt`` samples) when it returns True:
     the built-in ``"nonzero_std"`` keeps groups whose rewards differ (all-equal rewards give zero
     advantage, so no gradient), or any importable ``"module:function"`` taking a
-    ``rlhpc.rollout.dynamic_sampling.Group``. Each round generates ``over_sampling_batch_size``
+    ``rlhpc.data.dynamic_sampling.Group``. Each round generates ``over_sampling_batch_size``
     prompts until ``rollout.rollout_batch_size`` groups are kept, at most ``max_rounds`` rounds
     (then the batch is filled up with dropped groups, and ``dynamic_sampling/short`` says how many).
     The extra prompts are a pure function of (seed, rollout id, round), so reruns and resumes match.
@@ -715,9 +715,9 @@ class RolloutConfig(Section):
     # that calls any goes to them instead of the environment's step. Without rollout.env (and a
     # single-turn data.task) an episode ends at its first reply without calls, scored by data.reward.
     tools: list[str] = field(default_factory=list)
-    # "module:function" reading a reply's tool calls: (text) -> rlhpc.rollout.tool_calls.ParsedOutput
+    # "module:function" reading a reply's tool calls: (text) -> rlhpc.wire.tool_calls.ParsedOutput
     # or a list of ParsedCall; the default reads Hermes/Qwen <tool_call> JSON blocks.
-    tool_parser: str = "rlhpc.rollout.tool_calls:parse_hermes"
+    tool_parser: str = "rlhpc.wire.tool_calls:parse_hermes"
     # Each call's limit in seconds; one still running after it answers "error: timed out after N s".
     tool_timeout_s: float = 30.0
     # Rollouts written as code (docs/guides/multi-turn.md#three-ways-in), instead of rollout.env:

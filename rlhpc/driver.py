@@ -24,25 +24,26 @@ from rlhpc.checkpoint import CheckpointManager
 from rlhpc.cluster.layout import plan_layout, summarize_layout
 from rlhpc.cluster.placement import create_placement
 from rlhpc.config import Config, EvalSetConfig, config_to_dict, eval_metric, eval_split
+from rlhpc.data.buffer import load_eval_sets, load_train
+from rlhpc.data.prompts import PromptPrep, prepare_prompts
+from rlhpc.data.tasks import TASKS
 from rlhpc.launch.restarts import read_history
 from rlhpc.launch.signals import Stopped, StopRequest
 from rlhpc.launch.staging import NOT_STAGED, Staged
 from rlhpc.launch.startup import StartupClock
 from rlhpc.metrics import MetricsLogger, read_metrics
 from rlhpc.model import context_length, load_tokenizer
-from rlhpc.rollout.buffer import load_eval_sets, load_train
 from rlhpc.rollout.engine_pool import EnginePool
 from rlhpc.rollout.episodes import make_episodes
-from rlhpc.rollout.generation import Generation, GenerationAborted, task_reward
+from rlhpc.rollout.generation import Generation, task_reward
 from rlhpc.rollout.judge import Judge
-from rlhpc.rollout.prompts import PromptPrep, prepare_prompts
 from rlhpc.rollout.reward_model import RewardModel, start_reward_engines
 from rlhpc.rollout.scoring import MixedScorer
 from rlhpc.rollout.teacher import Teacher, check_same_vocabulary, start_teacher_engines
 from rlhpc.rollout.trajectories import make_custom
 from rlhpc.run_dir import RunDir
 from rlhpc.schedule import AsyncRollouts, BusyClock, Generated, SyncRollouts
-from rlhpc.tasks import TASKS
+from rlhpc.wire.request import GenerationAborted
 
 log = logging.getLogger(__name__)
 

@@ -66,7 +66,7 @@ def build_bpe_tokenizer(seed: int = 0) -> PreTrainedTokenizerFast:
     """A byte-level BPE trained on the built-in tasks' text, shaped as Qwen's: no BOS, EOS
     ``<|im_end|>``, pad ``<|endoftext|>``, a ChatML chat template, and a token for every byte
     (NUL and bytes that are not UTF-8 on their own among them)."""
-    from rlhpc.tasks import TASKS  # late: the tasks import the config, which this module re-exports
+    from rlhpc.data.tasks import TASKS  # late: the tasks import the config, which this module re-exports
 
     rng = random.Random(seed)
     # single-turn tasks only: the vocabulary (and every tiny model built so far) stays as it was

@@ -15,7 +15,7 @@ Every path under a run dir is named here, and only here::
     restarts.jsonl         one line per start of the job (rlhpc/launch/restarts.py)
     startup.jsonl          one line per start-up phase of every start (rlhpc/launch/startup.py)
     slurm_job_id           the job id, written at submission (jobs/status.py reads it)
-    engine_key             the engine key (0600), new at every start (rlhpc/rollout/engine_key.py)
+    engine_key             the engine key (0600), new at every start (rlhpc/wire/engine_key.py)
     owner.json             the job that owns the run dir, one at a time (rlhpc/launch/run_owner.py)
     ray/job_ID.ATTEMPT/    one Ray state dir per Slurm job and attempt (JobRayState):
                            auth_token (0600), head.json, node_N.json, ray_node_N.log, stop

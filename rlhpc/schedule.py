@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from rlhpc.batch import RolloutBatch
 from rlhpc.errors import RlhpcError
 from rlhpc.rollout.engine_pool import EnginesDown
-from rlhpc.rollout.generation import GenerationAborted
+from rlhpc.wire.request import GenerationAborted
 
 log = logging.getLogger(__name__)
 

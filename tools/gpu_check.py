@@ -36,11 +36,11 @@ import torch
 from rlhpc.actor.megatron.worker import MegatronTrainWorker
 from rlhpc.actor.spec import ActorSpec
 from rlhpc.config import Config
+from rlhpc.data.tasks import TASKS
 from rlhpc.model import TinyModelConfig, build_tiny_model, load_tokenizer
-from rlhpc.rollout.client import EngineClient
 from rlhpc.rollout.generation import Generation, one_batch
-from rlhpc.tasks import TASKS
 from rlhpc.util.net import http_url
+from rlhpc.wire.client import EngineClient
 
 log = logging.getLogger("gpu_check")
 GiB = 2**30
@@ -50,7 +50,7 @@ def launch_engine(model_path: str, work: Path, device: str) -> subprocess.Popen:
     """The engine server process, started; ``wait_engine`` waits for it to serve."""
     logf = open(work / "engine.log", "wb")  # noqa: SIM115 - open as long as the server runs
     return subprocess.Popen(
-        [sys.executable, "-m", "rlhpc.rollout.cpu_server", "--model-path", model_path, "--port", "0"]
+        [sys.executable, "-m", "rlhpc.engine_server.cpu", "--model-path", model_path, "--port", "0"]
         + ["--ready-file", str(work / "engine.ready.json"), "--parent-pid", str(os.getpid())]
         + ["--device", device, "--threads", "4"],
         stdout=logf,

@@ -49,7 +49,7 @@ from rlhpc.algo.grpo import (
 from rlhpc.batch import RolloutBatch
 from rlhpc.errors import RlhpcError
 from rlhpc.model import load_tokenizer
-from rlhpc.rollout.expert_names import checkpoint_named
+from rlhpc.weights.expert_names import checkpoint_named
 
 log = logging.getLogger(__name__)
 
@@ -562,14 +562,14 @@ class RankBase:
         self, engine_urls: list[str], engine_world_sizes: list[int], colocate: bool, key_file: str | None = None
     ) -> None:
         """Rank 0 opens the weight-sync channel to the engines; the other ranks have no part in it.
-        ``key_file``: the job's engine key (``rlhpc.rollout.engine_key``), sent on every engine call."""
+        ``key_file``: the job's engine key (``rlhpc.wire.engine_key``), sent on every engine call."""
         if self.rank != 0:
             return
         if self.sender is not None:  # reconnecting (e.g. after an engine restart): drop the old channel
             self._close_sender()
-        from rlhpc.rollout.client import EngineClient  # late: training never needs the rollout side
-        from rlhpc.rollout.engine_key import read_key
-        from rlhpc.rollout.weight_sync import make_weight_sender
+        from rlhpc.weights.sender import make_weight_sender
+        from rlhpc.wire.client import EngineClient  # late: training never needs the rollout side
+        from rlhpc.wire.engine_key import read_key
 
         key = read_key(key_file) if key_file else None
         clients = [EngineClient(url, api_key=key) for url in engine_urls]

@@ -33,7 +33,7 @@ from rlhpc.actor.snapshot import (
 from rlhpc.actor.spec import ActorSpec
 from rlhpc.errors import RlhpcError
 from rlhpc.model import load_model
-from rlhpc.rollout.tensor_transport import flatten_parameters, share_memory_by_name
+from rlhpc.weights.tensor_transport import flatten_parameters, share_memory_by_name
 
 log = logging.getLogger(__name__)
 

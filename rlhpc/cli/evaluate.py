@@ -83,9 +83,9 @@ def evaluate_checkpoint(cfg: Config, run: RunDir, ckpt: Path, rollout_id: int) -
     layout = plan_layout(cfg.cluster)
     with local_ray(cfg.cluster, layout.num_slots, StopRequest()):
         from rlhpc.cluster.placement import create_placement
+        from rlhpc.data.buffer import load_eval_sets
         from rlhpc.driver import evaluate_sets, prompt_prep
         from rlhpc.model import context_length, load_tokenizer
-        from rlhpc.rollout.buffer import load_eval_sets
         from rlhpc.rollout.engine_pool import EnginePool
         from rlhpc.rollout.episodes import make_episodes
         from rlhpc.rollout.generation import Generation, task_reward

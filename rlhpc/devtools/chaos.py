@@ -215,7 +215,7 @@ def engine_probe(run: Path) -> list[str]:
     """Ask each live engine of the job to generate without the key, and with a wrong one: both must get 401."""
     problems = []
     for pid, args in descendants(task_pid(run)).items():
-        if "rlhpc.rollout.cpu_server" not in args or "--ready-file" not in args:
+        if "rlhpc.engine_server.cpu" not in args or "--ready-file" not in args:
             continue
         ready = Path(args.split("--ready-file", 1)[1].split()[0])
         try:
@@ -306,7 +306,7 @@ class Context:
 
 
 def kill_engine(c: Context) -> bool:
-    os.kill(one_of(c.run, "rlhpc.rollout.cpu_server"), signal.SIGKILL)
+    os.kill(one_of(c.run, "rlhpc.engine_server.cpu"), signal.SIGKILL)
     return False  # the engine pool restarts it
 
 
@@ -408,7 +408,7 @@ def kill_node(c: Context) -> bool:
 def engine(c: Context) -> tuple[int, Path, str]:
     """A live engine server of the job: its pid, ready file and URL."""
     for pid, args in descendants(task_pid(c.run)).items():
-        if "rlhpc.rollout.cpu_server" in args and "--ready-file" in args:
+        if "rlhpc.engine_server.cpu" in args and "--ready-file" in args:
             ready = Path(args.split("--ready-file", 1)[1].split()[0])
             try:
                 info = json.loads(ready.read_text())

@@ -253,8 +253,8 @@ def dry_run(
 
 def reward_engine_preview(cfg: Config) -> str:
     """The SGLang server command of reward engine 0 (a classifier's with ``--is-embedding``: it serves /classify)."""
+    from rlhpc.engine_server.sglang import SGLangSpec
     from rlhpc.rollout.reward_model import reward_rollout_config
-    from rlhpc.rollout.sglang_server import SGLangSpec
 
     rm = cfg.reward_model
     sg = reward_rollout_config(cfg.rollout, rm).sglang
@@ -264,7 +264,7 @@ def reward_engine_preview(cfg: Config) -> str:
 
 def teacher_engine_preview(cfg: Config) -> str:
     """The SGLang server command of teacher engine 0."""
-    from rlhpc.rollout.sglang_server import SGLangSpec
+    from rlhpc.engine_server.sglang import SGLangSpec
     from rlhpc.rollout.teacher import teacher_rollout_config
 
     t = cfg.teacher
@@ -275,7 +275,7 @@ def teacher_engine_preview(cfg: Config) -> str:
 
 def engine_preview(cfg: Config) -> str:
     """The SGLang server command of engine 0, with what is known only on the node as <...>."""
-    from rlhpc.rollout.sglang_server import SGLangSpec
+    from rlhpc.engine_server.sglang import SGLangSpec
 
     c, sg = cfg.cluster, cfg.rollout.sglang
     tp = c.rollout_gpus_per_engine
@@ -288,7 +288,7 @@ def engine_preview(cfg: Config) -> str:
 
 def _preview(spec: Any, model: str) -> str:
     """``spec``'s launch line (an ``SGLangSpec``), with what is known only on the node as <...>."""
-    from rlhpc.rollout.sglang_server import launch_server_command
+    from rlhpc.engine_server.sglang import launch_server_command
 
     nnodes = spec.nnodes
     cmd = launch_server_command(

@@ -41,13 +41,12 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import ValidationError
 
 from rlhpc.errors import RlhpcError
-from rlhpc.rollout.cpu_server.openai_routes import assistant_message, openai_error, sse_events, template_message
-from rlhpc.rollout.cpu_server.requests import EngineError
 from rlhpc.rollout.episodes import Conversation, TemplateBreaksPrefix
-from rlhpc.rollout.openai_protocol import ChatCompletionRequest, OpenAIRoute, unsupported_fields
-from rlhpc.rollout.protocol import MetaInfo
-from rlhpc.rollout.tool_calls import ParsedCall, ParsedOutput
 from rlhpc.rollout.trajectories import EngineHandle, Generated
+from rlhpc.wire.openai_messages import assistant_message, openai_error, sse_events, template_message
+from rlhpc.wire.openai_protocol import ChatCompletionRequest, OpenAIRoute, unsupported_fields
+from rlhpc.wire.protocol import EngineError, MetaInfo
+from rlhpc.wire.tool_calls import ParsedCall, ParsedOutput
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ With no healthy engine left such a generation raises ``EnginesDown`` for the sch
 The router (SGLang backend) is restarted when it dies, at most ``rollout.max_engine_restarts``
 times as well.
 
-Every engine route requires the job's engine key (``rlhpc.rollout.engine_key``): a fresh one is
+Every engine route requires the job's engine key (``rlhpc.wire.engine_key``): a fresh one is
 written to ``key_file`` when the pool starts, the engines, the router and the weight source get
 the file (its path), and the pool's clients send it. Engines listen on loopback when every slot
 of the placement is on the driver's node (nobody else needs to reach them), else on the node's IP.
@@ -44,17 +44,18 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import ray
 
+from rlhpc.engine_server.host import EngineActor
+from rlhpc.engine_server.sglang import Router, engine_parts
 from rlhpc.errors import RlhpcError, WeightPushFailed
-from rlhpc.rollout.client import EngineClient, EngineUnavailable
-from rlhpc.rollout.engine import EngineActor
-from rlhpc.rollout.engine_key import new_key
-from rlhpc.rollout.generation import GenerationAborted, Request
-from rlhpc.rollout.sglang_server import Router, engine_parts
 from rlhpc.util.files import tail
+from rlhpc.weights.source import WeightSource
+from rlhpc.wire.client import EngineClient, EngineUnavailable
+from rlhpc.wire.engine_key import new_key
+from rlhpc.wire.request import GenerationAborted, Request
 
 if TYPE_CHECKING:
     from rlhpc.cluster.layout import Layout
@@ -117,16 +118,6 @@ class EnginesDown(RlhpcError):
             "nothing to do: they are restarted between rollouts (rollout.max_engine_restarts bounds it)",
         )
         self.dead, self.version = dead, version
-
-
-class WeightSource(Protocol):
-    """What pushes trained weights to the engines (``rlhpc.actor.group.ActorGroup``)."""
-
-    def connect_rollout(
-        self, engine_urls: list[str], engine_world_sizes: list[int], colocate: bool, key_file: str | None = None
-    ) -> None: ...
-
-    def update_weights(self, version: int) -> None: ...
 
 
 class EnginePool:
@@ -395,7 +386,7 @@ class EnginePool:
         found dead are sent again once it is back on the current weights, or (``restarts_deferred``)
         to the healthy engines (an episode's turns then keep to the engine its affinity picks among
         those left); ``done(c, answer)`` runs as request c succeeds, once. ``call(client, request)``:
-        what a request is (default: a /generate of a ``generation.Request``; the reward engines'
+        what a request is (default: a /generate of a ``rlhpc.wire.request.Request``; the reward engines'
         scoring passes its own). ``first``: where request 0 goes (a caller sending one request at a
         time rotates it)."""
 

@@ -41,8 +41,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlhpc.data.prompts import encode_text, render_messages, render_text, with_system
 from rlhpc.errors import ConfigError, RlhpcError
-from rlhpc.rollout.prompts import encode_text, render_messages, render_text, with_system
 from rlhpc.rollout.tools import Tools, resolve_parser, resolve_tools
 from rlhpc.util.imports import import_function
 
@@ -283,8 +283,8 @@ class EpisodeConfig:
 
 def make_episodes(cfg: Any, tokenizer: Any) -> EpisodeConfig | None:
     """The run's episode settings from its ``Config``; None without an environment (single-turn)."""
-    from rlhpc.rollout.prompts import conversation_template
-    from rlhpc.tasks import TASKS
+    from rlhpc.data.prompts import conversation_template
+    from rlhpc.data.tasks import TASKS
 
     r = cfg.rollout
     spec = r.env or TASKS[cfg.data.task].env or (CHAT_ENV if r.tools else None)

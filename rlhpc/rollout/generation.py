@@ -23,12 +23,13 @@ import torch
 from rlhpc.algo.grpo import ADVANTAGE_ESTIMATORS, overlong_penalty
 from rlhpc.algo.pass_at_k import pass_metrics
 from rlhpc.batch import RolloutBatch
+from rlhpc.data.dynamic_sampling import Group, GroupFilter, resolve_filter
+from rlhpc.data.prompts import encode_rows
+from rlhpc.data.tasks import TASKS, RewardFn, resolve_reward
 from rlhpc.errors import RlhpcError
-from rlhpc.rollout.dynamic_sampling import Group, GroupFilter, resolve_filter
-from rlhpc.rollout.prompts import encode_rows
-from rlhpc.rollout.protocol import WEIGHT_VERSION_SPAN_KEYS, MetaInfo
 from rlhpc.rollout.scoring import MixedScorer, PooledReward, RemoteReward, Sample, Scorer, is_remote
-from rlhpc.tasks import TASKS, RewardFn, resolve_reward
+from rlhpc.wire.protocol import WEIGHT_VERSION_SPAN_KEYS, MetaInfo
+from rlhpc.wire.request import Request
 
 if TYPE_CHECKING:
     from rich.progress import Progress
@@ -54,10 +55,6 @@ def rows_per_request(num_rows: int, n: int, num_engines: int) -> int:
     count, not the live one, so a run sends the same requests whatever engines it loses."""
     per_engine = -(-num_rows // max(1, num_engines))
     return max(1, min(per_engine, MAX_SAMPLES_PER_REQUEST // n))
-
-
-class GenerationAborted(Exception):
-    """Generation was cut short for a stop request (preemption or time limit)."""
 
 
 def sample_seed(*parts: object) -> int:
@@ -126,18 +123,6 @@ def task_reward(data: DataConfig) -> Scorer:
     return Scorer(TASKS[data.task].reward, f"the {data.task} task's reward", data.reward_errors)
 
 
-@dataclass(frozen=True)
-class Request:
-    """One /generate call: a batch of prompts (token ids), one sampling-params dict each."""
-
-    input_ids: list[list[int]]
-    sampling_params: list[dict]
-    return_logprob: bool = True
-    # The engine slot it goes to (engine ``affinity`` mod the engine count) instead of its index
-    # in the send: an episode's turns keep to one engine, which holds their prefix in its cache.
-    affinity: int | None = None
-
-
 class Send(Protocol):
     """Send every request; call ``done(c, answer)`` (in the caller's thread) once, as request c's
     answer arrives; return the answers (SGLang's /generate output dicts) in request order."""
@@ -146,7 +131,7 @@ class Send(Protocol):
 
 
 class Generates(Protocol):
-    """What ``one_batch`` sends through (``rlhpc.rollout.client.EngineClient``)."""
+    """What ``one_batch`` sends through (``rlhpc.wire.client.EngineClient``)."""
 
     def generate(self, *, input_ids: Any, sampling_params: Any, return_logprob: bool) -> Any: ...
 

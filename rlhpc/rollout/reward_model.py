@@ -24,10 +24,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rlhpc.config import RewardModelConfig, RolloutConfig, SGLangConfig
-from rlhpc.rollout.client import EngineClient
 from rlhpc.rollout.engine_pool import EnginePool
 from rlhpc.rollout.scoring import Sample
 from rlhpc.schedule import BusyClock
+from rlhpc.wire.client import EngineClient
 
 if TYPE_CHECKING:
     from rlhpc.cluster.layout import Layout

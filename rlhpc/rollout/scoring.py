@@ -168,7 +168,7 @@ class PooledReward:
 
 
 def _import_reward(spec: str) -> Callable:
-    from rlhpc.tasks import resolve_reward
+    from rlhpc.data.tasks import resolve_reward
 
     return resolve_reward(spec)
 

@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any
 
 from rlhpc.config import RolloutConfig, SGLangConfig, TeacherConfig
 from rlhpc.errors import RlhpcError
-from rlhpc.rollout.client import EngineClient
 from rlhpc.rollout.engine_pool import EnginePool
-from rlhpc.rollout.protocol import MetaInfo
+from rlhpc.wire.client import EngineClient
+from rlhpc.wire.protocol import MetaInfo
 
 if TYPE_CHECKING:
     from rlhpc.cluster.layout import Layout

@@ -3,7 +3,7 @@
 A tool is a plain typed Python function, ``def calculator(expression: str) -> str``. Its OpenAI
 tool schema comes from its signature (``tool_schema``) and goes to the chat template's ``tools``;
 the model's replies are read for calls by ``rollout.tool_parser`` (by default the Hermes/Qwen
-``<tool_call>`` parser of ``rlhpc.rollout.tool_calls``); ``Tools.run`` runs one turn's calls,
+``<tool_call>`` parser of ``rlhpc.wire.tool_calls``); ``Tools.run`` runs one turn's calls,
 all of them at once, each cut at ``rollout.tool_timeout_s``, and answers each with a
 ``{"role": "tool", "name": ..., "content": ...}`` message. A tool that raises, times out, or does
 not exist answers ``"error: ..."``: the episode goes on, and the error is counted.
@@ -25,11 +25,11 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from rlhpc.errors import ConfigError, RlhpcError
-from rlhpc.rollout.tool_calls import ParsedCall, ParsedOutput
+from rlhpc.wire.tool_calls import ParsedCall, ParsedOutput
 
 log = logging.getLogger(__name__)
 
-DEFAULT_PARSER = "rlhpc.rollout.tool_calls:parse_hermes"
+DEFAULT_PARSER = "rlhpc.wire.tool_calls:parse_hermes"
 TOOL_SIGNATURE = "a function whose parameters are annotated with str, int, float, bool, list, dict, Optional or Literal"
 _SCALARS = {str: "string", int: "integer", float: "number", bool: "boolean"}
 
@@ -178,7 +178,7 @@ class Tools:
         except (AttributeError, TypeError) as e:
             raise RlhpcError(
                 f"the tool parser returned {str(out)[:200]}, not calls: {e}",
-                "return a ParsedOutput or a list of ParsedCall(name, arguments) (rlhpc.rollout.tool_calls)",
+                "return a ParsedOutput or a list of ParsedCall(name, arguments) (rlhpc.wire.tool_calls)",
             ) from e
 
     def run(self, calls: Sequence[Sequence[ParsedCall]]) -> tuple[list[list[dict]], list[ToolCounts]]:

@@ -209,7 +209,7 @@ def _engine_piece(
 def generated(out: dict) -> Generated:
     """An SGLang /generate output as ``Generated``."""
     from rlhpc.rollout.generation import finish_reason, token_versions
-    from rlhpc.rollout.protocol import MetaInfo
+    from rlhpc.wire.protocol import MetaInfo
 
     ids = [int(t) for t in out["output_ids"]]
     meta = out["meta_info"]
@@ -278,7 +278,7 @@ class EngineCalls:
         return result.result()
 
     def _dispatch(self, batch: list[tuple[list[int], dict, int, Future]]) -> None:
-        from rlhpc.rollout.generation import Request
+        from rlhpc.wire.request import Request
 
         if not batch:
             return
@@ -413,7 +413,7 @@ def make_custom(cfg: Any, tokenizer: Any) -> CustomRollout | None:
         return CustomRollout("generate_fn", r.generate_fn, resolve_generate_fn(r.generate_fn))
     if r.agent is None:
         return None
-    from rlhpc.rollout.prompts import conversation_template
+    from rlhpc.data.prompts import conversation_template
     from rlhpc.rollout.tools import resolve_parser
 
     template, name = conversation_template(cfg.data, tokenizer, f"rollout.agent = {r.agent}")
@@ -441,7 +441,7 @@ def run_custom(
 ) -> list[EpisodeResult]:
     """Run one episode per row of ``rows`` (a row per sample), all at once; each episode's
     calls go to engine ``k mod num_engines``, call t with seed ``call_seed(k, t)``."""
-    from rlhpc.rollout.generation import GenerationAborted
+    from rlhpc.wire.request import GenerationAborted
 
     calls = EngineCalls(send, num_engines)
     handles = [EngineHandle(calls, k, params, lambda t, k=k: call_seed(k, t), tokenizer) for k in range(len(rows))]

@@ -382,9 +382,9 @@ def test_kl_in_reward_measures_each_samples_kl_as_transformers_does(ray_cluster:
 
 
 def test_update_weights_reaches_engine_bit_exact(ray_cluster: None, model_path: str, tmp_path: Path) -> None:
-    from rlhpc.rollout.client import EngineClient  # the rollout side only for this test
-    from rlhpc.rollout.engine import EngineActor
-    from rlhpc.rollout.tensor_transport import sendable_as_is
+    from rlhpc.engine_server.host import EngineActor
+    from rlhpc.weights.tensor_transport import sendable_as_is
+    from rlhpc.wire.client import EngineClient  # the rollout side only for this test
 
     engine = EngineActor.options(num_cpus=0.5).remote(model_path, str(tmp_path / "logs"), 0, 120.0, None)
     try:
@@ -415,7 +415,7 @@ def test_the_weights_a_push_sends_lie_back_to_back(ray_cluster: None, model_path
     is a view of them, not a copy: from the start, after optimizer steps and after a load."""
 
     def sent_as_one_view(worker: object) -> bool:  # runs in the rank (nested: pickled by value)
-        from rlhpc.rollout.tensor_transport import adjacent_bytes
+        from rlhpc.weights.tensor_transport import adjacent_bytes
 
         return adjacent_bytes([t for _, t in worker._hf_named(grads=False)]) is not None  # type: ignore[attr-defined]
 

@@ -14,8 +14,8 @@ from transformers import AutoTokenizer
 from rlhpc.config import TinyModelConfig, load_config
 from rlhpc.model import build_tiny_model
 from rlhpc.rollout.generation import Generation
-from rlhpc.rollout.tool_calls import ParsedCall
 from rlhpc.rollout.trajectories import make_custom
+from rlhpc.wire.tool_calls import ParsedCall
 
 CALC = {
     "type": "function",
@@ -72,7 +72,7 @@ async def two_conversations(row, base_url, api_key):
 
 @pytest.fixture(scope="module")
 def engine_model(tmp_path_factory):
-    from rlhpc.rollout.cpu_server.engine import Engine
+    from rlhpc.engine_server.cpu.runner import Engine
 
     model = build_tiny_model(
         tmp_path_factory.mktemp("agent") / "tiny", TinyModelConfig(tokenizer="bpe", max_position_embeddings=512)

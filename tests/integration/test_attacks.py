@@ -20,8 +20,8 @@ from support.other_user import require_second_user, shared_tmp_dir
 from rlhpc.devtools import attacks
 from rlhpc.errors import RlhpcError
 from rlhpc.launch import staging
-from rlhpc.rollout import protocol as P
 from rlhpc.util.files import private_dir
+from rlhpc.wire import protocol as P
 
 
 @pytest.fixture(scope="module")

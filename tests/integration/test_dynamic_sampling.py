@@ -10,12 +10,12 @@ import pytest
 from support.engines import engine_client, start_server, stop_server
 
 from rlhpc.config import AlgoConfig, DynamicSamplingConfig, EvalConfig, RolloutConfig
+from rlhpc.data.buffer import DataBuffer
+from rlhpc.data.dynamic_sampling import Group, nonzero_std, resolve_filter
 from rlhpc.errors import ConfigError
 from rlhpc.model import load_tokenizer
-from rlhpc.rollout.buffer import DataBuffer
-from rlhpc.rollout.client import EngineClient
-from rlhpc.rollout.dynamic_sampling import Group, nonzero_std, resolve_filter
 from rlhpc.rollout.generation import Generation, one_batch, token_versions
+from rlhpc.wire.client import EngineClient
 
 ROWS = [{"prompt": f"{i}+0=", "answer": str(i)} for i in range(40)]
 B, N, SEED = 4, 2, 7

@@ -16,9 +16,9 @@ import urllib3
 from support.engines import engine_client, key_file, start_server, stop_server
 from support.jobs import REPO, job_args, submit
 
-from rlhpc.rollout.cpu_server.guard import MAX_PENDING
-from rlhpc.rollout.cpu_server.server import parse_args
-from rlhpc.rollout.protocol import Route
+from rlhpc.engine_server.cpu.guard import MAX_PENDING
+from rlhpc.engine_server.cpu.server import parse_args
+from rlhpc.wire.protocol import Route
 
 
 @pytest.fixture(scope="module")

@@ -26,10 +26,10 @@ from rlhpc.batch import RolloutBatch
 from rlhpc.cluster.layout import plan_layout
 from rlhpc.cluster.placement import create_placement
 from rlhpc.config import Config
+from rlhpc.data.buffer import DataBuffer, load_data
 from rlhpc.errors import RlhpcError
 from rlhpc.metrics import read_metrics
 from rlhpc.model import load_tokenizer
-from rlhpc.rollout.buffer import DataBuffer, load_data
 from rlhpc.rollout.engine_pool import EnginePool, EnginesDown
 from rlhpc.rollout.generation import Generation, task_reward
 

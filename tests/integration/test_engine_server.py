@@ -1,6 +1,6 @@
 """The CPU engine server over real HTTP: SGLang-shaped I/O, seeded determinism, pause, EngineActor.
 
-Its routes and field names are rlhpc.rollout.protocol's, checked against SGLang's sources in
+Its routes and field names are rlhpc.wire.protocol's, checked against SGLang's sources in
 tests/unit/test_sglang_protocol.py.
 """
 
@@ -21,13 +21,13 @@ import torch
 import urllib3
 from support.engines import KEYS, engine_client, start_server, stop_server
 
+from rlhpc.engine_server.cpu.sampling import sample
+from rlhpc.engine_server.cpu.server import parse_args
 from rlhpc.errors import RlhpcError
 from rlhpc.model import load_model, load_tokenizer
-from rlhpc.rollout import protocol as P
-from rlhpc.rollout.client import EngineClient
-from rlhpc.rollout.cpu_server.server import parse_args
-from rlhpc.rollout.protocol import MetaInfo, Route
-from rlhpc.rollout.sampling import sample
+from rlhpc.wire import protocol as P
+from rlhpc.wire.client import EngineClient
+from rlhpc.wire.protocol import MetaInfo, Route
 
 # ------------------------------------------------------------------ fixtures
 
@@ -325,7 +325,7 @@ def _wait_gone(pid: int, timeout_s: float = 15) -> bool:
 
 @pytest.mark.ray
 def test_engine_actor_start_restart_shutdown(model_path: str, tmp_path: Path) -> None:
-    from rlhpc.rollout.engine import EngineActor
+    from rlhpc.engine_server.host import EngineActor
 
     ray.init(num_cpus=4, num_gpus=2, include_dashboard=False, log_to_driver=False)
     try:
@@ -362,7 +362,7 @@ def _generate_across_an_update(model_path: str, new_model: str, mode: str, pause
     """Run one greedy generation on an in-process CPU engine; after ``pause_after`` decoding steps
     the engine is paused (``mode``), the weights of ``new_model`` are loaded as version "1", and
     generation continues. The pause comes from a forward hook, so it lands at a known step."""
-    from rlhpc.rollout.cpu_server.engine import Engine
+    from rlhpc.engine_server.cpu.runner import Engine
 
     engine = Engine(model_path, "default")
     engine.pause_mode = mode

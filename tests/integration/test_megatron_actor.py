@@ -265,8 +265,8 @@ def test_model_parallel_weights_reach_engine_bit_exact(
     """Gathered over TP (or from both pipeline stages: rank 0 holds only the first stage's
     layers and the embedding), converted to HF names, bucketed: the engine holds the actor's
     weights, all of them, in one push."""
-    from rlhpc.rollout.client import EngineClient
-    from rlhpc.rollout.engine import EngineActor
+    from rlhpc.engine_server.host import EngineActor
+    from rlhpc.wire.client import EngineClient
 
     engine = EngineActor.options(num_cpus=0.5).remote(model_path, str(tmp_path / "logs"), 0, 120.0, None)
     try:

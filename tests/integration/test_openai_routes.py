@@ -15,8 +15,8 @@ from transformers import AutoTokenizer
 
 from rlhpc.errors import RlhpcError
 from rlhpc.model import TinyModelConfig, build_tiny_model
-from rlhpc.rollout import openai_protocol as OP
-from rlhpc.rollout.client import EngineClient
+from rlhpc.wire import openai_protocol as OP
+from rlhpc.wire.client import EngineClient
 
 
 @pytest.fixture(scope="module")

@@ -165,7 +165,7 @@ def test_reward_engines_score_overlapped_and_a_killed_one_is_restarted(tmp_path,
     from rlhpc.cluster.layout import plan_layout
     from rlhpc.cluster.placement import create_placement
     from rlhpc.config import AlgoConfig, ClusterConfig, EvalConfig, RewardModelConfig, RolloutConfig
-    from rlhpc.rollout.cpu_server.engine import Engine
+    from rlhpc.engine_server.cpu.runner import Engine
     from rlhpc.rollout.generation import Generation
     from rlhpc.rollout.reward_model import RewardModel, start_reward_engines
     from rlhpc.rollout.scoring import MixedScorer, Sample, Scorer

@@ -12,9 +12,9 @@ import pytest
 import urllib3
 from support.engines import start_server, stop_server
 
-from rlhpc.rollout.client import EngineClient
-from rlhpc.rollout.engine_key import new_key
-from rlhpc.rollout.sglang_server import Router
+from rlhpc.engine_server.sglang import Router
+from rlhpc.wire.client import EngineClient
+from rlhpc.wire.engine_key import new_key
 
 
 def test_the_router_serves_with_the_key_and_no_command_line_carries_it(model_path: str, tmp_path: Path) -> None:
@@ -47,7 +47,7 @@ def test_the_router_serves_with_the_key_and_no_command_line_carries_it(model_pat
 
 def test_the_key_cannot_be_passed_on_the_command_line(tmp_path: Path) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "rlhpc.rollout.router_main", "--api-key-file", str(tmp_path / "k"), "--api-key", "x"],
+        [sys.executable, "-m", "rlhpc.engine_server.router_main", "--api-key-file", str(tmp_path / "k"), "--api-key", "x"],
         capture_output=True, text=True, check=False,
     )  # fmt: skip
     assert out.returncode == 2 and "--api-key-file, not --api-key" in out.stderr

@@ -28,9 +28,13 @@ from support.engines import (
 )
 
 from rlhpc.errors import RlhpcError
-from rlhpc.rollout import protocol as P
-from rlhpc.rollout.client import EngineClient
-from rlhpc.rollout.tensor_transport import (
+from rlhpc.weights.sender import (
+    DistributedWeightSender,
+    TensorWeightSender,
+    iter_buckets,
+    make_weight_sender,
+)
+from rlhpc.weights.tensor_transport import (
     TensorPayloadError,
     TensorUnpickler,
     adjacent_bytes,
@@ -42,12 +46,8 @@ from rlhpc.rollout.tensor_transport import (
     share_memory_by_name,
     unflatten,
 )
-from rlhpc.rollout.weight_sync import (
-    DistributedWeightSender,
-    TensorWeightSender,
-    iter_buckets,
-    make_weight_sender,
-)
+from rlhpc.wire import protocol as P
+from rlhpc.wire.client import EngineClient
 
 LOGS: dict[str, Path] = {}  # engine URL -> its server log
 

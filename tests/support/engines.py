@@ -11,10 +11,10 @@ from pathlib import Path
 
 import torch
 
+from rlhpc.engine_server.cpu.sampling import sample
 from rlhpc.model import load_model, load_tokenizer
-from rlhpc.rollout.client import EngineClient
-from rlhpc.rollout.engine_key import new_key
-from rlhpc.rollout.sampling import sample
+from rlhpc.wire.client import EngineClient
+from rlhpc.wire.engine_key import new_key
 
 # url -> the engine key its server requires (``engine_client`` sends it)
 KEYS: dict[str, str] = {}
@@ -35,7 +35,7 @@ def start_server(
     key = new_key(key_path) if key_path == key_file(work, name) else key_path.read_text().strip()
     log = open(work / f"{name}.log", "wb")  # noqa: SIM115 - lives as long as the server
     proc = subprocess.Popen(
-        [sys.executable, "-m", "rlhpc.rollout.cpu_server", "--model-path", model_path, "--port", "0"]
+        [sys.executable, "-m", "rlhpc.engine_server.cpu", "--model-path", model_path, "--port", "0"]
         + ["--ready-file", str(ready), "--parent-pid", str(os.getpid())]
         + ["--api-key-file", str(key_path), *(extra_args or [])],
         stdout=log,

@@ -1,6 +1,6 @@
 """Dynamic-sampling filters for tests, imported by path as a user's would be (``support.filters:NAME``)."""
 
-from rlhpc.rollout.dynamic_sampling import Group
+from rlhpc.data.dynamic_sampling import Group
 
 
 def even_answer(group: Group) -> bool:

@@ -11,8 +11,8 @@ import signal
 import time
 from pathlib import Path
 
+from rlhpc.data.guess import GuessEnv
 from rlhpc.metrics import read_metrics
-from rlhpc.tasks.guess import GuessEnv
 
 KILL_ENGINE_ENV = "RLHPC_TEST_KILL_ENGINE_LOG"  # an engine's log: its server is SIGKILLed once
 WAIT_PUSH_ENV = "RLHPC_TEST_WAIT_PUSH_RUN"  # a run dir: episodes wait for the next push after turn 0

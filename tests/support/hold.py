@@ -13,8 +13,8 @@ support.hold:GuessEnv`` (``tests/`` is on every test job's PYTHONPATH).
 import os
 import time
 
-from rlhpc.tasks import TASKS
-from rlhpc.tasks.guess import GuessEnv as _GuessEnv
+from rlhpc.data.guess import GuessEnv as _GuessEnv
+from rlhpc.data.tasks import TASKS
 from support.filters import length_parity as _length_parity
 
 HOLD_ENV = "RLHPC_TEST_HOLD_AT"

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from rlhpc.rollout.protocol import SGLANG_VERSION
+from rlhpc.wire.protocol import SGLANG_VERSION
 
 REPO = Path(__file__).resolve().parents[2]
 IO_STRUCT = "sglang/srt/managers/io_struct.py"

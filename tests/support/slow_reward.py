@@ -16,7 +16,7 @@ import os
 import time
 from pathlib import Path
 
-from rlhpc.tasks import TASKS
+from rlhpc.data.tasks import TASKS
 
 SECONDS_PER_SAMPLE = 0.1
 SLOW_ENV = "RLHPC_TEST_SLOW"

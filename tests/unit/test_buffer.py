@@ -2,10 +2,10 @@
 
 import pytest
 
+from rlhpc.data.buffer import DataBuffer
+from rlhpc.data.files import read_rows
+from rlhpc.data.tasks import TASKS, load_split
 from rlhpc.errors import ConfigError
-from rlhpc.rollout.buffer import DataBuffer
-from rlhpc.tasks import TASKS, load_split
-from rlhpc.tasks.files import read_rows
 
 ROWS = [{"prompt": str(i), "answer": str(i)} for i in range(10)]
 

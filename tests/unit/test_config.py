@@ -414,7 +414,7 @@ def test_dynamic_sampling_filter_and_sizes_are_checked():
     assert "neither a built-in filter" in error(["rollout.dynamic_sampling.filter=no_such"])
     msg = error(["rollout.dynamic_sampling.filter=no_such_module_xyz:keep"])
     assert "rollout.dynamic_sampling.filter" in msg and "cannot be imported" in msg
-    assert "not callable" in error(["rollout.dynamic_sampling.filter=rlhpc.rollout.protocol:SGLANG_VERSION"])
+    assert "not callable" in error(["rollout.dynamic_sampling.filter=rlhpc.wire.protocol:SGLANG_VERSION"])
     msg = error(["rollout.rollout_batch_size=8", "rollout.dynamic_sampling.over_sampling_batch_size=4"])
     assert "over_sampling_batch_size = 4 < rollout.rollout_batch_size = 8" in msg
     assert "must be >= 1" in error(["rollout.dynamic_sampling.max_rounds=0"])

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import socket
 
-from rlhpc.rollout import client as client_module
-from rlhpc.rollout.client import EngineClient
+from rlhpc.wire import client as client_module
+from rlhpc.wire.client import EngineClient
 
 
 def test_every_connection_probes_its_peer_and_bounds_unacknowledged_sends() -> None:

@@ -14,9 +14,10 @@ import pytest
 from rlhpc.config import RolloutConfig
 from rlhpc.errors import RlhpcError, WeightPushFailed
 from rlhpc.rollout import engine_pool
-from rlhpc.rollout.client import EngineUnavailable
 from rlhpc.rollout.engine_pool import NODE_CHECK_S, EnginePool, EnginesDown, NodeLost
-from rlhpc.rollout.generation import MAX_SAMPLES_PER_REQUEST, Request, rows_per_request
+from rlhpc.rollout.generation import MAX_SAMPLES_PER_REQUEST, rows_per_request
+from rlhpc.wire.client import EngineUnavailable
+from rlhpc.wire.request import Request
 
 
 class FakeClient:

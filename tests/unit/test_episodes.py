@@ -10,12 +10,12 @@ from tokenizers import AddedToken
 
 from rlhpc.batch import RolloutBatch
 from rlhpc.config import TinyModelConfig, load_config
+from rlhpc.data.guess import GuessEnv
 from rlhpc.errors import ConfigError
 from rlhpc.metrics import write_rollout_dump
 from rlhpc.model import IM_END, build_bpe_tokenizer, build_tiny_model
 from rlhpc.rollout.episodes import Conversation, TemplateBreaksPrefix, make_episodes, resolve_env, split_tokens
 from rlhpc.rollout.generation import Generation
-from rlhpc.tasks.guess import GuessEnv
 
 USER = [{"role": "user", "content": "guess 1-8"}]
 
@@ -184,7 +184,7 @@ def test_episodes_through_a_cpu_engine_train_the_engines_tokens(tmp_path):
     rest are the template's, and the dump holds the masks and turns."""
     from transformers import AutoTokenizer
 
-    from rlhpc.rollout.cpu_server.engine import Engine
+    from rlhpc.engine_server.cpu.runner import Engine
 
     model = build_tiny_model(tmp_path / "tiny", TinyModelConfig(tokenizer="bpe"))
     cfg = load_config(

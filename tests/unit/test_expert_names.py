@@ -14,10 +14,10 @@ import torch
 from safetensors.torch import load_file
 from support import sglang_wheel as sgl
 
+from rlhpc.engine_server.cpu.runner import Engine
 from rlhpc.model import TinyModelConfig, build_tiny_model
-from rlhpc.rollout.cpu_server.engine import Engine
-from rlhpc.rollout.cpu_server.requests import EngineError
-from rlhpc.rollout.expert_names import checkpoint_named
+from rlhpc.weights.expert_names import checkpoint_named
+from rlhpc.wire.protocol import EngineError
 
 EXPERTS = 3
 

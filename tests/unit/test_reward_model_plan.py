@@ -12,9 +12,9 @@ from rlhpc.cluster.layout import describe_layout, idle_note, plan_layout, summar
 from rlhpc.config import ClusterConfig, RewardModelConfig, config_from_dict
 from rlhpc.errors import ConfigError
 from rlhpc.model import build_bpe_tokenizer, build_char_tokenizer
-from rlhpc.rollout import protocol as P
 from rlhpc.rollout.reward_model import EMBEDDING_FLAG, render, reward_rollout_config
 from rlhpc.rollout.scoring import MixedScorer, Sample, Scorer
+from rlhpc.wire import protocol as P
 
 TINY = {"model": {"tiny": {}}}
 

@@ -3,7 +3,7 @@
 import threading
 
 from rlhpc import rewards
-from rlhpc.tasks import resolve_reward
+from rlhpc.data.tasks import resolve_reward
 
 
 def test_math_grades_answers_as_mathematics():

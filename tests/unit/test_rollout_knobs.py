@@ -13,10 +13,11 @@ import torch
 
 from rlhpc.algo.grpo import overlong_penalty
 from rlhpc.config import AlgoConfig, EvalConfig, EvalSetConfig, RolloutConfig, load_config
+from rlhpc.engine_server.cpu.requests import ModelLimits, normalize_generate
 from rlhpc.errors import ConfigError
-from rlhpc.rollout import protocol as P
-from rlhpc.rollout.cpu_server.requests import EngineError, ModelLimits, normalize_generate
 from rlhpc.rollout.generation import Generation, knob_params
+from rlhpc.wire import protocol as P
+from rlhpc.wire.protocol import EngineError
 
 
 def test_overlong_penalty_values() -> None:

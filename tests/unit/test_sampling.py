@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from rlhpc.rollout.sampling import sample
+from rlhpc.engine_server.cpu.sampling import sample
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])  # next-token logits, whatever the prefix
 
@@ -123,7 +123,7 @@ def test_min_p_drops_tokens_below_a_share_of_the_most_likely() -> None:
 
 
 def test_repetition_penalty_scales_the_logits_of_generated_tokens() -> None:
-    from rlhpc.rollout.sampling import penalize_repeats
+    from rlhpc.engine_server.cpu.sampling import penalize_repeats
 
     logits = torch.tensor([[2.0, -1.0, 0.5, 0.0, -3.0]])
     seen = torch.tensor([[True, True, False, True, False]])

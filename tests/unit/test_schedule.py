@@ -11,8 +11,8 @@ import torch
 from rlhpc.batch import RolloutBatch
 from rlhpc.errors import RlhpcError
 from rlhpc.rollout.engine_pool import EnginesDown
-from rlhpc.rollout.generation import GenerationAborted
 from rlhpc.schedule import AsyncRollouts, BusyClock, Generated, RolloutWeightsLost, SyncRollouts
+from rlhpc.wire.request import GenerationAborted
 
 
 class FakeEngines:

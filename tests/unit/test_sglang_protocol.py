@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 from support import sglang_wheel as sgl
 
-from rlhpc.rollout import openai_protocol as OP
-from rlhpc.rollout import protocol as P
-from rlhpc.rollout import sglang_server
-from rlhpc.rollout.cpu_server import requests as cpu_requests
-from rlhpc.rollout.openai_protocol import OpenAIRoute
-from rlhpc.rollout.protocol import Route
-from rlhpc.rollout.sglang_server import SGLangSpec
+from rlhpc.engine_server import sglang as sglang_server
+from rlhpc.engine_server.cpu import requests as cpu_requests
+from rlhpc.engine_server.sglang import SGLangSpec
+from rlhpc.wire import openai_protocol as OP
+from rlhpc.wire import protocol as P
+from rlhpc.wire.openai_protocol import OpenAIRoute
+from rlhpc.wire.protocol import Route
 
 BODIES = sorted(set(P.ROUTE_BODIES.values()), key=lambda c: c.__name__)
 
@@ -62,7 +62,7 @@ def test_every_route_exists_and_takes_our_body() -> None:
 
 
 def test_cpu_server_serves_only_protocol_routes() -> None:
-    from rlhpc.rollout.cpu_server.app import build_app
+    from rlhpc.engine_server.cpu.app import build_app
 
     app = build_app(engine=None, address={})  # routes only; no engine is touched until a request
     served = {r.path for r in app.routes}
@@ -141,7 +141,7 @@ def test_our_flat_layout_follows_sglangs_rules() -> None:
     """Back to back, no padding, every tensor aligned to its element size (SGLang refuses otherwise)."""
     import torch
 
-    from rlhpc.rollout.tensor_transport import TensorPayloadError, flat_layout, flat_order
+    from rlhpc.weights.tensor_transport import TensorPayloadError, flat_layout, flat_order
 
     theirs = sgl.flattened_bucket_receive()
     assert theirs.back_to_back and theirs.checks_alignment
@@ -164,7 +164,7 @@ def test_colocated_flattened_bucket_is_what_sglang_unpickles() -> None:
 
     import torch
 
-    from rlhpc.rollout.tensor_transport import SharedStaging, deserialize_flat_bucket, serialize_flat_bucket
+    from rlhpc.weights.tensor_transport import SharedStaging, deserialize_flat_bucket, serialize_flat_bucket
 
     assert P.FLATTENED_BUCKET in sgl.load_formats_compared(sgl.WEIGHT_UPDATER, "update_weights_from_tensor")
     theirs = sgl.flattened_bucket_from_tensor()

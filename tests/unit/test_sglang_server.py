@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import ray
 
+from rlhpc.engine_server import sglang as sg
+from rlhpc.engine_server.sglang import SGLangSpec
 from rlhpc.errors import RlhpcError
-from rlhpc.rollout import sglang_server as sg
-from rlhpc.rollout.sglang_server import SGLangSpec
 
 
 def flags(cmd: list[str]) -> dict[str, str | None]:
@@ -194,7 +194,7 @@ def test_missing_sglang_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(RlhpcError, match=r"rlhpc\[gpu\]"):
         sg.require_module("sglang", "SGLang")
 
-    from rlhpc.rollout.engine import EngineActor
+    from rlhpc.engine_server.host import EngineActor
 
     ray.init(num_cpus=2, num_gpus=1, include_dashboard=False, log_to_driver=False)
     try:

@@ -15,8 +15,8 @@ from rlhpc.cluster.layout import describe_layout, idle_note, plan_layout, summar
 from rlhpc.config import ClusterConfig, RewardModelConfig, TeacherConfig, config_from_dict
 from rlhpc.errors import ConfigError, RlhpcError
 from rlhpc.model import build_bpe_tokenizer, build_char_tokenizer
-from rlhpc.rollout.protocol import MetaInfo
 from rlhpc.rollout.teacher import check_same_vocabulary, request, response_logprobs
+from rlhpc.wire.protocol import MetaInfo
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -9,9 +9,9 @@ from tokenizers import pre_tokenizers
 from transformers import AutoTokenizer
 
 from rlhpc.config import TinyModelConfig
+from rlhpc.data.prompts import encode_prompts
 from rlhpc.errors import RlhpcError
 from rlhpc.model import IM_END, build_bpe_tokenizer, build_char_tokenizer, build_tiny_model
-from rlhpc.rollout.prompts import encode_prompts
 
 
 def test_the_char_tokenizer_adds_its_bos_itself():

@@ -7,10 +7,10 @@ import json
 
 import pytest
 
+from rlhpc.engine_server.cpu.openai_routes import render_chat
 from rlhpc.model import build_bpe_tokenizer
-from rlhpc.rollout.cpu_server.openai_routes import render_chat
-from rlhpc.rollout.cpu_server.requests import EngineError
-from rlhpc.rollout.tool_calls import ParsedCall, parse_hermes
+from rlhpc.wire.protocol import EngineError
+from rlhpc.wire.tool_calls import ParsedCall, parse_hermes
 
 TOOLS = {"get_weather", "add"}
 

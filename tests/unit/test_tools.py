@@ -18,8 +18,8 @@ from rlhpc.config import load_config
 from rlhpc.errors import ConfigError
 from rlhpc.model import IM_END, build_bpe_tokenizer
 from rlhpc.rollout.episodes import CHAT_ENV, ChatEnv, Conversation, EpisodeConfig
-from rlhpc.rollout.tool_calls import ParsedCall, parse_hermes
 from rlhpc.rollout.tools import Tools, tool_schema
+from rlhpc.wire.tool_calls import ParsedCall, parse_hermes
 
 USER = [{"role": "user", "content": "what is 6*7?"}]
 TINY = ["model.tiny.tokenizer=bpe", "rollout.max_episode_tokens=64"]
@@ -275,8 +275,8 @@ def test_tool_episodes_through_a_cpu_engine(tmp_path):
     from transformers import AutoTokenizer
 
     from rlhpc.config import TinyModelConfig
+    from rlhpc.engine_server.cpu.runner import Engine
     from rlhpc.model import build_tiny_model
-    from rlhpc.rollout.cpu_server.engine import Engine
     from rlhpc.rollout.episodes import make_episodes
     from rlhpc.rollout.generation import Generation
 

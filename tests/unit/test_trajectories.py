@@ -117,7 +117,7 @@ async def cheats(row, engine):
 
 @pytest.fixture(scope="module")
 def engine_model(tmp_path_factory):
-    from rlhpc.rollout.cpu_server.engine import Engine
+    from rlhpc.engine_server.cpu.runner import Engine
 
     model = build_tiny_model(tmp_path_factory.mktemp("traj") / "tiny", TinyModelConfig(tokenizer="bpe"))
     return model, Engine(str(model), "default")

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Multi-turn episodes: episodes per second through rlhpc against a plain loop, same engine, same requests.
 
-One CPU engine server process (``rlhpc.rollout.cpu_server``, the tiny model with its BPE
+One CPU engine server process (``rlhpc.engine_server.cpu``, the tiny model with its BPE
 tokenizer and ChatML template, one torch thread, as the loop starts it) serves both sides, which
-run the built-in ``guess`` task's episodes (``rlhpc.tasks.guess``) turn by turn in lockstep:
+run the built-in ``guess`` task's episodes (``rlhpc.data.guess``) turn by turn in lockstep:
 
 - plain: the loop anyone would write against the engine: one /generate per turn with every
   running episode's tokens so far, the environment stepped with the engine's text, the
@@ -48,13 +48,13 @@ from typing import Any
 import torch
 
 from rlhpc.config import Config, load_config
+from rlhpc.data.guess import GuessEnv
+from rlhpc.data.tasks import TASKS, load_split
 from rlhpc.logs import setup_logging
 from rlhpc.model import build_tiny_model, load_tokenizer
-from rlhpc.rollout.client import EngineClient
 from rlhpc.rollout.episodes import make_episodes
 from rlhpc.rollout.generation import Generation, one_batch, sample_seed, task_reward
-from rlhpc.tasks import TASKS, load_split
-from rlhpc.tasks.guess import GuessEnv
+from rlhpc.wire.client import EngineClient
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "jobs" / "configs" / "embedded.yaml"  # the embedded default: the tiny model
@@ -78,7 +78,7 @@ def start_engine(model_path: Path, work: Path) -> tuple[subprocess.Popen, str]:
     ready = work / "engine.ready.json"
     logf = open(work / "engine.log", "wb")  # noqa: SIM115 - lives as long as the server
     proc = subprocess.Popen(
-        [sys.executable, "-m", "rlhpc.rollout.cpu_server", "--model-path", str(model_path), "--port", "0"]
+        [sys.executable, "-m", "rlhpc.engine_server.cpu", "--model-path", str(model_path), "--port", "0"]
         + ["--ready-file", str(ready), "--parent-pid", str(os.getpid()), "--log-level", "WARNING"],
         stdout=logf, stderr=subprocess.STDOUT, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )  # fmt: skip

@@ -2,7 +2,7 @@
 """Weight-sync speed: trainer -> engines against the raw transport and an in-process copy of the same bytes.
 
 This process plays the trainer's rank 0 and holds a tiny-architecture Llama made a few hundred
-MB big. Engines are real CPU engine server processes (``rlhpc.rollout.cpu_server``, port 0 +
+MB big. Engines are real CPU engine server processes (``rlhpc.engine_server.cpu``, port 0 +
 ready file, one torch thread each, as the loop starts them). Each case is timed in turns with its
 baseline in the same run (baseline, case, baseline, case, ...), so a machine whose speed drifts
 (a VM with neighbours: single sends here range 0.6x to 1.5x of their median) moves both alike:
@@ -70,12 +70,12 @@ import torch
 import torch.distributed as dist
 
 from rlhpc.config import RolloutConfig, TinyModelConfig
+from rlhpc.engine_server.cpu.sampling import sample
 from rlhpc.model import build_tiny_model, load_model, load_tokenizer
-from rlhpc.rollout.client import EngineClient
-from rlhpc.rollout.sampling import sample
-from rlhpc.rollout.tensor_transport import flatten_parameters, share_memory_by_name
-from rlhpc.rollout.weight_sync import DistributedWeightSender, TensorWeightSender
-from rlhpc.rollout.weight_update_group import create_master_store, init_custom_process_group
+from rlhpc.weights.sender import DistributedWeightSender, TensorWeightSender
+from rlhpc.weights.tensor_transport import flatten_parameters, share_memory_by_name
+from rlhpc.weights.update_group import create_master_store, init_custom_process_group
+from rlhpc.wire.client import EngineClient
 
 REPO = Path(__file__).resolve().parents[2]
 log = logging.getLogger("bench.weight_sync")
@@ -105,7 +105,7 @@ def start_engine(model_path: str, work: Path, name: str, timeout_s: float = 300)
     ready = work / f"{name}.ready.json"
     logf = open(work / f"{name}.log", "wb")  # noqa: SIM115 - lives as long as the server
     proc = subprocess.Popen(
-        [sys.executable, "-m", "rlhpc.rollout.cpu_server", "--model-path", model_path, "--port", "0"]
+        [sys.executable, "-m", "rlhpc.engine_server.cpu", "--model-path", model_path, "--port", "0"]
         + ["--ready-file", str(ready), "--parent-pid", str(os.getpid()), "--log-level", "WARNING"],
         stdout=logf,
         stderr=subprocess.STDOUT,

@@ -1,4 +1,4 @@
-"""``python -m rlhpc.rollout.router_main --api-key-file PATH ROUTER_ARGS...``: sglang_router with
+"""``python -m rlhpc.engine_server.router_main --api-key-file PATH ROUTER_ARGS...``: sglang_router with
 the engine key read from a file, never on a command line.
 
 sglang_router takes its key only as ``--api-key KEY``, and a process's command line is readable
@@ -13,14 +13,14 @@ import argparse
 import runpy
 import sys
 
-from rlhpc.rollout.engine_key import read_key
+from rlhpc.wire.engine_key import read_key
 
 ROUTER_MODULE = "sglang_router.launch_router"
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(
-        prog="python -m rlhpc.rollout.router_main", description=__doc__.split("\n\n")[0], allow_abbrev=False
+        prog="python -m rlhpc.engine_server.router_main", description=__doc__.split("\n\n")[0], allow_abbrev=False
     )
     p.add_argument("--api-key-file", required=True, help="the file holding the engine key (0600)")
     args, router_args = p.parse_known_args(argv)

@@ -46,6 +46,6 @@ def resolve_filter(spec: str) -> GroupFilter:
     return import_function(
         key,
         spec,
-        "keep(group: rlhpc.rollout.dynamic_sampling.Group) -> bool",
+        "keep(group: rlhpc.data.dynamic_sampling.Group) -> bool",
         not_a_spec=f"{key} = {spec!r} is neither a built-in filter ({', '.join(BUILTIN_FILTERS)}) nor 'module:function'",
     )

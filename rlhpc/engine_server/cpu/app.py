@@ -1,4 +1,4 @@
-"""The CPU engine's HTTP app: SGLang's native routes (``rlhpc.rollout.protocol.Route``) over an
+"""The CPU engine's HTTP app: SGLang's native routes (``rlhpc.wire.protocol.Route``) over an
 ``Engine``, and its OpenAI-compatible ones (``openai_routes``).
 
 Request bodies are validated as the protocol's dataclasses (SGLang's field names; fields SGLang
@@ -26,12 +26,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import TypeAdapter, ValidationError
 
-from rlhpc.rollout import protocol as P
-from rlhpc.rollout.cpu_server.engine import Engine
-from rlhpc.rollout.cpu_server.openai_routes import add_openai_routes
-from rlhpc.rollout.cpu_server.requests import EngineError, Item
-from rlhpc.rollout.engine_key import HEADER, authorized
-from rlhpc.rollout.protocol import PAUSE_MODES, Route
+from rlhpc.engine_server.cpu.openai_routes import add_openai_routes
+from rlhpc.engine_server.cpu.requests import Item
+from rlhpc.engine_server.cpu.runner import Engine
+from rlhpc.wire import protocol as P
+from rlhpc.wire.engine_key import HEADER, authorized
+from rlhpc.wire.protocol import PAUSE_MODES, EngineError, Route
 
 log = logging.getLogger("rlhpc.cpu_server")
 

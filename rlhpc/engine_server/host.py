@@ -10,7 +10,7 @@ with the actor: PR_SET_PDEATHSIG when the actor forks from its main thread (Ray 
 actor's methods there), plus the CPU server's own ``--parent-pid`` watchdog.
 
 Every route of the server requires the job's engine key (``key_file``, see
-``rlhpc.rollout.engine_key``): the CPU server reads the file itself (``--api-key-file``), SGLang
+``rlhpc.wire.engine_key``): the CPU server reads the file itself (``--api-key-file``), SGLang
 from a 0600 ``--config`` file in the actor's private temp dir, so the key is on no command line.
 The server listens on ``host`` (loopback when every peer is on this node), else the node's IP.
 """
@@ -28,21 +28,21 @@ from pathlib import Path
 
 import ray
 
+from rlhpc.engine_server import sglang as sglang_server
+from rlhpc.engine_server.sglang import SGLangSpec
 from rlhpc.errors import RlhpcError
-from rlhpc.rollout import sglang_server
-from rlhpc.rollout.client import EngineClient
-from rlhpc.rollout.engine_key import read_key
-from rlhpc.rollout.sglang_server import SGLangSpec
 from rlhpc.util.files import node_tmp_dir, read_trusted_json, tail
 from rlhpc.util.net import http_url, url_host
 from rlhpc.util.processes import die_with_parent, stop_group
+from rlhpc.wire.client import EngineClient
+from rlhpc.wire.engine_key import read_key
 
 log = logging.getLogger(__name__)
 
 
 @ray.remote
 class EngineActor:
-    """Start, watch, restart and stop one engine server (``rlhpc.rollout.cpu_server`` or SGLang)."""
+    """Start, watch, restart and stop one engine server (``rlhpc.engine_server.cpu`` or SGLang)."""
 
     def __init__(
         self,
@@ -86,7 +86,7 @@ class EngineActor:
         return [
             sys.executable,
             "-m",
-            "rlhpc.rollout.cpu_server",
+            "rlhpc.engine_server.cpu",
             "--model-path",
             self.model_path,
             "--host",

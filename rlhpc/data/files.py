@@ -4,7 +4,7 @@ read on the driver (and once at submit, to refuse a bad file before anything is 
 ``prompt_key`` and ``label_key`` may be dotted for nested fields (verl's files keep the label at
 ``reward_model.ground_truth``). Each row becomes ``{"prompt": text or chat messages, "answer": str,
 "metadata": the row's other fields}``
-(``rlhpc.rollout.prompts`` renders the messages with the model's template); every error
+(``rlhpc.data.prompts`` renders the messages with the model's template); every error
 names the file, the row, the key and the fix.
 """
 

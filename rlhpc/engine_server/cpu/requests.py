@@ -1,6 +1,6 @@
 """SGLang request bodies -> the CPU engine's work: /generate rows, sampling params, memory tags.
 
-Field names and routes come from ``rlhpc.rollout.protocol``; this module holds what the CPU
+Field names and routes come from ``rlhpc.wire.protocol``; this module holds what the CPU
 engine does with them: SGLang's batching and parallel-sampling rules, and which sampling params
 it supports (the rest are refused, not ignored).
 """
@@ -13,16 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from rlhpc.rollout.protocol import MEMORY_TAGS, NO_EFFECT_VALUES, TOP_K_ALL
+from rlhpc.wire.protocol import MEMORY_TAGS, NO_EFFECT_VALUES, TOP_K_ALL, EngineError
 
-
-class EngineError(Exception):
-    """A request the engine refuses; answered as HTTP 400 with SGLang's error body."""
-
-
-# Sampling parameters by how the CPU engine treats them. Those in NO_EFFECT_VALUES and not USED
-# are accepted only at those values (anything else changes the distribution, and silently
-# ignoring it would make CPU and GPU runs differ).
 USED = frozenset(
     {
         "max_new_tokens",

@@ -1,7 +1,7 @@
 """SGLang's native HTTP protocol, written once: routes, request bodies, sampling params, meta_info keys.
 
-The client (``rlhpc.rollout.client``) builds its request bodies from these dataclasses and the
-CPU engine server (``rlhpc.rollout.cpu_server``) validates them with the same ones, so both speak
+The client (``rlhpc.wire.client``) builds its request bodies from these dataclasses and the
+CPU engine server (``rlhpc.engine_server.cpu``) validates them with the same ones, so both speak
 SGLang's names. Each class is named after SGLang's request struct in
 ``sglang/srt/managers/io_struct.py`` and holds the subset of its fields rlhpc uses, with SGLang's
 defaults; fields without a default are required there too. tests/unit/test_sglang_protocol.py
@@ -23,7 +23,7 @@ WEIGHT_VERSION_SPAN_KEYS = ("version", "start", "end")  # one entry of meta_info
 WEIGHT_UPDATE_SELECTORS = ("target", "draft", "all")  # which model runners a weight-update session opens
 TOP_K_ALL = 1 << 30  # SGLang's "no top-k"
 # load_format of /update_weights_from_distributed: ONE broadcast per bucket, the tensors' bytes
-# back to back (SGLang's FlattenedTensorBucket layout; see rlhpc.rollout.tensor_transport)
+# back to back (SGLang's FlattenedTensorBucket layout; see rlhpc.weights.tensor_transport)
 FLATTENED_BUCKET = "flattened_bucket"
 
 
@@ -150,7 +150,7 @@ class UpdateWeightsFromDistributedReqInput:
 
 @dataclass
 class UpdateWeightsFromTensorReqInput:
-    """One base64 entry per TP rank (see ``rlhpc.rollout.tensor_transport``)."""
+    """One base64 entry per TP rank (see ``rlhpc.weights.tensor_transport``)."""
 
     serialized_named_tensors: list[str]
     load_format: str | None = None
@@ -292,3 +292,12 @@ class MetaInfo:
     @classmethod
     def all(cls) -> frozenset[str]:
         return frozenset(v for k, v in vars(cls).items() if k.isupper() and isinstance(v, str))
+
+
+class EngineError(Exception):
+    """A request the engine refuses; answered as HTTP 400 with SGLang's error body."""
+
+
+# Sampling parameters by how the CPU engine treats them. Those in NO_EFFECT_VALUES and not USED
+# are accepted only at those values (anything else changes the distribution, and silently
+# ignoring it would make CPU and GPU runs differ).

@@ -20,11 +20,11 @@ import torch
 import uvicorn
 import uvloop
 
-from rlhpc.rollout.cpu_server.app import build_app
-from rlhpc.rollout.cpu_server.engine import Engine
-from rlhpc.rollout.cpu_server.guard import HEADER_TIMEOUT_S, guarded_protocol
-from rlhpc.rollout.engine_key import read_key
+from rlhpc.engine_server.cpu.app import build_app
+from rlhpc.engine_server.cpu.guard import HEADER_TIMEOUT_S, guarded_protocol
+from rlhpc.engine_server.cpu.runner import Engine
 from rlhpc.util.files import write_atomic
+from rlhpc.wire.engine_key import read_key
 
 log = logging.getLogger("rlhpc.cpu_server")
 
@@ -67,7 +67,7 @@ def _watch_parent(parent_pid: int, server: uvicorn.Server) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m rlhpc.rollout.cpu_server", description=_DESCRIPTION)
+    p = argparse.ArgumentParser(prog="python -m rlhpc.engine_server.cpu", description=_DESCRIPTION)
     p.add_argument("--model-path", required=True)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="0 = pick a free port (see --ready-file)")

@@ -1,7 +1,7 @@
 """HTTP client for one rollout engine: SGLang's native routes, SGLang's field names.
 
-The same client drives a real SGLang server (GPU clusters) and ``rlhpc.rollout.cpu_server``
-(CPU machines, CI). Routes and request bodies come from ``rlhpc.rollout.protocol``, the one place
+The same client drives a real SGLang server (GPU clusters) and ``rlhpc.engine_server.cpu``
+(CPU machines, CI). Routes and request bodies come from ``rlhpc.wire.protocol``, the one place
 that names them (tests check it against SGLang's sources).
 """
 
@@ -17,9 +17,9 @@ import urllib3
 from urllib3.connection import HTTPConnection
 
 from rlhpc.errors import RlhpcError
-from rlhpc.rollout import protocol as P
-from rlhpc.rollout.engine_key import auth_headers
-from rlhpc.rollout.protocol import Route
+from rlhpc.wire import protocol as P
+from rlhpc.wire.engine_key import auth_headers
+from rlhpc.wire.protocol import Route
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ class EngineClient:
     """One engine's HTTP API. Methods raise RlhpcError on connection failure, non-200 or success=false."""
 
     def __init__(self, base_url: str, timeout_s: float = 600.0, api_key: str | None = None):
-        """``api_key``: the job's engine key (``rlhpc.rollout.engine_key``), sent on every request."""
+        """``api_key``: the job's engine key (``rlhpc.wire.engine_key``), sent on every request."""
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
         self._http = engine_connections(api_key)
@@ -237,7 +237,7 @@ class EngineClient:
     # -------------------------------------------------------------- weights
 
     # The three weight updates take their request as the protocol defines it (fields and defaults
-    # written once, in rlhpc.rollout.protocol), not as keyword arguments repeating them.
+    # written once, in rlhpc.wire.protocol), not as keyword arguments repeating them.
 
     def init_weights_update_group(self, req: P.InitWeightsUpdateGroupReqInput) -> dict[str, Any]:
         return self._checked(Route.INIT_WEIGHTS_UPDATE_GROUP, P.body(req))

@@ -5,45 +5,38 @@ A request becomes a native /generate batch (one row per prompt and choice, so ev
 sampled token ids (``return_token_ids``), ``matched_stop``, the weight versions in ``metadata``.
 Chat messages are rendered by the model's own chat template (``apply_chat_template``, ``tools``
 passed to it); tool calls in the output are read in the Hermes/Qwen format
-(``rlhpc.rollout.tool_calls``). ``stream: true`` is answered as server-sent events once the
+(``rlhpc.wire.tool_calls``). ``stream: true`` is answered as server-sent events once the
 whole batch is done (the CPU engine does not decode incrementally): the client sees the same
-chunks, all at the end. Field names: ``rlhpc.rollout.openai_protocol``.
+chunks, all at the end. Field names: ``rlhpc.wire.openai_protocol``.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
-from rlhpc.rollout.cpu_server.engine import Engine
-from rlhpc.rollout.cpu_server.requests import MAX_TOP_LOGPROBS, EngineError, Item
-from rlhpc.rollout.openai_protocol import (
+from rlhpc.engine_server.cpu.requests import MAX_TOP_LOGPROBS, Item
+from rlhpc.engine_server.cpu.runner import Engine
+from rlhpc.wire.openai_messages import assistant_message, openai_error, sse_events, template_message
+from rlhpc.wire.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     OpenAIRoute,
     unsupported_fields,
 )
-from rlhpc.rollout.protocol import MetaInfo
-from rlhpc.rollout.tool_calls import ParsedOutput, parse_hermes
+from rlhpc.wire.protocol import EngineError, MetaInfo
+from rlhpc.wire.tool_calls import parse_hermes
 
 log = logging.getLogger("rlhpc.cpu_server")
 
 Generate = Callable[[list[Item], int], Awaitable[list[dict[str, Any]]]]
-
-
-def openai_error(message: str, status: int = 400) -> JSONResponse:
-    """SGLang's ErrorResponse body (what the openai client reads as the error)."""
-    kind = "BadRequestError" if status == 400 else "InternalServerError"
-    body = {"object": "error", "message": message, "type": kind, "param": None, "code": status}
-    return JSONResponse(body, status_code=status)
 
 
 def add_openai_routes(app: FastAPI, engine: Engine, generate: Generate) -> None:
@@ -182,32 +175,6 @@ def render_chat(
     return [int(t) for t in ids]
 
 
-def template_message(message: dict[str, Any]) -> dict[str, Any]:
-    """An OpenAI message as chat templates read it (as SGLang prepares it): text parts joined with
-    a space, and tool-call arguments as objects rather than JSON text (templates write them with tojson)."""
-    msg = dict(message)
-    content = msg.get("content")
-    if isinstance(content, list):
-        kinds = {part.get("type") for part in content if isinstance(part, dict)}
-        if kinds - {"text"}:
-            raise EngineError(f"content parts of type {sorted(kinds - {'text'})} are not supported by the CPU engine")
-        msg["content"] = " ".join(part["text"] for part in content)
-    calls = msg.get("tool_calls")
-    if isinstance(calls, list):
-        msg["tool_calls"] = [_call_with_object_arguments(c) for c in calls]
-    return msg
-
-
-def _call_with_object_arguments(call: dict[str, Any]) -> dict[str, Any]:
-    function = dict(call.get("function") or {})
-    if isinstance(function.get("arguments"), str):
-        try:
-            function["arguments"] = orjson.loads(function["arguments"])
-        except orjson.JSONDecodeError as e:  # SGLang's words
-            raise EngineError("Assistant tool call function.arguments must be valid JSON.") from e
-    return {**call, "function": function}
-
-
 def _chat(engine: Engine, req: ChatCompletionRequest) -> tuple[list[Item], Callable[[list[dict]], dict]]:
     top = req.top_logprobs if req.logprobs else None
     if req.logprobs and not 0 <= (top or 0) <= MAX_TOP_LOGPROBS:
@@ -240,28 +207,6 @@ def _chat(engine: Engine, req: ChatCompletionRequest) -> tuple[list[Item], Calla
 
 
 # ------------------------------------------------------------------ native outputs -> OpenAI
-
-
-def assistant_message(
-    text: str, finish: dict[str, Any], parsed: ParsedOutput | None
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """A choice's message and finish fields for an output ``text`` whose tool calls were read as
-    ``parsed`` (None: not read): with calls, the content is the text before them."""
-    message: dict[str, Any] = {"role": "assistant", "content": text}
-    if parsed is not None and parsed.calls:
-        message["content"] = parsed.content
-        message["tool_calls"] = [
-            {
-                "id": f"call_{uuid.uuid4().hex[:24]}",
-                "index": k,
-                "type": "function",
-                "function": {"name": c.name, "arguments": c.arguments},
-            }
-            for k, c in enumerate(parsed.calls)
-        ]
-        if finish["finish_reason"] == "stop":  # as SGLang: the turn ended to call tools
-            finish = {"finish_reason": "tool_calls", "matched_stop": None}
-    return message, finish
 
 
 def _finish(out: dict) -> dict[str, Any]:
@@ -317,28 +262,3 @@ def _token_logprob(engine: Engine, logprob: float, token: int) -> dict[str, Any]
 
 
 # ------------------------------------------------------------------ streaming
-
-
-async def sse_events(body: dict, req: Any) -> AsyncIterator[bytes]:
-    """A finished response as SSE chunks: per choice one with its text (chat: role and content,
-    then its tool calls) and the finish reason, then usage if asked, then ``[DONE]``."""
-    chat = body["object"] == "chat.completion"
-    head = {k: body[k] for k in ("id", "created", "model")}
-    head["object"] = "chat.completion.chunk" if chat else "text_completion"
-    for c in body["choices"]:
-        if chat:
-            delta = {k: v for k, v in c["message"].items() if v is not None}
-            choice = {"index": c["index"], "delta": delta, "logprobs": c["logprobs"]}
-        else:
-            choice = {"index": c["index"], "text": c["text"], "logprobs": c["logprobs"]}
-        yield _sse({**head, "choices": [{**choice, "finish_reason": None}]})
-        end = {"index": c["index"], "finish_reason": c["finish_reason"], "matched_stop": c["matched_stop"]}
-        end.update({"delta": {}} if chat else {"text": ""})
-        yield _sse({**head, "choices": [end]})
-    if (req.stream_options or {}).get("include_usage"):
-        yield _sse({**head, "choices": [], "usage": body["usage"]})
-    yield b"data: [DONE]\n\n"
-
-
-def _sse(chunk: dict) -> bytes:
-    return b"data: " + orjson.dumps(chunk) + b"\n\n"

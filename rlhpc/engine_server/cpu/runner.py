@@ -1,7 +1,7 @@
 """The CPU engine: a Hugging Face model behind SGLang's request semantics (generation, weights, memory).
 
 Concurrency: one HTTP /generate request is one sampling batch, and batches run one at a time on
-a single thread (see ``rlhpc.rollout.cpu_server.app``), so with fixed ``sampling_seed``s a
+a single thread (see ``rlhpc.engine_server.cpu.app``), so with fixed ``sampling_seed``s a
 request's tokens do not depend on other traffic. Weight routes run on a second thread; a lock
 keeps them off the model while a batch computes. A pause holds new batches (and, in modes
 ``in_place``/``retract``, the running one between decoding steps; ``abort``, SGLang's default,
@@ -23,9 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rlhpc.model import is_classifier, load_classifier, load_model, load_tokenizer
-from rlhpc.rollout import protocol as P
-from rlhpc.rollout.cpu_server.requests import (
+from rlhpc.engine_server.cpu.requests import (
     EngineError,
     Item,
     ModelLimits,
@@ -33,10 +31,10 @@ from rlhpc.rollout.cpu_server.requests import (
     normalize_classify,
     normalize_generate,
 )
-from rlhpc.rollout.expert_names import checkpoint_named
-from rlhpc.rollout.protocol import MetaInfo
-from rlhpc.rollout.sampling import RECOMPUTE, sample
-from rlhpc.rollout.tensor_transport import (
+from rlhpc.engine_server.cpu.sampling import RECOMPUTE, sample
+from rlhpc.model import is_classifier, load_classifier, load_model, load_tokenizer
+from rlhpc.weights.expert_names import checkpoint_named
+from rlhpc.weights.tensor_transport import (
     TensorPayloadError,
     adjacent_bytes,
     copy_bytes,
@@ -46,7 +44,9 @@ from rlhpc.rollout.tensor_transport import (
     flatten_parameters,
     unflatten,
 )
-from rlhpc.rollout.weight_update_group import init_custom_process_group
+from rlhpc.weights.update_group import init_custom_process_group
+from rlhpc.wire import protocol as P
+from rlhpc.wire.protocol import MetaInfo
 
 log = logging.getLogger("rlhpc.cpu_server")
 

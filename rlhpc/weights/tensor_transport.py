@@ -20,7 +20,7 @@ CUDA tensors stay on their GPU (packed into a device buffer, about one bucket of
 unless they lie flat already): ForkingPickler turns them into IPC handles whatever the sharing
 strategy, with an event the receiver waits on before reading, so the packing is complete when
 the engine copies. The engine copies and synchronises before it answers (``Engine.load_weights``
-in rlhpc.rollout.cpu_server), so once every engine has answered the sender may reuse or free the
+in rlhpc.engine_server.cpu), so once every engine has answered the sender may reuse or free the
 buffer; torch keeps a block whose receiver still holds a handle in its IPC limbo until
 ``torch.cuda.ipc_collect``.
 
@@ -234,7 +234,7 @@ class SharedStaging:
     """A host buffer in shared memory, kept between pushes: a bucket is copied into it once and
     the engines map it by name. A fresh segment per bucket would cost a shm allocation and a page
     fault per 4 KiB on both sides, as much as the copy itself; a kept one is mapped once by each
-    engine (which holds on to it, see ``rlhpc.rollout.cpu_server``)."""
+    engine (which holds on to it, see ``rlhpc.engine_server.cpu``)."""
 
     def __init__(self) -> None:
         self._buf: torch.Tensor | None = None

@@ -10,8 +10,8 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from rlhpc.tasks import guess
-from rlhpc.tasks.files import read_rows
+from rlhpc.data import guess
+from rlhpc.data.files import read_rows
 from rlhpc.util.imports import import_function
 
 RewardFn = Callable[[str, str, str], float]
@@ -58,7 +58,7 @@ TASKS: dict[str, Task] = {
         Task("digit_sum", _digit_sum_data, _digit_sum_reward, "'a+b=' -> (a+b) mod 10"),
         Task("reverse", _reverse_data, _reverse_reward, "'abc:' -> 'cba'"),
         Task(
-            "guess", guess.make, guess.reward, "guess 1-8, told higher/lower (multi-turn)", "rlhpc.tasks.guess:GuessEnv"
+            "guess", guess.make, guess.reward, "guess 1-8, told higher/lower (multi-turn)", "rlhpc.data.guess:GuessEnv"
         ),
     )
 }
@@ -72,7 +72,7 @@ def resolve_reward(spec: str) -> RewardFn:
 def load_split(
     task: Task, file: str | None, count: int, seed: int, prompt_key: str = "prompt", label_key: str = "answer"
 ) -> list[dict]:
-    """Rows from ``file`` if given (``rlhpc.tasks.files``), else ``count`` rows generated
+    """Rows from ``file`` if given (``rlhpc.data.files``), else ``count`` rows generated
     deterministically from ``seed``."""
     if file is not None:
         return read_rows(file, prompt_key, label_key)

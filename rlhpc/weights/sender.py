@@ -10,7 +10,7 @@ Two channels, chosen by placement:
   while this one is on the wire.
 - colocate (``TensorWeightSender``): engines share the trainer's node, so each bucket travels as
   ONE handle (shared memory, or CUDA IPC on a GPU) inside ``/update_weights_from_tensor``,
-  ``load_format="flattened_bucket"`` (see ``rlhpc.rollout.tensor_transport``): of the buffer the
+  ``load_format="flattened_bucket"`` (see ``rlhpc.weights.tensor_transport``): of the buffer the
   bucket is packed into (on CPU a shared-memory segment kept between pushes, on a GPU a device
   buffer for the push), or, for weights already lying flat in shared memory or on the GPU, of
   the weights as they are.
@@ -38,10 +38,7 @@ import torch
 import torch.distributed as dist
 
 from rlhpc.errors import RlhpcError
-from rlhpc.rollout import protocol as P
-from rlhpc.rollout.client import EngineClient
-from rlhpc.rollout.protocol import FLATTENED_BUCKET, weight_version_note
-from rlhpc.rollout.tensor_transport import (
+from rlhpc.weights.tensor_transport import (
     SharedStaging,
     adjacent_bytes,
     flat_order,
@@ -50,7 +47,7 @@ from rlhpc.rollout.tensor_transport import (
     sendable_as_is,
     serialize_flat_bucket,
 )
-from rlhpc.rollout.weight_update_group import (
+from rlhpc.weights.update_group import (
     DEFAULT_TIMEOUT,
     RendezvousStore,
     as_timedelta,
@@ -60,6 +57,9 @@ from rlhpc.rollout.weight_update_group import (
     is_open,
     open_groups_named,
 )
+from rlhpc.wire import protocol as P
+from rlhpc.wire.client import EngineClient
+from rlhpc.wire.protocol import FLATTENED_BUCKET, weight_version_note
 
 log = logging.getLogger(__name__)
 

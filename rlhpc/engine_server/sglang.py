@@ -9,12 +9,12 @@ port is picked and, if the server dies during start-up because the port was take
 another one is picked (a bounded number of times). Its internal NCCL port is passed explicitly
 (``--nccl-port``), also picked free, so two engines on one node never pick the same one.
 
-The engine key (``rlhpc.rollout.engine_key``): SGLang takes ``--api-key`` only as a server
+The engine key (``rlhpc.wire.engine_key``): SGLang takes ``--api-key`` only as a server
 argument, and reads its server arguments also from a YAML ``--config`` file, so the key goes
 there (a 0600 file), not onto the command line. SGLang then requires ``Authorization: Bearer KEY``
 on every route except /health*, /ready* and /metrics* (probes), and logs its server arguments,
 key included, at start-up: its output reaches the log through ``_RedactingPump``, which
-replaces the key. sglang_router takes the key only as ``--api-key KEY``; ``rlhpc.rollout.router_main``
+replaces the key. sglang_router takes the key only as ``--api-key KEY``; ``rlhpc.engine_server.router_main``
 reads it from the file and hands it over inside the process, so no command line carries it. The
 router then requires the key of its own clients too, and sends it on its calls to the engines.
 """
@@ -38,17 +38,17 @@ from pathlib import Path
 import yaml
 
 from rlhpc.errors import RlhpcError
-from rlhpc.rollout.client import EngineClient
-from rlhpc.rollout.engine_key import read_key
 from rlhpc.util.net import http_url
 from rlhpc.util.processes import stop_group
 from rlhpc.util.secrets import write_secret
+from rlhpc.wire.client import EngineClient
+from rlhpc.wire.engine_key import read_key
 
 log = logging.getLogger(__name__)
 
 SERVER_MODULE = "sglang.launch_server"
 ROUTER_MODULE = "sglang_router.launch_router"
-ROUTER_MAIN = "rlhpc.rollout.router_main"  # sglang_router with the key read from a file
+ROUTER_MAIN = "rlhpc.engine_server.router_main"  # sglang_router with the key read from a file
 PORT_ATTEMPTS = 5  # starts on fresh ports before giving up on address-in-use failures
 
 # What a server prints when a port it was given is taken: uvicorn's bind error (errno 98),
@@ -140,7 +140,7 @@ def router_command(
     metrics_port: int,
     key_file: Path | None = None,
 ) -> list[str]:
-    """sglang_router in front of the engines; with ``key_file``, through ``rlhpc.rollout.router_main``,
+    """sglang_router in front of the engines; with ``key_file``, through ``rlhpc.engine_server.router_main``,
     which hands it the key inside the process (sglang_router takes it only as ``--api-key KEY``).
 
     Round robin: every sample carries its own seed, so which engine serves it does not matter,

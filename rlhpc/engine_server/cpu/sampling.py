@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rlhpc.rollout.protocol import TOP_K_ALL
+from rlhpc.wire.protocol import TOP_K_ALL
 
 RECOMPUTE = "recompute"  # a step hook's answer: the weights changed, rebuild the KV cache with them
 

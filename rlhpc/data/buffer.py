@@ -14,12 +14,12 @@ import random
 from typing import TYPE_CHECKING
 
 from rlhpc.config import eval_split
+from rlhpc.data.tasks import TASKS, load_split
 from rlhpc.errors import ConfigError
-from rlhpc.tasks import TASKS, load_split
 
 if TYPE_CHECKING:
     from rlhpc.config import DataConfig, EvalSetConfig
-    from rlhpc.rollout.prompts import PromptPrep
+    from rlhpc.data.prompts import PromptPrep
 
 
 class DataBuffer:
@@ -99,7 +99,7 @@ def load_data(
     data: DataConfig, rollout_batch_size: int, seed: int, prepare: PromptPrep | None = None
 ) -> tuple[DataBuffer, list[dict]]:
     """The training buffer and the eval rows of ``data.task`` (or of its files), each split
-    passed through ``prepare`` (``rlhpc.rollout.prompts.prepare_prompts``) before the order is drawn."""
+    passed through ``prepare`` (``rlhpc.data.prompts.prepare_prompts``) before the order is drawn."""
     eval_rows = load_split(
         TASKS[data.task], data.eval_file, data.num_eval, data.seed + 1, data.prompt_key, data.label_key
     )
