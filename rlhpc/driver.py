@@ -33,6 +33,7 @@ from rlhpc.launch.staging import NOT_STAGED, Staged
 from rlhpc.launch.startup import StartupClock
 from rlhpc.metrics import MetricsLogger, read_metrics
 from rlhpc.model import context_length, load_tokenizer
+from rlhpc.rollout.custom import make_custom
 from rlhpc.rollout.engine_pool import EnginePool
 from rlhpc.rollout.episodes import make_episodes
 from rlhpc.rollout.generation import Generation, task_reward
@@ -40,7 +41,6 @@ from rlhpc.rollout.judge import Judge
 from rlhpc.rollout.reward_model import RewardModel, start_reward_engines
 from rlhpc.rollout.scoring import MixedScorer
 from rlhpc.rollout.teacher import Teacher, check_same_vocabulary, start_teacher_engines
-from rlhpc.rollout.trajectories import make_custom
 from rlhpc.run_dir import RunDir
 from rlhpc.schedule import AsyncRollouts, BusyClock, Generated, SyncRollouts
 from rlhpc.wire.request import GenerationAborted

@@ -13,8 +13,8 @@ from transformers import AutoTokenizer
 
 from rlhpc.config import TinyModelConfig, load_config
 from rlhpc.model import build_tiny_model
+from rlhpc.rollout.custom import make_custom
 from rlhpc.rollout.generation import Generation
-from rlhpc.rollout.trajectories import make_custom
 from rlhpc.wire.tool_calls import ParsedCall
 
 CALC = {

@@ -11,10 +11,10 @@ from support.engines import in_process_send
 from rlhpc.config import TinyModelConfig, load_config
 from rlhpc.errors import ConfigError
 from rlhpc.model import build_tiny_model
+from rlhpc.rollout.custom import CustomRollout
 from rlhpc.rollout.generation import Generation
 from rlhpc.rollout.trajectories import (
     Call,
-    CustomRollout,
     Generated,
     Trajectory,
     TrajectoryRefused,

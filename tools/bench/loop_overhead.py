@@ -39,8 +39,8 @@ from rlhpc.data.tasks import TASKS, load_split
 from rlhpc.engine_server.cpu.sampling import sample
 from rlhpc.logs import setup_logging
 from rlhpc.model import load_model, load_tokenizer
-from rlhpc.rollout.generation import sample_seed
 from rlhpc.run_dir import RunDir
+from rlhpc.wire.request import sample_seed
 
 CONFIG = Path(__file__).resolve().parents[2] / "jobs" / "configs" / "embedded.yaml"
 
