@@ -264,18 +264,17 @@ def _add_weights_and_memory(app: FastAPI, engine: Engine, workers: Workers) -> N
         except EngineError as e:
             return error_response(str(e))
 
-    @app.api_route(Route.RELEASE_MEMORY_OCCUPATION, methods=["GET", "POST"])
-    async def release_memory_occupation(req: P.ReleaseMemoryOccupationReqInput) -> Any:
+    async def memory(fn: Any, tags: list[str] | None) -> Any:
         try:
-            await workers.control(engine.release, req.tags)
+            await workers.control(fn, tags)
         except EngineError as e:
             return error_response(str(e))
         return None
 
+    @app.api_route(Route.RELEASE_MEMORY_OCCUPATION, methods=["GET", "POST"])
+    async def release_memory_occupation(req: P.ReleaseMemoryOccupationReqInput) -> Any:
+        return await memory(engine.release, req.tags)
+
     @app.api_route(Route.RESUME_MEMORY_OCCUPATION, methods=["GET", "POST"])
     async def resume_memory_occupation(req: P.ResumeMemoryOccupationReqInput) -> Any:
-        try:
-            await workers.control(engine.resume, req.tags)
-        except EngineError as e:
-            return error_response(str(e))
-        return None
+        return await memory(engine.resume, req.tags)
