@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rlhpc.config import dump_config, load_config
+from rlhpc.config import dump_config
 from rlhpc.errors import ConfigError
+from rlhpc.preflight import load_config
 
 TINY = ["model.tiny={}"]
 
@@ -332,7 +333,7 @@ def test_reading_a_config_imports_neither_torch_nor_transformers(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(Path(rlhpc.__file__).resolve().parents[1])}  # this rlhpc, not cwd's
     code = (
         "import sys\n"
-        "from rlhpc.config import load_config\n"
+        "from rlhpc.preflight import load_config\n"
         f"load_config({str(EMBEDDED)!r})\n"
         "heavy = [m for m in ('torch', 'transformers') if m in sys.modules]\n"
         "assert not heavy, heavy\n"
