@@ -227,6 +227,11 @@ class ClusterConfig(Section):
                 f"{self.key('stage_dir')} = {self.stage_dir!r} is not an absolute path",
                 "give a node-local directory such as /tmp, /local/scratch/$USER or $TMPDIR (expanded on each node)",
             )
+        self._check_components()
+        self._check_split()
+
+    def _check_components(self) -> None:
+        """The keys of a heterogeneous job's components come with the components they describe."""
         if self.heterogeneous:
             self._check_heterogeneous()
         elif self.rollout_gpus_per_node is not None or self.rollout_partition is not None:
@@ -248,6 +253,9 @@ class ClusterConfig(Section):
                 "set cluster.rollout_nodes too (--rollout-nodes N), or drop cluster.reward_nodes: the reward "
                 "engines then take GPUs of the one allocation",
             )
+
+    def _check_split(self) -> None:
+        """The actor and the engines fit the job's GPUs, each engine a whole number of GPUs."""
         actor, rollout = self.split()
         if rollout % self.rollout_gpus_per_engine:
             raise ConfigError(
@@ -1633,7 +1641,12 @@ def _check_engine_tp(cfg: Config) -> None:
 
 
 def _check_megatron(cfg: Config) -> None:
-    c, tp = cfg.cluster, cfg.actor.megatron.tensor_model_parallel_size
+    """What the megatron actor cannot do yet, then its parallel sizes against the GPUs and the model."""
+    _check_megatron_algo(cfg)
+    _check_megatron_sizes(cfg)
+
+
+def _check_megatron_algo(cfg: Config) -> None:
     pp = cfg.actor.megatron.pipeline_model_parallel_size
     if cfg.algo.ref_update_interval:
         raise ConfigError(
@@ -1648,6 +1661,11 @@ def _check_megatron(cfg: Config) -> None:
             "measured outside the pipeline schedule, which only the one-stage actor runs",
             "use pipeline_model_parallel_size: 1 (TP/EP/DP instead), or algo.kl_in_reward: false (the KL in the loss)",
         )
+
+
+def _check_megatron_sizes(cfg: Config) -> None:
+    c, tp = cfg.cluster, cfg.actor.megatron.tensor_model_parallel_size
+    pp = cfg.actor.megatron.pipeline_model_parallel_size
     if c.actor_num_gpus % tp:
         raise ConfigError(
             f"actor.megatron.tensor_model_parallel_size = {tp} does not divide cluster.actor_num_gpus = {c.actor_num_gpus}",

@@ -1,5 +1,6 @@
 """Config loading: types, unknown keys, cross-field checks; each error names key and fix."""
 
+import json
 import os
 import re
 import subprocess
@@ -437,3 +438,24 @@ def test_requests_longer_than_the_models_context_are_refused_at_load(overrides, 
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config(None, TINY + overrides)
     load_config(None, TINY + ["data.max_prompt_tokens=100", "rollout.max_new_tokens=28"])  # exactly fits
+
+
+def test_the_config_module_imports_nothing_of_rlhpc_but_its_errors_and_util(tmp_path):
+    """rlhpc.config is the bottom of the house: a spec is checked where it is resolved, not here."""
+    import rlhpc
+
+    env = {**os.environ, "PYTHONPATH": str(Path(rlhpc.__file__).resolve().parents[1])}
+    code = "import json, sys\nimport rlhpc.config\nprint(json.dumps([m for m in sys.modules if m.startswith('rlhpc.')]))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, check=True, capture_output=True)
+    loaded = json.loads(out.stdout)
+    assert loaded and all(m in ("rlhpc.config", "rlhpc.errors") or m.startswith("rlhpc.util") for m in loaded), loaded
+
+
+def test_the_config_alone_checks_no_code_the_preflight_checks_it_all():
+    from rlhpc import config
+
+    cfg = config.load_config(None, [*TINY, "data.reward=nowhere:fn", "data.task=nope"])  # no import, no registry
+    assert cfg.data.reward == "nowhere:fn"
+    msg = error(["data.task=nope"])
+    assert "data.task = 'nope' is not a known task" in msg and "digit_sum" in msg
+    assert "nowhere" in error(["data.reward=nowhere:fn"])
