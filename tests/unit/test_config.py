@@ -445,7 +445,9 @@ def test_the_config_module_imports_nothing_of_rlhpc_but_its_errors_and_util(tmp_
     import rlhpc
 
     env = {**os.environ, "PYTHONPATH": str(Path(rlhpc.__file__).resolve().parents[1])}
-    code = "import json, sys\nimport rlhpc.config\nprint(json.dumps([m for m in sys.modules if m.startswith('rlhpc.')]))"
+    code = (
+        "import json, sys\nimport rlhpc.config\nprint(json.dumps([m for m in sys.modules if m.startswith('rlhpc.')]))"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, check=True, capture_output=True)
     loaded = json.loads(out.stdout)
     assert loaded and all(m in ("rlhpc.config", "rlhpc.errors") or m.startswith("rlhpc.util") for m in loaded), loaded
