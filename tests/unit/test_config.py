@@ -461,3 +461,31 @@ def test_the_config_alone_checks_no_code_the_preflight_checks_it_all():
     msg = error(["data.task=nope"])
     assert "data.task = 'nope' is not a known task" in msg and "digit_sum" in msg
     assert "nowhere" in error(["data.reward=nowhere:fn"])
+
+
+def test_the_preflight_runs_every_step_of_the_configs_own_rules_in_their_order():
+    """A rule added to rlhpc.config.validate reaches every entry point only through the preflight."""
+    import ast
+    import inspect
+
+    from rlhpc import config, preflight
+
+    def calls(fn, owner=None):
+        tree = ast.parse(inspect.getsource(fn))
+        out = []
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call):
+                f = node.func
+                if owner is None and isinstance(f, ast.Name):
+                    out.append((node.lineno, f.id))
+                elif owner and isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == owner:
+                    out.append((node.lineno, f.attr))
+                elif owner and isinstance(f, ast.Name) and f.id == "_check_data":
+                    out.append((node.lineno, [name for _, name in sorted(calls(preflight._check_data, owner))]))
+        return out
+
+    own = [name for _, name in sorted(calls(config.validate))]
+    steps = []
+    for _, name in sorted(calls(preflight.check, "config")):
+        steps += name if isinstance(name, list) else [name]
+    assert [s for s in steps if s in own] == own
