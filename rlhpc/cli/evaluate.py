@@ -22,10 +22,11 @@ from pathlib import Path
 
 from rlhpc.actor.checkpoint_dir import ACTOR_SUBDIR
 from rlhpc.checkpoint import PREFIX, STATE, CheckpointManager, checkpoint_name, validate
-from rlhpc.config import Config, load_config
+from rlhpc.config import Config
 from rlhpc.errors import RlhpcError
 from rlhpc.launch.followup import RUN_DIR_ENV
 from rlhpc.logs import setup_logging
+from rlhpc.preflight import load_config
 from rlhpc.run_dir import RunDir
 from rlhpc.util.files import write_atomic
 

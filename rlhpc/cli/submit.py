@@ -156,13 +156,13 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging()
     try:
         from rlhpc.cluster.layout import idle_note
-        from rlhpc.config import load_config
         from rlhpc.launch import run_owner
         from rlhpc.launch.followup import run_now, submit_after
         from rlhpc.launch.run_owner import Owner
         from rlhpc.launch.slurm import SlurmOptions, parse_extra, parse_time, preflight
         from rlhpc.launch.submit import choose_cluster, dry_run, follow, start_local, start_slurm, submit_owned
         from rlhpc.launch.sweep import parse_sweeps
+        from rlhpc.preflight import load_config
         from rlhpc.run_dir import RunDir
 
         overrides = list(args.overrides)

@@ -36,6 +36,7 @@ from rlhpc.launch.signals import Stopped, StopRequest, shield_from_user_signal
 from rlhpc.launch.staging import NOT_STAGED, Staged
 from rlhpc.launch.startup import StartupClock
 from rlhpc.logs import setup_logging
+from rlhpc.preflight import check as preflight_check
 from rlhpc.run_dir import JobRayState, RunDir
 from rlhpc.util.files import NODE_TMP_ENV, apply_access, private_dir, ray_temp_dir
 from rlhpc.util.processes import die_with_parent
@@ -329,6 +330,7 @@ class TrainJob:
         began = time.monotonic()  # the start-up clock's origin: every start pays what follows
         run = RunDir(self.run_dir)
         cfg = run.load_config()
+        preflight_check(cfg)  # every check again on the job's own node: its reward, data and environment
         apply_access(run.path, cfg.run_dir_access)  # on every node: Slurm's umask is the submitter's shell's
         console = setup_logging(cfg.logging.level)
         env = submitit.JobEnvironment()

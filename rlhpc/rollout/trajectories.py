@@ -35,6 +35,7 @@ from rlhpc.errors import ConfigError, RlhpcError
 from rlhpc.util.imports import import_function
 
 if TYPE_CHECKING:
+    from rlhpc.config import Config
     from rlhpc.wire.request import Send
 
 log = logging.getLogger(__name__)
@@ -373,3 +374,43 @@ def resolve_agent(spec: str, key: str = "rollout.agent") -> Callable:
             f"{key} = {spec!r} does not take (row, base_url, api_key): {e}", f"make it an {AGENT_SIGNATURE}"
         ) from e
     return fn
+
+
+def check_custom(cfg: Config, env: str | None) -> None:
+    """A run with a generate function or an agent: one way in only, importable, and (the agent)
+    a chat template to render its messages with."""
+    r = cfg.rollout
+    if r.generate_fn is not None and r.agent is not None:
+        raise ConfigError(
+            f"rollout.generate_fn = {r.generate_fn} and rollout.agent = {r.agent} are both set: a run has one way in",
+            "keep one of them (docs/guides/multi-turn.md#three-ways-in says which fits)",
+        )
+    key, spec = ("rollout.generate_fn", r.generate_fn) if r.generate_fn is not None else ("rollout.agent", r.agent)
+    if env is not None or r.tools:
+        other = (
+            f"rollout.env = {env}"
+            if r.env
+            else f"data.task = {cfg.data.task}'s environment"
+            if env
+            else "rollout.tools"
+        )
+        raise ConfigError(
+            f"{key} = {spec} with {other}: the {key.removeprefix('rollout.')} runs the whole rollout, the "
+            "environment and tools would never be used",
+            f"unset {other.split(' ')[0]} (an agent passes its own tools in its requests), or unset {key}",
+        )
+    if r.generate_fn is not None:
+        resolve_generate_fn(r.generate_fn)
+        return
+    resolve_agent(spec)
+    if cfg.data.chat_template == "none":
+        raise ConfigError(
+            f"rollout.agent = {spec} talks in chat messages but data.chat_template is none",
+            "set data.chat_template: auto (the tokenizer's template) or a Jinja file",
+        )
+    tiny = cfg.model.tiny
+    if tiny is not None and tiny.tokenizer == "char" and cfg.data.chat_template == "auto":
+        raise ConfigError(
+            f"rollout.agent = {spec} needs a chat template, and the tiny model's char tokenizer has none",
+            "set model.tiny.tokenizer: bpe (a ChatML template, as Qwen's), or data.chat_template: a Jinja file",
+        )
