@@ -213,6 +213,25 @@ def test_a_resume_on_the_same_layout_is_bit_exact(
             g.load(str(ckpt))
 
 
+def test_a_checkpoint_before_the_first_step_resumes_exactly(ray_cluster: None, model_path: str, tmp_path: Path) -> None:
+    """A run stopped before its first optimizer step (preempted during the first rollout)
+    saves with the distributed optimizer too, whose Adam state does not exist yet: the resumed
+    run trains its first rollouts as the uninterrupted one, every float (Adam's step starts at
+    0, not at a step the load made up)."""
+    ckpt = tmp_path / "ckpt"
+    cfg = make_cfg(dist_opt=True, steps=2)
+    with Group(cfg, model_path, 2) as g:
+        g.save(str(ckpt))
+        initial = g.fingerprints()
+        uninterrupted = [g.train(r, make_batch(12, seed=r)) for r in (0, 1)]
+        weights = g.fingerprints()
+    with Group(cfg, model_path, 2) as g:
+        g.load(str(ckpt))
+        assert g.fingerprints() == initial
+        assert [g.train(r, make_batch(12, seed=r)) for r in (0, 1)] == uninterrupted
+        assert g.fingerprints() == weights
+
+
 @pytest.mark.parametrize(("tp", "dist_opt"), [(2, False), (1, True)], ids=["tp2", "dp2-distributed-optimizer"])
 def test_an_async_save_writes_the_snapshot_while_training_goes_on(
     ray_cluster: None, model_path: str, tmp_path: Path, tp: int, dist_opt: bool

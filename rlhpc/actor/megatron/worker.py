@@ -252,6 +252,8 @@ class MegatronTrainWorker(RankBase):
     # ------------------------------------------------------------------ checkpoint
 
     def _sharded_state_dict(self, is_loading: bool) -> dict[str, Any]:
+        if not is_loading:
+            self._first_step_adam_state()
         model_sd = self.gpt.sharded_state_dict()
         optim_sd = self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=SHARDING_METADATA)
         return {"model": model_sd, "optimizer": optim_sd}
@@ -343,6 +345,38 @@ class MegatronTrainWorker(RankBase):
             saved_pp,
             saved_ep,
         )
+
+    def _first_step_adam_state(self) -> None:
+        """Before the first optimizer step, give torch's Adam the state it creates at that step
+        (step 0, zero moments), so that a checkpoint can be saved then.
+
+        megatron-core 0.16's distributed optimizer with torch's Adam (no Transformer Engine or
+        apex) reads the common ``step`` from the per-parameter state when it saves and asserts
+        there is exactly one: a run stopped before its first step could not save. Adam creates
+        this state lazily, only where it is empty, so a run that goes on trains exactly as it
+        would have, and one resumed from here restores step 0 and zero moments, the same.
+        (megatron's own ``_init_optimizer_states_with_dummy_values`` takes a real step, which
+        decays the weights when ``actor.weight_decay`` > 0.)
+        """
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            inner = getattr(opt, "optimizer", None)
+            if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW) or inner.state:
+                continue
+            # torch's own choice of the step's dtype and device (torch.optim.Adam._init_group)
+            scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+            for group in inner.param_groups:
+                on_device = group.get("capturable") or group.get("fused")
+                for p in group["params"]:
+                    state = inner.state[p]
+                    state["step"] = (
+                        torch.zeros((), dtype=torch.float32 if group.get("fused") else scalar, device=p.device)
+                        if on_device
+                        else torch.tensor(0.0, dtype=scalar, device="cpu")
+                    )
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    if group.get("amsgrad"):
+                        state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
     def _create_optimizer_state(self) -> None:
         """Give a fresh distributed optimizer its Adam state before it describes a checkpoint to load.
