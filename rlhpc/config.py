@@ -875,6 +875,12 @@ class MegatronConfig(Section):
     # of the weights, gradients and optimizer state; the first keeps up to PP micro-batches'
     # activations in flight. The engines still get one model (the push gathers every stage).
     pipeline_model_parallel_size: int = 1
+    # Virtual pipeline stages (megatron-core's interleaved 1F1B): each pipeline rank holds this
+    # many chunks of layers / (PP x VP) layers, rank s the chunks s, s + PP, ... (it must divide
+    # layers / PP; PP > 1). A smaller pipeline bubble for more point-to-point sends and, on the
+    # first stage, 1 + (PP - 1) / (PP x VP) times the activations in flight. null: off. Dense
+    # models only for now.
+    virtual_pipeline_model_parallel_size: int | None = None
     # Shard optimizer state over data-parallel ranks. Its checkpoints resume at another DP size
     # but the same TP and PP sizes; the plain optimizer's reshard to any TP/PP/DP.
     use_distributed_optimizer: bool = False
@@ -894,6 +900,18 @@ class MegatronConfig(Section):
         self._at_least(1, "tensor_model_parallel_size", fix="use 1, 2, 4 or 8")
         self._at_least(1, "pipeline_model_parallel_size", fix="use 1 (no pipeline) or a divisor of the layers")
         self._at_least(1, "expert_model_parallel_size", fix="use 1 (no expert parallelism) or a divisor of the experts")
+        vp = self.virtual_pipeline_model_parallel_size
+        if vp is not None:
+            self._at_least(
+                2, "virtual_pipeline_model_parallel_size", fix="use null (off) or 2 or more chunks per stage"
+            )
+            if self.pipeline_model_parallel_size < 2:
+                self._refuse(
+                    "virtual_pipeline_model_parallel_size",
+                    "needs pipeline_model_parallel_size > 1 (it splits each pipeline stage)",
+                    "set actor.megatron.pipeline_model_parallel_size: 2 or more, or "
+                    "virtual_pipeline_model_parallel_size: null",
+                )
         self._at_least(0, "moe_aux_loss_coeff", fix="set 0 (no load-balancing loss) or a small value, e.g. 1e-3")
 
 
@@ -1682,6 +1700,14 @@ def _check_megatron_sizes(cfg: Config) -> None:
         raise ConfigError(
             f"actor.megatron.pipeline_model_parallel_size = {pp} does not divide the model's {layers} layers",
             "choose a pipeline size that divides the layers (each stage holds layers / PP of them)",
+        )
+    vp = cfg.actor.megatron.virtual_pipeline_model_parallel_size
+    if vp is not None and layers is not None and layers % (pp * vp):
+        raise ConfigError(
+            f"actor.megatron.pipeline_model_parallel_size x virtual_pipeline_model_parallel_size = {pp} x {vp} "
+            f"does not divide the model's {layers} layers",
+            "choose PP x VP that divides the layers (each chunk holds layers / (PP x VP) of them), "
+            "or virtual_pipeline_model_parallel_size: null",
         )
     ep = cfg.actor.megatron.expert_model_parallel_size
     dp = c.actor_num_gpus // (tp * pp)

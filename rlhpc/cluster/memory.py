@@ -15,7 +15,9 @@ the output layer and the logits), each stage holding layers / p of the layers:
 - activations of one micro-batch (bf16, no sequence parallelism, unfused attention of the
   local spec), or with ``recompute`` each layer's input plus one layer's; megatron's 1F1B
   schedule keeps p - s micro-batches' in flight on stage s, so the first stage's are those of
-  all the layers, as without a pipeline;
+  all the layers, as without a pipeline; with v virtual stages (interleaved 1F1B) stage s keeps
+  2 (p - s - 1) + (v - 1) p + 1 chunks' (of layers / (p v) layers each) in flight: the first
+  stage 1 + (p - 1) / (p v) times the layers' activations, the last (v - 1) p + 1 chunks;
 - logits (last stage): 14 bytes per token per vocab entry / t (bf16 output, fp32 copy, the
   cross entropy's copy, its softmax);
 - a fixed allowance for the CUDA context, NCCL and allocator slack.
@@ -180,6 +182,7 @@ def stage_estimate(cfg: Config, shape: ModelShape, first: bool, last: bool) -> E
     m = cfg.actor.megatron
     tp, ep = (m.tensor_model_parallel_size, m.expert_model_parallel_size) if megatron else (1, 1)
     pp = m.pipeline_model_parallel_size if megatron else 1
+    vp = (m.virtual_pipeline_model_parallel_size or 1) if megatron and pp > 1 else 1
     dp = (cfg.cluster.actor_num_gpus or 1) // (tp * pp)
     bf16 = megatron and m.bf16
     distributed = megatron and m.use_distributed_optimizer
@@ -201,7 +204,10 @@ def stage_estimate(cfg: Config, shape: ModelShape, first: bool, last: bool) -> E
     act = 2 if bf16 else 4
     layer = layer_activation_bytes(shape, tokens, row, tp, ep, act)
     recompute = megatron and m.recompute
-    in_flight = pp if first else 1  # 1F1B: stage s holds p - s micro-batches' activations
+    if vp == 1:
+        in_flight = pp if first else 1  # 1F1B: stage s holds p - s micro-batches' activations
+    else:  # interleaved 1F1B, in chunks of layers / (p v) layers: stage s holds 2 (p - s - 1) + (v - 1) p + 1
+        in_flight = (2 * (pp - 1) + (vp - 1) * pp + 1 if first else (vp - 1) * pp + 1) / vp
     per_micro_batch = layers * act * shape.hidden * tokens if recompute else layers * layer
     kept = in_flight * per_micro_batch + (layer if recompute else 0)
     terms.append((f"activations ({'recompute' if recompute else 'no recompute'})", kept))
@@ -215,7 +221,7 @@ def stage_estimate(cfg: Config, shape: ModelShape, first: bool, last: bool) -> E
     )
     notes = (
         f"{tokens} tokens per micro-batch ({where})",
-        f"TP {tp} {f'PP {pp} ' if pp > 1 else ''}EP {ep} DP {dp}, {'bf16' if bf16 else 'fp32'}"
+        f"TP {tp} {f'PP {pp} ' if pp > 1 else ''}{f'VP {vp} ' if vp > 1 else ''}EP {ep} DP {dp}, {'bf16' if bf16 else 'fp32'}"
         f"{', distributed optimizer' if distributed else ''}, {params / 1e9:.2f}B parameters on the rank{stage}",
     )
     return Estimate("actor rank", tuple(terms), notes)

@@ -213,6 +213,25 @@ def test_a_resume_on_the_same_layout_is_bit_exact(
             g.load(str(ckpt))
 
 
+def test_a_checkpoint_before_the_first_step_resumes_exactly(ray_cluster: None, model_path: str, tmp_path: Path) -> None:
+    """A run stopped before its first optimizer step (preempted during the first rollout)
+    saves with the distributed optimizer too, whose Adam state does not exist yet: the resumed
+    run trains its first rollouts as the uninterrupted one, every float (Adam's step starts at
+    0, not at a step the load made up)."""
+    ckpt = tmp_path / "ckpt"
+    cfg = make_cfg(dist_opt=True, steps=2)
+    with Group(cfg, model_path, 2) as g:
+        g.save(str(ckpt))
+        initial = g.fingerprints()
+        uninterrupted = [g.train(r, make_batch(12, seed=r)) for r in (0, 1)]
+        weights = g.fingerprints()
+    with Group(cfg, model_path, 2) as g:
+        g.load(str(ckpt))
+        assert g.fingerprints() == initial
+        assert [g.train(r, make_batch(12, seed=r)) for r in (0, 1)] == uninterrupted
+        assert g.fingerprints() == weights
+
+
 @pytest.mark.parametrize(("tp", "dist_opt"), [(2, False), (1, True)], ids=["tp2", "dp2-distributed-optimizer"])
 def test_an_async_save_writes_the_snapshot_while_training_goes_on(
     ray_cluster: None, model_path: str, tmp_path: Path, tp: int, dist_opt: bool
@@ -423,3 +442,39 @@ def test_qwen3_moe_pipeline_with_expert_parallelism(tmp_path: Path, ray_cluster:
         return c
 
     assert_same_training(train_two(cfg(1, 1), path, 2), train_two(cfg(2, 2), path, 4), rtol=1e-4)
+
+
+def test_virtual_pipeline_stages_train_as_one_stage(tmp_path: Path, ray_cluster: None) -> None:
+    """PP=2 with two virtual stages (megatron-core's interleaved 1F1B: rank 0 holds layers 0
+    and 2, rank 1 layers 1 and 3) trains a 4-layer model as PP=1 on the same batches: metrics,
+    the KL to the reference's chunks, the weights gathered from every chunk. Three micro-batches
+    a step, which the schedule takes in groups of PP: one empty one is added. Its checkpoint
+    names global layers: it resumes at PP=1 to the saved weights and the same next rollout."""
+    path = str(build_tiny_model(tmp_path / "four", TinyModelConfig(num_hidden_layers=4, seed=3)))
+    ckpt = tmp_path / "ckpt"
+
+    def cfg(pp: int, vp: int | None) -> Config:
+        c = make_pp_cfg(pp)
+        c.actor.micro_batch_size = 2  # 12 samples, 2 steps: 3 micro-batches a step
+        c.actor.megatron.virtual_pipeline_model_parallel_size = vp
+        c.algo.kl_coef = 0.1
+        return c
+
+    one_stage = train_two(cfg(1, None), path, 1)
+    with Group(cfg(2, 2), path, 2) as g:
+        metrics = [g.train(0, make_batch(12, seed=0))]
+        g.save(str(ckpt))
+        saved = g.fingerprints()
+        metrics.append(g.train(1, make_batch(12, seed=1)))
+        chunked = (metrics, tensors(g))
+    assert_same_training(one_stage, chunked)
+    for a, b in zip(one_stage[0], chunked[0]):
+        assert a["kl"] > 0 and b["kl"] == pytest.approx(a["kl"], rel=METRIC_RTOL)
+    assert len(set(saved)) == 1
+    with Group(cfg(1, None), path, 1) as g:
+        g.load(str(ckpt))
+        assert g.fingerprints() == [saved[0]]
+        g.train(1, make_batch(12, seed=1))
+        resumed = tensors(g)
+    for name, t in chunked[1].items():
+        torch.testing.assert_close(resumed[name], t, rtol=0, atol=WEIGHT_ATOL, msg=name)

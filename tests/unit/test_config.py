@@ -167,6 +167,13 @@ def test_megatron_layout_errors():
     )
     assert load_config(None, [*TINY, *pp]).actor.megatron.pipeline_model_parallel_size == 2
     assert "measured outside the pipeline schedule" in error([*pp, "algo.kl_coef=0.1", "algo.kl_in_reward=true"])
+    # virtual stages: PP > 1, at least 2 chunks, PP x VP divides the layers
+    vp = "actor.megatron.virtual_pipeline_model_parallel_size"
+    assert "needs pipeline_model_parallel_size > 1" in error([*megatron, f"{vp}=2"])
+    assert "must be >= 2" in error([*pp, f"{vp}=1"])
+    assert "2 x 2 does not divide the model's 2 layers" in error([*pp, f"{vp}=2"])
+    four = [*pp, "model.tiny.num_hidden_layers=4", f"{vp}=2"]
+    assert load_config(None, [*TINY, *four]).actor.megatron.virtual_pipeline_model_parallel_size == 2
 
 
 def test_kl_knobs_need_a_kl_penalty():

@@ -102,6 +102,24 @@ def test_pipeline_stages_split_the_weights_and_the_first_keeps_a_micro_batch_per
     assert head_est.total < est.total
 
 
+def test_virtual_stages_keep_more_chunks_in_flight():
+    """PP 2 x VP 2 of a 4-layer model: chunks of one layer; the first stage keeps 2 (PP - 1) +
+    (VP - 1) PP + 1 = 5 chunks' activations in flight (1 + (PP - 1) / (PP VP) = 1.25 times the
+    4 layers' of 1F1B), the last (VP - 1) PP + 1 = 3 (1.5 stage-worths against 1F1B's 1)."""
+    pp = ("cluster.actor_num_gpus=8", "actor.megatron.pipeline_model_parallel_size=2", "model.tiny.num_hidden_layers=4")
+    cfg = tiny(*pp)
+    chunked = tiny(*pp, "actor.megatron.virtual_pipeline_model_parallel_size=2")
+    shape = read_shape(cfg)
+    key = "activations (no recompute)"
+    for first, chunks in ((True, 5), (False, 3)):
+        plain = dict(stage_estimate(cfg, shape, first=first, last=not first).terms)
+        est = stage_estimate(chunked, shape, first=first, last=not first)
+        terms = dict(est.terms)
+        assert terms[key] == chunks * 770048  # one layer's activations per chunk
+        assert terms[key] == plain[key] * (1.25 if first else 1.5)
+        assert terms["weights"] == plain["weights"] and "PP 2 VP 2 " in est.notes[1]
+
+
 def test_an_engine_takes_its_fraction_of_the_gpu():
     cfg = tiny()
     cfg.cluster.gpu_memory_gb = 1  # after loading: the actor's 2 GiB of runtime alone would be refused

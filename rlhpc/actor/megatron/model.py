@@ -113,10 +113,19 @@ def transformer_config(
     )
     if pp_size > 1:
         kwargs["pipeline_dtype"] = dtype
-        if not is_moe(hf_config):
+        interleaved = bool(overrides.get("virtual_pipeline_model_parallel_size"))
+        if interleaved:
+            # The interleaved schedule sends activations to the next stage and gradients to the
+            # previous one in one exchange; at PP=2 both are the same rank, and batched
+            # (batch_isend_irecv on one group) the receiver pairs each message with the other's
+            # buffer. Unbatched, megatron sends them in matching orders (even/odd ranks).
+            kwargs["batch_p2p_comm"] = False
+        if not is_moe(hf_config) and not interleaved:
             # megatron-core 0.16 refuses variable lengths with the default "allgather" dispatcher
             # even in a dense model, which builds no dispatcher: name another, unused here. (A MoE
-            # pipeline pads every micro-batch of a step to one shape instead: the worker's _pipeline.)
+            # pipeline pads every micro-batch of a step to one shape instead: the worker's
+            # _pipeline; so does one with virtual stages: megatron exchanges the shapes batched,
+            # always, which pairs them wrongly at PP=2 as above.)
             kwargs.update(variable_seq_lengths=True, moe_token_dispatcher_type="alltoall")
     if is_moe(hf_config):
         _check_moe(hf_config)
@@ -141,14 +150,21 @@ def transformer_config(
 
 
 def build_gpt_model(
-    hf_config: Any, tp_size: int = 1, parallel_output: bool = True, pp_size: int = 1, **config_overrides: Any
+    hf_config: Any,
+    tp_size: int = 1,
+    parallel_output: bool = True,
+    pp_size: int = 1,
+    vp_stage: int | None = None,
+    **config_overrides: Any,
 ):
     """An untied-embedding megatron ``GPTModel`` for ``hf_config`` (vocab padded, see ``padded_vocab_size``).
 
     ``parallel_output=False`` gathers the logits over tensor-parallel ranks (full vocab on
     every rank); the default keeps them vocab-sharded as training wants. ``pp_size`` > 1: this
     process's pipeline stage only (from megatron's parallel state): its layers, the embedding
-    on the first stage, the final norm and output layer on the last.
+    on the first stage, the final norm and output layer on the last. With virtual pipeline
+    stages (megatron's parallel state set up with them), model chunk ``vp_stage`` of this
+    stage: the embedding in chunk 0 of the first stage, the output in the last chunk of the last.
     """
     from megatron.core import parallel_state as mpu
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -156,6 +172,9 @@ def build_gpt_model(
 
     if getattr(hf_config, "tie_word_embeddings", False):
         raise NotImplementedError("tied embeddings")
+    vp = mpu.get_virtual_pipeline_model_parallel_world_size() if pp_size > 1 else None
+    if vp is not None:
+        config_overrides["virtual_pipeline_model_parallel_size"] = vp
     config = transformer_config(hf_config, tp_size=tp_size, pp_size=pp_size, **config_overrides)
     if is_moe(hf_config):
         _define_missing_te_names()
@@ -174,6 +193,7 @@ def build_gpt_model(
         share_embeddings_and_output_weights=False,
         position_embedding_type="rope",
         rotary_base=rope_theta(hf_config),
-        pre_process=pp_size == 1 or mpu.is_pipeline_first_stage(),
-        post_process=pp_size == 1 or mpu.is_pipeline_last_stage(),
+        pre_process=pp_size == 1 or mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+        post_process=pp_size == 1 or mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+        vp_stage=vp_stage,
     )

@@ -36,6 +36,7 @@ same data shard.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 from collections.abc import Iterator
@@ -100,8 +101,11 @@ class MegatronTrainWorker(RankBase):
         super().__init__(spec, model_path, rank, world_size)
         self.mcfg = spec.actor.megatron
         self.hf_config = AutoConfig.from_pretrained(model_path)
-        self.gpt = None  # megatron GPTModel (this rank's TP shard)
+        self.gpt = None  # megatron GPTModel (this rank's TP shard; with virtual stages, chunk 0)
         self.model = None  # the same, wrapped in megatron DDP
+        self.chunks: list[torch.nn.Module] = []  # every model chunk of this stage (one without virtual stages)
+        self.models: list[torch.nn.Module] = []  # the same, each wrapped in megatron DDP
+        self.ref_chunks: list[torch.nn.Module] = []
         self.offloader = StorageOffloader()
         self._snapshot_meta: tuple[Path, int] | None = None  # the last snapshot's dir and step count
         self.moe = is_moe(self.hf_config)
@@ -129,13 +133,25 @@ class MegatronTrainWorker(RankBase):
                 "set actor.megatron.expert_model_parallel_size: 1, or train a MoE model (qwen3_moe)",
             )
         layers = self.hf_config.num_hidden_layers
-        if layers % pp:
+        vp = self.mcfg.virtual_pipeline_model_parallel_size if pp > 1 else None
+        if layers % (pp * (vp or 1)):
             raise RlhpcError(
-                f"actor.megatron.pipeline_model_parallel_size = {pp} does not divide the model's {layers} layers",
-                f"choose a pipeline size that divides {layers}",
+                f"actor.megatron.pipeline_model_parallel_size x virtual_pipeline_model_parallel_size = {pp} x {vp or 1} "
+                f"does not divide the model's {layers} layers",
+                f"choose a pipeline size (times the virtual stages) that divides {layers}",
+            )
+        if vp is not None and self.moe:
+            raise RlhpcError(
+                f"actor.megatron.virtual_pipeline_model_parallel_size = {vp} for a MoE model: virtual pipeline "
+                "stages are built for dense models only (a step's micro-batches are padded to a multiple of PP "
+                "with empty ones, which the router's load-balancing loss would count)",
+                "set actor.megatron.virtual_pipeline_model_parallel_size: null for MoE models",
             )
         mpu.initialize_model_parallel(
-            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            virtual_pipeline_model_parallel_size=vp,
+            expert_model_parallel_size=ep,
         )
         model_parallel_cuda_manual_seed(self.spec.seed)
         self.tp_size, self.tp_rank = tp, mpu.get_tensor_model_parallel_rank()
@@ -146,17 +162,21 @@ class MegatronTrainWorker(RankBase):
         self.dp_group = mpu.get_data_parallel_group()
         self.dp_size, self.dp_rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
         # Pipeline stages: megatron's rank order puts PP outermost, so this rank's stage is
-        # rank // (TP x DP); each holds layers_per_stage consecutive layers.
+        # rank // (TP x DP); each holds layers / PP layers (in VP chunks with virtual stages).
         self.pp_size, self.pp_rank = pp, mpu.get_pipeline_model_parallel_rank()
         self.pp_group = mpu.get_pipeline_model_parallel_group()
-        self.layers_per_stage = layers // pp
+        # Virtual stages: chunk v of stage s holds layers [(v x PP + s) x n, ... + n), n = layers / (PP x VP)
+        self.vp_size = vp or 1
+        self.layers_per_chunk = layers // (pp * self.vp_size)
         self.first_stage, self.last_stage = self.pp_rank == 0, self.pp_rank == pp - 1
 
         hf_sd = load_model(self.model_path).state_dict()
-        self.gpt = self._build(hf_sd)
+        self.chunks = [self._build(hf_sd, v) for v in range(self.vp_size)]
         if self.spec.needs_reference:
-            self.ref = self._build(hf_sd).requires_grad_(False)
+            self.ref_chunks = [self._build(hf_sd, v).requires_grad_(False) for v in range(self.vp_size)]
+            self.ref = self.ref_chunks[0]
         del hf_sd
+        self.gpt = self.chunks[0]
         if self.moe:
             # Experts count as expert-parallel (megatron's allreduce=False) at EP=1 too: their
             # grads then reduce over the expert data-parallel group, at EP=1 the DP group, and
@@ -166,15 +186,17 @@ class MegatronTrainWorker(RankBase):
                 if expert_index(name) is not None:
                     p.allreduce = False
         a = self.spec.actor
-        self.model = DistributedDataParallel(
-            self.gpt.config,
-            DistributedDataParallelConfig(
-                grad_reduce_in_fp32=True,
-                overlap_grad_reduce=False,
-                use_distributed_optimizer=self.mcfg.use_distributed_optimizer,
-            ),
-            self.gpt,
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=self.mcfg.use_distributed_optimizer,
         )
+        # one DDP (grad buffer) per chunk, as Megatron-LM wraps them; only chunk 0's is bucketed
+        self.models = [
+            DistributedDataParallel(chunk.config, ddp_config, chunk, disable_bucketing=v > 0)
+            for v, chunk in enumerate(self.chunks)
+        ]
+        self.model = self.models[0]
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(
                 optimizer="adam",
@@ -188,24 +210,25 @@ class MegatronTrainWorker(RankBase):
                 params_dtype=torch.bfloat16 if self.mcfg.bf16 else torch.float32,
                 use_distributed_optimizer=self.mcfg.use_distributed_optimizer,
             ),
-            [self.model],
+            self.models,
         )
         self.saver = TorchDistSave()
         log.info(
-            "rank %d/%d: megatron TP %d/%d PP %d/%d DP %d/%d EP %d/%d, %s on %s, %d params in this shard%s",
+            "rank %d/%d: megatron TP %d/%d PP %d/%d (%d chunks) DP %d/%d EP %d/%d, %s on %s, %d params in this shard%s",
             self.rank,
             self.world_size,
             self.tp_rank,
             self.tp_size,
             self.pp_rank,
             self.pp_size,
+            self.vp_size,
             self.dp_rank,
             self.dp_size,
             self.ep_rank,
             self.ep_size,
             self.backend,
             self.device,
-            sum(p.numel() for p in self.gpt.parameters()),
+            sum(p.numel() for chunk in self.chunks for p in chunk.parameters()),
             ", with reference model" if self.ref is not None else "",
         )
         a = self.spec.actor
@@ -216,7 +239,11 @@ class MegatronTrainWorker(RankBase):
                 "megatron actor: micro-batches of <= %d tokens are padded, not packed", a.max_tokens_per_micro_batch
             )
 
-    def _build(self, hf_sd: dict[str, torch.Tensor]) -> torch.nn.Module:
+    def _first_layer(self, chunk: int) -> int:
+        """The global index of model chunk ``chunk``'s first layer on this stage."""
+        return (chunk * self.pp_size + self.pp_rank) * self.layers_per_chunk
+
+    def _build(self, hf_sd: dict[str, torch.Tensor], chunk: int = 0) -> torch.nn.Module:
         dtype = torch.bfloat16 if self.mcfg.bf16 else torch.float32
         moe: dict[str, Any] = {}
         if self.moe:
@@ -231,6 +258,7 @@ class MegatronTrainWorker(RankBase):
             self.hf_config,
             self.tp_size,
             pp_size=self.pp_size,
+            vp_stage=chunk if self.vp_size > 1 else None,
             dtype=dtype,
             **moe,
             **(full if self.mcfg.recompute else {}),
@@ -240,8 +268,8 @@ class MegatronTrainWorker(RankBase):
             # single-stage backward scales its loss (MoE's aux loss takes it from here too)
             gpt.config.grad_scale_func = lambda t: t * self.dp_size
         mg_sd = hf_to_megatron(hf_sd, self.hf_config, self.tp_size, self.tp_rank, self.ep_size, self.ep_rank)
-        first = self.pp_rank * self.layers_per_stage
-        load_into(gpt, shard_for_pp(mg_sd, first, self.layers_per_stage, self.first_stage, self.last_stage))
+        first_chunk, last_chunk = self.first_stage and chunk == 0, self.last_stage and chunk == self.vp_size - 1
+        load_into(gpt, shard_for_pp(mg_sd, self._first_layer(chunk), self.layers_per_chunk, first_chunk, last_chunk))
         # All parameters in one dtype, as megatron's Float16Module does: the local spec's norms
         # are created in fp32 even for a bf16 model, and the optimizers' checkpoint mapping
         # assumes one dtype per model (mixed, it pairs Adam states with the wrong tensors).
@@ -252,9 +280,17 @@ class MegatronTrainWorker(RankBase):
     # ------------------------------------------------------------------ checkpoint
 
     def _sharded_state_dict(self, is_loading: bool) -> dict[str, Any]:
-        model_sd = self.gpt.sharded_state_dict()
+        if not is_loading:
+            self._first_step_adam_state()
+        # the keys name global layers: a chunked stage's checkpoint loads at any PP/VP layout
+        model_sd = self._model_sharded_state_dict()
         optim_sd = self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=SHARDING_METADATA)
         return {"model": model_sd, "optimizer": optim_sd}
+
+    def _model_sharded_state_dict(self) -> dict[str, Any]:
+        if self.vp_size == 1:
+            return self.gpt.sharded_state_dict()
+        return {f"chunk{v}": chunk.sharded_state_dict() for v, chunk in enumerate(self.chunks)}
 
     def snapshot(self, ckpt_dir: str) -> None:
         """Plan the torch_dist save of model + optimizer into ``ckpt_dir/actor/`` with a host copy of
@@ -285,6 +321,7 @@ class MegatronTrainWorker(RankBase):
                 "world_size": self.world_size,
                 "tensor_model_parallel_size": self.tp_size,
                 "pipeline_model_parallel_size": self.pp_size,
+                "virtual_pipeline_model_parallel_size": self.vp_size,
                 "expert_model_parallel_size": self.ep_size,
                 "use_distributed_optimizer": self.mcfg.use_distributed_optimizer,
                 "optimizer_steps": optimizer_steps,
@@ -316,33 +353,75 @@ class MegatronTrainWorker(RankBase):
         saved_tp = meta.get("tensor_model_parallel_size")
         saved_pp = meta.get("pipeline_model_parallel_size", 1)  # written before pipeline parallelism: 1
         saved_ep = meta.get("expert_model_parallel_size", 1)
-        saved, asked = (saved_tp, saved_pp, saved_ep), (self.tp_size, self.pp_size, self.ep_size)
+        saved_vp = meta.get("virtual_pipeline_model_parallel_size", 1)
+        saved = (saved_tp, saved_pp, saved_ep, saved_vp)
+        asked = (self.tp_size, self.pp_size, self.ep_size, self.vp_size)
         # the distributed optimizer's experts are sharded over the expert data-parallel group,
-        # which an EP change resizes: resharded like a TP change, i.e. not at all
+        # which an EP change resizes: resharded like a TP change, i.e. not at all; its buffers
+        # are per model chunk, which a VP change regroups
         if meta.get("use_distributed_optimizer") and saved != asked:
+            chunks = lambda n: f" VP={n}" if n > 1 else ""  # noqa: E731
             raise RlhpcError(
-                f"checkpoint {d} holds distributed-optimizer state at TP={saved_tp} PP={saved_pp} EP={saved_ep}; "
-                f"this actor runs at TP={self.tp_size} PP={self.pp_size} EP={self.ep_size}",
-                "resume at the same actor.megatron.tensor_model_parallel_size, pipeline_model_parallel_size and "
-                "expert_model_parallel_size (the data-parallel size may change), or convert the weights "
-                "(tools/convert_checkpoint.py) and start a new run",
+                f"checkpoint {d} holds distributed-optimizer state at TP={saved_tp} PP={saved_pp} EP={saved_ep}"
+                f"{chunks(saved_vp)}; this actor runs at TP={self.tp_size} PP={self.pp_size} EP={self.ep_size}"
+                f"{chunks(self.vp_size)}",
+                "resume at the same actor.megatron.tensor_model_parallel_size, pipeline_model_parallel_size, "
+                "virtual_pipeline_model_parallel_size and expert_model_parallel_size (the data-parallel size may "
+                "change), or convert the weights (tools/convert_checkpoint.py) and start a new run",
             )
         self._create_optimizer_state()
         state = torch_dist_load.load(self._sharded_state_dict(is_loading=True), str(d / DIST_SUBDIR))
-        self.gpt.load_state_dict(state["model"], strict=False)
+        if self.vp_size == 1:
+            self.gpt.load_state_dict(state["model"], strict=False)
+        else:
+            for v, chunk in enumerate(self.chunks):
+                chunk.load_state_dict(state["model"][f"chunk{v}"], strict=False)
         with torch.no_grad():  # it copies into fp32 main params that are views of leaf params
             self.optimizer.load_state_dict(state["optimizer"])
         self._restore_adam_steps(state["optimizer"])
         self.optimizer_steps = int(meta.get("optimizer_steps", 0))
         self._restore_rng(d, same_layout=meta.get("world_size") == self.world_size)
         log.info(
-            "rank %d: restored megatron actor state from %s (saved at TP=%s PP=%s EP=%s)",
+            "rank %d: restored megatron actor state from %s (saved at TP=%s PP=%s VP=%s EP=%s)",
             self.rank,
             d,
             saved_tp,
             saved_pp,
+            saved_vp,
             saved_ep,
         )
+
+    def _first_step_adam_state(self) -> None:
+        """Before the first optimizer step, give torch's Adam the state it creates at that step
+        (step 0, zero moments), so that a checkpoint can be saved then.
+
+        megatron-core 0.16's distributed optimizer with torch's Adam (no Transformer Engine or
+        apex) reads the common ``step`` from the per-parameter state when it saves and asserts
+        there is exactly one: a run stopped before its first step could not save. Adam creates
+        this state lazily, only where it is empty, so a run that goes on trains exactly as it
+        would have, and one resumed from here restores step 0 and zero moments, the same.
+        (megatron's own ``_init_optimizer_states_with_dummy_values`` takes a real step, which
+        decays the weights when ``actor.weight_decay`` > 0.)
+        """
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            inner = getattr(opt, "optimizer", None)
+            if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW) or inner.state:
+                continue
+            # torch's own choice of the step's dtype and device (torch.optim.Adam._init_group)
+            scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+            for group in inner.param_groups:
+                on_device = group.get("capturable") or group.get("fused")
+                for p in group["params"]:
+                    state = inner.state[p]
+                    state["step"] = (
+                        torch.zeros((), dtype=torch.float32 if group.get("fused") else scalar, device=p.device)
+                        if on_device
+                        else torch.tensor(0.0, dtype=scalar, device="cpu")
+                    )
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    if group.get("amsgrad"):
+                        state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
     def _create_optimizer_state(self) -> None:
         """Give a fresh distributed optimizer its Adam state before it describes a checkpoint to load.
@@ -387,6 +466,12 @@ class MegatronTrainWorker(RankBase):
             # off, so train and eval compute the same function
             self.gpt.train(train)
         return self.model if train else self.gpt
+
+    def _stages(self, train: bool) -> list[torch.nn.Module]:
+        """This stage's model chunks for the pipeline schedule (``_policy``'s, chunk by chunk)."""
+        if self.vp_size == 1:
+            return [self._policy(train)]
+        return self.models if train else self.chunks
 
     def _begin_step(self, micro_batches: int) -> None:
         """The aux loss's gradient is added once per forward, times megatron's scale: make it the
@@ -499,19 +584,32 @@ class MegatronTrainWorker(RankBase):
 
     # ------------------------------------------------------------------ pipeline parallelism
 
-    def _pipeline(self, model: torch.nn.Module, mbs: list[MicroBatch], on_logits: Any, forward_only: bool) -> None:
-        """Run ``mbs`` through the pipeline stages with megatron-core's schedule (1F1B; forward
-        only for the no-grad passes). On the last stage ``on_logits(mb, logits)`` gets each
-        micro-batch's logits (``_logits``'s answer) and returns its loss (forward only: None).
+    def _pipeline(
+        self, chunks: list[torch.nn.Module], mbs: list[MicroBatch], on_logits: Any, forward_only: bool
+    ) -> None:
+        """Run ``mbs`` through the pipeline stages with megatron-core's schedule (1F1B, or the
+        interleaved 1F1B over ``chunks`` with virtual stages; forward only for the no-grad
+        passes). On the last stage ``on_logits(mb, logits)`` gets each micro-batch's logits
+        (``_logits``'s answer) and returns its loss (forward only: None).
 
         The schedule divides each loss by the number of micro-batches (its mean over them):
         ours are already shares of the minibatch's loss, so they go in times that number.
         The DP-size factor comes from ``config.grad_scale_func`` (``_build``).
+
+        The interleaved schedule takes the micro-batches in groups of PP and refuses a
+        remainder: fewer or a count that PP does not divide get empty micro-batches (one pad
+        row, no loss and a zero gradient) added up to the next multiple of PP.
         """
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         if not mbs:  # every stage of this replica has the same micro-batches: all skip together
             return
+        empty: set[int] = set()
+        if self.vp_size > 1 and len(mbs) % self.pp_size:
+            pad = torch.full((1, 2), self.pad_id, dtype=mbs[0].ids.dtype, device=self.device)
+            extra = [dataclasses.replace(mbs[0], ids=pad) for _ in range(self.pp_size - len(mbs) % self.pp_size)]
+            empty = {id(mb) for mb in extra}
+            mbs = [*mbs, *extra]
         n = len(mbs)
         rows, cols = max(mb.ids.shape[0] for mb in mbs), max(mb.ids.shape[1] for mb in mbs)
         shape = None
@@ -526,6 +624,8 @@ class MegatronTrainWorker(RankBase):
             shape = (rows, cols)
 
         def loss_func(mb: MicroBatch, output: torch.Tensor) -> tuple[torch.Tensor, dict]:
+            if id(mb) in empty:  # a zero that reaches every parameter the forward used
+                return output.sum() * 0.0, {}
             loss = on_logits(mb, self._vocab_logits(output, mb))
             # a fresh tensor either way: the schedule divides it in place
             return (torch.ones((), device=self.device) if loss is None else loss * n), {}
@@ -536,8 +636,10 @@ class MegatronTrainWorker(RankBase):
 
         get_forward_backward_func()(
             forward_step_func=forward_step,
-            data_iterator=iter(mbs),
-            model=[model],
+            # each chunk takes the micro-batches in order (the first chunk's ids are the
+            # input, the last's are the loss's; between, the activations come from the schedule)
+            data_iterator=[iter(mbs) for _ in chunks] if len(chunks) > 1 else iter(mbs),
+            model=chunks,
             num_microbatches=n,
             # with variable_seq_lengths the shapes travel with the activations: only the largest
             seq_length=cols,
@@ -554,7 +656,7 @@ class MegatronTrainWorker(RankBase):
         def loss(mb: MicroBatch, logits: torch.Tensor) -> torch.Tensor:
             return self._micro_batch_loss(logits, mb, norm, loss_sums, sums)
 
-        self._pipeline(self._policy(train=True), mbs, loss, forward_only=False)
+        self._pipeline(self._stages(train=True), mbs, loss, forward_only=False)
 
     def _no_grad_passes(self, mbs: list[MicroBatch], old: bool, sums: dict[str, float]) -> None:
         if self.pp_size == 1:
@@ -565,13 +667,13 @@ class MegatronTrainWorker(RankBase):
             def ref(mb: MicroBatch, logits: torch.Tensor) -> None:
                 mb.ref_logprobs = mb.per_sample(self._token_logprobs(logits, mb.ids))
 
-            self._pipeline(self.ref, mbs, ref, forward_only=True)
+            self._pipeline(self.ref_chunks, mbs, ref, forward_only=True)
         if old:
 
             def old_policy(mb: MicroBatch, logits: torch.Tensor) -> None:
                 self._old_policy(mb, logits, mb.per_sample(self._token_logprobs(logits, mb.ids)), sums)
 
-            self._pipeline(self._policy(train=False), mbs, old_policy, forward_only=True)
+            self._pipeline(self._stages(train=False), mbs, old_policy, forward_only=True)
 
     def _rollout_metrics(
         self, sums: dict[str, float], local_tokens: float, grad_norms: list[float], skipped: int
@@ -584,12 +686,14 @@ class MegatronTrainWorker(RankBase):
         return super()._rollout_metrics(sums, local_tokens, grad_norms, skipped)
 
     def _zero_grad(self) -> None:
-        self.model.zero_grad_buffer()
+        for model in self.models:
+            model.zero_grad_buffer()
         self.optimizer.zero_grad()
 
     def _finish_grad_sync(self, empty: bool) -> None:
         # the data-parallel all-reduce (or reduce-scatter) of the grad buffers; an empty rank's are zeros
-        self.model.finish_grad_sync()
+        for model in self.models:
+            model.finish_grad_sync()
 
     def _clip_and_step(self) -> tuple[float, bool]:
         if not self._grads_finite():
@@ -600,7 +704,7 @@ class MegatronTrainWorker(RankBase):
     def _grads_finite(self) -> bool:
         """Every rank agrees: are all reduced gradients finite?"""
         bad = torch.zeros(1, device=self.device)
-        for p in self.gpt.parameters():
+        for p in (p for chunk in self.chunks for p in chunk.parameters()):
             g = getattr(p, "main_grad", None)
             if g is not None and not torch.isfinite(g).all():
                 bad.fill_(1)
@@ -616,13 +720,14 @@ class MegatronTrainWorker(RankBase):
         stage, so peak extra memory is one layer. The same names in the same order at any
         TP/PP/EP layout (the fingerprint compares across layouts)."""
         groups: dict[int | None, list[tuple[str, torch.nn.Parameter]]] = {}
-        offset = self.pp_rank * self.layers_per_stage
-        for name, p in self.gpt.named_parameters():
-            i = layer_index(name)
-            # megatron numbers a stage's layers from 0: the global index names them
-            groups.setdefault(None if i is None else i + offset, []).append(
-                (name if i is None else renumber_layer(name, i + offset), p)
-            )
+        for v, chunk in enumerate(self.chunks):
+            offset = self._first_layer(v)
+            for name, p in chunk.named_parameters():
+                i = layer_index(name)
+                # megatron numbers a chunk's layers from 0: the global index names them
+                groups.setdefault(None if i is None else i + offset, []).append(
+                    (name if i is None else renumber_layer(name, i + offset), p)
+                )
         for key in [None, *range(self.hf_config.num_hidden_layers)]:
             part = self._gathered(groups.get(key, []), grads)
             if self.pp_size > 1:
@@ -670,13 +775,12 @@ class MegatronTrainWorker(RankBase):
 
     def _owned_tensors(self) -> Iterator[torch.Tensor]:
         """Everything this rank keeps on the GPU between steps: weights, grad buffers, optimizer state."""
-        for module in (self.gpt, self.ref):
-            if module is not None:
-                for p in module.parameters():
-                    yield p
-                    if getattr(p, "main_grad", None) is not None:
-                        yield p.main_grad
-        for buffer in self.model.buffers:
+        for module in (*self.chunks, *self.ref_chunks):
+            for p in module.parameters():
+                yield p
+                if getattr(p, "main_grad", None) is not None:
+                    yield p.main_grad
+        for buffer in (b for model in self.models for b in model.buffers):
             for t in (buffer.param_data, buffer.grad_data):
                 if t is not None:
                     yield t
