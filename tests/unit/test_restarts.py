@@ -8,8 +8,9 @@ import pytest
 
 from rlhpc.launch import slurm
 from rlhpc.launch.backend import backend
+from rlhpc.launch.follow import _slurm_done
+from rlhpc.launch.local_controller import LocalExecutor
 from rlhpc.launch.requeue import LOCAL_REQUEUE_EXIT_CODE, JobExit
-from rlhpc.launch.submit import LocalExecutor, _slurm_done
 
 
 def fake_scontrol(monkeypatch, returncode: int, stderr: str = "") -> list[list[str]]:
@@ -83,7 +84,7 @@ def test_local_restarts_are_not_capped_at_submitits_six(tmp_path):
 
 
 def test_local_executor_allows_the_configured_restarts(tmp_path):
-    from rlhpc.launch.submit import local_executor
+    from rlhpc.launch.local_controller import local_executor
     from rlhpc.run_dir import RunDir
 
     # the first start, 10 restarts, and the start rlhpc's own policy refuses
@@ -111,3 +112,20 @@ def test_a_local_requeue_asks_the_controller_and_a_local_hold_ends_the_job():
     with pytest.raises(JobExit) as e:
         backend("local").hold("4242", "a restart loop")
     assert e.value.code == 1 and e.value.final
+
+
+def test_the_local_executor_keeps_submitits_setup_and_visible_gpus(tmp_path):
+    # submitit's own start_controller honours both; rlhpc's controller must as well.
+    executor = LocalExecutor(tmp_path / "submitit", max_starts=2)
+    executor.update_parameters(
+        timeout_min=5,
+        tasks_per_node=1,
+        nodes=1,
+        gpus_per_node=1,
+        visible_gpus=(3, 5),
+        setup=["export RLHPC_SETUP_RAN=1"],
+    )
+    job = executor.submit(
+        subprocess.check_output, ["sh", "-c", "echo $RLHPC_SETUP_RAN $CUDA_VISIBLE_DEVICES"], text=True
+    )
+    assert job.result().split() == ["1", "3"]
