@@ -17,11 +17,13 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import submitit
 from submitit.local.local import LOCAL_REQUEUE_RETURN_CODE, Controller, LocalJob
 
-from rlhpc.run_dir import RunDir
+if TYPE_CHECKING:  # the controller process imports no more than it runs
+    from rlhpc.run_dir import RunDir
 
 
 class StoppableController(Controller):
