@@ -6,10 +6,10 @@ inside the signal handler. Here the driver stops at a safe point and saves
 (rlhpc/runtime/signals.py), the job requeues itself, and the next start reads everything
 from disk. So ``TrainJob`` is a plain callable that replaces submitit's USR2 handler first.
 
-Leaving the process: ``requeue`` and ``hold`` raise ``JobExit`` with the exit code the runner
-acts on; ``TrainJob.__call__`` (the process boundary submitit calls) is the one place that
-turns it into ``SystemExit``. A SystemExit passes through submitit (it catches Exception
-only), so no result file is written and the job is not over:
+Leaving the process: a backend's ``requeue`` and ``hold`` (rlhpc/launch/backend.py) raise
+``JobExit`` with the exit code the runner acts on; ``TrainJob.__call__`` (the process boundary
+submitit calls) is the one place that turns it into ``SystemExit``. A SystemExit passes through
+submitit (it catches Exception only), so no result file is written and the job is not over:
 
 - requeue under Slurm: 0, after ``scontrol requeue`` (Slurm starts the job again);
 - requeue locally: 144, on which rlhpc's local controller starts the task again
