@@ -5,8 +5,11 @@ The resolved config is the single source of truth for a run: it is written to
 needs as an explicit argument (no global ``args``).
 
 Each section checks its own values when it is built (``Section.__post_init__``); ``validate``
-holds only the rules that read more than one section or look at files and code outside the
-config. This module imports neither torch nor transformers: the login node reads configs too.
+holds the rules that read more than one section or the files the config names. The checks that
+need the code a config names (its reward, task, environment, judge, layout, memory plan) are where
+that code is, and ``rlhpc.preflight`` runs them all, in order, with these: an entry point loads a
+config with ``rlhpc.preflight.load_config``. This module imports nothing of rlhpc but its errors,
+and neither torch nor transformers: the login node reads configs too.
 """
 
 from __future__ import annotations
@@ -26,11 +29,7 @@ from typing import Any, ClassVar, Literal
 
 import yaml
 
-from rlhpc.data.dynamic_sampling import resolve_filter
-from rlhpc.data.files import FORMATS, read_rows
-from rlhpc.data.tasks import TASKS, resolve_reward
 from rlhpc.errors import ConfigError
-from rlhpc.rollout.scoring import is_batched, is_remote, takes_sample
 
 # ---------------------------------------------------------------- sections
 
@@ -228,6 +227,11 @@ class ClusterConfig(Section):
                 f"{self.key('stage_dir')} = {self.stage_dir!r} is not an absolute path",
                 "give a node-local directory such as /tmp, /local/scratch/$USER or $TMPDIR (expanded on each node)",
             )
+        self._check_components()
+        self._check_split()
+
+    def _check_components(self) -> None:
+        """The keys of a heterogeneous job's components come with the components they describe."""
         if self.heterogeneous:
             self._check_heterogeneous()
         elif self.rollout_gpus_per_node is not None or self.rollout_partition is not None:
@@ -249,6 +253,9 @@ class ClusterConfig(Section):
                 "set cluster.rollout_nodes too (--rollout-nodes N), or drop cluster.reward_nodes: the reward "
                 "engines then take GPUs of the one allocation",
             )
+
+    def _check_split(self) -> None:
+        """The actor and the engines fit the job's GPUs, each engine a whole number of GPUs."""
         actor, rollout = self.split()
         if rollout % self.rollout_gpus_per_engine:
             raise ConfigError(
@@ -392,7 +399,7 @@ class DataConfig(Section):
 
     SECTION: ClassVar[str] = "data"
 
-    task: str = "digit_sum"
+    task: str = "digit_sum"  # a built-in task (rlhpc.data.tasks): digit_sum, reverse, guess (multi-turn)
     # .jsonl, .json, .parquet or a datasets.save_to_disk directory (rlhpc.data.files)
     train_file: str | None = None
     eval_file: str | None = None
@@ -425,8 +432,6 @@ class DataConfig(Section):
     seed: int = 0
 
     def check(self) -> None:
-        if self.task not in TASKS:
-            self._refuse("task", "is not a known task", f"use one of: {', '.join(sorted(TASKS))}")
         self._at_least(1, "num_train", "num_eval", "reward_concurrency")
         self._at_least(0, "reward_workers", fix="use 0 to score in the driver, or a number of processes")
         if self.reward_workers and (self.reward is None or self.reward.startswith(("http://", "https://"))):
@@ -1262,13 +1267,19 @@ def _read_tree(p: Path) -> dict:
     return tree
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
-    """Read YAML (optional), apply ``--set`` overrides, type-check and validate."""
+def load_tree(path: str | Path | None = None, overrides: list[str] = ()) -> dict:
+    """Read YAML (optional) and apply ``--set`` overrides: the plain tree, not yet typed."""
     tree: dict = {} if path is None else _read_tree(Path(path))
     for item in overrides:
         key, value = parse_override(item)
         _set_dotted(tree, key, value)
-    return config_from_dict(tree)
+    return tree
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+    """Read YAML (optional), apply ``--set`` overrides, type-check and validate (the config's own
+    rules: ``rlhpc.preflight.load_config`` adds the checks that need code)."""
+    return config_from_dict(load_tree(path, overrides))
 
 
 def config_to_dict(cfg: Config) -> dict:
@@ -1286,8 +1297,13 @@ def dump_config(cfg: Config) -> str:
     return yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
 
 
+def build_config(tree: dict) -> Config:
+    """Type the tree and check each section's own values; the rules across sections come after."""
+    return _build(Config, tree, "")
+
+
 def config_from_dict(tree: dict) -> Config:
-    cfg = _build(Config, tree, "")
+    cfg = build_config(tree)
     validate(cfg)
     return cfg
 
@@ -1304,20 +1320,36 @@ def _sections(obj: Any) -> typing.Iterator[Section]:
 
 
 def validate(cfg: Config) -> None:
-    """The whole config is usable: every section's own rules (again, in case fields were assigned
-    after construction), then the rules that read several sections or look outside the config.
-    Each error names the key and the fix."""
+    """The rules that need nothing but the config (and the files it names): every section's own
+    rules (again, in case fields were assigned after construction), then the rules that read several
+    sections. ``rlhpc.preflight.check`` runs these steps and, between them, the checks that need the
+    code a config names (its reward, environment, judge, layout and memory plan). Each error names the
+    key and the fix."""
+    check_sections(cfg)
+    place_groups(cfg)
+    check_groups(cfg)
+    check_model(cfg)
+    check_data(cfg)
+    check_chat_template(cfg)
+    check_overlong(cfg)
+    check_run(cfg)
+    check_parallelism(cfg)
+
+
+def check_sections(cfg: Config) -> None:
     for section in _sections(cfg):
         section.__post_init__()
-    c, r = cfg.cluster, cfg.rollout
-    # An open split is resolved once, here, with the actor's TP size, and written to the run
-    # dir's config.yaml as numbers: a resume gets exactly the layout of the first start.
+
+
+def place_groups(cfg: Config) -> None:
+    """Resolve an open split of the GPUs once, here, with the actor's TP size: it is written to the
+    run dir's config.yaml as numbers, so a resume gets exactly the layout of the first start."""
+    c = cfg.cluster
     tp = cfg.actor.megatron.tensor_model_parallel_size if cfg.actor.backend == "megatron" else 1
-    rm, teacher = cfg.reward_model, cfg.teacher
     reserved = frozen_gpus(cfg)
     actor, rollout = c.split(tp, reserved)
     if reserved and not c.heterogeneous and actor < 1:
-        groups = [f"{s.SECTION}.num_gpus = {s.num_gpus}" for s in (rm, teacher) if s is not None]
+        groups = [f"{s.SECTION}.num_gpus = {s.num_gpus}" for s in (cfg.reward_model, cfg.teacher) if s is not None]
         raise ConfigError(
             f"the job has {c.total_gpus} GPUs (cluster.num_nodes={c.num_nodes} x cluster.gpus_per_node="
             f"{c.gpus_per_node}): after {' and '.join(groups)} and {rollout} rollout GPUs "
@@ -1326,15 +1358,21 @@ def validate(cfg: Config) -> None:
         )
     c.actor_num_gpus, c.rollout_num_gpus = actor, rollout
     c.__post_init__()
-    if rm is not None:
-        _validate_reward_model(cfg, rm)
-    elif c.reward_nodes is not None:
+
+
+def check_groups(cfg: Config) -> None:
+    """The frozen groups (reward model, teacher) fit beside the actor and the engines."""
+    if cfg.reward_model is not None:
+        check_reward_model(cfg, cfg.reward_model)
+    elif cfg.cluster.reward_nodes is not None:
         raise ConfigError(
             "cluster.reward_nodes is set but there is no reward_model: the reward component would sit idle",
             "add a reward_model section (docs/guides/reward-models.md), or drop cluster.reward_nodes (--reward-nodes)",
         )
-    _validate_teacher(cfg)
+    check_teacher(cfg)
 
+
+def check_model(cfg: Config) -> None:
     m = cfg.model
     if (m.path is None) == (m.tiny is None):
         raise ConfigError(
@@ -1347,6 +1385,19 @@ def validate(cfg: Config) -> None:
             "point model.path at a Hugging Face model directory (config.json + safetensors)",
         )
 
+
+def data_files(cfg: Config) -> list[tuple[str, str, str, str]]:
+    """(key, file, prompt key, label key) of every data file the run reads."""
+    d = cfg.data
+    files = [("data.train_file", d.train_file, d.prompt_key, d.label_key)] if d.train_file is not None else []
+    for name, s in cfg.eval.resolved_sets(d, cfg.rollout).items():
+        if s.file is not None:
+            key = "data.eval_file" if not cfg.eval.sets else f"eval.sets.{name}.file"
+            files.append((key, s.file, s.prompt_key, s.label_key))
+    return files
+
+
+def check_data(cfg: Config) -> None:
     d = cfg.data
     if cfg.eval.sets and d.eval_file is not None:
         raise ConfigError(
@@ -1354,69 +1405,39 @@ def validate(cfg: Config) -> None:
             f"move data.eval_file into eval.sets (e.g. eval.sets.{DEFAULT_EVAL_SET}.file: {d.eval_file}) "
             "or unset eval.sets",
         )
-    sets = cfg.eval.resolved_sets(d, r)
-    # (key, file, prompt key, label key) of every data file the run reads
-    files = [("data.train_file", d.train_file, d.prompt_key, d.label_key)] if d.train_file is not None else []
-    for name, s in sets.items():
-        if s.file is not None:
-            key = "data.eval_file" if not cfg.eval.sets else f"eval.sets.{name}.file"
-            files.append((key, s.file, s.prompt_key, s.label_key))
-    for key, f, _, _ in files:
-        if not Path(f).exists():
-            raise ConfigError(f"{key} {f} does not exist", f"create it ({FORMATS}) or unset {key}")
-    env = r.env or TASKS[d.task].env
-    if files and d.reward is None and env is None:  # tools without an env: data.reward scores the replies
-        raise ConfigError(
-            f"{' / '.join(k for k, *_ in files)} set but data.reward is not: the toy task {d.task!r}'s "
-            "reward would score your data",
-            "set data.reward: rlhpc.rewards:math (math-verify), rlhpc.rewards:exact, or your own module:function",
-        )
+
+
+def check_chat_template(cfg: Config) -> None:
+    d = cfg.data
     if d.chat_template not in ("auto", "none") and not Path(d.chat_template).is_file():
         raise ConfigError(
             f"data.chat_template {d.chat_template} is neither auto, none, nor an existing file",
             "use auto (the tokenizer's template), none, or the path of a Jinja template",
         )
-    for _, f, prompt_key, label_key in files:  # a bad file is refused here, at submit, not after the queue wait
-        rows = read_rows(f, prompt_key, label_key)
-        if d.chat_template == "none" and any(isinstance(r["prompt"], list) for r in rows):
-            raise ConfigError(
-                f"{f} has chat-message prompts but data.chat_template is none",
-                "set data.chat_template: auto (the tokenizer's template) or a Jinja file",
-            )
-    if d.reward is not None and is_remote(d.reward):
-        if d.reward_key_file is not None and not Path(d.reward_key_file).is_file():
-            raise ConfigError(
-                f"data.reward_key_file {d.reward_key_file} does not exist",
-                "write the remote grader's key to that file (chmod 600), or unset data.reward_key_file",
-            )
-    elif d.reward is not None:
-        fn = resolve_reward(d.reward)
-        if not is_batched(fn):
-            takes_sample(fn, d.reward)  # either form, or the signature is refused
-        elif d.reward_workers:
-            raise ConfigError(
-                f"data.reward {d.reward} scores whole batches, which data.reward_workers does not split over processes",
-                "set data.reward_workers: 0 (a batched reward runs as one call), or score one sample per call",
-            )
-    if r.dynamic_sampling.filter is not None:
-        resolve_filter(r.dynamic_sampling.filter)
-    if r.generate_fn is not None or r.agent is not None:
-        _validate_custom(cfg, env)
-    elif env is not None or r.tools:
-        _validate_env(cfg, env)
-    a = cfg.algo
+
+
+def check_overlong(cfg: Config, env: str | None = None) -> None:
+    """The overlong penalty starts within a reply, and only where a reply's limit bounds a sample.
+    ``env``: the run's environment where a multi-turn data.task brings its own (rlhpc.preflight
+    knows it); without it this checks rollout.env, generate_fn and agent alone."""
+    r, a = cfg.rollout, cfg.algo
     if a.overlong_buffer > r.max_new_tokens:
         raise ConfigError(
             f"algo.overlong_buffer = {a.overlong_buffer} > rollout.max_new_tokens = {r.max_new_tokens}: the "
             "penalty would start before the first token",
             "set algo.overlong_buffer to at most rollout.max_new_tokens (DAPO: a fifth of it, e.g. 4096 of 20480)",
         )
-    if a.overlong_buffer and (env is not None or r.generate_fn is not None or r.agent is not None):
+    if a.overlong_buffer and (r.env or env or r.generate_fn is not None or r.agent is not None):
         raise ConfigError(
             "algo.overlong_buffer with multi-turn episodes: an episode's length is not bounded by "
             "rollout.max_new_tokens (a turn's limit) alone",
             "set algo.overlong_buffer=0 (rollout.overlong_filter works with episodes: it masks cut ones)",
         )
+
+
+def check_run(cfg: Config) -> None:
+    """Rules between the algorithm, the rollout and the layout."""
+    c, r, a = cfg.cluster, cfg.rollout, cfg.algo
     if r.partial_rollout and cfg.deterministic:
         raise ConfigError(
             "rollout.partial_rollout = true with deterministic = true: a weight push lands in the middle of a "
@@ -1424,10 +1445,9 @@ def validate(cfg: Config) -> None:
             "would differ between reruns and on resume",
             "set rollout.partial_rollout=false (the fixed-lag async pipeline is reproducible), or deterministic=false",
         )
-
-    if cfg.algo.advantage_estimator in ("rloo", "reinforce_plus_plus_baseline") and r.n_samples_per_prompt < 2:
+    if a.advantage_estimator in ("rloo", "reinforce_plus_plus_baseline") and r.n_samples_per_prompt < 2:
         raise ConfigError(
-            f"algo.advantage_estimator = {cfg.algo.advantage_estimator!r} needs rollout.n_samples_per_prompt >= 2 "
+            f"algo.advantage_estimator = {a.advantage_estimator!r} needs rollout.n_samples_per_prompt >= 2 "
             "(its baseline is the other samples of the same prompt)",
             "sample at least 2 responses per prompt",
         )
@@ -1448,93 +1468,15 @@ def validate(cfg: Config) -> None:
             f"set rollout.max_staleness=0 for the synchronous loop, or {key}=false "
             "(a disaggregated layout: separate actor and rollout GPUs)",
         )
+
+
+def check_parallelism(cfg: Config) -> None:
+    """The actor's and the engines' parallel sizes divide the model and the GPUs; every request fits
+    the model's context."""
     if cfg.actor.backend == "megatron":
-        _validate_megatron(cfg)
-    _validate_engine_tp(cfg)
-    _validate_context(cfg)
-    from rlhpc.cluster.memory import check_fits  # late: the cluster package imports this module
-
-    check_fits(cfg)  # last: the estimate reads the layout and the model's shape checked above
-
-
-def _validate_env(cfg: Config, env: str | None) -> None:
-    """A multi-turn run: the environment (None: tools alone) imports and has its methods, the
-    tools and their parser import and have schemas, its chat renders, and a whole episode fits
-    the context."""
-    # late: the rollout package imports this module
-    from rlhpc.rollout.episodes import resolve_env
-    from rlhpc.rollout.tools import resolve_parser, resolve_tools
-
-    r = cfg.rollout
-    if env is not None:
-        key = "rollout.env" if r.env else f"data.task = {cfg.data.task}'s environment"
-        resolve_env(env, key)
-    else:
-        key, env = "rollout.tools", ", ".join(r.tools)
-    if r.tools:
-        resolve_tools(r.tools)
-        resolve_parser(r.tool_parser)
-    if cfg.data.chat_template == "none":
-        raise ConfigError(
-            f"{key} {env} renders its episodes as chat messages but data.chat_template is none",
-            "set data.chat_template: auto (the tokenizer's template) or a Jinja file",
-        )
-    tiny = cfg.model.tiny
-    if tiny is not None and tiny.tokenizer == "char" and cfg.data.chat_template == "auto":
-        raise ConfigError(
-            f"{key} {env} needs a chat template, and the tiny model's char tokenizer has none",
-            "set model.tiny.tokenizer: bpe (a ChatML template, as Qwen's), or data.chat_template: a Jinja file",
-        )
-    context = _context_len(cfg)
-    prompt = cfg.data.max_prompt_tokens or 1
-    if context is not None and prompt + cfg.rollout.max_episode_tokens > context:
-        raise ConfigError(
-            f"rollout.max_episode_tokens = {cfg.rollout.max_episode_tokens} + a prompt of {prompt} token(s) exceeds "
-            f"the model's context length of {context} tokens: the engines would refuse an episode's later turns",
-            f"set rollout.max_episode_tokens to at most {context - prompt}, or use a model with a longer context",
-        )
-
-
-def _validate_custom(cfg: Config, env: str | None) -> None:
-    """A run with a generate function or an agent: one way in only, importable, and (the agent)
-    a chat template to render its messages with."""
-    from rlhpc.rollout.trajectories import resolve_agent, resolve_generate_fn  # late: imports this module
-
-    r = cfg.rollout
-    if r.generate_fn is not None and r.agent is not None:
-        raise ConfigError(
-            f"rollout.generate_fn = {r.generate_fn} and rollout.agent = {r.agent} are both set: a run has one way in",
-            "keep one of them (docs/guides/multi-turn.md#three-ways-in says which fits)",
-        )
-    key, spec = ("rollout.generate_fn", r.generate_fn) if r.generate_fn is not None else ("rollout.agent", r.agent)
-    if env is not None or r.tools:
-        other = (
-            f"rollout.env = {env}"
-            if r.env
-            else f"data.task = {cfg.data.task}'s environment"
-            if env
-            else "rollout.tools"
-        )
-        raise ConfigError(
-            f"{key} = {spec} with {other}: the {key.removeprefix('rollout.')} runs the whole rollout, the "
-            "environment and tools would never be used",
-            f"unset {other.split(' ')[0]} (an agent passes its own tools in its requests), or unset {key}",
-        )
-    if r.generate_fn is not None:
-        resolve_generate_fn(r.generate_fn)
-        return
-    resolve_agent(spec)
-    if cfg.data.chat_template == "none":
-        raise ConfigError(
-            f"rollout.agent = {spec} talks in chat messages but data.chat_template is none",
-            "set data.chat_template: auto (the tokenizer's template) or a Jinja file",
-        )
-    tiny = cfg.model.tiny
-    if tiny is not None and tiny.tokenizer == "char" and cfg.data.chat_template == "auto":
-        raise ConfigError(
-            f"rollout.agent = {spec} needs a chat template, and the tiny model's char tokenizer has none",
-            "set model.tiny.tokenizer: bpe (a ChatML template, as Qwen's), or data.chat_template: a Jinja file",
-        )
+        _check_megatron(cfg)
+    _check_engine_tp(cfg)
+    _check_context(cfg)
 
 
 def frozen_gpus(cfg: Config) -> int:
@@ -1544,59 +1486,9 @@ def frozen_gpus(cfg: Config) -> int:
     return sum(s.num_gpus for s in (reward, cfg.teacher) if s is not None)
 
 
-def _validate_teacher(cfg: Config) -> None:
-    """A teacher when the loss reads one and only then; its group fits beside the others, on whole nodes."""
-    t, a, c = cfg.teacher, cfg.algo, cfg.cluster
-    if t is None:
-        if a.needs_teacher:
-            key = "algo.distill_coef" if a.distill_coef > 0 else "algo.kl_target"
-            raise ConfigError(
-                f"{key} = {getattr(a, key.split('.')[1])!r} reads a teacher's logprobs, but there is no teacher section",
-                "add teacher.path (an HF causal LM with the policy's tokenizer) or teacher.tiny",
-            )
-        return
-    if not a.needs_teacher:
-        raise ConfigError(
-            "the teacher section is set but nothing uses it (algo.distill_coef = 0, no KL penalty to the teacher)",
-            "set algo.distill_coef > 0 (on-policy distillation) or algo.kl_coef > 0 with algo.kl_target: teacher, "
-            "or drop the teacher section",
-        )
-    if c.heterogeneous:
-        raise ConfigError(
-            "teacher with cluster.rollout_nodes: in a heterogeneous job only the reward model has a component "
-            "of its own (cluster.reward_nodes), a teacher has none",
-            "drop cluster.rollout_nodes: the teacher engines then take GPUs of the one allocation",
-        )
-    if c.used_gpus(frozen_gpus(cfg)) > c.total_gpus:
-        raise ConfigError(
-            f"the layout needs {c.used_gpus(frozen_gpus(cfg))} GPUs (actor {c.actor_num_gpus} + rollout "
-            f"{c.rollout_num_gpus} + frozen groups {frozen_gpus(cfg)}) but the job has {c.total_gpus}",
-            "ask for more nodes/GPUs, or shrink cluster.actor_num_gpus / cluster.rollout_num_gpus / teacher.num_gpus",
-        )
-    if t.gpus_per_engine > c.gpus_per_node:
-        raise ConfigError(
-            f"teacher.gpus_per_engine = {t.gpus_per_engine} > cluster.gpus_per_node = {c.gpus_per_node}: "
-            "a teacher engine over several nodes is not supported",
-            "keep each teacher engine on one node (gpus_per_engine <= gpus_per_node)",
-        )
-    from rlhpc.cluster.layout import plan_layout  # late: the layout module imports this one
-
-    layout = plan_layout(c, cfg.reward_model, t)
-    for e, slots in enumerate(layout.teacher_slots):
-        if len({layout.slot_homes[s][0] for s in slots}) > 1:
-            raise ConfigError(
-                f"teacher engine {e} would straddle two nodes (slots {list(slots)}, {c.gpus_per_node} GPUs per node)",
-                "make the GPUs before it a multiple of teacher.gpus_per_engine, or use gpus_per_engine 1",
-            )
-    if t.path is not None and not (Path(t.path) / "config.json").is_file():
-        raise ConfigError(
-            f"teacher.path {t.path} has no config.json",
-            "point teacher.path at a Hugging Face causal LM directory with the policy's tokenizer",
-        )
-
-
-def _validate_reward_model(cfg: Config, rm: RewardModelConfig) -> None:
-    """The reward group fits the allocation beside the others (or its own component), on whole nodes, with a model."""
+def check_reward_model(cfg: Config, rm: RewardModelConfig) -> None:
+    """The reward group fits the allocation beside the others (or its own component), each engine
+    within a node (``rlhpc.cluster.layout.check_homes`` places them), with a model."""
     c = cfg.cluster
     if c.heterogeneous and c.reward_nodes is None:
         raise ConfigError(
@@ -1630,29 +1522,58 @@ def _validate_reward_model(cfg: Config, rm: RewardModelConfig) -> None:
             "a reward engine over several nodes is not supported",
             "keep each reward engine on one node (gpus_per_engine <= GPUs per node)",
         )
-    from rlhpc.cluster.layout import plan_layout  # late: the layout module imports this one
-
-    layout = plan_layout(c, rm, cfg.teacher)
-    for e, slots in enumerate(layout.reward_slots):
-        if len({layout.slot_homes[s][0] for s in slots}) > 1:
-            raise ConfigError(
-                f"reward engine {e} would straddle two nodes (slots {list(slots)}, "
-                f"{c.gpus_per_node} GPUs per node): the groups before it leave a partial node",
-                "make the actor and rollout GPUs a multiple of reward_model.gpus_per_engine, or use gpus_per_engine 1",
-            )
     if rm.path is not None and not (Path(rm.path) / "config.json").is_file():
         model = "*ForSequenceClassification" if rm.kind == "classifier" else "chat model (*ForCausalLM)"
         raise ConfigError(
             f"reward_model.path {rm.path} has no config.json",
             f"point reward_model.path at a Hugging Face {model} directory",
         )
-    if rm.kind == "judge":  # imported at submit, as data.reward is: a typo fails here, not on the cluster
-        from rlhpc.rollout.judge import resolve_judge
-
-        resolve_judge(rm)
 
 
-def _context_len(cfg: Config) -> int | None:
+def check_teacher(cfg: Config) -> None:
+    """A teacher when the loss reads one and only then; its group fits beside the others, each engine
+    within a node (``rlhpc.cluster.layout.check_homes`` places them), with a model."""
+    t, a, c = cfg.teacher, cfg.algo, cfg.cluster
+    if t is None:
+        if a.needs_teacher:
+            key = "algo.distill_coef" if a.distill_coef > 0 else "algo.kl_target"
+            raise ConfigError(
+                f"{key} = {getattr(a, key.split('.')[1])!r} reads a teacher's logprobs, but there is no teacher section",
+                "add teacher.path (an HF causal LM with the policy's tokenizer) or teacher.tiny",
+            )
+        return
+    if not a.needs_teacher:
+        raise ConfigError(
+            "the teacher section is set but nothing uses it (algo.distill_coef = 0, no KL penalty to the teacher)",
+            "set algo.distill_coef > 0 (on-policy distillation) or algo.kl_coef > 0 with algo.kl_target: teacher, "
+            "or drop the teacher section",
+        )
+    if c.heterogeneous:
+        raise ConfigError(
+            "teacher with cluster.rollout_nodes: in a heterogeneous job only the reward model has a component "
+            "of its own (cluster.reward_nodes), a teacher has none",
+            "drop cluster.rollout_nodes: the teacher engines then take GPUs of the one allocation",
+        )
+    if c.used_gpus(frozen_gpus(cfg)) > c.total_gpus:
+        raise ConfigError(
+            f"the layout needs {c.used_gpus(frozen_gpus(cfg))} GPUs (actor {c.actor_num_gpus} + rollout "
+            f"{c.rollout_num_gpus} + frozen groups {frozen_gpus(cfg)}) but the job has {c.total_gpus}",
+            "ask for more nodes/GPUs, or shrink cluster.actor_num_gpus / cluster.rollout_num_gpus / teacher.num_gpus",
+        )
+    if t.gpus_per_engine > c.gpus_per_node:
+        raise ConfigError(
+            f"teacher.gpus_per_engine = {t.gpus_per_engine} > cluster.gpus_per_node = {c.gpus_per_node}: "
+            "a teacher engine over several nodes is not supported",
+            "keep each teacher engine on one node (gpus_per_engine <= gpus_per_node)",
+        )
+    if t.path is not None and not (Path(t.path) / "config.json").is_file():
+        raise ConfigError(
+            f"teacher.path {t.path} has no config.json",
+            "point teacher.path at a Hugging Face causal LM directory with the policy's tokenizer",
+        )
+
+
+def context_len(cfg: Config) -> int | None:
     """The model's context length (``max_position_embeddings``), or None if unreadable."""
     if cfg.model.tiny is not None:
         return cfg.model.tiny.max_position_embeddings
@@ -1662,10 +1583,10 @@ def _context_len(cfg: Config) -> int | None:
         return None
 
 
-def _validate_context(cfg: Config) -> None:
+def _check_context(cfg: Config) -> None:
     """Every request fits the model's context, as SGLang requires (prompt + max_new_tokens), so
     no rollout is refused by the engines halfway through a run."""
-    context = _context_len(cfg)
+    context = context_len(cfg)
     if context is None:
         return
     prompt = cfg.data.max_prompt_tokens or 1
@@ -1708,7 +1629,7 @@ def _model_layers(cfg: Config) -> int | None:
         return None
 
 
-def _validate_engine_tp(cfg: Config) -> None:
+def _check_engine_tp(cfg: Config) -> None:
     """An SGLang engine's TP divides the model's attention heads (SGLang's own rule)."""
     shape, tp = _model_shape(cfg), cfg.cluster.rollout_gpus_per_engine
     if cfg.rollout.backend == "sglang" and shape is not None and shape[0] % tp:
@@ -1719,8 +1640,13 @@ def _validate_engine_tp(cfg: Config) -> None:
         )
 
 
-def _validate_megatron(cfg: Config) -> None:
-    c, tp = cfg.cluster, cfg.actor.megatron.tensor_model_parallel_size
+def _check_megatron(cfg: Config) -> None:
+    """What the megatron actor cannot do yet, then its parallel sizes against the GPUs and the model."""
+    _check_megatron_algo(cfg)
+    _check_megatron_sizes(cfg)
+
+
+def _check_megatron_algo(cfg: Config) -> None:
     pp = cfg.actor.megatron.pipeline_model_parallel_size
     if cfg.algo.ref_update_interval:
         raise ConfigError(
@@ -1735,6 +1661,11 @@ def _validate_megatron(cfg: Config) -> None:
             "measured outside the pipeline schedule, which only the one-stage actor runs",
             "use pipeline_model_parallel_size: 1 (TP/EP/DP instead), or algo.kl_in_reward: false (the KL in the loss)",
         )
+
+
+def _check_megatron_sizes(cfg: Config) -> None:
+    c, tp = cfg.cluster, cfg.actor.megatron.tensor_model_parallel_size
+    pp = cfg.actor.megatron.pipeline_model_parallel_size
     if c.actor_num_gpus % tp:
         raise ConfigError(
             f"actor.megatron.tensor_model_parallel_size = {tp} does not divide cluster.actor_num_gpus = {c.actor_num_gpus}",

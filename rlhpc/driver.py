@@ -29,6 +29,7 @@ from rlhpc.data.prompts import PromptPrep, prepare_prompts
 from rlhpc.data.tasks import TASKS
 from rlhpc.metrics import MetricsLogger, read_metrics
 from rlhpc.model import context_length, load_tokenizer
+from rlhpc.rollout.custom import make_custom
 from rlhpc.rollout.engine_pool import EnginePool
 from rlhpc.rollout.episodes import make_episodes
 from rlhpc.rollout.generation import Generation, task_reward
@@ -36,7 +37,6 @@ from rlhpc.rollout.judge import Judge
 from rlhpc.rollout.reward_model import RewardModel, start_reward_engines
 from rlhpc.rollout.scoring import MixedScorer
 from rlhpc.rollout.teacher import Teacher, check_same_vocabulary, start_teacher_engines
-from rlhpc.rollout.trajectories import make_custom
 from rlhpc.run_dir import RunDir
 from rlhpc.runtime.restarts import read_history
 from rlhpc.runtime.signals import Stopped, StopRequest

@@ -23,6 +23,7 @@ from transformers import (
 from transformers.utils import logging as hf_logging
 
 from rlhpc.config import TinyModelConfig  # a config section (torch-free); re-exported here
+from rlhpc.data.tasks import TASKS
 
 log = logging.getLogger(__name__)
 # Per-shard progress bars from every Ray worker drown the driver's output.
@@ -66,8 +67,6 @@ def build_bpe_tokenizer(seed: int = 0) -> PreTrainedTokenizerFast:
     """A byte-level BPE trained on the built-in tasks' text, shaped as Qwen's: no BOS, EOS
     ``<|im_end|>``, pad ``<|endoftext|>``, a ChatML chat template, and a token for every byte
     (NUL and bytes that are not UTF-8 on their own among them)."""
-    from rlhpc.data.tasks import TASKS  # late: the tasks import the config, which this module re-exports
-
     rng = random.Random(seed)
     # single-turn tasks only: the vocabulary (and every tiny model built so far) stays as it was
     corpus = [f"{r['prompt']}{r['answer']}" for t in TASKS.values() if t.env is None for r in t.make(2000, rng)]

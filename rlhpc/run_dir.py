@@ -215,6 +215,7 @@ class RunDir:
         return t.path if t.path is not None else str(self.teacher_model)
 
     def load_config(self) -> Config:
+        """The run's config with its own rules checked; ``rlhpc.preflight.check`` adds those that need code."""
         return config_from_dict(yaml.safe_load(self.config_file.read_text()))
 
     def check(self, cfg: Config, force: bool = False) -> None:

@@ -66,10 +66,29 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     _SPENT[share] = _SPENT.get(share, 0.0) + report.duration
 
 
+def _cpu_times() -> tuple[int, int] | None:
+    """(busy, total) jiffies of all CPUs since boot, from /proc/stat (None where there is none)."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+_CPU_AT_START = _cpu_times()
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
     if _SPENT:
         shares = ", ".join(f"{share} {seconds / 60:.1f} min" for share, seconds in sorted(_SPENT.items()))
         terminalreporter.write_line(f"time spent in tests by share: {shares}")
+    # How busy the machine's CPUs were over the run: well under 100% says workers wait (on Slurm,
+    # timeouts, sleeps) and a third worker could fill the gaps; near 100%, only cheaper tests help.
+    end = _cpu_times()
+    if _CPU_AT_START is not None and end is not None and end[1] > _CPU_AT_START[1]:
+        busy = (end[0] - _CPU_AT_START[0]) / (end[1] - _CPU_AT_START[1])
+        terminalreporter.write_line(f"CPUs busy over the run: {busy:.0%} of {os.cpu_count()} cores")
 
 
 # =====================================================================================

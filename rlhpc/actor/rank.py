@@ -567,12 +567,9 @@ class RankBase:
             return
         if self.sender is not None:  # reconnecting (e.g. after an engine restart): drop the old channel
             self._close_sender()
-        from rlhpc.weights.sender import make_weight_sender
-        from rlhpc.wire.client import EngineClient  # late: training never needs the rollout side
-        from rlhpc.wire.engine_key import read_key
+        from rlhpc.weights.sender import engine_clients, make_weight_sender  # late: training never needs it
 
-        key = read_key(key_file) if key_file else None
-        clients = [EngineClient(url, api_key=key) for url in engine_urls]
+        clients = engine_clients(engine_urls, key_file)
         if colocate:
             self._share_weights_with_colocated_engines()
         self.sender = make_weight_sender(

@@ -193,7 +193,7 @@ def render() -> str:
         "Every key of the run config, as YAML (`--config FILE`) or `--set key=value` spells it. Types and",
         "defaults are the dataclasses' in `rlhpc/config.py`; the description is the comment beside the",
         "field there; the rule is what the section's own check enforces (rules between sections, and",
-        "those against files and the model, are in `rlhpc.config.validate` and named by its errors).",
+        "those against files, the model and the code a key names, are in `rlhpc.preflight.check`, named by its errors).",
         "",
     ]
     for block in blocks():

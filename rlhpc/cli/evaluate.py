@@ -22,10 +22,11 @@ from pathlib import Path
 
 from rlhpc.actor.checkpoint_dir import ACTOR_SUBDIR
 from rlhpc.checkpoint import PREFIX, STATE, CheckpointManager, checkpoint_name, validate
-from rlhpc.config import Config, load_config
+from rlhpc.config import Config
 from rlhpc.errors import RlhpcError
 from rlhpc.launch.followup import RUN_DIR_ENV
 from rlhpc.logs import setup_logging
+from rlhpc.preflight import load_config
 from rlhpc.run_dir import RunDir
 from rlhpc.util.files import write_atomic
 
@@ -86,10 +87,10 @@ def evaluate_checkpoint(cfg: Config, run: RunDir, ckpt: Path, rollout_id: int) -
         from rlhpc.data.buffer import load_eval_sets
         from rlhpc.driver import evaluate_sets, prompt_prep
         from rlhpc.model import context_length, load_tokenizer
+        from rlhpc.rollout.custom import make_custom
         from rlhpc.rollout.engine_pool import EnginePool
         from rlhpc.rollout.episodes import make_episodes
         from rlhpc.rollout.generation import Generation, task_reward
-        from rlhpc.rollout.trajectories import make_custom
 
         weights = str(model_dir(ckpt))
         tokenizer = load_tokenizer(run.model_path(cfg))  # the run's, as its driver encodes prompts with

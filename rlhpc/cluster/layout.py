@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rlhpc.config import ClusterConfig, RewardModelConfig, TeacherConfig
+from rlhpc.config import ClusterConfig, Config, RewardModelConfig, TeacherConfig
+from rlhpc.errors import ConfigError
 
 # Ray custom resources that pin each group's bundles to its component of a heterogeneous job.
 GROUP_RESOURCES = ("rlhpc_actor_node", "rlhpc_rollout_node", "rlhpc_reward_node")
@@ -80,6 +81,25 @@ def plan_layout(
         homes = [(k // c.gpus_per_node, k % c.gpus_per_node) for k in range(num_slots)]
         groups = (0,) * num_slots
     return Layout(num_slots, actor, engines, c.colocate, c.node_gpus, tuple(homes), groups, rewards, teachers)
+
+
+def check_homes(cfg: Config) -> None:
+    """Each reward and teacher engine's GPUs are on one node (the groups before it may leave a partial one)."""
+    c = cfg.cluster
+    layout = plan_layout(c, cfg.reward_model, cfg.teacher)
+    for e, slots in enumerate(layout.reward_slots):
+        if len({layout.slot_homes[s][0] for s in slots}) > 1:
+            raise ConfigError(
+                f"reward engine {e} would straddle two nodes (slots {list(slots)}, "
+                f"{c.gpus_per_node} GPUs per node): the groups before it leave a partial node",
+                "make the actor and rollout GPUs a multiple of reward_model.gpus_per_engine, or use gpus_per_engine 1",
+            )
+    for e, slots in enumerate(layout.teacher_slots):
+        if len({layout.slot_homes[s][0] for s in slots}) > 1:
+            raise ConfigError(
+                f"teacher engine {e} would straddle two nodes (slots {list(slots)}, {c.gpus_per_node} GPUs per node)",
+                "make the GPUs before it a multiple of teacher.gpus_per_engine, or use gpus_per_engine 1",
+            )
 
 
 def idle_note(

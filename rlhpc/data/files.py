@@ -57,6 +57,25 @@ def read_rows(path: str | Path, prompt_key: str = "prompt", label_key: str = "an
     return rows
 
 
+def check_exist(files: list[tuple[str, str, str, str]]) -> None:
+    """Each of ``files`` ((key, file, prompt key, label key), as ``rlhpc.config.data_files`` lists
+    them) exists."""
+    for key, f, _, _ in files:
+        if not Path(f).exists():
+            raise ConfigError(f"{key} {f} does not exist", f"create it ({FORMATS}) or unset {key}")
+
+
+def check_rows(files: list[tuple[str, str, str, str]], chat_template: str) -> None:
+    """Each file reads, at submit rather than after the queue wait; chat prompts have a template."""
+    for _, f, prompt_key, label_key in files:
+        rows = read_rows(f, prompt_key, label_key)
+        if chat_template == "none" and any(isinstance(r["prompt"], list) for r in rows):
+            raise ConfigError(
+                f"{f} has chat-message prompts but data.chat_template is none",
+                "set data.chat_template: auto (the tokenizer's template) or a Jinja file",
+            )
+
+
 def _is_chat(prompt: Any) -> bool:
     return (
         isinstance(prompt, list)

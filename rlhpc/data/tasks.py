@@ -9,10 +9,15 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from rlhpc.data import guess
 from rlhpc.data.files import read_rows
+from rlhpc.errors import ConfigError
 from rlhpc.util.imports import import_function
+
+if TYPE_CHECKING:
+    from rlhpc.config import DataConfig, RolloutConfig
 
 RewardFn = Callable[[str, str, str], float]
 
@@ -62,6 +67,27 @@ TASKS: dict[str, Task] = {
         ),
     )
 }
+
+
+def check_task(data: DataConfig) -> None:
+    if data.task not in TASKS:
+        raise ConfigError(f"data.task = {data.task!r} is not a known task", f"use one of: {', '.join(sorted(TASKS))}")
+
+
+def task_env(data: DataConfig, rollout: RolloutConfig) -> str | None:
+    """The run's environment: rollout.env, else the data.task's own (a multi-turn task's), else None."""
+    return rollout.env or TASKS[data.task].env
+
+
+def check_scored(data: DataConfig, files: list[tuple[str, str, str, str]], env: str | None) -> None:
+    """Data files are scored by data.reward (or an environment): a toy task's reward knows only its own data.
+    ``files``: (key, file, prompt key, label key) of each file the run reads."""
+    if files and data.reward is None and env is None:  # tools without an env: data.reward scores the replies
+        raise ConfigError(
+            f"{' / '.join(k for k, *_ in files)} set but data.reward is not: the toy task {data.task!r}'s "
+            "reward would score your data",
+            "set data.reward: rlhpc.rewards:math (math-verify), rlhpc.rewards:exact, or your own module:function",
+        )
 
 
 def resolve_reward(spec: str) -> RewardFn:

@@ -17,7 +17,7 @@ from pathlib import Path
 import submitit
 
 from rlhpc.cluster.layout import idle_note
-from rlhpc.config import Config, load_config
+from rlhpc.config import Config
 from rlhpc.errors import ConfigError, RlhpcError
 from rlhpc.launch import run_owner, slurm
 from rlhpc.launch.follow import follow
@@ -29,6 +29,7 @@ from rlhpc.launch.run_owner import Owner
 from rlhpc.launch.slurm import SlurmOptions, parse_extra, parse_time, preflight, slurm_executor
 from rlhpc.launch.sweep import SweepTask, parse_sweeps, plan_sweep, run_locally, submit_array
 from rlhpc.logs import FORCE_TERMINAL_ENV
+from rlhpc.preflight import load_config
 from rlhpc.run_dir import RunDir, SweepDir
 
 log = logging.getLogger("rlhpc.submit")

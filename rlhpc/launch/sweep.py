@@ -18,12 +18,13 @@ from pathlib import Path
 
 import submitit
 
-from rlhpc.config import Config, load_config
+from rlhpc.config import Config
 from rlhpc.errors import ConfigError, RlhpcError, RunDirError
 from rlhpc.launch import run_owner
 from rlhpc.launch.job import TrainJob
 from rlhpc.launch.run_owner import Owner
 from rlhpc.launch.slurm import SlurmOptions, slurm_executor
+from rlhpc.preflight import load_config
 from rlhpc.run_dir import RunDir, SweepDir
 
 log = logging.getLogger(__name__)

@@ -41,6 +41,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlhpc.config import Config, context_len
 from rlhpc.data.prompts import encode_text, render_messages, render_text, with_system
 from rlhpc.errors import ConfigError, RlhpcError
 from rlhpc.rollout.tools import Tools, resolve_parser, resolve_tools
@@ -60,6 +61,40 @@ def resolve_env(spec: str, key: str = "rollout.env") -> type:
         what = "is not a class" if not inspect.isclass(cls) else f"has no {' or '.join(missing)} method"
         raise ConfigError(f"{key} = {spec!r} {what}", f"point it at a {ENV_SIGNATURE}")
     return cls
+
+
+def check_env(cfg: Config, env: str | None) -> None:
+    """A multi-turn run: the environment (None: tools alone) imports and has its methods, the
+    tools and their parser import and have schemas, its chat renders, and a whole episode fits
+    the context."""
+    r = cfg.rollout
+    if env is not None:
+        key = "rollout.env" if r.env else f"data.task = {cfg.data.task}'s environment"
+        resolve_env(env, key)
+    else:
+        key, env = "rollout.tools", ", ".join(r.tools)
+    if r.tools:
+        resolve_tools(r.tools)
+        resolve_parser(r.tool_parser)
+    if cfg.data.chat_template == "none":
+        raise ConfigError(
+            f"{key} {env} renders its episodes as chat messages but data.chat_template is none",
+            "set data.chat_template: auto (the tokenizer's template) or a Jinja file",
+        )
+    tiny = cfg.model.tiny
+    if tiny is not None and tiny.tokenizer == "char" and cfg.data.chat_template == "auto":
+        raise ConfigError(
+            f"{key} {env} needs a chat template, and the tiny model's char tokenizer has none",
+            "set model.tiny.tokenizer: bpe (a ChatML template, as Qwen's), or data.chat_template: a Jinja file",
+        )
+    context = context_len(cfg)
+    prompt = cfg.data.max_prompt_tokens or 1
+    if context is not None and prompt + cfg.rollout.max_episode_tokens > context:
+        raise ConfigError(
+            f"rollout.max_episode_tokens = {cfg.rollout.max_episode_tokens} + a prompt of {prompt} token(s) exceeds "
+            f"the model's context length of {context} tokens: the engines would refuse an episode's later turns",
+            f"set rollout.max_episode_tokens to at most {context - prompt}, or use a model with a longer context",
+        )
 
 
 class TemplateBreaksPrefix(RlhpcError):

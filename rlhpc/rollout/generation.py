@@ -10,7 +10,6 @@ same tokens.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import math
 import time
@@ -27,16 +26,16 @@ from rlhpc.data.dynamic_sampling import Group, GroupFilter, resolve_filter
 from rlhpc.data.prompts import encode_rows
 from rlhpc.data.tasks import TASKS, RewardFn, resolve_reward
 from rlhpc.errors import RlhpcError
+from rlhpc.rollout.custom import CustomRollout, run_custom
 from rlhpc.rollout.scoring import MixedScorer, PooledReward, RemoteReward, Sample, Scorer, is_remote
-from rlhpc.wire.protocol import WEIGHT_VERSION_SPAN_KEYS, MetaInfo
-from rlhpc.wire.request import Request
+from rlhpc.wire.protocol import finish_reason, token_versions, weight_version
+from rlhpc.wire.request import Request, Send, knob_params, sample_seed
 
 if TYPE_CHECKING:
     from rich.progress import Progress
 
     from rlhpc.config import AlgoConfig, DataConfig, EvalConfig, EvalSetConfig, RolloutConfig
     from rlhpc.rollout.episodes import EpisodeConfig
-    from rlhpc.rollout.trajectories import CustomRollout
 
 log = logging.getLogger(__name__)
 
@@ -57,58 +56,6 @@ def rows_per_request(num_rows: int, n: int, num_engines: int) -> int:
     return max(1, min(per_engine, MAX_SAMPLES_PER_REQUEST // n))
 
 
-def sample_seed(*parts: object) -> int:
-    """A stable per-sample seed: same run seed, rollout and sample -> same tokens on rerun."""
-    digest = hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 2  # 62 bits, as SGLang's sampling_seed takes
-
-
-def weight_version(meta_info: dict) -> int:
-    """The weight version an engine reports in a sample's meta_info, as the int the driver pushed
-    (0 for an engine still on the weights on disk: SGLang calls that version "default")."""
-    version = meta_info.get(MetaInfo.WEIGHT_VERSION)
-    try:
-        return int(version)
-    except (TypeError, ValueError):
-        return 0
-
-
-def token_versions(meta_info: dict, num_tokens: int) -> list[int]:
-    """The weight version of each of a sample's ``num_tokens`` output tokens, from SGLang's
-    ``weight_versions`` spans (``[{"version", "start", "end"}, ...]``); without them (or when they do
-    not cover the tokens) every token has the sample's ``weight_version``."""
-    version_key, start_key, end_key = WEIGHT_VERSION_SPAN_KEYS
-    spans = meta_info.get(MetaInfo.WEIGHT_VERSIONS)
-    out: list[int] = []
-    try:
-        for sp in spans if isinstance(spans, list) else ():
-            version = weight_version({MetaInfo.WEIGHT_VERSION: sp[version_key]})
-            out += [version] * (int(sp[end_key]) - int(sp[start_key]))
-    except (KeyError, TypeError, ValueError):
-        out = []
-    return out if len(out) == num_tokens and out else [weight_version(meta_info)] * num_tokens
-
-
-def finish_reason(meta_info: dict) -> str | None:
-    reason = meta_info.get(MetaInfo.FINISH_REASON)
-    return reason.get("type") if isinstance(reason, dict) else reason
-
-
-def knob_params(top_k: int, min_p: float, repetition_penalty: float, stop: Sequence[str]) -> dict[str, Any]:
-    """SGLang's sampling params for the knobs set away from their no-op defaults (SGLang's own):
-    with the defaults a request is exactly what it was before these knobs existed."""
-    out: dict[str, Any] = {}
-    if top_k != -1:
-        out["top_k"] = top_k
-    if min_p != 0:
-        out["min_p"] = min_p
-    if repetition_penalty != 1:
-        out["repetition_penalty"] = repetition_penalty
-    if stop:
-        out["stop"] = list(stop)
-    return out
-
-
 def task_reward(data: DataConfig) -> Scorer:
     """``data.reward`` if set, else the task's own reward, as a ``Scorer``."""
     if data.reward and is_remote(data.reward):
@@ -121,13 +68,6 @@ def task_reward(data: DataConfig) -> Scorer:
     if data.reward:
         return Scorer(resolve_reward(data.reward), data.reward, data.reward_errors)
     return Scorer(TASKS[data.task].reward, f"the {data.task} task's reward", data.reward_errors)
-
-
-class Send(Protocol):
-    """Send every request; call ``done(c, answer)`` (in the caller's thread) once, as request c's
-    answer arrives; return the answers (SGLang's /generate output dicts) in request order."""
-
-    def __call__(self, requests: Sequence[Request], done: Callable[[int, list[dict]], None]) -> list[list[dict]]: ...
 
 
 class Generates(Protocol):
@@ -561,8 +501,6 @@ class Generation:
     ) -> Samples:
         """``n`` episodes per row of the generate function or agent, all at once; episode k's calls
         go to engine k mod the engine count, call t of it with the seed of turn t of an episode."""
-        from rlhpc.rollout.trajectories import run_custom
-
         custom = self.custom
         assert custom is not None
         total = len(rows) * n

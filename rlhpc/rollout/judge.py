@@ -15,12 +15,11 @@ from typing import TYPE_CHECKING, Any
 
 from rlhpc.config import RewardModelConfig
 from rlhpc.errors import RlhpcError
-from rlhpc.rollout.generation import knob_params, sample_seed
 from rlhpc.rollout.scoring import Sample
 from rlhpc.util.imports import import_function
-from rlhpc.wire.request import Request
+from rlhpc.wire.request import Request, knob_params, sample_seed
 
-if TYPE_CHECKING:  # not at run time: the config check imports this module, and ray must wait for its auth
+if TYPE_CHECKING:  # not at run time: the preflight imports this module, and ray must wait for its auth
     from rlhpc.rollout.engine_pool import EnginePool
 
 PROMPT_SIGNATURE = "judge_prompt(sample: rlhpc.rollout.scoring.Sample) -> list of {'role', 'content'} messages"

@@ -24,9 +24,12 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlhpc.errors import ConfigError, RlhpcError
+
+if TYPE_CHECKING:
+    from rlhpc.config import DataConfig
 
 SIGNATURES = "reward(sample) or reward(prompt, response, answer), returning a float or a dict with 'score'"
 
@@ -88,6 +91,26 @@ def takes_sample(fn: Callable, spec: str) -> bool:
 
 def is_remote(spec: str) -> bool:
     return spec.startswith(("http://", "https://"))
+
+
+def check_reward(data: DataConfig) -> None:
+    """data.reward, at submit: a remote grader's key file exists; a function of your own imports,
+    takes one of the two forms, and (a batched one) runs as one call."""
+    if data.reward is not None and is_remote(data.reward):
+        if data.reward_key_file is not None and not Path(data.reward_key_file).is_file():
+            raise ConfigError(
+                f"data.reward_key_file {data.reward_key_file} does not exist",
+                "write the remote grader's key to that file (chmod 600), or unset data.reward_key_file",
+            )
+    elif data.reward is not None:
+        fn = _import_reward(data.reward)
+        if not is_batched(fn):
+            takes_sample(fn, data.reward)  # either form, or the signature is refused
+        elif data.reward_workers:
+            raise ConfigError(
+                f"data.reward {data.reward} scores whole batches, which data.reward_workers does not split over processes",
+                "set data.reward_workers: 0 (a batched reward runs as one call), or score one sample per call",
+            )
 
 
 class RemoteReward:

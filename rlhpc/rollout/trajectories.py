@@ -29,13 +29,14 @@ import threading
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from rlhpc.errors import ConfigError, RlhpcError
 from rlhpc.util.imports import import_function
 
 if TYPE_CHECKING:
-    from rlhpc.rollout.generation import Send
+    from rlhpc.config import Config
+    from rlhpc.wire.request import Send
 
 log = logging.getLogger(__name__)
 
@@ -208,8 +209,7 @@ def _engine_piece(
 
 def generated(out: dict) -> Generated:
     """An SGLang /generate output as ``Generated``."""
-    from rlhpc.rollout.generation import finish_reason, token_versions
-    from rlhpc.wire.protocol import MetaInfo
+    from rlhpc.wire.protocol import MetaInfo, finish_reason, token_versions
 
     ids = [int(t) for t in out["output_ids"]]
     meta = out["meta_info"]
@@ -356,36 +356,6 @@ class EngineHandle:
         return answer()
 
 
-# ------------------------------------------------------------------ the run's way in
-
-
-@dataclass(frozen=True)
-class CustomRollout:
-    """A run's generate function or agent (``make_custom``)."""
-
-    kind: Literal["generate_fn", "agent"]
-    spec: str
-    fn: Callable
-    template: str | None = None  # the agent's chat template (data.chat_template)
-    template_name: str = ""
-    parser: Callable[[str], Any] | None = None  # the agent's tool-call parser (rollout.tool_parser)
-
-    @property
-    def key(self) -> str:
-        return f"rollout.{self.kind}"
-
-
-@dataclass
-class EpisodeResult:
-    """One episode's samples and what scores it."""
-
-    segments: list[Segment]
-    reward: float | None
-    reply: str  # the last engine call's text
-    finish: str | None  # its finish reason
-    messages: list[dict] | None = None  # the agent's final transcript
-
-
 def resolve_generate_fn(spec: str, key: str = "rollout.generate_fn") -> Callable:
     fn = import_function(key, spec, GENERATE_FN_SIGNATURE)
     if inspect.isclass(fn):
@@ -406,96 +376,41 @@ def resolve_agent(spec: str, key: str = "rollout.agent") -> Callable:
     return fn
 
 
-def make_custom(cfg: Any, tokenizer: Any) -> CustomRollout | None:
-    """The run's generate function or agent from its ``Config``; None with neither."""
+def check_custom(cfg: Config, env: str | None) -> None:
+    """A run with a generate function or an agent: one way in only, importable, and (the agent)
+    a chat template to render its messages with."""
     r = cfg.rollout
-    if r.generate_fn is not None:
-        return CustomRollout("generate_fn", r.generate_fn, resolve_generate_fn(r.generate_fn))
-    if r.agent is None:
-        return None
-    from rlhpc.data.prompts import conversation_template
-    from rlhpc.rollout.tools import resolve_parser
-
-    template, name = conversation_template(cfg.data, tokenizer, f"rollout.agent = {r.agent}")
-    return CustomRollout("agent", r.agent, resolve_agent(r.agent), template, name, resolve_parser(r.tool_parser))
-
-
-async def _call_user(fn: Callable, *args: Any) -> Any:
-    """``fn(*args)``: awaited when it is a coroutine function, else on a thread of its own (a
-    blocking ``def`` must not stall the other episodes)."""
-    if inspect.iscoroutinefunction(fn):
-        return await fn(*args)
-    return await asyncio.to_thread(fn, *args)
-
-
-def run_custom(
-    custom: CustomRollout,
-    tokenizer: Any,
-    send: Send,
-    num_engines: int,
-    rows: Sequence[dict],
-    params: dict,
-    call_seed: Callable[[int, int], int],
-    episode_seed: Callable[[int], int],
-    episode_done: Callable[[], None] = lambda: None,
-) -> list[EpisodeResult]:
-    """Run one episode per row of ``rows`` (a row per sample), all at once; each episode's
-    calls go to engine ``k mod num_engines``, call t with seed ``call_seed(k, t)``."""
-    from rlhpc.wire.request import GenerationAborted
-
-    calls = EngineCalls(send, num_engines)
-    handles = [EngineHandle(calls, k, params, lambda t, k=k: call_seed(k, t), tokenizer) for k in range(len(rows))]
-    user_rows = [{**row, "episode_seed": episode_seed(k)} for k, row in enumerate(rows)]
-
-    async def user(*args: Any) -> Any:
-        try:
-            return await _call_user(custom.fn, *args)
-        except (RlhpcError, GenerationAborted):
-            raise
-        except Exception as e:  # the user's code: named, with its traceback chained
-            raise RlhpcError(
-                f"{custom.key} {custom.spec} raised {type(e).__name__}: {e}",
-                "fix the function (the traceback above shows where it raised)",
-            ) from e
-
-    async def generate_fn(k: int) -> EpisodeResult:
-        traj = await user(user_rows[k], handles[k])
-        made = handles[k].calls
-        segment = check_trajectory(custom.spec, traj, made)
-        reward = None if traj.reward is None else float(traj.reward)
-        last = made[-1].output if made else None
-        episode_done()
-        return EpisodeResult([segment], reward, last.text if last else "", last.finish_reason if last else None)
-
-    async def agent(k: int, endpoint: Any) -> EpisodeResult:
-        key = endpoint.open(handles[k])
-        try:
-            reward = await user(user_rows[k], endpoint.base_url, key)
-        finally:
-            transcript = endpoint.close(key)
-        made = handles[k].calls
-        if not made:
-            raise RlhpcError(
-                f"rollout.agent {custom.spec} made no call to the endpoint it was given ({endpoint.base_url})",
-                "point the OpenAI client at base_url with api_key, e.g. AsyncOpenAI(base_url=base_url, api_key=api_key)",
-            )
-        if reward is not None and not isinstance(reward, int | float):
-            raise RlhpcError(
-                f"rollout.agent {custom.spec} returned {str(reward)[:200]}, not a reward",
-                "return a float, or None to have data.reward score the final transcript",
-            )
-        episode_done()
-        last = made[-1].output
-        return EpisodeResult(
-            assemble(made), None if reward is None else float(reward), last.text, last.finish_reason, transcript
+    if r.generate_fn is not None and r.agent is not None:
+        raise ConfigError(
+            f"rollout.generate_fn = {r.generate_fn} and rollout.agent = {r.agent} are both set: a run has one way in",
+            "keep one of them (docs/guides/multi-turn.md#three-ways-in says which fits)",
         )
-
-    async def main() -> list[EpisodeResult]:
-        if custom.kind == "generate_fn":
-            return list(await asyncio.gather(*(generate_fn(k) for k in range(len(rows)))))
-        from rlhpc.rollout.agent_endpoint import AgentEndpoint
-
-        with AgentEndpoint(tokenizer, custom.template or "", custom.template_name, custom.parser) as endpoint:
-            return list(await asyncio.gather(*(agent(k, endpoint) for k in range(len(rows)))))
-
-    return calls.run(main)
+    key, spec = ("rollout.generate_fn", r.generate_fn) if r.generate_fn is not None else ("rollout.agent", r.agent)
+    if env is not None or r.tools:
+        other = (
+            f"rollout.env = {env}"
+            if r.env
+            else f"data.task = {cfg.data.task}'s environment"
+            if env
+            else "rollout.tools"
+        )
+        raise ConfigError(
+            f"{key} = {spec} with {other}: the {key.removeprefix('rollout.')} runs the whole rollout, the "
+            "environment and tools would never be used",
+            f"unset {other.split(' ')[0]} (an agent passes its own tools in its requests), or unset {key}",
+        )
+    if r.generate_fn is not None:
+        resolve_generate_fn(r.generate_fn)
+        return
+    resolve_agent(spec)
+    if cfg.data.chat_template == "none":
+        raise ConfigError(
+            f"rollout.agent = {spec} talks in chat messages but data.chat_template is none",
+            "set data.chat_template: auto (the tokenizer's template) or a Jinja file",
+        )
+    tiny = cfg.model.tiny
+    if tiny is not None and tiny.tokenizer == "char" and cfg.data.chat_template == "auto":
+        raise ConfigError(
+            f"rollout.agent = {spec} needs a chat template, and the tiny model's char tokenizer has none",
+            "set model.tiny.tokenizer: bpe (a ChatML template, as Qwen's), or data.chat_template: a Jinja file",
+        )

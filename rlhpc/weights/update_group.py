@@ -1,6 +1,6 @@
 """The extra torch.distributed group that carries weights from the trainer's rank 0 to the engines.
 
-Both ends use it: the trainer (``rlhpc.weights.sender``) binds the store and joins as rank 0,
+Both ends use it: the trainer (``rlhpc.weights.broadcast``) binds the store and joins as rank 0,
 the CPU engine server joins when told to by ``/init_weights_update_group`` (a real SGLang engine
 joins with its own helper of the same semantics).
 """

@@ -301,3 +301,37 @@ class EngineError(Exception):
 # Sampling parameters by how the CPU engine treats them. Those in NO_EFFECT_VALUES and not USED
 # are accepted only at those values (anything else changes the distribution, and silently
 # ignoring it would make CPU and GPU runs differ).
+
+
+# ------------------------------------------------------------------ reading meta_info
+
+
+def weight_version(meta_info: dict) -> int:
+    """The weight version an engine reports in a sample's meta_info, as the int the driver pushed
+    (0 for an engine still on the weights on disk: SGLang calls that version "default")."""
+    version = meta_info.get(MetaInfo.WEIGHT_VERSION)
+    try:
+        return int(version)
+    except (TypeError, ValueError):
+        return 0
+
+
+def token_versions(meta_info: dict, num_tokens: int) -> list[int]:
+    """The weight version of each of a sample's ``num_tokens`` output tokens, from SGLang's
+    ``weight_versions`` spans (``[{"version", "start", "end"}, ...]``); without them (or when they do
+    not cover the tokens) every token has the sample's ``weight_version``."""
+    version_key, start_key, end_key = WEIGHT_VERSION_SPAN_KEYS
+    spans = meta_info.get(MetaInfo.WEIGHT_VERSIONS)
+    out: list[int] = []
+    try:
+        for sp in spans if isinstance(spans, list) else ():
+            version = weight_version({MetaInfo.WEIGHT_VERSION: sp[version_key]})
+            out += [version] * (int(sp[end_key]) - int(sp[start_key]))
+    except (KeyError, TypeError, ValueError):
+        out = []
+    return out if len(out) == num_tokens and out else [weight_version(meta_info)] * num_tokens
+
+
+def finish_reason(meta_info: dict) -> str | None:
+    reason = meta_info.get(MetaInfo.FINISH_REASON)
+    return reason.get("type") if isinstance(reason, dict) else reason

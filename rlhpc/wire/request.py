@@ -1,9 +1,13 @@
 """What the driver sends to the engine pool, and how a send ends early: the request and abort types
-shared by the pool and everything that generates through it."""
+shared by the pool and everything that generates through it, the ``Send`` they go out by, and the
+per-sample seed and sampling knobs a request carries."""
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 
 @dataclass(frozen=True)
@@ -20,3 +24,31 @@ class Request:
 
 class GenerationAborted(Exception):
     """Generation was cut short for a stop request (preemption or time limit)."""
+
+
+class Send(Protocol):
+    """Send every request; call ``done(c, answer)`` (in the caller's thread) once, as request c's
+    answer arrives; return the answers (SGLang's /generate output dicts) in request order."""
+
+    def __call__(self, requests: Sequence[Request], done: Callable[[int, list[dict]], None]) -> list[list[dict]]: ...
+
+
+def sample_seed(*parts: object) -> int:
+    """A stable per-sample seed: same run seed, rollout and sample -> same tokens on rerun."""
+    digest = hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 2  # 62 bits, as SGLang's sampling_seed takes
+
+
+def knob_params(top_k: int, min_p: float, repetition_penalty: float, stop: Sequence[str]) -> dict[str, Any]:
+    """SGLang's sampling params for the knobs set away from their no-op defaults (SGLang's own):
+    with the defaults a request is exactly what it was before these knobs existed."""
+    out: dict[str, Any] = {}
+    if top_k != -1:
+        out["top_k"] = top_k
+    if min_p != 0:
+        out["min_p"] = min_p
+    if repetition_penalty != 1:
+        out["repetition_penalty"] = repetition_penalty
+    if stop:
+        out["stop"] = list(stop)
+    return out

@@ -11,10 +11,11 @@ import pytest
 from support.engines import in_process_send
 from transformers import AutoTokenizer
 
-from rlhpc.config import TinyModelConfig, load_config
+from rlhpc.config import TinyModelConfig
 from rlhpc.model import build_tiny_model
+from rlhpc.preflight import load_config
+from rlhpc.rollout.custom import make_custom
 from rlhpc.rollout.generation import Generation
-from rlhpc.rollout.trajectories import make_custom
 from rlhpc.wire.tool_calls import ParsedCall
 
 CALC = {

@@ -14,8 +14,9 @@ from rlhpc.data.buffer import DataBuffer
 from rlhpc.data.dynamic_sampling import Group, nonzero_std, resolve_filter
 from rlhpc.errors import ConfigError
 from rlhpc.model import load_tokenizer
-from rlhpc.rollout.generation import Generation, one_batch, token_versions
+from rlhpc.rollout.generation import Generation, one_batch
 from rlhpc.wire.client import EngineClient
+from rlhpc.wire.protocol import token_versions
 
 ROWS = [{"prompt": f"{i}+0=", "answer": str(i)} for i in range(40)]
 B, N, SEED = 4, 2, 7

@@ -24,7 +24,8 @@ from support.engines import (
 
 from rlhpc.errors import RlhpcError
 from rlhpc.model import TinyModelConfig, build_tiny_model, load_model
-from rlhpc.weights.sender import DistributedWeightSender, TensorWeightSender
+from rlhpc.weights.broadcast import DistributedWeightSender
+from rlhpc.weights.shared_memory import TensorWeightSender
 from rlhpc.wire.client import EngineClient
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

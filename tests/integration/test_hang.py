@@ -10,6 +10,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
 from support.jobs import REPO, job_args, kill_job, rollouts
 
 from rlhpc.runtime.restarts import read_history
@@ -61,12 +62,20 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
-def hang_a_rank(run: Path, proc: subprocess.Popen, sig: int = signal.SIGSTOP) -> int:
-    """Once rollouts 0-2 are trained (rollout 1 saved), SIGSTOP the rank: it answers nothing from now on."""
+def hang_a_rank(run: Path, proc: subprocess.Popen, sig: int = signal.SIGSTOP, start: int = 1) -> int:
+    """Once rollouts 0-2 of job start ``start`` are trained (rollout 1 saved), SIGSTOP the rank: it
+    answers nothing from now on."""
+
+    def trained_here() -> int:
+        history = read_history(run)
+        if len(history) < start:
+            return 0
+        return len([r for r in rollouts(run) if r >= history[start - 1]["next_rollout_id"]])
+
     deadline = time.time() + 300
-    while len(rollouts(run)) < 3:
+    while trained_here() < 3:
         assert proc.poll() is None, proc.stdout.read()[-4000:]
-        assert time.time() < deadline, "no 3 rollouts trained"
+        assert time.time() < deadline, f"no 3 rollouts trained in start {start}"
         time.sleep(0.1)
     pid = rank_pid(run)
     os.kill(pid, sig)
@@ -87,43 +96,54 @@ def wait_until_blocked(run: Path, quiet_s: float = 3.0) -> None:
             seen, since = n, time.time()
 
 
-def finish(proc: subprocess.Popen, hung: int | None) -> str:
+def finish(proc: subprocess.Popen, *hung: int | None) -> str:
     try:
         out, _ = proc.communicate(timeout=900)
     finally:
         if proc.poll() is None:
             kill_job(proc)
-        if hung is not None and alive(hung):
-            os.kill(hung, signal.SIGKILL)
+        for pid in hung:
+            if pid is not None and alive(pid):
+                os.kill(pid, signal.SIGKILL)
     return out
 
 
-def check_requeued_and_finished(run: Path, proc: subprocess.Popen, out: str, hung: int) -> str:
+def check_requeued_and_finished(run: Path, proc: subprocess.Popen, out: str, *hung: int, requeues: int = 1) -> str:
     assert proc.returncode == 0, out[-4000:]
     said = " ".join(out.split())  # unwrap rich lines
-    assert "the job failed; requeueing (checkpoint.requeue_on_failure)" in said
+    assert said.count("the job failed; requeueing (checkpoint.requeue_on_failure)") >= requeues, out[-4000:]
     history = read_history(run)
-    assert len(history) == 2 and history[1]["restart_count"] == 1
+    assert [h["restart_count"] for h in history] == list(range(requeues + 1)), history
     assert rollouts(run) == list(range(NUM_ROLLOUT))  # every rollout logged exactly once
-    assert not alive(hung)  # killed with its group, not left stopped holding its GPU
+    assert not any(alive(pid) for pid in hung)  # killed with its group, not left stopped holding its GPU
     assert not list((run / "checkpoints").glob(".staging-*"))
     return said
 
 
-def test_a_hung_rank_fails_the_call_naming_it_and_the_job_requeues(tmp_path):
-    run = tmp_path / "run"
+@pytest.fixture(scope="module")
+def killed_then_hung(tmp_path_factory) -> tuple[str, str]:
+    """One job for two faults (each requeues it): its rank SIGKILLed in the first start, the new
+    rank SIGSTOPped in the second (a hang, found by actor.call_timeout_s = 30). The third start
+    finishes. What the job printed, unwrapped, and its tail as printed."""
+    run = tmp_path_factory.mktemp("hang") / "run"
     proc = start(run, "actor.call_timeout_s=30")
-    hung = None
+    killed = hung = None
     try:
-        hung = hang_a_rank(run, proc)
+        killed = hang_a_rank(run, proc, signal.SIGKILL)
+        hung = hang_a_rank(run, proc, start=2)
     finally:
-        out = finish(proc, hung)
-    said = check_requeued_and_finished(run, proc, out, hung)
+        out = finish(proc, killed, hung)
+    said = check_requeued_and_finished(run, proc, out, killed, hung, requeues=2)
+    return said, out[-4000:]
+
+
+def test_a_hung_rank_fails_the_call_naming_it_and_the_job_requeues(killed_then_hung):
+    said, tail = killed_then_hung
     # Which call hangs depends on when the signal landed (train, save, weight push); it is named.
     assert re.search(
         r"actor call \w+ got no answer from rank 0 on [\d.]+ \(GPU \d+\) within 3\d s \(actor\.call_timeout_s = 30\)",
         said,
-    ), out[-4000:]
+    ), tail
 
 
 def test_a_stop_request_is_honoured_while_a_rank_hangs(tmp_path):
@@ -146,14 +166,7 @@ def test_a_stop_request_is_honoured_while_a_rank_hangs(tmp_path):
     ), out[-4000:]
 
 
-def test_a_killed_rank_requeues_the_job_which_resumes(tmp_path):
+def test_a_killed_rank_requeues_the_job_which_resumes(killed_then_hung):
     """A dead rank process is gone at the next start, like a dead engine: not a reason to fail the job."""
-    run = tmp_path / "run"
-    proc = start(run)
-    killed = None
-    try:
-        killed = hang_a_rank(run, proc, signal.SIGKILL)
-    finally:
-        out = finish(proc, killed)
-    said = check_requeued_and_finished(run, proc, out, killed)
-    assert re.search(r"actor rank 0 died during \w+", said), out[-4000:]
+    said, tail = killed_then_hung
+    assert re.search(r"actor rank 0 died during \w+", said), tail

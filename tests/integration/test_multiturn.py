@@ -102,39 +102,54 @@ def undisturbed(tmp_path_factory) -> Path:
     return run
 
 
-def test_sigkill_in_the_middle_of_episodes_resumes_to_the_same_run(undisturbed, tmp_path):
-    """Episodes run within a rollout and checkpoints fall between rollouts, so the episodes a
-    kill cuts are replayed whole from their seeds: same tokens, same rewards, same weights."""
-    run = tmp_path / "run"
+@pytest.fixture(scope="module")
+def killed_then_engine_killed(tmp_path_factory) -> tuple[Path, str, dict]:
+    """One run for two faults between two turns of its episodes: the whole job SIGKILLed in its
+    first start (once rollout 1's checkpoint exists), engine 0's server SIGKILLed in its resumed
+    one (in rollout 2, the first it trains). The run dir, what the resumed start printed, and what
+    was seen before it."""
+    run = tmp_path_factory.mktemp("guess-faults") / "run"
+    faults = (*EXACT, "rollout.env=support.hold:HeldThenEngineKilling")
     # once rollout 1's checkpoint exists, the next episode step holds, and the kill comes there
     held = run / "checkpoints" / f"rollout_000001{MID_EPISODE}"
-    args = job_args(run, *EXACT, "rollout.env=support.hold:GuessEnv")
-    kill_when(args, held)
-    assert held.read_text().startswith("held after reply")  # between two turns of an episode
-    ck = CheckpointManager(run / "checkpoints", 2).latest()
+    kill_when(job_args(run, *faults), held)
+    engine_log = run / "logs" / "engines" / "engine_0.log"
+    before = {
+        "held": held.read_text(),
+        "latest": CheckpointManager(run / "checkpoints", 2).latest(),
+        "engine_starts": engine_log.read_text().count("starting at"),
+        "killed_engine": Path(f"{engine_log}.killed").exists(),
+    }
+    p = run_job(run, *faults, env={KILL_ENGINE_ENV: str(engine_log)})  # no hold: the resumed job runs on
+    return run, p.stdout + p.stderr, before
+
+
+def test_sigkill_in_the_middle_of_episodes_resumes_to_the_same_run(undisturbed, killed_then_engine_killed):
+    """Episodes run within a rollout and checkpoints fall between rollouts, so the episodes a
+    kill cuts are replayed whole from their seeds: same tokens, same rewards, same weights."""
+    run, out, before = killed_then_engine_killed
+    assert before["held"].startswith("held after reply")  # between two turns of an episode
+    ck = before["latest"]
     assert ck is not None and ck.rollout_id == 1
-    p = run_job(run, *EXACT, "rollout.env=support.hold:GuessEnv")  # no hold: the resumed job runs on
-    assert f"resuming from {ck.path.name}" in p.stdout
+    assert f"resuming from {ck.path.name}" in out
     assert len(read_history(run)) == 2
     assert rollouts(run) == [0, 1, 2, 3]
     assert comparable(run) == comparable(undisturbed)
     assert final_weights(run) == final_weights(undisturbed)
 
 
-def test_engine_killed_in_the_middle_of_episodes_ends_like_the_undisturbed_run(undisturbed, tmp_path):
+def test_engine_killed_in_the_middle_of_episodes_ends_like_the_undisturbed_run(undisturbed, killed_then_engine_killed):
     """Each episode's turns on one of the two engines; engine 0's server is SIGKILLed between
-    two turns of rollout 1: its episodes' next requests fail, it is restarted on the current
-    weights and they are sent again, with the same per-sample seeds, so the same tokens."""
-    run = tmp_path / "run"
+    two turns of the resumed start's first rollout: its episodes' next requests fail, it is
+    restarted on the current weights and they are sent again, with the same per-sample seeds,
+    so the same tokens."""
+    run, out, before = killed_then_engine_killed
     engine_log = run / "logs" / "engines" / "engine_0.log"
-    p = run_job(
-        run, *EXACT, "rollout.env=support.guess_envs:EngineKillingGuess", env={KILL_ENGINE_ENV: str(engine_log)}
-    )
-    out = p.stdout + p.stderr
-    assert Path(f"{engine_log}.killed").exists(), out[-3000:]
-    assert engine_log.read_text().count("starting at") == 2, out[-3000:]  # restarted once
+    assert not before["killed_engine"] and Path(f"{engine_log}.killed").exists(), out[-3000:]
+    # started once by the resumed job and restarted once
+    assert engine_log.read_text().count("starting at") == before["engine_starts"] + 2, out[-3000:]
     assert "generation request(s) again" in out, out[-3000:]
-    assert len(read_history(run)) == 1  # the job itself never restarted
+    assert len(read_history(run)) == 2  # the job itself restarted only for its own SIGKILL
     assert comparable(run) == comparable(undisturbed)
     assert final_weights(run) == final_weights(undisturbed)
 

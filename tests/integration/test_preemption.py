@@ -77,13 +77,39 @@ def uninterrupted(tmp_path_factory) -> Path:
     return run
 
 
-def test_stop_signal_saves_requeues_and_ends_like_an_uninterrupted_run(uninterrupted, tmp_path):
-    run = tmp_path / "run"
-    proc = start(run, "rollout.num_rollout=12", "checkpoint.save_interval=100", "logging.wandb_mode=offline")
-    wait_for(lambda: len(trained(run)) >= 3, proc)
-    os.kill(task_pid(run), signal.SIGUSR2)  # what Slurm sends before the time limit or on preemption
-    out, _ = proc.communicate(timeout=300)
+HOLD_WRITES = REPO / "tests" / "support" / "hold_writes"  # a sitecustomize that holds the ranks' checkpoint writes
+
+
+@pytest.fixture(scope="module")
+def stopped(uninterrupted, tmp_path_factory) -> tuple[Path, str, dict]:
+    """One run of the uninterrupted config stopped by SIGUSR2 after rollout 2, its stop's checkpoint
+    write held until looked at (the two tests below check different things of this one run):
+    the run dir, what the job printed, and what was seen while the write was held."""
+    run = tmp_path_factory.mktemp("stopped") / "run"
+    gate = run.parent / "hold-writes"
+    gate.write_text("")  # no save before the stop (save_interval=100): the first write held is the stop's
+    env = {"PYTHONPATH": f"{HOLD_WRITES}:{os.environ.get('PYTHONPATH', '')}", "RLHPC_TEST_HOLD_WRITES": str(gate)}
+    proc = start(run, "rollout.num_rollout=12", "checkpoint.save_interval=100", "logging.wandb_mode=offline", env=env)
+    try:
+        wait_for(lambda: len(trained(run)) >= 3, proc)
+        os.kill(task_pid(run), signal.SIGUSR2)  # what Slurm sends before the time limit or on preemption
+        wait_for(lambda: Path(f"{gate}.held").exists(), proc)  # the stop's snapshot is taken, its write held
+        held = {
+            "latest": CheckpointManager(run / "checkpoints", 2).latest(),
+            "starts": len(read_history(run)),
+            "running": proc.poll() is None,
+        }
+        gate.unlink()
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            kill_job(proc)
     assert proc.returncode == 0, out[-4000:]
+    return run, out, held
+
+
+def test_stop_signal_saves_requeues_and_ends_like_an_uninterrupted_run(uninterrupted, stopped):
+    run, out, _ = stopped
     assert "got SIGUSR2: stopping at the next safe point" in out
 
     history = read_history(run)
@@ -100,24 +126,10 @@ def test_stop_signal_saves_requeues_and_ends_like_an_uninterrupted_run(uninterru
     assert len(runs) == 1 and len(list((run / "wandb").glob("offline-run-*"))) == 2
 
 
-HOLD_WRITES = REPO / "tests" / "support" / "hold_writes"  # a sitecustomize that holds the ranks' checkpoint writes
-
-
-def test_a_stop_waits_for_the_background_save_to_commit(uninterrupted, tmp_path):
-    run = tmp_path / "run"
-    gate = tmp_path / "hold-writes"
-    gate.write_text("")  # no save before the stop (save_interval=100): the first write held is the stop's
-    env = {"PYTHONPATH": f"{HOLD_WRITES}:{os.environ.get('PYTHONPATH', '')}", "RLHPC_TEST_HOLD_WRITES": str(gate)}
-    proc = start(run, "rollout.num_rollout=12", "checkpoint.save_interval=100", env=env)
-    wait_for(lambda: len(trained(run)) >= 3, proc)
-    os.kill(task_pid(run), signal.SIGUSR2)
-    wait_for(lambda: Path(f"{gate}.held").exists(), proc)  # the stop's snapshot is taken, its write held
-    # While the write is held nothing is committed and the job has not requeued.
-    assert CheckpointManager(run / "checkpoints", 2).latest() is None
-    assert len(read_history(run)) == 1 and proc.poll() is None
-    gate.unlink()
-    out, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 0, out[-4000:]
+def test_a_stop_waits_for_the_background_save_to_commit(uninterrupted, stopped):
+    run, out, held = stopped
+    # While the write was held nothing was committed and the job had not requeued.
+    assert held == {"latest": None, "starts": 1, "running": True}
     history = read_history(run)
     assert len(history) == 2
     stopped_at = history[1]["next_rollout_id"]

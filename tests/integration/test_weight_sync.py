@@ -28,12 +28,10 @@ from support.engines import (
 )
 
 from rlhpc.errors import RlhpcError
-from rlhpc.weights.sender import (
-    DistributedWeightSender,
-    TensorWeightSender,
-    iter_buckets,
-    make_weight_sender,
-)
+from rlhpc.weights.base import iter_buckets
+from rlhpc.weights.broadcast import DistributedWeightSender
+from rlhpc.weights.sender import make_weight_sender
+from rlhpc.weights.shared_memory import TensorWeightSender
 from rlhpc.weights.tensor_transport import (
     TensorPayloadError,
     TensorUnpickler,

@@ -15,6 +15,7 @@ from support.jobs import submit_slurm
 from support.slow_reward import slow_allocations
 
 from rlhpc.invariants import comparable, final_weights
+from rlhpc.launch import slurm
 from rlhpc.metrics import read_metrics
 from rlhpc.runtime.restarts import read_history
 
@@ -64,9 +65,19 @@ def versions(run: Path, rollout_id: int) -> set[int]:
 
 @pytest.fixture(scope="module")
 def baseline(minicluster, tmp_path_factory) -> Path:
+    """The uninterrupted run, not followed: it runs beside the preempted one (node1, which the
+    preemption leaves alone); ``finished`` waits for it where it is compared."""
     run = tmp_path_factory.mktemp("async-baseline") / "run"
-    p = submit(run, "--sbatch", "nodelist=node1", follow=True)
+    p = submit(run, "--sbatch", "nodelist=node1", follow=False)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return run
+
+
+def finished(run: Path) -> Path:
+    job = (run / "slurm_job_id").read_text().strip()
+    ended = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", None)
+    wait(lambda: (run / "FINISHED").is_file() or slurm.job_state(job) in ended, 360, f"job {job} to end")
+    assert (run / "FINISHED").is_file(), job_log(run)[-3000:]
     return run
 
 
@@ -96,5 +107,5 @@ def test_async_preempted_by_a_high_priority_job(baseline, minicluster, tmp_path)
     assert trained(run) == list(range(NUM_ROLLOUT))  # each rollout logged exactly once
     for r in range(NUM_ROLLOUT):
         assert versions(run, r) == {max(0, r - K)}  # the fixed lag across the preemption
-    assert final_weights(run) == final_weights(baseline)
+    assert final_weights(run) == final_weights(finished(baseline))
     assert comparable(run) == comparable(baseline)

@@ -7,6 +7,7 @@ same final weights (bit for bit, deterministic CPU run) and the same per-rollout
 import re
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from support.jobs import deterministic_config, submit_slurm
 from support.slow_reward import slow_allocations
 
 from rlhpc.invariants import comparable, final_weights
+from rlhpc.launch import slurm
 from rlhpc.metrics import read_metrics
 from rlhpc.runtime.restarts import read_history
 
@@ -146,28 +148,43 @@ def test_scontrol_requeue_at_an_arbitrary_moment(baseline, minicluster, tmp_path
         assert f"staged base_model, rollout_{history[-1]['next_rollout_id'] - 1:06d} in" in job_log(run)
 
 
-@pytest.mark.timeout(1000)
-def test_time_limit_mid_run(minicluster, tmp_path):
+TIME_LIMITED_ROLLOUTS = 60
+
+
+@pytest.fixture(scope="module", autouse=True)
+def time_limited(minicluster, tmp_path_factory) -> Iterator[Path]:
+    """test_time_limit_mid_run's job, submitted as this module starts: its first allocation spends
+    its minutes waiting for the time limit (a reward that sleeps), so it runs beside the module's
+    other tests, alone on node3 (theirs are on node0-2), and the test at the end checks how it
+    ended. Cancelled at the end of the module if it is still there (a test run with -k)."""
     # A 3-minute limit with USR2 60 s before it: an allocation has 2 minutes for start-up and
     # training, then is stopped, saved and requeued. In the first allocation the reward sleeps
     # 0.1 s per sample (support/slow_reward.py): 60 rollouts of 32 samples need over 3 minutes
     # there, so the limit cuts it on any machine; the requeued allocation runs at the machine's
     # pace (here ~0.8 s a rollout: two allocations; a machine twice as slow needs three).
-    run = tmp_path / "run"
-    num_rollout = 60
+    run = tmp_path_factory.mktemp("time-limit") / "run"
     slow, env = slow_allocations()
     p = submit(
         run,
         "--time", "3", "--signal-grace", "60", "--sbatch", "nodelist=node3",
-        "--set", f"rollout.num_rollout={num_rollout}", *slow,
+        "--set", f"rollout.num_rollout={TIME_LIMITED_ROLLOUTS}", *slow,
         "--set", "checkpoint.save_interval=50",
         follow=False,
         env=env,
     )  # fmt: skip
     assert p.returncode == 0, p.stderr
+    yield run
+    job = run / "slurm_job_id"
+    if job.is_file() and not (run / "FINISHED").is_file():
+        slurm.cancel(job.read_text().strip())
+
+
+@pytest.mark.timeout(1000)
+def test_time_limit_mid_run(time_limited):
+    run = time_limited
     wait(lambda: (run / "FINISHED").is_file(), 960, "the time-limited run to finish")
     history = read_history(run)
     assert len(history) >= 2, job_log(run)[-3000:]
     stops = [int(n) for n in re.findall(r"stopped before rollout (\d+)", job_log(run))]
     assert stops == [h["next_rollout_id"] for h in history[1:]]  # every restart resumed where it stopped: 0 lost
-    assert trained(run) == list(range(num_rollout))
+    assert trained(run) == list(range(TIME_LIMITED_ROLLOUTS))

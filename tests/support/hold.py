@@ -16,6 +16,7 @@ import time
 from rlhpc.data.guess import GuessEnv as _GuessEnv
 from rlhpc.data.tasks import TASKS
 from support.filters import length_parity as _length_parity
+from support.guess_envs import EngineKillingGuess
 
 HOLD_ENV = "RLHPC_TEST_HOLD_AT"
 _DIGIT_SUM = TASKS["digit_sum"].reward
@@ -52,3 +53,9 @@ class GuessEnv(_GuessEnv):
                 f.write(f"held after reply {self.replies + 1}\n")
         _hold()
         return super().step(reply)
+
+
+class HeldThenEngineKilling(EngineKillingGuess, GuessEnv):
+    """Both, each while its variable is set: a run held (and SIGKILLed) between two turns in its
+    first start loses an engine between two turns in its resumed one
+    (support.guess_envs.KILL_ENGINE_ENV), with the same config at both starts."""

@@ -8,11 +8,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from rlhpc.config import load_config
 from rlhpc.data.files import read_rows
 from rlhpc.data.prompts import encode_rows, prepare_prompts
 from rlhpc.errors import ConfigError
 from rlhpc.model import build_bpe_tokenizer, build_char_tokenizer
+from rlhpc.preflight import load_config
 
 CHAT = [{"role": "user", "content": "3+4="}]
 

@@ -1,5 +1,6 @@
 """Config loading: types, unknown keys, cross-field checks; each error names key and fix."""
 
+import json
 import os
 import re
 import subprocess
@@ -9,8 +10,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rlhpc.config import dump_config, load_config
+from rlhpc.config import dump_config
 from rlhpc.errors import ConfigError
+from rlhpc.preflight import load_config
 
 TINY = ["model.tiny={}"]
 
@@ -332,7 +334,7 @@ def test_reading_a_config_imports_neither_torch_nor_transformers(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(Path(rlhpc.__file__).resolve().parents[1])}  # this rlhpc, not cwd's
     code = (
         "import sys\n"
-        "from rlhpc.config import load_config\n"
+        "from rlhpc.preflight import load_config\n"
         f"load_config({str(EMBEDDED)!r})\n"
         "heavy = [m for m in ('torch', 'transformers') if m in sys.modules]\n"
         "assert not heavy, heavy\n"
@@ -436,3 +438,54 @@ def test_requests_longer_than_the_models_context_are_refused_at_load(overrides, 
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config(None, TINY + overrides)
     load_config(None, TINY + ["data.max_prompt_tokens=100", "rollout.max_new_tokens=28"])  # exactly fits
+
+
+def test_the_config_module_imports_nothing_of_rlhpc_but_its_errors_and_util(tmp_path):
+    """rlhpc.config is the bottom of the house: a spec is checked where it is resolved, not here."""
+    import rlhpc
+
+    env = {**os.environ, "PYTHONPATH": str(Path(rlhpc.__file__).resolve().parents[1])}
+    code = (
+        "import json, sys\nimport rlhpc.config\nprint(json.dumps([m for m in sys.modules if m.startswith('rlhpc.')]))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, check=True, capture_output=True)
+    loaded = json.loads(out.stdout)
+    assert loaded and all(m in ("rlhpc.config", "rlhpc.errors") or m.startswith("rlhpc.util") for m in loaded), loaded
+
+
+def test_the_config_alone_checks_no_code_the_preflight_checks_it_all():
+    from rlhpc import config
+
+    cfg = config.load_config(None, [*TINY, "data.reward=nowhere:fn", "data.task=nope"])  # no import, no registry
+    assert cfg.data.reward == "nowhere:fn"
+    msg = error(["data.task=nope"])
+    assert "data.task = 'nope' is not a known task" in msg and "digit_sum" in msg
+    assert "nowhere" in error(["data.reward=nowhere:fn"])
+
+
+def test_the_preflight_runs_every_step_of_the_configs_own_rules_in_their_order():
+    """A rule added to rlhpc.config.validate reaches every entry point only through the preflight."""
+    import ast
+    import inspect
+
+    from rlhpc import config, preflight
+
+    def calls(fn, owner=None):
+        tree = ast.parse(inspect.getsource(fn))
+        out = []
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call):
+                f = node.func
+                if owner is None and isinstance(f, ast.Name):
+                    out.append((node.lineno, f.id))
+                elif owner and isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == owner:
+                    out.append((node.lineno, f.attr))
+                elif owner and isinstance(f, ast.Name) and f.id == "_check_data":
+                    out.append((node.lineno, [name for _, name in sorted(calls(preflight._check_data, owner))]))
+        return out
+
+    own = [name for _, name in sorted(calls(config.validate))]
+    steps = []
+    for _, name in sorted(calls(preflight.check, "config")):
+        steps += name if isinstance(name, list) else [name]
+    assert [s for s in steps if s in own] == own

@@ -10,9 +10,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from rlhpc.config import load_config
 from rlhpc.data.files import read_rows
 from rlhpc.errors import ConfigError
+from rlhpc.preflight import load_config
 
 REPO = __import__("pathlib").Path(__file__).resolve().parents[2]
 # verl's layout: the label nested under reward_model, other fields beside it

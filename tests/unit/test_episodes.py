@@ -9,11 +9,12 @@ from support.engines import in_process_send
 from tokenizers import AddedToken
 
 from rlhpc.batch import RolloutBatch
-from rlhpc.config import TinyModelConfig, load_config
+from rlhpc.config import TinyModelConfig
 from rlhpc.data.guess import GuessEnv
 from rlhpc.errors import ConfigError
 from rlhpc.metrics import write_rollout_dump
 from rlhpc.model import IM_END, build_bpe_tokenizer, build_tiny_model
+from rlhpc.preflight import load_config
 from rlhpc.rollout.episodes import Conversation, TemplateBreaksPrefix, make_episodes, resolve_env, split_tokens
 from rlhpc.rollout.generation import Generation
 

@@ -7,9 +7,10 @@ import sys
 
 import pytest
 
-from rlhpc.config import DEFAULT_EVAL_SET, EvalSetConfig, eval_metric, load_config
+from rlhpc.config import DEFAULT_EVAL_SET, EvalSetConfig, eval_metric
 from rlhpc.errors import ConfigError
 from rlhpc.metrics import eval_means
+from rlhpc.preflight import load_config
 
 REPO = __import__("pathlib").Path(__file__).resolve().parents[2]
 TINY = ["model.tiny={}", "rollout.max_new_tokens=4"]

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from rlhpc.config import load_config
+from rlhpc.preflight import load_config
 
 REPO = Path(__file__).resolve().parents[2]
 WAYS_IN = {

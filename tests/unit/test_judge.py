@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from rlhpc.config import JudgeSamplingConfig, RewardModelConfig, config_from_dict
+from rlhpc.config import JudgeSamplingConfig, RewardModelConfig
 from rlhpc.errors import ConfigError
 from rlhpc.model import build_bpe_tokenizer, build_char_tokenizer
+from rlhpc.preflight import config_from_dict
 from rlhpc.rollout.judge import Judge, parse_score, render, score_prompt
 from rlhpc.rollout.reward_model import EMBEDDING_FLAG, reward_rollout_config
 from rlhpc.rollout.scoring import Sample
@@ -107,7 +108,7 @@ def test_checking_a_judge_config_does_not_import_ray():
     """The job checks its config before it sets Ray's token auth, which ray reads when first
     imported: the judge's functions are resolved then, so nothing on that path may import ray."""
     code = (
-        "import sys; from rlhpc.config import config_from_dict; config_from_dict({'model': {'tiny': {}}, "
+        "import sys; from rlhpc.preflight import config_from_dict; config_from_dict({'model': {'tiny': {}}, "
         "'cluster': {'gpus_per_node': 3}, 'reward_model': {'tiny': {}, 'kind': 'judge'}}); print('ray' in sys.modules)"
     )
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)

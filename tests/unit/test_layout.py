@@ -66,7 +66,7 @@ def test_bundles_sorted_numerically_by_ip_then_gpu():
 
 
 def test_the_default_split_uses_the_whole_allocation():
-    from rlhpc.config import load_config
+    from rlhpc.preflight import load_config
 
     assert ClusterConfig().split() == (1, 1)  # the embedded default: 1 rank + 1 engine
     assert ClusterConfig(num_nodes=2, gpus_per_node=4).split() == (4, 4)

@@ -6,7 +6,8 @@ import pytest
 
 from rlhpc.actor.lr_schedule import lr_at
 from rlhpc.actor.spec import ActorSpec
-from rlhpc.config import Config, ConfigError, load_config
+from rlhpc.config import Config, ConfigError
+from rlhpc.preflight import load_config
 
 
 def rates(schedule: str, warmup: int, decay: int, steps: int, lr: float = 1.0, min_lr: float = 0.1) -> list[float]:

@@ -13,8 +13,8 @@ from rlhpc.cluster.memory import (
     stage_estimate,
     summarize,
 )
-from rlhpc.config import load_config
 from rlhpc.errors import ConfigError
+from rlhpc.preflight import load_config
 
 # The tiny qwen3 (hidden 64, ffn 256, 2 layers, 4 heads of 16, 2 key/value heads, BPE vocab 320)
 # on 4 megatron ranks: TP 2, DP 2, bf16, distributed optimizer; micro-batches of 2 samples of

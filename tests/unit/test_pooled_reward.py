@@ -5,8 +5,8 @@ import os
 
 import pytest
 
-from rlhpc.config import load_config
 from rlhpc.errors import ConfigError, RlhpcError
+from rlhpc.preflight import load_config
 from rlhpc.rollout.generation import task_reward
 from rlhpc.rollout.scoring import Sample
 

@@ -12,8 +12,8 @@ import pytest
 import yaml
 
 from rlhpc.cluster.memory import summarize
-from rlhpc.config import load_config
 from rlhpc.errors import ConfigError
+from rlhpc.preflight import load_config
 
 REPO = Path(__file__).resolve().parents[2]
 MODELS = REPO / "tests" / "support" / "models"

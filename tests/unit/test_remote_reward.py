@@ -8,8 +8,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from rlhpc.config import load_config
 from rlhpc.errors import ConfigError, RlhpcError
+from rlhpc.preflight import load_config
 from rlhpc.rollout.generation import task_reward
 from rlhpc.rollout.scoring import Sample
 

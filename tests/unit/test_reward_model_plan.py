@@ -9,9 +9,10 @@ import pytest
 from support import sglang_wheel as sgl
 
 from rlhpc.cluster.layout import describe_layout, idle_note, plan_layout, summarize_layout
-from rlhpc.config import ClusterConfig, RewardModelConfig, config_from_dict
+from rlhpc.config import ClusterConfig, RewardModelConfig
 from rlhpc.errors import ConfigError
 from rlhpc.model import build_bpe_tokenizer, build_char_tokenizer
+from rlhpc.preflight import config_from_dict
 from rlhpc.rollout.reward_model import EMBEDDING_FLAG, render, reward_rollout_config
 from rlhpc.rollout.scoring import MixedScorer, Sample, Scorer
 from rlhpc.wire import protocol as P

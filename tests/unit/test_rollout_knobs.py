@@ -12,12 +12,14 @@ import pytest
 import torch
 
 from rlhpc.algo.grpo import overlong_penalty
-from rlhpc.config import AlgoConfig, EvalConfig, EvalSetConfig, RolloutConfig, load_config
+from rlhpc.config import AlgoConfig, EvalConfig, EvalSetConfig, RolloutConfig
 from rlhpc.engine_server.cpu.requests import ModelLimits, normalize_generate
 from rlhpc.errors import ConfigError
-from rlhpc.rollout.generation import Generation, knob_params
+from rlhpc.preflight import load_config
+from rlhpc.rollout.generation import Generation
 from rlhpc.wire import protocol as P
 from rlhpc.wire.protocol import EngineError
+from rlhpc.wire.request import knob_params
 
 
 def test_overlong_penalty_values() -> None:

@@ -2,8 +2,8 @@
 
 import pytest
 
-from rlhpc.config import load_config
 from rlhpc.errors import ConfigError, RlhpcError
+from rlhpc.preflight import load_config
 from rlhpc.rollout.scoring import Sample, Scorer, takes_sample
 
 SAMPLES = [

@@ -207,8 +207,8 @@ def test_run_dir_that_is_a_file(tmp_path):
 
 
 def test_a_finished_run_says_how_to_go_on_from_make(tmp_path):
-    from rlhpc.config import load_config
     from rlhpc.errors import RunDirError
+    from rlhpc.preflight import load_config
     from rlhpc.run_dir import RunDir
 
     run = RunDir(tmp_path / "run")

@@ -12,9 +12,10 @@ import torch
 
 from rlhpc.algo.grpo import agg_loss, distill_advantages, policy_loss_per_token
 from rlhpc.cluster.layout import describe_layout, idle_note, plan_layout, summarize_layout
-from rlhpc.config import ClusterConfig, RewardModelConfig, TeacherConfig, config_from_dict
+from rlhpc.config import ClusterConfig, RewardModelConfig, TeacherConfig
 from rlhpc.errors import ConfigError, RlhpcError
 from rlhpc.model import build_bpe_tokenizer, build_char_tokenizer
+from rlhpc.preflight import config_from_dict
 from rlhpc.rollout.teacher import check_same_vocabulary, request, response_logprobs
 from rlhpc.wire.protocol import MetaInfo
 

@@ -14,9 +14,9 @@ from typing import Literal, Optional
 import pytest
 from support.engines import in_process_send
 
-from rlhpc.config import load_config
 from rlhpc.errors import ConfigError
 from rlhpc.model import IM_END, build_bpe_tokenizer
+from rlhpc.preflight import load_config
 from rlhpc.rollout.episodes import CHAT_ENV, ChatEnv, Conversation, EpisodeConfig
 from rlhpc.rollout.tools import Tools, tool_schema
 from rlhpc.wire.tool_calls import ParsedCall, parse_hermes

@@ -8,13 +8,14 @@ import pytest
 import torch
 from support.engines import in_process_send
 
-from rlhpc.config import TinyModelConfig, load_config
+from rlhpc.config import TinyModelConfig
 from rlhpc.errors import ConfigError
 from rlhpc.model import build_tiny_model
+from rlhpc.preflight import load_config
+from rlhpc.rollout.custom import CustomRollout
 from rlhpc.rollout.generation import Generation
 from rlhpc.rollout.trajectories import (
     Call,
-    CustomRollout,
     Generated,
     Trajectory,
     TrajectoryRefused,

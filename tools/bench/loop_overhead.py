@@ -33,14 +33,15 @@ from pathlib import Path
 import torch
 
 from rlhpc.algo.grpo import ADVANTAGE_ESTIMATORS, policy_loss
-from rlhpc.config import Config, load_config
+from rlhpc.config import Config
 from rlhpc.data.buffer import DataBuffer
 from rlhpc.data.tasks import TASKS, load_split
 from rlhpc.engine_server.cpu.sampling import sample
 from rlhpc.logs import setup_logging
 from rlhpc.model import load_model, load_tokenizer
-from rlhpc.rollout.generation import sample_seed
+from rlhpc.preflight import load_config
 from rlhpc.run_dir import RunDir
+from rlhpc.wire.request import sample_seed
 
 CONFIG = Path(__file__).resolve().parents[2] / "jobs" / "configs" / "embedded.yaml"
 

@@ -47,14 +47,16 @@ from typing import Any
 
 import torch
 
-from rlhpc.config import Config, load_config
+from rlhpc.config import Config
 from rlhpc.data.guess import GuessEnv
 from rlhpc.data.tasks import TASKS, load_split
 from rlhpc.logs import setup_logging
 from rlhpc.model import build_tiny_model, load_tokenizer
+from rlhpc.preflight import load_config
 from rlhpc.rollout.episodes import make_episodes
-from rlhpc.rollout.generation import Generation, one_batch, sample_seed, task_reward
+from rlhpc.rollout.generation import Generation, one_batch, task_reward
 from rlhpc.wire.client import EngineClient
+from rlhpc.wire.request import sample_seed
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "jobs" / "configs" / "embedded.yaml"  # the embedded default: the tiny model

@@ -72,7 +72,8 @@ import torch.distributed as dist
 from rlhpc.config import RolloutConfig, TinyModelConfig
 from rlhpc.engine_server.cpu.sampling import sample
 from rlhpc.model import build_tiny_model, load_model, load_tokenizer
-from rlhpc.weights.sender import DistributedWeightSender, TensorWeightSender
+from rlhpc.weights.broadcast import DistributedWeightSender
+from rlhpc.weights.shared_memory import TensorWeightSender
 from rlhpc.weights.tensor_transport import flatten_parameters, share_memory_by_name
 from rlhpc.weights.update_group import create_master_store, init_custom_process_group
 from rlhpc.wire.client import EngineClient

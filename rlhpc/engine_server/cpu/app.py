@@ -60,38 +60,38 @@ class RequireKey:
         await self.app(scope, receive, send)
 
 
-def build_app(engine: Engine, address: dict[str, Any], api_key: str | None = None) -> FastAPI:
-    """FastAPI app with SGLang's native routes. ``address`` holds host/port once bound.
-    ``api_key``: required on every request (None: no check; the server allows that on loopback only)."""
-    app = FastAPI(openapi_url=None)
-    if api_key is not None:
-        app.add_middleware(RequireKey, api_key=api_key)
-    gen_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="generate")  # one batch at a time
-    ctl_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="control")  # weight/memory ops in order
-    state = {"shutting_down": False}
-    app.state.engine = engine
-    app.state.flags = state
+class Workers:
+    """The engine's two worker threads: generation batches one at a time, and control calls
+    (weights, memory) in arrival order. Routes hand their work to them and await it."""
 
+    def __init__(self) -> None:
+        self.gen = ThreadPoolExecutor(max_workers=1, thread_name_prefix="generate")
+        self.ctl = ThreadPoolExecutor(max_workers=1, thread_name_prefix="control")
+        self.ctl_queued = 0  # control calls handed to ctl and not yet back on the event loop
+
+    @staticmethod
     async def on(pool: ThreadPoolExecutor, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
 
-    ctl_queued = [0]  # control calls handed to ctl_pool and not yet back on the event loop
+    async def generate(self, fn: Any, *args: Any) -> Any:
+        return await self.on(self.gen, fn, *args)
 
-    async def on_ctl(fn: Any, *args: Any, quick: bool = False) -> Any:
+    async def control(self, fn: Any, *args: Any, quick: bool = False) -> Any:
         """A control call, in order with the others. ``quick`` (a state flip, never blocking) runs
         right here when no other is queued or running: the same order, without the thread hop
         that made begin/end cost 2.5 round trips; behind a pending update it waits its turn."""
-        if quick and not ctl_queued[0]:
+        if quick and not self.ctl_queued:
             return fn(*args)
-        ctl_queued[0] += 1
+        self.ctl_queued += 1
         try:
-            return await on(ctl_pool, fn, *args)
+            return await self.on(self.ctl, fn, *args)
         finally:
-            ctl_queued[0] -= 1
+            self.ctl_queued -= 1
 
-    async def success_route(fn: Any, *args: Any, quick: bool = False) -> JSONResponse:
+    async def success_route(self, fn: Any, *args: Any, quick: bool = False) -> JSONResponse:
+        """A control call answered as SGLang answers its weight routes: ``{success, message}``."""
         try:
-            message = await on_ctl(fn, *args, quick=quick)
+            message = await self.control(fn, *args, quick=quick)
         except EngineError as e:  # a refusal: its message as SGLang words it
             log.warning("%s refused: %s", getattr(fn, "__name__", fn), e)
             return JSONResponse({"success": False, "message": str(e)}, status_code=400)
@@ -100,9 +100,52 @@ def build_app(engine: Engine, address: dict[str, Any], api_key: str | None = Non
             return JSONResponse({"success": False, "message": f"{type(e).__name__}: {e}"}, status_code=400)
         return JSONResponse({"success": True, "message": message})
 
+    async def batch_route(self, request: Request, what: str, run: Any) -> Response:
+        """A /generate or /classify body: a JSON object, run as one batch by ``run(body)`` (a
+        coroutine). A single prompt is answered with a dict, a batch with a list, as SGLang."""
+        try:
+            body = orjson.loads(await request.body())
+            if not isinstance(body, dict):
+                raise EngineError("the request body must be a JSON object")
+            outs, single = await run(body)
+        except EngineError as e:
+            return error_response(str(e))
+        except ValueError as e:  # bad JSON (orjson's error is one), bad numbers
+            return error_response(f"{type(e).__name__}: {e}")
+        except Exception as e:
+            log.exception("%s failed", what)
+            return error_response(f"{type(e).__name__}: {e}", status=500)
+        # orjson, as SGLang's server: a batch's answers are ~160 KB, 3.7 ms with the standard library
+        return Response(orjson.dumps(outs[0] if single else outs), media_type="application/json")
+
+
+def build_app(engine: Engine, address: dict[str, Any], api_key: str | None = None) -> FastAPI:
+    """FastAPI app with SGLang's native routes. ``address`` holds host/port once bound.
+    ``api_key``: required on every request (None: no check; the server allows that on loopback only)."""
+    app = FastAPI(openapi_url=None)
+    if api_key is not None:
+        app.add_middleware(RequireKey, api_key=api_key)
+    workers = Workers()
+    app.state.engine = engine
+    app.state.flags = {"shutting_down": False}
+
     @app.exception_handler(RequestValidationError)
     async def bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
         return error_response(f"invalid request to {request.url.path}: {exc.errors()}")
+
+    _add_health_and_info(app, engine, address, workers)
+    _add_generation(app, engine, workers)
+    _add_weights_and_memory(app, engine, workers)
+
+    async def generate_items(items: list[Item], seq: int) -> list[dict[str, Any]]:
+        return await workers.generate(engine.generate, items, seq)
+
+    add_openai_routes(app, engine, generate_items)  # behind the same key (the middleware covers every path)
+    return app
+
+
+def _add_health_and_info(app: FastAPI, engine: Engine, address: dict[str, Any], workers: Workers) -> None:
+    state = app.state.flags
 
     @app.get(Route.HEALTH)
     async def health() -> Response:
@@ -116,7 +159,7 @@ def build_app(engine: Engine, address: dict[str, Any], api_key: str | None = Non
             return Response(status_code=200)  # like SGLang: a busy or paused engine is alive
         items, _ = engine.normalize({"input_ids": [0], "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}})
         try:
-            await on(gen_pool, engine.generate, items, engine.next_seq())
+            await workers.generate(engine.generate, items, engine.next_seq())
         except Exception as e:
             log.error("health_generate failed: %s", e)
             return Response(status_code=503)
@@ -132,41 +175,25 @@ def build_app(engine: Engine, address: dict[str, Any], api_key: str | None = Non
     async def get_server_info() -> dict[str, Any]:
         return engine.server_info(address.get("host", ""), address.get("port", 0))
 
+
+def _add_generation(app: FastAPI, engine: Engine, workers: Workers) -> None:
     @app.api_route(Route.GENERATE, methods=["POST", "PUT"])
     async def generate(request: Request) -> Any:
         seq = engine.next_seq()  # arrival order decides what an abort_all covers
-        try:
-            body = orjson.loads(await request.body())
-            if not isinstance(body, dict):
-                raise EngineError("the request body must be a JSON object")
+
+        async def run(body: dict) -> tuple[list[dict], bool]:
             items, single = engine.normalize(body)
-            outs = await on(gen_pool, engine.generate, items, seq)
-        except EngineError as e:
-            return error_response(str(e))
-        except ValueError as e:  # bad JSON (orjson's error is one), bad numbers
-            return error_response(f"{type(e).__name__}: {e}")
-        except Exception as e:
-            log.exception("generate failed")
-            return error_response(f"{type(e).__name__}: {e}", status=500)
-        # orjson, as SGLang's server: a batch's answers are ~160 KB, 3.7 ms with the standard library
-        return Response(orjson.dumps(outs[0] if single else outs), media_type="application/json")
+            return await workers.generate(engine.generate, items, seq), single
+
+        return await workers.batch_route(request, "generate", run)
 
     @app.api_route(Route.CLASSIFY, methods=["POST", "PUT"])
     async def classify(request: Request) -> Any:
-        try:
-            body = orjson.loads(await request.body())
-            if not isinstance(body, dict):
-                raise EngineError("the request body must be a JSON object")
+        async def run(body: dict) -> tuple[list[dict], bool]:
             inputs, single = engine.normalize_classify(body)
-            outs = await on(gen_pool, engine.classify, inputs)  # in turn with generation batches
-        except EngineError as e:
-            return error_response(str(e))
-        except ValueError as e:
-            return error_response(f"{type(e).__name__}: {e}")
-        except Exception as e:
-            log.exception("classify failed")
-            return error_response(f"{type(e).__name__}: {e}", status=500)
-        return Response(orjson.dumps(outs[0] if single else outs), media_type="application/json")
+            return await workers.generate(engine.classify, inputs), single  # in turn with generation batches
+
+        return await workers.batch_route(request, "classify", run)
 
     @app.api_route(Route.FLUSH_CACHE, methods=["GET", "POST"])
     async def flush_cache() -> Response:
@@ -202,55 +229,52 @@ def build_app(engine: Engine, address: dict[str, Any], api_key: str | None = Non
         engine.abort(req.rid, req.abort_all)
         return Response(status_code=200)
 
+
+def _add_weights_and_memory(app: FastAPI, engine: Engine, workers: Workers) -> None:
+    success = workers.success_route
+
     @app.post(Route.INIT_WEIGHTS_UPDATE_GROUP)
     async def init_weights_update_group(req: P.InitWeightsUpdateGroupReqInput) -> JSONResponse:
-        return await success_route(engine.init_group, req)
+        return await success(engine.init_group, req)
 
     @app.post(Route.DESTROY_WEIGHTS_UPDATE_GROUP)
     async def destroy_weights_update_group(req: P.DestroyWeightsUpdateGroupReqInput) -> JSONResponse:
-        return await success_route(engine.destroy_group, req.group_name)
+        return await success(engine.destroy_group, req.group_name)
 
     @app.post(Route.BEGIN_WEIGHT_UPDATE)
     async def begin_weight_update(req: P.BeginWeightUpdateReqInput) -> JSONResponse:
-        return await success_route(engine.begin_weight_update, req, quick=True)
+        return await success(engine.begin_weight_update, req, quick=True)
 
     @app.post(Route.END_WEIGHT_UPDATE)
     async def end_weight_update(req: P.EndWeightUpdateReqInput) -> JSONResponse:
-        return await success_route(engine.end_weight_update, quick=True)
+        return await success(engine.end_weight_update, quick=True)
 
     @app.post(Route.UPDATE_WEIGHTS_FROM_DISTRIBUTED)
     async def update_weights_from_distributed(req: P.UpdateWeightsFromDistributedReqInput) -> JSONResponse:
-        return await success_route(engine.update_from_distributed, req)
+        return await success(engine.update_from_distributed, req)
 
     @app.post(Route.UPDATE_WEIGHTS_FROM_TENSOR)
     async def update_weights_from_tensor(req: P.UpdateWeightsFromTensorReqInput) -> JSONResponse:
-        return await success_route(engine.update_from_tensor, req)
+        return await success(engine.update_from_tensor, req)
 
     @app.api_route(Route.GET_WEIGHTS_BY_NAME, methods=["GET", "POST"])
     async def get_weights_by_name(req: P.GetWeightsByNameReqInput) -> Any:
         try:
-            return JSONResponse(await on_ctl(engine.get_weights_by_name, req.name, req.truncate_size))
+            return JSONResponse(await workers.control(engine.get_weights_by_name, req.name, req.truncate_size))
         except EngineError as e:
             return error_response(str(e))
+
+    async def memory(fn: Any, tags: list[str] | None) -> Any:
+        try:
+            await workers.control(fn, tags)
+        except EngineError as e:
+            return error_response(str(e))
+        return None
 
     @app.api_route(Route.RELEASE_MEMORY_OCCUPATION, methods=["GET", "POST"])
     async def release_memory_occupation(req: P.ReleaseMemoryOccupationReqInput) -> Any:
-        try:
-            await on_ctl(engine.release, req.tags)
-        except EngineError as e:
-            return error_response(str(e))
-        return None
+        return await memory(engine.release, req.tags)
 
     @app.api_route(Route.RESUME_MEMORY_OCCUPATION, methods=["GET", "POST"])
     async def resume_memory_occupation(req: P.ResumeMemoryOccupationReqInput) -> Any:
-        try:
-            await on_ctl(engine.resume, req.tags)
-        except EngineError as e:
-            return error_response(str(e))
-        return None
-
-    async def generate_items(items: list[Item], seq: int) -> list[dict[str, Any]]:
-        return await on(gen_pool, engine.generate, items, seq)
-
-    add_openai_routes(app, engine, generate_items)  # behind the same key (the middleware covers every path)
-    return app
+        return await memory(engine.resume, req.tags)

@@ -104,19 +104,10 @@ def sample(
     input_ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in prompts], dtype=torch.long, device=device)
     attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long, device=device)
     steps_max = max(max_new_tokens, default=0)
-    # Each row's uniforms for all its steps come from its own generator, drawn up front: the
-    # per-step draw is then one vectorised inverse-CDF over the batch, and a row's tokens still
-    # depend only on its seed, never on its batch-mates.
-    uniforms = torch.empty((batch, steps_max), dtype=torch.float64)
-    for i, s in enumerate(seeds):
-        g = torch.Generator()
-        g.manual_seed(s if s is not None else int(torch.randint(0, 2**62, ()).item()))
-        torch.rand(steps_max, generator=g, dtype=torch.float64, out=uniforms[i])
-    uniforms = uniforms.to(device)
+    uniforms = _row_uniforms(seeds, steps_max).to(device)
     temps = torch.tensor(temperature, dtype=torch.float32, device=device)
     greedy = temps <= 0
     tops = torch.tensor(top_p, dtype=torch.float32, device=device)
-    limits = list(max_new_tokens)
     # each shaping only when some row asks for it: the default path stays as it was
     ks = [TOP_K_ALL if k is None or k <= 0 else k for k in top_k] if top_k is not None else []
     ks_t = torch.tensor(ks, dtype=torch.long, device=device) if any(k < TOP_K_ALL for k in ks) else None
@@ -126,15 +117,8 @@ def sample(
     seen: torch.Tensor | None = None  # [batch, vocab]: tokens each row generated (repetition penalty)
 
     stops = [set(s) for s in stop_ids] if stop_ids is not None else [{eos_id}] * batch
-
-    outs: list[list[int]] = [[] for _ in range(batch)]
-    lps: list[list[float]] = [[] for _ in range(batch)]
-    done = [n <= 0 for n in limits]  # max_new_tokens=0 rows produce nothing, even beside longer rows
-    finish = ["length"] * batch
-    matched: list[int | str | None] = [None] * batch
-    tops_k = list(top_logprobs) if top_logprobs is not None else [0] * batch
-    top_lps: list[list[list[tuple[float, int]]]] = [[] for _ in range(batch)]
-    k_max = max(tops_k, default=0)
+    rows = _Rows(list(max_new_tokens), stops, stop_fns, list(top_logprobs) if top_logprobs is not None else [0] * batch)
+    k_max = max(rows.tops_k, default=0)
     position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
     # transformers >= 5 names the KV cache argument ``cache``; older releases ``past_key_values``.
     cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
@@ -144,7 +128,7 @@ def sample(
     for step in range(steps_max):
         verdict = step_hook() if step_hook is not None else False
         if verdict is True:
-            finish = [f if done[i] else "abort" for i, f in enumerate(finish)]
+            rows.abort()
             break
         if verdict == RECOMPUTE:
             step_ids, step_pos = torch.cat([fed_ids, step_ids], 1), torch.cat([fed_pos, step_pos], 1)
@@ -163,29 +147,75 @@ def sample(
             seen[torch.arange(batch, device=device), next_ids] = True
         log_probs = torch.log_softmax(logits, dim=-1)
         chosen_lps = log_probs.gather(1, next_ids[:, None])[:, 0]
-        best = _top(log_probs, k_max)
-        for i, (tok, lp) in enumerate(zip(next_ids.tolist(), chosen_lps.tolist())):
-            if done[i]:
-                continue
-            outs[i].append(tok)
-            lps[i].append(lp)
-            if tops_k[i] > 0:
-                top_lps[i].append(best[i][: tops_k[i]])
-            hit = stop_fns[i](outs[i]) if stop_fns is not None and stop_fns[i] is not None else None
-            if hit is not None:
-                done[i], finish[i], matched[i] = True, "stop", hit
-            elif tok in stops[i]:
-                done[i], finish[i], matched[i] = True, "stop", tok
-            elif len(outs[i]) >= limits[i]:
-                done[i] = True
-        if all(done):
+        rows.record(next_ids.tolist(), chosen_lps.tolist(), _top(log_probs, k_max))
+        if all(rows.done):
             break
-        running = torch.tensor([not d for d in done], device=device)
+        running = torch.tensor([not d for d in rows.done], device=device)
         next_ids = torch.where(running, next_ids, torch.full_like(next_ids, pad_id))
         attn = torch.cat([attn, running.long()[:, None]], dim=1)
         step_ids = next_ids[:, None]
         step_pos = step_pos[:, -1:] + 1
-    return [Sample(outs[i], lps[i], finish[i], matched[i], top_lps[i]) for i in range(batch)]
+    return rows.samples()
+
+
+def _row_uniforms(seeds: list[int | None], steps: int) -> torch.Tensor:
+    """Each row's uniforms for all its steps, from its own generator, drawn up front: the per-step
+    draw is then one vectorised inverse-CDF over the batch, and a row's tokens still depend only
+    on its seed, never on its batch-mates. (A row without a seed gets a random one.)"""
+    uniforms = torch.empty((len(seeds), steps), dtype=torch.float64)
+    for i, s in enumerate(seeds):
+        g = torch.Generator()
+        g.manual_seed(s if s is not None else int(torch.randint(0, 2**62, ()).item()))
+        torch.rand(steps, generator=g, dtype=torch.float64, out=uniforms[i])
+    return uniforms
+
+
+class _Rows:
+    """Each row's tokens so far and why it ended: the per-token bookkeeping of ``sample``."""
+
+    def __init__(
+        self,
+        limits: list[int],
+        stops: list[set[int]],
+        stop_fns: list[Callable[[list[int]], str | None] | None] | None,
+        tops_k: list[int],
+    ):
+        batch = len(limits)
+        self.limits, self.stops, self.stop_fns, self.tops_k = limits, stops, stop_fns, tops_k
+        self.outs: list[list[int]] = [[] for _ in range(batch)]
+        self.lps: list[list[float]] = [[] for _ in range(batch)]
+        self.done = [n <= 0 for n in limits]  # max_new_tokens=0 rows produce nothing, even beside longer rows
+        self.finish = ["length"] * batch
+        self.matched: list[int | str | None] = [None] * batch
+        self.top_lps: list[list[list[tuple[float, int]]]] = [[] for _ in range(batch)]
+
+    def record(self, tokens: list[int], logprobs: list[float], best: list[list[tuple[float, int]]]) -> None:
+        """One step's tokens for the rows still running; a row ends on a stop string (asked
+        first, as SGLang does), a stop token, or its length limit."""
+        for i, (tok, lp) in enumerate(zip(tokens, logprobs)):
+            if self.done[i]:
+                continue
+            self.outs[i].append(tok)
+            self.lps[i].append(lp)
+            if self.tops_k[i] > 0:
+                self.top_lps[i].append(best[i][: self.tops_k[i]])
+            stop_fn = self.stop_fns[i] if self.stop_fns is not None else None
+            hit = stop_fn(self.outs[i]) if stop_fn is not None else None
+            if hit is not None:
+                self.done[i], self.finish[i], self.matched[i] = True, "stop", hit
+            elif tok in self.stops[i]:
+                self.done[i], self.finish[i], self.matched[i] = True, "stop", tok
+            elif len(self.outs[i]) >= self.limits[i]:
+                self.done[i] = True
+
+    def abort(self) -> None:
+        self.finish = [f if self.done[i] else "abort" for i, f in enumerate(self.finish)]
+
+    def samples(self) -> list[Sample]:
+        return [
+            Sample(self.outs[i], self.lps[i], self.finish[i], self.matched[i], self.top_lps[i])
+            for i in range(len(self.outs))
+        ]
 
 
 def _top(log_probs: torch.Tensor, k: int) -> list[list[tuple[float, int]]]:

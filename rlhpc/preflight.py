@@ -1,0 +1,78 @@
+"""Every check a run gets before anything is submitted or written, in one order.
+
+``rlhpc.config`` holds the rules that need nothing but the config; the checks that need the code a
+config names sit where that code resolves it (the task and its data files in ``rlhpc.data``, the
+reward in ``rlhpc.rollout.scoring``, the environment, tools, generate function, agent and judge in
+``rlhpc.rollout``, the layout and the memory plan in ``rlhpc.cluster``). This module, above them all,
+runs both kinds in the order a reader meets the config: the groups, the model, the data, the way
+in, the algorithm, the parallel sizes, and last the memory estimate, which reads what came before.
+Every entry point (submit, dry run, sweeps, the job's start, evaluation) loads a config here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rlhpc import config
+from rlhpc.cluster.layout import check_homes
+from rlhpc.cluster.memory import check_fits
+from rlhpc.config import Config
+from rlhpc.data.dynamic_sampling import resolve_filter
+from rlhpc.data.files import check_exist, check_rows
+from rlhpc.data.tasks import check_scored, check_task, task_env
+from rlhpc.rollout.episodes import check_env
+from rlhpc.rollout.scoring import check_reward
+from rlhpc.rollout.trajectories import check_custom
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+    """``rlhpc.config.load_config`` with every check of :func:`check`."""
+    return config_from_dict(config.load_tree(path, overrides))
+
+
+def config_from_dict(tree: dict) -> Config:
+    """``rlhpc.config.config_from_dict`` with every check of :func:`check`."""
+    cfg = config.build_config(tree)
+    check(cfg)
+    return cfg
+
+
+def check(cfg: Config) -> None:
+    """The whole config is usable: ``rlhpc.config.validate``'s rules and, among them, the checks that
+    import or read what the config names. Resolves an open GPU split in place (``config.place_groups``)."""
+    config.check_sections(cfg)
+    check_task(cfg.data)
+    config.place_groups(cfg)
+    config.check_groups(cfg)
+    check_homes(cfg)
+    if cfg.reward_model is not None and cfg.reward_model.kind == "judge":
+        # imported at submit, as data.reward is: a typo fails here, not on the cluster; late, as
+        # it imports torch, which only a judge run needs here
+        from rlhpc.rollout.judge import resolve_judge
+
+        resolve_judge(cfg.reward_model)
+    config.check_model(cfg)
+    _check_data(cfg)
+    r, env = cfg.rollout, task_env(cfg.data, cfg.rollout)
+    if r.generate_fn is not None or r.agent is not None:
+        check_custom(cfg, env)
+    elif env is not None or r.tools:
+        check_env(cfg, env)
+    config.check_overlong(cfg, env)
+    config.check_run(cfg)
+    config.check_parallelism(cfg)
+    check_fits(cfg)  # last: the estimate reads the layout and the model's shape checked above
+
+
+def _check_data(cfg: Config) -> None:
+    """The data files exist, are scored by a reward that knows them, and read; the reward imports;
+    the dynamic sampling filter resolves."""
+    config.check_data(cfg)
+    files = config.data_files(cfg)
+    check_exist(files)
+    check_scored(cfg.data, files, task_env(cfg.data, cfg.rollout))
+    config.check_chat_template(cfg)
+    check_rows(files, cfg.data.chat_template)  # a bad file is refused here, at submit, not after the queue wait
+    check_reward(cfg.data)
+    if cfg.rollout.dynamic_sampling.filter is not None:
+        resolve_filter(cfg.rollout.dynamic_sampling.filter)
