@@ -122,7 +122,7 @@ class ClusterConfig(Section):
     reward_nodes: int | None = None
     reward_gpus_per_node: int | None = None  # None: gpus_per_node
     reward_partition: str | None = None  # None: the job's own partition
-    # Staged start (rlhpc/launch/staging.py): a node-local path ($VARS expanded on the node) the
+    # Staged start (rlhpc/runtime/staging.py): a node-local path ($VARS expanded on the node) the
     # base model and the checkpoint resumed from are copied to before anything loads them. None: off.
     stage_dir: str | None = None
     stage_with: Literal["auto", "sbcast", "copy"] = "auto"  # auto: sbcast where Slurm has it

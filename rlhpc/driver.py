@@ -27,10 +27,6 @@ from rlhpc.config import Config, EvalSetConfig, config_to_dict, eval_metric, eva
 from rlhpc.data.buffer import load_eval_sets, load_train
 from rlhpc.data.prompts import PromptPrep, prepare_prompts
 from rlhpc.data.tasks import TASKS
-from rlhpc.launch.restarts import read_history
-from rlhpc.launch.signals import Stopped, StopRequest
-from rlhpc.launch.staging import NOT_STAGED, Staged
-from rlhpc.launch.startup import StartupClock
 from rlhpc.metrics import MetricsLogger, read_metrics
 from rlhpc.model import context_length, load_tokenizer
 from rlhpc.rollout.custom import make_custom
@@ -42,6 +38,10 @@ from rlhpc.rollout.reward_model import RewardModel, start_reward_engines
 from rlhpc.rollout.scoring import MixedScorer
 from rlhpc.rollout.teacher import Teacher, check_same_vocabulary, start_teacher_engines
 from rlhpc.run_dir import RunDir
+from rlhpc.runtime.restarts import read_history
+from rlhpc.runtime.signals import Stopped, StopRequest
+from rlhpc.runtime.staging import NOT_STAGED, Staged
+from rlhpc.runtime.startup import StartupClock
 from rlhpc.schedule import AsyncRollouts, BusyClock, Generated, SyncRollouts
 from rlhpc.wire.request import GenerationAborted
 

@@ -15,7 +15,6 @@ from pathlib import Path
 
 from rlhpc.checkpoint import LATEST, STAGING, CheckpointManager, validate
 from rlhpc.errors import RlhpcError
-from rlhpc.launch.job import local_ray_temp_dir
 from rlhpc.metrics import read_metrics
 from rlhpc.run_dir import RunDir
 
@@ -112,7 +111,7 @@ def violations(run: RunDir | str | Path, reference: RunDir | str | Path) -> list
         problems.append(f"debris in checkpoints/: {sorted(debris)}")
     if run.owner_file.exists():
         problems.append(f"the run dir is still claimed: {run.owner_file.read_text().strip()}")
-    ray_temp = local_ray_temp_dir(run)
+    ray_temp = run.local_ray_dir
     if ray_temp.exists():
         problems.append(f"Ray's temp dir of the run left behind: {ray_temp}")
     alive = processes_using(run.path)

@@ -12,8 +12,8 @@ Every path under a run dir is named here, and only here::
     metrics.jsonl          one JSON object per rollout and per eval (rlhpc/metrics.py)
     metrics.png            tools/plot_metrics.py's default output
     rollouts/              rollout_NNNNNN.h5: one HDF5 dump per rollout id (logging.dump_rollouts)
-    restarts.jsonl         one line per start of the job (rlhpc/launch/restarts.py)
-    startup.jsonl          one line per start-up phase of every start (rlhpc/launch/startup.py)
+    restarts.jsonl         one line per start of the job (rlhpc/runtime/restarts.py)
+    startup.jsonl          one line per start-up phase of every start (rlhpc/runtime/startup.py)
     slurm_job_id           the job id, written at submission (jobs/status.py reads it)
     engine_key             the engine key (0600), new at every start (rlhpc/wire/engine_key.py)
     owner.json             the job that owns the run dir, one at a time (rlhpc/launch/run_owner.py)
@@ -37,8 +37,10 @@ A sweep dir (``--sweep``, SweepDir) holds one run dir per task and the array's o
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -159,6 +161,13 @@ class RunDir:
         # One dir per attempt: a requeued job keeps its id, and its tasks must never read the
         # previous attempt's head address or stop file.
         return JobRayState(self.ray_root / f"job_{job_id}.{attempt}")
+
+    @property
+    def local_ray_dir(self) -> Path:
+        """Where a local job's Ray keeps its sockets and logs: outside the run dir (Unix socket paths
+        must stay short), named after it, so what a killed job left there goes at the next start."""
+        digest = hashlib.sha256(str(self.path).encode()).hexdigest()[:12]
+        return Path(tempfile.gettempdir()) / f"rlhpc-ray-{digest}"
 
     def latest_ray_state(self, job_id: str) -> JobRayState | None:
         """The newest attempt's Ray state of ``job_id``, None if it never started Ray."""

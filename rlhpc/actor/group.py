@@ -30,7 +30,7 @@ from rlhpc.cluster.placement import Placement
 from rlhpc.errors import RlhpcError, WeightPushFailed
 
 if TYPE_CHECKING:
-    from rlhpc.launch.signals import StopRequest
+    from rlhpc.runtime.signals import StopRequest
 
 log = logging.getLogger(__name__)
 

@@ -78,8 +78,8 @@ def model_dir(ckpt: Path) -> Path:
 def evaluate_checkpoint(cfg: Config, run: RunDir, ckpt: Path, rollout_id: int) -> dict[str, float]:
     """The eval record of ``ckpt`` (``rlhpc.driver.evaluate_sets``), on engines started from its model."""
     from rlhpc.cluster.layout import plan_layout
-    from rlhpc.launch.job import local_ray
-    from rlhpc.launch.signals import StopRequest
+    from rlhpc.launch.local_ray import local_ray
+    from rlhpc.runtime.signals import StopRequest
 
     layout = plan_layout(cfg.cluster)
     with local_ray(cfg.cluster, layout.num_slots, StopRequest()):

@@ -14,9 +14,9 @@ from pathlib import Path
 from rlhpc.checkpoint import CheckpointManager
 from rlhpc.errors import RlhpcError
 from rlhpc.launch import slurm
-from rlhpc.launch.startup import read_startup
 from rlhpc.metrics import MetricsFileCorrupt, eval_means, read_metrics
 from rlhpc.run_dir import RunDir, SweepDir
+from rlhpc.runtime.startup import read_startup
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -91,7 +91,7 @@ def show(target_arg: str) -> int:
     if ended is not None:  # the last job gave up: say how, and what to do
         print(f"ended        {ended.get('state', '?').upper()} (job {ended.get('job_id', '?')}, {ended.get('at', '?')}): "
               f"{ended.get('reason', '')}")  # fmt: skip
-    from rlhpc.launch.restarts import read_history
+    from rlhpc.runtime.restarts import read_history
 
     starts = read_history(run)
     if starts:
@@ -103,7 +103,7 @@ def show(target_arg: str) -> int:
 
 def task_row(run: RunDir) -> dict[str, str]:
     """One sweep task at a glance: Slurm state, restarts, rollouts trained, last eval reward."""
-    from rlhpc.launch.restarts import read_history
+    from rlhpc.runtime.restarts import read_history
 
     job_id = run.read_job_id()
     info = slurm.show_job(job_id) if job_id else None

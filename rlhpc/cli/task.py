@@ -2,7 +2,8 @@
 
 The run dir must have been prepared first (``python jobs/submit.py --prepare-only ...``, once,
 in the batch script). Every task runs the same ``TrainJob`` that submitit would run; a
-requeue or hold leaves through its ``SystemExit`` with the code Slurm needs.
+requeue or hold leaves through its ``SystemExit`` with the code Slurm needs. "Task" here is
+Slurm's (one process per node of the step); a toy dataset is ``data.task`` (rlhpc/data/tasks.py).
 """
 
 from __future__ import annotations

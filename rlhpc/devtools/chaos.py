@@ -48,7 +48,6 @@ import psutil
 from rlhpc.devtools import attacks
 from rlhpc.devtools.minicluster import MiniCluster
 from rlhpc.invariants import processes_using, violations
-from rlhpc.launch.job import local_ray_temp_dir
 from rlhpc.metrics import read_metrics
 from rlhpc.run_dir import RunDir
 from rlhpc.util.processes import kill_groups, process_groups
@@ -644,8 +643,8 @@ def run_trial(trial: Trial, workdir: Path, reference: Path, keep: bool = False) 
             time.sleep(trial.step_fraction * c.step_s)
         if c.cluster == "local":
             c.problems += engine_probe(c.run)
-            if not local_ray_temp_dir(RunDir(c.run)).is_dir():  # else a kill leaves it in /tmp for good
-                c.problems.append(f"the job's Ray does not keep its files in {local_ray_temp_dir(RunDir(c.run))}")
+            if not RunDir(c.run).local_ray_dir.is_dir():  # else a kill leaves it in /tmp for good
+                c.problems.append(f"the job's Ray does not keep its files in {RunDir(c.run).local_ray_dir}")
         ended = kind.inject(c)
         if ended:
             c.proc.wait()

@@ -473,7 +473,7 @@ def _worker_main(argv: list[str]) -> int:
     state_dir, job_id, rank, gpus = argv[0], argv[1], int(argv[2]), int(argv[3])
     group = int(argv[4]) if len(argv) > 4 else None
     cpus = max(int(os.environ.get("SLURM_CPUS_ON_NODE", "0")), os.cpu_count() or 1, 2 * gpus + 2)
-    from rlhpc.launch import staging
+    from rlhpc.runtime import staging
 
     staged = staging.stage_replacement(Path(state_dir))  # the model, where the job stages it (cluster.stage_dir)
     node = RayNode(Path(state_dir), job_id, rank, gpus, cpus, group)

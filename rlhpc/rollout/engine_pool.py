@@ -61,7 +61,7 @@ if TYPE_CHECKING:
     from rlhpc.cluster.layout import Layout
     from rlhpc.cluster.placement import Placement
     from rlhpc.config import ClusterConfig, RolloutConfig
-    from rlhpc.launch.signals import StopRequest
+    from rlhpc.runtime.signals import StopRequest
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from rlhpc.cluster.layout import Layout
     from rlhpc.cluster.placement import Placement
     from rlhpc.config import ClusterConfig
-    from rlhpc.launch.signals import StopRequest
+    from rlhpc.runtime.signals import StopRequest
 
 
 def teacher_rollout_config(rollout: RolloutConfig, t: TeacherConfig) -> RolloutConfig:

@@ -49,7 +49,7 @@ def stop_group(proc: subprocess.Popen, grace_s: float = 5.0, name: str = "proces
 
 def process_groups(pid: int) -> list[int]:
     """The process group of ``pid`` and those of its children that lead sessions of their own
-    (a local job's controller: ``rlhpc.launch.submit.LocalExecutor``), for a test or the soak
+    (a local job's controller: ``rlhpc.launch.local_controller.LocalExecutor``), for a test or the soak
     to kill a submission and its job at once, as a crash would."""
     import psutil  # late: only the tests and the soak kill this way
 

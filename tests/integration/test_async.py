@@ -16,8 +16,8 @@ from support.jobs import HELD, REPO, job_args, kill_job, kill_when, rollouts
 
 from rlhpc.checkpoint import CheckpointManager
 from rlhpc.invariants import comparable, final_weights
-from rlhpc.launch.restarts import read_history
 from rlhpc.metrics import read_metrics
+from rlhpc.runtime.restarts import read_history
 
 K = 1
 N = 8

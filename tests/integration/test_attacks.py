@@ -19,7 +19,7 @@ from support.other_user import require_second_user, shared_tmp_dir
 
 from rlhpc.devtools import attacks
 from rlhpc.errors import RlhpcError
-from rlhpc.launch import staging
+from rlhpc.runtime import staging
 from rlhpc.util.files import private_dir
 from rlhpc.wire import protocol as P
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from support.jobs import REPO, job_args, kill_job, rollouts
 
-from rlhpc.launch.restarts import read_history
+from rlhpc.runtime.restarts import read_history
 
 # Rollouts take ~0.1 s here: with only 6, a loaded machine finished the run while the test looked
 # for the rank's pid (measured in CI), and the hang then hit nothing.

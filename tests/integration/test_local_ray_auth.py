@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from rlhpc.launch.job import LOOPBACK_ONLY_ENV
+from rlhpc.launch.local_ray import LOOPBACK_ONLY_ENV
 
 pytestmark = pytest.mark.ray
 
@@ -21,8 +21,8 @@ HEAD = """
 import json, sys
 from pathlib import Path
 from rlhpc.config import ClusterConfig
-from rlhpc.launch.job import local_ray
-from rlhpc.launch.signals import StopRequest
+from rlhpc.launch.local_ray import local_ray
+from rlhpc.runtime.signals import StopRequest
 
 with local_ray(ClusterConfig(), 2, StopRequest(), Path(sys.argv[1])):
     import ray

@@ -18,8 +18,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlhpc.checkpoint import CheckpointManager
 from rlhpc.invariants import comparable, final_weights
-from rlhpc.launch.restarts import read_history
 from rlhpc.metrics import read_metrics
+from rlhpc.runtime.restarts import read_history
 
 GUESS = (
     "data.task=guess", "model.tiny.tokenizer=bpe", "rollout.max_turns=3", "rollout.max_new_tokens=4",

@@ -21,8 +21,8 @@ JOB = """
 import json, os, signal, subprocess, sys
 from pathlib import Path
 from rlhpc.config import ClusterConfig
-from rlhpc.launch.job import local_ray
-from rlhpc.launch.signals import StopRequest
+from rlhpc.launch.local_ray import local_ray
+from rlhpc.runtime.signals import StopRequest
 
 temp_dir, result, attacker = Path(sys.argv[1]), Path(sys.argv[2]), json.loads(sys.argv[3])
 with local_ray(ClusterConfig(), 2, StopRequest(), temp_dir=temp_dir):

@@ -14,8 +14,8 @@ from support.jobs import kill_job
 
 from rlhpc.checkpoint import CheckpointManager
 from rlhpc.invariants import comparable, final_weights
-from rlhpc.launch.restarts import read_history
 from rlhpc.metrics import read_metrics
+from rlhpc.runtime.restarts import read_history
 from rlhpc.util.processes import process_groups
 
 REPO = Path(__file__).resolve().parents[2]

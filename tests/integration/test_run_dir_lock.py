@@ -10,8 +10,8 @@ from support.hold import HOLD_ENV
 from support.jobs import HELD, REPO, job_args, kill_job, rollouts, said, submit
 
 from rlhpc.invariants import processes_using
-from rlhpc.launch.restarts import read_history
 from rlhpc.launch.run_owner import liveness, read
+from rlhpc.runtime.restarts import read_history
 
 
 def snapshot(run) -> dict:

@@ -9,9 +9,9 @@ import sys
 
 from support.jobs import HELD, REPO, job_args, kill_when, rollouts
 
-from rlhpc.launch.restarts import read_history
-from rlhpc.launch.startup import PHASES, read_startup
 from rlhpc.run_dir import RunDir
+from rlhpc.runtime.restarts import read_history
+from rlhpc.runtime.startup import PHASES, read_startup
 
 
 def status(run) -> str:

@@ -21,8 +21,8 @@ from support.slow_reward import slow_allocations
 
 from rlhpc.checkpoint import CheckpointManager
 from rlhpc.invariants import comparable
-from rlhpc.launch.restarts import read_history
 from rlhpc.metrics import read_metrics
+from rlhpc.runtime.restarts import read_history
 
 pytestmark = pytest.mark.slurm
 

@@ -13,8 +13,8 @@ import pytest
 from support.jobs import deterministic_config, submit_slurm
 
 from rlhpc.invariants import comparable, final_weights
-from rlhpc.launch.restarts import read_history
 from rlhpc.metrics import read_metrics
+from rlhpc.runtime.restarts import read_history
 
 pytestmark = pytest.mark.slurm
 

@@ -16,8 +16,8 @@ from support.slow_reward import SLOW_ENV
 
 from rlhpc.invariants import comparable, final_weights
 from rlhpc.launch import run_owner, slurm
-from rlhpc.launch.restarts import read_history
 from rlhpc.metrics import read_metrics
+from rlhpc.runtime.restarts import read_history
 
 pytestmark = pytest.mark.slurm
 

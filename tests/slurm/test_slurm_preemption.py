@@ -17,8 +17,8 @@ from support.slow_reward import slow_allocations
 
 from rlhpc.invariants import comparable, final_weights
 from rlhpc.launch import slurm
-from rlhpc.launch.restarts import read_history
 from rlhpc.metrics import read_metrics
+from rlhpc.runtime.restarts import read_history
 
 pytestmark = pytest.mark.slurm
 

@@ -11,8 +11,8 @@ import pytest
 import yaml
 from support.jobs import submit_slurm
 
-from rlhpc.launch.restarts import read_history
 from rlhpc.metrics import read_metrics
+from rlhpc.runtime.restarts import read_history
 
 pytestmark = pytest.mark.slurm
 

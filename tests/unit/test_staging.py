@@ -1,4 +1,4 @@
-"""Staged start (rlhpc/launch/staging.py): copies are whole, current, shared by tasks on one disk,
+"""Staged start (rlhpc/runtime/staging.py): copies are whole, current, shared by tasks on one disk,
 refused before anything is written when they would not fit, and gone at the end."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from support.other_user import run_as_other_user, shared_tmp_dir
 
 from rlhpc.config import ClusterConfig
 from rlhpc.errors import ConfigError, RlhpcError
-from rlhpc.launch import staging
+from rlhpc.runtime import staging
 
 
 def make_source(path: Path, files: dict[str, bytes]) -> Path:

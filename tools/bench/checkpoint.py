@@ -364,8 +364,8 @@ def bench_resume(work: Path, first_leg: int, total: int, job_overrides: list[str
         twin, [f"rollout.num_rollout={total}", f"cluster.stage_dir={stage}", *common], first_leg,
         work / "staged.log", timeout_s,
     )  # fmt: skip
-    from rlhpc.launch.startup import read_startup
     from rlhpc.run_dir import RunDir
+    from rlhpc.runtime.startup import read_startup
 
     stage_s = next(p["seconds"] for p in read_startup(RunDir(twin)) if p["phase"] == "stage")
     text = (work / "resumed.log").read_text(errors="replace")

@@ -123,10 +123,10 @@ def interleaved(cfg: Config, run: RunDir, rollouts: int, block: int) -> tuple[li
     real loop (``step``) with its record's parts. Blocks of ``block`` rollouts, plain first."""
     from rlhpc.cluster.layout import plan_layout
     from rlhpc.driver import TrainLoop
-    from rlhpc.launch.job import local_ray
-    from rlhpc.launch.signals import StopRequest
-    from rlhpc.launch.staging import NOT_STAGED
-    from rlhpc.launch.startup import StartupClock
+    from rlhpc.launch.local_ray import local_ray
+    from rlhpc.runtime.signals import StopRequest
+    from rlhpc.runtime.staging import NOT_STAGED
+    from rlhpc.runtime.startup import StartupClock
 
     torch.set_num_threads(1)  # the plain side's one thread, as each rlhpc process has
     plain_loop = PlainLoop(cfg, str(run.base_model))

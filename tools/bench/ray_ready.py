@@ -3,7 +3,7 @@
 
 Brings up its own 8-node minicluster (own state dir, subnet and port, so it runs beside the
 test cluster), then per N in 1, 2, 4, 8 submits a small sbatch job whose tasks bring Ray up
-with ``RayNode`` / ``wait_for_cluster`` in the same order as ``rlhpc.launch.job.slurm_ray``.
+with ``RayNode`` / ``wait_for_cluster`` in the same order as ``rlhpc.launch.slurm_ray.slurm_ray``.
 It prints the seconds from the batch script's first line to "every node and GPU registered",
 beside what the fixed-sleep recipes (Ray docs, verl, OpenRLHF: 10 s + 5 s per worker node)
 wait for the same N. Tears down the cluster if it started it.
@@ -52,10 +52,10 @@ def fixed_sleep_s(num_nodes: int) -> float:
 
 
 def task(out_dir: Path, timeout_s: float) -> int:
-    """One srun task: Ray head (task 0) or worker, as rlhpc.launch.job.slurm_ray does it."""
+    """One srun task: Ray head (task 0) or worker, as rlhpc.launch.slurm_ray.slurm_ray does it."""
     started = time.time()
-    from rlhpc.launch.job import granted_gpus
     from rlhpc.launch.ray_cluster import RayNode, wait_for_cluster
+    from rlhpc.launch.slurm_ray import granted_gpus
 
     rank, num_nodes = int(os.environ["SLURM_PROCID"]), int(os.environ["SLURM_NNODES"])
     # The minicluster's nodes share this machine's /tmp with the test cluster, whose job ids

@@ -61,9 +61,9 @@ class Staged:
 NOT_STAGED = Staged()
 
 
-def use_sbcast(cluster: ClusterConfig, executor: str, num_nodes: int) -> bool:
-    """sbcast for a homogeneous Slurm job of several nodes where the tool exists (``stage_with``)."""
-    if cluster.stage_with == "copy" or executor != "slurm" or num_nodes < 2 or cluster.heterogeneous:
+def use_sbcast(cluster: ClusterConfig, kind: str, num_nodes: int) -> bool:
+    """sbcast for a homogeneous Slurm job (``kind``: the backend, slurm or local) of several nodes where the tool exists (``stage_with``)."""
+    if cluster.stage_with == "copy" or kind != "slurm" or num_nodes < 2 or cluster.heterogeneous:
         return False  # a het job's components stage different things: each node copies its own
     return cluster.stage_with == "sbcast" or shutil.which("sbcast") is not None
 

@@ -4,7 +4,7 @@ Slurm warns a job with ``--signal=USR2@grace`` before its time limit, and on pre
 (with ``preempt_send_user_signal``); without that setting preemption sends only SIGTERM.
 The handler here only records the signal. The driver looks at it between the phases of a
 rollout, saves, stops Ray, and raises ``Stopped``; the job then requeues itself
-(rlhpc/launch/restarts.py). A checkpoint written inside a signal handler can deadlock on
+(rlhpc/launch/requeue.py). A checkpoint written inside a signal handler can deadlock on
 collectives (Lightning #21406); this one is written by the normal code path.
 
 Ray and engine processes must survive the warning long enough to be saved from: they are
@@ -23,7 +23,7 @@ def shield_from_user_signal() -> None:
     """Ignore SIGUSR2 in this process, so processes started from here inherit the ignore.
 
     This also replaces submitit's own USR2 handler (it would checkpoint and requeue from
-    inside the handler; rlhpc does neither there, see rlhpc/launch/restarts.py)."""
+    inside the handler; rlhpc does neither there, see rlhpc/launch/requeue.py)."""
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)
 
 
