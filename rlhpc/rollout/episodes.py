@@ -29,7 +29,10 @@ Those ids are the whole chat's tokenization, but only a tail of it is tokenized 
 tokenizer splits its text at added tokens (ChatML's ``<|im_start|>``, ``<|im_end|>``) before
 anything else, so the ids before such a token do not depend on the text after it. Where the new
 text is not the old text followed by more, or no such token starts the tail, the whole chat is
-tokenized (``Conversation.extend``).
+tokenized (``Conversation.extend``). The episodes of a rollout take each turn together
+(``extend_all``): their chats are rendered in one ``apply_chat_template`` call and their tails
+tokenized in one tokenizer call, a text shared by several (the observation's, the generation
+prompt's) once; each chat's ids are those it gets alone.
 """
 
 from __future__ import annotations
