@@ -100,6 +100,25 @@ def encode_text(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
+def render_texts(
+    tokenizer: Any, template: str, chats: list[list[dict]], add_generation_prompt: bool, tools: list[dict] | None = None
+) -> list[str]:
+    """``render_text`` of each of ``chats``, in one ``apply_chat_template`` call: it renders them
+    one by one, each to the text it renders alone, and pays its per-call work once."""
+    if not chats:
+        return []
+    extra = {"tools": tools} if tools else {}
+    try:
+        texts = tokenizer.apply_chat_template(
+            chats, chat_template=template, add_generation_prompt=add_generation_prompt, tokenize=False, **extra
+        )
+    except Exception:
+        for messages in chats:  # the error names the first chat that does not render
+            render_text(tokenizer, template, messages, add_generation_prompt, tools)
+        raise
+    return list(texts)
+
+
 def render_text(
     tokenizer: Any, template: str, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None
 ) -> str:

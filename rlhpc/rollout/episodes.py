@@ -29,7 +29,10 @@ Those ids are the whole chat's tokenization, but only a tail of it is tokenized 
 tokenizer splits its text at added tokens (ChatML's ``<|im_start|>``, ``<|im_end|>``) before
 anything else, so the ids before such a token do not depend on the text after it. Where the new
 text is not the old text followed by more, or no such token starts the tail, the whole chat is
-tokenized (``Conversation.extend``).
+tokenized (``Conversation.extend``). The episodes of a rollout take each turn together
+(``extend_all``): their chats are rendered in one ``apply_chat_template`` call and their tails
+tokenized in one tokenizer call, a text shared by several (the observation's, the generation
+prompt's) once; each chat's ids are those it gets alone.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlhpc.config import Config, context_len
-from rlhpc.data.prompts import encode_text, render_messages, render_text, with_system
+from rlhpc.data.prompts import render_messages, render_texts, with_system
 from rlhpc.errors import ConfigError, RlhpcError
 from rlhpc.rollout.tools import Tools, resolve_parser, resolve_tools
 from rlhpc.util.imports import import_function
@@ -117,35 +120,67 @@ def split_before(text: str, end: int, tokens: tuple[str, ...]) -> int:
     return max((max(text.rfind(t, 0, end), end if text.startswith(t, end) else -1) for t in tokens), default=-1)
 
 
+def _encode_each(tokenizer: Any, texts: Sequence[str]) -> dict[str, list[int]]:
+    """Each distinct text of ``texts`` -> its ids (``encode_text``'s), in one tokenizer call."""
+    unique = list(dict.fromkeys(texts))
+    return dict(zip(unique, tokenizer(unique, add_special_tokens=False)["input_ids"])) if unique else {}
+
+
 class Conversation:
     """One episode's chat, rendered incrementally: ``prompt_ids`` first, then for each assistant
-    turn the tokens to append after the engine's own (``extend``)."""
+    turn the tokens to append after the engine's own (``extend``; ``extend_all`` for many chats
+    at once)."""
 
     def __init__(
         self, tokenizer: Any, template: str, template_name: str, messages: list[dict], tools: list[dict] | None = None
     ):
+        text, ids = render_messages(tokenizer, template, list(messages), True, tools)
+        self._start(tokenizer, template, template_name, messages, tools, text, ids, split_tokens(tokenizer))
+
+    def _start(
+        self, tokenizer: Any, template: str, template_name: str, messages: list[dict], tools: list[dict] | None,
+        text: str, ids: list[int], split: tuple[str, ...],
+    ) -> None:  # fmt: skip
         self.tokenizer, self.template, self.template_name = tokenizer, template, template_name
         self.tools = tools  # OpenAI tool schemas, rendered by the template every time (it lists them first)
         self.messages = list(messages)
-        self._text, self.prompt_ids = render_messages(tokenizer, template, self.messages, True, tools)
+        self._text, self.prompt_ids = text, ids
         self._rendered = self.prompt_ids  # the template's ids of the chat so far, generation prompt included
-        self._split = split_tokens(tokenizer)
+        self._split = split
         self.whole_tokenized = 0  # turns whose chat was tokenized whole (the fallback)
 
-    def _tails(self, reply: str, closed: str, after: str) -> tuple[list[int], list[int], list[int]] | None:
-        """(reply's ids, closed's ids, after's ids) from the previous turn's ids and the
-        tokenization of tails that start at a split token, in one tokenizer call; None where the
-        texts do not grow by appending, no split token starts a tail, or the previous ids do not
-        end with their tail's."""
+    @classmethod
+    def start_all(
+        cls, tokenizer: Any, template: str, template_name: str, chats: list[list[dict]], tools: list[dict] | None = None
+    ) -> list[Conversation]:
+        """``Conversation(tokenizer, template, template_name, chat, tools)`` of each of ``chats``:
+        the same ids, the chats rendered in one call and each distinct text tokenized once."""
+        chats = [list(chat) for chat in chats]
+        texts = render_texts(tokenizer, template, chats, True, tools)
+        ids, split, out = _encode_each(tokenizer, texts), split_tokens(tokenizer), []
+        for chat, text in zip(chats, texts):
+            c = cls.__new__(cls)
+            c._start(tokenizer, template, template_name, chat, tools, text, list(ids[text]), split)
+            out.append(c)
+        return out
+
+    def _tail_texts(self, reply: str, closed: str, after: str) -> list[str] | None:
+        """The texts whose ids give the turn's (``_from_tails``): the reply, and tails that start
+        at a split token; None where the texts do not grow by appending or no split token starts
+        a tail."""
         before = self._text
         if not (closed.startswith(before) and after.startswith(closed)):
             return None  # the whole chat's ids decide whether the template breaks the prefix property
         p0, p1 = split_before(closed, len(before), self._split), split_before(after, len(closed), self._split)
         if p0 < 0 or p1 < 0:
             return None
-        content, old0, new0, old1, new1 = self.tokenizer(
-            [reply, before[p0:], closed[p0:], closed[p1:], after[p1:]], add_special_tokens=False
-        )["input_ids"]
+        return [reply, before[p0:], closed[p0:], closed[p1:], after[p1:]]
+
+    def _from_tails(
+        self, content: list[int], old0: list[int], new0: list[int], old1: list[int], new1: list[int]
+    ) -> tuple[list[int], list[int], list[int]] | None:
+        """(reply's ids, closed's ids, after's ids) from the previous turn's ids and the ids of
+        ``_tail_texts``; None where the previous ids do not end with their tail's."""
         # the previous ids end with their tail's: the split token at p0 is where they split
         if self._rendered[len(self._rendered) - len(old0) :] != old0:
             return None
@@ -163,22 +198,11 @@ class Conversation:
                 "Jinja file), e.g. one that keeps the assistant's reasoning instead of stripping it",
             )
 
-    def extend(self, generated: Sequence[int], reply: str, observation: list[dict]) -> list[int]:
-        """The tokens that follow the engine's ``generated`` ids (its text: ``reply``) when
-        ``observation`` is the next message(s): what the template closes the assistant's turn
-        with, less what the engine already produced (its stop token), then the observation and
-        the next generation prompt."""
+    def _grow(
+        self, generated: Sequence[int], messages: list[dict], after_text: str,
+        content: list[int], closed: list[int], after: list[int],
+    ) -> list[int]:  # fmt: skip
         before = self._rendered
-        chat = [*self.messages, {"role": "assistant", "content": reply}]
-        closed_text = render_text(self.tokenizer, self.template, chat, False, self.tools)
-        after_text = render_text(self.tokenizer, self.template, chat + observation, True, self.tools)
-        fast = self._tails(reply, closed_text, after_text)
-        if fast is None:
-            self.whole_tokenized += 1
-            closed, after = encode_text(self.tokenizer, closed_text), encode_text(self.tokenizer, after_text)
-            content = self.tokenizer.encode(reply, add_special_tokens=False)
-        else:
-            content, closed, after = fast
         self._require(closed[: len(before)] == before, "renders the chat before the assistant's turn differently")
         self._require(after[: len(closed)] == closed, "renders earlier turns differently once new messages follow")
         turn = closed[len(before) :]
@@ -190,8 +214,52 @@ class Conversation:
             for k in range(len(closing) + 1)
             if k <= len(generated) and list(generated[len(generated) - k :]) == closing[:k]
         )
-        self.messages, self._text, self._rendered = chat + observation, after_text, after
+        self.messages, self._text, self._rendered = messages, after_text, after
         return closing[done:] + after[len(closed) :]
+
+    def extend(self, generated: Sequence[int], reply: str, observation: list[dict]) -> list[int]:
+        """The tokens that follow the engine's ``generated`` ids (its text: ``reply``) when
+        ``observation`` is the next message(s): what the template closes the assistant's turn
+        with, less what the engine already produced (its stop token), then the observation and
+        the next generation prompt."""
+        return extend_all([self], [generated], [reply], [observation])[0]
+
+
+def extend_all(
+    chats: Sequence[Conversation],
+    generated: Sequence[Sequence[int]],
+    replies: Sequence[str],
+    observations: Sequence[list[dict]],
+) -> list[list[int]]:
+    """``chat.extend(generated, reply, observation)`` of each chat, the same tokens, for one turn
+    of many episodes: the chats rendered in one call with the reply and one with the observation
+    too, their tails tokenized in one call, each distinct text once (tails such as the
+    observation's and the generation prompt's recur across episodes)."""
+    if not chats:
+        return []
+    first = chats[0]
+    if any(
+        c.tokenizer is not first.tokenizer or c.template != first.template or c.tools is not first.tools for c in chats
+    ):
+        return [extend_all([c], [g], [r], [o])[0] for c, g, r, o in zip(chats, generated, replies, observations)]
+    tok, template, tools = first.tokenizer, first.template, first.tools
+    closed_chats = [[*c.messages, {"role": "assistant", "content": r}] for c, r in zip(chats, replies)]
+    after_chats = [chat + observation for chat, observation in zip(closed_chats, observations)]
+    closed_texts = render_texts(tok, template, closed_chats, False, tools)
+    after_texts = render_texts(tok, template, after_chats, True, tools)
+    tails = [c._tail_texts(r, x, y) for c, r, x, y in zip(chats, replies, closed_texts, after_texts)]
+    ids = _encode_each(tok, [t for texts in tails if texts is not None for t in texts])
+    found = [c._from_tails(*(ids[t] for t in texts)) if texts is not None else None for c, texts in zip(chats, tails)]
+    whole = [k for k, f in enumerate(found) if f is None]  # the fallback: the whole chats tokenized
+    ids.update(_encode_each(tok, [t for k in whole for t in (replies[k], closed_texts[k], after_texts[k])]))
+    out = []
+    for k, c in enumerate(chats):
+        if found[k] is None:
+            c.whole_tokenized += 1
+            found[k] = (ids[replies[k]], ids[closed_texts[k]], ids[after_texts[k]])
+        content, closed, after = found[k]
+        out.append(c._grow(generated[k], after_chats[k], after_texts[k], content, closed, after))
+    return out
 
 
 @dataclass
@@ -281,16 +349,25 @@ class EpisodeConfig:
     score_replies: bool = False  # ChatEnv: data.reward scores each episode's last reply
 
     def start(self, tokenizer: Any, row: dict, episode_seed: int, loop: asyncio.AbstractEventLoop) -> Episode:
-        env = self.env_cls()
-        (messages,) = _call(loop, [lambda: env.reset({**row, "episode_seed": episode_seed})])
-        if not isinstance(messages, list) or not messages:
-            raise RlhpcError(
-                f"the environment {self.spec}'s reset returned {str(messages)[:200]}, not a list of chat messages",
-                "return the episode's first messages, e.g. [{'role': 'user', 'content': 'guess a number'}]",
-            )
-        chat = with_system(messages, self.system_prompt)
+        return self.start_all(tokenizer, [(row, episode_seed)], loop)[0]
+
+    def start_all(self, tokenizer: Any, rows: list[tuple[dict, int]], loop: asyncio.AbstractEventLoop) -> list[Episode]:
+        """An episode of each (row, episode seed) of ``rows``, its environment reset, their first
+        prompts rendered together (``Conversation.start_all``)."""
+        envs, chats = [], []
+        for row, episode_seed in rows:
+            env = self.env_cls()
+            (messages,) = _call(loop, [lambda e=env, r=row, s=episode_seed: e.reset({**r, "episode_seed": s})])
+            if not isinstance(messages, list) or not messages:
+                raise RlhpcError(
+                    f"the environment {self.spec}'s reset returned {str(messages)[:200]}, not a list of chat messages",
+                    "return the episode's first messages, e.g. [{'role': 'user', 'content': 'guess a number'}]",
+                )
+            envs.append(env)
+            chats.append(with_system(messages, self.system_prompt))
         schemas = self.tools.schemas if self.tools is not None else None
-        return Episode(env, Conversation(tokenizer, self.template, self.template_name, chat, schemas))
+        conversations = Conversation.start_all(tokenizer, self.template, self.template_name, chats, schemas)
+        return [Episode(env, c) for env, c in zip(envs, conversations)]
 
     def step(self, episodes: list[Episode], replies: list[str], loop: asyncio.AbstractEventLoop) -> list[tuple]:
         """Each episode's (observation, reward, done) after its reply: the tools' answers where the

@@ -375,6 +375,8 @@ class Generation:
         episode's tokens so far (prompt, then the engine's own tokens and the observations'), and
         steps each environment with the engine's text. A turn's requests and seeds depend only on
         the episodes' indices, so a rerun replays every episode exactly."""
+        from rlhpc.rollout.episodes import extend_all
+
         ep = self.episodes
         assert ep is not None
         top_p, total = self.rollout_cfg.top_p, len(rows) * n
@@ -383,10 +385,8 @@ class Generation:
         bar = progress.add_task(desc, total=total) if progress is not None else None
         loop = asyncio.new_event_loop()  # one per call: async environments keep theirs across turns
         try:
-            episodes = [
-                ep.start(self.tokenizer, rows[k // n], sample_seed(self.seed, seed_tag, k // n, k % n, "env"), loop)
-                for k in range(total)
-            ]
+            seeds = [sample_seed(self.seed, seed_tag, k // n, k % n, "env") for k in range(total)]
+            episodes = ep.start_all(self.tokenizer, [(rows[k // n], seeds[k]) for k in range(total)], loop)
             for turn in range(ep.max_turns):
                 active = [k for k, e in enumerate(episodes) if not e.done]
                 if not active:
@@ -423,20 +423,29 @@ class Generation:
                     episodes[k].turn = turn
                     episodes[k].add(ids, lps, token_versions(out["meta_info"], len(ids)), generated=True)
                 steps = ep.step([episodes[k] for k in active], [out["text"] for out in outputs], loop)
+                going, ended = [], []
                 for k, out, (observation, reward, done) in zip(active, outputs, steps):
-                    e = episodes[k]
-                    e.reward += reward
-                    if not done:
-                        extra = e.conversation.extend(out["output_ids"], out["text"], observation)
-                        # no room for the observation and a token more: the episode is cut here
-                        if turn + 1 == ep.max_turns or len(e.response_ids) + len(extra) >= ep.max_episode_tokens:
-                            e.truncated = done = True
-                        else:
-                            e.add(extra, [], [e.versions[-1] if e.versions else 0] * len(extra), generated=False)
+                    episodes[k].reward += reward
                     if done:
-                        e.done = True
-                        if bar is not None:
-                            progress.advance(bar, 1)
+                        ended.append(episodes[k])
+                    else:
+                        going.append((episodes[k], out, observation))
+                # the observations' tokens of all the turn's episodes at once (their renders and tails batched)
+                extras = extend_all(
+                    [e.conversation for e, _, _ in going], [out["output_ids"] for _, out, _ in going],
+                    [out["text"] for _, out, _ in going], [observation for _, _, observation in going],
+                )  # fmt: skip
+                for (e, _, _), extra in zip(going, extras):
+                    # no room for the observation and a token more: the episode is cut here
+                    if turn + 1 == ep.max_turns or len(e.response_ids) + len(extra) >= ep.max_episode_tokens:
+                        e.truncated = True
+                        ended.append(e)
+                    else:
+                        e.add(extra, [], [e.versions[-1] if e.versions else 0] * len(extra), generated=False)
+                for e in ended:
+                    e.done = True
+                    if bar is not None:
+                        progress.advance(bar, 1)
         finally:
             loop.close()
             if bar is not None:

@@ -15,7 +15,14 @@ from rlhpc.errors import ConfigError
 from rlhpc.metrics import write_rollout_dump
 from rlhpc.model import IM_END, build_bpe_tokenizer, build_tiny_model
 from rlhpc.preflight import load_config
-from rlhpc.rollout.episodes import Conversation, TemplateBreaksPrefix, make_episodes, resolve_env, split_tokens
+from rlhpc.rollout.episodes import (
+    Conversation,
+    TemplateBreaksPrefix,
+    extend_all,
+    make_episodes,
+    resolve_env,
+    split_tokens,
+)
 from rlhpc.rollout.generation import Generation
 
 USER = [{"role": "user", "content": "guess 1-8"}]
@@ -137,6 +144,45 @@ def test_a_chat_without_split_tokens_is_tokenized_whole():
     with_sep = PLAIN.replace("\n{% endfor %}", " <sep>{% endfor %}")
     assert with_sep != PLAIN
     assert play(tok, with_sep, None, turns).whole_tokenized == 2
+
+
+def test_a_turn_of_many_chats_gives_each_the_ids_it_gets_alone():
+    tok = build_bpe_tokenizer()
+    eos = tok.convert_tokens_to_ids(IM_END)
+    firsts = [USER, [{"role": "system", "content": "be brief"}, *USER], USER, USER]
+    # per turn, each chat's (reply, engine stopped, observation); chats 2 and 3 alike (their texts shared)
+    turns = [
+        [("3 then", True, [{"role": "user", "content": "higher"}]), (" 5 ", False, [{"role": "tool", "content": "2"}]),
+         ("4é", True, [{"role": "user", "content": "lower"}]), ("4é", True, [{"role": "user", "content": "lower"}])],
+        [("6", False, [{"role": "user", "content": "yes"}]), ("x <|im_start|>", True, [{"role": "user", "content": " 4?"}]),
+         ("2", True, [{"role": "tool", "content": "3"}, {"role": "tool", "content": " 4"}]), ("7", True, [])],
+    ]  # fmt: skip
+    for template, tools, whole_turns in ((tok.chat_template, None, 0), (QWEN_STYLE, TOOLS, 0), (PLAIN, None, 2)):
+        chats = Conversation.start_all(tok, template, "t", firsts, tools)
+        alone = [Conversation(tok, template, "t", first, tools) for first in firsts]
+        assert [c.prompt_ids for c in chats] == [c.prompt_ids for c in alone]
+        streams, messages = [list(c.prompt_ids) for c in chats], [list(first) for first in firsts]
+        for turn in turns:
+            # PLAIN has no stop token of its own: its replies are cut
+            stop = [[eos] if stopped and template != PLAIN else [] for _, stopped, _ in turn]
+            generated = [tok.encode(r, add_special_tokens=False) + s for (r, _, _), s in zip(turn, stop)]
+            replies, observations = [r for r, _, _ in turn], [o for _, _, o in turn]
+            extras = extend_all(chats, generated, replies, observations)
+            assert extras == [c.extend(*args) for c, *args in zip(alone, generated, replies, observations)]
+            for k, (reply, _, observation) in enumerate(turn):
+                streams[k] += generated[k] + extras[k]
+                messages[k] += [{"role": "assistant", "content": reply}, *observation]
+                want = tok.apply_chat_template(
+                    messages[k], chat_template=template, tools=tools, add_generation_prompt=True
+                )
+                assert streams[k] == list(want["input_ids"])
+        assert [c.whole_tokenized for c in chats] == [whole_turns] * len(chats)
+    assert extend_all([], [], [], []) == []
+    # chats of different templates: each on its own
+    mixed = [Conversation(tok, t, "t", USER) for t in (tok.chat_template, PLAIN)]
+    alone = [Conversation(tok, t, "t", USER) for t in (tok.chat_template, PLAIN)]
+    args = [[[5]] * 2, ["5"] * 2, [[{"role": "user", "content": "higher"}]] * 2]
+    assert extend_all(mixed, *args) == [c.extend(*a) for c, *a in zip(alone, *args)]
 
 
 def test_the_loss_mask_skips_observation_tokens_and_single_turn_is_unchanged():

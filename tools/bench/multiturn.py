@@ -27,8 +27,10 @@ the same at each count of concurrent episodes (``--episodes``).
 The last line is one JSON object: ``episodes_vs_plain`` (rlhpc's episodes per second / plain's,
 at the largest count: the goal is >= 0.9), the same per count (``episodes_vs_plain_<count>``),
 episodes per second of each side (``rlhpc_eps_<count>``, ``plain_eps_<count>``), the engine's
-busy fraction on each side (``engine_busy_rlhpc``, ``engine_busy_plain``, largest count), and
-``same_tokens``. Timings are never asserted.
+busy fraction on each side (``engine_busy_rlhpc``, ``engine_busy_plain``, largest count), the
+driver's CPU milliseconds per rollout on each side (``driver_ms_rlhpc``, ``driver_ms_plain``,
+largest count: the engine runs in its own process, so this is the driver's own work, which a
+machine's load moves less than wall time), and ``same_tokens``. Timings are never asserted.
 """
 
 from __future__ import annotations
@@ -141,11 +143,11 @@ def plain_episodes(
     return list(zip(responses, rewards))
 
 
-def timed(client: BusyClient, fn: Callable[..., Any], *args: Any) -> tuple[float, float, Any]:
-    """(wall seconds, seconds with a /generate in flight, result) of ``fn(*args)``."""
-    busy0, t0 = client.busy_s, time.perf_counter()
+def timed(client: BusyClient, fn: Callable[..., Any], *args: Any) -> tuple[float, float, float, Any]:
+    """(wall seconds, seconds with a /generate in flight, the driver's CPU seconds, result) of ``fn(*args)``."""
+    busy0, cpu0, t0 = client.busy_s, time.process_time(), time.perf_counter()
     out = fn(*args)
-    return time.perf_counter() - t0, client.busy_s - busy0, out
+    return time.perf_counter() - t0, client.busy_s - busy0, time.process_time() - cpu0, out
 
 
 def bench_count(
@@ -153,13 +155,13 @@ def bench_count(
 ) -> dict:
     n = cfg.rollout.n_samples_per_prompt
     num_rows = max(1, count // n)
-    plain_s, ours_s, plain_busy, ours_busy, same = [], [], [], [], True
+    plain_s, ours_s, plain_busy, ours_busy, plain_cpu, ours_cpu, same = [], [], [], [], [], [], True
     for rep in range(repeats + 1):  # the first pair warms both up and is left out
         rollout_id = 1000 * count + rep
         start = (rep * num_rows) % max(1, len(rows_all) - num_rows)
         rows = rows_all[start : start + num_rows]
-        wall_p, busy_p, plain = timed(client, plain_episodes, client, tok, cfg, rows, rollout_id)
-        wall_r, busy_r, ours = timed(client, gen.rollout, rollout_id, rows)
+        wall_p, busy_p, cpu_p, plain = timed(client, plain_episodes, client, tok, cfg, rows, rollout_id)
+        wall_r, busy_r, cpu_r, ours = timed(client, gen.rollout, rollout_id, rows)
         batch = ours[0]
         same = same and [ids for ids, _ in plain] == [list(x) for x in batch.response_ids]
         plain_rewards = torch.tensor([rw for _, rw in plain], dtype=batch.rewards.dtype)
@@ -169,6 +171,8 @@ def bench_count(
             ours_s.append(wall_r)
             plain_busy.append(busy_p / wall_p)
             ours_busy.append(busy_r / wall_r)
+            plain_cpu.append(cpu_p)
+            ours_cpu.append(cpu_r)
     episodes = num_rows * n
     return {
         "episodes": episodes,
@@ -177,6 +181,8 @@ def bench_count(
         "ratio": statistics.median(p / o for p, o in zip(plain_s, ours_s)),
         "engine_busy_plain": statistics.median(plain_busy),
         "engine_busy_rlhpc": statistics.median(ours_busy),
+        "driver_ms_plain": 1e3 * statistics.median(plain_cpu),
+        "driver_ms_rlhpc": 1e3 * statistics.median(ours_cpu),
         "same_tokens": same,
     }
 
@@ -221,11 +227,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         finally:
             proc.terminate()
             proc.wait(15)
-    print(f"{'episodes':>9} {'plain ep/s':>11} {'rlhpc ep/s':>11} {'ratio':>6} {'busy plain':>11} {'busy rlhpc':>11}")
+    print(
+        f"{'episodes':>9} {'plain ep/s':>11} {'rlhpc ep/s':>11} {'ratio':>6} {'busy plain':>11} {'busy rlhpc':>11} "
+        f"{'cpu ms plain':>13} {'cpu ms rlhpc':>13}"
+    )
     for x in results.values():
         print(
             f"{x['episodes']:>9} {x['plain_eps']:>11.1f} {x['rlhpc_eps']:>11.1f} {x['ratio']:>6.2f} "
-            f"{x['engine_busy_plain']:>11.2f} {x['engine_busy_rlhpc']:>11.2f}"
+            f"{x['engine_busy_plain']:>11.2f} {x['engine_busy_rlhpc']:>11.2f} "
+            f"{x['driver_ms_plain']:>13.1f} {x['driver_ms_rlhpc']:>13.1f}"
         )
     largest = results[max(results)]
     out = {
@@ -235,6 +245,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         **{f"plain_eps_{c}": round(x["plain_eps"], 2) for c, x in results.items()},
         "engine_busy_rlhpc": round(largest["engine_busy_rlhpc"], 3),
         "engine_busy_plain": round(largest["engine_busy_plain"], 3),
+        "driver_ms_rlhpc": round(largest["driver_ms_rlhpc"], 1),
+        "driver_ms_plain": round(largest["driver_ms_plain"], 1),
         "same_tokens": all(x["same_tokens"] for x in results.values()),
     }
     print(json.dumps(out))
