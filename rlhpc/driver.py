@@ -15,7 +15,6 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
-import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from rlhpc.actor.group import ActorGroup, ActorSpec
@@ -42,7 +41,7 @@ from rlhpc.rollout.scoring import MixedScorer
 from rlhpc.rollout.teacher import Teacher, check_same_vocabulary, start_teacher_engines
 from rlhpc.rollout.trajectories import make_custom
 from rlhpc.run_dir import RunDir
-from rlhpc.schedule import AsyncRollouts, BusyClock, Generated, SyncRollouts
+from rlhpc.schedule import AsyncRollouts, BusyClock, Generated, SyncRollouts, load_pending, save_pending
 from rlhpc.wire.request import GenerationAborted
 
 log = logging.getLogger(__name__)
@@ -92,21 +91,6 @@ def evaluate_sets(
 
 def every(interval: int | None, rollout_id: int, epoch_end: bool) -> bool:
     return interval is not None and ((rollout_id + 1) % interval == 0 or epoch_end)
-
-
-PENDING_FILE = "pending_rollouts.pt"  # generated, not yet trained rollouts (async pipeline)
-
-
-def save_pending(staging: Path, pending: dict[int, Generated]) -> None:
-    if pending:
-        torch.save([g.state_dict() for g in pending.values()], staging / PENDING_FILE)
-
-
-def load_pending(ckpt: Path) -> dict[int, Generated]:
-    path = ckpt / PENDING_FILE
-    if not path.is_file():
-        return {}
-    return {d["rollout_id"]: Generated.from_state_dict(d) for d in torch.load(path, weights_only=True)}
 
 
 class _AbortWhen:

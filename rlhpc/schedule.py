@@ -30,7 +30,8 @@ version is gone from the actor, and the job stops (``RolloutWeightsLost``) to re
 last checkpoint, which holds everything needed to go on exactly.
 
 Generated but untrained rollouts are part of the run's state: ``pending`` hands them to the
-checkpoint, and a resumed schedule starts from them (their weights no longer exist).
+checkpoint (``save_pending``, ``load_pending``), and a resumed schedule starts from them (their
+weights no longer exist).
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
 
 from rlhpc.batch import RolloutBatch
 from rlhpc.errors import RlhpcError
@@ -60,33 +64,28 @@ class Generated:
     texts: dict[str, list[str]]
 
     def state_dict(self) -> dict:
-        b = self.batch
-        return {
-            "rollout_id": self.rollout_id,
-            "prompt_ids": b.prompt_ids,
-            "response_ids": b.response_ids,
-            "rollout_logprobs": b.rollout_logprobs,
-            "rewards": b.rewards,
-            "advantages": b.advantages,
-            "group_size": b.group_size,
-            "weight_versions": b.weight_versions,
-            "token_versions": b.token_versions,
-            "loss_masks": b.loss_masks,
-            "turns": b.turns,
-            "truncated": b.truncated,
-            "teacher_logprobs": b.teacher_logprobs,
-            "metrics": self.metrics,
-            "texts": self.texts,
-        }
+        return {"rollout_id": self.rollout_id, **self.batch.state_dict(), "metrics": self.metrics, "texts": self.texts}
 
     @classmethod
     def from_state_dict(cls, d: dict) -> Generated:
-        batch = RolloutBatch(
-            d["prompt_ids"], d["response_ids"], d["rollout_logprobs"], d["rewards"], d["advantages"],
-            d["group_size"], d["weight_versions"], d.get("token_versions", []), d.get("loss_masks", []),
-            d.get("turns", []), d.get("truncated", []), d.get("teacher_logprobs", []),
-        )  # fmt: skip
-        return cls(d["rollout_id"], batch, d["metrics"], d["texts"])
+        return cls(d["rollout_id"], RolloutBatch.from_state_dict(d), d["metrics"], d["texts"])
+
+
+PENDING_FILE = "pending_rollouts.pt"  # in a checkpoint: generated, not yet trained rollouts (async pipeline)
+
+
+def save_pending(checkpoint: Path, pending: dict[int, Generated]) -> None:
+    """Write the generated, untrained rollouts (``pending``) into a checkpoint (nothing when none)."""
+    if pending:
+        torch.save([g.state_dict() for g in pending.values()], checkpoint / PENDING_FILE)
+
+
+def load_pending(checkpoint: Path) -> dict[int, Generated]:
+    """The rollouts ``save_pending`` wrote into ``checkpoint``, by rollout id (none: empty)."""
+    path = checkpoint / PENDING_FILE
+    if not path.is_file():
+        return {}
+    return {d["rollout_id"]: Generated.from_state_dict(d) for d in torch.load(path, weights_only=True)}
 
 
 @dataclass
