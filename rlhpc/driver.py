@@ -32,7 +32,7 @@ from rlhpc.launch.staging import NOT_STAGED, Staged
 from rlhpc.launch.startup import StartupClock
 from rlhpc.metrics import MetricsLogger, read_metrics
 from rlhpc.model import context_length, load_tokenizer
-from rlhpc.rollout.engine_pool import EnginePool
+from rlhpc.rollout.engines import EnginePool
 from rlhpc.rollout.episodes import make_episodes
 from rlhpc.rollout.generation import Generation, task_reward
 from rlhpc.rollout.judge import Judge
@@ -93,17 +93,6 @@ def every(interval: int | None, rollout_id: int, epoch_end: bool) -> bool:
     return interval is not None and ((rollout_id + 1) % interval == 0 or epoch_end)
 
 
-class _AbortWhen:
-    """The engine pool's stop request, decided by the schedule (what a stop may drop)."""
-
-    def __init__(self, requested: Callable[[], bool]):
-        self._requested = requested
-
-    @property
-    def requested(self) -> bool:
-        return self._requested()
-
-
 def train(
     cfg: Config,
     run: RunDir,
@@ -156,18 +145,17 @@ class TrainLoop:
         self.clock = BusyClock()
         self.staleness = cfg.rollout.max_staleness
         if self.staleness == 0:
-            self.schedule: SyncRollouts | AsyncRollouts = SyncRollouts(self._generate, self._push, self.clock)
-            pool_stop = stop
+            self.schedule: SyncRollouts | AsyncRollouts = SyncRollouts(self._generate, self._push, self.clock, stop)
         else:
             requested = (lambda: stop.requested) if stop is not None else (lambda: False)
             self.schedule = AsyncRollouts(
                 self._generate, self._push, self.clock, self.staleness, self.num_rollout, cfg.deterministic,
-                requested, repair=lambda: self.engines.ensure_engines(), partial=cfg.rollout.partial_rollout,
+                requested, repair=self._repair, partial=cfg.rollout.partial_rollout,
             )  # fmt: skip
-            pool_stop = _AbortWhen(self.schedule.abort_requested)
+        pool_stop = self.schedule.abort  # the engines drop generation in flight when the schedule says so
 
         def start_engines() -> EnginePool:
-            return EnginePool(
+            return EnginePool.start(
                 cfg.rollout, cfg.cluster, cfg.seed, model_path, self.placement, layout, run.engine_logs, pool_stop,
                 run.engine_key,
             )  # fmt: skip
@@ -402,6 +390,10 @@ class TrainLoop:
 
     def _push(self, version: int) -> None:
         self.engines.sync_weights(version=version)
+
+    def _repair(self) -> None:
+        """Restart dead engines on the version they hold (the async schedule, in a gap)."""
+        self.engines.ensure_engines()
 
     def _get(self, rollout_id: int) -> Generated:
         try:

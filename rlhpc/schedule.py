@@ -18,7 +18,7 @@ version r + 1 through the schedule (``push``), which decides when the engines ma
   on; every token records the version it was sampled with, and the bound still holds (a push
   only makes the weights newer). Evaluations still wait for the gap between rollouts.
 
-Engine restarts (``rlhpc.rollout.engine_pool``) happen only in the gaps between rollouts, on the
+Engine restarts (``rlhpc.rollout.engines``) happen only in the gaps between rollouts, on the
 main thread, which pushes the weights: a restarted engine must get the version the others hold,
 and the actor holds it only before it trains again. The generation thread never restarts an
 engine: it sends a dead engine's requests to the healthy ones (same weights, same tokens), or,
@@ -48,8 +48,7 @@ import torch
 
 from rlhpc.batch import RolloutBatch
 from rlhpc.errors import RlhpcError
-from rlhpc.rollout.engine_pool import EnginesDown
-from rlhpc.wire.request import GenerationAborted
+from rlhpc.wire.request import EnginesDown, GenerationAborted, StopCheck
 
 log = logging.getLogger(__name__)
 
@@ -139,13 +138,26 @@ class RolloutWeightsLost(RlhpcError):
         )
 
 
+class _AbortWhen:
+    """An async schedule's ``abort_requested`` as the ``StopCheck`` the engine pool polls."""
+
+    def __init__(self, schedule: AsyncRollouts):
+        self._schedule = schedule
+
+    @property
+    def requested(self) -> bool:
+        return self._schedule.abort_requested()
+
+
 class SyncRollouts:
     """Generate rollout r when training asks for it, with the weights pushed after rollout r - 1."""
 
     max_staleness = 0
 
-    def __init__(self, generate: Generate, push: Push, clock: BusyClock):
+    def __init__(self, generate: Generate, push: Push, clock: BusyClock, stop: StopCheck | None = None):
         self._generate, self._push, self.clock = generate, push, clock
+        # when the engines drop generation in flight: at the job's stop request
+        self.abort: StopCheck | None = stop
 
     def start(self, first: int, pending: dict[int, Generated]) -> None:
         if pending:  # a checkpoint of an async run resumed synchronously: train what it generated
@@ -176,8 +188,12 @@ class AsyncRollouts:
     """Generate up to ``max_staleness`` rollouts ahead of training in a background thread.
 
     ``stop`` is the job's stop request. Generation that a stop makes unnecessary is aborted
-    (``abort_requested``, which the engine pool polls); in deterministic mode the rollouts the
-    next checkpoint must hold (those generated with older weights than it has) are finished first.
+    (``abort``, which the driver hands the engine pool, which polls it); in deterministic mode the
+    rollouts the next checkpoint must hold (those generated with older weights than it has) are
+    finished first.
+
+    ``generate``, ``push`` and ``repair`` are the driver's phases: the schedule decides when they
+    run, and knows nothing of the engines.
     """
 
     def __init__(
@@ -193,7 +209,7 @@ class AsyncRollouts:
         partial: bool = False,
     ):
         """``repair``: restart dead engines and re-sync them to the version they held (the main
-        thread calls it in a gap, with the actor on that version: ``EnginePool.ensure_engines``).
+        thread calls it in a gap, with the actor on that version: the engine pool's ``ensure_engines``).
         ``partial`` (``rollout.partial_rollout``, never deterministic): a push does not wait for
         the rollout in flight; the push pauses its requests on the engines, changes the weights
         and lets them go on, and the engines tag each token with its version."""
@@ -220,6 +236,7 @@ class AsyncRollouts:
         self._error: BaseException | None = None
         self._closed = False
         self._thread: threading.Thread | None = None
+        self.abort: StopCheck = _AbortWhen(self)  # for the engine pool: drop the generation in flight?
 
     # ------------------------------------------------------------ the generation thread
 
@@ -293,8 +310,8 @@ class AsyncRollouts:
         return self.deterministic and r <= self._taken + self.max_staleness
 
     def abort_requested(self) -> bool:
-        """For the engine pool: drop the generation in flight? Only on a stop, and (deterministic)
-        only a rollout no checkpoint before the stop will need."""
+        """For the engine pool (through ``abort``): drop the generation in flight? Only on a stop,
+        and (deterministic) only a rollout no checkpoint before the stop will need."""
         if not self._stop_requested():
             return False
         with self._cond:

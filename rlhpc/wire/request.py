@@ -4,6 +4,9 @@ shared by the pool and everything that generates through it."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
+
+from rlhpc.errors import RlhpcError
 
 
 @dataclass(frozen=True)
@@ -20,3 +23,26 @@ class Request:
 
 class GenerationAborted(Exception):
     """Generation was cut short for a stop request (preemption or time limit)."""
+
+
+class StopCheck(Protocol):
+    """When a send drops the generation in flight (``GenerationAborted``), polled as answers come
+    in: the job's stop request, or the async schedule's ``abort`` (what a stop may drop)."""
+
+    @property
+    def requested(self) -> bool: ...
+
+
+class EnginesDown(RlhpcError):
+    """No engine can serve generation until the dead ones are restarted, which only the thread
+    that pushes weights may do (between rollouts, when the actor holds the engines' version)."""
+
+    transient = True  # if it ends the job, a resume from the last checkpoint loses nothing
+
+    def __init__(self, dead: list[int], version: int | None):
+        super().__init__(
+            f"rollout engine(s) {dead} died while a rollout was generated with weight version {version}, "
+            "and no engine is left to finish it",
+            "nothing to do: they are restarted between rollouts (rollout.max_engine_restarts bounds it)",
+        )
+        self.dead, self.version = dead, version
