@@ -2,38 +2,51 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 import torch
 
 
+def _dumped(name: str, dtype: str | None = None, optional: bool = False) -> Any:
+    """A field and its ``name`` and ``dtype`` in the rollout's HDF5 dump (``rlhpc.metrics``).
+    ``optional``: empty when unknown (then left out of the dump)."""
+    extra = {"default_factory": list} if optional else {}
+    return field(metadata={"dump": name, "dtype": dtype}, **extra)
+
+
 @dataclass
 class RolloutBatch:
-    """``n_prompts * group_size`` samples; the samples of one prompt are adjacent."""
+    """``n_prompts * group_size`` samples; the samples of one prompt are adjacent.
 
-    prompt_ids: list[list[int]]
-    response_ids: list[list[int]]
-    rollout_logprobs: list[list[float]]  # engine logprob of each response token
-    rewards: torch.Tensor  # [N] float32
-    advantages: torch.Tensor  # [N] float32, per sample (broadcast over its tokens)
-    group_size: int
+    Its fields are the one list of what a rollout holds: a checkpoint's pending rollouts
+    (``state_dict``) and the HDF5 dump (each field's metadata) are derived from them."""
+
+    prompt_ids: list[list[int]] = _dumped("prompt_ids", "int32")
+    response_ids: list[list[int]] = _dumped("response_ids", "int32")
+    rollout_logprobs: list[list[float]] = _dumped(
+        "rollout_logprobs", "float32"
+    )  # engine logprob of each response token
+    rewards: torch.Tensor = _dumped("rewards")  # [N] float32
+    advantages: torch.Tensor = _dumped("advantages")  # [N] float32, per sample (broadcast over its tokens)
+    group_size: int = _dumped("group_size")  # an attribute of the dump
     # The weight version each sample was generated with (as the engine reported it; the oldest of
     # its tokens' when a partial rollout straddled a weight push); empty when unknown. Rollout r's
     # staleness is r - version: 0 in the synchronous loop.
-    weight_versions: list[int] = field(default_factory=list)
+    weight_versions: list[int] = _dumped("weight_versions", "int64", optional=True)
     # Per response token, the version it was sampled with (SGLang's meta_info "weight_versions"
     # spans); empty when unknown. Differs within a sample only with rollout.partial_rollout.
-    token_versions: list[list[int]] = field(default_factory=list)
+    token_versions: list[list[int]] = _dumped("token_versions", "int64", optional=True)
     # Multi-turn episodes (rollout.env): per response token, 1 where the engine generated it and 0
     # on observation tokens (the loss and TIS skip those), and the turn it belongs to; per
     # sample, whether the episode was cut (rollout.max_turns / max_episode_tokens). Empty for
     # single-turn samples (every response token is trained on), except with
     # rollout.overlong_filter: then a sample cut at max_new_tokens is truncated, its mask all 0.
-    loss_masks: list[list[int]] = field(default_factory=list)
-    turns: list[list[int]] = field(default_factory=list)
-    truncated: list[bool] = field(default_factory=list)
+    loss_masks: list[list[int]] = _dumped("loss_mask", "int8", optional=True)
+    turns: list[list[int]] = _dumped("turn", "int32", optional=True)
+    truncated: list[bool] = _dumped("truncated", "bool", optional=True)
     # A teacher (issue 30): each response token's logprob under it (empty without one).
-    teacher_logprobs: list[list[float]] = field(default_factory=list)
+    teacher_logprobs: list[list[float]] = _dumped("teacher_logprobs", "float32", optional=True)
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
@@ -45,19 +58,21 @@ class RolloutBatch:
 
     def slice(self, start: int, stop: int) -> RolloutBatch:
         return RolloutBatch(
-            prompt_ids=self.prompt_ids[start:stop],
-            response_ids=self.response_ids[start:stop],
-            rollout_logprobs=self.rollout_logprobs[start:stop],
-            rewards=self.rewards[start:stop],
-            advantages=self.advantages[start:stop],
-            group_size=self.group_size,
-            weight_versions=self.weight_versions[start:stop],
-            token_versions=self.token_versions[start:stop],
-            loss_masks=self.loss_masks[start:stop],
-            turns=self.turns[start:stop],
-            truncated=self.truncated[start:stop],
-            teacher_logprobs=self.teacher_logprobs[start:stop],
+            **{f.name: v if f.name == "group_size" else v[start:stop] for f, v in zip(fields(self), self.values())}
         )
+
+    def values(self) -> list[Any]:
+        """The fields' values, in ``dataclasses.fields`` order."""
+        return [getattr(self, f.name) for f in fields(self)]
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every field by its name (a checkpoint's pending rollouts, ``rlhpc.schedule``)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_state_dict(cls, d: dict[str, Any]) -> RolloutBatch:
+        """The batch of a ``state_dict``; optional fields an older checkpoint lacks are empty."""
+        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
 
     def to_padded(self, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Right-padded ``input_ids``, ``attention_mask`` [N, L] and ``loss_mask`` [N, L-1].

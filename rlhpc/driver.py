@@ -15,7 +15,6 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
-import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from rlhpc.actor.group import ActorGroup, ActorSpec
@@ -30,7 +29,7 @@ from rlhpc.data.tasks import TASKS
 from rlhpc.metrics import MetricsLogger, read_metrics
 from rlhpc.model import context_length, load_tokenizer
 from rlhpc.rollout.custom import make_custom
-from rlhpc.rollout.engine_pool import EnginePool
+from rlhpc.rollout.engines import EnginePool
 from rlhpc.rollout.episodes import make_episodes
 from rlhpc.rollout.generation import Generation, task_reward
 from rlhpc.rollout.judge import Judge
@@ -42,7 +41,7 @@ from rlhpc.runtime.restarts import read_history
 from rlhpc.runtime.signals import Stopped, StopRequest
 from rlhpc.runtime.staging import NOT_STAGED, Staged
 from rlhpc.runtime.startup import StartupClock
-from rlhpc.schedule import AsyncRollouts, BusyClock, Generated, SyncRollouts
+from rlhpc.schedule import AsyncRollouts, BusyClock, Generated, SyncRollouts, load_pending, save_pending
 from rlhpc.wire.request import GenerationAborted
 
 log = logging.getLogger(__name__)
@@ -92,32 +91,6 @@ def evaluate_sets(
 
 def every(interval: int | None, rollout_id: int, epoch_end: bool) -> bool:
     return interval is not None and ((rollout_id + 1) % interval == 0 or epoch_end)
-
-
-PENDING_FILE = "pending_rollouts.pt"  # generated, not yet trained rollouts (async pipeline)
-
-
-def save_pending(staging: Path, pending: dict[int, Generated]) -> None:
-    if pending:
-        torch.save([g.state_dict() for g in pending.values()], staging / PENDING_FILE)
-
-
-def load_pending(ckpt: Path) -> dict[int, Generated]:
-    path = ckpt / PENDING_FILE
-    if not path.is_file():
-        return {}
-    return {d["rollout_id"]: Generated.from_state_dict(d) for d in torch.load(path, weights_only=True)}
-
-
-class _AbortWhen:
-    """The engine pool's stop request, decided by the schedule (what a stop may drop)."""
-
-    def __init__(self, requested: Callable[[], bool]):
-        self._requested = requested
-
-    @property
-    def requested(self) -> bool:
-        return self._requested()
 
 
 def train(
@@ -172,18 +145,17 @@ class TrainLoop:
         self.clock = BusyClock()
         self.staleness = cfg.rollout.max_staleness
         if self.staleness == 0:
-            self.schedule: SyncRollouts | AsyncRollouts = SyncRollouts(self._generate, self._push, self.clock)
-            pool_stop = stop
+            self.schedule: SyncRollouts | AsyncRollouts = SyncRollouts(self._generate, self._push, self.clock, stop)
         else:
             requested = (lambda: stop.requested) if stop is not None else (lambda: False)
             self.schedule = AsyncRollouts(
                 self._generate, self._push, self.clock, self.staleness, self.num_rollout, cfg.deterministic,
-                requested, repair=lambda: self.engines.ensure_engines(), partial=cfg.rollout.partial_rollout,
+                requested, repair=self._repair, partial=cfg.rollout.partial_rollout,
             )  # fmt: skip
-            pool_stop = _AbortWhen(self.schedule.abort_requested)
+        pool_stop = self.schedule.abort  # the engines drop generation in flight when the schedule says so
 
         def start_engines() -> EnginePool:
-            return EnginePool(
+            return EnginePool.start(
                 cfg.rollout, cfg.cluster, cfg.seed, model_path, self.placement, layout, run.engine_logs, pool_stop,
                 run.engine_key,
             )  # fmt: skip
@@ -418,6 +390,10 @@ class TrainLoop:
 
     def _push(self, version: int) -> None:
         self.engines.sync_weights(version=version)
+
+    def _repair(self) -> None:
+        """Restart dead engines on the version they hold (the async schedule, in a gap)."""
+        self.engines.ensure_engines()
 
     def _get(self, rollout_id: int) -> Generated:
         try:

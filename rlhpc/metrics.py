@@ -7,6 +7,7 @@ appends. A bad line anywhere else is a real corruption and raises ``MetricsFileC
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import logging
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import h5py
 import numpy as np
+import torch
 
 from rlhpc.batch import RolloutBatch
 from rlhpc.config import LoggingConfig
@@ -221,25 +223,19 @@ def _dump_bytes(rollout_id: int, batch: RolloutBatch, texts: dict[str, list[str]
     buf = io.BytesIO()
     with h5py.File(buf, "w") as f:
         f.attrs["rollout_id"] = rollout_id
-        f.attrs["group_size"] = batch.group_size
-        _ragged(f, "prompt_ids", batch.prompt_ids, np.int32)
-        _ragged(f, "response_ids", batch.response_ids, np.int32)
-        _ragged(f, "rollout_logprobs", batch.rollout_logprobs, np.float32)
-        f.create_dataset("rewards", data=batch.rewards.numpy())
-        f.create_dataset("advantages", data=batch.advantages.numpy())
-        if batch.weight_versions:  # the weights each sample was generated with
-            f.create_dataset("weight_versions", data=np.asarray(batch.weight_versions, dtype=np.int64))
-        if batch.token_versions:  # per response token (partial rollouts: a sample may span versions)
-            _ragged(f, "token_versions", batch.token_versions, np.int64)
-        # 0 on tokens not trained on: episodes' observations, cut samples' (rollout.overlong_filter)
-        if batch.loss_masks:
-            _ragged(f, "loss_mask", batch.loss_masks, np.int8)
-        if batch.turns:  # multi-turn episodes: each token's turn
-            _ragged(f, "turn", batch.turns, np.int32)
-        if batch.truncated:
-            f.create_dataset("truncated", data=np.asarray(batch.truncated, dtype=bool))
-        if batch.teacher_logprobs:  # a teacher's logprob of each response token
-            _ragged(f, "teacher_logprobs", batch.teacher_logprobs, np.float32)
+        # every field of the batch, under the name and type its metadata gives (rlhpc.batch)
+        for fld, value in zip(dataclasses.fields(batch), batch.values()):
+            name, dtype = fld.metadata["dump"], fld.metadata.get("dtype")
+            if fld.default_factory is not dataclasses.MISSING and not value:
+                continue  # an optional field, unknown for this rollout
+            if fld.type == "int":
+                f.attrs[name] = value  # group_size
+            elif isinstance(value, torch.Tensor):
+                f.create_dataset(name, data=value.numpy())
+            elif fld.type.startswith("list[list["):  # per token
+                _ragged(f, name, value, np.dtype(dtype))
+            else:  # per sample
+                f.create_dataset(name, data=np.asarray(value, dtype=dtype))
         for name, values in texts.items():
             f.create_dataset(name, data=[readable(v) for v in values], dtype=h5py.string_dtype())
     return buf.getbuffer()

@@ -18,7 +18,7 @@ version r + 1 through the schedule (``push``), which decides when the engines ma
   on; every token records the version it was sampled with, and the bound still holds (a push
   only makes the weights newer). Evaluations still wait for the gap between rollouts.
 
-Engine restarts (``rlhpc.rollout.engine_pool``) happen only in the gaps between rollouts, on the
+Engine restarts (``rlhpc.rollout.engines``) happen only in the gaps between rollouts, on the
 main thread, which pushes the weights: a restarted engine must get the version the others hold,
 and the actor holds it only before it trains again. The generation thread never restarts an
 engine: it sends a dead engine's requests to the healthy ones (same weights, same tokens), or,
@@ -30,7 +30,8 @@ version is gone from the actor, and the job stops (``RolloutWeightsLost``) to re
 last checkpoint, which holds everything needed to go on exactly.
 
 Generated but untrained rollouts are part of the run's state: ``pending`` hands them to the
-checkpoint, and a resumed schedule starts from them (their weights no longer exist).
+checkpoint (``save_pending``, ``load_pending``), and a resumed schedule starts from them (their
+weights no longer exist).
 """
 
 from __future__ import annotations
@@ -41,11 +42,13 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
 
 from rlhpc.batch import RolloutBatch
 from rlhpc.errors import RlhpcError
-from rlhpc.rollout.engine_pool import EnginesDown
-from rlhpc.wire.request import GenerationAborted
+from rlhpc.wire.request import EnginesDown, GenerationAborted, StopCheck
 
 log = logging.getLogger(__name__)
 
@@ -60,33 +63,28 @@ class Generated:
     texts: dict[str, list[str]]
 
     def state_dict(self) -> dict:
-        b = self.batch
-        return {
-            "rollout_id": self.rollout_id,
-            "prompt_ids": b.prompt_ids,
-            "response_ids": b.response_ids,
-            "rollout_logprobs": b.rollout_logprobs,
-            "rewards": b.rewards,
-            "advantages": b.advantages,
-            "group_size": b.group_size,
-            "weight_versions": b.weight_versions,
-            "token_versions": b.token_versions,
-            "loss_masks": b.loss_masks,
-            "turns": b.turns,
-            "truncated": b.truncated,
-            "teacher_logprobs": b.teacher_logprobs,
-            "metrics": self.metrics,
-            "texts": self.texts,
-        }
+        return {"rollout_id": self.rollout_id, **self.batch.state_dict(), "metrics": self.metrics, "texts": self.texts}
 
     @classmethod
     def from_state_dict(cls, d: dict) -> Generated:
-        batch = RolloutBatch(
-            d["prompt_ids"], d["response_ids"], d["rollout_logprobs"], d["rewards"], d["advantages"],
-            d["group_size"], d["weight_versions"], d.get("token_versions", []), d.get("loss_masks", []),
-            d.get("turns", []), d.get("truncated", []), d.get("teacher_logprobs", []),
-        )  # fmt: skip
-        return cls(d["rollout_id"], batch, d["metrics"], d["texts"])
+        return cls(d["rollout_id"], RolloutBatch.from_state_dict(d), d["metrics"], d["texts"])
+
+
+PENDING_FILE = "pending_rollouts.pt"  # in a checkpoint: generated, not yet trained rollouts (async pipeline)
+
+
+def save_pending(checkpoint: Path, pending: dict[int, Generated]) -> None:
+    """Write the generated, untrained rollouts (``pending``) into a checkpoint (nothing when none)."""
+    if pending:
+        torch.save([g.state_dict() for g in pending.values()], checkpoint / PENDING_FILE)
+
+
+def load_pending(checkpoint: Path) -> dict[int, Generated]:
+    """The rollouts ``save_pending`` wrote into ``checkpoint``, by rollout id (none: empty)."""
+    path = checkpoint / PENDING_FILE
+    if not path.is_file():
+        return {}
+    return {d["rollout_id"]: Generated.from_state_dict(d) for d in torch.load(path, weights_only=True)}
 
 
 @dataclass
@@ -140,13 +138,26 @@ class RolloutWeightsLost(RlhpcError):
         )
 
 
+class _AbortWhen:
+    """An async schedule's ``abort_requested`` as the ``StopCheck`` the engine pool polls."""
+
+    def __init__(self, schedule: AsyncRollouts):
+        self._schedule = schedule
+
+    @property
+    def requested(self) -> bool:
+        return self._schedule.abort_requested()
+
+
 class SyncRollouts:
     """Generate rollout r when training asks for it, with the weights pushed after rollout r - 1."""
 
     max_staleness = 0
 
-    def __init__(self, generate: Generate, push: Push, clock: BusyClock):
+    def __init__(self, generate: Generate, push: Push, clock: BusyClock, stop: StopCheck | None = None):
         self._generate, self._push, self.clock = generate, push, clock
+        # when the engines drop generation in flight: at the job's stop request
+        self.abort: StopCheck | None = stop
 
     def start(self, first: int, pending: dict[int, Generated]) -> None:
         if pending:  # a checkpoint of an async run resumed synchronously: train what it generated
@@ -177,8 +188,12 @@ class AsyncRollouts:
     """Generate up to ``max_staleness`` rollouts ahead of training in a background thread.
 
     ``stop`` is the job's stop request. Generation that a stop makes unnecessary is aborted
-    (``abort_requested``, which the engine pool polls); in deterministic mode the rollouts the
-    next checkpoint must hold (those generated with older weights than it has) are finished first.
+    (``abort``, which the driver hands the engine pool, which polls it); in deterministic mode the
+    rollouts the next checkpoint must hold (those generated with older weights than it has) are
+    finished first.
+
+    ``generate``, ``push`` and ``repair`` are the driver's phases: the schedule decides when they
+    run, and knows nothing of the engines.
     """
 
     def __init__(
@@ -194,7 +209,7 @@ class AsyncRollouts:
         partial: bool = False,
     ):
         """``repair``: restart dead engines and re-sync them to the version they held (the main
-        thread calls it in a gap, with the actor on that version: ``EnginePool.ensure_engines``).
+        thread calls it in a gap, with the actor on that version: the engine pool's ``ensure_engines``).
         ``partial`` (``rollout.partial_rollout``, never deterministic): a push does not wait for
         the rollout in flight; the push pauses its requests on the engines, changes the weights
         and lets them go on, and the engines tag each token with its version."""
@@ -221,6 +236,7 @@ class AsyncRollouts:
         self._error: BaseException | None = None
         self._closed = False
         self._thread: threading.Thread | None = None
+        self.abort: StopCheck = _AbortWhen(self)  # for the engine pool: drop the generation in flight?
 
     # ------------------------------------------------------------ the generation thread
 
@@ -294,8 +310,8 @@ class AsyncRollouts:
         return self.deterministic and r <= self._taken + self.max_staleness
 
     def abort_requested(self) -> bool:
-        """For the engine pool: drop the generation in flight? Only on a stop, and (deterministic)
-        only a rollout no checkpoint before the stop will need."""
+        """For the engine pool (through ``abort``): drop the generation in flight? Only on a stop,
+        and (deterministic) only a rollout no checkpoint before the stop will need."""
         if not self._stop_requested():
             return False
         with self._cond:

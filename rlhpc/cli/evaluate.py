@@ -88,7 +88,7 @@ def evaluate_checkpoint(cfg: Config, run: RunDir, ckpt: Path, rollout_id: int) -
         from rlhpc.driver import evaluate_sets, prompt_prep
         from rlhpc.model import context_length, load_tokenizer
         from rlhpc.rollout.custom import make_custom
-        from rlhpc.rollout.engine_pool import EnginePool
+        from rlhpc.rollout.engines import EnginePool
         from rlhpc.rollout.episodes import make_episodes
         from rlhpc.rollout.generation import Generation, task_reward
 
@@ -99,7 +99,7 @@ def evaluate_checkpoint(cfg: Config, run: RunDir, ckpt: Path, rollout_id: int) -
         placement = create_placement(layout.num_slots, layout.slot_groups if layout.heterogeneous else None)
         try:
             logs = Path(tempfile.mkdtemp(prefix="rlhpc-eval-logs-"))
-            engines = EnginePool(cfg.rollout, cfg.cluster, cfg.seed, weights, placement, layout, logs)
+            engines = EnginePool.start(cfg.rollout, cfg.cluster, cfg.seed, weights, placement, layout, logs)
             try:
                 generation = Generation(
                     tokenizer, task_reward(cfg.data), cfg.rollout, cfg.eval, cfg.algo, cfg.seed,

@@ -1,6 +1,6 @@
 """One generation step, without Ray: rows -> /generate requests -> samples -> rewards -> advantages.
 
-The requests go out through a ``Send``: the engine pool (``rlhpc.rollout.engine_pool``, which
+The requests go out through a ``Send``: the engine pool (``rlhpc.rollout.engines``, which
 spreads them over the engines and restarts dead ones), or ``one_batch(client)`` for a single
 engine server (``tools/gpu_check.py``). A request's rows depend only on the row index and every
 sample has its own seed, so a rerun, or a request sent again after an engine restart, gets the

@@ -20,7 +20,7 @@ from rlhpc.util.imports import import_function
 from rlhpc.wire.request import Request, knob_params, sample_seed
 
 if TYPE_CHECKING:  # not at run time: the preflight imports this module, and ray must wait for its auth
-    from rlhpc.rollout.engine_pool import EnginePool
+    from rlhpc.rollout.engines import EnginePool
 
 PROMPT_SIGNATURE = "judge_prompt(sample: rlhpc.rollout.scoring.Sample) -> list of {'role', 'content'} messages"
 PARSE_SIGNATURE = "judge_parse(text: str) -> float"

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rlhpc.config import RewardModelConfig, RolloutConfig, SGLangConfig
-from rlhpc.rollout.engine_pool import EnginePool
+from rlhpc.rollout.engines import EnginePool
 from rlhpc.rollout.scoring import Sample
 from rlhpc.schedule import BusyClock
 from rlhpc.wire.client import EngineClient
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from rlhpc.cluster.layout import Layout
     from rlhpc.cluster.placement import Placement
     from rlhpc.config import ClusterConfig
-    from rlhpc.runtime.signals import StopRequest
+    from rlhpc.wire.request import StopCheck
 
 log = logging.getLogger(__name__)
 
@@ -65,10 +65,10 @@ def start_reward_engines(
     placement: Placement,
     layout: Layout,
     log_dir: Path,
-    stop: StopRequest | None = None,
+    stop: StopCheck | None = None,
 ) -> EnginePool:
     """The reward engines on ``layout.reward_slots``, up and answering /health."""
-    return EnginePool(
+    return EnginePool.start(
         reward_rollout_config(rollout, rm), cluster, seed, model_path, placement, layout, log_dir, stop, frozen=True
     )
 

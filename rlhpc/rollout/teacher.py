@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from rlhpc.config import RolloutConfig, SGLangConfig, TeacherConfig
 from rlhpc.errors import RlhpcError
-from rlhpc.rollout.engine_pool import EnginePool
+from rlhpc.rollout.engines import EnginePool
 from rlhpc.wire.client import EngineClient
 from rlhpc.wire.protocol import MetaInfo
 
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from rlhpc.cluster.layout import Layout
     from rlhpc.cluster.placement import Placement
     from rlhpc.config import ClusterConfig
-    from rlhpc.runtime.signals import StopRequest
+    from rlhpc.wire.request import StopCheck
 
 
 def teacher_rollout_config(rollout: RolloutConfig, t: TeacherConfig) -> RolloutConfig:
@@ -47,10 +47,10 @@ def start_teacher_engines(
     placement: Placement,
     layout: Layout,
     log_dir: Path,
-    stop: StopRequest | None = None,
+    stop: StopCheck | None = None,
 ) -> EnginePool:
     """The teacher engines on ``layout.teacher_slots``, up and answering /health."""
-    return EnginePool(
+    return EnginePool.start(
         teacher_rollout_config(rollout, t), cluster, seed, model_path, placement, layout, log_dir, stop,
         frozen=True, role="teacher",
     )  # fmt: skip

@@ -9,6 +9,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from rlhpc.errors import RlhpcError
+
 
 @dataclass(frozen=True)
 class Request:
@@ -52,3 +54,26 @@ def knob_params(top_k: int, min_p: float, repetition_penalty: float, stop: Seque
     if stop:
         out["stop"] = list(stop)
     return out
+
+
+class StopCheck(Protocol):
+    """When a send drops the generation in flight (``GenerationAborted``), polled as answers come
+    in: the job's stop request, or the async schedule's ``abort`` (what a stop may drop)."""
+
+    @property
+    def requested(self) -> bool: ...
+
+
+class EnginesDown(RlhpcError):
+    """No engine can serve generation until the dead ones are restarted, which only the thread
+    that pushes weights may do (between rollouts, when the actor holds the engines' version)."""
+
+    transient = True  # if it ends the job, a resume from the last checkpoint loses nothing
+
+    def __init__(self, dead: list[int], version: int | None):
+        super().__init__(
+            f"rollout engine(s) {dead} died while a rollout was generated with weight version {version}, "
+            "and no engine is left to finish it",
+            "nothing to do: they are restarted between rollouts (rollout.max_engine_restarts bounds it)",
+        )
+        self.dead, self.version = dead, version

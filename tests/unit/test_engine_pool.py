@@ -6,15 +6,14 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from rlhpc.config import RolloutConfig
+from rlhpc.config import ClusterConfig, RolloutConfig
 from rlhpc.errors import RlhpcError, WeightPushFailed
-from rlhpc.rollout import engine_pool
-from rlhpc.rollout.engine_pool import NODE_CHECK_S, EnginePool, EnginesDown, NodeLost
+from rlhpc.rollout.engines import EnginePool, EnginesDown, EngineSet, Health, NodeLost, health
+from rlhpc.rollout.engines.health import NODE_CHECK_S
 from rlhpc.rollout.generation import MAX_SAMPLES_PER_REQUEST, rows_per_request
 from rlhpc.wire.client import EngineUnavailable
 from rlhpc.wire.request import Request
@@ -52,24 +51,23 @@ class FakeRouter:
         return f"http://router-{self.starts}"
 
 
-def bare_pool(n: int, max_restarts: int = 2) -> EnginePool:
-    """An EnginePool's routing and restart state over fake clients (no Ray, no servers)."""
-    pool = EnginePool.__new__(EnginePool)
-    pool.rollout_cfg = RolloutConfig(max_engine_restarts=max_restarts)
-    pool.stop, pool.api_key, pool.weight_version = None, "k", 3
-    pool.clients = [FakeClient(f"e{e}") for e in range(n)]
-    pool.router, pool.router_client, pool.router_restarts = None, None, 0
-    pool.down, pool._router_down, pool._deferred = set(), False, threading.local()
-    pool._threads, pool._health_threads = ThreadPoolExecutor(4), ThreadPoolExecutor(2)
-    pool.lost, pool._reconnect, pool.engine_world_sizes = {}, False, [1] * n
-    pool._engine_nodes, pool._actor_nodes = [{f"node-of-e{e}"} for e in range(n)], {"node-of-actor"}
+def bare_pool(n: int, max_restarts: int = 2, frozen: bool = False) -> EnginePool:
+    """An EnginePool's parts over fake clients (no Ray, no servers): its routing and restart state."""
+    engines = EngineSet(
+        RolloutConfig(max_engine_restarts=max_restarts), ClusterConfig(), 0, "model", None, None, Path("/logs"),
+        key_file=Path("key"), frozen=frozen,
+    )  # fmt: skip
+    engines.api_key, engines.weight_version = "k", 3
+    engines.clients = [FakeClient(f"e{e}") for e in range(n)]
+    engines.restarts, engines.engine_world_sizes = [0] * n, [1] * n
+    health = Health(engines)
+    health.engine_nodes, health.actor_nodes = [{f"node-of-e{e}"} for e in range(n)], {"node-of-actor"}
+    pool = EnginePool.of(engines, health)
     pool.dead_nodes: dict[str, str] = {}  # what Ray declared dead (node id -> IP)
     pool.node_queries = 0
-    pool._dead_ray_nodes = lambda: (setattr(pool, "node_queries", pool.node_queries + 1), pool.dead_nodes)[1]
-    pool._nodes_checked = -NODE_CHECK_S
-    pool._weights = None
+    health.dead_ray_nodes = lambda: (setattr(pool, "node_queries", pool.node_queries + 1), pool.dead_nodes)[1]
     pool.restarted: list[int] = []
-    pool._restart = lambda e: (pool.restarted.append(e), setattr(pool.clients[e], "alive", True))
+    engines.restart = lambda e: (pool.restarted.append(e), setattr(pool.clients[e], "alive", True))
     return pool
 
 
@@ -88,7 +86,7 @@ def test_deferred_restarts_send_a_dead_engines_requests_to_the_healthy_ones():
     with pool.restarts_deferred():
         pool.ensure_engines()  # the check before the next rollout: still down, still not restarted
     assert pool.restarted == []
-    pool._restart_dead()  # the gap (sync_weights on the main thread)
+    pool.health.restart_dead()  # the gap (sync_weights on the main thread)
     assert pool.restarted == [1] and pool.down == set()
 
 
@@ -128,18 +126,20 @@ def test_a_failure_on_a_healthy_engine_is_an_error_not_a_restart():
 def test_router_restarts_are_bounded(tmp_path: Path):
     pool = bare_pool(2, max_restarts=2)
     (tmp_path / "router.log").write_text("boom: router crashed\n")
-    pool.router = FakeRouter(tmp_path / "router.log")
-    pool.router_client = FakeClient("router-0")
+    pool.engine_set.router = FakeRouter(tmp_path / "router.log")
+    pool.engine_set.router_client = FakeClient("router-0")
     pool.clients[1].alive = False  # an engine restart moves the router too, but is not the router's failure
-    pool._restart_dead()
-    assert pool.router_restarts == 0 and pool.router.starts == 1
+    pool.health.restart_dead()
+    assert pool.engine_set.router_restarts == 0 and pool.engine_set.router.starts == 1
     for n in (1, 2):
-        pool.router_client.alive = False
-        pool._restart_dead()
-        assert pool.router_restarts == n and pool.router_client.base_url == f"http://router-{n + 1}"
-    pool.router_client.alive = False
+        pool.engine_set.router_client.alive = False
+        pool.health.restart_dead()
+        assert (
+            pool.engine_set.router_restarts == n and pool.engine_set.router_client.base_url == f"http://router-{n + 1}"
+        )
+    pool.engine_set.router_client.alive = False
     with pytest.raises(RlhpcError) as err:
-        pool._restart_dead()
+        pool.health.restart_dead()
     msg = str(err.value)
     assert "router" in msg and str(tmp_path / "router.log") in msg and "router crashed" in msg
     assert "rollout.max_engine_restarts = 2" in msg and "fix:" in msg
@@ -147,14 +147,14 @@ def test_router_restarts_are_bounded(tmp_path: Path):
 
 def test_deferred_restarts_bypass_a_dead_router():
     pool = bare_pool(2)
-    pool.router = FakeRouter(Path("/nonexistent/router.log"))
-    pool.router_client = FakeClient("router-0")
-    pool.router_client.alive = False
+    pool.engine_set.router = FakeRouter(Path("/nonexistent/router.log"))
+    pool.engine_set.router_client = FakeClient("router-0")
+    pool.engine_set.router_client.alive = False
     with pool.restarts_deferred():
         pool.send(requests(2))
-    assert sorted(pool.clients[0].served + pool.clients[1].served) == [0, 1] and pool.router_restarts == 0
-    pool._restart_dead()
-    assert pool.router_restarts == 1 and pool._targets() == [pool.router_client]
+    assert sorted(pool.clients[0].served + pool.clients[1].served) == [0, 1] and pool.engine_set.router_restarts == 0
+    pool.health.restart_dead()
+    assert pool.engine_set.router_restarts == 1 and pool.health.targets() == [pool.engine_set.router_client]
 
 
 def test_a_request_lost_to_an_engine_restarted_beside_generation_is_sent_again():
@@ -183,9 +183,8 @@ class FakeSource:
 
 
 def test_an_engine_node_that_loses_power_mid_generation_leaves_the_run_to_the_others(monkeypatch):
-    monkeypatch.setattr(engine_pool, "NODE_CHECK_S", 0.05)
+    monkeypatch.setattr(health, "NODE_CHECK_S", 0.05)
     pool = bare_pool(3)
-    pool.cluster_cfg, pool.key_file = type("C", (), {"colocate": False})(), "key"
     pool.clients[1].powered.clear()  # its requests hang: no refused connection, no answer
     pool.dead_nodes = {"node-of-e1": "10.9.0.11"}  # Ray's health checks declared its node dead
     try:
@@ -210,7 +209,7 @@ def declared_dead_on_restart(pool: EnginePool, e: int, ip: str) -> None:
         raise RlhpcError(f"rollout engine {k}'s Ray actor died", "its node may be gone")
 
     pool.clients[e].alive = False
-    pool._restart = restart
+    pool.engine_set.restart = restart
 
 
 def test_a_node_declared_dead_while_its_failed_requests_are_handled_leaves_the_run_to_the_others():
@@ -223,7 +222,6 @@ def test_a_node_declared_dead_while_its_failed_requests_are_handled_leaves_the_r
 
 def test_a_push_that_failed_on_a_node_declared_dead_meanwhile_is_repeated_without_it():
     pool = bare_pool(2)
-    pool.cluster_cfg, pool.key_file = type("C", (), {"colocate": False})(), "key"
     declared_dead_on_restart(pool, 1, "10.9.0.12")
     pushes: list[int] = []
 
@@ -233,10 +231,10 @@ def test_a_push_that_failed_on_a_node_declared_dead_meanwhile_is_repeated_withou
             if len(pushes) == 1:
                 raise WeightPushFailed(version, "engine http://e1 unreachable on /pause_generation")
 
-    pool._weights = Source()
-    pool._push(4)
+    pool.channel.source = Source()
+    pool.channel.push(4)
     assert pushes == [4, 4] and pool.lost == {1: "10.9.0.12"}
-    assert pool._weights.connected == [["http://e0"]]  # the group formed again without the lost engine
+    assert pool.channel.source.connected == [["http://e0"]]  # the group formed again without the lost engine
 
 
 def test_a_lost_node_with_actor_ranks_stops_the_run():
@@ -248,7 +246,7 @@ def test_a_lost_node_with_actor_ranks_stops_the_run():
 
 def test_the_step_asks_ray_for_its_nodes_at_most_every_node_check_interval(monkeypatch):
     clock = [1000.0]
-    monkeypatch.setattr(engine_pool.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(health.time, "monotonic", lambda: clock[0])
     pool = bare_pool(2)
     for _ in range(3):
         pool.ensure_engines()
@@ -265,7 +263,7 @@ def test_losing_every_engine_node_is_engines_down():
     pool = bare_pool(2)
     pool.dead_nodes = {"node-of-e0": "10.9.0.11", "node-of-e1": "10.9.0.12"}
     with pytest.raises(EnginesDown):
-        pool.check_nodes()
+        pool.health.check_nodes()
 
 
 def test_generation_asks_no_health_until_a_request_fails():
@@ -306,10 +304,10 @@ def test_a_batch_is_spread_over_the_configured_engines_in_bounded_requests():
 
 def test_an_engine_that_answers_nothing_is_named_long_before_the_read_timeout(monkeypatch, caplog):
     # Issue 32, item 14: an engine stopped with SIGSTOP hung the job silently for 600 s.
-    monkeypatch.setattr(engine_pool, "SILENT_S", 0.5)
-    monkeypatch.setattr(engine_pool, "NODE_CHECK_S", 0.2)
+    monkeypatch.setattr(health, "SILENT_S", 0.5)
+    monkeypatch.setattr(health, "NODE_CHECK_S", 0.2)
     pool = bare_pool(2)
-    pool.engine_logs = ["/logs/engine_0.log", "/logs/engine_1.log"]
+    pool.engine_set.engine_logs = ["/logs/engine_0.log", "/logs/engine_1.log"]
     pool.clients[1].powered.clear()  # answers nothing, refuses nothing, not even /health
     slow = pool.clients[0].generate
     pool.clients[0].generate = lambda **kw: (time.sleep(1.5), slow(**kw))[1]  # slow, but its /health answers
@@ -326,3 +324,15 @@ def test_an_engine_that_answers_nothing_is_named_long_before_the_read_timeout(mo
     line = next(r.getMessage() for r in caplog.records if "no answer for" in r.getMessage())
     assert "http://e1 (2 request(s), log /logs/engine_1.log)" in line and "http://e0" not in line
     assert "600 s timeout" in line and len(out) == 4
+
+
+def test_a_frozen_pool_restarts_and_routes_but_has_no_weight_channel():
+    """The reward model's and the teacher's engines: lifecycle, health and fan-out, no weights."""
+    pool = bare_pool(2, frozen=True)
+    assert pool.channel is None and pool.fanout.channel is None and not pool.push_ready()
+    with pytest.raises(RlhpcError, match="frozen"):
+        pool.connect_weights(FakeSource())
+    pool.clients[1].alive = False
+    answers = pool.generate(requests(2))
+    assert [a[0]["output_ids"] for a in answers] == [[0], [1]] and pool.restarted == [1]
+    assert pool.clients[1].served == [1]  # sent again to the restarted engine, which serves the model on disk

@@ -142,3 +142,45 @@ def test_a_dump_on_a_full_disk_stops_the_run_at_the_next_rollout_and_leaves_noth
             metrics.close()
         assert "writing the last rollout dump failed" in caplog.text and "rollout 3" in caplog.text
         assert sorted(p.name for p in run.rollouts_dir.iterdir()) == ["rollout_000000.h5"]
+
+
+def full_batch() -> RolloutBatch:
+    """Two samples with every optional field known."""
+    return RolloutBatch(
+        [[1, 2], [3]], [[4], [5, 6]], [[-0.5], [-0.6, -0.7]], torch.tensor([1.0, 0.0]), torch.tensor([0.5, -0.5]), 2,
+        weight_versions=[1, 2], token_versions=[[1], [2, 2]], loss_masks=[[1], [1, 0]], turns=[[0], [0, 1]],
+        truncated=[False, True], teacher_logprobs=[[-0.1], [-0.2, -0.3]],
+    )  # fmt: skip
+
+
+def test_a_dump_holds_every_field_of_the_batch_under_its_name(run):
+    """The dump is derived from RolloutBatch's fields: one added there is dumped without a second list."""
+    metrics = dump_logger(run)
+    batch = full_batch()
+    metrics.dump_rollout(0, batch, {})
+    metrics.wait_dumps()
+    with h5py.File(run.rollout_dump(0)) as f:
+        assert sorted(f) == sorted(
+            ["prompt_ids", "response_ids", "rollout_logprobs", "rewards", "advantages", "weight_versions"]
+            + ["token_versions", "loss_mask", "turn", "truncated", "teacher_logprobs"]
+        )
+        assert f.attrs["group_size"] == 2 and f["loss_mask"].dtype.metadata["vlen"] == "int8"
+        assert [list(r) for r in f["turn"][:]] == batch.turns and list(f["truncated"][:]) == batch.truncated
+        assert [r.tolist() for r in f["teacher_logprobs"][:]] == [pytest.approx(r) for r in batch.teacher_logprobs]
+    metrics.dump_rollout(1, rollout_batch(2, 3), {})  # optional fields unknown: left out
+    metrics.wait_dumps()
+    with h5py.File(run.rollout_dump(1)) as f:
+        assert "loss_mask" not in f and "teacher_logprobs" not in f and "weight_versions" in f
+    metrics.close()
+
+
+def test_a_batch_round_trips_through_its_state_dict_and_an_older_one_lacks_optional_fields():
+    batch = full_batch()
+    back = RolloutBatch.from_state_dict(batch.state_dict())
+    assert all(
+        torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b for a, b in zip(back.values(), batch.values())
+    )
+    older = {k: v for k, v in batch.state_dict().items() if k not in ("teacher_logprobs", "turns")}
+    assert RolloutBatch.from_state_dict(older).teacher_logprobs == []
+    half = batch.slice(1, 2)
+    assert half.turns == [[0, 1]] and half.group_size == 2 and half.rewards.tolist() == [0.0]

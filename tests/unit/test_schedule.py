@@ -10,9 +10,8 @@ import torch
 
 from rlhpc.batch import RolloutBatch
 from rlhpc.errors import RlhpcError
-from rlhpc.rollout.engine_pool import EnginesDown
 from rlhpc.schedule import AsyncRollouts, BusyClock, Generated, RolloutWeightsLost, SyncRollouts
-from rlhpc.wire.request import GenerationAborted
+from rlhpc.wire.request import EnginesDown, GenerationAborted
 
 
 class FakeEngines:
@@ -109,7 +108,7 @@ def test_stop_keeps_what_the_checkpoint_needs_and_drops_the_rest():
     s = AsyncRollouts(
         engines.generate, engines.push, BusyClock(), 1, 20, deterministic=True, stop_requested=stop.is_set
     )
-    engines.abort = s.abort_requested
+    engines.abort = lambda: s.abort.requested  # what the engine pool polls
     s.start(0, {})
     s.get(0)
     s.push(1)

@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> dict:
     from rlhpc.cluster.placement import create_placement
     from rlhpc.config import AlgoConfig, ClusterConfig, EvalConfig, RewardModelConfig, RolloutConfig, TinyModelConfig
     from rlhpc.model import build_tiny_model, load_tokenizer
-    from rlhpc.rollout.engine_pool import EnginePool
+    from rlhpc.rollout.engines import EnginePool
     from rlhpc.rollout.generation import Generation
     from rlhpc.rollout.reward_model import RewardModel, start_reward_engines
     from rlhpc.rollout.scoring import MixedScorer, Scorer
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         layout = plan_layout(cluster, rm_cfg)
         placement = create_placement(layout.num_slots)
-        gen_engines = EnginePool(rollout, cluster, 0, str(policy), placement, layout, root / "logs")
+        gen_engines = EnginePool.start(rollout, cluster, 0, str(policy), placement, layout, root / "logs")
         rm_engines = start_reward_engines(rm_cfg, rollout, cluster, 0, str(rm_path), placement, layout, root / "rm")
         try:
             rm = RewardModel(rm_engines, load_tokenizer(str(rm_path)), batch_size=1024)

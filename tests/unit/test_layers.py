@@ -1,0 +1,106 @@
+"""The house keeps its floors: a package imports only from its own floor or below.
+
+Packages are arranged by the process they run in (docs/architecture/map.md). An import that runs
+upward (a lower floor taking something from a higher one) ties the floors into a knot that every
+later change has to untie; one that must stay says why on its own line, ending in ``# upward: why``.
+Imports under ``if TYPE_CHECKING:`` are annotations only and do not count.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Bottom floor first. A module's package is ``rlhpc.X`` (``rlhpc.X.Y`` counts as ``rlhpc.X``).
+FLOORS: list[set[str]] = [
+    {"rlhpc.errors", "rlhpc.logs", "rlhpc.util"},
+    {"rlhpc.wire", "rlhpc.algo", "rlhpc.batch"},
+    {"rlhpc.config"},
+    {"rlhpc.model", "rlhpc.weights", "rlhpc.data", "rlhpc.cluster", "rlhpc.run_dir", "rlhpc.checkpoint"},
+    {"rlhpc.runtime"},
+    {"rlhpc.engine_server", "rlhpc.actor", "rlhpc.schedule", "rlhpc.metrics"},
+    {"rlhpc.rollout"},
+    {"rlhpc.preflight", "rlhpc.rewards", "rlhpc.invariants", "rlhpc.driver"},
+    {"rlhpc.launch"},
+    {"rlhpc.cli", "rlhpc.devtools"},
+]
+
+
+def _package(module: str) -> str:
+    return ".".join(module.split(".")[:2])
+
+
+def _floor_of(package: str) -> int | None:
+    return next((k for k, floor in enumerate(FLOORS) if package in floor), None)
+
+
+def _annotation_only(tree: ast.Module) -> set[int]:
+    """ids of the nodes under ``if TYPE_CHECKING:``."""
+    inside: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            inside.update(id(n) for n in ast.walk(node))
+    return inside
+
+
+def imports_of(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every ``rlhpc`` import in a file, at any depth, not counting annotations."""
+    tree = ast.parse(path.read_text())
+    skip = _annotation_only(tree)
+    found = []
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("rlhpc"):
+            found.append((node.lineno, node.module))
+        elif isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names if a.name.startswith("rlhpc")]
+    return found
+
+
+def house_problems(root: Path) -> list[str]:
+    """Every upward import without its reason, and every package no floor names."""
+    problems = []
+    for path in sorted((root / "rlhpc").rglob("*.py")):
+        module = ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+        here = _package(module)
+        if module == "rlhpc":
+            continue
+        floor = _floor_of(here)
+        if floor is None:
+            problems.append(f"{path.relative_to(root)}: package {here} is on no floor; add it to FLOORS")
+            continue
+        lines = path.read_text().splitlines()
+        for line, target in imports_of(path):
+            there = _floor_of(_package(target))
+            if there is not None and there > floor and "# upward:" not in lines[line - 1]:
+                problems.append(
+                    f"{path.relative_to(root)}:{line} imports {target} (floor {there}) from floor {floor}; "
+                    "move what it needs down, or say why on the line with '# upward: why'"
+                )
+    return problems
+
+
+def test_no_package_imports_from_a_floor_above_it():
+    problems = house_problems(ROOT)
+    assert not problems, "\n".join(problems)
+
+
+def test_an_upward_import_is_found_and_a_reasoned_one_allowed(tmp_path):
+    pkg = tmp_path / "rlhpc"
+    (pkg / "util").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "util" / "__init__.py").write_text("")
+    (pkg / "driver.py").write_text("from rlhpc.util import x\n")
+    (pkg / "util" / "a.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from rlhpc.driver import Loop\n\n"
+        "def f():\n    from rlhpc.driver import run\n"
+    )
+    (pkg / "util" / "b.py").write_text("import rlhpc.driver  # upward: the plugin hook is looked up by name\n")
+    (pkg / "nowhere.py").write_text("")
+    problems = house_problems(tmp_path)
+    assert len(problems) == 2, problems
+    assert problems[0].startswith("rlhpc/nowhere.py: package rlhpc.nowhere is on no floor")
+    assert problems[1].startswith("rlhpc/util/a.py:6 imports rlhpc.driver")
