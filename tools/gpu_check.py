@@ -9,7 +9,8 @@ torch_dist checkpoint is saved twice (the loop waits for the snapshot only) and 
 Prints the start-up phases (engine and actor started together: the job does that where they do
 not share GPUs; this engine server reserves no GPU memory up front, so here they can), per-phase
 times, tokens/s and memory, the CUDA IPC push timed in turns with a device-to-device copy of the
-same bytes, and ends with one JSON line of these figures.
+same bytes, the memory plan's estimate for the actor rank beside the actor's measured peak, and
+ends with one JSON line of these figures.
 
     python tools/gpu_check.py [--rollouts 6] [--hidden 1024] [--layers 8]
 
@@ -20,10 +21,12 @@ not free memory, the checkpoint does not restore the weights.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import logging
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -35,6 +38,7 @@ import torch
 
 from rlhpc.actor.megatron.worker import MegatronTrainWorker
 from rlhpc.actor.spec import ActorSpec
+from rlhpc.cluster.memory import ModelShape, actor_estimate
 from rlhpc.config import Config
 from rlhpc.data.tasks import TASKS
 from rlhpc.model import TinyModelConfig, build_tiny_model, load_tokenizer
@@ -86,7 +90,8 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--work", type=Path, default=None)
-    p.add_argument("--arch", choices=["qwen2", "llama"], default="qwen2")
+    p.add_argument("--arch", choices=["qwen2", "llama", "qwen3", "qwen3_moe"], default="qwen2")
+    p.add_argument("--experts", type=int, default=8, help="qwen3_moe: routed experts per layer (2 per token)")
     p.add_argument("--fp32", action="store_true", help="fp32 params instead of bf16 (+ fp32 master weights)")
     p.add_argument("--distributed-optimizer", action="store_true")
     p.add_argument("--cpu", action="store_true", help="rehearse the script on a CPU (no offload check)")
@@ -105,6 +110,9 @@ def main() -> None:
         num_attention_heads=args.hidden // 64,
         num_key_value_heads=max(1, args.hidden // 256),
         max_position_embeddings=256,
+        num_experts=args.experts,
+        num_experts_per_tok=2,
+        moe_intermediate_size=args.hidden // 2,
     )
     model_path = str(build_tiny_model(work / "model", tiny))
 
@@ -121,14 +129,20 @@ def main() -> None:
     start = time.perf_counter()
     engine_proc = launch_engine(model_path, work, "cpu" if args.cpu else "cuda")
     try:
-        run(cfg, model_path, engine_proc, start, args, work)
+        run(cfg, tiny, model_path, engine_proc, start, args, work)
     finally:
         engine_proc.terminate()
         engine_proc.wait(30)
 
 
 def run(
-    cfg: Config, model_path: str, engine_proc: subprocess.Popen, start: float, args: argparse.Namespace, work: Path
+    cfg: Config,
+    tiny: TinyModelConfig,
+    model_path: str,
+    engine_proc: subprocess.Popen,
+    start: float,
+    args: argparse.Namespace,
+    work: Path,
 ) -> None:
     phases: dict[str, float] = {}  # start-up, seconds since the engine was launched
 
@@ -156,12 +170,14 @@ def run(
         load_tokenizer(model_path), task.reward, cfg.rollout, cfg.eval, cfg.algo, cfg.seed, send=one_batch(engine)
     )
     figures = []
+    longest_prompt = 0
     for rollout_id in range(args.rollouts):
         batch_rows = rows[rollout_id * args.prompts : (rollout_id + 1) * args.prompts]
         t = time.perf_counter()
         batch, rollout_metrics, _ = generation.rollout(rollout_id, batch_rows)
         t_gen = time.perf_counter() - t
         ids, responses = batch.prompt_ids, batch.response_ids
+        longest_prompt = max(longest_prompt, *(len(i) for i in ids))
 
         t = time.perf_counter()
         engine.release_memory_occupation()
@@ -202,6 +218,13 @@ def run(
         log.info("rollout %d: %s", rollout_id, json.dumps({k: round(v, 4) for k, v in figures[-1].items()}))
         if rollout_id == 0:
             phase_done("first_rollout")
+
+    # The actor's peak over the rollouts (this process holds only the actor; the engine is another
+    # process), against the dry run's memory plan for one actor rank with this run's longest prompt.
+    plan_cfg = copy.deepcopy(cfg)
+    plan_cfg.data.max_prompt_tokens = longest_prompt
+    estimate = actor_estimate(plan_cfg, ModelShape.from_tiny(tiny))
+    peak = torch.cuda.max_memory_allocated() if not args.cpu else None
 
     # The colocated push (actor onloaded) in turns with a device-to-device copy of the same bytes.
     actor.onload()
@@ -249,6 +272,7 @@ def run(
         t_block = time.perf_counter() - t
         actor.write_snapshot()
         saves.append((t_block, time.perf_counter() - t))
+    shutil.rmtree(work / "ckpt0")  # a large model's two checkpoints would fill a small disk
     (first_block, first_save), (t_block, t_save) = saves
     before = actor.state_fingerprint()
     actor.train(args.rollouts, batch)  # move away from the saved weights
@@ -286,6 +310,10 @@ def run(
         "(torch_dist)"
     )
     print("start-up, s since the engine was launched: " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()))
+    print(f"actor memory, GiB: the plan's estimate {estimate.total / GiB:.2f} per rank (" + ", ".join(
+        f"{name} {b / GiB:.2f}" for name, b in estimate.terms) + "), measured peak " + (
+        f"{peak / GiB:.2f} (torch.cuda.max_memory_allocated of the actor's process: no CUDA context or NCCL)"
+        if peak is not None else "not measured on the CPU"))  # fmt: skip
     print("OK: engine weights == actor weights, offload frees the actor's memory, checkpoint restores")
     summary = {
         "ipc_push_vs_d2d_copy": push_vs_copy,
@@ -298,8 +326,12 @@ def run(
         "train_s": mean["train_s"],
         "generate_s": mean["generate_s"],
         **{f"startup_{k}_s": v for k, v in phases.items()},
+        "actor_estimate_gib": estimate.total / GiB if not args.cpu else None,
+        "actor_peak_gib": peak / GiB if peak is not None else None,
     }
-    print(json.dumps({k: round(v, 6) for k, v in summary.items()}))  # microseconds: a small copy takes tens
+    print(
+        json.dumps({k: v if v is None else round(v, 6) for k, v in summary.items()})
+    )  # microseconds: a small copy takes tens
 
 
 if __name__ == "__main__":  # dist_checkpointing starts a spawn Manager: the guard is required

@@ -38,6 +38,7 @@ def test_gpu_check_rehearsal(tmp_path):
     assert figures["startup_actor_up_s"] <= figures["startup_weight_channel_s"]
     assert 0 < figures["save_blocked_s"] <= figures["save_s"]
     assert figures["push_s"] > 0 and figures["d2d_copy_s"] > 0
+    assert figures["actor_estimate_gib"] is None and figures["actor_peak_gib"] is None  # measured on a GPU only
 
 
 def test_gpu_check_sh_names_files_that_exist():
