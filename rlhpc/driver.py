@@ -135,23 +135,8 @@ class TrainLoop:
             self.placement = create_placement(layout.num_slots, layout.slot_groups if layout.heterogeneous else None)
         model_path = staged.get(run.model_path(cfg))
         tokenizer = load_tokenizer(model_path)
-        prepare = prompt_prep(cfg, tokenizer, context_length(model_path))
-        self.buffer = load_train(cfg.data, cfg.rollout.rollout_batch_size, cfg.seed, prepare)
-        self.eval_sets = cfg.eval.resolved_sets(cfg.data, cfg.rollout)
-        self.eval_rows = load_eval_sets(cfg.data, self.eval_sets, prepare)
-        self.num_rollout = cfg.rollout.num_rollout or self.buffer.num_rollout_per_epoch * cfg.rollout.num_epoch
-
-        # When each rollout is generated (rlhpc/schedule.py): inline, or ahead of training in a thread.
-        self.clock = BusyClock()
-        self.staleness = cfg.rollout.max_staleness
-        if self.staleness == 0:
-            self.schedule: SyncRollouts | AsyncRollouts = SyncRollouts(self._generate, self._push, self.clock, stop)
-        else:
-            requested = (lambda: stop.requested) if stop is not None else (lambda: False)
-            self.schedule = AsyncRollouts(
-                self._generate, self._push, self.clock, self.staleness, self.num_rollout, cfg.deterministic,
-                requested, repair=self._repair, partial=cfg.rollout.partial_rollout,
-            )  # fmt: skip
+        self._load_data(tokenizer, context_length(model_path))
+        self.schedule = self._make_schedule()
         pool_stop = self.schedule.abort  # the engines drop generation in flight when the schedule says so
 
         def start_engines() -> EnginePool:
@@ -162,29 +147,9 @@ class TrainLoop:
 
         # The engines start in a thread while the actor ranks start and load here: neither needs the
         # other until the weight channel opens. Not when they share GPUs: an engine sizes its memory
-        # by what the actor left free.
+        # by what the actor left free. The frozen groups have GPUs of their own in either mode.
         engines_up = None if layout.colocate else startup.background("engines_up", start_engines)
-        # The reward engines have GPUs of their own in either mode: they start beside everything else.
-        rm_path = run.reward_model_path(cfg)
-        reward_up = None
-        if cfg.reward_model is not None:
-            reward_up = startup.background(
-                "reward_engines_up",
-                lambda: start_reward_engines(
-                    cfg.reward_model, cfg.rollout, cfg.cluster, cfg.seed, rm_path, self.placement, layout,
-                    run.engine_logs / "reward", pool_stop,
-                ),
-            )  # fmt: skip
-        teacher_path = run.teacher_path(cfg)
-        teacher_up = None
-        if cfg.teacher is not None:
-            teacher_up = startup.background(
-                "teacher_engines_up",
-                lambda: start_teacher_engines(
-                    cfg.teacher, cfg.rollout, cfg.cluster, cfg.seed, teacher_path, self.placement, layout,
-                    run.engine_logs / "teacher", pool_stop,
-                ),
-            )  # fmt: skip
+        reward_up, teacher_up = self._start_frozen_groups(layout, pool_stop)
         with startup.phase("actor_up"):
             self.actor = ActorGroup(
                 ActorSpec.from_config(cfg, self.num_rollout),
@@ -194,12 +159,86 @@ class TrainLoop:
                 cfg.cluster.colocate,
                 stop,
             )
+        self._resume(staged)
+
+        if engines_up is None:
+            with startup.phase("engines_up"):
+                self.engines = start_engines()
+        else:
+            self.engines = engines_up.result()
+        self.reward_engines = reward_up.result() if reward_up is not None else None
+        self.teacher_engines = teacher_up.result() if teacher_up is not None else None
+        self.generation = Generation(
+            tokenizer, self._scorer(), cfg.rollout, cfg.eval, cfg.algo, cfg.seed,
+            send=self.engines.generate, progress=progress, num_engines=len(layout.engine_slots),
+            episodes=make_episodes(cfg, tokenizer), custom=make_custom(cfg, tokenizer), teacher=self._teacher(tokenizer),
+        )  # fmt: skip
+        with startup.phase("weight_channel"):
+            self.engines.connect_weights(self.actor)  # the engines' one weight source, restarted engines included
+        with startup.phase("first_push"):
+            if cfg.cluster.offload:
+                self.engines.onload()
+            self.engines.sync_weights(version=self.start)  # engines always start from the trained weights
+
+        self.record: dict = {}  # metrics of the newest trained rollout
+        # when the loop began (``begin``): the start-up phase ``first_rollout`` counts from there
+        self.loop_began = time.monotonic()
+
+    def _load_data(self, tokenizer: Any, context: int | None) -> None:
+        """The training rows in their order (a pure function of seed and rollout id), the eval sets,
+        and how many rollouts the run has."""
+        cfg = self.cfg
+        prepare = prompt_prep(cfg, tokenizer, context)
+        self.buffer = load_train(cfg.data, cfg.rollout.rollout_batch_size, cfg.seed, prepare)
+        self.eval_sets = cfg.eval.resolved_sets(cfg.data, cfg.rollout)
+        self.eval_rows = load_eval_sets(cfg.data, self.eval_sets, prepare)
+        self.num_rollout = cfg.rollout.num_rollout or self.buffer.num_rollout_per_epoch * cfg.rollout.num_epoch
+
+    def _make_schedule(self) -> SyncRollouts | AsyncRollouts:
+        """When each rollout is generated (rlhpc/schedule.py): inline, or ahead of training in a thread."""
+        cfg, stop = self.cfg, self.stop
+        self.clock = BusyClock()
+        self.staleness = cfg.rollout.max_staleness
+        if self.staleness == 0:
+            return SyncRollouts(self._generate, self._push, self.clock, stop)
+        requested = (lambda: stop.requested) if stop is not None else (lambda: False)
+        return AsyncRollouts(
+            self._generate, self._push, self.clock, self.staleness, self.num_rollout, cfg.deterministic,
+            requested, repair=self._repair, partial=cfg.rollout.partial_rollout,
+        )  # fmt: skip
+
+    def _start_frozen_groups(self, layout: Any, pool_stop: Any) -> tuple[Any, Any]:
+        """The reward model's and the teacher's engines, each started in a thread (None: no such group)."""
+        cfg, run = self.cfg, self.rundir
+        reward_up = teacher_up = None
+        if cfg.reward_model is not None:
+            rm_path = run.reward_model_path(cfg)
+            reward_up = self.startup.background(
+                "reward_engines_up",
+                lambda: start_reward_engines(
+                    cfg.reward_model, cfg.rollout, cfg.cluster, cfg.seed, rm_path, self.placement, layout,
+                    run.engine_logs / "reward", pool_stop,
+                ),
+            )  # fmt: skip
+        if cfg.teacher is not None:
+            teacher_path = run.teacher_path(cfg)
+            teacher_up = self.startup.background(
+                "teacher_engines_up",
+                lambda: start_teacher_engines(
+                    cfg.teacher, cfg.rollout, cfg.cluster, cfg.seed, teacher_path, self.placement, layout,
+                    run.engine_logs / "teacher", pool_stop,
+                ),
+            )  # fmt: skip
+        return reward_up, teacher_up
+
+    def _resume(self, staged: Staged) -> None:
+        """Everything comes from the newest valid checkpoint on disk, nothing from the submission:
+        the actor's weights and optimizer, the rollout to start at, the pending rollouts, the metrics."""
+        cfg, run = self.cfg, self.rundir
         self.checkpoints = CheckpointManager(run.checkpoints, cfg.checkpoint.keep_last)
         self.checkpoints.clean_debris()  # staging left by a killed save
         if cfg.checkpoint.resume == "never":
             self.checkpoints.start_fresh()  # older checkpoints go to checkpoints/superseded-*/: never resumed from or deleted
-
-        # Resume: everything comes from the newest valid checkpoint on disk, nothing from the submission.
         resume = self.checkpoints.latest() if cfg.checkpoint.resume == "auto" else None
         if resume is not None:
             self.buffer.check_resume(resume.state["data"])
@@ -208,7 +247,8 @@ class TrainLoop:
             )
         self.resumed_from = resume.rollout_id if resume else None
         self.start = resume.next_rollout_id if resume else 0
-        with startup.phase("actor_load"):
+        self.saved = self.resumed_from if resume else -1  # newest rollout whose training is on disk
+        with self.startup.phase("actor_load"):
             self.actor.load(staged.get(resume.path) if resume else None)  # the staged copy, if this one was staged
         self.pending = load_pending(resume.path) if resume else {}  # generated before the stop with weights now gone
         self.metrics = MetricsLogger(
@@ -218,51 +258,31 @@ class TrainLoop:
         if resume is not None:
             self.metrics.restore(resume.rollout_id, resume.state["metrics"])
 
-        if engines_up is None:
-            with startup.phase("engines_up"):
-                self.engines = start_engines()
-        else:
-            self.engines = engines_up.result()
-        self.reward_engines = reward_up.result() if reward_up is not None else None
+    def _scorer(self) -> Any:
+        """The run's reward: the task's or ``data.reward``, mixed with the reward model's or the judge's."""
+        cfg = self.cfg
         reward = task_reward(cfg.data)
         self.reward_clock: BusyClock | None = None  # when the reward group worked (time/reward_idle)
-        if self.reward_engines is not None:
-            rm_cfg = cfg.reward_model
-            if rm_cfg.kind == "judge":  # scored once generation is done (a judge's answers are generations too)
-                judge = Judge(self.reward_engines, load_tokenizer(rm_path), rm_cfg, cfg.seed, context_length(rm_path))
-                reward = MixedScorer(reward, cfg.data.reward_weight, {"reward_model": (rm_cfg.weight, judge.score)})
-            else:
-                rm = RewardModel(
-                    self.reward_engines, load_tokenizer(rm_path), rm_cfg.batch_size, context_length(rm_path)
-                )
-                reward = MixedScorer(
-                    reward, cfg.data.reward_weight, {"reward_model": (rm_cfg.weight, rm.score)},
-                    groups={"reward_model": rm.score_groups}, overlap=rm_cfg.overlap,
-                )  # fmt: skip
-                self.reward_clock = rm.clock
-        self.teacher_engines = teacher_up.result() if teacher_up is not None else None
-        teacher = None
-        if self.teacher_engines is not None:
-            check_same_vocabulary(tokenizer, load_tokenizer(teacher_path), teacher_path)
-            teacher = Teacher(self.teacher_engines, cfg.teacher.batch_size).logprobs
-        self.generation = Generation(
-            tokenizer, reward, cfg.rollout, cfg.eval, cfg.algo, cfg.seed,
-            send=self.engines.generate, progress=progress, num_engines=len(layout.engine_slots),
-            episodes=make_episodes(cfg, tokenizer), custom=make_custom(cfg, tokenizer), teacher=teacher,
+        if self.reward_engines is None:
+            return reward
+        rm_cfg, rm_path = cfg.reward_model, self.rundir.reward_model_path(cfg)
+        if rm_cfg.kind == "judge":  # scored once generation is done (a judge's answers are generations too)
+            judge = Judge(self.reward_engines, load_tokenizer(rm_path), rm_cfg, cfg.seed, context_length(rm_path))
+            return MixedScorer(reward, cfg.data.reward_weight, {"reward_model": (rm_cfg.weight, judge.score)})
+        rm = RewardModel(self.reward_engines, load_tokenizer(rm_path), rm_cfg.batch_size, context_length(rm_path))
+        self.reward_clock = rm.clock
+        return MixedScorer(
+            reward, cfg.data.reward_weight, {"reward_model": (rm_cfg.weight, rm.score)},
+            groups={"reward_model": rm.score_groups}, overlap=rm_cfg.overlap,
         )  # fmt: skip
-        with startup.phase("weight_channel"):
-            self.engines.connect_weights(
-                self.actor
-            )  # the actor is the engines' one weight source, restarted engines included
-        with startup.phase("first_push"):
-            if cfg.cluster.offload:
-                self.engines.onload()
-            self.engines.sync_weights(version=self.start)  # engines always start from the trained weights
 
-        self.saved = self.resumed_from if resume else -1  # newest rollout whose training is on disk
-        self.record: dict = {}  # metrics of the newest trained rollout
-        # when the loop began (``begin``): the start-up phase ``first_rollout`` counts from there
-        self.loop_began = time.monotonic()
+    def _teacher(self, tokenizer: Any) -> Callable | None:
+        """The teacher's logprobs of the trained tokens, once its vocabulary is the policy's."""
+        if self.teacher_engines is None:
+            return None
+        teacher_path = self.rundir.teacher_path(self.cfg)
+        check_same_vocabulary(tokenizer, load_tokenizer(teacher_path), teacher_path)
+        return Teacher(self.teacher_engines, self.cfg.teacher.batch_size).logprobs
 
     # ---- the loop -------------------------------------------------------------------------
 
