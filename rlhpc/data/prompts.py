@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from rlhpc.errors import ConfigError, RlhpcError
 
 if TYPE_CHECKING:
-    from rlhpc.config import DataConfig
+    from rlhpc.config import DataConfig, TinyModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +71,21 @@ def conversation_template(data: DataConfig, tokenizer: Any, user: str) -> tuple[
             "set data.chat_template: auto (the tokenizer's template) or a Jinja file",
         )
     return template, "of the tokenizer" if data.chat_template == "auto" else data.chat_template
+
+
+def check_chat_template(data: DataConfig, tiny: TinyModelConfig | None, user: str, uses: str) -> None:
+    """Before submission: a multi-turn ``user`` (e.g. ``rollout.env = X``), which ``uses`` chat
+    messages, has a chat template to render them with."""
+    if data.chat_template == "none":
+        raise ConfigError(
+            f"{user} {uses} but data.chat_template is none",
+            "set data.chat_template: auto (the tokenizer's template) or a Jinja file",
+        )
+    if tiny is not None and tiny.tokenizer == "char" and data.chat_template == "auto":
+        raise ConfigError(
+            f"{user} needs a chat template, and the tiny model's char tokenizer has none",
+            "set model.tiny.tokenizer: bpe (a ChatML template, as Qwen's), or data.chat_template: a Jinja file",
+        )
 
 
 def render(tokenizer: Any, template: str, messages: list[dict], system_prompt: str | None) -> tuple[str, list[int]]:

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlhpc.config import Config, context_len
-from rlhpc.data.prompts import render_messages, render_texts, with_system
+from rlhpc.data.prompts import check_chat_template, render_messages, render_texts, with_system
 from rlhpc.errors import ConfigError, RlhpcError
 from rlhpc.rollout.tools import Tools, resolve_parser, resolve_tools
 from rlhpc.util.imports import import_function
@@ -79,17 +79,7 @@ def check_env(cfg: Config, env: str | None) -> None:
     if r.tools:
         resolve_tools(r.tools)
         resolve_parser(r.tool_parser)
-    if cfg.data.chat_template == "none":
-        raise ConfigError(
-            f"{key} {env} renders its episodes as chat messages but data.chat_template is none",
-            "set data.chat_template: auto (the tokenizer's template) or a Jinja file",
-        )
-    tiny = cfg.model.tiny
-    if tiny is not None and tiny.tokenizer == "char" and cfg.data.chat_template == "auto":
-        raise ConfigError(
-            f"{key} {env} needs a chat template, and the tiny model's char tokenizer has none",
-            "set model.tiny.tokenizer: bpe (a ChatML template, as Qwen's), or data.chat_template: a Jinja file",
-        )
+    check_chat_template(cfg.data, cfg.model.tiny, f"{key} {env}", "renders its episodes as chat messages")
     context = context_len(cfg)
     prompt = cfg.data.max_prompt_tokens or 1
     if context is not None and prompt + cfg.rollout.max_episode_tokens > context:

@@ -31,6 +31,7 @@ from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from rlhpc.data.prompts import check_chat_template
 from rlhpc.errors import ConfigError, RlhpcError
 from rlhpc.util.imports import import_function
 
@@ -403,14 +404,4 @@ def check_custom(cfg: Config, env: str | None) -> None:
         resolve_generate_fn(r.generate_fn)
         return
     resolve_agent(spec)
-    if cfg.data.chat_template == "none":
-        raise ConfigError(
-            f"rollout.agent = {spec} talks in chat messages but data.chat_template is none",
-            "set data.chat_template: auto (the tokenizer's template) or a Jinja file",
-        )
-    tiny = cfg.model.tiny
-    if tiny is not None and tiny.tokenizer == "char" and cfg.data.chat_template == "auto":
-        raise ConfigError(
-            f"rollout.agent = {spec} needs a chat template, and the tiny model's char tokenizer has none",
-            "set model.tiny.tokenizer: bpe (a ChatML template, as Qwen's), or data.chat_template: a Jinja file",
-        )
+    check_chat_template(cfg.data, cfg.model.tiny, f"rollout.agent = {spec}", "talks in chat messages")
