@@ -47,7 +47,7 @@ from pathlib import Path
 
 import yaml
 
-from rlhpc.config import Config, config_from_dict, config_to_dict, dump_config
+from rlhpc.config import Config, config_to_dict, dump_config
 from rlhpc.errors import RunDirError
 from rlhpc.util.files import apply_access, write_atomic
 
@@ -214,9 +214,10 @@ class RunDir:
             return None
         return t.path if t.path is not None else str(self.teacher_model)
 
-    def load_config(self) -> Config:
-        """The run's config with its own rules checked; ``rlhpc.preflight.check`` adds those that need code."""
-        return config_from_dict(yaml.safe_load(self.config_file.read_text()))
+    def config_tree(self) -> dict:
+        """The run's saved config as a plain tree: the job types and checks it once, with every rule
+        (``rlhpc.preflight.config_from_dict``)."""
+        return yaml.safe_load(self.config_file.read_text())
 
     def check(self, cfg: Config, force: bool = False) -> None:
         """Refuse what would lose or mix results, reading only: a refused command changes nothing."""

@@ -28,7 +28,7 @@ from rlhpc.launch.requeue import JobExit
 from rlhpc.launch.run_owner import Owner
 from rlhpc.launch.slurm_ray import node_counts, wait_until_unusable
 from rlhpc.logs import setup_logging
-from rlhpc.preflight import check as preflight_check
+from rlhpc.preflight import config_from_dict as preflight_config_from_dict
 from rlhpc.run_dir import RunDir
 from rlhpc.runtime import staging
 from rlhpc.runtime.restarts import RestartPolicy, read_history, record_start, refuse_reason
@@ -87,8 +87,8 @@ class TrainJob:
         """Train, or raise ``JobExit`` when this task must end without a result."""
         began = time.monotonic()  # the start-up clock's origin: every start pays what follows
         run = RunDir(self.run_dir)
-        cfg = run.load_config()
-        preflight_check(cfg)  # every check again on the job's own node: its reward, data and environment
+        # every check again on the job's own node: its reward, data and environment
+        cfg = preflight_config_from_dict(run.config_tree())
         apply_access(run.path, cfg.run_dir_access)  # on every node: Slurm's umask is the submitter's shell's
         console = setup_logging(cfg.logging.level)
         env = submitit.JobEnvironment()
