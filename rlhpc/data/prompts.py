@@ -73,7 +73,7 @@ def conversation_template(data: DataConfig, tokenizer: Any, user: str) -> tuple[
     return template, "of the tokenizer" if data.chat_template == "auto" else data.chat_template
 
 
-def check_chat_template(data: DataConfig, tiny: TinyModelConfig | None, user: str, uses: str) -> None:
+def require_chat_template(data: DataConfig, tiny: TinyModelConfig | None, user: str, uses: str) -> None:
     """Before submission: a multi-turn ``user`` (e.g. ``rollout.env = X``), which ``uses`` chat
     messages, has a chat template to render them with."""
     if data.chat_template == "none":

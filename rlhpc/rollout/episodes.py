@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlhpc.config import Config, context_len
-from rlhpc.data.prompts import check_chat_template, render_messages, render_texts, with_system
+from rlhpc.data.prompts import render_messages, render_texts, require_chat_template, with_system
 from rlhpc.errors import ConfigError, RlhpcError
 from rlhpc.rollout.tools import Tools, resolve_parser, resolve_tools
 from rlhpc.util.imports import import_function
@@ -79,7 +79,7 @@ def check_env(cfg: Config, env: str | None) -> None:
     if r.tools:
         resolve_tools(r.tools)
         resolve_parser(r.tool_parser)
-    check_chat_template(cfg.data, cfg.model.tiny, f"{key} {env}", "renders its episodes as chat messages")
+    require_chat_template(cfg.data, cfg.model.tiny, f"{key} {env}", "renders its episodes as chat messages")
     context = context_len(cfg)
     prompt = cfg.data.max_prompt_tokens or 1
     if context is not None and prompt + cfg.rollout.max_episode_tokens > context:

@@ -31,7 +31,7 @@ from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from rlhpc.data.prompts import check_chat_template
+from rlhpc.data.prompts import require_chat_template
 from rlhpc.errors import ConfigError, RlhpcError
 from rlhpc.util.imports import import_function
 
@@ -404,4 +404,4 @@ def check_custom(cfg: Config, env: str | None) -> None:
         resolve_generate_fn(r.generate_fn)
         return
     resolve_agent(spec)
-    check_chat_template(cfg.data, cfg.model.tiny, f"rollout.agent = {spec}", "talks in chat messages")
+    require_chat_template(cfg.data, cfg.model.tiny, f"rollout.agent = {spec}", "talks in chat messages")
