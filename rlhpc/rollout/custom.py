@@ -13,7 +13,6 @@ from typing import Any, Literal
 
 from rlhpc.data.prompts import conversation_template
 from rlhpc.errors import RlhpcError
-from rlhpc.rollout.agent_endpoint import AgentEndpoint
 from rlhpc.rollout.tools import resolve_parser
 from rlhpc.rollout.trajectories import (
     EngineCalls,
@@ -136,6 +135,9 @@ def run_custom(
     async def main() -> list[EpisodeResult]:
         if custom.kind == "generate_fn":
             return list(await asyncio.gather(*(generate_fn(k) for k in range(len(rows)))))
+        # late: only an agent run needs the HTTP server (uvicorn, fastapi) in the driver
+        from rlhpc.rollout.agent_endpoint import AgentEndpoint
+
         with AgentEndpoint(tokenizer, custom.template or "", custom.template_name, custom.parser) as endpoint:
             return list(await asyncio.gather(*(agent(k, endpoint) for k in range(len(rows)))))
 
