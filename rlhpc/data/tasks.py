@@ -87,7 +87,7 @@ def check_scored(data: DataConfig, files: list[tuple[str, str, str, str]], env: 
         raise ConfigError(
             f"{' / '.join(k for k, *_ in files)} set but data.reward is not: the toy task {data.task!r}'s "
             "reward would score your data",
-            "set data.reward: rlhpc.rewards:gsm8k (\"#### N\"), rlhpc.rewards:math (\\boxed{}), rlhpc.rewards:exact, "
+            'set data.reward: rlhpc.rewards:gsm8k ("#### N"), rlhpc.rewards:math (\\boxed{}), rlhpc.rewards:exact, '
             "or your own module:function (verl's compute_score too)",
         )
 
