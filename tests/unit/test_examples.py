@@ -21,8 +21,13 @@ WAYS_IN = {
 }
 
 
+GUIDES = {"verl_gsm8k.yaml": "docs/guides/coming-from-verl.md"}  # a whole job of a guide, its data made by a script
+
+
 def test_every_example_config_is_listed():
-    assert sorted(p.name for p in (REPO / "examples").glob("*.yaml")) == sorted(WAYS_IN)
+    assert sorted(p.name for p in (REPO / "examples").glob("*.yaml")) == sorted([*WAYS_IN, *GUIDES])
+    for name, guide in GUIDES.items():
+        assert f"--config examples/{name}" in (REPO / guide).read_text()
 
 
 @pytest.mark.parametrize("name", sorted(WAYS_IN))
@@ -103,3 +108,24 @@ def test_an_example_runs_on_a_verl_file_and_on_a_plain_one(files_and_engine, nam
             question = row.messages[-1]["content"]
             assert text.endswith(f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"), text
     assert all(CHAT_IN_CHAT not in tok.decode(ids) for ids in prompts)  # every engine call's prompt
+
+
+def test_the_verl_guides_job_validates_as_written(tmp_path, monkeypatch):
+    """docs/guides/coming-from-verl.md's job (run end to end when it was written): its data script
+    writes verl's layout, its config as the guide shows it validates on that data with verl's
+    compute_score and the shipped agent, and so does the environment variant."""
+    monkeypatch.syspath_prepend(str(REPO))
+    from examples import make_verl_gsm8k
+
+    guide = (REPO / "docs" / "guides" / "coming-from-verl.md").read_text()
+    shown = guide.split("```yaml\n", 1)[1].split("```", 1)[0]
+    example = (REPO / "examples" / "verl_gsm8k.yaml").read_text()
+    assert example.endswith(shown) and all(line.startswith("#") for line in example[: -len(shown)].splitlines())
+    monkeypatch.chdir(tmp_path)  # the guide's commands run from the checkout: relative data paths
+    make_verl_gsm8k.main(["data/gsm8k", "--train", "16", "--test", "4"])
+    cfg = load_config(REPO / "examples" / "verl_gsm8k.yaml")
+    assert cfg.rollout.agent == "examples.calculator_agent:solve" and cfg.data.reward.endswith("compute_score")
+    env = load_config(
+        REPO / "examples" / "verl_gsm8k.yaml", ["rollout.agent=null", "rollout.env=examples.verl_gsm8k:GSM8KEnv"]
+    )
+    assert env.rollout.env == "examples.verl_gsm8k:GSM8KEnv"
