@@ -67,9 +67,17 @@ def user_code_error(what: str, error: BaseException, on: str, fix: str | None = 
 
 
 def _last_frame(error: BaseException) -> str:
-    """`` (at FILE:LINE in FUNCTION: CODE)`` of the innermost frame of ``error``'s traceback."""
+    """`` (at FILE:LINE in FUNCTION `CODE`)`` of the innermost frame of ``error``'s traceback; for
+    an error raised in a worker process (``data.reward_workers``), of the traceback it sent."""
+    import re
     import traceback
 
+    remote = error.__cause__
+    if type(remote).__name__ == "RemoteTraceback":  # multiprocessing's: the worker's traceback as text
+        found = re.findall(r'File "(.*)", line (\d+), in (.*)\n\s*(.*)', str(remote))
+        if found:
+            name, line, fn, code = found[-1]
+            return f" (at {name}:{line} in {fn}{f' `{code.strip()}`' if code.strip() else ''})"
     frames = traceback.extract_tb(error.__traceback__)
     if not frames:
         return ""

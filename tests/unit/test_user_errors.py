@@ -138,3 +138,18 @@ def test_a_remote_grader_that_fails_stays_a_fault_to_retry():
     with pytest.raises(UserCodeError) as e:
         Scorer(local, "my_rewards:local")([sample])
     assert not e.value.transient
+
+
+def test_a_reward_raising_in_a_worker_process_names_the_line_there():
+    """data.reward_workers: the error comes back from another process; its last frame is the
+    worker's (the grader's line), not multiprocessing's."""
+    from rlhpc.rollout.scoring import PooledReward
+
+    pooled = PooledReward("support.graders:raises", 1, 60.0)
+    try:
+        with pytest.raises(UserCodeError) as e:
+            Scorer(pooled, "support.graders:raises")([Sample("p", "r", "8")])
+    finally:
+        pooled.close()
+    assert "raised KeyError: '8'" in e.value.problem and "graders.py:" in e.value.problem
+    assert "in raises `return {" in e.value.problem
