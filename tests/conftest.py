@@ -8,7 +8,9 @@ imports another."""
 
 from __future__ import annotations
 
+import json
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -99,6 +101,33 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     if _CPU_AT_START is not None and end is not None and end[1] > _CPU_AT_START[1]:
         busy = (end[0] - _CPU_AT_START[0]) / (end[1] - _CPU_AT_START[1])
         terminalreporter.write_line(f"CPUs busy over the run: {busy:.0%} of {os.cpu_count()} cores")
+
+
+# =====================================================================================
+# Every metric a test's job logged is documented (rlhpc/metric_names.py, which generates
+# docs/reference/metrics.md): each module's run dirs are checked when the module is done.
+# =====================================================================================
+
+
+@pytest.fixture(scope="module", autouse=True)
+def metrics_are_documented(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    began = time.time()
+    yield
+    from rlhpc.metric_names import undocumented, upgrade_eval_record
+
+    found: dict[str, None] = {}
+    for f in tmp_path_factory.getbasetemp().rglob("metrics.jsonl"):
+        if f.stat().st_mtime < began:
+            continue  # another module's run
+        for line in f.read_text(errors="replace").splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue  # a torn line a test wrote on purpose
+            if isinstance(record, dict):  # as readers read it (rlhpc.metrics.read_metrics)
+                found.update(dict.fromkeys(f"{n} ({f})" for n in undocumented(upgrade_eval_record(record))))
+    if found:
+        pytest.fail("logged metrics that rlhpc/metric_names.py does not document:\n" + "\n".join(found))
 
 
 # =====================================================================================

@@ -6,7 +6,8 @@
   ``auto``, the tokenizer's own; or a Jinja file), ``data.system_prompt`` first where it has no
   system message, and the generation prompt after; its ids are what ``transformers``'
   ``apply_chat_template`` gives, and they travel with the row (``prompt_ids``), so what is trained
-  is what was generated. The row's ``prompt`` becomes the rendered text (what a reward reads).
+  is what was generated. The rendered text is the row's ``prompt_text`` (what a reward reads);
+  the row's own columns stay as the file has them (``rlhpc.data.rows``).
 - A prompt longer than its split's limit is dropped, and counted in the log.
 """
 
@@ -17,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rlhpc.data.rows import Row, as_rows
 from rlhpc.errors import ConfigError, RlhpcError
 
 if TYPE_CHECKING:
@@ -24,7 +26,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-PromptPrep = Callable[[str, list[dict]], list[dict]]  # (split name, rows) -> the rows to use
+PromptPrep = Callable[[str, list[Row]], list[Row]]  # (split name, rows) -> the rows to use
 
 
 def encode_prompts(tokenizer: Any, prompts: list[str]) -> list[list[int]]:
@@ -40,11 +42,11 @@ def encode_prompts(tokenizer: Any, prompts: list[str]) -> list[list[int]]:
     return encoded
 
 
-def encode_rows(tokenizer: Any, rows: list[dict]) -> list[list[int]]:
+def encode_rows(tokenizer: Any, rows: list[Row]) -> list[list[int]]:
     """The ids to send for each row: a rendered chat prompt's own, a text prompt's encoding."""
-    texts = [i for i, row in enumerate(rows) if "prompt_ids" not in row]
-    encoded = dict(zip(texts, encode_prompts(tokenizer, [rows[i]["prompt"] for i in texts]))) if texts else {}
-    return [encoded[i] if i in encoded else rows[i]["prompt_ids"] for i in range(len(rows))]
+    texts = [i for i, row in enumerate(rows) if row.prompt_ids is None]
+    encoded = dict(zip(texts, encode_prompts(tokenizer, [rows[i].prompt_text for i in texts]))) if texts else {}
+    return [encoded[i] if i in encoded else rows[i].prompt_ids for i in range(len(rows))]
 
 
 def chat_template(data: DataConfig, tokenizer: Any) -> str | None:
@@ -157,13 +159,14 @@ def prepare_prompts(tokenizer: Any, data: DataConfig, limits: dict[str, int] | N
     than ``limits[split]`` tokens dropped (one too long for the context would fail a whole
     rollout; dropping every row is an error naming the limit and the fix)."""
 
-    def prepare(split: str, rows: list[dict]) -> list[dict]:
-        template = chat_template(data, tokenizer) if any(isinstance(r["prompt"], list) for r in rows) else None
+    def prepare(split: str, rows: list[Row]) -> list[Row]:
+        rows = as_rows(rows)
+        template = chat_template(data, tokenizer) if any(r.is_chat for r in rows) else None
         ready = []
         for row in rows:
-            if isinstance(row["prompt"], list):
-                text, ids = render(tokenizer, template, row["prompt"], data.system_prompt)
-                row = {**row, "prompt": text, "messages": row["prompt"], "prompt_ids": ids}
+            if row.is_chat:
+                text, ids = render(tokenizer, template, row.messages, data.system_prompt)
+                row = row.derive(prompt_text=text, prompt_ids=ids)
             ready.append(row)
         if limits is None:
             return ready

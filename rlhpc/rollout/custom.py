@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from rlhpc.data.prompts import conversation_template
-from rlhpc.errors import RlhpcError
+from rlhpc.data.rows import Row, describe
+from rlhpc.errors import RlhpcError, user_code_error
 from rlhpc.rollout.tools import resolve_parser
 from rlhpc.rollout.trajectories import (
     EngineCalls,
@@ -77,7 +78,7 @@ def run_custom(
     tokenizer: Any,
     send: Send,
     num_engines: int,
-    rows: Sequence[dict],
+    rows: Sequence[Row],
     params: dict,
     call_seed: Callable[[int, int], int],
     episode_seed: Callable[[int], int],
@@ -87,21 +88,18 @@ def run_custom(
     calls go to engine ``k mod num_engines``, call t with seed ``call_seed(k, t)``."""
     calls = EngineCalls(send, num_engines)
     handles = [EngineHandle(calls, k, params, lambda t, k=k: call_seed(k, t), tokenizer) for k in range(len(rows))]
-    user_rows = [{**row, "episode_seed": episode_seed(k)} for k, row in enumerate(rows)]
+    user_rows = [row.with_seed(episode_seed(k)) for k, row in enumerate(rows)]
 
-    async def user(*args: Any) -> Any:
+    async def user(k: int, *args: Any) -> Any:
         try:
-            return await _call_user(custom.fn, *args)
+            return await _call_user(custom.fn, user_rows[k], *args)
         except (RlhpcError, GenerationAborted):
             raise
         except Exception as e:  # the user's code: named, with its traceback chained
-            raise RlhpcError(
-                f"{custom.key} {custom.spec} raised {type(e).__name__}: {e}",
-                "fix the function (the traceback above shows where it raised)",
-            ) from e
+            raise user_code_error(f"{custom.key} {custom.spec}", e, f"the episode of {describe(user_rows[k])}") from e
 
     async def generate_fn(k: int) -> EpisodeResult:
-        traj = await user(user_rows[k], handles[k])
+        traj = await user(k, handles[k])
         made = handles[k].calls
         segment = check_trajectory(custom.spec, traj, made)
         reward = None if traj.reward is None else float(traj.reward)
@@ -112,7 +110,7 @@ def run_custom(
     async def agent(k: int, endpoint: Any) -> EpisodeResult:
         key = endpoint.open(handles[k])
         try:
-            reward = await user(user_rows[k], endpoint.base_url, key)
+            reward = await user(k, endpoint.base_url, key)
         finally:
             transcript = endpoint.close(key)
         made = handles[k].calls

@@ -3,14 +3,16 @@
 The interface (``docs/guides/multi-turn.md``): a class built with no arguments, one per episode, with
 
 - ``reset(row) -> list[dict]``: the first chat messages of the episode. ``row`` is the data row
-  (``prompt``, ``answer``, ...) plus ``episode_seed``, an int that is a pure function of (run
-  seed, rollout, sample): seed any randomness of the episode from it, and a rerun or a resume
-  replays the episode exactly.
+  as the file has it (``rlhpc.data.rows.Row``: every column, nested as in the file), with
+  rlhpc's forms as attributes (``row.messages``, ``row.label``, ``row.prompt_text``) and
+  ``row.episode_seed``, an int that is a pure function of (run seed, rollout, sample): seed any
+  randomness of the episode from it, and a rerun or a resume replays the episode exactly.
 - ``step(assistant_message: str) -> (observation: list[dict], reward: float, done: bool)``: the
   model's reply (the engine's detokenized text) in, the next messages out (usually one
   ``{"role": "user", ...}``), the turn's reward, and whether the episode is over.
 
-Either may be ``async def``. The sample's reward is the sum of the turns' rewards.
+Either may be ``async def``. The sample's reward is the sum of the turns' rewards. Either
+raising stops the job (``UserCodeError``, naming the method, the row and where it raised).
 
 With tools (``rollout.tools``, ``rlhpc.rollout.tools``) a reply that calls any goes to the tools,
 not to ``step``: their answers are the observation, the turn's reward 0, and the episode goes on.
@@ -46,7 +48,8 @@ from typing import Any
 
 from rlhpc.config import Config, context_len
 from rlhpc.data.prompts import render_messages, render_texts, require_chat_template, with_system
-from rlhpc.errors import ConfigError, RlhpcError
+from rlhpc.data.rows import Row, describe
+from rlhpc.errors import ConfigError, RlhpcError, UserCodeError, user_code_error
 from rlhpc.rollout.tools import Tools, resolve_parser, resolve_tools
 from rlhpc.util.imports import import_function
 
@@ -258,6 +261,7 @@ class Episode:
 
     env: Any
     conversation: Conversation
+    row: Row | None = None  # what it was reset with (for errors)
     response_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)
@@ -284,14 +288,35 @@ class Episode:
         self.versions += versions
 
 
-def _call(loop: asyncio.AbstractEventLoop, fns: list[Callable[[], Any]]) -> list[Any]:
-    """Call each of ``fns``; those that return awaitables run concurrently on ``loop``."""
-    results = [fn() for fn in fns]
+Failed = Callable[[int, Exception], UserCodeError]  # (index of the call, what it raised) -> the error
+
+
+def _call(loop: asyncio.AbstractEventLoop, fns: list[Callable[[], Any]], failed: Failed) -> list[Any]:
+    """Call each of ``fns`` (the user's code); those that return awaitables run concurrently on
+    ``loop``. One that raises is ``failed(i, error)``, raised."""
+
+    def guarded(i: int, fn: Callable[[], Any]) -> Any:
+        try:
+            return fn()
+        except RlhpcError:
+            raise
+        except Exception as e:
+            raise failed(i, e) from e
+
+    async def awaited(i: int, result: Any) -> Any:
+        try:
+            return await result
+        except RlhpcError:
+            raise
+        except Exception as e:
+            raise failed(i, e) from e
+
+    results = [guarded(i, fn) for i, fn in enumerate(fns)]
     waiting = [i for i, r in enumerate(results) if inspect.isawaitable(r)]
     if waiting:
 
         async def gather() -> list[Any]:
-            return await asyncio.gather(*(results[i] for i in waiting))
+            return await asyncio.gather(*(awaited(i, results[i]) for i in waiting))
 
         for i, r in zip(waiting, loop.run_until_complete(gather())):
             results[i] = r
@@ -317,8 +342,8 @@ class ChatEnv:
     a user message) opens the episode, and the first reply without tool calls ends it, scored
     afterwards by ``data.reward`` (``EpisodeConfig.score_replies``)."""
 
-    def reset(self, row: dict) -> list[dict]:
-        return list(row.get("messages") or [{"role": "user", "content": row["prompt"]}])
+    def reset(self, row: Row) -> list[dict]:
+        return list(row.messages)
 
     def step(self, reply: str) -> tuple[list[dict], float, bool]:
         return [], 0.0, True
@@ -338,16 +363,26 @@ class EpisodeConfig:
     tools: Tools | None = None
     score_replies: bool = False  # ChatEnv: data.reward scores each episode's last reply
 
-    def start(self, tokenizer: Any, row: dict, episode_seed: int, loop: asyncio.AbstractEventLoop) -> Episode:
+    def start(self, tokenizer: Any, row: Row, episode_seed: int, loop: asyncio.AbstractEventLoop) -> Episode:
         return self.start_all(tokenizer, [(row, episode_seed)], loop)[0]
 
-    def start_all(self, tokenizer: Any, rows: list[tuple[dict, int]], loop: asyncio.AbstractEventLoop) -> list[Episode]:
+    def _failed(self, method: str, rows: Sequence[Row | None]) -> Failed:
+        return lambda i, e: user_code_error(f"the environment {self.spec}'s {method}", e, _episode_of(rows[i]))
+
+    def start_all(self, tokenizer: Any, rows: list[tuple[Row, int]], loop: asyncio.AbstractEventLoop) -> list[Episode]:
         """An episode of each (row, episode seed) of ``rows``, its environment reset, their first
         prompts rendered together (``Conversation.start_all``)."""
-        envs, chats = [], []
+        envs, chats, seeded = [], [], []
         for row, episode_seed in rows:
-            env = self.env_cls()
-            (messages,) = _call(loop, [lambda e=env, r=row, s=episode_seed: e.reset({**r, "episode_seed": s})])
+            row = row.with_seed(episode_seed)
+            seeded.append(row)
+            try:
+                env = self.env_cls()
+            except Exception as e:
+                raise user_code_error(
+                    f"the environment {self.spec} (built with no arguments)", e, _episode_of(row)
+                ) from e
+            (messages,) = _call(loop, [lambda e=env, r=row: e.reset(r)], self._failed("reset", [row]))
             if not isinstance(messages, list) or not messages:
                 raise RlhpcError(
                     f"the environment {self.spec}'s reset returned {str(messages)[:200]}, not a list of chat messages",
@@ -357,17 +392,21 @@ class EpisodeConfig:
             chats.append(with_system(messages, self.system_prompt))
         schemas = self.tools.schemas if self.tools is not None else None
         conversations = Conversation.start_all(tokenizer, self.template, self.template_name, chats, schemas)
-        return [Episode(env, c) for env, c in zip(envs, conversations)]
+        return [Episode(env, c, row) for env, c, row in zip(envs, conversations, seeded)]
 
     def step(self, episodes: list[Episode], replies: list[str], loop: asyncio.AbstractEventLoop) -> list[tuple]:
         """Each episode's (observation, reward, done) after its reply: the tools' answers where the
         reply calls tools (every episode's calls run at once), ``env.step``'s elsewhere."""
         for e, r in zip(episodes, replies):
             e.texts.append(r)
-        calls = [self.tools.calls(r) if self.tools is not None else [] for r in replies]
+        calls = [self._calls(e, r) for e, r in zip(episodes, replies)]
         to_env = [i for i, c in enumerate(calls) if not c]
         results: list[tuple] = [()] * len(episodes)
-        stepped = _call(loop, [lambda e=episodes[i], r=replies[i]: e.env.step(r) for i in to_env])
+        stepped = _call(
+            loop,
+            [lambda e=episodes[i], r=replies[i]: e.env.step(r) for i in to_env],
+            self._failed("step", [episodes[i].row for i in to_env]),
+        )
         for i, result in zip(to_env, stepped):
             results[i] = _observation(self.spec, result)
         to_tools = [i for i, c in enumerate(calls) if c]
@@ -381,6 +420,22 @@ class EpisodeConfig:
                 )  # fmt: skip
                 results[i] = (messages, 0.0, False)
         return results
+
+    def _calls(self, episode: Episode, reply: str) -> list:
+        """The tool calls in ``reply`` (none without tools); the parser raising is its error."""
+        if self.tools is None:
+            return []
+        try:
+            return self.tools.calls(reply)
+        except RlhpcError:
+            raise
+        except Exception as e:
+            on = f"the reply {reply[:80]!r} in {_episode_of(episode.row)}"
+            raise user_code_error(f"the tool parser {getattr(self.tools.parser, '__qualname__', '')}", e, on) from e
+
+
+def _episode_of(row: Row | None) -> str:
+    return f"the episode of {describe(row)}" if row is not None else "an episode"
 
 
 def make_episodes(cfg: Any, tokenizer: Any) -> EpisodeConfig | None:

@@ -35,10 +35,11 @@ def test_each_set_is_logged_at_start_every_interval_and_the_end(run):
     evals = [r for r in read_metrics(run) if r["kind"] == "eval"]
     assert [r["rollout_id"] for r in evals] == [-1, 0, 1]
     for r in evals:
-        assert {"toy/mean", "toy/pass@1", "file/mean", "file/pass@1", "file/pass@2", "file/maj@2"} <= set(r)
-        assert "reward" not in r  # no default set beside named ones
-        assert r["toy/pass@1"] == r["toy/mean"]  # one greedy sample, a 0/1 reward
-        assert 0 <= r["file/pass@1"] <= r["file/pass@2"] <= 1
+        names = {"toy/mean", "toy/pass@1", "file/mean", "file/pass@1", "file/pass@2", "file/maj@2"}
+        assert {f"eval/{n}" for n in names} <= set(r)  # named as the reference names them
+        assert "eval/reward" not in r  # no default set beside named ones
+        assert r["eval/toy/pass@1"] == r["eval/toy/mean"]  # one greedy sample, a 0/1 reward
+        assert 0 <= r["eval/file/pass@1"] <= r["eval/file/pass@2"] <= 1
 
 
 def test_rlhpc_eval_of_a_checkpoint_equals_what_the_run_logged(run):
@@ -51,7 +52,7 @@ def test_rlhpc_eval_of_a_checkpoint_equals_what_the_run_logged(run):
     assert written["rollout_id"] == 0
     # greedy on the same weights: identical; sampled with the same per-sample seeds: identical too
     assert written["metrics"] == {k: v for k, v in logged.items() if k not in ("kind", "rollout_id")}
-    assert f"toy/mean {logged['toy/mean']:.4f}" in said(p)
+    assert f"eval/toy/mean {logged['eval/toy/mean']:.4f}" in said(p)
 
 
 def test_rlhpc_eval_refuses_a_missing_run_or_checkpoint(run, tmp_path):

@@ -62,8 +62,10 @@ def test_a_users_own_files_train_on_a_bos_less_byte_level_tokenizer(tmp_path):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "eval data: 1 of 3 prompts are longer than" in said(p)
     for m in (m for m in read_metrics(run) if m["kind"] == "eval"):  # a 0/1 reward: pass@1 is its mean
-        assert {"pass@1", "pass@2", "pass@4", "maj@4"} <= set(m) and abs(m["pass@1"] - m["reward"]) < 1e-6
-        assert m["pass@1"] <= m["pass@2"] <= m["pass@4"]
+        assert {"eval/pass@1", "eval/pass@2", "eval/pass@4", "eval/maj@4"} <= set(m)
+        assert (
+            abs(m["eval/pass@1"] - m["eval/reward"]) < 1e-6 and m["eval/pass@1"] <= m["eval/pass@2"] <= m["eval/pass@4"]
+        )
     assert rollouts(run) == [0, 1]
     for m in (m for m in read_metrics(run) if m["kind"] == "rollout"):  # the Sample the reward saw
         assert m["reward/from_metadata"] == 1.0 and m["reward/chat"] == 1.0 and m["reward/stopped"] == 1.0

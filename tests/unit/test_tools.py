@@ -14,6 +14,7 @@ from typing import Literal, Optional
 import pytest
 from support.engines import in_process_send
 
+from rlhpc.data.rows import as_row
 from rlhpc.errors import ConfigError
 from rlhpc.model import IM_END, build_bpe_tokenizer
 from rlhpc.preflight import load_config
@@ -216,7 +217,7 @@ def test_a_reply_with_calls_goes_to_the_tools_and_one_without_to_the_environment
     ep = EpisodeConfig("m:Recording", Recording, tok.chat_template, "t", None, 4, 64, tools)
     loop = asyncio.new_event_loop()
     try:
-        episodes = [ep.start(tok, {"prompt": "p", "answer": "42"}, k, loop) for k in range(2)]
+        episodes = [ep.start(tok, as_row({"prompt": "p", "answer": "42"}), k, loop) for k in range(2)]
         call = '<tool_call>{"name": "calculator", "arguments": {"expression": "6*7"}}</tool_call>'
         steps = ep.step(episodes, [call, "42"], loop)
     finally:
@@ -226,8 +227,8 @@ def test_a_reply_with_calls_goes_to_the_tools_and_one_without_to_the_environment
     assert episodes[0].env.seen == [] and episodes[1].env.seen == ["42"]
     assert (episodes[0].tool_calls, episodes[1].tool_calls) == (1, 0)
     # tools without an environment: the row's prompt opens the episode, a reply without calls ends it
-    assert ChatEnv().reset({"prompt": "6*7?", "answer": "42"}) == [{"role": "user", "content": "6*7?"}]
-    assert ChatEnv().reset({"prompt": "rendered", "messages": USER}) == USER
+    assert ChatEnv().reset(as_row({"prompt": "6*7?", "answer": "42"})) == [{"role": "user", "content": "6*7?"}]
+    assert ChatEnv().reset(as_row({"prompt": USER, "answer": "42"}).derive(prompt_text="rendered")) == USER
     assert ChatEnv().step("42") == ([], 0.0, True)
 
 
