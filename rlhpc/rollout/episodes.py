@@ -57,6 +57,7 @@ from rlhpc.data.prompts import (
 from rlhpc.errors import ConfigError, RlhpcError
 from rlhpc.rollout.tools import Tools, resolve_parser, resolve_tools
 from rlhpc.util.imports import import_function
+from rlhpc.wire.tool_calls import markup_text
 
 log = logging.getLogger(__name__)
 
@@ -304,6 +305,10 @@ class Episode:
     def input_ids(self) -> list[int]:
         return self.conversation.prompt_ids + self.response_ids
 
+    def reply_ids(self) -> list[int]:
+        """The engine's tokens of the current turn's reply."""
+        return [t for t, m, u in zip(self.response_ids, self.loss_mask, self.turns) if m and u == self.turn]
+
     def add(self, ids: Sequence[int], logprobs: Sequence[float], versions: Sequence[int], generated: bool) -> None:
         self.response_ids += ids
         self.logprobs += logprobs if generated else [0.0] * len(ids)
@@ -392,7 +397,12 @@ class EpisodeConfig:
         reply calls tools (every episode's calls run at once), ``env.step``'s elsewhere."""
         for e, r in zip(episodes, replies):
             e.texts.append(r)
-        calls = [self.tools.calls(r) if self.tools is not None else [] for r in replies]
+        # the calls read from the reply's tokens with special tokens kept (markup_text): where
+        # <tool_call> is a special token, the engine's text (what step gets) has no markup left
+        calls = [
+            self.tools.calls(markup_text(e.conversation.tokenizer, e.reply_ids())) if self.tools is not None else []
+            for e in episodes
+        ]
         to_env = [i for i, c in enumerate(calls) if not c]
         results: list[tuple] = [()] * len(episodes)
         stepped = _call(loop, [lambda e=episodes[i], r=replies[i]: e.env.step(r) for i in to_env])
