@@ -213,7 +213,7 @@ def engine_model(tmp_path_factory):
     return model, Engine(str(model), "default"), AutoTokenizer.from_pretrained(model)
 
 
-def run(engine_model, agent, *sets, reward=None, rollouts=(0,)):
+def run(engine_model, agent, *sets, reward=None, rollouts=(0,), params=None):
     """Rollouts ``rollouts`` of ``agent`` on two prompts, two episodes each: (batches, (input_ids, output_ids) per call)."""
     model, engine, _ = engine_model
     cfg = load_config(
@@ -226,6 +226,8 @@ def run(engine_model, agent, *sets, reward=None, rollouts=(0,)):
 
     def answered(request, outputs):
         calls.extend(zip(request.input_ids, (list(o["output_ids"]) for o in outputs)))
+        if params is not None:  # the sampling each call was sent with
+            params.extend(request.sampling_params)
 
     send = in_process_send(engine, answered)
     gen = Generation(tok, reward or (lambda p, r, a: 0.5), cfg.rollout, cfg.eval, cfg.algo, cfg.seed, send,
@@ -269,7 +271,12 @@ def test_the_example_agent_trains_what_the_engine_returned(engine_model, monkeyp
 
 
 def test_tool_calls_sent_back_merge_into_one_sample(engine_model):
-    batches, calls = run(engine_model, f"{__name__}:tool_loop", f"rollout.tool_parser={__name__}:always_calls")
+    params = []
+    batches, calls = run(
+        engine_model, f"{__name__}:tool_loop", f"rollout.tool_parser={__name__}:always_calls", params=params
+    )
+    # tools offered: the output is decoded with special tokens kept, for the parser (as SGLang does)
+    assert [p.get("skip_special_tokens") for p in params] == [False] * len(calls)
     batch, metrics = batches[0]
     assert len(batch) == 4 and batch.rewards.tolist() == [1.0] * 4 and metrics["episode/samples"] == 1.0
     for k in range(len(batch)):
