@@ -55,7 +55,7 @@ from rlhpc.data.prompts import (
     with_system,
 )
 from rlhpc.errors import ConfigError, RlhpcError
-from rlhpc.rollout.tools import Tools, resolve_parser, resolve_tools
+from rlhpc.rollout.tools import Tools, resolve_parser, resolve_tools, warn_special_tags
 from rlhpc.util.imports import import_function
 from rlhpc.wire.tool_calls import markup_text
 
@@ -88,6 +88,7 @@ def check_env(cfg: Config, env: str | None) -> None:
     if r.tools:
         resolve_tools(r.tools)
         resolve_parser(r.tool_parser)
+        warn_special_tags(cfg.model.path, "rollout.tools")
     require_chat_template(cfg.data, cfg.model.tiny, f"{key} {env}", "renders its episodes as chat messages")
     context = context_len(cfg)
     prompt = cfg.data.max_prompt_tokens or 1

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from rlhpc.errors import ConfigError, RlhpcError
+from rlhpc.rollout.tools import warn_special_tags
 from rlhpc.util.imports import import_function
 
 if TYPE_CHECKING:
@@ -402,3 +403,4 @@ def check_custom(cfg: Config, env: str | None) -> None:
         resolve_generate_fn(r.generate_fn)
         return
     resolve_agent(spec)  # no chat template needed: without one, the agent's endpoint serves /v1/completions
+    warn_special_tags(cfg.model.path, f"rollout.agent = {spec}")

@@ -14,8 +14,9 @@ from typing import Literal, Optional
 import pytest
 from support.engines import in_process_send
 
+from rlhpc.config import TinyModelConfig
 from rlhpc.errors import ConfigError
-from rlhpc.model import IM_END, build_bpe_tokenizer
+from rlhpc.model import IM_END, build_bpe_tokenizer, build_tiny_model, load_tokenizer
 from rlhpc.preflight import load_config
 from rlhpc.rollout.episodes import CHAT_ENV, ChatEnv, Conversation, EpisodeConfig
 from rlhpc.rollout.tools import Tools, tool_schema
@@ -257,6 +258,26 @@ def test_calls_are_read_where_the_tool_call_tags_are_special_tokens():
     assert episodes[0].env.seen == [] and episodes[0].tool_calls == 1
     # the stop token the engine ended with is not read as part of an unclosed call
     assert markup_text(tok, tok.encode(CALL[:-12]) + [tok.eos_token_id]) == CALL[:-12]
+
+
+def test_submit_warns_where_the_tool_call_tags_are_special_tokens(tmp_path, caplog):
+    model = build_tiny_model(tmp_path / "tiny", TinyModelConfig(tokenizer="bpe", max_position_embeddings=512))
+    sets = [f"model.path={model}", f"rollout.tools=[{__name__}:calculator]", "rollout.max_episode_tokens=64"]
+    with caplog.at_level("WARNING", logger="rlhpc.rollout.tools"):
+        load_config(None, sets)
+        assert not caplog.records  # Hermes tags that are plain text: nothing is lost
+        tok = load_tokenizer(model)
+        tok.add_special_tokens({"additional_special_tokens": ["<tool_call>", "</tool_call>"]})
+        tok.save_pretrained(model)
+        load_config(None, sets)
+        load_config(None, [f"model.path={model}", f"rollout.agent={__name__}:agent"])
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 2 and "<tool_call> and </tool_call> are special tokens" in warned[0]
+    assert warned[0].startswith("rollout.tools:") and warned[1].startswith(f"rollout.agent = {__name__}:agent:")
+
+
+async def agent(row, base_url, api_key):
+    return None
 
 
 def test_the_tools_are_checked_at_submit():
