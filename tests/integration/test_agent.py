@@ -161,6 +161,8 @@ async def text_loop(row, base_url, api_key):
     assert by_ids.choices[0].model_dump()["prompt_token_ids"] == [5, 6, 7]
     stream = await client.completions.create(model="m", prompt="x", max_tokens=3, stream=True)
     assert [c async for c in stream][-1].choices[0].finish_reason in ("stop", "length")
+    with pytest.raises(openai.BadRequestError, match="no chat template"):  # this run has none: chat is refused
+        await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
     await client.close()
     return 1.0
 
