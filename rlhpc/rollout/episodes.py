@@ -33,6 +33,10 @@ tokenized (``Conversation.extend``). The episodes of a rollout take each turn to
 (``extend_all``): their chats are rendered in one ``apply_chat_template`` call and their tails
 tokenized in one tokenizer call, a text shared by several (the observation's, the generation
 prompt's) once; each chat's ids are those it gets alone.
+
+Every rendering goes through ``rlhpc.data.prompts``' one path: each message is marked once, when
+it comes (``mark``: the control tokens in its text, a tool answer's ``<|im_end|>`` say, are encoded
+as text), and the template's own tokens are the only control tokens an episode is given.
 """
 
 from __future__ import annotations
@@ -254,12 +258,8 @@ def extend_all(
         c.tokenizer is not first.tokenizer or c.template != first.template or c.tools is not first.tools for c in chats
     ):
         return [extend_all([c], [g], [r], [o])[0] for c, g, r, o in zip(chats, generated, replies, observations)]
-    tok, template, tools, marks = (
-        first.tokenizer,
-        first.template,
-        first._marked_tools,
-        controls(first.tokenizer, first.template),
-    )
+    tok, template, tools = first.tokenizer, first.template, first._marked_tools
+    marks = controls(tok, template)
     # only the new messages are marked (prompts.mark): the earlier ones were when they came
     marked = [mark(r, marks) for r in replies]
     closed_chats = [[*c._marked, {"role": "assistant", "content": r}] for c, r in zip(chats, marked)]
