@@ -230,6 +230,25 @@ def test_chat_with_tools_passes_them_to_the_template_and_stays_plain_without_mar
     assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason in ("stop", "length")
 
 
+def test_with_tools_offered_the_output_keeps_special_tokens_as_sglangs_does(model_path: str) -> None:
+    """Issue 42 item 4: where <tool_call> is a special token, an output decoded without special
+    tokens holds no call; SGLang decodes with them whenever tools are offered (pinned against its
+    serving_chat in tests/unit/test_sglang_protocol.py), and so does the CPU engine."""
+    from rlhpc.engine_server.cpu.openai_routes import _chat
+    from rlhpc.engine_server.cpu.runner import Engine
+
+    engine = Engine(model_path, "default")
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    chat = [{"role": "user", "content": "hi"}]
+    offered, _ = _chat(engine, OP.ChatCompletionRequest(messages=chat, tools=tools, max_tokens=2))
+    assert [it.skip_special_tokens for it in offered] == [False]
+    for req in (
+        OP.ChatCompletionRequest(messages=chat),
+        OP.ChatCompletionRequest(messages=chat, tools=tools, tool_choice="none"),
+    ):
+        assert [it.skip_special_tokens for it in _chat(engine, req)[0]] == [True]
+
+
 def test_streaming_chunks_end_with_done(oai: openai.OpenAI, server: str) -> None:
     whole = oai.chat.completions.create(
         model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=6, temperature=0, n=2

@@ -90,7 +90,10 @@ class NotLiteral:
 def _default(value: ast.expr | None) -> Any:
     if value is None:
         return None
-    if isinstance(value, ast.Call) and getattr(value.func, "id", None) == "field":  # dataclasses.field(...)
+    if isinstance(value, ast.Call) and getattr(value.func, "id", None) in (
+        "field",
+        "Field",
+    ):  # dataclasses', pydantic's
         for kw in value.keywords:
             if kw.arg == "default":
                 return _default(kw.value)
@@ -104,8 +107,8 @@ def _default(value: ast.expr | None) -> Any:
 def _required(value: ast.expr | None) -> bool:
     if value is None:
         return True
-    if isinstance(value, ast.Call) and getattr(value.func, "id", None) == "field":
-        return not any(kw.arg in ("default", "default_factory") for kw in value.keywords)
+    if isinstance(value, ast.Call) and getattr(value.func, "id", None) in ("field", "Field"):
+        return not value.args and not any(kw.arg in ("default", "default_factory") for kw in value.keywords)
     return False
 
 
@@ -416,7 +419,31 @@ OPENAI_PROTOCOL = "sglang/srt/entrypoints/openai/protocol.py"
 def openai_models() -> dict[str, dict[str, Field]]:
     """Pydantic model name -> its fields (own and inherited from models of the same module), in
     ``entrypoints/openai/protocol.py``; private attributes (``_name``) are no fields."""
-    classes = _classes(OPENAI_PROTOCOL)
+    return _pydantic_models(OPENAI_PROTOCOL)
+
+
+ANTHROPIC_PROTOCOL = "sglang/srt/entrypoints/anthropic/protocol.py"
+ANTHROPIC_SERVING = "sglang/srt/entrypoints/anthropic/serving.py"
+OPENAI_SERVING_CHAT = "sglang/srt/entrypoints/openai/serving_chat.py"
+DETOKENIZER = "sglang/srt/managers/detokenizer_manager.py"
+
+
+@functools.cache
+def anthropic_models() -> dict[str, dict[str, Field]]:
+    """The same for ``entrypoints/anthropic/protocol.py`` (SGLang's Anthropic Messages API)."""
+    return _pydantic_models(ANTHROPIC_PROTOCOL)
+
+
+def module_constant(path: str, name: str) -> Any:
+    """A module-level literal assignment of ``path`` (e.g. a dict of strings)."""
+    for node in _tree(path).body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
+            return ast.literal_eval(node.value)
+    raise KeyError(f"{path} assigns no {name}")
+
+
+def _pydantic_models(path: str) -> dict[str, dict[str, Field]]:
+    classes = _classes(path)
 
     def fields_of(name: str, inherited: bool) -> dict[str, Field]:
         out: dict[str, Field] = {}
@@ -430,7 +457,7 @@ def openai_models() -> dict[str, dict[str, Field]]:
                 and not stmt.target.id.startswith("_")
             ):
                 n = stmt.target.id
-                out[n] = Field(n, stmt.value is None, _default(stmt.value), inherited)
+                out[n] = Field(n, _required(stmt.value), _default(stmt.value), inherited)
         return out
 
     return {name: fields_of(name, False) for name in classes}
