@@ -34,7 +34,9 @@ from rlhpc.wire.protocol import MetaInfo, Route
 
 @pytest.fixture(scope="module")
 def server(model_path: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[subprocess.Popen, str, Path]]:
-    proc, url, ready = start_server(model_path, tmp_path_factory.mktemp("srv"), "engine")
+    # deterministic, as in a `deterministic: true` run: the seeded tests need their seeds honoured
+    flags = ["--enable-deterministic-inference"]
+    proc, url, ready = start_server(model_path, tmp_path_factory.mktemp("srv"), "engine", flags)
     yield proc, url, ready
     stop_server(proc)
     assert proc.returncode == 0, "SIGTERM should end the server cleanly"
@@ -335,6 +337,9 @@ def test_engine_actor_start_restart_shutdown(model_path: str, tmp_path: Path) ->
         c = EngineClient(url, timeout_s=30)
         assert c.generate(input_ids=[1, 5], sampling_params={"max_new_tokens": 2, "temperature": 0})["output_ids"]
         assert ray.get(actor.is_alive.remote())
+        c.pause_generation("in_place")  # issue 40: alive while paused (SGLang's /health would hold 20 s, then 503)
+        assert ray.get(actor.is_alive.remote())
+        c.continue_generation()
 
         new_url = ray.get(actor.restart.remote())
         new_pid = ray.get(actor.pid.remote())

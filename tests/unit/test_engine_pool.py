@@ -13,9 +13,11 @@ import pytest
 from rlhpc.config import ClusterConfig, RolloutConfig
 from rlhpc.errors import RlhpcError, WeightPushFailed
 from rlhpc.rollout.engines import EnginePool, EnginesDown, EngineSet, Health, NodeLost, health
+from rlhpc.rollout.engines import engine_set as engine_set_module
 from rlhpc.rollout.engines.health import NODE_CHECK_S
 from rlhpc.rollout.generation import MAX_SAMPLES_PER_REQUEST, rows_per_request
 from rlhpc.wire.client import EngineUnavailable
+from rlhpc.wire.protocol import MEMORY_TAGS
 from rlhpc.wire.request import Request
 
 
@@ -26,6 +28,7 @@ class FakeClient:
         self.health_checks = 0
         self.powered = threading.Event()  # cleared: the node lost power, requests get no answer at all
         self.powered.set()
+        self.released: set[str] = set()  # memory tags released
 
     def health(self) -> bool:
         self.health_checks += 1
@@ -40,6 +43,23 @@ class FakeClient:
 
     def close(self) -> None:
         pass
+
+    # SGLang's memory rules (issue 40): its server dies on a resume of memory it holds, or a
+    # release of memory it released (tests/unit/test_sglang_strict.py reads them in the wheel)
+    def release_memory_occupation(self, tags: list[str] | None = None) -> None:
+        self._memory(tags, lambda t: t not in self.released, self.released.add)
+
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
+        self._memory(tags, lambda t: t in self.released, self.released.discard)
+
+    def _memory(self, tags, allowed, change) -> None:
+        if not self.alive:
+            raise EngineUnavailable(f"{self.base_url} refused", "is it up?")
+        for t in tags or MEMORY_TAGS:
+            if not allowed(t):
+                self.alive = False
+                raise EngineUnavailable(f"{self.base_url} dropped the connection", "it died")
+            change(t)
 
 
 class FakeRouter:
@@ -336,3 +356,27 @@ def test_a_frozen_pool_restarts_and_routes_but_has_no_weight_channel():
     answers = pool.generate(requests(2))
     assert [a[0]["output_ids"] for a in answers] == [[0], [1]] and pool.restarted == [1]
     assert pool.clients[1].served == [1]  # sent again to the restarted engine, which serves the model on disk
+
+
+def test_onload_resumes_only_what_offload_released(monkeypatch):
+    """Issue 40: SGLang's server dies resuming memory it holds. Engines just started hold theirs
+    (the first push resumes nothing), and so does one restarted while the others are offloaded."""
+    monkeypatch.setattr(engine_set_module, "EngineClient", lambda url, api_key: FakeClient(url))
+    pool = bare_pool(2)
+    engines = pool.engine_set
+    engines.engine_parts = [["part"], ["part"]]
+    engines.restart = lambda e: (pool.restarted.append(e), engines.replace(e, ["part"], f"e{e}-restarted"))
+    pool.onload()  # nothing was released: nothing is resumed
+    assert all(c.alive and not c.released for c in pool.clients)
+
+    pool.offload()
+    assert all(c.released == set(MEMORY_TAGS) for c in pool.clients)
+    engines.restart(1)  # a new server, its memory in place
+    pool.onload()
+    assert pool.restarted == [1] and all(c.alive and not c.released for c in pool.clients)
+
+    pool.clients[0].alive = False  # dies while its memory is in place
+    pool.offload()  # restarted, then released as the others
+    assert pool.restarted == [1, 0] and all(c.released == set(MEMORY_TAGS) for c in pool.clients)
+    pool.onload()
+    assert pool.restarted == [1, 0] and all(c.alive and not c.released for c in pool.clients)
