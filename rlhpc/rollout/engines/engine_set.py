@@ -12,9 +12,11 @@ from typing import TYPE_CHECKING
 
 import ray
 
+from rlhpc.config import startup_timeout_s
 from rlhpc.engine_server.host import EngineActor
 from rlhpc.engine_server.sglang import Router, engine_parts
 from rlhpc.errors import RlhpcError
+from rlhpc.model import weight_bytes
 from rlhpc.util.files import tail
 from rlhpc.wire.client import EngineClient
 from rlhpc.wire.engine_key import new_key
@@ -58,6 +60,8 @@ class EngineSet:
         self.role = role if frozen else "rollout"
         self.rollout_cfg, self.cluster_cfg, self.seed = rollout, cluster, seed
         self.model_path, self.placement, self.layout, self.log_dir = model_path, placement, layout, log_dir
+        # rollout.engine_startup_timeout_s, or its formula for this model's size
+        self.startup_timeout_s = startup_timeout_s(rollout, weight_bytes(model_path))
         self._key_dir = None if key_file is not None else Path(tempfile.mkdtemp(prefix="rlhpc-engine-key-"))
         self.key_file = Path(key_file) if key_file is not None else self._key_dir / "engine_key"
         self.api_key = ""
@@ -126,7 +130,7 @@ class EngineSet:
                 self.model_path,
                 str(self.log_dir),
                 e,
-                r.engine_startup_timeout_s,
+                self.startup_timeout_s,
                 None,
                 spec,
                 not multi,
