@@ -29,6 +29,7 @@ from pathlib import Path
 import ray
 
 from rlhpc.engine_server import sglang as sglang_server
+from rlhpc.engine_server.cpu.command import THREAD_DEFAULTS
 from rlhpc.engine_server.cpu.command import server_command as cpu_server_command
 from rlhpc.engine_server.sglang import SGLangSpec
 from rlhpc.errors import RlhpcError
@@ -94,9 +95,7 @@ class EngineActor:
 
     def _env(self) -> dict[str, str]:
         """The job's environment, for either engine (``engine_env`` adds SGLang's switches)."""
-        env = dict(os.environ)
-        env.setdefault("OMP_NUM_THREADS", "1")  # CI machines have two cores for everything
-        env.setdefault("MKL_NUM_THREADS", "1")
+        env = {**THREAD_DEFAULTS, **os.environ}
         env.update({k: str(v) for k, v in self.extra_env.items()})
         return env
 

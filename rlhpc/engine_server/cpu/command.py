@@ -4,6 +4,7 @@ runs, and what a dry run shows."""
 from __future__ import annotations
 
 MODULE = "rlhpc.engine_server.cpu"
+THREAD_DEFAULTS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}  # unless the job says: CI machines have two cores
 
 
 def server_command(
