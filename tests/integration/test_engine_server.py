@@ -227,10 +227,14 @@ def test_garbage_to_any_route_is_a_400_and_the_engine_serves_on(model_path: str,
     headers = {"Authorization": f"Bearer {KEYS[url]}", "Content-Type": "application/json"}
     bodies = [b"garbage", b"[]", b"1", b'"x"', b"null", b'{"rid": {"a": 1}}', b'{"mode": 5}', b'{"tags": 7}']
     try:
-        for route in sorted(set(Route.all().values()) - {Route.HEALTH_GENERATE}):
+        # not the memory routes: a body that parses as a release of all memory, sent twice, kills
+        # the engine as it kills SGLang's (tests/integration/test_engine_strict.py)
+        memory = {Route.RELEASE_MEMORY_OCCUPATION, Route.RESUME_MEMORY_OCCUPATION}
+        for route in sorted(set(Route.all().values()) - {Route.HEALTH_GENERATE} - memory):
             for body in bodies:
                 resp = urllib3.request("POST", url + route, body=body, headers=headers, timeout=30, retries=False)
                 assert resp.status < 500, (route, body, resp.status, resp.data[:200])
+        client.continue_generation()  # some garbage parsed as a pause
         assert client.health()
     finally:
         stop_server(proc)
@@ -272,7 +276,7 @@ def test_weight_updates_need_a_session_as_in_sglang(client: EngineClient) -> Non
 def test_pause_holds_new_requests_until_continue(client: EngineClient) -> None:
     client.pause_generation(mode="in_place")
     assert client.get_server_info()["internal_states"][0]["paused"] is True
-    assert client.health()  # control routes keep answering while paused
+    assert client.get_model_info()  # control routes keep answering while paused (not /health: it generates)
     done: list[dict] = []
     t = threading.Thread(
         target=lambda: done.append(client.generate(input_ids=[1, 5, 6], sampling_params={"max_new_tokens": 2}))
