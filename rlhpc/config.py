@@ -1160,7 +1160,9 @@ class Config:
     reward_model: RewardModelConfig | None = None  # None: no reward model (the rule reward alone)
     teacher: TeacherConfig | None = None  # None: no teacher (algo.distill_coef and kl_target: teacher need one)
     seed: int = 1234
-    deterministic: bool = False  # reruns and resumed runs give bit-identical weights (CPU)
+    # Reruns and resumed runs give bit-identical weights (CPU); every engine honours its requests'
+    # seeds (SGLang: --enable-deterministic-inference, slower: docs/architecture/engines.md)
+    deterministic: bool = False
     # Who may read the run dir (checkpoints, dumps, logs, keys): "private", this user only (dirs
     # 0700, files 0600), or "group", readable by the user's group too (0750/0640; keys stay 0600).
     run_dir_access: Literal["private", "group"] = "private"

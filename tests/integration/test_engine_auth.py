@@ -37,7 +37,8 @@ def test_every_route_refuses_a_request_without_the_key(server: tuple[str, Path],
     url, _ = server
     for method in ("GET", "POST"):
         resp = urllib3.request(method, url + route, json={}, headers=headers, timeout=30, retries=False)
-        if (method, route) == ("GET", Route.HEALTH):  # the probe, as SGLang's: nothing in it, nothing run
+        if (method, route) == ("GET", Route.HEALTH):  # the probe, as SGLang's: nothing in it (the engines
+            # rlhpc starts run nothing for it either: SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false)
             assert resp.status == 200 and resp.data == b"", resp.data[:200]
         else:
             assert resp.status == 401, (method, route, resp.status, resp.data[:200])

@@ -26,9 +26,9 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, NoReturn
 
 import orjson
 from fastapi import FastAPI, Request
@@ -56,7 +56,7 @@ HEALTH_SAMPLING_PARAMS = {"max_new_tokens": 1, "temperature": 0.0}
 HEALTH_POLL_S = 1.0
 
 
-def die(reason: str) -> None:
+def die(reason: str) -> NoReturn:
     """The process ends at once, as SGLang's server does when its scheduler dies: the request
     in flight gets no answer, and the next ones find no server."""
     log.critical("Scheduler hit an exception: %s; the server exits (as SGLang's does)", reason)
@@ -150,7 +150,6 @@ def build_app(
     address: dict[str, Any],
     api_key: str | None = None,
     env: Mapping[str, str] = os.environ,
-    on_scheduler_death: Callable[[str], None] = die,
 ) -> FastAPI:
     """FastAPI app with SGLang's native routes. ``address`` holds host/port once bound.
     ``api_key``: required on every request (None: no check; the server allows that on loopback only).
@@ -161,7 +160,6 @@ def build_app(
     workers = Workers()
     app.state.engine = engine
     app.state.flags = {"shutting_down": False}
-    app.state.on_scheduler_death = on_scheduler_death
 
     @app.exception_handler(RequestValidationError)
     async def bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -320,8 +318,7 @@ def _add_weights_and_memory(app: FastAPI, engine: Engine, workers: Workers) -> N
         except EngineError as e:
             return error_response(str(e))
         except SchedulerDied as e:
-            app.state.on_scheduler_death(str(e))
-            raise
+            die(str(e))
         return None
 
     @app.api_route(Route.RELEASE_MEMORY_OCCUPATION, methods=["GET", "POST"])
