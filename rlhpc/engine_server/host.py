@@ -60,9 +60,8 @@ class EngineActor:
         deterministic: bool = False,
     ):
         self.model_path = model_path
-        self.deterministic = (
-            deterministic  # the CPU engine's --enable-deterministic-inference (SGLang's: in ``sglang``)
-        )
+        # the CPU engine's --enable-deterministic-inference (SGLang's comes in ``sglang``)
+        self.deterministic = deterministic
         self.engine_id = engine_id
         self.startup_timeout_s = startup_timeout_s
         self.extra_env = dict(env or {})

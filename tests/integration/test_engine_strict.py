@@ -4,7 +4,7 @@ rlhpc starts are set up for it.
 Real server processes: one as SGLang ships (no switch set, no flag), one as rlhpc starts its
 engines (``engine_env``, and ``--enable-deterministic-inference`` as in a deterministic run).
 tests/unit/test_sglang_strict.py reads each rule in SGLang's sources; here the server follows it.
-Cost: five CPU engine starts (two shared, three that die), about 30 s on two busy cores.
+Cost: five CPU engine starts (two shared, three that die), about 50 s on two busy cores.
 """
 
 from __future__ import annotations
