@@ -23,7 +23,7 @@ from rlhpc.model import load_model
 from rlhpc.wire import switches
 from rlhpc.wire.client import EngineClient, EngineUnavailable
 
-HEALTH_WAIT_S = "2"  # SGLANG_HEALTH_CHECK_TIMEOUT for the shipped engine: SGLang's rule, a shorter wait
+HEALTH_WAIT_S = "4"  # SGLANG_HEALTH_CHECK_TIMEOUT for the shipped engine: SGLang's rule, a shorter wait
 DETERMINISTIC = ["--enable-deterministic-inference"]
 
 

@@ -8,7 +8,8 @@ router can be down too. ``changed`` says an engine came back or was lost since t
 channel was opened (it must be opened again).
 
 /health is asked only after a failure, never before every generation (SGLang's /health is
-itself a generation that waits at least a second).
+itself a generation that waits at least a second, unless switched off as rlhpc switches it off
+on every engine: ``rlhpc.engine_server.sglang.ENGINE_SWITCHES``).
 """
 
 from __future__ import annotations
