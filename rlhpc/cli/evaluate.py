@@ -116,7 +116,9 @@ def evaluate_checkpoint(cfg: Config, run: RunDir, ckpt: Path, rollout_id: int) -
         placement = create_placement(layout.num_slots, layout.slot_groups if layout.heterogeneous else None)
         try:
             logs = Path(tempfile.mkdtemp(prefix="rlhpc-eval-logs-"))
-            engines = EnginePool.start(cfg.rollout, cfg.cluster, cfg.seed, weights, placement, layout, logs)
+            engines = EnginePool.start(
+                cfg.rollout, cfg.cluster, cfg.seed, weights, placement, layout, logs, deterministic=cfg.deterministic
+            )
             try:
                 generation = Generation(
                     tokenizer, task_reward(cfg.data), cfg.rollout, cfg.eval, cfg.algo, cfg.seed,

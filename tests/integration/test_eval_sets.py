@@ -26,6 +26,7 @@ def run(tmp_path_factory):
         "data.reward=rlhpc.rewards:exact", "eval.sets.toy.file=null",
         f"eval.sets.file.file={tmp}/file.jsonl", "eval.sets.file.prompt_key=q", "eval.sets.file.label_key=sol",
         "eval.sets.file.n_samples_per_prompt=2", "eval.sets.file.temperature=1.0",
+        "deterministic=true",  # the sampled set's seeds honoured: rlhpc-eval gives the same numbers
     )  # fmt: skip
     assert p.returncode == 0, said(p)
     return run
@@ -50,7 +51,7 @@ def test_rlhpc_eval_of_a_checkpoint_equals_what_the_run_logged(run):
     written = json.loads((run / "evals" / "rollout_000000.json").read_text())
     logged = next(r for r in read_metrics(run) if r["kind"] == "eval" and r["rollout_id"] == 0)
     assert written["rollout_id"] == 0
-    # greedy on the same weights: identical; sampled with the same per-sample seeds: identical too
+    # greedy on the same weights: identical; sampled with the same per-sample seeds (deterministic): identical too
     assert written["metrics"] == {k: v for k, v in logged.items() if k not in ("kind", "rollout_id")}
     assert f"eval/toy/mean {logged['eval/toy/mean']:.4f}" in said(p)
 

@@ -30,7 +30,10 @@ def model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture(scope="module")
 def server(model_path: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    proc, url, _ = start_server(model_path, tmp_path_factory.mktemp("srv"), "engine")
+    # deterministic, as in a `deterministic: true` run: the seeded tests need their seeds honoured
+    proc, url, _ = start_server(
+        model_path, tmp_path_factory.mktemp("srv"), "engine", ["--enable-deterministic-inference"]
+    )
     yield url
     stop_server(proc)
 
