@@ -141,6 +141,88 @@ CONN_FLOOD = r"""
         time.sleep(0.05)
 """
 
+# keepalive_flood: many connections that each send one complete GET /health (the probe, no key
+# needed) and read its answer, then, on every other one, half of a second request; kept open,
+# opened again as the engine closes them, until stopped. How long the oldest half-sent second
+# request has been held is recorded. argv: host, port, connections.
+KEEPALIVE_FLOOD = r"""
+    host, port, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    socks, record["opened"], record["closed_by_engine"], record["answered"] = {}, 0, 0, 0
+    record["half_sent_held_s"], record["half_sent_closed"] = 0.0, 0
+    def open_one(k):
+        s = socket.create_connection((host, port), timeout=5)
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: engine\r\n\r\n")
+        head = b""
+        while b"\r\n\r\n" not in head:
+            chunk = s.recv(4096)
+            if not chunk:
+                raise ConnectionResetError("closed before its answer")
+            head += chunk
+        record["answered"] += 1
+        if k % 2:
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: engine\r\n")  # and never the blank line
+        s.setblocking(False)
+        return s, (time.monotonic() if k % 2 else None)
+    while True:
+        while len(socks) < n:
+            try:
+                s, since = open_one(record["opened"])
+                socks[s] = since
+                record["opened"] += 1
+            except OSError as e:
+                record["steps"]["connect"] = type(e).__name__
+                break
+        for s in list(socks):
+            try:
+                gone = s.recv(65536) == b""
+            except BlockingIOError:
+                gone = False
+            except OSError:
+                gone = True
+            if gone:
+                record["closed_by_engine"] += 1
+                record["half_sent_closed"] += socks.pop(s) is not None
+                s.close()
+        now = time.monotonic()
+        record["half_sent_held_s"] = max([record["half_sent_held_s"]] + [now - t for t in socks.values() if t])
+        time.sleep(0.05)
+"""
+
+# header_flood: connections that send header lines without end, as fast as the engine reads
+# them; what each got to send before the engine closed it is recorded. argv: host, port.
+HEADER_FLOOD = r"""
+    host, port = sys.argv[1], int(sys.argv[2])
+    record["accepted_bytes"] = []
+    line = b"X-Flood: " + b"a" * 1000 + b"\r\n"
+    for _ in range(4):
+        sent = 0
+        try:
+            s = socket.create_connection((host, port), timeout=10)
+        except OSError as e:
+            record["steps"]["connect"] = type(e).__name__
+            continue
+        try:
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: engine\r\n")
+            while sent < HEADER_FLOOD_BYTES:
+                s.sendall(line * 64)
+                sent += len(line) * 64
+        except OSError:
+            pass
+        record["accepted_bytes"].append(sent)
+        try:
+            s.settimeout(5)
+            record["received"].append(s.recv(200).decode(errors="replace"))
+        except OSError:
+            pass
+        s.close()
+"""
+HEADER_FLOOD_BYTES = 64 << 20  # what the flood tries to send on one connection
+# More than this sent on one connection (the engine's cap, 32 KB, plus what the kernel's socket
+# buffers take before the close is seen): the engine read headers without a cap.
+HEADER_FLOOD_LIMIT = 16 << 20
+# A half-sent request held longer than this (the engine's 10 s, plus a loaded machine's slack)
+HALF_SENT_LIMIT_S = 30.0
+
 # bad_pickle: payloads that, unpickled, would set state on a class found by name (BUILD) or call
 # it (REDUCE); sent to the weight-update routes without the key and with a wrong one. argv: url.
 BAD_PICKLE = r"""
@@ -185,6 +267,7 @@ exec(_BAD_BODIES, _namespace)  # noqa: S102 - our own constant source
 BAD_BODIES: dict[str, bytes] = _namespace["BAD_BODIES"]
 
 SCRIPTS = {"ready_swap": READY_SWAP, "stage_plant": STAGE_PLANT, "conn_flood": CONN_FLOOD,
+           "keepalive_flood": KEEPALIVE_FLOOD, "header_flood": HEADER_FLOOD,
            "bad_pickle": BAD_PICKLE, "huge_request": HUGE_REQUEST}  # fmt: skip
 
 # Steps of each attack that the other user must never manage.
@@ -198,6 +281,8 @@ def script(kind: str) -> str:
     body = SCRIPTS[kind]
     if kind == "huge_request":
         body = "".join(f"    {line}\n" for line in _BAD_BODIES.strip().splitlines()) + body
+    if kind == "header_flood":
+        body = f"    HEADER_FLOOD_BYTES = {HEADER_FLOOD_BYTES}\n" + body
     return _PROLOGUE + body + _EPILOGUE
 
 
@@ -270,6 +355,10 @@ def findings(kind: str, record: dict, keys: set[str]) -> list[str]:
     ]
     text = json.dumps(record)
     problems += [f"{kind}: the engine key reached the other user" for k in keys if k and k in text]
+    if kind == "header_flood" and max(record.get("accepted_bytes") or [0]) > HEADER_FLOOD_LIMIT:
+        problems.append(f"{kind}: the engine read {max(record['accepted_bytes'])} bytes of one request's headers")
+    if kind == "keepalive_flood" and record.get("half_sent_held_s", 0) > HALF_SENT_LIMIT_S:
+        problems.append(f"{kind}: a half-sent second request was held {record['half_sent_held_s']:.0f} s")
     if kind == "ready_swap" and record["received"]:
         problems.append(f"{kind}: the other user's port was sent {record['received'][:2]!r}")
     for what, code in record.get("answers", {}).items():

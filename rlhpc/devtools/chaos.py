@@ -440,7 +440,11 @@ def judge(c: Context, kind: str, record: dict) -> None:
     c.problems += attacks.findings(kind, record, c.keys)
     tried = {**record["steps"], **record.get("answers", {})}
     got = f"{len(record['received'])} messages received" if "received" in record else ""
-    counts = {k: record[k] for k in ("opened", "closed_by_engine") if k in record}
+    counts = {
+        k: record[k]
+        for k in ("opened", "closed_by_engine", "answered", "half_sent_closed", "half_sent_held_s", "accepted_bytes")
+        if k in record
+    }
     c.notes.append(f"{kind} as uid {attacks.UID}: {tried} {counts or ''} {got}; keys checked: {len(c.keys)}")
 
 
@@ -511,6 +515,32 @@ def flood_connections(c: Context) -> bool:
     return False
 
 
+def flood_kept_alive(c: Context) -> bool:
+    """The other user holds 600 connections to an engine (past its cap of 512), each after one
+    complete keyless GET /health, every other one with half of a second request, for 20 s (past
+    the engine's 10 s deadline for a request's headers)."""
+    _, _, url = engine(c)
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    note_key(c)
+    attack = attacks.Attack.start("keepalive_flood", host, port, "600")
+    c.cleanup.append(lambda: attack.proc.poll() is None and attack.proc.kill())
+    time.sleep(20.0)  # the job trains on meanwhile
+    record = attack.finish()
+    judge(c, "keepalive_flood", record)
+    if record.get("answered", 0) < 600:
+        c.problems.append(f"trial not carried out: {record.get('answered')} first requests answered, not 600")
+    return False
+
+
+def flood_headers(c: Context) -> bool:
+    """The other user sends header lines without end on four connections to an engine."""
+    _, _, url = engine(c)
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    note_key(c)
+    judge(c, "header_flood", attacks.run("header_flood", host, port))
+    return False
+
+
 def send_bad_pickle(c: Context) -> bool:
     """The other user sends pickles that would set state on, or call, what they name to the
     weight-update routes (the key holder's variant: tests/integration/test_attacks.py)."""
@@ -558,6 +588,8 @@ KINDS: dict[str, Kind] = {
     "ready_swap": Kind(swap_ready_file, "local", True, attacker=True),
     "stage_plant": Kind(plant_stage, "local", False, attacker=True, needs_stage_dir=True),
     "conn_flood": Kind(flood_connections, "local", True, attacker=True),
+    "keepalive_flood": Kind(flood_kept_alive, "local", True, attacker=True),
+    "header_flood": Kind(flood_headers, "local", True, attacker=True),
     "bad_pickle": Kind(send_bad_pickle, "local", True, attacker=True),
     "huge_request": Kind(send_huge_requests, "local", True, attacker=True),
     "scontrol_requeue": Kind(scontrol_requeue, "slurm", True),
