@@ -106,6 +106,18 @@ STAGE_PLANT = r"""
         time.sleep(1)
 """
 
+# stage_link: names in a shared stage dir, planted before a job stages there: a dangling link
+# named as a job's stage root, a link to a dir of the job's user (the canary) and one to a file
+# in it, named as an ended job's root and archive, and a dir of our own. argv: stage dir, canary.
+STAGE_LINK = r"""
+    shared, canary = sys.argv[1], sys.argv[2]
+    for name, target in (("rlhpc-1", "/nonexistent"), ("rlhpc-4000000", canary),
+                         (".rlhpc-4000001.tar", os.path.join(canary, "keep"))):
+        step(f"link {name}", lambda: os.symlink(target, os.path.join(shared, name)))
+    step("make rlhpc-4000002", lambda: os.mkdir(os.path.join(shared, "rlhpc-4000002")))
+"""
+STAGE_LINK_NAMES = ("rlhpc-1", "rlhpc-4000000", ".rlhpc-4000001.tar", "rlhpc-4000002")
+
 # conn_flood: many connections to an engine, each holding half a request's headers, opened
 # again as the engine closes them, until stopped. argv: host, port, connections.
 CONN_FLOOD = r"""
@@ -266,7 +278,7 @@ _namespace: dict = {"json": json}
 exec(_BAD_BODIES, _namespace)  # noqa: S102 - our own constant source
 BAD_BODIES: dict[str, bytes] = _namespace["BAD_BODIES"]
 
-SCRIPTS = {"ready_swap": READY_SWAP, "stage_plant": STAGE_PLANT, "conn_flood": CONN_FLOOD,
+SCRIPTS = {"ready_swap": READY_SWAP, "stage_plant": STAGE_PLANT, "stage_link": STAGE_LINK, "conn_flood": CONN_FLOOD,
            "keepalive_flood": KEEPALIVE_FLOOD, "header_flood": HEADER_FLOOD,
            "bad_pickle": BAD_PICKLE, "huge_request": HUGE_REQUEST}  # fmt: skip
 

@@ -500,6 +500,33 @@ def plant_stage(c: Context) -> bool:
     return False  # a start that finds the planted copy refuses it and ends: the runner resubmits
 
 
+def plant_links(c: Context) -> None:
+    """Before the job starts: the other user plants links (one dangling, two to a dir and a file
+    of the job's user) and a dir of its own, named as other jobs' stage roots, in the shared stage
+    dir; the job's sweep of what its user's ended jobs left must neither follow nor fail on them."""
+    assert c.stage_dir is not None
+    canary = c.run.parent / "canary"
+    canary.mkdir(parents=True)
+    (canary / "keep").write_text("kept")
+    record = attacks.run("stage_link", str(c.stage_dir), str(canary))
+    if set(record["steps"].values()) != {"done"}:
+        raise TrialError(f"the other user could not plant its names: {record['steps']}")
+
+    def check() -> None:
+        left = sorted(p.name for p in c.stage_dir.iterdir() if p.name in attacks.STAGE_LINK_NAMES)
+        if left != sorted(attacks.STAGE_LINK_NAMES):
+            c.problems.append(f"stage_link: the other user's names were removed: only {left} are left")
+        if not (canary / "keep").is_file():
+            c.problems.append("stage_link: the job removed its user's file through the other user's link")
+        c.notes.append(f"stage_link as uid {attacks.UID}: {record['steps']}")
+
+    c.after.append(check)
+
+
+def staged_with_links(c: Context) -> bool:
+    return False  # planted before the start (plant_links): the job must stage and run past them
+
+
 def flood_connections(c: Context) -> bool:
     """The other user holds 400 half-sent requests open to an engine for 5 s (the start of the run)."""
     _, _, url = engine(c)
@@ -575,6 +602,7 @@ class Kind:
     needs_tmpfs: bool = False
     attacker: bool = False  # needs the second user (root, setpriv); acts once an engine is up
     needs_stage_dir: bool = False
+    before_start: Callable[[Context], None] | None = None  # acts before the job is submitted
 
 
 KINDS: dict[str, Kind] = {
@@ -587,6 +615,7 @@ KINDS: dict[str, Kind] = {
     "second_submission": Kind(second_submission, "local", True),
     "ready_swap": Kind(swap_ready_file, "local", True, attacker=True),
     "stage_plant": Kind(plant_stage, "local", False, attacker=True, needs_stage_dir=True),
+    "stage_link": Kind(staged_with_links, "local", True, attacker=True, needs_stage_dir=True, before_start=plant_links),
     "conn_flood": Kind(flood_connections, "local", True, attacker=True),
     "keepalive_flood": Kind(flood_kept_alive, "local", True, attacker=True),
     "header_flood": Kind(flood_headers, "local", True, attacker=True),
@@ -662,6 +691,8 @@ def run_trial(trial: Trial, workdir: Path, reference: Path, keep: bool = False) 
             c.cleanup.append(lambda: shutil.rmtree(c.stage_dir, ignore_errors=True))
         c.step_s = mean_step_s(reference)
         c.run.parent.mkdir(parents=True, exist_ok=True)
+        if kind.before_start is not None:
+            kind.before_start(c)
         c.proc = start(c.command(), c.log)
         timeout = 300 if kind.cluster == "local" else 600
         if kind.attacker:
