@@ -235,6 +235,32 @@ HEADER_FLOOD_LIMIT = 16 << 20
 # A half-sent request held longer than this (the engine's 10 s, plus a loaded machine's slack)
 HALF_SENT_LIMIT_S = 30.0
 
+# store_probe: torch's TCPStore protocol (no key: torch has none) spoken to every port the job's
+# training ranks listen on: set a key, read it back. argv: HOST:PORT of each.
+STORE_PROBE = r"""
+    import struct
+    record["stores"] = {}
+    key, value = b"rlhpc-probe", b"planted"
+    for port in sys.argv[1:]:
+        try:
+            s = socket.create_connection(tuple(port.rsplit(":", 1)), timeout=2)
+            s.settimeout(3)
+            msg = struct.pack("<BI", 0, 0x3C85F7CE)  # VALIDATE, with torch's magic number
+            msg += struct.pack("<BQ", 1, len(key)) + key + struct.pack("<Q", len(value)) + value  # SET
+            msg += struct.pack("<BQ", 3, len(key)) + key  # GET
+            s.sendall(msg)
+            got = b""
+            while len(got) < 8 + len(value):
+                chunk = s.recv(4096)
+                if not chunk:
+                    break
+                got += chunk
+            s.close()
+            record["stores"][str(port)] = "set and read a key" if got.endswith(value) else "no store"
+        except OSError as e:
+            record["stores"][str(port)] = type(e).__name__
+"""
+
 # bad_pickle: payloads that, unpickled, would set state on a class found by name (BUILD) or call
 # it (REDUCE); sent to the weight-update routes without the key and with a wrong one. argv: url.
 BAD_PICKLE = r"""
@@ -279,7 +305,7 @@ exec(_BAD_BODIES, _namespace)  # noqa: S102 - our own constant source
 BAD_BODIES: dict[str, bytes] = _namespace["BAD_BODIES"]
 
 SCRIPTS = {"ready_swap": READY_SWAP, "stage_plant": STAGE_PLANT, "stage_link": STAGE_LINK, "conn_flood": CONN_FLOOD,
-           "keepalive_flood": KEEPALIVE_FLOOD, "header_flood": HEADER_FLOOD,
+           "keepalive_flood": KEEPALIVE_FLOOD, "header_flood": HEADER_FLOOD, "store_probe": STORE_PROBE,
            "bad_pickle": BAD_PICKLE, "huge_request": HUGE_REQUEST}  # fmt: skip
 
 # Steps of each attack that the other user must never manage.
@@ -371,6 +397,8 @@ def findings(kind: str, record: dict, keys: set[str]) -> list[str]:
         problems.append(f"{kind}: the engine read {max(record['accepted_bytes'])} bytes of one request's headers")
     if kind == "keepalive_flood" and record.get("half_sent_held_s", 0) > HALF_SENT_LIMIT_S:
         problems.append(f"{kind}: a half-sent second request was held {record['half_sent_held_s']:.0f} s")
+    problems += [f"{kind}: the other user could {what} on port {port}"
+                 for port, what in record.get("stores", {}).items() if what == "set and read a key"]  # fmt: skip
     if kind == "ready_swap" and record["received"]:
         problems.append(f"{kind}: the other user's port was sent {record['received'][:2]!r}")
     for what, code in record.get("answers", {}).items():
@@ -378,6 +406,19 @@ def findings(kind: str, record: dict, keys: set[str]) -> list[str]:
         if isinstance(code, int) and code != 401:
             problems.append(f"{kind}: {what} was answered {code}, not 401, without the key")
     return problems
+
+
+def listening(pids: list[int]) -> list[str]:
+    """HOST:PORT of every TCP port the processes ``pids`` listen on (one on every address: on loopback)."""
+    import psutil  # late: only the soak and the tests look
+
+    found = []
+    for pid in pids:
+        for c in psutil.Process(pid).net_connections("inet"):
+            if c.status == psutil.CONN_LISTEN:
+                ip = c.laddr.ip.removeprefix("::ffff:")
+                found.append(f"{'127.0.0.1' if ip in ('0.0.0.0', '::') else ip}:{c.laddr.port}")
+    return found
 
 
 def keyed_bad_requests(url: str, key: str) -> list[str]:

@@ -438,7 +438,7 @@ def note_key(c: Context) -> str:
 def judge(c: Context, kind: str, record: dict) -> None:
     note_key(c)
     c.problems += attacks.findings(kind, record, c.keys)
-    tried = {**record["steps"], **record.get("answers", {})}
+    tried = {**record["steps"], **record.get("answers", {}), **record.get("stores", {})}
     got = f"{len(record['received'])} messages received" if "received" in record else ""
     counts = {
         k: record[k]
@@ -568,6 +568,18 @@ def flood_headers(c: Context) -> bool:
     return False
 
 
+def probe_stores(c: Context) -> bool:
+    """The other user speaks torch's TCPStore protocol (set a key, read it back; torch has no key)
+    to every port the job's training ranks listen on, once they trained (their group formed)."""
+    note_key(c)
+    wait_for(lambda: bool(trained(c.run)), 300, "the first rollout trained", c.proc)
+    ranks = [pid for pid, args in descendants(task_pid(c.run)).items() if args.startswith("ray::TrainWorker")]
+    if not ranks:
+        raise TrialError("no training rank of the job is up")
+    judge(c, "store_probe", attacks.run("store_probe", *attacks.listening(ranks)))
+    return False
+
+
 def send_bad_pickle(c: Context) -> bool:
     """The other user sends pickles that would set state on, or call, what they name to the
     weight-update routes (the key holder's variant: tests/integration/test_attacks.py)."""
@@ -619,6 +631,7 @@ KINDS: dict[str, Kind] = {
     "conn_flood": Kind(flood_connections, "local", True, attacker=True),
     "keepalive_flood": Kind(flood_kept_alive, "local", True, attacker=True),
     "header_flood": Kind(flood_headers, "local", True, attacker=True),
+    "store_probe": Kind(probe_stores, "local", True, attacker=True),
     "bad_pickle": Kind(send_bad_pickle, "local", True, attacker=True),
     "huge_request": Kind(send_huge_requests, "local", True, attacker=True),
     "scontrol_requeue": Kind(scontrol_requeue, "slurm", True),
