@@ -719,8 +719,9 @@ def run_trial(trial: Trial, workdir: Path, reference: Path, keep: bool = False) 
             time.sleep(trial.step_fraction * c.step_s)
         if c.cluster == "local":
             c.problems += engine_probe(c.run)
-            if not RunDir(c.run).local_ray_dir.is_dir():  # else a kill leaves it in /tmp for good
-                c.problems.append(f"the job's Ray does not keep its files in {RunDir(c.run).local_ray_dir}")
+            ray_dir = RunDir(c.run).local_ray_dir
+            if ray_dir is None or not ray_dir.is_dir():  # else a kill leaves it in /tmp for good
+                c.problems.append(f"the job's Ray does not keep its files where the run dir records: {ray_dir}")
         ended = kind.inject(c)
         if ended:
             c.proc.wait()

@@ -33,7 +33,7 @@ from rlhpc.engine_server.sglang import SGLangSpec
 from rlhpc.errors import RlhpcError
 from rlhpc.util.files import node_tmp_dir, read_trusted_json, tail
 from rlhpc.util.net import http_url, url_host
-from rlhpc.util.processes import die_with_parent, stop_group
+from rlhpc.util.processes import die_with_parent, python_command, stop_group
 from rlhpc.wire.client import EngineClient
 from rlhpc.wire.engine_key import read_key
 
@@ -84,9 +84,7 @@ class EngineActor:
     def _command(self) -> list[str]:
         key = ["--api-key-file", self.key_file] if self.key_file else []
         return [
-            sys.executable,
-            "-m",
-            "rlhpc.engine_server.cpu",
+            *python_command("-m", "rlhpc.engine_server.cpu"),
             "--model-path",
             self.model_path,
             "--host",

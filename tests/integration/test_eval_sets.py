@@ -2,6 +2,7 @@
 the same weights give the same numbers the run logged at that rollout."""
 
 import json
+import stat
 import subprocess
 import sys
 
@@ -49,6 +50,9 @@ def test_rlhpc_eval_of_a_checkpoint_equals_what_the_run_logged(run):
     written = json.loads((run / "evals" / "rollout_000000.json").read_text())
     logged = next(r for r in read_metrics(run) if r["kind"] == "eval" and r["rollout_id"] == 0)
     assert written["rollout_id"] == 0
+    # under the run's own access (private), whatever the umask it was started with (022 here)
+    assert stat.S_IMODE((run / "evals").stat().st_mode) == 0o700
+    assert stat.S_IMODE((run / "evals" / "rollout_000000.json").stat().st_mode) == 0o600
     # greedy on the same weights: identical; sampled with the same per-sample seeds: identical too
     assert written["metrics"] == {k: v for k, v in logged.items() if k not in ("kind", "rollout_id")}
     assert f"toy/mean {logged['toy/mean']:.4f}" in said(p)

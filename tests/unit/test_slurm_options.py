@@ -55,7 +55,14 @@ def first_choice(job_id: str) -> RayPorts:
 def test_port_blocks_per_job():
     a, b = first_choice("1234"), first_choice("1235")
     ports_a = set(vars(a).values())
-    assert len(ports_a) == 10  # no port used twice inside a job
+    assert len(ports_a) == len(vars(a)) == 12  # no port used twice inside a job
+    # Ray's Prometheus endpoints on the job's ports (issue 43, item 12), its node exporter off
+    assert a.env() == {
+        "RAY_enable_metrics_collection": "0",
+        "DASHBOARD_METRIC_PORT": str(a.dashboard_metrics),
+        "AUTOSCALER_METRIC_PORT": str(a.autoscaler_metrics),
+    }
+    assert {a.dashboard_metrics, a.autoscaler_metrics} <= set(a.all()) - set(range(a.min_worker, a.max_worker + 1))
     assert not (set(range(a.gcs, a.gcs + PORT_BLOCK)) & set(range(b.gcs, b.gcs + PORT_BLOCK)))
     assert not a.min_worker <= a.gcs <= a.max_worker  # ray start refuses a GCS port in the worker range
     assert FIRST_PORT <= a.gcs and a.max_worker < FIRST_PORT + NUM_BLOCKS * PORT_BLOCK <= 32768  # below ephemeral ports
