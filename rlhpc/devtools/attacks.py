@@ -277,32 +277,37 @@ BAD_PICKLE = r"""
                 record["answers"][f"{name}, {who}, {route}"] = post(url + route, body if "tensor" in route else b"{}", headers)[0]
 """
 
-# huge_request: generations no engine could serve and bodies no engine could parse, sent without
-# the key. argv: url.
+# huge_request: generations no engine could serve, bodies no engine could parse, and requests
+# that would make an engine render a template of the request's own or build millions of rows,
+# sent without the key. argv: url.
 HUGE_REQUEST = r"""
     url = sys.argv[1]
     record["answers"] = {}
-    for name, body in BAD_BODIES.items():
-        record["answers"][name] = post(url + "/generate", body)[0]
+    for name, (route, body) in BAD_BODIES.items():
+        record["answers"][name] = post(url + route, body)[0]
 """
 
 # The bodies huge_request sends (the key-holder's variant too): each must be refused with 401
 # without the key, 400 with it, and leave the engine serving. Source, run here and in the script
 # (a million-token body is too long for a command line).
 _BAD_BODIES = """
+HI = [{"role": "user", "content": "hi"}]
 BAD_BODIES = {
-    "max_new_tokens 10^9": {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 10**9}},
-    "n 10^9": {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1, "n": 10**9}},
-    "temperature nan": {"input_ids": [1, 2], "sampling_params": {"temperature": "nan"}},
-    "a million-token prompt": {"input_ids": [1] * 10**6, "sampling_params": {"max_new_tokens": 1}},
-    "input_ids not ints": {"input_ids": [[["x"]]], "sampling_params": {}},
+    "max_new_tokens 10^9": ("/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 10**9}}),
+    "n 10^9": ("/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1, "n": 10**9}}),
+    "temperature nan": ("/generate", {"input_ids": [1, 2], "sampling_params": {"temperature": "nan"}}),
+    "a million-token prompt": ("/generate", {"input_ids": [1] * 10**6, "sampling_params": {"max_new_tokens": 1}}),
+    "input_ids not ints": ("/generate", {"input_ids": [[["x"]]], "sampling_params": {}}),
+    "a template in chat_template_kwargs": ("/v1/chat/completions", {
+        "messages": HI, "max_tokens": 1, "chat_template_kwargs": {"chat_template": "{{ 'x' * 300000000 }}"}}),
+    "n 2,000,000 completions": ("/v1/completions", {"prompt": "ab", "max_tokens": 1, "n": 2 * 10**6}),
 }
-BAD_BODIES = {k: json.dumps(v).encode() for k, v in BAD_BODIES.items()}
-BAD_BODIES["not JSON"] = b"{" * 100_000
+BAD_BODIES = {k: (route, json.dumps(v).encode()) for k, (route, v) in BAD_BODIES.items()}
+BAD_BODIES["not JSON"] = ("/generate", b"{" * 100_000)
 """
 _namespace: dict = {"json": json}
 exec(_BAD_BODIES, _namespace)  # noqa: S102 - our own constant source
-BAD_BODIES: dict[str, bytes] = _namespace["BAD_BODIES"]
+BAD_BODIES: dict[str, tuple[str, bytes]] = _namespace["BAD_BODIES"]
 
 SCRIPTS = {"ready_swap": READY_SWAP, "stage_plant": STAGE_PLANT, "stage_link": STAGE_LINK, "conn_flood": CONN_FLOOD,
            "keepalive_flood": KEEPALIVE_FLOOD, "header_flood": HEADER_FLOOD, "store_probe": STORE_PROBE,
@@ -426,8 +431,8 @@ def keyed_bad_requests(url: str, key: str) -> list[str]:
     serve on; the problems found."""
     problems = []
     headers = {"Content-Type": "application/json", "Authorization": f"Bearer {key}"}
-    for name, body in BAD_BODIES.items():
-        req = urllib.request.Request(url + "/generate", data=body, headers=headers)
+    for name, (route, body) in BAD_BODIES.items():
+        req = urllib.request.Request(url + route, data=body, headers=headers)
         try:
             with urllib.request.urlopen(req, timeout=120) as r:
                 problems.append(f"huge_request with the key: {name} was served ({r.status})")
