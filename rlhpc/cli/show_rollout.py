@@ -10,9 +10,8 @@ import argparse
 import sys
 from pathlib import Path
 
-import h5py
-
 from rlhpc.errors import RlhpcError
+from rlhpc.metrics import open_rollout_dump, printable
 from rlhpc.run_dir import RunDir
 
 
@@ -46,16 +45,22 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         f = find(args.path, args.rollout_id)
+        return show(f, args.limit)
     except RlhpcError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {printable(e)}", file=sys.stderr)
         return 1
-    with h5py.File(f) as h:
+
+
+def show(f: Path, limit: int) -> int:
+    # the dump may come from anyone: checked as it opens, every text of it printed escaped
+    with open_rollout_dump(f) as h:
         rewards, adv = h["rewards"][:], h["advantages"][:]
+        rollout_id, group_size = printable(h.attrs["rollout_id"]), printable(h.attrs["group_size"])
         print(
-            f"{f}: rollout {h.attrs['rollout_id']}, {len(rewards)} samples, group size {h.attrs['group_size']}, mean reward {rewards.mean():.3f}"
+            f"{printable(f)}: rollout {rollout_id}, {len(rewards)} samples, group size {group_size}, mean reward {rewards.mean():.3f}"
         )
         print(f"{'prompt':<14} {'response':<14} {'answer':<8} {'reward':>6} {'adv':>7}")
-        for i in range(min(args.limit, len(rewards))):
+        for i in range(min(limit, len(rewards))):
             prompt, resp, ans = (h[k][i].decode() for k in ("prompt", "response", "answer"))
             print(f"{prompt!r:<14} {resp!r:<14} {ans!r:<8} {rewards[i]:>6.2f} {adv[i]:>+7.3f}")
     return 0

@@ -18,6 +18,7 @@ import subprocess
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
+from pathlib import Path
 
 UID = 65534  # nobody
 
@@ -117,6 +118,53 @@ STAGE_LINK = r"""
     step("make rlhpc-4000002", lambda: os.mkdir(os.path.join(shared, "rlhpc-4000002")))
 """
 STAGE_LINK_NAMES = ("rlhpc-1", "rlhpc-4000000", ".rlhpc-4000001.tar", "rlhpc-4000002")
+
+# cwd_plant: modules every part of a job imports, planted in a dir the job is submitted from
+# (one others can write): each notes which process ran it in "ran" there, then hands over to the
+# real module, so the job goes on as if nothing happened. argv: the dir, module names.
+CWD_PLANT = r"""
+    d = sys.argv[1]
+    code = (
+        "import importlib, os, sys\n"
+        "here = os.path.dirname(os.path.abspath(__file__))\n"
+        "with open(os.path.join(here, 'ran'), 'a') as f:\n"
+        "    f.write(f'{__name__} in pid {os.getpid()}: {\" \".join(sys.argv)[:200]}\\n')\n"
+        "sys.path[:] = [p for p in sys.path if os.path.abspath(p or '.') != here]\n"
+        "del sys.modules[__name__]\n"
+        "sys.modules[__name__] = importlib.import_module(__name__)\n"
+    )
+    def plant(name):
+        with open(os.path.join(d, name + ".py"), "w") as f:
+            f.write(code)
+    for name in sys.argv[2:]:
+        step(f"plant {name}.py", lambda: plant(name))
+    def ran():
+        open(os.path.join(d, "ran"), "w").close()
+        os.chmod(os.path.join(d, "ran"), 0o666)  # the job's user writes to it, if it runs our code
+    step("make ran", ran)
+"""
+# what the driver, the engine servers and Ray's workers import
+CWD_PLANT_NAMES = ("uvloop", "orjson", "safetensors")
+
+# ray_probe: GET /metrics on every port the job's Ray listens on (Prometheus endpoints take no
+# token); what answered is kept. argv: HOST:PORT of each.
+RAY_PROBE = r"""
+    record["metrics"] = {}
+    for port in sys.argv[1:]:
+        try:
+            with urllib.request.urlopen(f"http://{port}/metrics", timeout=3) as r:
+                record["metrics"][port] = r.status
+                record["received"].append(r.read(1 << 20).decode(errors="replace"))
+        except urllib.error.HTTPError as e:
+            record["metrics"][port] = e.code
+        except Exception as e:  # not HTTP at all (gRPC), refused, reset
+            record["metrics"][port] = type(e).__name__
+"""
+
+# ray_squat: a dir of ours under the name a job would make for its local Ray. argv: the name.
+RAY_SQUAT = r"""
+    step("make the local Ray dir's old name", lambda: os.mkdir(sys.argv[1], 0o700))
+"""
 
 # conn_flood: many connections to an engine, each holding half a request's headers, opened
 # again as the engine closes them, until stopped. argv: host, port, connections.
@@ -311,6 +359,7 @@ BAD_BODIES: dict[str, tuple[str, bytes]] = _namespace["BAD_BODIES"]
 
 SCRIPTS = {"ready_swap": READY_SWAP, "stage_plant": STAGE_PLANT, "stage_link": STAGE_LINK, "conn_flood": CONN_FLOOD,
            "keepalive_flood": KEEPALIVE_FLOOD, "header_flood": HEADER_FLOOD, "store_probe": STORE_PROBE,
+           "cwd_plant": CWD_PLANT, "ray_probe": RAY_PROBE, "ray_squat": RAY_SQUAT,
            "bad_pickle": BAD_PICKLE, "huge_request": HUGE_REQUEST}  # fmt: skip
 
 # Steps of each attack that the other user must never manage.
@@ -424,6 +473,61 @@ def listening(pids: list[int]) -> list[str]:
                 ip = c.laddr.ip.removeprefix("::ffff:")
                 found.append(f"{'127.0.0.1' if ip in ('0.0.0.0', '::') else ip}:{c.laddr.port}")
     return found
+
+
+# What rlhpc-show-rollout is handed in hostile_dump: files shaped as a dump (the datasets and
+# attributes it reads) whose first access would make HDF5 read ``secret`` (a file of the reader's)
+# or allocate far more than the file holds, or put escapes on the terminal. HDF5 needs h5py, which
+# the other user's Python lacks: they are made here and handed to that user (chown), as planted.
+ESCAPES = "\x1b]0;pwned\x07\x1b[2J\u202e"  # set the title, clear the screen, reverse what follows
+
+
+def plant_dumps(where: Path, secret: Path) -> dict[str, Path]:
+    """The hostile dumps, by what each tries; ``secret``'s first 64 bytes are what must not show."""
+    import h5py  # late: only the soak and the tests make them
+    import numpy as np
+
+    def external(f: h5py.File) -> None:
+        f.create_dataset("prompt", shape=(1,), dtype="S64", external=[(str(secret), 0, 64)])
+
+    def other_file() -> str:
+        other = where / "other.h5"
+        with h5py.File(other, "w") as g:
+            g["data"] = np.full(4, 42.0)
+        return str(other)
+
+    def virtual(f: h5py.File) -> None:
+        layout = h5py.VirtualLayout(shape=(4,), dtype="f8")
+        layout[:] = h5py.VirtualSource(other_file(), "data", shape=(4,))
+        f.create_virtual_dataset("rewards", layout)
+
+    def link(f: h5py.File) -> None:
+        f["rewards"] = h5py.ExternalLink(other_file(), "data")
+
+    def declared(f: h5py.File) -> None:
+        f.create_dataset("rewards", shape=(10**8,), dtype="f4")  # nothing stored: 10^8 fill values on read
+
+    def compressed(f: h5py.File) -> None:
+        f.create_dataset("rewards", data=np.zeros(10**6), compression="gzip")  # a few KB unpacking to 8 MB
+
+    def escapes(f: h5py.File) -> None:
+        f.attrs["rollout_id"] = ESCAPES
+        for k in ("prompt", "response", "answer"):
+            f.create_dataset(k, data=[ESCAPES], dtype=h5py.string_dtype())
+
+    made = {}
+    for build in (external, virtual, link, declared, compressed, escapes):
+        path = where / f"{build.__name__}.h5"
+        with h5py.File(path, "w") as f:
+            f.attrs["rollout_id"], f.attrs["group_size"] = 0, 1
+            f["advantages"] = np.zeros(1)
+            build(f)
+            if "rewards" not in f:
+                f["rewards"] = np.zeros(1)
+        if os.getuid() == 0:
+            os.chown(path, UID, UID)
+        made[build.__name__] = path
+    return made
 
 
 def keyed_bad_requests(url: str, key: str) -> list[str]:
