@@ -16,10 +16,12 @@ generate without the engine key and must refuse. Trial i uses seed ``--seed + i`
 replays it.
 
 The attacker kinds (``ready_swap``, ``stage_plant``, ``conn_flood``, ``bad_pickle``,
-``huge_request``; issue 32) are another user of the node, uid 65534 via ``setpriv``
-(``rlhpc.devtools.attacks``), attacking the job once an engine is up: the run must still end as
-the undisturbed one, and no engine key of the job may reach that user (every key the job used
-is looked for in all it received or read).
+``huge_request``: issue 32; ``stage_link``, ``keepalive_flood``, ``header_flood``,
+``store_probe``, ``cwd_plant``, ``ray_probe``, ``hostile_dump``: issue 43) are another user of
+the node, uid 65534 via ``setpriv`` (``rlhpc.devtools.attacks``), attacking the job once an
+engine is up (or, for some, planting before it starts): the run must still end as the
+undisturbed one, and no engine key of the job may reach that user (every key the job used is
+looked for in all it received or read).
 Prints one line per trial, survived / tried per kind, then one JSON line
 ``{"tried": N, "survived": M, "by_kind": {...}, "by_layout": {...}}``. Needs root for ``full_disk`` (a tmpfs)
 and the attacker kinds.
@@ -28,6 +30,7 @@ and the attacker kinds.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import random
@@ -50,7 +53,7 @@ from rlhpc.devtools.minicluster import MiniCluster
 from rlhpc.invariants import processes_using, violations
 from rlhpc.metrics import read_metrics
 from rlhpc.run_dir import RunDir
-from rlhpc.util.processes import kill_groups, process_groups
+from rlhpc.util.processes import kill_groups, process_groups, python_command
 
 # The checkout this module lies in: the soak submits through its jobs/submit.py.
 REPO = Path(__file__).resolve().parents[2]
@@ -133,13 +136,15 @@ def submit_command(run: Path, cluster: str, layout: str, *extra: str, node_kill:
 
 
 def env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    # no empty entry: one is the working dir, which a trial may make another user's (cwd_plant)
+    path = [p for p in (str(REPO), *os.environ.get("PYTHONPATH", "").split(os.pathsep)) if p]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
 
 
-def start(cmd: list[str], log: Path) -> subprocess.Popen:
-    """A job in a session of its own (as from a terminal), output appended to ``log``."""
+def start(cmd: list[str], log: Path, cwd: Path = REPO) -> subprocess.Popen:
+    """A job in a session of its own (as from a terminal), submitted from ``cwd``, output appended to ``log``."""
     with log.open("a") as out:
-        return subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env())
+        return subprocess.Popen(cmd, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env())
 
 
 def trained(run: Path) -> list[int]:
@@ -284,6 +289,7 @@ class Context:
     cleanup: list[Callable[[], None]] = field(default_factory=list)
     after: list[Callable[[], None]] = field(default_factory=list)  # once the run finished, before the checks
     stage_dir: Path | None = None  # cluster.stage_dir, shared with other users as /tmp is
+    cwd: Path = REPO  # where the job is submitted from
     keys: set[str] = field(default_factory=set)  # every engine key the job used while attacked
     notes: list[str] = field(default_factory=list)
     step_s: float = 0.5  # seconds per rollout of the undisturbed run
@@ -580,6 +586,98 @@ def probe_stores(c: Context) -> bool:
     return False
 
 
+def plant_modules(c: Context) -> None:
+    """Before the job starts: the job is submitted from a dir others can write (as /tmp), where the
+    other user planted modules the driver, the engine servers and Ray's workers import; each one
+    notes it ran, then hands over to the real module. No process of the job may run one."""
+    c.cwd = Path(tempfile.mkdtemp(prefix="rlhpc-chaos-cwd-"))
+    c.cwd.chmod(0o1777)
+    c.cleanup.append(lambda: shutil.rmtree(c.cwd, ignore_errors=True))
+    record = attacks.run("cwd_plant", str(c.cwd), *attacks.CWD_PLANT_NAMES)
+    if set(record["steps"].values()) != {"done"}:
+        raise TrialError(f"the other user could not plant its modules: {record['steps']}")
+
+    def check() -> None:
+        if ran := (c.cwd / "ran").read_text():
+            c.problems.append(f"cwd_plant: the job ran the other user's code: {ran[:500]}")
+        c.notes.append(f"cwd_plant as uid {attacks.UID}: {record['steps']}")
+
+    c.after.append(check)
+
+
+def submitted_from_a_shared_dir(c: Context) -> bool:
+    return False  # planted before the start (plant_modules): the job must run past them
+
+
+def squat_ray_dir(c: Context) -> None:
+    """Before the job starts: the other user makes the local Ray dir's old name (it was derived
+    from the run dir's path, which ``ps`` shows), as a squatter blocking the run would."""
+    digest = hashlib.sha256(str(c.run.resolve()).encode()).hexdigest()[:12]
+    squat = Path(tempfile.gettempdir()) / f"rlhpc-ray-{digest}"
+    record = attacks.run("ray_squat", str(squat))
+    c.cleanup.append(lambda: shutil.rmtree(squat, ignore_errors=True))
+    if record["steps"].get("make the local Ray dir's old name") != "done":
+        raise TrialError(f"the other user could not squat {squat}: {record['steps']}")
+
+
+# Ray's fixed defaults, which every job on a node would share: the dashboard's and the
+# autoscaler's Prometheus ports, the dashboard's, the GCS's and the client server's
+RAY_FIXED_PORTS = frozenset({44227, 44217, 8265, 6379, 10001})
+
+
+def probe_ray(c: Context) -> bool:
+    """The other user asks every port the job's Ray listens on for Prometheus metrics (they take
+    no token); none may be one of Ray's fixed ports, and nothing it gets may hold a key of the job
+    (the engine key, the job's Ray token)."""
+    note_key(c)
+    ray_procs = [
+        pid
+        for pid, args in descendants(task_pid(c.run)).items()
+        if args.startswith("ray::") or "/ray/" in args or "gcs_server" in args or "raylet" in args
+    ]
+    ports = attacks.listening(ray_procs)
+    token = RunDir(c.run).ray_state(job_id(c.run), 0).token
+    if token.is_file():
+        c.keys.add(token.read_text().strip())
+    if fixed := {int(p.rsplit(":", 1)[1]) for p in ports} & RAY_FIXED_PORTS:
+        c.problems.append(f"ray_probe: the job's Ray listens on Ray's fixed ports {sorted(fixed)}")
+    judge(c, "ray_probe", attacks.run("ray_probe", *ports))
+    return False
+
+
+def show_hostile_dumps(c: Context) -> bool:
+    """While the run goes on, the job's user runs rlhpc-show-rollout on dumps the other user
+    planted (``attacks.plant_dumps``): an external dataset, a virtual one and an external link
+    onto a 0600 file of the job's user, 10^8 values declared in a few KB, a compressed dataset,
+    and escapes in every text. Each is refused (escapes: shown escaped), nothing of that file or
+    a control character reaches the terminal, and no reader grows 200 MB past the plain one."""
+    where = Path(tempfile.mkdtemp(prefix="rlhpc-chaos-dumps-"))
+    c.cleanup.append(lambda: shutil.rmtree(where, ignore_errors=True))
+    secret = where / "secret"
+    secret.write_text(f"secret of {c.run}".ljust(64))
+    secret.chmod(0o600)
+    codes, peaks = {}, {}
+    for kind, dump in attacks.plant_dumps(where, secret).items():
+        proc = subprocess.Popen(
+            python_command("-m", "rlhpc.cli.show_rollout", str(dump)),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env(),
+        )  # fmt: skip
+        out = proc.stdout.read()
+        _, status, usage = os.wait4(proc.pid, 0)
+        codes[kind], peaks[kind] = os.waitstatus_to_exitcode(status), usage.ru_maxrss / 1024
+        if codes[kind] != (0 if kind == "escapes" else 1):
+            c.problems.append(f"hostile_dump: rlhpc-show-rollout on the {kind} dump exited {codes[kind]}: {out[-300:]}")
+        if secret.read_text().strip() in out or not all(ch.isprintable() for ch in out.replace("\n", "")):
+            c.problems.append(f"hostile_dump: the {kind} dump put the job user's file or escapes out: {out[-300:]!r}")
+    c.problems += [
+        f"hostile_dump: reading the {kind} dump took {mb:.0f} MB, the plain one {peaks['escapes']:.0f} MB"
+        for kind, mb in peaks.items()
+        if mb > peaks["escapes"] + 200
+    ]
+    c.notes.append(f"hostile_dump planted as uid {attacks.UID}: exit codes {codes}")
+    return False
+
+
 def send_bad_pickle(c: Context) -> bool:
     """The other user sends pickles that would set state on, or call, what they name to the
     weight-update routes (the key holder's variant: tests/integration/test_attacks.py)."""
@@ -632,6 +730,9 @@ KINDS: dict[str, Kind] = {
     "keepalive_flood": Kind(flood_kept_alive, "local", True, attacker=True),
     "header_flood": Kind(flood_headers, "local", True, attacker=True),
     "store_probe": Kind(probe_stores, "local", True, attacker=True),
+    "cwd_plant": Kind(submitted_from_a_shared_dir, "local", True, attacker=True, before_start=plant_modules),
+    "ray_probe": Kind(probe_ray, "local", True, attacker=True, before_start=squat_ray_dir),
+    "hostile_dump": Kind(show_hostile_dumps, "local", True, attacker=True),
     "bad_pickle": Kind(send_bad_pickle, "local", True, attacker=True),
     "huge_request": Kind(send_huge_requests, "local", True, attacker=True),
     "scontrol_requeue": Kind(scontrol_requeue, "slurm", True),
@@ -706,7 +807,7 @@ def run_trial(trial: Trial, workdir: Path, reference: Path, keep: bool = False) 
         c.run.parent.mkdir(parents=True, exist_ok=True)
         if kind.before_start is not None:
             kind.before_start(c)
-        c.proc = start(c.command(), c.log)
+        c.proc = start(c.command(), c.log, c.cwd)
         timeout = 300 if kind.cluster == "local" else 600
         if kind.attacker:
             # the moment an engine is up: a run of the tiny model trains for seconds after minutes of start-up
@@ -731,7 +832,7 @@ def run_trial(trial: Trial, workdir: Path, reference: Path, keep: bool = False) 
         for _ in range(3):  # what a user does after a crash: submit the same command again
             if RunDir(c.run).is_finished():
                 break
-            c.proc = start(c.command(), c.log)
+            c.proc = start(c.command(), c.log, c.cwd)
             wait_finished(c, JOB_TIMEOUT_S)
         for check in c.after:
             check()

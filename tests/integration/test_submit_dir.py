@@ -11,32 +11,10 @@ import pytest
 from support.jobs import said, submit
 from support.other_user import require_second_user, run_as_other_user, shared_tmp_dir
 
+from rlhpc.devtools import attacks
 from rlhpc.run_dir import RunDir
 
 pytestmark = pytest.mark.ray
-
-# Modules every part of a job imports (the driver, the engine servers, Ray's workers), planted in
-# the submit dir by the other user: each notes which process ran it, then hands over to the real
-# module, so the job goes on as if nothing happened (as in the issue: it "completed successfully").
-PLANTED = ("uvloop", "orjson", "safetensors")
-PLANT = """
-import os, sys
-d = sys.argv[1]
-code = '''
-import importlib, os, sys
-here = os.path.dirname(os.path.abspath(__file__))
-with open(os.path.join(here, "ran"), "a") as f:
-    f.write(f"{__name__} in pid {os.getpid()}: {' '.join(sys.argv)[:200]}\\\\n")
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
-del sys.modules[__name__]
-sys.modules[__name__] = importlib.import_module(__name__)
-'''
-for name in sys.argv[2:]:
-    with open(os.path.join(d, name + ".py"), "w") as f:
-        f.write(code)
-open(os.path.join(d, "ran"), "w").close()
-os.chmod(os.path.join(d, "ran"), 0o666)
-"""
 
 
 def test_a_job_submitted_from_a_dir_others_write_runs_none_of_their_code(tmp_path: Path) -> None:
@@ -45,8 +23,9 @@ def test_a_job_submitted_from_a_dir_others_write_runs_none_of_their_code(tmp_pat
     # The local Ray's dir was /tmp/rlhpc-ray-<digest of the run dir>, a name anyone could make first.
     squatted = Path(tempfile.gettempdir()) / f"rlhpc-ray-{hashlib.sha256(str(run).encode()).hexdigest()[:12]}"
     with shared_tmp_dir() as shared:
-        planted = run_as_other_user(PLANT, str(shared), *PLANTED)
-        assert planted.returncode == 0, planted.stderr
+        # the modules the driver, the engine servers and Ray's workers import, each noting where it ran
+        planted = attacks.run("cwd_plant", str(shared), *attacks.CWD_PLANT_NAMES)
+        assert set(planted["steps"].values()) == {"done"}, planted
         squat = run_as_other_user("import os, sys; os.mkdir(sys.argv[1], 0o700)", str(squatted))
         try:
             assert squat.returncode == 0, squat.stderr
