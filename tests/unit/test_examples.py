@@ -28,3 +28,26 @@ def test_an_example_config_validates(name, monkeypatch):
     assert getattr(cfg.rollout, key) == spec
     # the one way in: the other two keys unset
     assert [k for k in ("env", "generate_fn", "agent") if getattr(cfg.rollout, k) is not None] == [key]
+
+
+@pytest.mark.parametrize(
+    "expression",
+    [
+        "(" * 1500 + "1" + ")" * 1500,  # too many nested parentheses
+        "-" * 3000 + "1",  # RecursionError in the compiler
+        "+".join(["1"] * 1500),
+        "9" * 1500 + "*" + "9" * 1499,
+        "9**9**9",
+        "(1)(1)",
+        "1/0",
+        "__import__('os')",
+    ],
+)
+def test_the_shipped_calculator_answers_any_input_and_never_raises(monkeypatch, expression):
+    # Issue 43, item 11: 3,000-character inputs raised MemoryError or RecursionError, which
+    # ended the episode and the run: a tool's bad input is a tool result
+    monkeypatch.syspath_prepend(str(REPO))
+    from examples.calculator_agent import calculator
+
+    assert calculator(expression).startswith("error: ")
+    assert calculator("6*(3+4)/2") == "21.0" and calculator("-2*-3") == "6"
