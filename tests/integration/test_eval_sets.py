@@ -44,8 +44,9 @@ def test_each_set_is_logged_at_start_every_interval_and_the_end(run):
 
 def test_rlhpc_eval_of_a_checkpoint_equals_what_the_run_logged(run):
     p = subprocess.run(
-        [*EVAL, str(run), "--checkpoint", "rollout_0"], capture_output=True, text=True, timeout=300, cwd=REPO
-    )
+        [*EVAL, str(run), "--checkpoint", "rollout_0"], capture_output=True, text=True, timeout=300, cwd=REPO,
+        umask=0o022,
+    )  # fmt: skip
     assert p.returncode == 0, said(p)
     written = json.loads((run / "evals" / "rollout_000000.json").read_text())
     logged = next(r for r in read_metrics(run) if r["kind"] == "eval" and r["rollout_id"] == 0)
