@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         f = find(args.path, args.rollout_id)
         return show(f, args.limit)
     except RlhpcError as e:
-        print(f"error: {printable(e)}", file=sys.stderr)
+        print("error: " + "\n".join(printable(line) for line in str(e).splitlines()), file=sys.stderr)
         return 1
 
 

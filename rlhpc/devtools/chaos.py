@@ -444,7 +444,7 @@ def note_key(c: Context) -> str:
 def judge(c: Context, kind: str, record: dict) -> None:
     note_key(c)
     c.problems += attacks.findings(kind, record, c.keys)
-    tried = {**record["steps"], **record.get("answers", {}), **record.get("stores", {})}
+    tried = {**record["steps"], **record.get("answers", {}), **record.get("stores", {}), **record.get("metrics", {})}
     got = f"{len(record['received'])} messages received" if "received" in record else ""
     counts = {
         k: record[k]
@@ -659,7 +659,7 @@ def show_hostile_dumps(c: Context) -> bool:
     codes, peaks = {}, {}
     for kind, dump in attacks.plant_dumps(where, secret).items():
         proc = subprocess.Popen(
-            python_command("-m", "rlhpc.cli.show_rollout", str(dump)),
+            python_command(str(REPO / "tools" / "show_rollout.py"), str(dump)),
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env(),
         )  # fmt: skip
         out = proc.stdout.read()

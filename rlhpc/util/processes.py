@@ -31,7 +31,7 @@ def python_command(*args: str, python: str = sys.executable) -> list[str]:
 
 def safe_python_env(env: MutableMapping[str, str] | None = None) -> MutableMapping[str, str]:
     """``env`` (default: this process's) for Python processes that others start from it (submitit's
-    task, Ray's processes, a follow-up's): PYTHONSAFEPATH set, which is ``-P`` for all of them,
+    task, Ray's processes and workers): PYTHONSAFEPATH set, which is ``-P`` for all of them,
     and PYTHONPATH without empty entries, each of which is the working dir again."""
     env = os.environ if env is None else env
     env[SAFE_PATH_ENV] = "1"
@@ -48,7 +48,7 @@ def ray_job_config() -> Any:
     """The driver's ``ray.init(job_config=...)``: Ray puts the driver's working dir first on
     every worker's sys.path (for a script's modules beside it), except for a Ray Client job, whose
     code travels with it; rlhpc's user code comes from PYTHONPATH, as Ray Client's comes with it,
-    so the job says it is one (Ray's private flag: tests/integration/test_safe_path.py pins it)."""
+    so the job says it is one (Ray's private flag: tests/integration/test_submit_dir.py pins it)."""
     from ray.job_config import JobConfig
 
     config = JobConfig()
