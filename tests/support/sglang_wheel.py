@@ -413,6 +413,19 @@ def refusal_messages(function: str) -> frozenset[str]:
 # ------------------------------------------------------------------ OpenAI-compatible protocol
 
 OPENAI_PROTOCOL = "sglang/srt/entrypoints/openai/protocol.py"
+SERVING_CHAT = "sglang/srt/entrypoints/openai/serving_chat.py"
+
+
+def chat_request_refusals() -> frozenset[str]:
+    """The literal texts ``OpenAIServingChat._validate_request`` returns: why it refuses a chat request."""
+    fn = next(
+        n for n in ast.walk(_tree(SERVING_CHAT)) if isinstance(n, ast.FunctionDef) and n.name == "_validate_request"
+    )
+    return frozenset(
+        n.value.value
+        for n in ast.walk(fn)
+        if isinstance(n, ast.Return) and isinstance(n.value, ast.Constant) and isinstance(n.value.value, str)
+    )
 
 
 @functools.cache

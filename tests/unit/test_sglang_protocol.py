@@ -219,6 +219,10 @@ def test_weight_update_session_refusals_are_sglangs() -> None:
 # ------------------------------------------------------------------ OpenAI-compatible routes (issue 29)
 
 
+def test_a_request_supplied_chat_template_is_refused_in_sglangs_words() -> None:
+    assert OP.REQUEST_TEMPLATE_REFUSED in sgl.chat_request_refusals()
+
+
 def test_openai_routes_are_sglangs() -> None:
     theirs = sgl.http_routes()
     ours = {*OpenAIRoute.all().values(), *OP.HarnessRoute.all().values()}  # the agent endpoint serves all

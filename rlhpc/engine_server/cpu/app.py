@@ -92,6 +92,8 @@ class Workers:
 
     def __init__(self) -> None:
         self.gen = ThreadPoolExecutor(max_workers=1, thread_name_prefix="generate")
+        # an OpenAI request's chat template and rows: never on the event loop, which serves /health
+        self.prep = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prepare")
         self.ctl = ThreadPoolExecutor(max_workers=1, thread_name_prefix="control")
         self.ctl_queued = 0  # control calls handed to ctl and not yet back on the event loop
 
@@ -101,6 +103,9 @@ class Workers:
 
     async def generate(self, fn: Any, *args: Any) -> Any:
         return await self.on(self.gen, fn, *args)
+
+    async def prepare(self, fn: Any, *args: Any) -> Any:
+        return await self.on(self.prep, fn, *args)
 
     async def control(self, fn: Any, *args: Any, quick: bool = False) -> Any:
         """A control call, in order with the others. ``quick`` (a state flip, never blocking) runs
@@ -172,7 +177,9 @@ def build_app(
     async def generate_items(items: list[Item], seq: int) -> list[dict[str, Any]]:
         return await workers.generate(engine.generate, items, seq)
 
-    add_openai_routes(app, engine, generate_items)  # behind the same key (the middleware covers every path)
+    add_openai_routes(
+        app, engine, generate_items, workers.prepare
+    )  # behind the same key (the middleware covers every path)
     return app
 
 

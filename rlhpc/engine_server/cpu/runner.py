@@ -53,6 +53,8 @@ from rlhpc.wire.protocol import MetaInfo
 log = logging.getLogger("rlhpc.cpu_server")
 
 SERVER_VERSION = "rlhpc-cpu-engine-0.1"
+CLASSIFY_BATCH_TOKENS = 1 << 14  # tokens of one /classify forward (its inputs of one length ran at once)
+
 # The seed of a request without one on a deterministic engine (SGLang's SamplingBatchInfo)
 UNSEEDED_DETERMINISTIC_SEED = 42
 
@@ -182,11 +184,13 @@ class Engine:
             by_length[len(ids)].append(i)
         scores: list[list[float]] = [[] for _ in inputs]
         with self.model_lock:
-            for idx in by_length.values():
-                ids = torch.tensor([inputs[i] for i in idx], device=self.device)
-                hidden = self.model.base_model(input_ids=ids).last_hidden_state[:, -1]
-                for i, row in zip(idx, self.model.score(hidden).float().tolist()):
-                    scores[i] = row
+            for length, same in by_length.items():
+                step = max(1, CLASSIFY_BATCH_TOKENS // length)  # a forward's memory, whatever the batch
+                for idx in (same[k : k + step] for k in range(0, len(same), step)):
+                    ids = torch.tensor([inputs[i] for i in idx], device=self.device)
+                    hidden = self.model.base_model(input_ids=ids).last_hidden_state[:, -1]
+                    for i, row in zip(idx, self.model.score(hidden).float().tolist()):
+                        scores[i] = row
             self.last_progress = time.monotonic()
         return [
             {P.EMBEDDING: s, "meta_info": {MetaInfo.ID: f"classify-{i}", MetaInfo.PROMPT_TOKENS: len(ids)}}
