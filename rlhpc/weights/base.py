@@ -40,10 +40,6 @@ DEFAULT_GROUP_NAME = "rlhpc_weight_sync"
 # How long a push flushes the cache again after SGLang refused it because requests were still
 # running (a race with the pause's aborts; slime retries too): then the push fails.
 FLUSH_RETRY_S = 10.0
-# Buckets of host memory are cut at this size: the check of the next bucket (``_checked``, a read
-# of its bytes) then runs beside the engines' copy of this one instead of before it. On a GPU
-# the check costs little next to the transfer, and each bucket is kept whole.
-HOST_BUCKET_BYTES = 64 << 20
 
 
 # ------------------------------------------------------------------ buckets
@@ -178,13 +174,10 @@ class SenderBase:
         """
         v = str(version)
         self._check_ready()
-        tensors = iter(named_tensors)
-        head = next(tensors, None)
-        if head is None:
+        buckets = iter_buckets(named_tensors, self.bucket_bytes)
+        first = next(buckets, None)
+        if first is None:
             raise RlhpcError("weight sync got no tensors to send", "pass the model's named parameters")
-        limit = self.bucket_bytes if head[1].is_cuda else min(self.bucket_bytes, HOST_BUCKET_BYTES)
-        buckets = iter_buckets(itertools.chain([head], tensors), limit)
-        first = next(buckets)
         self._last_answers = []
         closed = False
         try:

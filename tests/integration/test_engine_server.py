@@ -302,15 +302,17 @@ def test_abort_mode_aborts_requests_queued_before_the_pause(client: EngineClient
 # ------------------------------------------------------------------ weight updates beside requests in flight
 
 
-def generate_in_background(client: EngineClient, rid: str, tokens: int = 64) -> tuple[threading.Thread, list[dict]]:
+def generate_in_background(client: EngineClient, rid: str, tokens: int = 120) -> tuple[threading.Thread, list[dict]]:
     """A greedy generation of ``tokens`` tokens in a thread, returned once the engine runs it."""
     out: list[dict] = []
     params = {"max_new_tokens": tokens, "temperature": 0, "ignore_eos": True}
-    t = threading.Thread(target=lambda: out.append(client.generate(input_ids=[1, 5], sampling_params=params, rid=rid)))
+    t = threading.Thread(
+        target=lambda: out.append(client.generate(input_ids=[1, 5], sampling_params=params, rid=rid)), daemon=True
+    )
     t.start()
     deadline = time.monotonic() + 60
-    while client.get_server_info()["internal_states"][0]["requests_in_flight"] < 1:
-        assert time.monotonic() < deadline, "the generation never started"
+    while not client.get_server_info()["internal_states"][0]["running_batch"]:
+        assert t.is_alive() and time.monotonic() < deadline, "the generation never started"
         time.sleep(0.01)
     return t, out
 
@@ -320,9 +322,11 @@ def test_begin_waits_for_the_requests_in_flight_unless_paused(client: EngineClie
     holds: it waits for them on an engine that is not paused, and goes at once on a paused one."""
     t, out = generate_in_background(client, "begin-waits")
     client.begin_weight_update()
-    assert out and out[0]["meta_info"]["finish_reason"]["type"] == "length"  # finished, not aborted
+    state = client.get_server_info()["internal_states"][0]
+    assert state["requests_in_flight"] == 0 and state["decode_steps"] == 120  # it ran to its end first
     client.end_weight_update()
     t.join(60)
+    assert out[0]["meta_info"]["finish_reason"]["type"] == "length"  # finished, not aborted
 
     t, out = generate_in_background(client, "begin-paused")
     client.pause_generation(mode="in_place")

@@ -513,12 +513,14 @@ def test_partial_rollouts_pause_with_retract_and_never_abort() -> None:
 def generate_in_background(client: EngineClient, rid: str) -> tuple[threading.Thread, list[dict]]:
     """A long greedy generation in a thread, returned once the engine runs it."""
     out: list[dict] = []
-    params = {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}
-    t = threading.Thread(target=lambda: out.append(client.generate(input_ids=[1, 5], sampling_params=params, rid=rid)))
+    params = {"max_new_tokens": 120, "temperature": 0, "ignore_eos": True}  # the context: 128
+    t = threading.Thread(
+        target=lambda: out.append(client.generate(input_ids=[1, 5], sampling_params=params, rid=rid)), daemon=True
+    )
     t.start()
     deadline = time.monotonic() + 60
-    while client.get_server_info()["internal_states"][0]["requests_in_flight"] < 1:
-        assert time.monotonic() < deadline, "the generation never started"
+    while not client.get_server_info()["internal_states"][0]["running_batch"]:
+        assert t.is_alive() and time.monotonic() < deadline, "the generation never started"
         time.sleep(0.01)
     return t, out
 
@@ -541,7 +543,7 @@ def test_a_push_of_one_bucket_does_not_wait_for_requests_in_flight(
     finally:
         sender.close()
     assert out[0]["meta_info"]["finish_reason"]["type"] == "abort"
-    assert out[0]["meta_info"]["completion_tokens"] < 200
+    assert out[0]["meta_info"]["completion_tokens"] < 120
     assert c.get_weight_version() == "71"
     assert_engine_holds(c, model)
 
@@ -557,15 +559,15 @@ def test_a_cache_flush_refused_while_a_request_runs_is_retried(
     sender = TensorWeightSender([c], [1], bucket_bytes=1 << 30)
     sender.pause_mode = "in_place"
     name = "model.layers.0.mlp.up_proj.weight"
-    want = model.get_parameter(name).detach().reshape(-1)[:4].tolist()
+    want = model.get_parameter(name).detach()[:1].tolist()  # its first row, as the engine answers
 
     def abort_once_loaded() -> None:  # the refused update loaded the weights: end the request
-        while c.get_weights_by_name(name, truncate_size=4) != want:
+        while c.get_weights_by_name(name, truncate_size=1) != want:
             time.sleep(0.02)
         c.abort_request(rid="busy-flush")
 
     t, out = generate_in_background(c, "busy-flush")
-    helper = threading.Thread(target=abort_once_loaded)
+    helper = threading.Thread(target=abort_once_loaded, daemon=True)
     helper.start()
     try:
         with caplog.at_level("WARNING", logger="rlhpc.weights.base"):

@@ -663,6 +663,7 @@ class Engine:
                     "pause_mode": self.pause_mode,
                     "decode_steps": len(self.steps),  # of the running (or last) batch
                     "requests_in_flight": self.in_flight,
+                    "running_batch": self.busy,
                     "released_tags": sorted(self.released),
                     "weights_bytes": self.weights_bytes(),
                     "weight_update_groups": sorted(self.groups),
