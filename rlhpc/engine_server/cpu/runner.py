@@ -420,11 +420,13 @@ class Engine:
         if version is None:
             return ""
         self.weight_version = version
+        log.info("weight_version %s", version)
         return P.weight_version_note(version)
 
     def set_weight_version(self, version: str) -> None:
         """SGLang's /update_weight_version: the version alone (after a busy flush, see ``_finish_update``)."""
         self.weight_version = version
+        log.info("weight_version %s (set alone)", version)
 
     def init_group(self, req: P.InitWeightsUpdateGroupReqInput) -> str:
         if req.group_name in self.groups:
