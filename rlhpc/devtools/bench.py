@@ -21,6 +21,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -123,20 +124,30 @@ def report(verdicts: list[Verdict], record: dict[str, Any]) -> str:
 
 
 def run_bench(name: str, args: list[str], timeout_s: float) -> dict[str, Any] | None:
-    """Run tools/bench/<name>.py with ``args``, its output shown as it comes; return its ratios."""
+    """Run tools/bench/<name>.py with ``args``, its output shown as it comes; return its ratios
+    (None when it failed or ran past ``timeout_s``)."""
     cmd = [sys.executable, str(BENCH_DIR / f"{name}.py"), *args]
     print(f"\n=== {name}: {' '.join(cmd[1:])}", flush=True)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
     started = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True, bufsize=1)
+    watchdog = threading.Timer(timeout_s, proc.kill)
+    watchdog.start()
+    lines: list[str] = []
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired as e:
-        print(e.stdout or "", end="")
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            print(line, end="", flush=True)
+            lines.append(line)
+        proc.wait()
+    finally:
+        watchdog.cancel()
+    took = time.monotonic() - started
+    if took >= timeout_s:
         print(f"=== {name}: killed after {timeout_s:.0f}s", flush=True)
         return None
-    print(proc.stdout, end="", flush=True)
-    print(f"=== {name}: exit {proc.returncode} after {time.monotonic() - started:.0f}s", flush=True)
-    return last_json_line(proc.stdout) if proc.returncode == 0 else None
+    print(f"=== {name}: exit {proc.returncode} after {took:.0f}s", flush=True)
+    return last_json_line("".join(lines)) if proc.returncode == 0 else None
 
 
 def main(argv: list[str] | None = None) -> int:

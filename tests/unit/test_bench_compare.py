@@ -67,3 +67,13 @@ def test_a_malformed_spread_is_refused(tmp_path: Path) -> None:
     (tmp_path / "r.json").write_text(json.dumps(bad))
     with pytest.raises(RlhpcError, match=r"a.speed has range \[0.9, 0.8\]"):
         load_record(tmp_path / "r.json")
+
+
+def test_a_benchmark_s_ratios_are_read_from_its_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from rlhpc.devtools import bench
+
+    (tmp_path / "fine.py").write_text("import json\nprint('its table')\nprint(json.dumps({'speed': 0.9}))\n")
+    (tmp_path / "broken.py").write_text("import json\nprint(json.dumps({'speed': 0.9}))\nraise SystemExit(3)\n")
+    monkeypatch.setattr(bench, "BENCH_DIR", tmp_path)
+    assert bench.run_bench("fine", [], timeout_s=120) == {"speed": 0.9}
+    assert bench.run_bench("broken", [], timeout_s=120) is None  # a failed run reports nothing
