@@ -24,7 +24,8 @@ same data shard.
   data-parallel group (megatron's EP; the allgather token dispatcher), the router's
   load-balancing loss from megatron's router (in train mode only, so the MoE model trains in
   train mode: dropout is off, the function is the same) averaged over the step's micro-batches,
-  and logged as ``moe_load_balancing_loss``. Weight sync gathers the experts over the EP group.
+  and logged as ``moe_load_balancing_loss``. Weight sync gathers the experts over the EP group,
+  whose other data-parallel ranks join DP rank 0's push for it (``_send_weights``).
 * Pipeline parallelism (``actor.megatron.pipeline_model_parallel_size``): each stage holds
   layers / PP of the layers (megatron numbers them from 0 on every stage); a step's
   micro-batches, and the no-grad passes', go through megatron-core's schedule
@@ -159,6 +160,9 @@ class MegatronTrainWorker(RankBase):
         self.ep_size, self.ep_rank = ep, mpu.get_expert_model_parallel_rank()
         self.ep_group = mpu.get_expert_model_parallel_group()
         self.etp_group = mpu.get_expert_tensor_parallel_group()  # the TP group of the experts (same size as TP)
+        # EP groups are carved out of the data-parallel ranks: the replicas of expert-data-parallel
+        # rank 0 (DP ranks 0 .. EP-1) hold DP rank 0's missing experts and join its weight gathers
+        self.edp_rank = mpu.get_expert_data_parallel_rank()
         self.dp_group = mpu.get_data_parallel_group()
         self.dp_size, self.dp_rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
         # Pipeline stages: megatron's rank order puts PP outermost, so this rank's stage is
@@ -714,11 +718,10 @@ class MegatronTrainWorker(RankBase):
 
     # ------------------------------------------------------------------ HF view of the weights
 
-    def _hf_named(self, grads: bool) -> Iterator[tuple[str, torch.Tensor]]:
-        """The full weights (or reduced gradients) in HF names, one layer at a time: the TP
-        shards are gathered within each TP group and the pipeline stages' parts sent to every
-        stage, so peak extra memory is one layer. The same names in the same order at any
-        TP/PP/EP layout (the fingerprint compares across layouts)."""
+    def _layers(self) -> Iterator[list[tuple[str, torch.nn.Parameter]]]:
+        """This stage's parameters in the order every gather takes them: the non-layer tensors
+        (embedding, final norm, output layer), then layer 0, 1, ... of the whole model (empty
+        where another stage holds the layer), each named by its global layer number."""
         groups: dict[int | None, list[tuple[str, torch.nn.Parameter]]] = {}
         for v, chunk in enumerate(self.chunks):
             offset = self._first_layer(v)
@@ -729,10 +732,29 @@ class MegatronTrainWorker(RankBase):
                     (name if i is None else renumber_layer(name, i + offset), p)
                 )
         for key in [None, *range(self.hf_config.num_hidden_layers)]:
-            part = self._gathered(groups.get(key, []), grads)
+            yield groups.get(key, [])
+
+    def _hf_named(self, grads: bool) -> Iterator[tuple[str, torch.Tensor]]:
+        """The full weights (or reduced gradients) in HF names, one layer at a time: the TP
+        shards are gathered within each TP group, the experts over the EP group and the
+        pipeline stages' parts sent to every stage, so peak extra memory is one layer. The same
+        names in the same order at any TP/PP/EP layout (the fingerprint compares across layouts)."""
+        for params in self._layers():
+            part = self._gathered(params, grads)
             if self.pp_size > 1:
                 part = self._from_every_stage(part)
             yield from megatron_full_to_hf(part, self.hf_config).items()
+
+    def _send_weights(self, version: int) -> None:
+        """DP rank 0's replica gathers and rank 0 sends (``RankBase``). Its experts are gathered
+        over the EP group, which spans DP ranks 0 .. EP-1: those replicas take part in each of
+        these gathers, in the same order, and in nothing else (their dense weights are DP rank
+        0's; the TP gathers and pipeline broadcasts stay within DP rank 0's replica)."""
+        if self.dp_rank == 0:
+            return super()._send_weights(version)
+        if self.moe and self.ep_size > 1 and self.edp_rank == 0:
+            for params in self._layers():
+                self._gathered(params, grads=False, experts_only=True)
 
     def _from_every_stage(self, part: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The union of every pipeline stage's ``part`` (in the pipeline group; each stage
@@ -749,12 +771,17 @@ class MegatronTrainWorker(RankBase):
                 out[name] = t
         return out
 
-    def _gathered(self, params: list[tuple[str, torch.nn.Parameter]], grads: bool) -> dict[str, torch.Tensor]:
-        """This stage's ``params`` (one layer, or the non-layer tensors) gathered over TP and EP."""
+    def _gathered(
+        self, params: list[tuple[str, torch.nn.Parameter]], grads: bool, experts_only: bool = False
+    ) -> dict[str, torch.Tensor]:
+        """This stage's ``params`` (one layer, or the non-layer tensors) gathered over TP and EP
+        (``experts_only``: the experts alone, for a replica that only helps DP rank 0 gather them)."""
         full, experts = {}, {}
         for name, p in params:
-            t = self.offloader.host_view(p.main_grad if grads else p.detach()).to(self.device).contiguous()
             expert = expert_index(name) is not None
+            if experts_only and not expert:
+                continue
+            t = self.offloader.host_view(p.main_grad if grads else p.detach()).to(self.device).contiguous()
             if self.tp_size > 1:
                 shards = [torch.empty_like(t) for _ in range(self.tp_size)]
                 dist.all_gather(shards, t, group=self.etp_group if expert else self.tp_group)
