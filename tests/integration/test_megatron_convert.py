@@ -23,7 +23,10 @@ from rlhpc.actor.megatron.convert import (  # noqa: E402
     renumber_layer,
     shard_for_pp,
     shard_for_tp,
+    shard_tensor,
+    to_global,
 )
+from rlhpc.actor.megatron.hf_reader import HFReader  # noqa: E402
 from rlhpc.model import TinyModelConfig, build_tiny_model, load_model  # noqa: E402
 
 ARCHS = ["llama", "qwen2", "qwen3", "qwen3_moe"]
@@ -177,6 +180,61 @@ def test_pipeline_stages_split_the_model_and_number_their_layers_from_zero(tiny_
     assert torch.equal(last["decoder.layers.0.input_layernorm.weight"], full["decoder.layers.1.input_layernorm.weight"])
     union = {**first, **{renumber_layer(k, 1) if k.startswith("decoder.layers.") else k: v for k, v in last.items()}}
     assert set(union) == set(full) and all(torch.equal(union[k], v) for k, v in full.items())
+
+
+@pytest.mark.parametrize(
+    ("arch", "tp_size", "ep_size", "pp_size", "fused"),
+    [
+        ("qwen2", 2, 1, 1, False),
+        ("llama", 1, 1, 2, False),
+        ("qwen3_moe", 2, 2, 1, False),
+        ("qwen3_moe", 1, 2, 2, True),
+    ],
+    ids=["qwen2-tp2", "llama-pp2", "moe-tp2-ep2", "moe-ep2-pp2-fused-experts"],
+)
+def test_each_rank_reads_only_its_shard(tiny_models, tmp_path, arch, tp_size, ep_size, pp_size, fused):
+    """Every rank of a TP x EP x PP layout reads from a bf16 safetensors checkpoint exactly the
+    bytes of its own part of the model (counted as read; the vocab padding is not read, it is
+    zeros), keeps them in bf16, and gets the tensors that converting the whole model gives,
+    bit for bit. ``fused``: a checkpoint of transformers' in-memory names (each layer's experts
+    in two 3-D tensors) instead of one tensor per expert and projection."""
+    from safetensors.torch import save_file
+
+    hf = load_model(tiny_models[arch]).to(torch.bfloat16)
+    cfg, hf_sd = hf.config, hf.state_dict()
+    ckpt = tmp_path / "bf16"
+    hf.save_pretrained(ckpt)
+    if fused:
+        (ckpt / "model.safetensors").unlink()
+        save_file({k: v.contiguous() for k, v in hf_sd.items()}, str(ckpt / "model.safetensors"))
+    layers, experts = cfg.num_hidden_layers // pp_size, getattr(cfg, "num_experts", 0) // ep_size
+    shares = []
+    for stage in range(pp_size):
+        for ep_rank in range(ep_size):
+            for tp_rank in range(tp_size):
+                whole = hf_to_megatron(hf_sd, cfg, tp_size, tp_rank, ep_size, ep_rank)
+                expected = shard_for_pp(whole, stage * layers, layers, stage == 0, stage == pp_size - 1)
+                reader = HFReader(ckpt)
+                for name, want in expected.items():
+                    got = shard_tensor(
+                        reader, cfg, to_global(name, stage * layers, ep_rank * experts), tp_size, tp_rank
+                    )
+                    assert got.dtype == torch.bfloat16 and torch.equal(got, want), name
+                vocab_rows = sum(
+                    t.shape[0]
+                    for n, t in expected.items()
+                    if n in ("embedding.word_embeddings.weight", "output_layer.weight")
+                )
+                real_rows = sum(  # of this rank's vocab rows, those below the real vocab size
+                    max(0, min(cfg.vocab_size - r0, t.shape[0]))
+                    for n, t in expected.items()
+                    if n in ("embedding.word_embeddings.weight", "output_layer.weight")
+                    for r0 in [tp_rank * t.shape[0]]
+                )
+                padding = (vocab_rows - real_rows) * cfg.hidden_size * 2
+                assert reader.bytes_read == sum(t.numel() * 2 for t in expected.values()) - padding
+                shares.append(reader.bytes_read)
+    assert max(shares) < sum(t.numel() * 2 for t in hf_sd.values()) * 0.75  # nobody read the whole model
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -55,20 +55,21 @@ from rlhpc.actor.megatron.convert import (
     expert_index,
     gather_ep_shards,
     gather_tp_shards,
-    hf_to_megatron,
     layer_index,
     load_into,
     megatron_full_to_hf,
+    model_state_dict,
     renumber_layer,
-    shard_for_pp,
+    shard_tensor,
+    to_global,
 )
-from rlhpc.actor.megatron.model import build_gpt_model, is_moe
+from rlhpc.actor.megatron.hf_reader import HFReader
+from rlhpc.actor.megatron.model import build_gpt_model, is_moe, num_experts
 from rlhpc.actor.offload import StorageOffloader
 from rlhpc.actor.rank import MicroBatch, RankBase
 from rlhpc.actor.spec import ActorSpec
 from rlhpc.algo.grpo import AggNorm
 from rlhpc.errors import RlhpcError
-from rlhpc.model import load_model
 
 log = logging.getLogger(__name__)
 
@@ -174,12 +175,16 @@ class MegatronTrainWorker(RankBase):
         self.layers_per_chunk = layers // (pp * self.vp_size)
         self.first_stage, self.last_stage = self.pp_rank == 0, self.pp_rank == pp - 1
 
-        hf_sd = load_model(self.model_path).state_dict()
-        self.chunks = [self._build(hf_sd, v) for v in range(self.vp_size)]
-        if self.spec.needs_reference:
-            self.ref_chunks = [self._build(hf_sd, v).requires_grad_(False) for v in range(self.vp_size)]
+        # each rank reads only its own part of the checkpoint, tensor by tensor, in its dtype
+        reader = HFReader(self.model_path)
+        self.chunks = [self._load(self._build(v), reader, v) for v in range(self.vp_size)]
+        reader.close()
+        log.info("rank %d: read %.1f MB of the checkpoint (this rank's shard)", self.rank, reader.bytes_read / 2**20)
+        if self.spec.needs_reference:  # the same weights: copied from the policy, not read again
+            self.ref_chunks = [self._build(v).requires_grad_(False) for v in range(self.vp_size)]
+            for ref, chunk in zip(self.ref_chunks, self.chunks):
+                load_into(ref, model_state_dict(chunk))
             self.ref = self.ref_chunks[0]
-        del hf_sd
         self.gpt = self.chunks[0]
         if self.moe:
             # Experts count as expert-parallel (megatron's allreduce=False) at EP=1 too: their
@@ -247,7 +252,8 @@ class MegatronTrainWorker(RankBase):
         """The global index of model chunk ``chunk``'s first layer on this stage."""
         return (chunk * self.pp_size + self.pp_rank) * self.layers_per_chunk
 
-    def _build(self, hf_sd: dict[str, torch.Tensor], chunk: int = 0) -> torch.nn.Module:
+    def _build(self, chunk: int = 0) -> torch.nn.Module:
+        """Model chunk ``chunk`` of this rank (its TP/PP/EP part), in the actor's dtype, on its device."""
         dtype = torch.bfloat16 if self.mcfg.bf16 else torch.float32
         moe: dict[str, Any] = {}
         if self.moe:
@@ -271,15 +277,35 @@ class MegatronTrainWorker(RankBase):
             # activations reach the last stage's loss scaled by this: the DP size, as the
             # single-stage backward scales its loss (MoE's aux loss takes it from here too)
             gpt.config.grad_scale_func = lambda t: t * self.dp_size
-        mg_sd = hf_to_megatron(hf_sd, self.hf_config, self.tp_size, self.tp_rank, self.ep_size, self.ep_rank)
-        first_chunk, last_chunk = self.first_stage and chunk == 0, self.last_stage and chunk == self.vp_size - 1
-        load_into(gpt, shard_for_pp(mg_sd, self._first_layer(chunk), self.layers_per_chunk, first_chunk, last_chunk))
         # All parameters in one dtype, as megatron's Float16Module does: the local spec's norms
         # are created in fp32 even for a bf16 model, and the optimizers' checkpoint mapping
         # assumes one dtype per model (mixed, it pairs Adam states with the wrong tensors).
         # eval(): no dropout, so the no-grad "old" pass and the training pass compute the same
         # function and the PPO ratio is exactly 1 before the first step.
         return gpt.to(self.device, dtype).eval()
+
+    def _load(self, gpt: torch.nn.Module, reader: HFReader, chunk: int) -> torch.nn.Module:
+        """Copy the checkpoint's weights into model chunk ``chunk``: each parameter's part
+        (``convert.shard_tensor``), read and copied one at a time, so the host holds one
+        tensor's slice beside the model, never the whole checkpoint."""
+        first_expert = self.ep_rank * num_experts(self.hf_config) // self.ep_size
+        with torch.no_grad():
+            for name, p in gpt.named_parameters():
+                t = shard_tensor(
+                    reader,
+                    self.hf_config,
+                    to_global(name, self._first_layer(chunk), first_expert),
+                    self.tp_size,
+                    self.tp_rank,
+                )
+                if t.shape != p.shape:
+                    raise RlhpcError(
+                        f"{self.model_path}: {name} of this rank has shape {tuple(t.shape)} in the checkpoint, "
+                        f"the model's is {tuple(p.shape)}",
+                        "check that config.json matches the checkpoint's weights",
+                    )
+                p.copy_(t)
+        return gpt
 
     # ------------------------------------------------------------------ checkpoint
 
