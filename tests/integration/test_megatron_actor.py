@@ -3,6 +3,7 @@ PyTorch actor, TP=2 / DP=2 the same as TP=1, torch_dist checkpoints that reshard
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -11,10 +12,12 @@ from pathlib import Path
 import pytest
 import ray
 import torch
+from safetensors import safe_open
 
 pytest.importorskip("megatron.core")
 
 from support.actors import Group, engine_weights, make_batch, sequence_k1_by_transformers  # noqa: E402
+from support.tiny_variants import TIED_LLAMA3, build_variant  # noqa: E402
 
 from rlhpc.checkpoint import file_crc32  # noqa: E402
 from rlhpc.config import Config  # noqa: E402
@@ -308,6 +311,25 @@ def test_model_parallel_weights_reach_engine_bit_exact(
         ray.kill(engine)
 
 
+def test_tied_embeddings_and_llama3_rope_train_as_in_pytorch_and_push_embed_tokens_once(
+    ray_cluster: None, model_path: str, tmp_path: Path
+) -> None:
+    """Llama-3.2-1B's kind, tiny: tied embeddings (megatron's output layer multiplies by the
+    vocab-parallel embedding, both uses' gradients in one parameter) and Llama 3 RoPE scaling.
+    Megatron at TP=2 trains as the PyTorch actor does (metrics and weights); its HF view, which
+    the push sends, holds ``model.embed_tokens.weight`` and no ``lm_head.weight``, and the engine
+    (started from another model) ties its lm_head to what arrived, as SGLang does (issue 40)."""
+    tied = str(build_variant(Path(model_path), tmp_path / "tied", TIED_LLAMA3, seed=3))
+    other = str(build_variant(Path(model_path), tmp_path / "other", TIED_LLAMA3, seed=4))
+    reference = train_two(make_cfg("torch"), tied, 1)
+    assert "lm_head.weight" not in reference[1]  # named_parameters: the tied one once
+    with cpu_engine(other, tmp_path / "logs") as url:
+        got = train_and_push(make_cfg(tp=2), tied, 2, url)
+        assert "lm_head.weight" not in got[1]
+        assert_engine_holds(url, {"lm_head.weight": got[1]["model.embed_tokens.weight"]})
+    assert_same_training(reference, got)
+
+
 def test_token_budget_micro_batches_train_as_sample_counts_do(model_path: str, ray_cluster: None) -> None:
     """actor.max_tokens_per_micro_batch: the PyTorch actor's packed rows and megatron's padded
     micro-batches (TP=2; megatron-core packs only with Transformer Engine) train, over two
@@ -331,18 +353,25 @@ def moe_paths(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
     )
 
 
-@pytest.fixture
-def moe_engine(ray_cluster: None, moe_paths: tuple[str, str], tmp_path: Path) -> Iterator[str]:
-    """A CPU engine serving the *other* MoE model: a weight the push leaves out keeps other bytes."""
+@contextlib.contextmanager
+def cpu_engine(model_path: str, log_dir: Path) -> Iterator[str]:
+    """A CPU engine serving ``model_path``; yields its URL."""
     from rlhpc.engine_server.host import EngineActor
 
     # no CPU of its own: a 4-rank group takes the test cluster's four
-    engine = EngineActor.options(num_cpus=0).remote(moe_paths[1], str(tmp_path / "logs"), 0, 120.0, None)
+    engine = EngineActor.options(num_cpus=0).remote(model_path, str(log_dir), 0, 120.0, None)
     try:
         yield ray.get(engine.url.remote())
     finally:
         ray.get(engine.shutdown.remote())
         ray.kill(engine)
+
+
+@pytest.fixture
+def moe_engine(ray_cluster: None, moe_paths: tuple[str, str], tmp_path: Path) -> Iterator[str]:
+    """A CPU engine serving the *other* MoE model: a weight the push leaves out keeps other bytes."""
+    with cpu_engine(moe_paths[1], tmp_path / "logs") as url:
+        yield url
 
 
 def assert_engine_holds(url: str, expected: dict[str, torch.Tensor]) -> None:
@@ -365,9 +394,7 @@ def train_and_push(cfg: Config, model_path: str, ranks: int, url: str) -> tuple[
     with Group(cfg, model_path, ranks) as g:
         g.connect_rollout([url], [1], False)
         g.update_weights(1)
-        on_disk = load_file(str(Path(model_path) / "model.safetensors"))
-        assert sum(".mlp.experts." in n for n in on_disk) == 2 * 4 * 3  # layers x experts x projections
-        assert_engine_holds(url, on_disk)
+        assert_engine_holds(url, load_file(str(Path(model_path) / "model.safetensors")))
         metrics = [g.train(r, make_batch(12, seed=r)) for r in range(2)]
         weights = tensors(g)
         g.update_weights(2)
@@ -384,6 +411,8 @@ def test_qwen3_moe_expert_parallel_actor(moe_paths: tuple[str, str], moe_engine:
     before and after training: every expert (DP rank 1 holds half of them and joins the
     push's gathers) and every other weight arrive byte for byte (issue 40: the push hung)."""
     path = moe_paths[0]
+    on_disk = safe_open(str(Path(path) / "model.safetensors"), framework="pt").keys()
+    assert sum(".mlp.experts." in n for n in on_disk) == 2 * 4 * 3  # layers x experts x projections
 
     def cfg(ep: int, coeff: float) -> Config:
         c = make_cfg()
