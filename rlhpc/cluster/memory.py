@@ -187,7 +187,7 @@ def stage_estimate(cfg: Config, shape: ModelShape, first: bool, last: bool) -> E
     pp = m.pipeline_model_parallel_size if megatron else 1
     vp = (m.virtual_pipeline_model_parallel_size or 1) if megatron and pp > 1 else 1
     dp = (cfg.cluster.actor_num_gpus or 1) // (tp * pp)
-    bf16 = megatron and m.bf16
+    bf16 = megatron and m.uses_bf16(device_has_bf16=True)  # a plan for GPUs: bf16 unless turned off
     distributed = megatron and m.use_distributed_optimizer
     split, replicated, expert = shape.layer_params()
     vocab = padded_vocab(shape.vocab, tp) if megatron else shape.vocab

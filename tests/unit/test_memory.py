@@ -205,3 +205,18 @@ def test_a_tied_model_counts_its_embedding_once():
                              "actor.megatron.bf16=false"])  # fmt: skip
     (weights,) = [b for name, b in stage_estimate(cfg, llama, True, True).terms if name == "weights"]
     assert weights == 4 * llama.params()  # fp32; its vocab (128256) needs no padding
+
+
+def test_the_megatron_plan_counts_bf16_by_default_as_the_gpu_ranks_run():
+    """actor.megatron.bf16 null (the default): bf16 on a GPU that has it, which the plan (made
+    for GPUs) counts; false: fp32, twice the weight bytes and Adam without a master copy. The
+    ranks decide the same way, from the hardware they find (MegatronConfig.uses_bf16)."""
+    default, fp32 = tiny("actor.megatron.bf16=null"), tiny("actor.megatron.bf16=false")
+    assert default.actor.megatron.bf16 is None
+    assert default.actor.megatron.uses_bf16(device_has_bf16=True)
+    assert not default.actor.megatron.uses_bf16(device_has_bf16=False)  # CPU / gloo: fp32
+    assert fp32.actor.megatron.uses_bf16(device_has_bf16=True) is False
+    terms = {cfg: dict(actor_estimate(c, read_shape(c)).terms) for cfg, c in (("default", default), ("fp32", fp32))}
+    assert terms["fp32"]["weights"] == 2 * terms["default"]["weights"]
+    assert terms["default"]["optimizer"] / terms["fp32"]["optimizer"] == 12 / 8
+    assert "bf16" in summarize(default) and "fp32" in summarize(fp32)

@@ -127,6 +127,10 @@ class MegatronTrainWorker(RankBase):
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
+        # bf16 where the hardware has it (actor.megatron.bf16: null), else as configured
+        has_bf16 = self.device.type == "cuda" and torch.cuda.is_bf16_supported()
+        self.bf16 = self.mcfg.uses_bf16(has_bf16)
+        self.dtype = torch.bfloat16 if self.bf16 else torch.float32
         tp, ep = self.mcfg.tensor_model_parallel_size, self.mcfg.expert_model_parallel_size
         pp = self.mcfg.pipeline_model_parallel_size
         if ep > 1 and not self.moe:
@@ -215,13 +219,19 @@ class MegatronTrainWorker(RankBase):
                 adam_beta2=a.adam_betas[1],
                 adam_eps=a.adam_eps,
                 clip_grad=a.grad_clip,
-                bf16=self.mcfg.bf16,
-                params_dtype=torch.bfloat16 if self.mcfg.bf16 else torch.float32,
+                bf16=self.bf16,
+                params_dtype=self.dtype,
                 use_distributed_optimizer=self.mcfg.use_distributed_optimizer,
             ),
             self.models,
         )
         self.saver = TorchDistSave()
+        if self.rank == 0:
+            if self.mcfg.bf16 is not None:
+                why = f"actor.megatron.bf16: {str(self.mcfg.bf16).lower()}"
+            else:
+                why = "actor.megatron.bf16: null, " + ("the GPU has bf16" if has_bf16 else f"no bf16 on {self.device}")
+            log.info("megatron actor: %s weights, compute and pushes (%s)", "bf16" if self.bf16 else "fp32", why)
         log.info(
             "rank %d/%d: megatron TP %d/%d PP %d/%d (%d chunks) DP %d/%d EP %d/%d, %s on %s, %d params in this shard%s",
             self.rank,
@@ -254,7 +264,7 @@ class MegatronTrainWorker(RankBase):
 
     def _build(self, chunk: int = 0) -> torch.nn.Module:
         """Model chunk ``chunk`` of this rank (its TP/PP/EP part), in the actor's dtype, on its device."""
-        dtype = torch.bfloat16 if self.mcfg.bf16 else torch.float32
+        dtype = self.dtype
         moe: dict[str, Any] = {}
         if self.moe:
             moe = dict(
