@@ -133,3 +133,24 @@ def test_sglang_ties_lm_head_itself_so_a_push_sends_embed_tokens_once():
             re.S,
         ), model
         assert "self.lm_head = self.model.embed_tokens" in src, model
+
+
+@pytest.mark.parametrize(
+    ("sets", "refusal"),
+    [
+        (["model.tiny.architecture=llama", "actor.megatron.expert_model_parallel_size=2"], "a llama model: no experts"),
+        (
+            ["model.tiny.architecture=qwen3_moe", "model.tiny.num_experts=6", "actor.megatron.expert_model_parallel_size=4"],
+            "= 4 does not divide the 6 experts",
+        ),
+        (
+            ["model.tiny.architecture=qwen3_moe", "model.tiny.num_hidden_layers=4", "cluster.actor_num_gpus=2",
+             "actor.megatron.pipeline_model_parallel_size=2", "actor.megatron.virtual_pipeline_model_parallel_size=2"],
+            "a MoE model: virtual stages",
+        ),
+    ],
+    ids=["ep-without-experts", "ep-not-dividing-experts", "moe-virtual-stages"],
+)  # fmt: skip
+def test_a_layout_the_experts_do_not_split_into_is_refused_at_submit(sets, refusal):
+    with pytest.raises(ConfigError, match=re.escape(refusal)):
+        load_config("jobs/configs/embedded.yaml", ["actor.backend=megatron", "cluster.gpus_per_node=8", *sets])

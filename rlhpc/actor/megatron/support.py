@@ -135,12 +135,37 @@ def check_supported(hf: dict, pipeline_stages: int, model: str) -> None:
 
 
 def check_model(cfg: Config) -> None:
-    """At submit (``rlhpc.preflight``): refuse a ``model.path`` the megatron actor cannot train,
-    naming the fix, rather than on the allocation once its ranks build the model."""
-    if cfg.actor.backend != "megatron" or cfg.model.path is None:
-        return  # the tiny models are all of the built architectures, untied, default RoPE
-    try:
-        hf = json.loads((Path(cfg.model.path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return  # config.check_model names a missing config.json
-    check_supported(hf, cfg.actor.megatron.pipeline_model_parallel_size, cfg.model.path)
+    """At submit (``rlhpc.preflight``): refuse a model the megatron actor cannot train, or a
+    layout its experts do not split into, naming the fix, rather than on the allocation once
+    its ranks build the model."""
+    if cfg.actor.backend != "megatron":
+        return
+    m = cfg.actor.megatron
+    if cfg.model.tiny is not None:  # the built architectures, untied, default RoPE
+        t = cfg.model.tiny
+        hf, model = {"model_type": t.architecture, "num_experts": t.num_experts}, "model.tiny"
+    else:
+        try:
+            hf, model = json.loads((Path(cfg.model.path) / "config.json").read_text()), cfg.model.path
+        except (OSError, ValueError):
+            return  # config.check_model names a missing config.json
+        check_supported(hf, m.pipeline_model_parallel_size, model)
+    experts = int(hf.get("num_experts") or 0) if hf.get("model_type") in MOE_MODEL_TYPES else 0
+    ep = m.expert_model_parallel_size
+    if ep > 1 and not experts:
+        raise ConfigError(
+            f"actor.megatron.expert_model_parallel_size = {ep} for {model}, a {hf.get('model_type')} model: no experts",
+            "set actor.megatron.expert_model_parallel_size: 1, or train a MoE model (qwen3_moe)",
+        )
+    if experts % ep:
+        raise ConfigError(
+            f"actor.megatron.expert_model_parallel_size = {ep} does not divide the {experts} experts of {model}",
+            f"choose an expert-parallel size that divides {experts}",
+        )
+    if experts and m.virtual_pipeline_model_parallel_size is not None:
+        raise ConfigError(
+            f"actor.megatron.virtual_pipeline_model_parallel_size = {m.virtual_pipeline_model_parallel_size} for "
+            f"{model}, a MoE model: virtual stages are built for dense models only (the empty micro-batches "
+            "they add would count in the router's load-balancing loss)",
+            "set actor.megatron.virtual_pipeline_model_parallel_size: null for MoE models",
+        )

@@ -301,13 +301,14 @@ class MegatronTrainWorker(RankBase):
         first_expert = self.ep_rank * num_experts(self.hf_config) // self.ep_size
         with torch.no_grad():
             for name, p in gpt.named_parameters():
-                t = shard_tensor(
-                    reader,
-                    self.hf_config,
-                    to_global(name, self._first_layer(chunk), first_expert),
-                    self.tp_size,
-                    self.tp_rank,
-                )
+                where = to_global(name, self._first_layer(chunk), first_expert)
+                try:
+                    t = shard_tensor(reader, self.hf_config, where, self.tp_size, self.tp_rank)
+                except KeyError as e:
+                    raise RlhpcError(
+                        f"{self.model_path}: no weights for {where} ({e.args[0]})",
+                        "point model.path at a complete HF checkpoint whose config.json matches its safetensors",
+                    ) from e
                 if t.shape != p.shape:
                     raise RlhpcError(
                         f"{self.model_path}: {name} of this rank has shape {tuple(t.shape)} in the checkpoint, "
