@@ -210,29 +210,31 @@ def test_pipeline_stages_split_the_model_and_number_their_layers_from_zero(tiny_
 
 
 @pytest.mark.parametrize(
-    ("arch", "tp_size", "ep_size", "pp_size", "fused"),
+    ("arch", "tp_size", "ep_size", "pp_size", "files"),
     [
-        ("qwen2", 2, 1, 1, False),
-        ("llama_tied_llama3", 2, 1, 1, False),
-        ("llama", 1, 1, 2, False),
-        ("qwen3_moe", 2, 2, 1, False),
-        ("qwen3_moe", 1, 2, 2, True),
+        ("qwen2", 2, 1, 1, "one"),
+        ("llama_tied_llama3", 2, 1, 1, "one"),
+        ("llama", 1, 1, 2, "one"),
+        ("qwen3_moe", 2, 2, 1, "shards"),
+        ("qwen3_moe", 1, 2, 2, "fused"),
     ],
-    ids=["qwen2-tp2", "tied-tp2", "llama-pp2", "moe-tp2-ep2", "moe-ep2-pp2-fused-experts"],
+    ids=["qwen2-tp2", "tied-tp2", "llama-pp2", "moe-tp2-ep2-shards", "moe-ep2-pp2-fused-experts"],
 )
-def test_each_rank_reads_only_its_shard(tiny_models, tmp_path, arch, tp_size, ep_size, pp_size, fused):
+def test_each_rank_reads_only_its_shard(tiny_models, tmp_path, arch, tp_size, ep_size, pp_size, files):
     """Every rank of a TP x EP x PP layout reads from a bf16 safetensors checkpoint exactly the
     bytes of its own part of the model (counted as read; the vocab padding is not read, it is
     zeros), keeps them in bf16, and gets the tensors that converting the whole model gives,
-    bit for bit. ``fused``: a checkpoint of transformers' in-memory names (each layer's experts
-    in two 3-D tensors) instead of one tensor per expert and projection."""
+    bit for bit. ``files``: one model.safetensors; shards named by model.safetensors.index.json;
+    or one file of transformers' in-memory names (each layer's experts in two 3-D tensors)
+    instead of one tensor per expert and projection."""
     from safetensors.torch import save_file
 
     hf = load_model(tiny_models[arch]).to(torch.bfloat16)
     cfg, hf_sd = hf.config, hf.state_dict()
     ckpt = tmp_path / "bf16"
-    hf.save_pretrained(ckpt)
-    if fused:
+    hf.save_pretrained(ckpt, **({"max_shard_size": "40KB"} if files == "shards" else {}))
+    assert (ckpt / "model.safetensors.index.json").is_file() == (files == "shards")
+    if files == "fused":
         (ckpt / "model.safetensors").unlink()
         save_file({k: v.contiguous() for k, v in hf_sd.items()}, str(ckpt / "model.safetensors"))
     layers, experts = cfg.num_hidden_layers // pp_size, getattr(cfg, "num_experts", 0) // ep_size
