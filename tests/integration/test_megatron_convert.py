@@ -217,8 +217,9 @@ def test_pipeline_stages_split_the_model_and_number_their_layers_from_zero(tiny_
         ("llama", 1, 1, 2, "one"),
         ("qwen3_moe", 2, 2, 1, "shards"),
         ("qwen3_moe", 1, 2, 2, "fused"),
+        ("qwen3_moe", 2, 1, 1, "bin"),
     ],
-    ids=["qwen2-tp2", "tied-tp2", "llama-pp2", "moe-tp2-ep2-shards", "moe-ep2-pp2-fused-experts"],
+    ids=["qwen2-tp2", "tied-tp2", "llama-pp2", "moe-tp2-ep2-shards", "moe-ep2-pp2-fused-experts", "moe-tp2-bin"],
 )
 def test_each_rank_reads_only_its_shard(tiny_models, tmp_path, arch, tp_size, ep_size, pp_size, files):
     """Every rank of a TP x EP x PP layout reads from a bf16 safetensors checkpoint exactly the
@@ -226,8 +227,9 @@ def test_each_rank_reads_only_its_shard(tiny_models, tmp_path, arch, tp_size, ep
     zeros), keeps them in bf16, and gets the tensors that converting the whole model gives,
     bit for bit. ``files``: one model.safetensors; shards named by model.safetensors.index.json;
     or one file of transformers' in-memory names (each layer's experts in two 3-D tensors)
-    instead of one tensor per expert and projection."""
-    from safetensors.torch import save_file
+    instead of one tensor per expert and projection; or no safetensors but a pytorch_model.bin
+    (memory-mapped, sliced as the safetensors are)."""
+    from safetensors.torch import load_file, save_file
 
     hf = load_model(tiny_models[arch]).to(torch.bfloat16)
     cfg, hf_sd = hf.config, hf.state_dict()
@@ -237,6 +239,9 @@ def test_each_rank_reads_only_its_shard(tiny_models, tmp_path, arch, tp_size, ep
     if files == "fused":
         (ckpt / "model.safetensors").unlink()
         save_file({k: v.contiguous() for k, v in hf_sd.items()}, str(ckpt / "model.safetensors"))
+    if files == "bin":
+        torch.save(load_file(ckpt / "model.safetensors"), ckpt / "pytorch_model.bin")
+        (ckpt / "model.safetensors").unlink()
     layers, experts = cfg.num_hidden_layers // pp_size, getattr(cfg, "num_experts", 0) // ep_size
     shares = []
     for stage in range(pp_size):

@@ -3,8 +3,9 @@
 safetensors files (one ``model.safetensors``, or the shards a ``model.safetensors.index.json``
 names) are memory-mapped and sliced before anything is copied, so reading rows ``[a, b)`` of a
 matrix, or columns, costs those bytes only, in the checkpoint's dtype. A model without
-safetensors (``pytorch_model.bin``) is loaded whole, once per rank, as transformers loads it.
-``bytes_read`` counts what the reads returned: a rank's share of the checkpoint.
+safetensors (``pytorch_model.bin``, or the shards of its index) is memory-mapped by
+``torch.load(mmap=True)``: a slice touches only its own pages. ``bytes_read`` counts what the
+reads returned: a rank's share of the checkpoint.
 """
 
 from __future__ import annotations
@@ -16,10 +17,14 @@ from typing import Any
 
 import torch
 
+from rlhpc.errors import RlhpcError
+
 log = logging.getLogger(__name__)
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
+BIN = "pytorch_model.bin"
+BIN_INDEX = "pytorch_model.bin.index.json"
 
 Index = tuple[slice | int, ...]
 
@@ -31,7 +36,7 @@ class HFReader:
         self.path = Path(path)
         self.bytes_read = 0
         self._files: dict[str, Any] = {}  # open safetensors handles, by file name
-        self._whole: dict[str, torch.Tensor] | None = None
+        self._mapped: dict[str, torch.Tensor] | None = None  # a .bin checkpoint's tensors, memory-mapped
         if (self.path / INDEX).is_file():
             self._where = dict(json.loads((self.path / INDEX).read_text())["weight_map"])
         elif (self.path / SINGLE).is_file():
@@ -40,11 +45,18 @@ class HFReader:
             self._files[SINGLE] = safe_open(str(self.path / SINGLE), framework="pt", device="cpu")
             self._where = dict.fromkeys(self._files[SINGLE].keys(), SINGLE)
         else:
-            from rlhpc.model import load_model
-
-            log.warning("%s has no safetensors: every megatron rank loads the whole model", self.path)
-            self._whole = load_model(self.path).state_dict()
-            self._where = dict.fromkeys(self._whole, "")
+            index = self.path / BIN_INDEX
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else [BIN]
+            if not all((self.path / f).is_file() for f in files):
+                raise RlhpcError(
+                    f"{self.path} holds no model weights ({SINGLE}, {INDEX}, {BIN} or {BIN_INDEX})",
+                    "point model.path at an HF model directory with its weights",
+                )
+            log.info("%s has no safetensors: reading %s memory-mapped", self.path, ", ".join(files))
+            self._mapped = {}
+            for f in files:
+                self._mapped.update(torch.load(self.path / f, map_location="cpu", mmap=True, weights_only=True))
+            self._where = dict.fromkeys(self._mapped, "")
 
     def __contains__(self, name: str) -> bool:
         return name in self._where
@@ -52,8 +64,8 @@ class HFReader:
     def read(self, name: str, index: Index = ()) -> torch.Tensor:
         if name not in self._where:
             raise KeyError(f"{self.path} holds no tensor {name!r}")
-        if self._whole is not None:
-            t = self._whole[name][index] if index else self._whole[name]
+        if self._mapped is not None:
+            t = (self._mapped[name][index] if index else self._mapped[name]).clone()  # off the mapping
         else:
             handle = self._handle(self._where[name])
             t = handle.get_slice(name)[index] if index else handle.get_tensor(name)
@@ -69,4 +81,4 @@ class HFReader:
 
     def close(self) -> None:
         self._files.clear()
-        self._whole = None
+        self._mapped = None
