@@ -116,6 +116,8 @@ def _rope_problems(hf: dict) -> list[tuple[str, str]]:
     if rope.params.get("partial_rotary_factor", 1.0) != 1.0 or hf.get("partial_rotary_factor", 1.0) != 1.0:
         return [("RoPE over part of each head (partial_rotary_factor < 1)", fix)]
     missing = [k for k in ROPE_NEEDS[rope.type] if rope.params.get(k) is None]
+    if rope.type == "yarn" and rope.params.get("factor") is None and not hf.get("max_position_embeddings"):
+        missing.append("factor")  # nor the context it would be derived from
     if missing:
         return [(f"RoPE type {rope.type!r} without {', '.join(missing)}", "complete rope_parameters in config.json")]
     explicit = rope.params.get("attention_factor")
