@@ -915,7 +915,10 @@ class MegatronConfig(Section):
     # Shard optimizer state over data-parallel ranks. Its checkpoints resume at another DP size
     # but the same TP and PP sizes; the plain optimizer's reshard to any TP/PP/DP.
     use_distributed_optimizer: bool = False
-    bf16: bool = False  # bf16 params/compute with fp32 master weights (GPU); fp32 otherwise
+    # bf16 weights, compute and weight pushes, with fp32 master weights and gradients. null: bf16
+    # where the hardware has it (a CUDA GPU with bf16: Ampere and later), fp32 elsewhere (CPU,
+    # gloo); the ranks log which. The memory plan, made for GPUs, counts bf16 unless false.
+    bf16: bool | None = None
     # MoE models (qwen3_moe): experts split over this many ranks of the data-parallel group
     # (megatron's expert parallelism; it must divide DP and the number of experts).
     expert_model_parallel_size: int = 1
@@ -926,6 +929,10 @@ class MegatronConfig(Section):
     # Full activation recompute (megatron-core's recompute_granularity "full", method "uniform",
     # one layer per chunk): only each layer's input is kept, the layer is recomputed in backward.
     recompute: bool = False
+
+    def uses_bf16(self, device_has_bf16: bool) -> bool:
+        """Whether the actor runs in bf16 on a device that has it or not: the one place ``bf16`` is read."""
+        return device_has_bf16 if self.bf16 is None else self.bf16
 
     def check(self) -> None:
         self._at_least(1, "tensor_model_parallel_size", fix="use 1, 2, 4 or 8")
