@@ -401,7 +401,9 @@ class DataConfig(Section):
 
     SECTION: ClassVar[str] = "data"
 
-    task: str = "digit_sum"  # a built-in task (rlhpc.data.tasks): digit_sum, reverse, guess (multi-turn)
+    task: str = (
+        "digit_sum"  # a built-in task (rlhpc.data.tasks): digit_sum, reverse, guess (multi-turn), code (sandboxed)
+    )
     # .jsonl, .json, .parquet or a datasets.save_to_disk directory (rlhpc.data.files)
     train_file: str | None = None
     eval_file: str | None = None  # the eval set's file, read as train_file is (None: the task's own eval rows)

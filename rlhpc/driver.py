@@ -17,6 +17,7 @@ from typing import Any
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from rlhpc import sandbox
 from rlhpc.actor.group import ActorGroup, ActorSpec
 from rlhpc.algo.grpo import kl_in_reward
 from rlhpc.checkpoint import CheckpointManager
@@ -171,6 +172,10 @@ class TrainLoop:
             self.engines = engines_up.result()
         self.reward_engines = reward_up.result() if reward_up is not None else None
         self.teacher_engines = teacher_up.result() if teacher_up is not None else None
+        sandbox.configure(cfg.sandbox)  # the code reward, the python/bash tools and your code use these settings
+        if sandbox.used(cfg):
+            with startup.phase("sandbox_up"):
+                sandbox.pool()  # warm now: a node that cannot run the sandbox fails here, named
         self.generation = Generation(
             tokenizer, self._scorer(), cfg.rollout, cfg.eval, cfg.algo, cfg.seed,
             send=self.engines.generate, progress=progress, num_engines=len(layout.engine_slots),
@@ -493,6 +498,7 @@ class TrainLoop:
         finally:
             self.schedule.close()
             self.metrics.close()
+            sandbox.close()
 
     def shutdown(self) -> None:
         """After a run that ended well: the engines, the ranks and the GPUs' reservation."""

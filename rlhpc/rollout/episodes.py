@@ -275,6 +275,7 @@ class Episode:
     tool_calls: int = 0
     tool_errors: int = 0
     tool_timeouts: int = 0
+    infra_failed: bool = False  # a tool could not run (InfrastructureFailure): ended, unscored
 
     @property
     def input_ids(self) -> list[int]:
@@ -418,7 +419,8 @@ class EpisodeConfig:
                 e.tool_calls, e.tool_errors, e.tool_timeouts = (
                     e.tool_calls + n.calls, e.tool_errors + n.errors, e.tool_timeouts + n.timeouts,
                 )  # fmt: skip
-                results[i] = (messages, 0.0, False)
+                e.infra_failed = e.infra_failed or n.infra > 0
+                results[i] = (messages, 0.0, e.infra_failed)  # a tool that could not run ends the episode
         return results
 
     def _calls(self, episode: Episode, reply: str) -> list:

@@ -477,6 +477,9 @@ class Generation:
             )  # fmt: skip
             for e, reward in zip(episodes, rewards):
                 e.reward = float(reward)
+        for e in episodes:
+            if e.infra_failed:  # a tool could not run: no reward, masked in training
+                e.reward = math.nan
         versions = [min(v) if v else 0 for v in (e.versions for e in episodes)]
         tool_stats = (
             {
@@ -597,6 +600,7 @@ class Generation:
         if s.episode_of:  # an agent episode's samples share its advantage
             advantages = advantages[torch.tensor(s.episode_of)]
         loss_masks, overlong_metrics = self._overlong_masks(s)
+        loss_masks, infra_metrics = self._unscored_masks(s, loss_masks)
         batch = RolloutBatch(
             s.prompt_ids, s.response_ids, s.logprobs, rewards, advantages, n, s.weight_versions, s.token_versions,
             loss_masks, s.turns, s.cut() if s.loss_masks or r.overlong_filter else [],
@@ -610,9 +614,11 @@ class Generation:
             teacher_metrics["time/teacher"] = time.perf_counter() - start
         staleness = [rollout_id - v for v in s.weight_versions]
         tokens = sum(map(len, s.token_versions))
+        scored = s.rewards[~torch.isnan(s.rewards)]
         metrics = {
-            "reward": s.rewards.mean().item(),
-            "reward_std": s.rewards.std(unbiased=False).item(),
+            "reward": scored.mean().item() if len(scored) else 0.0,
+            "reward_std": scored.std(unbiased=False).item() if len(scored) else 0.0,
+            **infra_metrics,
             "response_len": lengths.mean().item(),
             "samples": float(len(batch)),
             "staleness/mean": sum(staleness) / max(len(staleness), 1),
@@ -629,6 +635,17 @@ class Generation:
             **teacher_metrics,
         }
         return batch, metrics, s.texts
+
+    @staticmethod
+    def _unscored_masks(s: Samples, masks: list[list[int]]) -> tuple[list[list[int]], dict[str, float]]:
+        """The loss masks with every unscored sample's all 0 (its reward is NaN: a sandbox that
+        could not run, ``InfrastructureFailure``; the advantages leave it out of its group's
+        baseline), and how many there were (``infra/failed``)."""
+        unscored = torch.isnan(s.rewards).tolist()
+        if any(unscored):
+            masks = masks or [[1] * len(ids) for ids in s.response_ids]
+            masks = [[0] * len(m) if u else m for m, u in zip(masks, unscored)]
+        return masks, {"infra/failed": float(sum(unscored))}
 
     def _overlong_masks(self, s: Samples) -> tuple[list[list[int]], dict[str, float]]:
         """``rollout.overlong_filter``: the loss masks with every cut sample's all 0 (its reward
@@ -705,8 +722,10 @@ class Generation:
         params = knob_params(eval_set.top_k, eval_set.min_p, eval_set.repetition_penalty, eval_set.stop)
         s = self.sample(rows, n, eval_set.temperature, eval_set.max_new_tokens, seed_tag, desc, params)
         s = s.last_per_episode()  # pass@k counts episodes
+        unscored = torch.isnan(s.rewards)  # failed for infrastructure: out of the mean, not passed in pass@k
         return {
-            "reward": s.rewards.mean().item(),
+            "reward": s.rewards[~unscored].mean().item() if not unscored.all() else 0.0,
+            "infra/failed": float(unscored.sum()),
             "response_len": sum(map(len, s.response_ids)) / len(s.response_ids),
             **pass_metrics(s.rewards.tolist(), s.texts["response"], n, e.pass_threshold),
             **s.part_metrics(),

@@ -6,7 +6,9 @@ the model's replies are read for calls by ``rollout.tool_parser`` (by default th
 ``<tool_call>`` parser of ``rlhpc.wire.tool_calls``); ``Tools.run`` runs one turn's calls,
 all of them at once, each cut at ``rollout.tool_timeout_s``, and answers each with a
 ``{"role": "tool", "name": ..., "content": ...}`` message. A tool that raises, times out, or does
-not exist answers ``"error: ..."``: the episode goes on, and the error is counted.
+not exist answers ``"error: ..."``: the episode goes on, and the error is counted. A tool that
+raises ``rlhpc.errors.InfrastructureFailure`` (its sandbox could not run) ends its episode
+unscored instead: the episode is masked out of training, as a reward's infrastructure failure is.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from rlhpc.errors import ConfigError, RlhpcError
+from rlhpc.errors import ConfigError, InfrastructureFailure, RlhpcError
 from rlhpc.wire.tool_calls import ParsedCall, ParsedOutput
 
 log = logging.getLogger(__name__)
@@ -132,6 +134,7 @@ class ToolCounts:
     calls: int = 0
     errors: int = 0  # raised, or no such tool
     timeouts: int = 0
+    infra: int = 0  # raised InfrastructureFailure (a sandbox that could not run): the episode is masked
 
 
 class _Run:
@@ -141,6 +144,7 @@ class _Run:
         self.fn, self.call = fn, call
         self.content: str | None = None
         self.error = False
+        self.infra = False
         self.thread = threading.Thread(target=self._run, name=f"tool-{call.name}", daemon=True)
 
     def _run(self) -> None:
@@ -156,6 +160,9 @@ class _Run:
                 False,
                 result if isinstance(result, str) else json.dumps(result, ensure_ascii=False, default=str),
             )
+        except InfrastructureFailure as e:  # not the model's doing: its episode ends unscored
+            log.warning("tool %s failed for infrastructure: %s", self.call.name, e)
+            self.infra, self.content = True, f"error: the tool could not run: {e}"
         except Exception as e:  # the model's arguments or the tool's own failure: the model reads it
             log.debug("tool %s raised %s: %s", self.call.name, type(e).__name__, e)
             self.error, self.content = True, f"error: {type(e).__name__}: {e}"
@@ -208,6 +215,7 @@ class Tools:
                     name, content = r.call.name, f"error: timed out after {self.timeout_s:g} s"
                 else:
                     n.errors += r.error
+                    n.infra += r.infra
                     name, content = r.call.name, r.content
                 out.append({"role": "tool", "name": name, "content": content})
             messages.append(out)

@@ -10,9 +10,25 @@ against its row's tests with it (``rlhpc.sandbox.testing``).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from rlhpc.sandbox.pool import INFRA, Job, Result, SandboxPool, close, configure, pool, stats
 
-__all__ = ["INFRA", "Job", "Result", "SandboxPool", "bash", "close", "configure", "pool", "python", "stats"]
+if TYPE_CHECKING:
+    from rlhpc.config import Config
+
+__all__ = ["INFRA", "Job", "Result", "SandboxPool", "bash", "close", "configure", "pool", "python", "stats", "used"]
+
+TOOLS = ("rlhpc.sandbox:python", "rlhpc.sandbox:bash")
+REWARD = "rlhpc.rewards:code"
+
+
+def used(cfg: Config) -> bool:
+    """Whether the run's own pieces run code in the sandbox (the code task or reward, the python
+    or bash tool): the job then starts the pool at its start, so a node that cannot run one
+    fails there, not at the first rollout. (Code of your own that calls ``pool()`` starts it
+    on first use.)"""
+    return cfg.data.task == "code" or cfg.data.reward == REWARD or any(t in TOOLS for t in cfg.rollout.tools)
 
 
 def _answer(result: Result) -> str:

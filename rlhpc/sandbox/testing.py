@@ -22,6 +22,7 @@ source could still forge an assert's count; compare outputs where that matters.)
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import secrets
@@ -188,16 +189,22 @@ def judge_all(
     pool: SandboxPool, programs: Sequence[str], tests: Sequence[Tests]
 ) -> list[Verdict | InfrastructureFailure]:
     """Each program against its tests, every execution of every one through the pool at once;
-    a program whose executions failed for infrastructure gets its ``InfrastructureFailure``."""
-    plans = [_Plan(p, t) for p, t in zip(programs, tests)]
+    a program whose executions failed for infrastructure gets its ``InfrastructureFailure``.
+    A program repeated with the same tests is judged once (code whose outcome changes from one
+    run to the next, by chance or the clock, gets one draw per batch)."""
+    # The same program against the same tests (a group's samples once the policy agrees) is run once.
+    keys = [(p, json.dumps(dataclasses.asdict(t), sort_keys=True)) for p, t in zip(programs, tests)]
+    first = {key: k for k, key in reversed(list(enumerate(keys)))}
+    distinct = list(dict.fromkeys(keys))
+    plans = [_Plan(programs[first[key]], tests[first[key]]) for key in distinct]
     results = pool.run_all([job for plan in plans for job in plan.jobs])
-    out: list[Verdict | InfrastructureFailure] = []
+    verdicts: dict = {}
     start = 0
-    for plan in plans:
+    for key, plan in zip(distinct, plans):
         mine = results[start : start + len(plan.jobs)]
         start += len(plan.jobs)
         try:
-            out.append(plan.verdict(mine))
+            verdicts[key] = plan.verdict(mine)
         except InfrastructureFailure as e:
-            out.append(e)
-    return out
+            verdicts[key] = e
+    return [verdicts[key] for key in keys]

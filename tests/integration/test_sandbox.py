@@ -4,6 +4,8 @@ killed from outside or starved by the node is infrastructure, not the code's fai
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import signal
 import subprocess
@@ -12,12 +14,22 @@ import threading
 import time
 from pathlib import Path
 
+import h5py
 import pytest
+import torch
+from support.jobs import REPO, job_args
+from support.sandboxed import RUN_ENV
 
+from rlhpc import rewards, sandbox
+from rlhpc.algo.grpo import grpo_advantages
 from rlhpc.config import SandboxConfig
-from rlhpc.errors import RlhpcError
+from rlhpc.errors import InfrastructureFailure, RlhpcError
+from rlhpc.metrics import read_metrics
+from rlhpc.rollout.scoring import Sample, Scorer
+from rlhpc.rollout.tools import Tools
 from rlhpc.sandbox import backends
 from rlhpc.sandbox.pool import SandboxPool
+from rlhpc.wire.tool_calls import ParsedCall, parse_hermes
 
 # A wall limit far above the CPU limit: spinning code meets its CPU limit first even on a loaded
 # machine (the wall limit is waited out only by code that sleeps, which gets a pool of its own).
@@ -232,3 +244,106 @@ def test_nothing_is_left_running(pool):
     pool.close()
     for pid in pids:
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
+
+
+# ---------------------------------------------------------------- the code reward and the tools
+
+
+@pytest.fixture
+def configured():
+    sandbox.configure(SandboxConfig(pool_size=2, **LIMITS))
+    yield sandbox.pool()
+    sandbox.close()
+
+
+def sample(response: str, tests: str) -> Sample:
+    return Sample(prompt="", response=response, label=tests)
+
+
+def test_the_code_reward_runs_a_solution_against_each_form_of_tests(configured):
+    stdio = json.dumps({"inputs": ["1 2\n", "5 7\n"], "outputs": ["3\n", "12"]})
+    call = json.dumps({"inputs": [[1, 2], [3, 4]], "outputs": [3, [7]], "fn_name": "add"})
+    asserts = json.dumps(["assert add(1, 2) == 3", "assert add(2, 2) == 4", "assert add(0, 0) == 1"])
+    solution = "```python\ndef add(a, b):\n    return a + b\n```"
+    reads = "Here:\n```python\na, b = map(int, input().split())\nprint(a + b)\n```\n"
+    got = rewards.code(
+        [
+            sample(reads, stdio),
+            sample(solution, call),
+            sample(solution, asserts),
+            sample("```python\ndef add(a, b):\n    return a - b\n```", call),
+            # exits before any test ran: passes none of them
+            sample("import os\ndef add(a, b):\n    return 0\nos._exit(0)", asserts),
+            sample("import socket\nsocket.create_connection(('1.1.1.1', 53), timeout=2)", stdio),
+            sample("while True:\n    pass", call),
+            sample("def add(a, b):\n    return a + b\n" + "assert add(1, 1) == 2", "assert add(2, 3) == 5"),
+        ]
+    )
+    assert [g["score"] for g in got] == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0], got
+    assert [round(g["passed"], 3) for g in got] == [1.0, 1.0, 0.667, 0.0, 0.0, 0.0, 0.0, 1.0], got
+
+
+def test_a_sample_whose_sandbox_was_killed_from_outside_is_unscored_not_zero(configured):
+    """The reward's sandbox is SIGKILLed mid-execution with no retry left: the sample's score is
+    NaN (no reward), which the advantages and the loss masks leave out; the others score."""
+    sandbox.configure(SandboxConfig(pool_size=1, **LIMITS))  # one sandbox: the kill hits the execution
+    box = sandbox.pool()
+    threading.Timer(0.5, lambda: [os.kill(pid, signal.SIGKILL) for pid in box.pids()]).start()
+    scorer = Scorer(rewards.code, "rlhpc.rewards:code")
+    slow = "import time\ntime.sleep(2)\ndef f():\n    return 1"
+    scores, parts = scorer([sample(slow, "assert f() == 1"), sample("def f():\n    return 1", "assert f() == 1")])
+    assert math.isnan(scores[0]) and scores[1] == 1.0, (scores, box.counts)
+    assert box.counts["lost"] == 1
+    adv = grpo_advantages(torch.tensor([scores[0], 1.0, 0.0, 1.0]), 4)
+    assert adv[0] == 0 and torch.allclose(adv[1:], grpo_advantages(torch.tensor([1.0, 0.0, 1.0]), 3))
+
+
+def test_the_python_and_bash_tools_answer_what_ran(configured):
+    assert sandbox.python("print(6 * 7)") == "42\n"
+    assert sandbox.python("import sys\nprint('x')\nsys.exit(3)") == "x\n[exit status 3]"
+    assert "ZeroDivisionError" in sandbox.python("1/0") and sandbox.python("1/0").endswith("[exit status 1]")
+    assert sandbox.bash("echo $((6*7)); ls /proc/self >/dev/null") == "42\n"
+    tools = Tools([sandbox.python, sandbox.bash], parse_hermes, 60)
+    assert [s["function"]["name"] for s in tools.schemas] == ["python", "bash"]
+    messages, counts = tools.run(
+        [[ParsedCall("python", {"code": "print(1)"}), ParsedCall("bash", '{"command": "pwd"}')]]
+    )
+    assert [m["content"] for m in messages[0]] == ["1\n", messages[0][1]["content"]]
+    assert messages[0][1]["content"].startswith("/tmp/run") and counts[0].errors == 0 and counts[0].infra == 0
+
+
+def test_a_tool_whose_sandbox_could_not_run_ends_its_episode_unscored(configured):
+    def flaky(code: str) -> str:
+        """Fails as a sandbox killed from outside does."""
+        raise InfrastructureFailure("the sandbox lost after 2 attempt(s)")
+
+    messages, counts = Tools([flaky], parse_hermes, 60).run([[ParsedCall("flaky", {"code": "1"})]])
+    assert counts[0].infra == 1 and counts[0].errors == 0
+
+
+def test_a_job_scores_hostile_code_masks_a_killed_sandbox_and_goes_on(tmp_path):
+    """A whole local job of the code task, with ``support.sandboxed:contained`` as its reward:
+    every attack is held and scored 0, the sample whose sandbox was SIGKILLed from outside is
+    unscored (NaN), masked out of the loss and of its group's baseline, and counted, and the job
+    runs to its end."""
+    run = tmp_path / "run"
+    p = subprocess.run(
+        job_args(
+            run, "data.task=code", "rollout.max_new_tokens=2", "rollout.num_rollout=2", "eval.interval=null",
+            "data.reward=support.sandboxed:contained", "sandbox.retries=0", "sandbox.wall_s=3", "sandbox.pool_size=2",
+            "sandbox.disk_mb=64",
+        ),
+        capture_output=True, text=True, timeout=400, cwd=REPO, env={**os.environ, RUN_ENV: str(run)},
+    )  # fmt: skip
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    records = [m for m in read_metrics(run) if m["kind"] == "rollout"]
+    assert [m["infra/failed"] for m in records] == [1.0, 1.0]
+    for r in range(2):
+        with h5py.File(run / "rollouts" / f"rollout_{r:06d}.h5") as f:
+            rewards, advantages = f["rewards"][:], f["advantages"][:]
+            masks = [list(m) for m in f["loss_mask"][:]]
+        assert math.isnan(rewards[0]) and advantages[0] == 0.0 and not any(masks[0])
+        assert rewards[1:7].tolist() == [0.0] * 6  # every attack held, and scored
+        assert all(all(m) for m in masks[1:])
+        group = torch.tensor(rewards[1:4])  # the rest of sample 0's group: its baseline without it
+        assert torch.allclose(torch.tensor(advantages[1:4]), grpo_advantages(group, 3), atol=1e-6)

@@ -1,0 +1,47 @@
+"""A reward for the ``code`` task that also puts hostile code through the job's sandbox: each
+rollout, sample 0's sandbox is SIGKILLed from outside mid-execution, samples 1-6 are replaced by
+attacks (the network, the run dir's engine key, the job's environment, a fork bomb, a full disk,
+a sleep past the wall limit), each scored 1.0 only if it got what it tried for, and the rest are
+the model's own answers, scored by the task's reward. A job names it as
+``data.reward: support.sandboxed:contained`` with ``$RLHPC_TEST_RUN_DIR`` its run dir."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+from rlhpc import sandbox
+from rlhpc.data import code
+from rlhpc.rollout.scoring import batched
+
+RUN_ENV = "RLHPC_TEST_RUN_DIR"
+LEAK = "LEAK"
+
+
+def attacks(run: str) -> list[str]:
+    key = os.path.join(run, "engine_key")
+    return [
+        f"import socket\nsocket.create_connection(('1.1.1.1', 53), timeout=1)\nprint({LEAK!r})",
+        f"print({LEAK!r}, open({key!r}).read())",
+        f"import os\nprint({LEAK!r} if [k for k in os.environ if 'RLHPC' in k or 'KEY' in k] else 'clean')",
+        "import os\nwhile True:\n    os.fork()",
+        "n = 0\ntry:\n    with open('/tmp/fill', 'wb') as f:\n        while True:\n"
+        f"            f.write(b'x' * 65536)\n            n += 1\nexcept OSError:\n    pass\nprint({LEAK!r} if n > 2048 else 'held')",
+        f"import time\ntime.sleep(10 ** 6)\nprint({LEAK!r})",
+    ]
+
+
+def _killed_from_outside() -> object:
+    pool = sandbox.pool()
+    threading.Timer(0.3, lambda: [os.kill(pid, 9) for pid in pool.pids()]).start()
+    result = pool.run("import time\ntime.sleep(3)\nprint('finished')")
+    return result.failure() if result.infra else float(result.ok)
+
+
+@batched
+def contained(samples: list) -> list:
+    out: list = [_killed_from_outside()]
+    for program in attacks(os.environ[RUN_ENV]):
+        result = sandbox.pool().run(program)
+        out.append(result.failure() if result.infra else float(LEAK in result.stdout))
+    return out + code.reward(samples[len(out) :])
