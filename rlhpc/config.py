@@ -730,6 +730,10 @@ class RolloutConfig(Section):
     tool_parser: str = "rlhpc.wire.tool_calls:parse_hermes"
     # Each call's limit in seconds; one still running after it answers "error: timed out after N s".
     tool_timeout_s: float = 30.0
+    # Record every tool call's answer in RUN_DIR/tool_journal/ as it is made (fsynced once per
+    # turn), and answer a resumed episode's calls from it instead of running them again, so a run
+    # whose tools read the clock, the network or a sandbox's state resumes exactly (multi-turn guide).
+    tool_journal: bool = True
     # Rollouts written as code (docs/guides/multi-turn.md#three-ways-in), instead of rollout.env:
     # "module:fn", (row, engine) -> rlhpc.rollout.trajectories.Trajectory (async def or def); its
     # engine.generate(input_ids, sampling) samples from the engines. The trajectory is checked:
