@@ -273,7 +273,7 @@ class SandboxPool:
             with self._lock:
                 self._live.add(box)
                 self._ever_ready = True
-            self.counts["starts"] += 1
+            self._count("starts")
             return box
         said = box.said() or f"exit status {box.proc.poll()}"
         box.close()
@@ -301,6 +301,10 @@ class SandboxPool:
                 len(started) - len(boxes),
                 len(started),
             )
+
+    def _count(self, what: str) -> None:
+        with self._lock:  # executions finish on many threads at once
+            self.counts[what] += 1
 
     def _drop(self, box: Sandbox) -> None:
         with self._lock:
@@ -369,9 +373,9 @@ class SandboxPool:
             if not result.infra or attempt > self.cfg.retries:
                 break
             log.warning("sandbox execution %s (%s): running it again in a fresh sandbox", result.status, result.detail)
-            self.counts["retries"] += 1
+            self._count("retries")
             previous = result
-        self.counts[result.status] += 1
+        self._count(result.status)
         return replace(result, attempts=attempt)
 
     def run_all(self, jobs: Sequence[Job]) -> list[Result]:

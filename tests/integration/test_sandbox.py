@@ -18,7 +18,7 @@ import h5py
 import pytest
 import torch
 from support.jobs import REPO, job_args
-from support.sandboxed import RUN_ENV
+from support.sandboxed import RUN_ENV, kill_when_running
 
 from rlhpc import rewards, sandbox
 from rlhpc.algo.grpo import grpo_advantages
@@ -27,6 +27,8 @@ from rlhpc.errors import InfrastructureFailure, RlhpcError
 from rlhpc.metrics import read_metrics
 from rlhpc.rollout.scoring import Sample, Scorer
 from rlhpc.rollout.tools import Tools
+from rlhpc.run_dir import RunDir
+from rlhpc.runtime.startup import read_startup
 from rlhpc.sandbox import backends
 from rlhpc.sandbox.pool import SandboxPool
 from rlhpc.wire.tool_calls import ParsedCall, parse_hermes
@@ -154,13 +156,14 @@ def test_a_sandbox_killed_from_outside_is_infrastructure_and_retried_in_a_fresh_
         (first,) = p.pids()
         killed = threading.Event()
 
-        def kill_soon() -> None:
-            time.sleep(0.5)  # the code is asleep in its first attempt
-            for pid in reversed(_host_processes_of(first)):
+        def kill_when_running() -> None:
+            while len(tree := _host_processes_of(first)) < 3:  # bwrap, the worker, the code's child
+                time.sleep(0.02)
+            for pid in reversed(tree):
                 os.kill(pid, signal.SIGKILL)
             killed.set()
 
-        threading.Thread(target=kill_soon).start()
+        threading.Thread(target=kill_when_running).start()
         r = p.run("import time\ntime.sleep(1.5)\nprint('done')")
         assert killed.is_set()
         assert r.ok and r.attempts == 2 and r.stdout == "done\n", r  # the retry ran in a fresh sandbox
@@ -173,7 +176,13 @@ def test_a_sandbox_killed_from_outside_is_infrastructure_and_retried_in_a_fresh_
     p.start()
     try:
         (first,) = p.pids()
-        threading.Timer(0.5, lambda: os.kill(first, signal.SIGKILL)).start()
+
+        def kill_outermost_when_running() -> None:
+            while len(_host_processes_of(first)) < 3:
+                time.sleep(0.02)
+            os.kill(first, signal.SIGKILL)  # bwrap alone: the sandbox inside dies with it
+
+        threading.Thread(target=kill_outermost_when_running).start()
         r = p.run("import time\ntime.sleep(1.5)\nprint('done')")
         assert r.status == "lost" and r.infra, r
         assert p.run("print(2)").ok  # a fresh sandbox takes its place
@@ -288,7 +297,7 @@ def test_a_sample_whose_sandbox_was_killed_from_outside_is_unscored_not_zero(con
     NaN (no reward), which the advantages and the loss masks leave out; the others score."""
     sandbox.configure(SandboxConfig(pool_size=1, **LIMITS))  # one sandbox: the kill hits the execution
     box = sandbox.pool()
-    threading.Timer(0.5, lambda: [os.kill(pid, signal.SIGKILL) for pid in box.pids()]).start()
+    kill_when_running(box)
     scorer = Scorer(rewards.code, "rlhpc.rewards:code")
     slow = "import time\ntime.sleep(2)\ndef f():\n    return 1"
     scores, parts = scorer([sample(slow, "assert f() == 1"), sample("def f():\n    return 1", "assert f() == 1")])
@@ -336,6 +345,7 @@ def test_a_job_scores_hostile_code_masks_a_killed_sandbox_and_goes_on(tmp_path):
         capture_output=True, text=True, timeout=400, cwd=REPO, env={**os.environ, RUN_ENV: str(run)},
     )  # fmt: skip
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "sandbox_up" in [ph["phase"] for ph in read_startup(RunDir(run))]  # warmed at the start
     records = [m for m in read_metrics(run) if m["kind"] == "rollout"]
     assert [m["infra/failed"] for m in records] == [1.0, 1.0]
     for r in range(2):

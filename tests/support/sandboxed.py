@@ -8,7 +8,11 @@ the model's own answers, scored by the task's reward. A job names it as
 from __future__ import annotations
 
 import os
+import signal
 import threading
+import time
+
+import psutil
 
 from rlhpc import sandbox
 from rlhpc.data import code
@@ -31,9 +35,24 @@ def attacks(run: str) -> list[str]:
     ]
 
 
+def kill_when_running(pool: sandbox.SandboxPool) -> threading.Thread:
+    """SIGKILL every sandbox of ``pool`` from outside once one of them runs code (its worker has
+    forked the execution's child), as the node's OOM killer or an administrator would."""
+
+    def kill() -> None:
+        while not any(len(psutil.Process(pid).children(recursive=True)) >= 2 for pid in pool.pids()):
+            time.sleep(0.02)
+        for pid in pool.pids():
+            os.kill(pid, signal.SIGKILL)
+
+    thread = threading.Thread(target=kill, daemon=True)
+    thread.start()
+    return thread
+
+
 def _killed_from_outside() -> object:
     pool = sandbox.pool()
-    threading.Timer(0.3, lambda: [os.kill(pid, 9) for pid in pool.pids()]).start()
+    kill_when_running(pool)
     result = pool.run("import time\ntime.sleep(3)\nprint('finished')")
     return result.failure() if result.infra else float(result.ok)
 
