@@ -4,11 +4,10 @@ row's asserts, run in the sandbox (``rlhpc.sandbox``), small enough for the tiny
 A prompt shows a function's values at 0 and 1 and begins its expression: ``0:5;1:6;x:x`` for
 ``f(x) = x + 5``. The model writes the rest (``+5``: two tokens, ``rollout.max_new_tokens: 2``),
 which becomes ``f = lambda x: (x +5)``, and the row's label holds the tests, as a code dataset's
-unit tests would: ``f`` returns an integer, is positive at 0, grows by one per step, and its
-values at 0, 1, 2, 3 (a JSON list of asserts, a form of ``rlhpc.sandbox.testing``). The reward
-is the share that pass: ``x`` alone earns 2/7, ``x+d`` with the wrong digit 3/7, the right
-one all of it, anything that does not run nothing. A random policy earns about 1.2 % of a full
-score per sample (half of what ``digit_sum`` starts from), so it learns from the first rollouts.
+unit tests would: ``f`` is positive at 0, and its values at 0, 1, 2, 3 (a JSON list of five
+asserts, a form of ``rlhpc.sandbox.testing``). The reward is the share that pass: ``x`` alone
+earns nothing, ``x+d`` with the wrong digit 1/5, the right one all of it, anything that does not
+run nothing.
 Every answer runs in the sandbox, as a code RL job's do; a sandbox that could not run leaves
 its sample unscored.
 """

@@ -23,6 +23,7 @@ from support.sandboxed import RUN_ENV, kill_when_running
 from rlhpc import rewards, sandbox
 from rlhpc.algo.grpo import grpo_advantages
 from rlhpc.config import SandboxConfig
+from rlhpc.data.tasks import TASKS, load_split
 from rlhpc.errors import InfrastructureFailure, RlhpcError
 from rlhpc.metrics import read_metrics
 from rlhpc.rollout.scoring import Sample, Scorer
@@ -290,6 +291,21 @@ def test_the_code_reward_runs_a_solution_against_each_form_of_tests(configured):
     )
     assert [g["score"] for g in got] == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0], got
     assert [round(g["passed"], 3) for g in got] == [1.0, 1.0, 0.667, 0.0, 0.0, 0.0, 0.0, 1.0], got
+
+
+def test_the_code_tasks_rows_are_scored_by_running_their_answers(configured):
+    """The built-in code task: each row's own solution passes all its asserts; an answer that
+    runs but is wrong passes what it can (f(0) > 0); one that does not run, nothing."""
+    rows = load_split(TASKS["code"], None, 12, seed=5)
+
+    def scored(response: str, row) -> Sample:
+        return Sample(prompt=row.prompt_text, response=response, label=row.label, row=row)
+
+    right = TASKS["code"].reward([scored(r["solution"], r) for r in rows])
+    assert right == [1.0] * len(rows)
+    c = int(rows[0]["solution"][1:])
+    wrong = TASKS["code"].reward([scored(f"+ {c % 9 + 1}", rows[0]), scored("", rows[0]), scored("+ ;", rows[0])])
+    assert wrong == [0.2, 0.0, 0.0]  # a wrong digit passes "f(0) > 0"; x alone and a syntax error nothing
 
 
 def test_a_sample_whose_sandbox_was_killed_from_outside_is_unscored_not_zero(configured):
