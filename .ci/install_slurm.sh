@@ -1,14 +1,13 @@
 #!/usr/bin/env bash
 # Install what tools/minicluster.py (and the @pytest.mark.slurm tests) need on Debian
 # bookworm: Slurm 22.05 (slurmctld, slurmd, clients), munge, iproute2 for network
-# namespaces, util-linux for nsenter/unshare/setpriv, and bubblewrap for the sandbox that runs
-# model-written code (tests/integration/test_sandbox.py). Idempotent: installs only what is missing.
+# namespaces, util-linux for nsenter/unshare. Idempotent: installs only what is missing.
 set -euo pipefail
 
 SUDO=""
 if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
 
-PACKAGES=(slurm-wlm munge iproute2 util-linux mount hostname libc-bin bubblewrap)
+PACKAGES=(slurm-wlm munge iproute2 util-linux mount hostname libc-bin bubblewrap)  # bubblewrap: the sandbox (tests/integration/test_sandbox.py)
 missing=()
 for pkg in "${PACKAGES[@]}"; do
     if ! dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed"; then
@@ -33,7 +32,7 @@ if ! $SUDO test -f /etc/munge/munge.key; then
 fi
 
 # The minicluster starts its own munged/slurmctld/slurmd; no system service is needed.
-for bin in slurmctld slurmd munged sinfo srun sbatch scontrol ip nsenter unshare setpriv bwrap; do
+for bin in slurmctld slurmd munged sinfo srun sbatch scontrol ip nsenter unshare; do
     command -v "$bin" >/dev/null || { echo "install_slurm: $bin still missing" >&2; exit 1; }
 done
 echo "install_slurm: ok ($(slurmctld -V))"
