@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from rlhpc.config import context_len
 from rlhpc.data.prompts import conversation_template
 from rlhpc.data.rows import Row, describe
 from rlhpc.errors import RlhpcError, user_code_error
@@ -34,9 +35,10 @@ class CustomRollout:
     kind: Literal["generate_fn", "agent"]
     spec: str
     fn: Callable
-    template: str | None = None  # the agent's chat template (data.chat_template)
+    template: str | None = None  # the agent's chat template (data.chat_template; None: none, completions only)
     template_name: str = ""
     parser: Callable[[str], Any] | None = None  # the agent's tool-call parser (rollout.tool_parser)
+    context_len: int | None = None  # the model's, for the agent endpoint's checks (None: unknown)
 
     @property
     def key(self) -> str:
@@ -61,8 +63,18 @@ def make_custom(cfg: Any, tokenizer: Any) -> CustomRollout | None:
         return CustomRollout("generate_fn", r.generate_fn, resolve_generate_fn(r.generate_fn))
     if r.agent is None:
         return None
-    template, name = conversation_template(cfg.data, tokenizer, f"rollout.agent = {r.agent}")
-    return CustomRollout("agent", r.agent, resolve_agent(r.agent), template, name, resolve_parser(r.tool_parser))
+    template, name = agent_template(cfg.data, tokenizer)
+    parser = resolve_parser(r.tool_parser)
+    return CustomRollout("agent", r.agent, resolve_agent(r.agent), template, name, parser, context_len(cfg))
+
+
+def agent_template(data: Any, tokenizer: Any) -> tuple[str | None, str]:
+    """(template, its name) an agent's chat messages are rendered with; None where the run has
+    none (``data.chat_template: none``, or ``auto`` and a tokenizer without one): the endpoint then
+    serves completions only."""
+    if data.chat_template == "none" or (data.chat_template == "auto" and not getattr(tokenizer, "chat_template", None)):
+        return None, ""
+    return conversation_template(data, tokenizer, "rollout.agent")
 
 
 async def _call_user(fn: Callable, *args: Any) -> Any:
@@ -134,9 +146,12 @@ def run_custom(
         if custom.kind == "generate_fn":
             return list(await asyncio.gather(*(generate_fn(k) for k in range(len(rows)))))
         # late: only an agent run needs the HTTP server (uvicorn, fastapi) in the driver
-        from rlhpc.rollout.agent_endpoint import AgentEndpoint
+        from rlhpc.rollout.agent_endpoint import AgentEndpoint, limits_for
 
-        with AgentEndpoint(tokenizer, custom.template or "", custom.template_name, custom.parser) as endpoint:
+        with AgentEndpoint(
+            tokenizer, custom.template, custom.template_name, custom.parser, custom.context_len,
+            limits=limits_for(len(rows)),
+        ) as endpoint:  # fmt: skip
             return list(await asyncio.gather(*(agent(k, endpoint) for k in range(len(rows)))))
 
     return calls.run(main)

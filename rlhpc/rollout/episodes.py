@@ -35,6 +35,10 @@ tokenized (``Conversation.extend``). The episodes of a rollout take each turn to
 (``extend_all``): their chats are rendered in one ``apply_chat_template`` call and their tails
 tokenized in one tokenizer call, a text shared by several (the observation's, the generation
 prompt's) once; each chat's ids are those it gets alone.
+
+Every rendering goes through ``rlhpc.data.prompts``' one path: each message is marked once, when
+it comes (``mark``: the control tokens in its text, a tool answer's ``<|im_end|>`` say, are encoded
+as text), and the template's own tokens are the only control tokens an episode is given.
 """
 
 from __future__ import annotations
@@ -47,12 +51,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlhpc.config import Config, context_len
-from rlhpc.data.prompts import render_messages, render_texts, require_chat_template, with_system
+from rlhpc.data.prompts import (
+    MARK_START,
+    controls,
+    encode_marked,
+    mark,
+    render_marked,
+    require_chat_template,
+    with_system,
+)
 from rlhpc.data.rows import Row, describe
 from rlhpc.errors import ConfigError, RlhpcError, UserCodeError, user_code_error
 from rlhpc.rollout.journal import ScopeJournal
-from rlhpc.rollout.tools import CallSite, Tools, resolve_parser, resolve_tools
+from rlhpc.rollout.tools import CallSite, Tools, resolve_parser, resolve_tools, warn_special_tags
 from rlhpc.util.imports import import_function
+from rlhpc.wire.tool_calls import markup_text
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +96,7 @@ def check_env(cfg: Config, env: str | None) -> None:
     if r.tools:
         resolve_tools(r.tools)
         resolve_parser(r.tool_parser)
+        warn_special_tags(cfg.model.path, "rollout.tools")
     require_chat_template(cfg.data, cfg.model.tiny, f"{key} {env}", "renders its episodes as chat messages")
     context = context_len(cfg)
     prompt = cfg.data.max_prompt_tokens or 1
@@ -110,14 +124,15 @@ def split_tokens(tokenizer: Any) -> tuple[str, ...]:
 
 def split_before(text: str, end: int, tokens: tuple[str, ...]) -> int:
     """The last offset at most ``end`` where one of ``tokens`` starts and lies whole within
-    ``text[:end]`` or starts at ``end``; -1 if none."""
-    return max((max(text.rfind(t, 0, end), end if text.startswith(t, end) else -1) for t in tokens), default=-1)
-
-
-def _encode_each(tokenizer: Any, texts: Sequence[str]) -> dict[str, list[int]]:
-    """Each distinct text of ``texts`` -> its ids (``encode_text``'s), in one tokenizer call."""
-    unique = list(dict.fromkeys(texts))
-    return dict(zip(unique, tokenizer(unique, add_special_tokens=False)["input_ids"])) if unique else {}
+    ``text[:end]`` or starts at ``end``; -1 if none. An occurrence marked as the messages' own text
+    (``prompts.mark``) is not one: only the template's tokens split a rendering."""
+    best = -1
+    for t in tokens:
+        at = end if text.startswith(t, end) else text.rfind(t, 0, end)
+        while at > 0 and text[at - 1] == MARK_START:
+            at = text.rfind(t, 0, at + len(t) - 1)
+        best = max(best, at)
+    return best
 
 
 class Conversation:
@@ -128,8 +143,12 @@ class Conversation:
     def __init__(
         self, tokenizer: Any, template: str, template_name: str, messages: list[dict], tools: list[dict] | None = None
     ):
-        text, ids = render_messages(tokenizer, template, list(messages), True, tools)
+        c = controls(tokenizer, template)
+        marked, marked_tools = mark(list(messages), c), mark(tools, c)
+        (text,) = render_marked(tokenizer, template, [marked], True, marked_tools)
+        ids = encode_marked(tokenizer, template, [text])[text]
         self._start(tokenizer, template, template_name, messages, tools, text, ids, split_tokens(tokenizer))
+        self._marked, self._marked_tools = marked, marked_tools
 
     def _start(
         self, tokenizer: Any, template: str, template_name: str, messages: list[dict], tools: list[dict] | None,
@@ -138,6 +157,10 @@ class Conversation:
         self.tokenizer, self.template, self.template_name = tokenizer, template, template_name
         self.tools = tools  # OpenAI tool schemas, rendered by the template every time (it lists them first)
         self.messages = list(messages)
+        # the messages and tools as the template is given them (prompts.mark: their control tokens
+        # marked as text), each marked once; the text as rendered from them
+        self._marked: list[dict] = []
+        self._marked_tools: list[dict] | None = None
         self._text, self.prompt_ids = text, ids
         self._rendered = self.prompt_ids  # the template's ids of the chat so far, generation prompt included
         self._split = split
@@ -150,11 +173,14 @@ class Conversation:
         """``Conversation(tokenizer, template, template_name, chat, tools)`` of each of ``chats``:
         the same ids, the chats rendered in one call and each distinct text tokenized once."""
         chats = [list(chat) for chat in chats]
-        texts = render_texts(tokenizer, template, chats, True, tools)
-        ids, split, out = _encode_each(tokenizer, texts), split_tokens(tokenizer), []
-        for chat, text in zip(chats, texts):
+        marks = controls(tokenizer, template)
+        marked, marked_tools = [mark(chat, marks) for chat in chats], mark(tools, marks)
+        texts = render_marked(tokenizer, template, marked, True, marked_tools)
+        ids, split, out = encode_marked(tokenizer, template, texts), split_tokens(tokenizer), []
+        for chat, m, text in zip(chats, marked, texts):
             c = cls.__new__(cls)
             c._start(tokenizer, template, template_name, chat, tools, text, list(ids[text]), split)
+            c._marked, c._marked_tools = m, marked_tools
             out.append(c)
         return out
 
@@ -193,7 +219,7 @@ class Conversation:
             )
 
     def _grow(
-        self, generated: Sequence[int], messages: list[dict], after_text: str,
+        self, generated: Sequence[int], messages: list[dict], marked: list[dict], after_text: str,
         content: list[int], closed: list[int], after: list[int],
     ) -> list[int]:  # fmt: skip
         before = self._rendered
@@ -208,7 +234,7 @@ class Conversation:
             for k in range(len(closing) + 1)
             if k <= len(generated) and list(generated[len(generated) - k :]) == closing[:k]
         )
-        self.messages, self._text, self._rendered = messages, after_text, after
+        self.messages, self._marked, self._text, self._rendered = messages, marked, after_text, after
         return closing[done:] + after[len(closed) :]
 
     def extend(self, generated: Sequence[int], reply: str, observation: list[dict]) -> list[int]:
@@ -236,23 +262,27 @@ def extend_all(
         c.tokenizer is not first.tokenizer or c.template != first.template or c.tools is not first.tools for c in chats
     ):
         return [extend_all([c], [g], [r], [o])[0] for c, g, r, o in zip(chats, generated, replies, observations)]
-    tok, template, tools = first.tokenizer, first.template, first.tools
-    closed_chats = [[*c.messages, {"role": "assistant", "content": r}] for c, r in zip(chats, replies)]
-    after_chats = [chat + observation for chat, observation in zip(closed_chats, observations)]
-    closed_texts = render_texts(tok, template, closed_chats, False, tools)
-    after_texts = render_texts(tok, template, after_chats, True, tools)
-    tails = [c._tail_texts(r, x, y) for c, r, x, y in zip(chats, replies, closed_texts, after_texts)]
-    ids = _encode_each(tok, [t for texts in tails if texts is not None for t in texts])
+    tok, template, tools = first.tokenizer, first.template, first._marked_tools
+    marks = controls(tok, template)
+    # only the new messages are marked (prompts.mark): the earlier ones were when they came
+    marked = [mark(r, marks) for r in replies]
+    closed_chats = [[*c._marked, {"role": "assistant", "content": r}] for c, r in zip(chats, marked)]
+    after_chats = [chat + mark(list(observation), marks) for chat, observation in zip(closed_chats, observations)]
+    closed_texts = render_marked(tok, template, closed_chats, False, tools)
+    after_texts = render_marked(tok, template, after_chats, True, tools)
+    tails = [c._tail_texts(r, x, y) for c, r, x, y in zip(chats, marked, closed_texts, after_texts)]
+    ids = encode_marked(tok, template, [t for texts in tails if texts is not None for t in texts])
     found = [c._from_tails(*(ids[t] for t in texts)) if texts is not None else None for c, texts in zip(chats, tails)]
     whole = [k for k, f in enumerate(found) if f is None]  # the fallback: the whole chats tokenized
-    ids.update(_encode_each(tok, [t for k in whole for t in (replies[k], closed_texts[k], after_texts[k])]))
+    ids.update(encode_marked(tok, template, [t for k in whole for t in (marked[k], closed_texts[k], after_texts[k])]))
     out = []
     for k, c in enumerate(chats):
         if found[k] is None:
             c.whole_tokenized += 1
-            found[k] = (ids[replies[k]], ids[closed_texts[k]], ids[after_texts[k]])
+            found[k] = (ids[marked[k]], ids[closed_texts[k]], ids[after_texts[k]])
         content, closed, after = found[k]
-        out.append(c._grow(generated[k], after_chats[k], after_texts[k], content, closed, after))
+        messages = [*c.messages, {"role": "assistant", "content": replies[k]}, *observations[k]]
+        out.append(c._grow(generated[k], messages, after_chats[k], after_texts[k], content, closed, after))
     return out
 
 
@@ -282,6 +312,10 @@ class Episode:
     @property
     def input_ids(self) -> list[int]:
         return self.conversation.prompt_ids + self.response_ids
+
+    def reply_ids(self) -> list[int]:
+        """The engine's tokens of the current turn's reply."""
+        return [t for t, m, u in zip(self.response_ids, self.loss_mask, self.turns) if m and u == self.turn]
 
     def add(self, ids: Sequence[int], logprobs: Sequence[float], versions: Sequence[int], generated: bool) -> None:
         self.response_ids += ids
@@ -409,7 +443,9 @@ class EpisodeConfig:
         answered from it where it holds them), ``env.step``'s elsewhere."""
         for e, r in zip(episodes, replies):
             e.texts.append(r)
-        calls = [self._calls(e, r) for e, r in zip(episodes, replies)]
+        # the calls read from the reply's tokens with special tokens kept (markup_text): where
+        # <tool_call> is a special token, the engine's text (what step gets) has no markup left
+        calls = [self._calls(e, markup_text(e.conversation.tokenizer, e.reply_ids())) for e in episodes]
         to_env = [i for i, c in enumerate(calls) if not c]
         results: list[tuple] = [()] * len(episodes)
         stepped = _call(

@@ -88,6 +88,8 @@ def test_a_tool_parser_that_raises_is_its_error_and_a_tool_that_raises_answers()
     try:
         ep = episodes(StepRaises, Tools([], parser, timeout_s=1))
         started = ep.start_all(tok, [(VERL_ROW, 7)], loop)
+        ids = tok.encode("4", add_special_tokens=False)  # the reply's tokens, as a rollout records them
+        started[0].add(ids, [0.0] * len(ids), [0] * len(ids), generated=True)
         with pytest.raises(
             UserCodeError, match=r"the tool parser .*parser raised ValueError: cannot read on the reply '4'"
         ):
