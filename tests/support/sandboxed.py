@@ -36,13 +36,24 @@ def attacks(run: str) -> list[str]:
 
 
 def kill_when_running(pool: sandbox.SandboxPool) -> threading.Thread:
-    """SIGKILL every sandbox of ``pool`` from outside once one of them runs code (its worker has
-    forked the execution's child), as the node's OOM killer or an administrator would."""
+    """SIGKILL from outside the sandbox of ``pool`` that runs code (its worker has forked the
+    execution's child), as the node's OOM killer or an administrator would. Only that one: an
+    idle sandbox killed too could still look alive to the next execution, which would then be
+    lost as well (a second infrastructure failure where the test counts one)."""
+
+    def descendants(pid: int) -> int:
+        try:
+            return len(psutil.Process(pid).children(recursive=True))
+        except psutil.NoSuchProcess:
+            return 0
+
+    def running() -> list[int]:
+        return [pid for pid in pool.pids() if descendants(pid) >= 2]
 
     def kill() -> None:
-        while not any(len(psutil.Process(pid).children(recursive=True)) >= 2 for pid in pool.pids()):
+        while not (pids := running()):
             time.sleep(0.02)
-        for pid in pool.pids():
+        for pid in pids:
             os.kill(pid, signal.SIGKILL)
 
     thread = threading.Thread(target=kill, daemon=True)
