@@ -921,7 +921,10 @@ class MegatronConfig(Section):
     # Shard optimizer state over data-parallel ranks. Its checkpoints resume at another DP size
     # but the same TP and PP sizes; the plain optimizer's reshard to any TP/PP/DP.
     use_distributed_optimizer: bool = False
-    bf16: bool = False  # bf16 params/compute with fp32 master weights (GPU); fp32 otherwise
+    # bf16 weights, compute and weight pushes, with fp32 master weights and gradients. null: bf16
+    # where the hardware has it (a CUDA GPU with bf16: Ampere and later), fp32 elsewhere (CPU,
+    # gloo); the ranks log which. The memory plan, made for GPUs, counts bf16 unless false.
+    bf16: bool | None = None
     # MoE models (qwen3_moe): experts split over this many ranks of the data-parallel group
     # (megatron's expert parallelism; it must divide DP and the number of experts).
     expert_model_parallel_size: int = 1
@@ -932,6 +935,10 @@ class MegatronConfig(Section):
     # Full activation recompute (megatron-core's recompute_granularity "full", method "uniform",
     # one layer per chunk): only each layer's input is kept, the layer is recomputed in backward.
     recompute: bool = False
+
+    def uses_bf16(self, device_has_bf16: bool) -> bool:
+        """Whether the actor runs in bf16 on a device that has it or not: the one place ``bf16`` is read."""
+        return device_has_bf16 if self.bf16 is None else self.bf16
 
     def check(self) -> None:
         self._at_least(1, "tensor_model_parallel_size", fix="use 1, 2, 4 or 8")
@@ -1599,6 +1606,16 @@ def check_run(cfg: Config) -> None:
         raise ConfigError(
             f"a rollout has {r.rollout_batch_size * r.n_samples_per_prompt} samples, fewer than the {c.actor_num_gpus} actor ranks",
             "raise rollout.rollout_batch_size or lower cluster.actor_num_gpus",
+        )
+    if c.colocate and c.rollout_num_gpus > c.gpus_per_node:
+        # the engines take the actor's first GPUs, and actor rank 0 alone pushes to them
+        raise ConfigError(
+            f"cluster.colocate with cluster.rollout_num_gpus = {c.rollout_num_gpus} over nodes of "
+            f"cluster.gpus_per_node = {c.gpus_per_node}: the engines would span nodes, and a colocated push hands "
+            "each engine a CUDA IPC (on CPU, shared-memory) handle of actor rank 0's buffer, which no other node "
+            "can open",
+            "keep the colocated engines on one node (cluster.rollout_num_gpus <= cluster.gpus_per_node), or drop "
+            "cluster.colocate: a disaggregated push broadcasts to engines on every node",
         )
     if r.max_staleness > 0 and (c.colocate or c.offload):
         key = "cluster.colocate" if c.colocate else "cluster.offload"
