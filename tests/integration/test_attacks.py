@@ -31,9 +31,10 @@ CAP = 64  # the engine's --max-connections here
 @pytest.fixture(scope="module")
 def engine(model_path: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, int]]:
     work = tmp_path_factory.mktemp("attacked")
-    # the switches a job's engines get: /health answers at once, not after a generation's poll (1 s)
-    flags = ["--header-timeout-s", "2", "--max-connections", str(CAP)]
-    proc, url, _ = start_server(model_path, work, "engine", flags, env=engine_env(os.environ))
+    # the environment rlhpc gives every engine: /health answers without a generation (with one,
+    # each keyless probe waits for a decoding step and the floods measure the engine's speed)
+    args = ["--header-timeout-s", "2", "--max-connections", str(CAP)]
+    proc, url, _ = start_server(model_path, work, "engine", args, env=engine_env(os.environ))
     try:
         yield url, proc.pid
     finally:
