@@ -20,11 +20,13 @@ and a header flood grew an engine by 600 MB). The guard, as nginx's ``client_hea
 - at most ``max_connections`` are open at once, and at most half the open-file limit
   (``connection_cap``: the process needs descriptors of its own). A new connection past the cap
   closes the least recently active one that is neither being answered nor holding unread bytes
-  (a request its client has just sent), else itself: a connection being answered is never
-  dropped for a newer one, a client that sends its request at once is never the one closed, and
-  a new connection goes last (closing the oldest never answered first would close a client's
-  new one before its request is read, while a flood's connections are answered at once). Our
-  clients, urllib3's and httpx's pools, notice a closed idle connection before reusing it;
+  (a request its client has just sent), those that carried fewer than two requests first (a
+  pool reuses its connections; a flood's carry one), else itself: a connection being answered
+  is never dropped for a newer one, a client that sends its request at once is never the one
+  closed, and a new connection goes last (closing the oldest never answered first would close a
+  client's new one before its request is read, while a flood's connections are answered at
+  once). Our clients, urllib3's and httpx's pools, notice a closed idle connection before
+  reusing it, all but the one they are about to reuse at that moment;
 - a burst of new connections is accepted ``backlog`` at a time (the listen backlog, and what
   asyncio's loop accepts per turn), so a flood holds about ``max_connections`` + 2 x ``backlog``.
 
@@ -108,6 +110,7 @@ def guarded_protocol(limits: GuardLimits, server: str) -> type:
         _stall: asyncio.TimerHandle | None = None  # the answer's reading
         _counted = False
         _kept = False  # answered and kept alive, no next request begun: the idle timer runs
+        _answers = 0
         _head = True  # the bytes coming in are a request's line and headers
         _head_bytes = 0
         _body_bytes = 0
@@ -120,7 +123,10 @@ def guarded_protocol(limits: GuardLimits, server: str) -> type:
             quiet[self] = None
             self._wait()
             if count[0] > cap:  # itself only where every other one is being answered or about to be
-                victim = next((c for c in quiet if c is not self and not c._unread()), self)
+                others = [c for c in quiet if c is not self and not c._unread()]
+                # a connection that carried several requests is a pool's: one request and a wait
+                # is what a flood leaves, so those go first
+                victim = next((c for c in others if c._answers < 2), others[0] if others else self)
                 victim._drop(f"was the least recently active of more than {cap} connections")
 
         def connection_lost(self, exc: Exception | None) -> None:
@@ -206,6 +212,7 @@ def guarded_protocol(limits: GuardLimits, server: str) -> type:
         # the guard's own
         def _settle(self) -> None:
             """Answered: a next request begun is timed; else the connection is kept alive, idle."""
+            self._answers += 1
             quiet[self] = None
             quiet.move_to_end(self)
             if self._head and self._head_bytes:

@@ -132,7 +132,7 @@ def test_every_request_has_deadlines_and_size_caps() -> None:
         assert got < BIG, got
 
 
-def test_past_the_cap_the_least_recently_active_goes_never_one_being_answered() -> None:
+def test_past_the_cap_the_least_recently_active_goes_a_pools_last_never_one_being_answered() -> None:
     limits = GuardLimits(header_timeout_s=30, max_connections=3, backlog=16)
     with serving(limits) as (address, app):
 
@@ -155,15 +155,18 @@ def test_past_the_cap_the_least_recently_active_goes_never_one_being_answered() 
         b, c = served(connect(address)), connect(address)  # answered and kept alive; nothing sent yet
         d = connect(address)
         assert is_closed(b) and not is_closed(c)  # the least recently active, answered or not
-        served(c)
+        served(served(c))
         e = connect(address)
         assert is_closed(d) and not is_closed(c)  # d opened before c's latest request
+        served(e)
+        f = connect(address)  # c carried two requests (a pool's), e one: e goes, though more recent
+        assert is_closed(e) and not is_closed(c)
         answering(c, 2)
-        answering(e, 3)
-        f = connect(address)  # every other one is being answered: this one goes
-        assert is_closed(f)
+        answering(f, 3)
+        g = connect(address)  # every other one is being answered: this one goes
+        assert is_closed(g)
         app.release.set()
-        for s in (a, c, e):
+        for s in (a, c, f):
             s.settimeout(10)
             assert answer(s).startswith(b"HTTP/1.1 200")
 
