@@ -84,10 +84,9 @@ class EngineSet:
         self.engine_logs = ray.get([parts[0].log_file.remote() for parts in self.engine_parts])
         self.restarts = [0] * len(self.clients)
         log.info("%s engines up: %s", self.role, ", ".join(urls))
-        r = self.rollout_cfg
-        if r.backend == "sglang" and r.sglang.router:
+        if self.rollout_cfg.sglang.router:  # CPU engines too: the real router sits in every loop
             self.router = Router("127.0.0.1", self.log_dir / "router.log", 60.0, self.key_file)
-            self.router_client = EngineClient(self.router.start(urls), api_key=self.api_key)
+            self.route_again(urls)
 
     @property
     def engines(self) -> list[ray.actor.ActorHandle]:
@@ -169,8 +168,8 @@ class EngineSet:
         self.replace(e, parts, url)
         log.warning("%s engine %d is back at %s", self.role, e, url)
 
-    def restart_router(self) -> None:
-        """Start the router again after it died, at most ``rollout.max_engine_restarts`` times."""
+    def restart_router(self, urls: list[str]) -> None:
+        """Start the router again after it died (over ``urls``), at most ``rollout.max_engine_restarts`` times."""
         limit, log_file = self.rollout_cfg.max_engine_restarts, self.router.log_path
         if self.router_restarts >= limit:
             raise RlhpcError(
@@ -184,16 +183,20 @@ class EngineSet:
         log.warning(
             "the sglang router is down; restart %d of at most %d (log %s)", self.router_restarts, limit, log_file
         )
-        self.router_client.close()
-        self.route_again()
+        self.route_again(urls)
 
-    def route_again(self) -> None:
-        """The router over the engines' URLs now (a restarted engine has a new one)."""
-        self.router_client = EngineClient(self.router.start(self.engine_urls), api_key=self.api_key)
+    def route_again(self, urls: list[str]) -> None:
+        """The router (started again) over the engines serving at ``urls`` now: a restarted engine
+        has a new URL, and one lost with its node must not be routed to."""
+        if self.router_client is not None:
+            self.router_client.close()
+        self.router_client = EngineClient(self.router.start(urls), api_key=self.api_key, router=True)
 
     def shutdown(self) -> None:
         if self.router is not None:
             self.router.stop()
+        if self.router_client is not None:
+            self.router_client.close()
         for engine in (a for parts in self.engine_parts for a in parts):
             try:
                 ray.get(engine.shutdown.remote(), timeout=30)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from rlhpc.rollout.engines import health as _health
-from rlhpc.wire.client import EngineClient, EngineUnavailable
+from rlhpc.wire.client import EngineClient, EngineUnavailable, RequestRefused
 from rlhpc.wire.request import GenerationAborted, StopCheck
 
 if TYPE_CHECKING:
@@ -122,6 +122,10 @@ class FanOut:
                     sent.failed.append(c)
                     sent.error = e
                     continue
+                except RequestRefused:  # a bad request, refused again if sent again: the send ends
+                    for f in waiting:
+                        f.cancel()
+                    raise
                 if done is not None:
                     done(c, answers[c])
             if not waiting or time.monotonic() - checked < _health.NODE_CHECK_S:
@@ -129,6 +133,8 @@ class FanOut:
             checked = time.monotonic()
             if self.health.check_nodes():  # their requests will never be answered
                 gone_clients = {id(self.engines.clients[e]) for e in self.health.lost}
+                # which engine serves a request is the router's secret: all it has in flight go again
+                gone_clients |= {id(c) for c in sent.targets if c.router}
                 gone = {f for f in waiting if id(target(futures[f])) in gone_clients}
                 sent.failed += [futures[f] for f in gone]
                 waiting -= gone
