@@ -67,11 +67,13 @@ def _socket_options() -> list[tuple[int, int, int]]:
 
 # Connections kept per engine: the pool's request threads and a push's calls share them.
 POOL_SIZE = 16
-# Requests a router client has in flight at once (one prompt each, see ``EngineClient.generate``),
-# each on a thread of its own waiting for its answer, each with its connection: the engines
-# behind the router batch what arrives together, so this bounds their batch. Well under the
-# 1024 open files a node often allows a process.
-ROUTER_IN_FLIGHT = 512
+# Prompts a client sends at once, one request each (``EngineClient.generate`` with
+# ``per_prompt``), each on a thread of its own waiting for its answer, with its connection: the
+# engines behind the router batch what arrives together, so this bounds their batches, as
+# rlhpc.rollout.generation.MAX_SAMPLES_PER_REQUEST bounds a request without the router. Well
+# under the 1024 open files a node often allows a process, and under the connections a CPU
+# engine keeps that have not sent their headers yet (guard.MAX_PENDING).
+ROUTER_IN_FLIGHT = 256
 
 
 def engine_connections(api_key: str | None, size: int = POOL_SIZE) -> urllib3.PoolManager:
@@ -91,18 +93,29 @@ class EngineClient:
     RlhpcError on connection failure, non-200 or success=false (``EngineUnavailable``: no answer
     or 5xx; ``RequestRefused``: 4xx)."""
 
-    def __init__(self, base_url: str, timeout_s: float = 600.0, api_key: str | None = None, router: bool = False):
+    def __init__(
+        self,
+        base_url: str,
+        timeout_s: float = 600.0,
+        api_key: str | None = None,
+        router: bool = False,
+        per_prompt: bool | None = None,
+    ):
         """``api_key``: the job's engine key (``rlhpc.wire.engine_key``), sent on every request.
-        ``router``: the URL is sglang_router's; a batch goes to it one prompt per request."""
+        ``router``: the URL is sglang_router's. ``per_prompt`` (default: ``router``): a batch goes
+        as one request per prompt, all at once, as the router takes it; an engine of a routed pool
+        gets them so too, so a request's tokens and logprobs are the same whichever way it went
+        (the CPU engine computes a request as one batch)."""
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
         self.router = router
+        self.per_prompt = router if per_prompt is None else per_prompt
         self.what = "sglang router" if router else "engine"  # who answered, in errors
-        self._http = engine_connections(api_key, ROUTER_IN_FLIGHT if router else POOL_SIZE)
+        self._http = engine_connections(api_key, ROUTER_IN_FLIGHT if self.per_prompt else POOL_SIZE)
         # urllib3 sends the headers a request names instead of the pool's: the key goes with them
         self._json_headers = {**auth_headers(api_key), "Content-Type": "application/json"}
-        # a router's prompts in flight, each waiting for its answer on a thread of its own
-        self._prompts = ThreadPoolExecutor(ROUTER_IN_FLIGHT, thread_name_prefix="router-prompt") if router else None
+        # prompts in flight, each waiting for its answer on a thread of its own (made as needed)
+        self._prompts = ThreadPoolExecutor(ROUTER_IN_FLIGHT, thread_name_prefix="prompt") if self.per_prompt else None
 
     def __repr__(self) -> str:
         return f"EngineClient({self.base_url!r}{', router=True' if self.router else ''})"
@@ -241,9 +254,9 @@ class EngineClient:
         """One dict for a single prompt, a list for a batch (as SGLang answers). ``logprob_start_len``
         (with ``return_logprob``): the prompt tokens' logprobs from there too.
 
-        Through the router a batch goes as one request per prompt, all at once (sglang_router
-        refuses a batch with per-prompt sampling params, and they carry each sample's seed; see
-        ``rlhpc.wire.protocol.per_prompt``); the answers come back in prompt order."""
+        ``per_prompt`` (through the router): a batch goes as one request per prompt, all at once
+        (sglang_router refuses a batch with per-prompt sampling params, and they carry each
+        sample's seed; see ``rlhpc.wire.protocol.per_prompt``); the answers come back in prompt order."""
         if (input_ids is None) == (text is None):
             raise RlhpcError("generate needs exactly one of input_ids and text", "pass token ids or a prompt string")
         req = P.GenerateReqInput(
@@ -254,13 +267,13 @@ class EngineClient:
             logprob_start_len=logprob_start_len,
             rid=rid,
         )
-        if not self.router:
+        if not self.per_prompt:
             return self._generate(req, timeout_s, _describe(req))
         prompts = P.per_prompt(req)
         about = [_describe(p, i, len(prompts)) for i, p in enumerate(prompts)]
         for p, what in zip(prompts, about):
             lost = P.lost_through_router(p.sampling_params)
-            if lost:
+            if lost:  # refused on an engine of a routed pool too: the next request may take the router
                 raise RlhpcError(
                     f"{what} asks for sampling param(s) {', '.join(lost)}, which sglang_router "
                     f"{P.ROUTER_VERSION} does not pass on to the engines",
@@ -270,7 +283,7 @@ class EngineClient:
             return self._generate(prompts[0], timeout_s, about[0])
         try:
             answers = [self._prompts.submit(self._generate, p, timeout_s, a) for p, a in zip(prompts, about)]
-        except RuntimeError as e:  # closed: the job started the router again (over other engines) meanwhile
+        except RuntimeError as e:  # closed: the job started the router (or engine) again meanwhile
             raise EngineUnavailable(
                 f"{self.what} {self.base_url} was replaced while a batch was being sent", "send it again"
             ) from e
@@ -350,7 +363,7 @@ class EngineClient:
         self._json("POST", Route.RESUME_MEMORY_OCCUPATION, P.body(req))
 
     def close(self) -> None:
-        if self._prompts is not None:  # prompts queued still go, and find the router gone (EngineUnavailable)
+        if self._prompts is not None:  # prompts queued still go, and find the server gone (EngineUnavailable)
             self._prompts.shutdown(wait=False)
         self._http.clear()
 

@@ -69,15 +69,16 @@ def test_the_router_serves_with_the_key_and_no_command_line_carries_it(pool) -> 
 
 
 # What the router answers without the key (sglang_router 0.3.2 has no switch to put them behind
-# it): its liveness and readiness, the engine count, the served model's name, and what an
-# engine's /metrics shows. Nothing generates, nothing changes; docs/architecture/who-can-steer.md.
+# it or turn them off): its liveness and readiness, the engine count, the served model's name.
+# Nothing generates, nothing changes (its /health_generate asks no engine); its /engine_metrics
+# finds no engine /metrics (rlhpc starts none). docs/architecture/who-can-steer.md.
 KEYLESS = {"/health", "/liveness", "/readiness", "/health_generate", "/get_server_info", "/v1/models"}
 
 
 def test_without_the_key_the_router_answers_only_its_probes_and_names(pool, model_path: str) -> None:
     router, _, _, _ = pool
     answered = set()
-    for route in sorted(KEYLESS | {"/get_model_info", "/workers", "/get_loads", "/flush_cache"}):
+    for route in sorted(KEYLESS | {"/get_model_info", "/workers", "/get_loads", "/flush_cache", "/engine_metrics"}):
         resp = urllib3.request("GET", router.url + route, timeout=30, retries=False)
         if resp.status == 200:
             answered.add(route)

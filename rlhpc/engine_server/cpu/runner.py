@@ -72,6 +72,9 @@ class Engine:
 
     def __init__(self, model_path: str, weight_version: str, device: str = "cpu"):
         self.model_path = model_path
+        # SGLang's --enable-deterministic-inference: each request its own batch, every seed honoured
+        # (so here: always; rlhpc.engine_server.cpu.batching merges requests on other engines)
+        self.deterministic = True
         self.device = torch.device(device)
         if self.device.type == "cuda":
             if self.device.index is None:

@@ -80,13 +80,18 @@ class EngineSet:
         self.engine_world_sizes = [len(slots) for slots in self.slots()]
         self.engine_parts = [self.start_engine(e) for e in range(len(self.slots()))]
         urls = ray.get([parts[0].url.remote() for parts in self.engine_parts])
-        self.clients = [EngineClient(url, api_key=self.api_key) for url in urls]
+        self.clients = [self.client(url) for url in urls]
         self.engine_logs = ray.get([parts[0].log_file.remote() for parts in self.engine_parts])
         self.restarts = [0] * len(self.clients)
         log.info("%s engines up: %s", self.role, ", ".join(urls))
         if self.rollout_cfg.sglang.router:  # CPU engines too: the real router sits in every loop
             self.router = Router("127.0.0.1", self.log_dir / "router.log", 60.0, self.key_file)
             self.route_again(urls)
+
+    def client(self, url: str) -> EngineClient:
+        """An engine's client. With the router, batches go to the engine one prompt per request
+        too (as the router takes them), so a sample is computed alike whichever way it goes."""
+        return EngineClient(url, api_key=self.api_key, per_prompt=self.rollout_cfg.sglang.router)
 
     @property
     def engines(self) -> list[ray.actor.ActorHandle]:
@@ -139,7 +144,7 @@ class EngineSet:
         """Engine e is now ``parts``, serving at ``url`` (started again on another node)."""
         self.engine_parts[e] = parts
         self.clients[e].close()
-        self.clients[e] = EngineClient(url, api_key=self.api_key)
+        self.clients[e] = self.client(url)
 
     def restart(self, e: int) -> None:
         """Restart engine e's server in its actor(s), at most ``rollout.max_engine_restarts`` times."""
