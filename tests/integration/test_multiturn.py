@@ -13,7 +13,7 @@ import pytest
 import torch
 from support.guess_envs import KILL_ENGINE_ENV, WAIT_PUSH_ENV
 from support.hold import MID_EPISODE
-from support.jobs import REPO, job_args, kill_when, rollouts, submit
+from support.jobs import REPO, job_args, kill_when, rollouts, routed, submit
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlhpc.checkpoint import CheckpointManager
@@ -99,6 +99,7 @@ def undisturbed(tmp_path_factory) -> Path:
     run = tmp_path_factory.mktemp("guess") / "run"
     run_job(run, *EXACT)
     assert any(m.get("episode/turns", 0) > 1 for m in read_metrics(run) if m["kind"] == "rollout")
+    assert routed(run)  # every turn through the real router
     return run
 
 
