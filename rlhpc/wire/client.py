@@ -33,7 +33,8 @@ class RequestRefused(RlhpcError):
     """The engine or the router answered 4xx: the request itself is wrong, and sent again it would
     be refused again, so it is never retried as an engine failure."""
 
-    def __init__(self, problem: str, fix: str, status: int):
+    def __init__(self, problem: str, fix: str, status: int | None):
+        """``status``: the HTTP status answered (None: refused here, before it was sent)."""
         super().__init__(problem, fix)
         self.status = status
 
@@ -274,10 +275,11 @@ class EngineClient:
         for p, what in zip(prompts, about):
             lost = P.lost_through_router(p.sampling_params)
             if lost:  # refused on an engine of a routed pool too: the next request may take the router
-                raise RlhpcError(
+                raise RequestRefused(
                     f"{what} asks for sampling param(s) {', '.join(lost)}, which sglang_router "
-                    f"{P.ROUTER_VERSION} does not pass on to the engines",
+                    f"{P.ROUTER_VERSION} does not pass on to the engines (refused before sending)",
                     "leave them out, or set rollout.sglang.router: false to send requests to the engines directly",
+                    status=None,
                 )
         if not P.is_batch(req):
             return self._generate(prompts[0], timeout_s, about[0])

@@ -243,7 +243,7 @@ def test_what_an_engine_receives_through_the_router_is_what_was_sent(recorded, t
     assert added and all(defaults[k].default == v for k, v in added.items()), added
 
     # generate refuses a dropped param at a value that matters, before sending anything
-    with pytest.raises(Exception, match="logit_bias.*does not pass on") as err:
+    with pytest.raises(RequestRefused, match="logit_bias.*does not pass on") as err:
         client.generate(input_ids=[[5], [6]], sampling_params=[{}, {"logit_bias": {"5": 1.0}}])
     assert "prompt 1 of 2" in str(err.value) and "rollout.sglang.router: false" in str(err.value)
     client.generate(input_ids=[5], sampling_params={"logit_bias": {}, "stream_interval": 2})  # harmless

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from rlhpc.rollout.engines import health as _health
-from rlhpc.wire.client import EngineClient, EngineUnavailable, RequestRefused
+from rlhpc.wire.client import EngineClient, EngineUnavailable
 from rlhpc.wire.request import GenerationAborted, StopCheck
 
 if TYPE_CHECKING:
@@ -122,8 +122,8 @@ class FanOut:
                     sent.failed.append(c)
                     sent.error = e
                     continue
-                except RequestRefused:  # a bad request, refused again if sent again: the send ends
-                    for f in waiting:
+                except BaseException:  # a bad request (RequestRefused: refused again if sent again) or a
+                    for f in waiting:  # bug: the send ends, and what has not gone out yet stays here
                         f.cancel()
                     raise
                 if done is not None:
