@@ -7,12 +7,14 @@ appends. A bad line anywhere else is a real corruption and raises ``MetricsFileC
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import json
 import logging
 import os
 import re
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -23,6 +25,7 @@ import torch
 from rlhpc.batch import RolloutBatch
 from rlhpc.config import LoggingConfig
 from rlhpc.errors import RlhpcError
+from rlhpc.metric_names import eval_means, undocumented, upgrade_eval_record
 from rlhpc.run_dir import RunDir
 from rlhpc.util.files import disk_full, disk_space, write_atomic
 
@@ -62,34 +65,42 @@ def _load(path: Path) -> tuple[list[dict], list[str], int | None]:
 
 
 def read_metrics(run: RunDir | str | Path) -> list[dict]:
+    """The records of a run's ``metrics.jsonl``, named as today (an eval record logged before its
+    names began with ``eval/`` is read under today's names)."""
     path = RunDir.of(run).metrics_file
     records, _, torn = _load(path)
     if torn is not None:
         log.warning("%s line %d is torn (the job was killed while writing it); skipping it", path, torn)
-    return records
+    return [upgrade_eval_record(r) for r in records]
 
 
-def eval_means(record: dict) -> dict[str, float]:
-    """An eval record's mean reward per set: ``{"eval": ...}`` for the default set (``reward``),
-    ``{NAME: ...}`` for each named set (``NAME/mean``), in the order they were logged."""
-    return {"eval" if k == "reward" else k.removesuffix("/mean"): v for k, v in record.items()
-            if k == "reward" or k.endswith("/mean")}  # fmt: skip
+_ROLLOUT_LINE = (
+    ("reward", "reward {:.3f}"),
+    ("response_len", "len {:.1f}"),
+    ("loss", "loss {:+.4f}"),
+    ("kl", "kl {:.4f}"),
+    ("grad_norm", "gnorm {:.3f}"),
+    ("time/step", "step {:.2f}s"),
+    ("time/generate", "(gen {:.2f}s"),
+    ("time/train", "train {:.2f}s"),
+    ("time/update_weights", "sync {:.2f}s)"),
+)
+
+
+def rollout_label(rollout_id: int, num_rollout: int) -> str:
+    """How the console names rollout ``rollout_id``: by its id, as ``metrics.jsonl``, its
+    checkpoint (``rollout_000003``) and rlhpc-eval do, with the count trained so far."""
+    return f"rollout {rollout_id} ({rollout_id + 1}/{num_rollout})"
 
 
 def _console_line(kind: str, rollout_id: int, num_rollout: int, values: dict) -> str:
-    keys = (
-        ("reward", "reward {:.3f}"),
-        ("response_len", "len {:.1f}"),
-        ("loss", "loss {:+.4f}"),
-        ("kl", "kl {:.4f}"),
-        ("grad_norm", "gnorm {:.3f}"),
-        ("time/step", "step {:.2f}s"),
-        ("time/generate", "(gen {:.2f}s"),
-        ("time/train", "train {:.2f}s"),
-        ("time/update_weights", "sync {:.2f}s)"),
-    )
-    parts = [fmt.format(values[k]) for k, fmt in keys if k in values]
-    return f"{kind:<7} {rollout_id + 1:>5}/{num_rollout} | " + " ".join(parts)
+    if kind == "eval":  # each set's mean reward, by its name (the default set's as "reward")
+        when = "before rollout 0" if rollout_id < 0 else f"after rollout {rollout_id}"
+        means = " ".join(f"{'reward' if n == 'eval' else n} {v:.3f}" for n, v in eval_means(values).items())
+        length = values.get("eval/response_len")
+        return f"eval {when} | {means}" + (f" len {length:.1f}" if length is not None else "")
+    parts = [fmt.format(values[k]) for k, fmt in _ROLLOUT_LINE if k in values]
+    return f"{rollout_label(rollout_id, num_rollout)} | " + " ".join(parts)
 
 
 def _ragged(f: h5py.File, name: str, rows: list[list], dtype: type) -> None:
@@ -110,6 +121,7 @@ class MetricsLogger:
         self._repair()  # before wandb: a corrupt file stops the job before anything starts
         self._dumper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-dump")
         self._dump: Future | None = None  # the rollout dump being written
+        self._warned: set[str] = set()  # undocumented names already warned of
         self._wandb = None
         self.wandb_id = wandb_id
         if cfg.wandb_mode != "disabled":
@@ -150,7 +162,13 @@ class MetricsLogger:
             self.log("rollout", rollout_id, values)
 
     def log(self, kind: str, rollout_id: int, values: dict[str, float]) -> None:
+        """One record, each value under its name (``rlhpc.metric_names``), in the file, on the
+        console and in wandb alike."""
         record = {"kind": kind, "rollout_id": rollout_id, **values}
+        for name in undocumented(record):
+            if name not in self._warned:
+                self._warned.add(name)
+                log.warning("metric %s is not in rlhpc/metric_names.py: this is a bug of rlhpc, report it", name)
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
             f.flush()
@@ -158,7 +176,7 @@ class MetricsLogger:
         log.info(_console_line(kind, rollout_id, self.num_rollout, values))
         if self._wandb is not None:
             # wandb steps count trained rollouts, so the untrained baseline (rollout_id -1) is step 0.
-            self._wandb.log({f"{kind}/{k}": v for k, v in values.items()}, step=rollout_id + 1)
+            self._wandb.log(values, step=rollout_id + 1)
 
     def dump_rollout(self, rollout_id: int, batch: RolloutBatch, texts: dict[str, list[str]]) -> None:
         """Write one rollout's tokens, texts, rewards and advantages to ``rollouts/rollout_NNNNNN.h5``
@@ -249,3 +267,74 @@ def readable(text: str) -> str:
     decode to one) is written as U+2400 (␀), and a lone surrogate as U+FFFD. The token ids
     beside it are exact; the text is for reading."""
     return _SURROGATE.sub("\ufffd", text.replace("\x00", "\u2400"))
+
+
+# ------------------------------------------------------------------ reading a dump
+
+
+def printable(text: object) -> str:
+    """``text`` for a terminal: control characters (escape sequences that move the cursor, set
+    the window title, clear the screen), line breaks and the invisible ones that reorder what
+    is shown, written as Python escapes (``\\x1b``, ``\\u202e``), whoever wrote the text."""
+    text = text.decode(errors="replace") if isinstance(text, bytes) else str(text)
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
+@contextlib.contextmanager
+def open_rollout_dump(path: Path) -> Iterator[h5py.File]:
+    """An HDF5 dump opened for reading, whoever wrote it (a dump may come from elsewhere): refused,
+    naming why, unless every object in it lies in the file itself and declares no more bytes than
+    the file holds (issue 43, item 10). HDF5 reads, on a dataset's first access, the files an
+    external dataset, an external link or a virtual dataset names (any file the reader can read),
+    and a dataset of 10^9 values with nothing stored hands back 10^9 fill values: a 4.7 KB file
+    allocated 3.9 GB. Its texts are the writer's: print them through ``printable``."""
+    path = Path(path)
+    size = os.path.getsize(path)
+    with h5py.File(path, "r") as f:
+        problem = _foreign(f, size)
+        if problem is not None:
+            raise RlhpcError(
+                f"{path} is not a rollout dump rlhpc can read safely: {printable(problem)}",
+                "read only dumps a run wrote (RUN_DIR/rollouts/); a file made to look like one can make HDF5 "
+                "read other files or allocate without bound",
+            )
+        yield f
+
+
+def _foreign(group: h5py.Group, size: int) -> str | None:
+    """Why ``group`` (a file, recursively) is no plain self-contained dump, or None."""
+    for what in (group.attrs.get_id(name) for name in group.attrs):
+        if _declared(what.shape, what.dtype) > size:
+            return f"an attribute of {group.name} declares more bytes than the file's {size}"
+    for name in group:
+        link = group.get(name, getlink=True)
+        where = f"{group.name.rstrip('/')}/{name}"
+        if not isinstance(link, h5py.HardLink):
+            target = getattr(link, "filename", "") or getattr(link, "path", "")
+            return f"{where} is a link ({type(link).__name__}) to {target}"
+        obj = group[name]
+        if isinstance(obj, h5py.Group):
+            if (problem := _foreign(obj, size)) is not None:
+                return problem
+            continue
+        if not isinstance(obj, h5py.Dataset):
+            return f"{where} is a {type(obj).__name__}, not a dataset"
+        if obj.is_virtual:
+            return f"{where} is a virtual dataset (its data lies in other files)"
+        if obj.external:
+            return f"{where} is an external dataset (its data lies in {obj.external[0][0]!r})"
+        if obj.id.get_create_plist().get_nfilters():
+            return f"{where} has filters (compression): a dump has none, and a few bytes may unpack to any size"
+        if _declared(obj.shape, obj.dtype) > size:
+            return f"{where} declares {_declared(obj.shape, obj.dtype)} bytes in a file of {size}"
+        for attr in (obj.attrs.get_id(n) for n in obj.attrs):
+            if _declared(attr.shape, attr.dtype) > size:
+                return f"an attribute of {where} declares more bytes than the file's {size}"
+    return None
+
+
+def _declared(shape: tuple[int, ...] | None, dtype: np.dtype) -> int:
+    """Bytes a dataset or attribute of ``shape`` declares (a variable-length item: its reference)."""
+    return int(np.prod(shape or (), dtype=np.int64)) * max(1, dtype.itemsize)

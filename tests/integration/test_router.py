@@ -7,6 +7,7 @@ stands behind it (``Recorder``): the router is the thing under test there."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -34,10 +35,13 @@ pytestmark = pytest.mark.timeout(240)
 
 @pytest.fixture(scope="module")
 def pool(model_path: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Router, str, list[str], Path]]:
-    """Two CPU engines sharing one key, the router in front: (router, key, engine URLs, work dir)."""
+    """Two CPU engines sharing one key, the router in front, each started as a ``deterministic: true``
+    job starts it (SGLang's switches of ``engine_env``, seeds honoured; the router's judgement
+    off): (router, key, engine URLs, work dir)."""
     work = tmp_path_factory.mktemp("router")
     key = new_key(work / "engine_key")
-    engines = [start_server(model_path, work, f"e{i}", key_path=work / "engine_key") for i in range(2)]
+    env, args = sg.engine_env(os.environ), ["--enable-deterministic-inference"]
+    engines = [start_server(model_path, work, f"e{i}", args, work / "engine_key", env) for i in range(2)]
     router = Router("127.0.0.1", work / "router.log", 60.0, work / "engine_key")
     try:
         router.start([u for _, u, _ in engines])
@@ -54,6 +58,7 @@ def test_the_router_serves_with_the_key_and_no_command_line_carries_it(pool) -> 
     for proc in tree:
         assert key not in " ".join(proc.cmdline()) and key not in str(proc.environ())
     assert "--api-key-file" in router.proc.args and key not in " ".join(router.proc.args)  # as started
+    assert set(sg.ROUTER_JUDGEMENT_OFF) <= set(router.proc.args)  # no health checks, circuit breaker, retries
     ps = subprocess.run(["ps", "-ww", "-eo", "args"], capture_output=True, text=True, check=True).stdout
     assert key not in ps
 
