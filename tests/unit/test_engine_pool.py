@@ -458,7 +458,7 @@ def test_a_frozen_pool_restarts_and_routes_but_has_no_weight_channel():
 def test_onload_resumes_only_what_offload_released(monkeypatch):
     """Issue 40: SGLang's server dies resuming memory it holds. Engines just started hold theirs
     (the first push resumes nothing), and so does one restarted while the others are offloaded."""
-    monkeypatch.setattr(engine_set_module, "EngineClient", lambda url, api_key: FakeClient(url))
+    monkeypatch.setattr(engine_set_module, "EngineClient", lambda url, **kw: FakeClient(url))
     pool = bare_pool(2)
     engines = pool.engine_set
     engines.engine_parts = [["part"], ["part"]]
