@@ -24,7 +24,7 @@ RECIPES = {
     # Qwen3-30B-A3B (sizes only, no weights)
     "gsm8k_qwen3_8b_1x8.yaml": ("qwen3-8b", "node0: actor ranks 0-3 on gpu0-3; engines 0-3 on gpu4-7"),
     "gsm8k_qwen3_32b_4x8.yaml": ("qwen3-32b", "node2..node3 (2 nodes): engines 0-3 on gpu0-7"),
-    "gsm8k_qwen3_30b_a3b_2x8.yaml": ("qwen3-30b-a3b", "actor ranks 0-15 on gpu0-7; engines 0-7 on gpu0-7"),
+    "gsm8k_qwen3_30b_a3b_2x8.yaml": ("qwen3-30b-a3b", "node1: engines 0-3 on gpu0-7"),
 }
 
 
