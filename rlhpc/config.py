@@ -612,7 +612,7 @@ class SGLangConfig(Section):
     SECTION: ClassVar[str] = "rollout.sglang"
 
     mem_fraction_static: float = 0.7  # GPU memory for weights + KV cache (colocate: leave room for the actor)
-    router: bool = True  # put sglang_router in front of the engines for generation
+    router: bool = True  # put sglang_router in front of the engines for generation (CPU engines too)
     extra_args: list[str] = field(default_factory=list)  # passed to sglang.launch_server as they are
 
     def check(self) -> None:

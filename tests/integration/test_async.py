@@ -12,7 +12,7 @@ from pathlib import Path
 
 import h5py
 import pytest
-from support.jobs import HELD, REPO, job_args, kill_job, kill_when, rollouts
+from support.jobs import HELD, REPO, job_args, kill_job, kill_when, rollouts, routed
 
 from rlhpc.checkpoint import CheckpointManager
 from rlhpc.invariants import comparable, final_weights
@@ -50,6 +50,7 @@ def task_pid(run: Path) -> int:
 def uninterrupted(tmp_path_factory) -> Path:
     run = tmp_path_factory.mktemp("async") / "run"
     run_job(run, *ASYNC)
+    assert routed(run)  # generated through the real router
     return run
 
 

@@ -7,7 +7,7 @@ import sys
 
 import h5py
 import pytest
-from support.jobs import HELD, REPO, job_args, kill_when, rollouts, said, submit
+from support.jobs import HELD, REPO, job_args, kill_when, rollouts, routed, said, submit
 
 from rlhpc.checkpoint import CheckpointManager
 from rlhpc.metrics import read_metrics
@@ -17,7 +17,7 @@ def test_embedded_loop_end_to_end(tmp_path):
     run = tmp_path / "run"
     p = submit(run, "rollout.num_rollout=5", "checkpoint.save_interval=2", "eval.interval=2")
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    assert rollouts(run) == [0, 1, 2, 3, 4]
+    assert rollouts(run) == [0, 1, 2, 3, 4] and routed(run)  # generated through the real router
     evals = [r["rollout_id"] for r in read_metrics(run) if r["kind"] == "eval"]
     assert evals == [-1, 1, 3, 4]  # baseline, every 2, and the last
     # keep_last=2 of the saves at rollouts 1, 3 and the final 4
@@ -150,7 +150,7 @@ def test_other_layouts_train(tmp_path, layout):
     run = tmp_path / "run"
     p = submit(run, "rollout.num_rollout=3", "checkpoint.save_interval=null", *layout)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    assert rollouts(run) == [0, 1, 2]
+    assert rollouts(run) == [0, 1, 2] and routed(run)  # through the real router, offloaded engines too
     assert json.loads((run / "FINISHED").read_text())["num_rollout"] == 3
     # no engine died and was restarted: as SGLang's, the CPU engine dies resuming memory it holds
     assert "is down; restart" not in p.stdout + p.stderr

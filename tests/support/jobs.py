@@ -77,6 +77,13 @@ def said(p: subprocess.CompletedProcess) -> str:
     return " ".join(((p.stdout or "") + (p.stderr or "")).split())
 
 
+def routed(run_dir: Path, group: str = "") -> bool:
+    """Whether a run's engine group (``group``: "" the rollout engines, "reward", "teacher") had
+    the real sglang_router in front (``rollout.sglang.router``): its log holds its start."""
+    log = run_dir / "logs" / "engines" / group / "router.log"
+    return log.is_file() and "sglang router starting on port" in log.read_text()
+
+
 def rollouts(run_dir: Path) -> list[int]:
     return [r["rollout_id"] for r in read_metrics(run_dir) if r["kind"] == "rollout"]
 

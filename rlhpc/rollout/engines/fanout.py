@@ -135,6 +135,10 @@ class FanOut:
                     sent.failed.append(c)
                     sent.error = e
                     continue
+                except BaseException:  # a bad request (RequestRefused: refused again if sent again) or a
+                    for f in waiting:  # bug: the send ends, and what has not gone out yet stays here
+                        f.cancel()
+                    raise
                 if done is not None:
                     done(c, answers[c])
             if not waiting or time.monotonic() - checked < _health.NODE_CHECK_S:
@@ -142,6 +146,8 @@ class FanOut:
             checked = time.monotonic()
             if self.health.check_nodes():  # their requests will never be answered
                 gone_clients = {id(self.engines.clients[e]) for e in self.health.lost}
+                # which engine serves a request is the router's secret: all it has in flight go again
+                gone_clients |= {id(c) for c in sent.targets if c.router}
                 gone = {f for f in waiting if id(target(futures[f])) in gone_clients}
                 sent.failed += [futures[f] for f in gone]
                 waiting -= gone
