@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from rlhpc.data.images import check_placeholders, read_images
 from rlhpc.data.rows import Row
 from rlhpc.errors import ConfigError
 
@@ -20,8 +21,11 @@ FORMATS = ".jsonl, .json, .parquet, or a directory written by datasets.save_to_d
 _MISSING = object()
 
 
-def read_rows(path: str | Path, prompt_key: str = "prompt", label_key: str = "answer") -> list[Row]:
-    """The rows of ``path``, in the file's order, each with its prompt and label found."""
+def read_rows(
+    path: str | Path, prompt_key: str = "prompt", label_key: str = "answer", image_key: str = "images"
+) -> list[Row]:
+    """The rows of ``path``, in the file's order, each with its prompt and label found, and its
+    images (``image_key``, verl's ``images`` column: ``rlhpc.data.images``) where it has any."""
     path = Path(path)
     raw = _read(path)
     if not raw:
@@ -49,7 +53,11 @@ def read_rows(path: str | Path, prompt_key: str = "prompt", label_key: str = "an
                 f"{path} {number}: {label_key!r} is {json.dumps(label)[:80]}, not a text or number",
                 "point data.label_key at the label itself (dotted for nested fields)",
             )
-        rows.append(Row(row, prompt, str(label)))
+        images = _get(row, image_key)
+        refs = read_images(images, path, number, image_key) if images not in (_MISSING, None, []) else []
+        if refs and _is_chat(prompt):
+            check_placeholders(prompt, refs, f"{path} {number}", image_key)
+        rows.append(Row(row, prompt, str(label), refs))
     return rows
 
 

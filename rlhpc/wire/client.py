@@ -192,9 +192,11 @@ class EngineClient:
         rid: str | list[str] | None = None,
         timeout_s: float | None = None,
         logprob_start_len: int | list[int] | None = None,
+        image_data: list[list[str]] | None = None,
     ) -> dict[str, Any] | list[dict[str, Any]]:
         """One dict for a single prompt, a list for a batch (as SGLang answers). ``logprob_start_len``
-        (with ``return_logprob``): the prompt tokens' logprobs from there too."""
+        (with ``return_logprob``): the prompt tokens' logprobs from there too. ``image_data``: a
+        vision-language model's images, a list per prompt (``rlhpc.wire.protocol.GenerateReqInput``)."""
         if (input_ids is None) == (text is None):
             raise RlhpcError("generate needs exactly one of input_ids and text", "pass token ids or a prompt string")
         req = P.GenerateReqInput(
@@ -204,8 +206,9 @@ class EngineClient:
             return_logprob=return_logprob,
             logprob_start_len=logprob_start_len,
             rid=rid,
+            image_data=image_data,
         )
-        drop = ("text", "input_ids", "rid", "logprob_start_len")
+        drop = ("text", "input_ids", "rid", "logprob_start_len", "image_data")
         return self._json("POST", Route.GENERATE, P.body(req, drop_none=drop), timeout_s)
 
     def classify(self, input_ids: list[list[int]], timeout_s: float | None = None) -> list[float]:

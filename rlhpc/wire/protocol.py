@@ -77,6 +77,11 @@ class GenerateReqInput:
     # None for the token at this position, so a teacher asks from the one before the response.
     logprob_start_len: int | list[int] | None = None
     rid: str | list[str] | None = None
+    # A vision-language model's images: one per prompt, or a list per prompt (SGLang's batch
+    # form), each a data URI ("data:image/png;base64,..."), base64, or a path on the engine's node.
+    # The prompt holds the model's image tokens already (the driver rendered them); SGLang
+    # processes the images again and checks they fill those tokens.
+    image_data: list[list[str]] | list[str] | str | None = None
 
 
 @dataclass

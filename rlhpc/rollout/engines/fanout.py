@@ -33,7 +33,10 @@ Call = Callable[[EngineClient, Any], Any]
 
 def generate(client: EngineClient, r: Any) -> Any:
     """The default request: a /generate of a ``rlhpc.wire.request.Request``."""
-    return client.generate(input_ids=r.input_ids, sampling_params=r.sampling_params, return_logprob=r.return_logprob)
+    images = {"image_data": r.image_data} if getattr(r, "image_data", None) else {}  # a vision-language model's
+    return client.generate(
+        input_ids=r.input_ids, sampling_params=r.sampling_params, return_logprob=r.return_logprob, **images
+    )
 
 
 @dataclass
