@@ -73,12 +73,14 @@ def prompt_prep(cfg: Config, tokenizer: Any, context: int | None, vision: Vision
     # an episode's prompt leaves room for all its turns
     if cfg.rollout.env or cfg.rollout.tools or TASKS[cfg.data.task].env:
         new = dict.fromkeys(new, cfg.rollout.max_episode_tokens)
+    r = cfg.rollout
+    multi_turn = bool(r.env or r.tools or r.generate_fn or r.agent or TASKS[cfg.data.task].env)
     limits: dict[str, int] | None = None
     if cfg.data.max_prompt_tokens is not None:
         limits = dict.fromkeys(new, cfg.data.max_prompt_tokens)
     elif context is not None:
         limits = {split: context - n for split, n in new.items()}
-    return prepare_prompts(tokenizer, cfg.data, limits, vision)
+    return prepare_prompts(tokenizer, cfg.data, limits, vision, single_turn=not multi_turn)
 
 
 def evaluate_sets(

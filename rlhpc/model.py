@@ -88,8 +88,9 @@ def build_bpe_tokenizer(seed: int = 0) -> PreTrainedTokenizerFast:
     ``<|im_end|>``, pad ``<|endoftext|>``, a ChatML chat template, and a token for every byte
     (NUL and bytes that are not UTF-8 on their own among them)."""
     rng = random.Random(seed)
-    # single-turn tasks only: the vocabulary (and every tiny model built so far) stays as it was
-    corpus = [f"{r['prompt']}{r['answer']}" for t in TASKS.values() if t.env is None for r in t.make(2000, rng)]
+    # single-turn text tasks only: the vocabulary (and every tiny model built so far) stays as it was
+    texts = [t for t in TASKS.values() if t.env is None and not t.images]
+    corpus = [f"{r['prompt']}{r['answer']}" for t in texts for r in t.make(2000, rng)]
     core = Tokenizer(models.BPE())
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     core.decoder = decoders.ByteLevel()
@@ -235,18 +236,45 @@ def text_config(config: Any) -> Any:
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
-def mrope_positions(model: torch.nn.Module, ids: torch.Tensor, attention: torch.Tensor | None,
-                    grid_thw: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+def mrope_positions(
+    model: torch.nn.Module,
+    ids: torch.Tensor,
+    attention: torch.Tensor | None,
+    grid_thw: torch.Tensor | None,
+    images: torch.Tensor | None = None,
+) -> torch.Tensor:
     """A Qwen-VL model's 3-D rotary positions [3, N, L] of ``ids`` (padding: 0 where ``attention``
     is), its images' ``grid_thw`` in order: the model's own ``get_rope_index``, given every input
-    it needs (a forward that computes them itself falls back to 1-D positions when one is missing)."""
-    image_id = model.config.image_token_id
-    types = (ids == image_id).int()
+    it needs (a forward that computes them itself falls back to 1-D positions when one is
+    missing). ``images``: [N, L] where the image tokens are (default: every image token id; a
+    response's are text: a policy may sample the token, which is then no image)."""
+    types = (ids == model.config.image_token_id) if images is None else images
     positions, _ = model.model.get_rope_index(
-        ids, mm_token_type_ids=types, image_grid_thw=grid_thw if grid_thw is not None and len(grid_thw) else None,
+        ids, mm_token_type_ids=types.int(), image_grid_thw=grid_thw if grid_thw is not None and len(grid_thw) else None,
         attention_mask=attention,
     )  # fmt: skip
     return positions
+
+
+def vision_language_logits(
+    model: torch.nn.Module,
+    ids: torch.Tensor,
+    positions: torch.Tensor,
+    attention: torch.Tensor | None,
+    pixel_values: torch.Tensor,
+    grid_thw: torch.Tensor,
+    images: torch.Tensor,
+) -> torch.Tensor:
+    """A Qwen-VL model's logits with its images' features at the ``images`` positions only (the
+    prompts' image tokens): ``transformers``' forward puts them at every image token, and
+    refuses a sequence whose response holds one the policy sampled; SGLang embeds such a token
+    as text, and so does this. Otherwise the same computation (tested against it)."""
+    inner = model.model
+    embeds = inner.get_input_embeddings()(ids)
+    features = torch.cat(inner.get_image_features(pixel_values, grid_thw, return_dict=True).pooler_output)
+    embeds = embeds.masked_scatter(images[..., None].to(embeds.device), features.to(embeds.dtype))
+    out = inner.language_model(inputs_embeds=embeds, position_ids=positions, attention_mask=attention, use_cache=False)
+    return model.lm_head(out.last_hidden_state)
 
 
 def is_classifier(path: str | Path) -> bool:

@@ -19,7 +19,9 @@ from rlhpc.cluster.memory import check_fits
 from rlhpc.config import Config
 from rlhpc.data.dynamic_sampling import resolve_filter
 from rlhpc.data.files import check_exist, check_rows
-from rlhpc.data.tasks import check_scored, check_task, task_env
+from rlhpc.data.images import is_vision_model
+from rlhpc.data.tasks import TASKS, check_scored, check_task, task_env
+from rlhpc.errors import ConfigError
 from rlhpc.rollout.episodes import check_env
 from rlhpc.rollout.scoring import check_reward
 from rlhpc.rollout.trajectories import check_custom
@@ -52,6 +54,7 @@ def check(cfg: Config) -> None:
 
         resolve_judge(cfg.reward_model)
     config.check_model(cfg)
+    check_vision(cfg)
     _check_data(cfg)
     r, env = cfg.rollout, task_env(cfg.data, cfg.rollout)
     if r.generate_fn is not None or r.agent is not None:
@@ -62,6 +65,34 @@ def check(cfg: Config) -> None:
     config.check_run(cfg)
     config.check_parallelism(cfg)
     check_fits(cfg)  # last: the estimate reads the layout and the model's shape checked above
+
+
+def check_vision(cfg: Config) -> None:
+    """A vision-language model trains with the torch actor; the squares task needs one; images
+    are single-turn (an episode, a generate function or an agent cannot take them yet)."""
+    tiny = cfg.model.tiny
+    vlm = tiny.architecture == "qwen2_5_vl" if tiny is not None else is_vision_model(cfg.model.path)
+    model = "model.tiny.architecture = qwen2_5_vl" if tiny is not None else f"model.path {cfg.model.path}"
+    if vlm and cfg.actor.backend == "megatron":
+        raise ConfigError(
+            f"{model} is a vision-language model, which the megatron actor cannot train yet (its model "
+            "builder has no vision tower)",
+            "use actor.backend: torch (docs/guides/multimodal.md)",
+        )
+    task = TASKS[cfg.data.task]
+    if task.images and cfg.data.train_file is None and not vlm:
+        raise ConfigError(
+            f"data.task = {cfg.data.task} shows the model pictures, but {model} takes none",
+            "set model.tiny.architecture: qwen2_5_vl and model.tiny.tokenizer: bpe, or a vision-language model.path",
+        )
+    r = cfg.rollout
+    multi = r.env or r.tools or r.generate_fn or r.agent or task.env
+    if task.images and multi:
+        raise ConfigError(
+            f"data.task = {cfg.data.task} has images, which multi-turn rollouts (rollout.env, tools, a "
+            "generate function, an agent) cannot take yet",
+            "run it single-turn (unset rollout.env, rollout.tools, rollout.generate_fn, rollout.agent)",
+        )
 
 
 def _check_data(cfg: Config) -> None:

@@ -367,17 +367,21 @@ def encode_untrusted(tokenizer: Any, trusted: str, untrusted: str, add_special_t
 
 
 def prepare_prompts(
-    tokenizer: Any, data: DataConfig, limits: dict[str, int] | None, vision: Vision | None = None
+    tokenizer: Any,
+    data: DataConfig,
+    limits: dict[str, int] | None,
+    vision: Vision | None = None,
+    single_turn: bool = True,
 ) -> PromptPrep:
     """A ``PromptPrep``: chat rows rendered (``render``), then the rows whose prompt is longer
     than ``limits[split]`` tokens dropped (one too long for the context would fail a whole
     rollout; dropping every row is an error naming the limit and the fix). ``vision``: a
     vision-language model's (rows with images are refused without one); a prompt's length
-    counts its image tokens."""
+    counts its image tokens; multi-turn rollouts (not ``single_turn``) take none yet."""
 
     def prepare(split: str, rows: list[Row]) -> list[Row]:
         rows = as_rows(rows)
-        check_images(rows, vision)
+        check_images(rows, vision, single_turn)
         template = chat_template(data, tokenizer) if any(r.is_chat for r in rows) else None
         chats = [i for i, r in enumerate(rows) if r.is_chat]
         images = ImageTokens.of(tokenizer, vision, [rows[i].images for i in chats]) if vision is not None else None
@@ -406,13 +410,19 @@ def prepare_prompts(
     return prepare
 
 
-def check_images(rows: list[Row], vision: Vision | None) -> None:
-    """Rows with images need a vision-language model and chat-message prompts (the template
-    writes the image tokens)."""
+def check_images(rows: list[Row], vision: Vision | None, single_turn: bool = True) -> None:
+    """Rows with images need a vision-language model, chat-message prompts (the template writes
+    the image tokens) and single-turn rollouts."""
     with_images = [r for r in rows if r.images]
     if not with_images:
         return
     where = with_images[0].images[0].source
+    if not single_turn:
+        raise ConfigError(
+            f"the data has images ({where}, ...), which multi-turn rollouts (rollout.env, tools, a generate "
+            "function, an agent) cannot take yet",
+            "run image data single-turn (docs/guides/multimodal.md)",
+        )
     if vision is None:
         raise ConfigError(
             f"the data has images ({where}, ...) but the model takes none (its config.json has no vision_config)",

@@ -57,10 +57,10 @@ class Row(dict):
 
 def as_row(row: dict) -> Row:
     """``row`` as a ``Row``: itself, or a plain ``{"prompt", "answer"}`` dict (code and tests that
-    build rows by hand) read as a file row with those two columns."""
+    build rows by hand, a toy task's generator: with ``images``, its ``ImageRef``s) read as a file row."""
     if isinstance(row, Row):
         return row
-    return Row(row, row["prompt"], str(row["answer"]))
+    return Row(row, row["prompt"], str(row["answer"]), row.get("images"))
 
 
 def as_rows(rows: list[dict]) -> list[Row]:

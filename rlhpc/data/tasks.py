@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from rlhpc.data import guess
+from rlhpc.data import guess, squares
 from rlhpc.data.files import read_rows
 from rlhpc.data.rows import Row, as_rows
 from rlhpc.errors import ConfigError
@@ -30,6 +30,7 @@ class Task:
     reward: RewardFn
     description: str
     env: str | None = None  # multi-turn: the environment ("module:Class") its episodes run in
+    images: bool = False  # its prompts hold images (a vision-language model's task)
 
 
 def _digit_sum_data(count: int, rng: random.Random) -> list[dict]:
@@ -66,6 +67,13 @@ TASKS: dict[str, Task] = {
         Task(
             "guess", guess.make, guess.reward, "guess 1-8, told higher/lower (multi-turn)", "rlhpc.data.guess:GuessEnv"
         ),
+        Task(
+            "squares",
+            squares.make,
+            squares.reward,
+            "a picture -> how many squares (a vision-language model's)",
+            images=True,
+        ),  # fmt: skip
     )
 }
 

@@ -618,7 +618,7 @@ class Generation:
         loss_masks, overlong_metrics = self._overlong_masks(s)
         batch = RolloutBatch(
             s.prompt_ids, s.response_ids, s.logprobs, rewards, advantages, n, s.weight_versions, s.token_versions,
-            loss_masks, s.turns, s.cut() if s.loss_masks or r.overlong_filter else [],
+            loss_masks, s.turns, s.cut() if s.loss_masks or r.overlong_filter else [], images=s.images,
         )  # fmt: skip
         if algo.overlong_buffer:
             overlong_metrics["overlong/penalty"] = penalty.mean().item()

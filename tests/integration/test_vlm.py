@@ -105,3 +105,98 @@ def test_with_image_parts_is_verls_split() -> None:
         },
         {"role": "assistant", "content": "x"},
     ]
+
+
+# ------------------------------------------------------------------ the torch actor
+
+
+def rank(vlm: Path, **actor: object):
+    """One torch actor rank in this process (gloo, world of one), on the tiny VLM."""
+    from rlhpc.actor.spec import ActorSpec
+    from rlhpc.actor.worker import TrainWorker
+    from rlhpc.config import Config
+
+    cfg = Config(deterministic=True)
+    for k, v in actor.items():
+        setattr(cfg.actor, k, v)
+    w = TrainWorker(ActorSpec.from_config(cfg, 1), str(vlm), 0, 1)
+    w.init_process_group(*w.master_addr_port())
+    return w
+
+
+def image_batch(vlm: Path):
+    """Four samples: three with images of two sizes (two sharing one object, as a group's
+    samples do), one without; and each prompt's text as the template wrote it."""
+    from rlhpc.batch import RolloutBatch
+
+    small, large = ImageRef("small", data=png(56, 56)), ImageRef("large", data=png(112, 84, (10, 200, 90)))
+    rows = [("How many squares?", [small]), ("Which color?", [large]), ("no image", []), ("Again?", [small])]
+    rendered = [image_prompt(vlm, q, imgs) for q, imgs in rows]
+    responses = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]]
+    n = len(rows)
+    batch = RolloutBatch(
+        [ids for _, ids in rendered], responses, [[-1.0] * len(r) for r in responses], torch.zeros(n),
+        torch.tensor([1.0, -1.0, 0.5, -0.5]), n, images=[imgs for _, imgs in rows],
+    )  # fmt: skip
+    return batch, [text for text, _ in rendered]
+
+
+def test_the_actor_computes_transformers_logprobs_for_image_samples_packed_or_padded(vlm: Path) -> None:
+    """The torch actor's per-token logprobs of image samples, in padded and in packed
+    micro-batches, are those of the model's own forward of each sample alone with the
+    processor's pixels (where the model computes its 3-D positions itself)."""
+    import torch.distributed as dist
+
+    from rlhpc.actor.packing import micro_batch_groups
+
+    batch, texts = image_batch(vlm)
+    w = rank(vlm, max_tokens_per_micro_batch=10_000)
+    try:
+        model, proc = w.module, processor(vlm)
+        want = []
+        for k in range(len(batch)):
+            ids = torch.tensor([batch.prompt_ids[k] + batch.response_ids[k]])
+            refs = batch.images[k]
+            inputs = {
+                "input_ids": ids,
+                "attention_mask": torch.ones_like(ids),
+                "mm_token_type_ids": (ids == model.config.image_token_id).int(),
+            }
+            if refs:
+                got = proc(text=[texts[k]], images=[r.open() for r in refs], return_tensors="pt")
+                assert got["input_ids"][0].tolist() == batch.prompt_ids[k]
+                inputs |= {"pixel_values": got["pixel_values"], "image_grid_thw": got["image_grid_thw"]}
+            with torch.no_grad():
+                lps = torch.log_softmax(model(**inputs).logits[0, :-1].float(), -1).gather(-1, ids[0, 1:, None])[:, 0]
+            want.append(lps[len(batch.prompt_ids[k]) - 1 :])
+        for packs in (False, True):
+            w.can_pack = packs  # actor.sequence_packing as the torch actor runs it, or padded
+            (mb_batch,) = micro_batch_groups(batch, 10_000, padded=not packs)
+            mb = w._on_device(mb_batch)
+            with torch.no_grad():
+                per_token = mb.per_sample(w._token_logprobs(w._logits(w.module, mb), mb.ids))
+            for row in range(len(mb_batch)):  # a micro-batch's samples come in its own order
+                k = batch.response_ids.index(mb_batch.response_ids[row])
+                start = len(mb_batch.prompt_ids[row]) - 1
+                got = per_token[row, start : start + len(mb_batch.response_ids[row])]
+                assert torch.allclose(got, want[k], atol=1e-5), (packs, k)
+    finally:
+        w.shutdown()
+        assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_a_train_step_moves_the_vision_tower_unless_frozen(vlm: Path, frozen: bool) -> None:
+    w = rank(vlm, lr=1e-2, freeze_vision_tower=frozen, max_tokens_per_micro_batch=64)
+    try:
+        before = w.named_tensors()
+        batch = image_batch(vlm)[0]
+        batch.response_ids[0] = [w.module.config.image_token_id, 6, 7]  # a sampled image token is text
+        metrics = w.train(0, batch)
+        after = w.named_tensors()
+    finally:
+        w.shutdown()
+    moved = {n for n in before if not torch.equal(before[n], after[n])}
+    assert metrics["optimizer_steps"] == 1.0
+    assert any(n.startswith("model.language_model.") for n in moved)
+    assert any(n.startswith("model.visual.") for n in moved) != frozen

@@ -187,3 +187,29 @@ def test_sglang_takes_images_as_rlhpc_sends_them() -> None:
     init = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
     assigned = {ast.unparse(t) for n in ast.walk(init) if isinstance(n, ast.Assign) for t in n.targets}
     assert {"self.model", "self.visual", "self.lm_head"} <= assigned
+
+
+def test_a_dump_keeps_each_image_once_and_a_checkpoint_restores_them(tmp_path: Path) -> None:
+    """A rollout's images in its dump: each distinct one once (a file's by its source, a generated
+    one with its bytes), each sample's indices into them; the pending rollouts a checkpoint holds
+    (loaded with weights_only) keep them, shared as before."""
+    import h5py
+    import torch
+
+    from rlhpc.batch import RolloutBatch
+    from rlhpc.metrics import write_rollout_dump
+
+    in_file = ImageRef("train.parquet row 3 images[0]", data=png(56, 56), in_data_file=True)
+    drawn = from_png("data.task squares picture 0", Image.new("RGB", (56, 56), (255, 255, 255)))
+    images = [[in_file]] * 4 + [[drawn, in_file]] * 4
+    n = len(images)
+    batch = RolloutBatch([[1, 2]] * n, [[3]] * n, [[-0.5]] * n, torch.zeros(n), torch.zeros(n), 4, images=images)
+    torch.save(batch.state_dict(), tmp_path / "pending.pt")
+    again = RolloutBatch.from_state_dict(torch.load(tmp_path / "pending.pt", weights_only=True))
+    assert [[r.read() for r in refs] for refs in again.images] == [[r.read() for r in refs] for refs in images]
+    for b, name in ((batch, "a.h5"), (again, "b.h5")):
+        write_rollout_dump(tmp_path / name, 0, b, {})
+        with h5py.File(tmp_path / name) as f:
+            assert [s.decode() for s in f["image_source"][:]] == [in_file.source, drawn.source]
+            assert [list(i) for i in f["image_index"][:]] == [[0]] * 4 + [[1, 0]] * 4
+            assert len(f["image_bytes"][0]) == 0 and bytes(f["image_bytes"][1]) == drawn.read()
