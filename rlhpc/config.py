@@ -414,6 +414,9 @@ class DataConfig(Section):
     eval_file: str | None = None  # the eval set's file, read as train_file is (None: the task's own eval rows)
     prompt_key: str = "prompt"  # where a row's prompt is (text or chat messages); dotted for nested fields
     label_key: str = "answer"  # where its label is (verl's files: reward_model.ground_truth)
+    # Where a row's images are (verl's: images; a list of bytes, paths or {"bytes", "path"}), one
+    # <image> in its prompt messages per image; a file without the column is text only (docs/guides/multimodal.md).
+    image_key: str = "images"
     num_train: int = 100  # rows the task generates for training (without train_file)
     num_eval: int = 100  # rows the task generates for evaluation (without eval_file)
     # Longer prompts are dropped at load, counted in the log (None: the model's context length

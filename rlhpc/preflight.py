@@ -103,7 +103,9 @@ def _check_data(cfg: Config) -> None:
     check_exist(files)
     check_scored(cfg.data, files, task_env(cfg.data, cfg.rollout))
     config.check_chat_template(cfg)
-    check_rows(files, cfg.data.chat_template)  # a bad file is refused here, at submit, not after the queue wait
+    check_rows(
+        files, cfg.data.chat_template, cfg.data.image_key
+    )  # a bad file is refused here, at submit, not after the queue wait
     check_reward(cfg.data)
     if cfg.rollout.dynamic_sampling.filter is not None:
         resolve_filter(cfg.rollout.dynamic_sampling.filter)

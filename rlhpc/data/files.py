@@ -69,10 +69,10 @@ def check_exist(files: list[tuple[str, str, str, str]]) -> None:
             raise ConfigError(f"{key} {f} does not exist", f"create it ({FORMATS}) or unset {key}")
 
 
-def check_rows(files: list[tuple[str, str, str, str]], chat_template: str) -> None:
-    """Each file reads, at submit rather than after the queue wait; chat prompts have a template."""
+def check_rows(files: list[tuple[str, str, str, str]], chat_template: str, image_key: str = "images") -> None:
+    """Each file reads, at submit rather than after the queue wait (its images too); chat prompts have a template."""
     for _, f, prompt_key, label_key in files:
-        rows = read_rows(f, prompt_key, label_key)
+        rows = read_rows(f, prompt_key, label_key, image_key)
         if chat_template == "none" and any(r.is_chat for r in rows):
             raise ConfigError(
                 f"{f} has chat-message prompts but data.chat_template is none",

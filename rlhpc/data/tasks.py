@@ -106,10 +106,16 @@ def resolve_reward(spec: str) -> RewardFn:
 
 
 def load_split(
-    task: Task, file: str | None, count: int, seed: int, prompt_key: str = "prompt", label_key: str = "answer"
+    task: Task,
+    file: str | None,
+    count: int,
+    seed: int,
+    prompt_key: str = "prompt",
+    label_key: str = "answer",
+    image_key: str = "images",
 ) -> list[Row]:
     """Rows from ``file`` if given (``rlhpc.data.files``), else ``count`` rows generated
     deterministically from ``seed`` (a generated row's columns: ``prompt`` and ``answer``)."""
     if file is not None:
-        return read_rows(file, prompt_key, label_key)
+        return read_rows(file, prompt_key, label_key, image_key)
     return as_rows(task.make(count, random.Random(seed)))

@@ -624,6 +624,11 @@ class Generation:
             overlong_metrics["overlong/penalty"] = penalty.mean().item()
         teacher_metrics = {}
         if self.teacher is not None:  # the samples trained on, after any filtering
+            if s.images:
+                raise RlhpcError(
+                    "a teacher scores token ids only, and this rollout's prompts hold images it would not see",
+                    "drop the teacher section for image data (docs/guides/multimodal.md)",
+                )
             start = time.perf_counter()
             batch.teacher_logprobs = self.teacher(s.prompt_ids, s.response_ids)
             teacher_metrics["time/teacher"] = time.perf_counter() - start

@@ -4,19 +4,24 @@ the processor's output."""
 
 from __future__ import annotations
 
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from support.engines import engine_client, start_server, stop_server
+from support.jobs import REPO, job_args, kill_when, rollouts, submit
+from support.vision import build_vlm, png, processor
 
+from rlhpc.checkpoint import CheckpointManager
 from rlhpc.data.images import PLACEHOLDER, ImageRef, Vision, with_image_parts
 from rlhpc.data.prompts import ImageTokens, render_chats
 from rlhpc.errors import RlhpcError
+from rlhpc.invariants import comparable, final_weights
+from rlhpc.metrics import read_metrics
 from rlhpc.model import load_model, load_tokenizer
 from rlhpc.wire.client import EngineClient
-from tests.support.engines import engine_client, start_server, stop_server
-from tests.support.vision import build_vlm, png, processor
 
 
 @pytest.fixture(scope="module")
@@ -200,3 +205,54 @@ def test_a_train_step_moves_the_vision_tower_unless_frozen(vlm: Path, frozen: bo
     assert metrics["optimizer_steps"] == 1.0
     assert any(n.startswith("model.language_model.") for n in moved)
     assert any(n.startswith("model.visual.") for n in moved) != frozen
+
+
+# ------------------------------------------------------------------ whole jobs
+
+HELD_SQUARES = "data.reward=support.hold:squares"  # the task's reward, held for ``kill_when``
+# The squares task on the tiny VLM, small and deterministic: what a killed run must reproduce.
+SQUARES = (
+    "model.tiny.architecture=qwen2_5_vl", "model.tiny.tokenizer=bpe", "data.task=squares", "rollout.max_new_tokens=2",
+    "deterministic=true", "rollout.num_rollout=4", "checkpoint.save_interval=2", "eval.interval=2",
+    "eval.n_samples_per_prompt=2", "eval.temperature=1.0", "data.num_eval=8",
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def undisturbed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run = tmp_path_factory.mktemp("squares") / "run"
+    p = submit(run, *SQUARES, HELD_SQUARES, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return run
+
+
+def test_a_vlm_job_trains_evaluates_and_dumps_its_images(undisturbed: Path) -> None:
+    """The squares job end to end: rollouts of image prompts trained, evaluations with pass@k,
+    each dump keeping each picture once (a group's samples share it)."""
+    import h5py
+
+    assert rollouts(undisturbed) == [0, 1, 2, 3]
+    evals = [m for m in read_metrics(undisturbed) if m["kind"] == "eval"]
+    assert evals and all({"eval/pass@1", "eval/pass@2"} <= set(m) for m in evals)
+    vision = Vision(undisturbed / "base_model")
+    with h5py.File(undisturbed / "rollouts" / "rollout_000003.h5") as f:
+        index = [list(i) for i in f["image_index"][:]]
+        assert len(f["image_source"]) == 8 and len(index) == 8 * 4  # 8 pictures, 4 samples each
+        assert all(index[k] == index[k - k % 4] for k in range(len(index)))
+        assert all(len(b) > 0 for b in f["image_bytes"][:])  # drawn, not in a file: their bytes are kept
+        prompt = list(f["prompt_ids"][0])
+        assert prompt.count(vision.image_token_id) == 4  # a 56x56 picture: 4 image tokens
+
+
+def test_a_killed_vlm_run_resumes_to_the_same_run(undisturbed: Path, tmp_path: Path) -> None:
+    """SIGKILLed once rollout 1's checkpoint exists (in rollout 2's scoring), resumed: the same
+    metrics and the same final weights, vision tower included, as the run nobody stopped."""
+    run = tmp_path / "run"
+    args = job_args(run, *SQUARES, HELD_SQUARES)
+    kill_when(args, run / "checkpoints" / "rollout_000001")
+    resumed_from = CheckpointManager(run / "checkpoints", 2).latest().rollout_id
+    p = subprocess.run(args, capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert f"resuming from rollout_{resumed_from:06d}" in p.stdout
+    assert comparable(run) == comparable(undisturbed)
+    assert final_weights(run) == final_weights(undisturbed)

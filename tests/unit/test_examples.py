@@ -21,7 +21,10 @@ WAYS_IN = {
 }
 
 
-GUIDES = {"verl_gsm8k.yaml": "docs/guides/coming-from-verl.md"}  # a whole job of a guide, its data made by a script
+GUIDES = {
+    "verl_gsm8k.yaml": "docs/guides/coming-from-verl.md",
+    "squares_vlm.yaml": "docs/guides/multimodal.md",
+}  # a whole job of a guide, its data made by a script
 
 
 def test_every_example_config_is_listed():

@@ -4,10 +4,12 @@ rendered to the tokens ``transformers``' Qwen2.5-VL processor gives (the tiny VL
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 from PIL import Image
+from support.vision import build_vlm, png, processor
 
 from rlhpc.config import DataConfig
 from rlhpc.data.files import read_rows
@@ -15,7 +17,6 @@ from rlhpc.data.images import PLACEHOLDER, ImageRef, Vision, from_png, with_imag
 from rlhpc.data.prompts import ImageTokens, prepare_prompts, render_chats
 from rlhpc.errors import ConfigError
 from rlhpc.model import load_tokenizer
-from tests.support.vision import build_vlm, png, processor
 
 
 @pytest.fixture(scope="module")
@@ -174,7 +175,7 @@ def test_sglang_takes_images_as_rlhpc_sends_them() -> None:
     named ``model.*``, ``visual.*``, ``lm_head.*`` (the checkpoint's names, ``checkpoint_named``)."""
     import ast
 
-    from tests.support import sglang_wheel as W
+    from support import sglang_wheel as W
 
     assert "image_data" in W.request_structs()["GenerateReqInput"]
     assert "The length of image_data should be equal to the batch size." in W.source(W.IO_STRUCT)
@@ -213,3 +214,26 @@ def test_a_dump_keeps_each_image_once_and_a_checkpoint_restores_them(tmp_path: P
             assert [s.decode() for s in f["image_source"][:]] == [in_file.source, drawn.source]
             assert [list(i) for i in f["image_index"][:]] == [[0]] * 4 + [[1, 0]] * 4
             assert len(f["image_bytes"][0]) == 0 and bytes(f["image_bytes"][1]) == drawn.read()
+
+
+@pytest.mark.parametrize(
+    "tree, says",
+    [
+        (
+            {"model": {"tiny": {"architecture": "qwen2_5_vl", "tokenizer": "bpe"}}, "actor": {"backend": "megatron"}},
+            "which the megatron actor cannot train yet",
+        ),
+        ({"model": {"tiny": {}}, "data": {"task": "squares"}}, "shows the model pictures, but model.tiny.architecture"),
+        (
+            {"model": {"tiny": {"architecture": "qwen2_5_vl", "tokenizer": "bpe"}}, "data": {"task": "squares"},
+             "rollout": {"env": "rlhpc.data.guess:GuessEnv"}},
+            "multi-turn rollouts",
+        ),
+        ({"model": {"tiny": {"architecture": "qwen2_5_vl"}}}, "model.tiny.tokenizer = 'char' has no chat template"),
+    ],
+)  # fmt: skip
+def test_what_images_cannot_do_yet_is_refused_at_submit(tree: dict, says: str) -> None:
+    from rlhpc.preflight import check, config_from_dict
+
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        check(config_from_dict(tree))
