@@ -70,9 +70,9 @@ class Section:
                 self._refuse(name, f"must be >= {low}", fix or f"set {self.key(name)} to at least {low}")
 
     def _above(self, low: float, *names: str, fix: str = "") -> None:
-        """Each of ``names`` is > ``low``."""
+        """Each of ``names`` is > ``low``; None (unset) passes."""
         for name in names:
-            if not getattr(self, name) > low:
+            if getattr(self, name) is not None and not getattr(self, name) > low:
                 self._refuse(name, f"must be > {low}", fix or f"set {self.key(name)} to a value above {low}")
 
 
@@ -706,7 +706,14 @@ class RolloutConfig(Section):
     # multi-turn episodes, one cut by max_turns / max_episode_tokens) gets loss mask 0.
     overlong_filter: bool = False
     update_weight_buffer_mb: int = 512  # bucket size for weight sync
-    engine_startup_timeout_s: float = 120.0  # an engine not serving within this is a start-up failure, named
+    # Seconds an engine may take to start and answer /health (later is a start-up failure, named).
+    # null: 120 s for the CPU engine, 600 s for SGLang (CUDA graph capture, cold JIT caches), plus
+    # 30 s per GB of the model's weight files
+    # (a 7B model in bf16, 15 GB: 1050 s on SGLang)
+    engine_startup_timeout_s: float | None = None
+    # Seconds one /generate request may take before its engine counts as dead. null: 600 s plus
+    # 0.1 s per token of the largest max_new_tokens the request asks for (32768 tokens: about 1 h 5 min)
+    generate_timeout_s: float | None = None
     max_engine_restarts: int = 3  # per engine: a dead/unhealthy engine is restarted and re-synced
     # Asynchronous pipeline: generation may run up to this many rollouts ahead of training, so
     # rollout r is generated with weights no older than version r - max_staleness (the weights
@@ -761,7 +768,12 @@ class RolloutConfig(Section):
         if not 0 < self.top_p <= 1:
             self._refuse("top_p", "must be in (0, 1]", "use 1.0 to sample from the whole distribution")
         _check_sampling_knobs(self)
-        self._above(0, "engine_startup_timeout_s", fix="give rollout.engine_startup_timeout_s seconds, e.g. 120")
+        self._above(
+            0,
+            "engine_startup_timeout_s",
+            "generate_timeout_s",
+            fix="give seconds, or null for the formula it describes",
+        )
         self._at_least(0, "max_engine_restarts", fix="set 0 to never restart an engine")
         self._at_least(
             0, "max_staleness", fix="set 0 for the synchronous loop, or 1 to overlap generation and training"
@@ -779,6 +791,27 @@ class RolloutConfig(Section):
                 f"{self.rollout_batch_size}: a round must generate at least a batch of prompts",
                 "raise over_sampling_batch_size (e.g. 2x rollout_batch_size) or leave it null",
             )
+
+
+# The formulas of rollout.engine_startup_timeout_s and rollout.generate_timeout_s when null
+STARTUP_BASE_S = {"cpu": 120.0, "sglang": 600.0}
+STARTUP_S_PER_GB = 30.0
+GENERATE_BASE_S = 600.0
+GENERATE_S_PER_TOKEN = 0.1
+
+
+def startup_timeout_s(rollout: RolloutConfig, weight_bytes: int) -> float:
+    """How long an engine of ``rollout`` serving a model of ``weight_bytes`` may take to start."""
+    if rollout.engine_startup_timeout_s is not None:
+        return rollout.engine_startup_timeout_s
+    return STARTUP_BASE_S[rollout.backend] + STARTUP_S_PER_GB * weight_bytes / 1e9
+
+
+def generate_timeout_s(rollout: RolloutConfig, max_new_tokens: int) -> float:
+    """How long a /generate request asking for up to ``max_new_tokens`` tokens may take."""
+    if rollout.generate_timeout_s is not None:
+        return rollout.generate_timeout_s
+    return GENERATE_BASE_S + GENERATE_S_PER_TOKEN * max_new_tokens
 
 
 DEFAULT_EVAL_SET = "default"  # the set of the old keys (data.eval_file, eval.*), logged as eval/reward, ...
@@ -1146,7 +1179,9 @@ class Config:
     reward_model: RewardModelConfig | None = None  # None: no reward model (the rule reward alone)
     teacher: TeacherConfig | None = None  # None: no teacher (algo.distill_coef and kl_target: teacher need one)
     seed: int = 1234  # the run's seed: model init, data order, every sample's sampling seed
-    deterministic: bool = False  # reruns and resumed runs give bit-identical weights (CPU)
+    # Reruns and resumed runs give bit-identical weights (CPU); every engine honours its requests'
+    # seeds (SGLang: --enable-deterministic-inference, slower: docs/architecture/engines.md)
+    deterministic: bool = False
     # Who may read the run dir (checkpoints, dumps, logs, keys): "private", this user only (dirs
     # 0700, files 0600), or "group", readable by the user's group too (0750/0640; keys stay 0600).
     run_dir_access: Literal["private", "group"] = "private"

@@ -149,7 +149,7 @@ class TrainLoop:
         def start_engines() -> EnginePool:
             return EnginePool.start(
                 cfg.rollout, cfg.cluster, cfg.seed, model_path, self.placement, layout, run.engine_logs, pool_stop,
-                run.engine_key,
+                run.engine_key, deterministic=cfg.deterministic,
             )  # fmt: skip
 
         # The engines start in a thread while the actor ranks start and load here: neither needs the
@@ -183,8 +183,7 @@ class TrainLoop:
         with startup.phase("weight_channel"):
             self.engines.connect_weights(self.actor)  # the engines' one weight source, restarted engines included
         with startup.phase("first_push"):
-            if cfg.cluster.offload:
-                self.engines.onload()
+            # engines just started hold their memory: nothing to resume (SGLang dies resuming memory it holds)
             self.engines.sync_weights(version=self.start)  # engines always start from the trained weights
 
         self.record: dict = {}  # metrics of the newest trained rollout
@@ -224,7 +223,7 @@ class TrainLoop:
                 "reward_engines_up",
                 lambda: start_reward_engines(
                     cfg.reward_model, cfg.rollout, cfg.cluster, cfg.seed, rm_path, self.placement, layout,
-                    run.engine_logs / "reward", pool_stop,
+                    run.engine_logs / "reward", pool_stop, cfg.deterministic,
                 ),
             )  # fmt: skip
         if cfg.teacher is not None:
@@ -233,7 +232,7 @@ class TrainLoop:
                 "teacher_engines_up",
                 lambda: start_teacher_engines(
                     cfg.teacher, cfg.rollout, cfg.cluster, cfg.seed, teacher_path, self.placement, layout,
-                    run.engine_logs / "teacher", pool_stop,
+                    run.engine_logs / "teacher", pool_stop, cfg.deterministic,
                 ),
             )  # fmt: skip
         return reward_up, teacher_up

@@ -68,11 +68,14 @@ def start_reward_engines(
     layout: Layout,
     log_dir: Path,
     stop: StopCheck | None = None,
+    deterministic: bool = False,
 ) -> EnginePool:
-    """The reward engines on ``layout.reward_slots``, up and answering /health."""
+    """The reward engines on ``layout.reward_slots``, up and answering /health (``deterministic``:
+    a judge's seeded samples are the same on rerun)."""
     return EnginePool.start(
-        reward_rollout_config(rollout, rm), cluster, seed, model_path, placement, layout, log_dir, stop, frozen=True
-    )
+        reward_rollout_config(rollout, rm), cluster, seed, model_path, placement, layout, log_dir, stop, frozen=True,
+        deterministic=deterministic,
+    )  # fmt: skip
 
 
 def render(tokenizer: Any, sample: Sample) -> list[int]:

@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 from support.engines import KEYS, engine_client, start_server, stop_server
 from support.other_user import require_second_user, shared_tmp_dir
@@ -23,15 +24,26 @@ from rlhpc.runtime import staging
 from rlhpc.util.files import private_dir
 from rlhpc.wire import protocol as P
 
+CAP = 64  # the engine's --max-connections here
+
 
 @pytest.fixture(scope="module")
-def server(model_path: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def engine(model_path: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, int]]:
     work = tmp_path_factory.mktemp("attacked")
-    proc, url, _ = start_server(model_path, work, "engine", ["--header-timeout-s", "2"])
+    proc, url, _ = start_server(model_path, work, "engine", ["--header-timeout-s", "2", "--max-connections", str(CAP)])
     try:
-        yield url
+        yield url, proc.pid
     finally:
         stop_server(proc)
+
+
+@pytest.fixture(scope="module")
+def server(engine: tuple[str, int]) -> str:
+    return engine[0]
+
+
+def established(pid: int) -> int:
+    return sum(c.status == psutil.CONN_ESTABLISHED for c in psutil.Process(pid).net_connections("tcp"))
 
 
 def test_the_other_users_attacks_on_an_engine_get_nothing_and_it_serves_on(server: str) -> None:
@@ -46,12 +58,64 @@ def test_the_other_users_attacks_on_an_engine_get_nothing_and_it_serves_on(serve
     finally:
         records["conn_flood"] = flood.finish()
     assert records["conn_flood"]["opened"] >= 300 and records["conn_flood"]["closed_by_engine"] > 0
-    assert len(records["bad_pickle"]["answers"]) == 12 and len(records["huge_request"]["answers"]) == 6
+    assert (
+        len(records["bad_pickle"]["answers"]) == 12
+        and len(records["huge_request"]["answers"]) == len(attacks.BAD_BODIES) == 8
+    )
     for kind, record in records.items():
         assert attacks.findings(kind, record, {KEYS[server]}) == [], record
     # the key-holder's variant of huge_request: 400s, and the engine serves on
     assert attacks.keyed_bad_requests(server, KEYS[server]) == []
     assert client.get_weights_by_name("model.norm.weight", truncate_size=4) == before
+
+
+def test_every_request_on_a_kept_alive_connection_has_a_deadline(server: str) -> None:
+    # Issue 43, item 1: after one complete keyless GET /health, a connection was no longer timed:
+    # a half-sent second request was held forever. Fewer connections than the cap: only the
+    # deadline (2 s here) can close them.
+    require_second_user()
+    host, port = server.removeprefix("http://").rsplit(":", 1)
+    flood = attacks.Attack.start("keepalive_flood", host, port, "20")
+    time.sleep(8)
+    record = flood.finish()
+    assert record["answered"] >= 20, record
+    assert record["half_sent_closed"] >= 10, record  # every half-sent one, at least once
+    assert attacks.findings("keepalive_flood", record, {KEYS[server]}) == [], record
+
+
+def test_kept_alive_connections_past_the_cap_close_the_longest_idle_and_clients_are_served(
+    engine: tuple[str, int],
+) -> None:
+    # Issue 43, item 1: 1,000 kept-alive connections were held (the engine's open files 23 -> 1,023).
+    require_second_user()
+    server, pid = engine
+    host, port = server.removeprefix("http://").rsplit(":", 1)
+    client = engine_client(server, timeout_s=60)
+    flood = attacks.Attack.start("keepalive_flood", host, port, str(CAP * 3))
+    try:
+        deadline = time.monotonic() + 60
+        while flood.proc.poll() is None and time.monotonic() < deadline:
+            held = established(pid)
+            assert held <= CAP, held
+            assert client.get_weight_version() == "default"
+            if time.monotonic() > deadline - 55:  # five seconds of flood
+                break
+            time.sleep(0.2)
+    finally:
+        record = flood.finish()
+    assert record["opened"] > CAP * 3 and record["closed_by_engine"] > 0, record
+    assert attacks.findings("keepalive_flood", record, {KEYS[server]}) == [], record
+
+
+def test_headers_past_the_cap_are_refused_and_the_engine_serves_on(server: str) -> None:
+    # Issue 43, item 1: a header flood grew an engine from 381 to 981 MB.
+    require_second_user()
+    host, port = server.removeprefix("http://").rsplit(":", 1)
+    record = attacks.run("header_flood", host, port)
+    assert len(record["accepted_bytes"]) == 4, record
+    assert attacks.findings("header_flood", record, {KEYS[server]}) == [], record
+    assert any(r.startswith("HTTP/1.1 431") for r in record["received"]), record["received"]
+    assert engine_client(server, timeout_s=60).get_weight_version() == "default"
 
 
 @pytest.mark.parametrize("payload", ["BUILD on a torch class", "a call of os.system"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -50,6 +51,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _save_rank(rank: int, world_size: int, tp: int, model_path: str, ckpt: str, rendezvous: str) -> None:
     """One rank of a megatron actor: one training step (weights move, Adam state exists), then save."""
     from rlhpc.actor.megatron.worker import MegatronTrainWorker
+    from rlhpc.actor.rank import Rendezvous
     from rlhpc.actor.spec import ActorSpec
     from rlhpc.batch import RolloutBatch
     from rlhpc.config import Config
@@ -61,15 +63,15 @@ def _save_rank(rank: int, world_size: int, tp: int, model_path: str, ckpt: str, 
     w = MegatronTrainWorker(ActorSpec.from_config(cfg), model_path, rank, world_size)
     rdv = Path(rendezvous)
     if rank == 0:
-        addr, port = w.master_addr_port()
-        rdv.with_suffix(".tmp").write_text(f"{addr} {port}")
+        meet = w.rendezvous(one_node=True)
+        rdv.with_suffix(".tmp").write_text(json.dumps(dataclasses.asdict(meet)))
         rdv.with_suffix(".tmp").rename(rdv)
     else:
         deadline = time.monotonic() + 60
         while not rdv.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
-        addr, port = rdv.read_text().split()
-    w.init_process_group(addr, int(port))
+        meet = Rendezvous(**json.loads(rdv.read_text()))
+    w.init_process_group(meet)
     prompts, responses = [[5, 6, 7], [8, 9], [10, 11, 12, 13]], [[20, 21], [22, 23, 24], [25]]
     logprobs = [[-1.0] * len(r) for r in responses]
     w.train(0, RolloutBatch(prompts, responses, logprobs, torch.zeros(3), torch.tensor([1.0, -0.5, 0.7]), 1))

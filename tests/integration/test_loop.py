@@ -127,10 +127,20 @@ def test_killed_run_resumes_from_last_checkpoint(tmp_path):
 KL_IN_REWARD = ["algo.kl_in_reward=true", "algo.kl_coef=0.1", "algo.ref_update_interval=2", "algo.entropy_coef=0.01"]
 
 
+# Sampling at a temperature other than the trainer's 1: the engines' logprobs must still be the
+# trainer's (SGLANG_RETURN_ORIGINAL_LOGPROB, issue 40), or the rollout/train mismatch is far from 0.
+COLOCATE_OFFLOAD = [
+    "cluster.colocate=true",
+    "cluster.offload=true",
+    "cluster.gpus_per_node=1",
+    "rollout.temperature=0.7",
+]
+
+
 @pytest.mark.parametrize(
     "layout",
     [
-        ["cluster.colocate=true", "cluster.offload=true", "cluster.gpus_per_node=1"],
+        COLOCATE_OFFLOAD,
         # with the KL in the reward, measured by both ranks, and the reference reset after rollout 1
         ["cluster.gpus_per_node=4", "cluster.actor_num_gpus=2", "cluster.rollout_num_gpus=2", *KL_IN_REWARD],
     ],
@@ -142,6 +152,12 @@ def test_other_layouts_train(tmp_path, layout):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert rollouts(run) == [0, 1, 2]
     assert json.loads((run / "FINISHED").read_text())["num_rollout"] == 3
+    # no engine died and was restarted: as SGLang's, the CPU engine dies resuming memory it holds
+    assert "is down; restart" not in p.stdout + p.stderr
+    assert not [f for f in (run / "logs" / "engines").rglob("*.log") if "Scheduler hit" in f.read_text()]
+    if layout == COLOCATE_OFFLOAD:
+        diffs = [r["rollout_logprob_abs_diff"] for r in read_metrics(run) if r["kind"] == "rollout"]
+        assert max(diffs) < 1e-4, diffs
     if KL_IN_REWARD[0] in layout:
         # k3 is 0 exactly where the policy is the reference: at the start, and right after the reset
         penalty = [r["kl/reward_penalty"] for r in read_metrics(run) if r["kind"] == "rollout"]

@@ -14,6 +14,7 @@ from support.jobs import said, submit
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from rlhpc.config import TinyModelConfig
+from rlhpc.engine_server.cpu.requests import MAX_ROWS
 from rlhpc.errors import RlhpcError
 from rlhpc.invariants import comparable, final_weights
 from rlhpc.metrics import read_metrics
@@ -53,6 +54,9 @@ def test_cpu_server_classifies_as_transformers_scores(tmp_path):
         assert client.get_model_info()["is_generation"] is False
         with pytest.raises(RlhpcError, match="serves /classify, not /generate"):
             client.generate(input_ids=ids[0], sampling_params={"max_new_tokens": 1})
+        # issue 43, item 8: /classify took any number of rows
+        with pytest.raises(RlhpcError, match=f"a batch of {MAX_ROWS + 1} rows"):
+            client.classify([[1, 2]] * (MAX_ROWS + 1))
     finally:
         stop_server(proc)
 
@@ -196,7 +200,7 @@ def test_reward_engines_score_overlapped_and_a_killed_one_is_restarted(tmp_path,
                 engines.connect_weights(None)
 
             policy = build_tiny_model(tmp_path / "policy", TinyModelConfig())
-            engine = Engine(str(policy), "default")
+            engine = Engine(str(policy), "default", deterministic=True)  # seeded: each run samples alike
             rows = [{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(8)]
             rm = RewardModel(engines, tok, batch_size=64)
 

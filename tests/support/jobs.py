@@ -46,8 +46,8 @@ def job_args(run_dir: Path, *overrides: str) -> list[str]:
     return args
 
 
-def submit(run_dir: Path, *overrides: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(job_args(run_dir, *overrides), capture_output=True, text=True, timeout=timeout, cwd=REPO)
+def submit(run_dir: Path, *overrides: str, timeout: float = 300, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    return subprocess.run(job_args(run_dir, *overrides), capture_output=True, text=True, timeout=timeout, cwd=cwd)
 
 
 def submit_slurm(

@@ -132,3 +132,26 @@ def test_the_verl_guides_job_validates_as_written(tmp_path, monkeypatch):
         REPO / "examples" / "verl_gsm8k.yaml", ["rollout.agent=null", "rollout.env=examples.verl_gsm8k:GSM8KEnv"]
     )
     assert env.rollout.env == "examples.verl_gsm8k:GSM8KEnv"
+
+
+@pytest.mark.parametrize(
+    "expression",
+    [
+        "(" * 1500 + "1" + ")" * 1500,  # too many nested parentheses
+        "-" * 3000 + "1",  # RecursionError in the compiler
+        "+".join(["1"] * 1500),
+        "9" * 1500 + "*" + "9" * 1499,
+        "9**9**9",
+        "(1)(1)",
+        "1/0",
+        "__import__('os')",
+    ],
+)
+def test_the_shipped_calculator_answers_any_input_and_never_raises(monkeypatch, expression):
+    # Issue 43, item 11: 3,000-character inputs raised MemoryError or RecursionError, which
+    # ended the episode and the run: a tool's bad input is a tool result
+    monkeypatch.syspath_prepend(str(REPO))
+    from examples.calculator_agent import calculator
+
+    assert calculator(expression).startswith("error: ")
+    assert calculator("6*(3+4)/2") == "21.0" and calculator("-2*-3") == "6"

@@ -87,7 +87,7 @@ def test_a_recipe_dry_runs_against_its_models_shape(recipe, tmp_path):
     assert f"#SBATCH --nodes={cfg.cluster.num_nodes}" in p.stdout and layout in p.stdout
     # the engine launch line and the resolved config it will run
     tp = cfg.cluster.rollout_gpus_per_engine
-    assert f"python -m sglang.launch_server --model-path {MODELS / model} " in p.stdout
+    assert f"python -P -m sglang.launch_server --model-path {MODELS / model} " in p.stdout
     assert f"--tp-size {tp} --mem-fraction-static 0.7 --random-seed {cfg.seed}" in p.stdout
     resolved = yaml.safe_load(p.stdout.split("# the resolved config the job runs", 1)[1].split("\n", 1)[1])
     assert resolved["data"]["label_key"] == "reward_model.ground_truth" and resolved["model"]["path"] == str(

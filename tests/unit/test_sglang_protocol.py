@@ -103,7 +103,9 @@ def test_launch_flags_exist_in_server_args() -> None:
     flags = sgl.server_flags()
     assert {"--tp-size", "--tensor-parallel-size", "--model-path"} <= flags and "--no-such-flag" not in flags
     assert sgl.has_module(sglang_server.SERVER_MODULE)
-    every_option = SGLangSpec(tp_size=4, mem_fraction_static=0.5, memory_saver=True, seed=1, nnodes=2, node_rank=1)
+    every_option = SGLangSpec(
+        tp_size=4, mem_fraction_static=0.5, memory_saver=True, seed=1, nnodes=2, node_rank=1, deterministic=True
+    )
     cmd = sglang_server.launch_server_command("/py", "/m", "h", 1, 2, every_option, "h:3")
     emitted = {a for a in cmd if a.startswith("--")}
     assert emitted, cmd
@@ -215,6 +217,10 @@ def test_weight_update_session_refusals_are_sglangs() -> None:
 
 
 # ------------------------------------------------------------------ OpenAI-compatible routes (issue 29)
+
+
+def test_a_request_supplied_chat_template_is_refused_in_sglangs_words() -> None:
+    assert OP.REQUEST_TEMPLATE_REFUSED in sgl.chat_request_refusals()
 
 
 def test_openai_routes_are_sglangs() -> None:

@@ -41,7 +41,7 @@ def spec(**kw: object) -> SGLangSpec:
 
 def test_launch_server_command() -> None:
     cmd = sg.launch_server_command("/py", "/models/m", "10.0.0.5", 31000, 31001, spec(extra_args=("--dtype", "bf16")))
-    assert cmd[:3] == ["/py", "-m", "sglang.launch_server"]
+    assert cmd[:4] == ["/py", "-P", "-m", "sglang.launch_server"]  # -P: nothing imported from the working dir
     f = flags(cmd)
     assert f["--model-path"] == "/models/m" and f["--host"] == "10.0.0.5"
     assert f["--port"] == "31000" and f["--nccl-port"] == "31001"
@@ -67,23 +67,23 @@ def test_router_command_is_what_sglang_routers_own_parser_reads(tmp_path: Path) 
 
     (tmp_path / "key").write_text("k3y")
     cmd = sg.router_command("/py", ["http://10.0.0.5:1", "http://10.0.0.6:2"], "10.0.0.5", 30500, 30501)
-    assert cmd[:3] == ["/py", "-m", "sglang_router.launch_router"]
-    parsed = parse_router_args(cmd[3:])
+    assert cmd[:4] == ["/py", "-P", "-m", "sglang_router.launch_router"]
+    parsed = parse_router_args(cmd[4:])
     assert parsed.worker_urls == ["http://10.0.0.5:1", "http://10.0.0.6:2"] and parsed.policy == "round_robin"
     assert (parsed.host, parsed.port, parsed.prometheus_host, parsed.prometheus_port) == (
         "10.0.0.5", 30500, "127.0.0.1", 30501,
     )  # fmt: skip
     keyed = sg.router_command("/py", ["http://10.0.0.5:1"], "127.0.0.1", 1, 2, tmp_path / "key")
-    assert keyed[2:5] == [sg.ROUTER_MAIN, "--api-key-file", str(tmp_path / "key")]
-    assert parse_router_args(keyed[5:]).worker_urls == ["http://10.0.0.5:1"]
+    assert keyed[3:6] == [sg.ROUTER_MAIN, "--api-key-file", str(tmp_path / "key")]
+    assert parse_router_args(keyed[6:]).worker_urls == ["http://10.0.0.5:1"]
     with pytest.raises(RlhpcError, match="at least one engine"):
         sg.router_command("/py", [], "h", 1, 2)
 
 
 def test_server_env_shows_only_the_engine_gpus() -> None:
-    env = sg.server_env({"CUDA_VISIBLE_DEVICES": "3", "PATH": "/bin"}, [4, 5])
+    env = sg.server_env({"CUDA_VISIBLE_DEVICES": "3", "PATH": "/bin"}, spec(), [4, 5])
     assert env["CUDA_VISIBLE_DEVICES"] == "4,5" and env["PATH"] == "/bin"
-    assert sg.server_env({"CUDA_VISIBLE_DEVICES": "3"}, [])["CUDA_VISIBLE_DEVICES"] == "3"
+    assert sg.server_env({"CUDA_VISIBLE_DEVICES": "3"}, spec(), [])["CUDA_VISIBLE_DEVICES"] == "3"
 
 
 def test_engine_parts_split_an_engine_over_nodes() -> None:

@@ -121,7 +121,7 @@ def engine_model(tmp_path_factory):
     from rlhpc.engine_server.cpu.runner import Engine
 
     model = build_tiny_model(tmp_path_factory.mktemp("traj") / "tiny", TinyModelConfig(tokenizer="bpe"))
-    return model, Engine(str(model), "default")
+    return model, Engine(str(model), "default", deterministic=True)  # seeds honoured: reruns compared
 
 
 def generation(model, engine, fn, answered, reward=lambda samples: [0.0] * len(samples)):

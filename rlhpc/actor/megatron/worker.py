@@ -63,7 +63,7 @@ from rlhpc.actor.megatron.convert import (
 )
 from rlhpc.actor.megatron.model import build_gpt_model, is_moe
 from rlhpc.actor.offload import StorageOffloader
-from rlhpc.actor.rank import MicroBatch, RankBase
+from rlhpc.actor.rank import MicroBatch, RankBase, Rendezvous
 from rlhpc.actor.spec import ActorSpec
 from rlhpc.algo.grpo import AggNorm
 from rlhpc.errors import RlhpcError
@@ -113,9 +113,9 @@ class MegatronTrainWorker(RankBase):
 
     # ------------------------------------------------------------------ setup
 
-    def init_process_group(self, master_addr: str, master_port: int) -> None:
+    def init_process_group(self, rendezvous: Rendezvous) -> None:
         """Join torch.distributed, set up megatron's parallel state, build model, DDP and optimizer."""
-        self._join(master_addr, master_port)
+        self._join(rendezvous)
         if self.device.type == "cpu":
             from rlhpc.actor.megatron.cpu_shim import apply_cpu_shim
 

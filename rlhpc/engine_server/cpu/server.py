@@ -21,9 +21,10 @@ import uvicorn
 import uvloop
 
 from rlhpc.engine_server.cpu.app import build_app
-from rlhpc.engine_server.cpu.guard import HEADER_TIMEOUT_S, guarded_protocol
 from rlhpc.engine_server.cpu.runner import Engine
 from rlhpc.util.files import write_atomic
+from rlhpc.util.http_guard import HEADER_TIMEOUT_S, connection_cap, guarded_protocol
+from rlhpc.wire import switches
 from rlhpc.wire.engine_key import read_key
 
 log = logging.getLogger("rlhpc.cpu_server")
@@ -76,10 +77,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--parent-pid", type=int, help="exit when this process is no longer our parent")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: the model on cuda:0")
+    p.add_argument(
+        "--enable-deterministic-inference", action="store_true",
+        help="honour each request's sampling_seed (42 without one), as SGLang's flag of this name; "
+        "without it every request samples at random",
+    )  # fmt: skip
     p.add_argument("--log-level", default="INFO")
     p.add_argument(
         "--header-timeout-s", type=float, default=HEADER_TIMEOUT_S,
-        help="a connection that has not sent its first request's headers by then is closed",
+        help="a connection that has not sent a request's headers this long after its first byte (or the "
+        "connection's start) is closed",
+    )  # fmt: skip
+    p.add_argument(
+        "--max-connections", type=int, default=connection_cap(),
+        help="connections open at once; past it the longest idle one is closed (default: %(default)s)",
     )  # fmt: skip
     p.add_argument(
         "--api-key-file",
@@ -110,7 +121,8 @@ def main(argv: list[str] | None = None) -> None:
     # signal, which would otherwise kill us with status -15 instead of a clean exit.
     signal.signal(signal.SIGTERM, lambda *_: stop_requested.set())
 
-    engine = Engine(args.model_path, args.weight_version, args.device)
+    original = switches.bool_env_var(os.environ, switches.RETURN_ORIGINAL_LOGPROB)
+    engine = Engine(args.model_path, args.weight_version, args.device, args.enable_deterministic_inference, original)
     sock = _bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
     address = {"host": args.host, "port": port}
@@ -121,7 +133,7 @@ def main(argv: list[str] | None = None) -> None:
     # with h11 and asyncio's own loop, and a push or a rollout is a few of them.
     config = uvicorn.Config(
         app, log_level="warning", access_log=False, timeout_graceful_shutdown=3, lifespan="off",
-        timeout_keep_alive=300, http=guarded_protocol(args.header_timeout_s),
+        timeout_keep_alive=300, http=guarded_protocol(args.header_timeout_s, args.max_connections),
     )  # fmt: skip
     server = uvicorn.Server(config)
     if args.parent_pid:
