@@ -14,12 +14,13 @@ from typing import Any
 from rlhpc.errors import RlhpcError
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True)
 class ImageRef:
     """One image: ``source`` says where it came from (``FILE row N images[0]``, a path, a task),
     ``path`` or ``data`` (its encoded bytes: PNG, JPEG, ...) hold it. Small to pickle: a group's
     samples share the one object, and a rollout dump keeps the source, not the bytes, of an
-    image that lives in a file."""
+    image that lives in a file. Equal by value (rows loaded twice compare equal); code that
+    processes each image once keys on ``id`` (the shared object), not on its bytes."""
 
     source: str
     path: str | None = None

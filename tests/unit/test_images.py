@@ -183,6 +183,10 @@ def test_sglang_takes_images_as_rlhpc_sends_them() -> None:
     assert r"<\|vision_start\|>(?:<\|image_pad\|>)+<\|vision_end\|>" in qwen_vl
     base = W.source("sglang/srt/multimodal/processors/base_processor.py")
     assert "prompt = self._tokenizer.decode(prompt)" in base
+    # an image with transparency loses its alpha (PIL's convert, not transformers' white
+    # background): ``ImageRef.open`` does the same, so the actor sees the engines' pixels
+    assert "smart_rgb_conversion = False" in base and 'return img.convert("RGB")' in base
+    assert "smart_rgb_conversion = True" not in qwen_vl and "discard_alpha_channel=False" not in qwen_vl
     model = ast.parse(W.source("sglang/srt/models/qwen2_5_vl.py"))
     cls = next(n for n in model.body if isinstance(n, ast.ClassDef) and n.name == "Qwen2_5_VLForConditionalGeneration")
     init = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
@@ -237,3 +241,11 @@ def test_what_images_cannot_do_yet_is_refused_at_submit(tree: dict, says: str) -
 
     with pytest.raises(ConfigError, match=re.escape(says)):
         check(config_from_dict(tree))
+
+
+def test_an_image_with_transparency_opens_as_sglang_loads_it() -> None:
+    """Its alpha dropped (a transparent pixel keeps its colour), not composited onto white as
+    ``transformers``' own conversion would: the pixels SGLang's Qwen-VL processor computes."""
+    rgba = Image.new("RGBA", (56, 56), (10, 20, 30, 0))
+    opened = from_png("transparent", rgba).open()
+    assert opened.mode == "RGB" and opened.getpixel((0, 0)) == (10, 20, 30)
