@@ -1553,6 +1553,16 @@ def check_run(cfg: Config) -> None:
             f"a rollout has {r.rollout_batch_size * r.n_samples_per_prompt} samples, fewer than the {c.actor_num_gpus} actor ranks",
             "raise rollout.rollout_batch_size or lower cluster.actor_num_gpus",
         )
+    if c.colocate and c.rollout_num_gpus > c.gpus_per_node:
+        # the engines take the actor's first GPUs, and actor rank 0 alone pushes to them
+        raise ConfigError(
+            f"cluster.colocate with cluster.rollout_num_gpus = {c.rollout_num_gpus} over nodes of "
+            f"cluster.gpus_per_node = {c.gpus_per_node}: the engines would span nodes, and a colocated push hands "
+            "each engine a CUDA IPC (on CPU, shared-memory) handle of actor rank 0's buffer, which no other node "
+            "can open",
+            "keep the colocated engines on one node (cluster.rollout_num_gpus <= cluster.gpus_per_node), or drop "
+            "cluster.colocate: a disaggregated push broadcasts to engines on every node",
+        )
     if r.max_staleness > 0 and (c.colocate or c.offload):
         key = "cluster.colocate" if c.colocate else "cluster.offload"
         why = (

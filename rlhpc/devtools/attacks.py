@@ -309,13 +309,15 @@ STORE_PROBE = r"""
             record["stores"][str(port)] = type(e).__name__
 """
 
-# bad_pickle: payloads that, unpickled, would set state on a class found by name (BUILD) or call
-# it (REDUCE); sent to the weight-update routes without the key and with a wrong one. argv: url.
+# bad_pickle: payloads that, unpickled, would set state on a class found by name (BUILD), call it
+# (REDUCE), or call it through the `append` a BUILD gave an allowed SimpleNamespace (APPEND); sent
+# to the weight-update routes without the key and with a wrong one. argv: url.
 BAD_PICKLE = r"""
     url = sys.argv[1]
     payloads = {
         "BUILD on a torch class": b"ctorch.storage\nUntypedStorage\nN}X\x04\x00\x00\x00evilK\x01s\x86b.",
         "a call of os.system": b"cos\nsystem\n(X\x04\x00\x00\x00trueo.",
+        "BUILD then APPEND on a SimpleNamespace": b"ctypes\nSimpleNamespace\n)R}X\x06\x00\x00\x00appendctorch.storage\nUntypedStorage\nsbJ\x00\x00\x10\x00a.",
     }
     record["answers"] = {}
     for name, raw in payloads.items():

@@ -24,7 +24,7 @@ RECIPES = {
     # Qwen3-30B-A3B (sizes only, no weights)
     "gsm8k_qwen3_8b_1x8.yaml": ("qwen3-8b", "node0: actor ranks 0-3 on gpu0-3; engines 0-3 on gpu4-7"),
     "gsm8k_qwen3_32b_4x8.yaml": ("qwen3-32b", "node2..node3 (2 nodes): engines 0-3 on gpu0-7"),
-    "gsm8k_qwen3_30b_a3b_2x8.yaml": ("qwen3-30b-a3b", "actor ranks 0-15 on gpu0-7; engines 0-7 on gpu0-7"),
+    "gsm8k_qwen3_30b_a3b_2x8.yaml": ("qwen3-30b-a3b", "node1: engines 0-3 on gpu0-7"),
     # the published config.json shape of Qwen2.5-VL-7B-Instruct (a vision tower, image tokens)
     "geo3k_qwen2.5_vl_7b_1x8.yaml": (
         "qwen2.5-vl-7b-instruct",

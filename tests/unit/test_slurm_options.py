@@ -215,7 +215,7 @@ def test_the_dry_run_shows_each_engines_and_the_routers_command_and_environment_
         "-PYTORCH_CUDA_ALLOC_CONF",
     ]  # fmt: skip
     cmd, changes = shown("reward engine 0's launch line (each reward engine's alike):")  # a CPU engine
-    assert cmd.startswith("python -m rlhpc.engine_server.cpu ") and cmd.endswith(" --enable-deterministic-inference")
+    assert cmd.startswith("python -P -m rlhpc.engine_server.cpu ") and cmd.endswith(" --enable-deterministic-inference")
     assert f" --api-key-file {run / 'engine_key'} " in cmd
     assert "SGLANG_RETURN_ORIGINAL_LOGPROB=true" in changes and "PYTORCH_CUDA_ALLOC_CONF" not in changes
     cmd, changes = shown("the router's launch line (on the driver's node):")
