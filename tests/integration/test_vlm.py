@@ -125,7 +125,7 @@ def rank(vlm: Path, **actor: object):
     for k, v in actor.items():
         setattr(cfg.actor, k, v)
     w = TrainWorker(ActorSpec.from_config(cfg, 1), str(vlm), 0, 1)
-    w.init_process_group(*w.master_addr_port())
+    w.init_process_group(w.rendezvous(one_node=True))
     return w
 
 
