@@ -21,6 +21,7 @@ from rlhpc.errors import RlhpcError
 from rlhpc.invariants import comparable, final_weights
 from rlhpc.metrics import read_metrics
 from rlhpc.model import load_model, load_tokenizer
+from rlhpc.schedule import load_pending
 from rlhpc.wire.client import EngineClient
 
 
@@ -211,10 +212,14 @@ def test_a_train_step_moves_the_vision_tower_unless_frozen(vlm: Path, frozen: bo
 
 HELD_SQUARES = "data.reward=support.hold:squares"  # the task's reward, held for ``kill_when``
 # The squares task on the tiny VLM, small and deterministic: what a killed run must reproduce.
+# Asynchronous (a checkpoint holds a generated, untrained rollout and its pictures), with an
+# entropy bonus so every rollout moves the weights (a random start's rewards are mostly 0).
+# The job's cost is its start-up (~25 s), not its 4 rollouts (~1 s each).
 SQUARES = (
     "model.tiny.architecture=qwen2_5_vl", "model.tiny.tokenizer=bpe", "data.task=squares", "rollout.max_new_tokens=2",
     "deterministic=true", "rollout.num_rollout=4", "checkpoint.save_interval=2", "eval.interval=2",
-    "eval.n_samples_per_prompt=2", "eval.temperature=1.0", "data.num_eval=8",
+    "eval.n_samples_per_prompt=2", "eval.temperature=1.0", "data.num_eval=8", "rollout.max_staleness=1",
+    "algo.entropy_coef=0.01",
 )  # fmt: skip
 
 
@@ -227,13 +232,17 @@ def undisturbed(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_a_vlm_job_trains_evaluates_and_dumps_its_images(undisturbed: Path) -> None:
-    """The squares job end to end: rollouts of image prompts trained, evaluations with pass@k,
-    each dump keeping each picture once (a group's samples share it)."""
+    """The squares job end to end: rollouts of image prompts generated a step ahead and trained,
+    evaluations with pass@k, each dump keeping each picture once (a group's samples share it)."""
     import h5py
 
     assert rollouts(undisturbed) == [0, 1, 2, 3]
+    records = [m for m in read_metrics(undisturbed) if m["kind"] == "rollout"]
+    assert [m["staleness/max"] for m in records] == [0.0, 1.0, 1.0, 1.0]
+    assert all(m["grad_norm"] > 0 for m in records)  # each rollout moved the weights: a resume has them to match
     evals = [m for m in read_metrics(undisturbed) if m["kind"] == "eval"]
-    assert evals and all({"eval/pass@1", "eval/pass@2"} <= set(m) for m in evals)
+    assert [m["rollout_id"] for m in evals] == [-1, 1, 3]
+    assert all({"eval/pass@1", "eval/pass@2"} <= set(m) for m in evals)
     vision = Vision(undisturbed / "base_model")
     with h5py.File(undisturbed / "rollouts" / "rollout_000003.h5") as f:
         index = [list(i) for i in f["image_index"][:]]
@@ -245,12 +254,17 @@ def test_a_vlm_job_trains_evaluates_and_dumps_its_images(undisturbed: Path) -> N
 
 
 def test_a_killed_vlm_run_resumes_to_the_same_run(undisturbed: Path, tmp_path: Path) -> None:
-    """SIGKILLed once rollout 1's checkpoint exists (in rollout 2's scoring), resumed: the same
-    metrics and the same final weights, vision tower included, as the run nobody stopped."""
+    """SIGKILLed once rollout 1's checkpoint exists (in rollout 2's scoring; the checkpoint holds
+    rollout 2, generated with its pictures and not trained), resumed: the same metrics and the
+    same final weights, vision tower included, as the run nobody stopped."""
     run = tmp_path / "run"
     args = job_args(run, *SQUARES, HELD_SQUARES)
     kill_when(args, run / "checkpoints" / "rollout_000001")
-    resumed_from = CheckpointManager(run / "checkpoints", 2).latest().rollout_id
+    latest = CheckpointManager(run / "checkpoints", 2).latest()
+    pending = load_pending(latest.path)  # what the async pipeline had generated ahead
+    assert [g.rollout_id for g in pending.values()] == [latest.rollout_id + 1]
+    assert all(len(refs) == 1 for g in pending.values() for refs in g.batch.images)  # each sample's picture
+    resumed_from = latest.rollout_id
     p = subprocess.run(args, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert f"resuming from rollout_{resumed_from:06d}" in p.stdout
