@@ -17,18 +17,20 @@ import re
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import h5py
 import numpy as np
-import torch
 
-from rlhpc.batch import RolloutBatch
 from rlhpc.config import LoggingConfig
 from rlhpc.errors import RlhpcError
 from rlhpc.metric_names import eval_means, undocumented, upgrade_eval_record
 from rlhpc.run_dir import RunDir
 from rlhpc.util.files import disk_full, disk_space, write_atomic
 from rlhpc.wire.images import ImageRef
+
+if TYPE_CHECKING:  # status reads metrics on the login node, without torch
+    from rlhpc.batch import RolloutBatch
 
 log = logging.getLogger("rlhpc.metrics")
 
@@ -252,7 +254,7 @@ def _dump_bytes(rollout_id: int, batch: RolloutBatch, texts: dict[str, list[str]
                 continue
             if fld.type == "int":
                 f.attrs[name] = value  # group_size
-            elif isinstance(value, torch.Tensor):
+            elif fld.type == "torch.Tensor":  # by its annotation: status reads dumps without torch
                 f.create_dataset(name, data=value.numpy())
             elif fld.type.startswith("list[list["):  # per token
                 _ragged(f, name, value, np.dtype(dtype))

@@ -12,6 +12,8 @@ Every path under a run dir is named here, and only here::
     metrics.jsonl          one JSON object per rollout and per eval (rlhpc/metrics.py)
     metrics.png            tools/plot_metrics.py's default output
     rollouts/              rollout_NNNNNN.h5: one HDF5 dump per rollout id (logging.dump_rollouts)
+    tool_journal/          every tool call's answer of the rollouts since the oldest kept checkpoint,
+                           replayed on resume (rollout.tool_journal; rlhpc/rollout/journal.py)
     restarts.jsonl         one line per start of the job (rlhpc/runtime/restarts.py)
     startup.jsonl          one line per start-up phase of every start (rlhpc/runtime/startup.py)
     slurm_job_id           the job id, written at submission (jobs/status.py reads it)
@@ -125,6 +127,7 @@ class RunDir:
         self.metrics_file = self.path / "metrics.jsonl"
         self.metrics_plot = self.path / "metrics.png"
         self.rollouts_dir = self.path / "rollouts"
+        self.tool_journal = self.path / "tool_journal"
         self.restarts_file = self.path / "restarts.jsonl"
         self.startup_file = self.path / "startup.jsonl"
         self.job_id_file = self.path / "slurm_job_id"

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from rlhpc.data import guess, squares
+from rlhpc.data import code, guess, squares
 from rlhpc.data.files import read_rows
 from rlhpc.data.rows import Row, as_rows
 from rlhpc.errors import ConfigError
@@ -74,6 +74,12 @@ TASKS: dict[str, Task] = {
             "a picture -> how many squares (a vision-language model's)",
             images=True,
         ),  # fmt: skip
+        Task(
+            "code",
+            code.make,
+            code.reward,
+            "'0:5;1:6;x:x' -> the rest of a Python expression passing the row's asserts (+5)",
+        ),
     )
 }
 

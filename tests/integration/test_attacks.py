@@ -19,6 +19,7 @@ from support.engines import KEYS, engine_client, start_server, stop_server
 from support.other_user import require_second_user, shared_tmp_dir
 
 from rlhpc.devtools import attacks
+from rlhpc.engine_server.sglang import engine_env
 from rlhpc.errors import RlhpcError
 from rlhpc.runtime import staging
 from rlhpc.util.files import private_dir
@@ -30,7 +31,10 @@ CAP = 64  # the engine's --max-connections here
 @pytest.fixture(scope="module")
 def engine(model_path: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, int]]:
     work = tmp_path_factory.mktemp("attacked")
-    proc, url, _ = start_server(model_path, work, "engine", ["--header-timeout-s", "2", "--max-connections", str(CAP)])
+    # the environment rlhpc gives every engine: /health answers without a generation (with one,
+    # each keyless probe waits for a decoding step and the floods measure the engine's speed)
+    args = ["--header-timeout-s", "2", "--max-connections", str(CAP)]
+    proc, url, _ = start_server(model_path, work, "engine", args, env=engine_env(os.environ))
     try:
         yield url, proc.pid
     finally:

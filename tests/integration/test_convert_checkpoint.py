@@ -18,6 +18,8 @@ if torch.cuda.is_available():
     # The checkpoint writers below run megatron on the CPU through the shim, which refuses a GPU process.
     pytest.skip("CPU/gloo test of the megatron checkpoint conversion", allow_module_level=True)
 
+from support.tiny_variants import TIED_LLAMA3, build_variant  # noqa: E402
+
 from rlhpc.model import TinyModelConfig, build_tiny_model  # noqa: E402
 
 TOOL = Path(__file__).resolve().parents[2] / "tools" / "convert_checkpoint.py"
@@ -107,15 +109,20 @@ def test_tp2_actor_checkpoint_to_hf(tiny: Path, tmp_path: Path) -> None:
 
 
 def test_from_hf_round_trip_bf16(tiny: Path, tmp_path: Path) -> None:
-    """from-hf writes a torch_dist checkpoint in the actor's layout; to-hf keeps its dtype (bf16)."""
-    convert("from-hf", tiny, tmp_path / "mg", "--tp", "2", "--dtype", "bfloat16")
+    """from-hf writes a torch_dist checkpoint in the actor's layout; to-hf keeps its dtype (bf16).
+    The model has tied embeddings and Llama 3 RoPE scaling (Llama-3.2-1B's kind): megatron holds
+    no output layer, and the HF model written back has no lm_head of its own either."""
+    tied = build_variant(tiny, tmp_path / "tied", TIED_LLAMA3)
+    convert("from-hf", tied, tmp_path / "mg", "--tp", "2", "--dtype", "bfloat16")
     meta = json.loads((tmp_path / "mg" / "actor" / "actor_meta.json").read_text())
     assert meta["backend"] == "megatron" and meta["weights_only"] is True
     assert (tmp_path / "mg" / "actor" / "dist" / "metadata.json").is_file()
     convert("to-hf", tmp_path / "mg" / "actor", tmp_path / "hf")  # the actor/ directory itself is accepted too
-    want = {k: v.to(torch.bfloat16) for k, v in load_file(tiny / "model.safetensors").items()}
+    want = {k: v.to(torch.bfloat16) for k, v in load_file(tied / "model.safetensors").items()}
+    assert "lm_head.weight" not in want
     assert_same_weights(tmp_path / "hf", want)
-    assert json.loads((tmp_path / "hf" / "config.json").read_text())["dtype"] == "bfloat16"
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["dtype"] == "bfloat16" and config["tie_word_embeddings"] is True
 
 
 def test_refusals(tiny: Path, tmp_path: Path) -> None:

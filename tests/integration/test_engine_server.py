@@ -19,7 +19,7 @@ import pytest
 import ray
 import torch
 import urllib3
-from support.engines import KEYS, engine_client, start_server, stop_server
+from support.engines import KEYS, engine_client, generate_in_background, start_server, stop_server
 
 from rlhpc.engine_server.cpu.sampling import sample
 from rlhpc.engine_server.cpu.server import parse_args
@@ -306,21 +306,6 @@ def test_abort_mode_aborts_requests_queued_before_the_pause(client: EngineClient
 
 
 # ------------------------------------------------------------------ weight updates beside requests in flight
-
-
-def generate_in_background(client: EngineClient, rid: str, tokens: int = 120) -> tuple[threading.Thread, list[dict]]:
-    """A greedy generation of ``tokens`` tokens in a thread, returned once the engine runs it."""
-    out: list[dict] = []
-    params = {"max_new_tokens": tokens, "temperature": 0, "ignore_eos": True}
-    t = threading.Thread(
-        target=lambda: out.append(client.generate(input_ids=[1, 5], sampling_params=params, rid=rid)), daemon=True
-    )
-    t.start()
-    deadline = time.monotonic() + 60
-    while not client.get_server_info()["internal_states"][0]["running_batch"]:
-        assert t.is_alive() and time.monotonic() < deadline, "the generation never started"
-        time.sleep(0.01)
-    return t, out
 
 
 def test_begin_waits_for_the_requests_in_flight_unless_paused(client: EngineClient) -> None:

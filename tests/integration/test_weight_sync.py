@@ -24,6 +24,7 @@ from support.engines import (
     assert_engine_holds,
     assert_generation_matches,
     engine_client,
+    generate_in_background,
     named,
     start_server,
     stop_server,
@@ -508,21 +509,6 @@ def test_partial_rollouts_pause_with_retract_and_never_abort() -> None:
 
 
 # ------------------------------------------------------------------ pushes beside requests in flight
-
-
-def generate_in_background(client: EngineClient, rid: str) -> tuple[threading.Thread, list[dict]]:
-    """A long greedy generation in a thread, returned once the engine runs it."""
-    out: list[dict] = []
-    params = {"max_new_tokens": 120, "temperature": 0, "ignore_eos": True}  # the context: 128
-    t = threading.Thread(
-        target=lambda: out.append(client.generate(input_ids=[1, 5], sampling_params=params, rid=rid)), daemon=True
-    )
-    t.start()
-    deadline = time.monotonic() + 60
-    while not client.get_server_info()["internal_states"][0]["running_batch"]:
-        assert t.is_alive() and time.monotonic() < deadline, "the generation never started"
-        time.sleep(0.01)
-    return t, out
 
 
 @pytest.mark.parametrize("colocate", [True, False])

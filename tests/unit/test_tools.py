@@ -365,3 +365,69 @@ def test_tool_episodes_through_a_cpu_engine(tmp_path):
         observed = tok.decode([t for t, m in zip(batch.response_ids[k], batch.loss_masks[k]) if not m])
         assert f"<|im_start|>tool\n{len(first)}<|im_end|>" in observed  # the tool's answer, masked 0
         assert batch.rewards[k].item() == float(len(last))  # data.reward on the last reply
+
+
+# ---------------------------------------------------------------- the tool journal
+
+
+def test_the_journal_answers_a_recorded_call_without_running_it(tmp_path):
+    """A generation's answers are recorded as they are made; a later generation of the same scope
+    (a resume) gets the recorded answer for the same call at the same place, and runs anything
+    else. A line torn by a kill is dropped: that call runs again."""
+    from rlhpc.rollout.journal import Recorded, ToolJournal
+    from rlhpc.rollout.tools import CallSite, current_call
+
+    reads: list[tuple] = []
+
+    def clock(zone: str = "utc") -> str:
+        """Read a clock."""
+        site = current_call()
+        reads.append((site.episode, site.turn, site.index, site.episode_seed))
+        return f"{zone}:{len(reads)}"
+
+    tools = Tools([clock], parse_hermes, 10)
+    journal = ToolJournal(tmp_path / "journal")
+    sites = [CallSite(0, 1, 111), CallSite(3, 1, 444)]
+    first = journal.scope("rollout_000002")
+    calls = [[ParsedCall("clock", {}), ParsedCall("clock", '{"zone": "cet"}')], [ParsedCall("nope", {})]]
+    messages, counts = tools.run(calls, sites, first)
+    first.close()
+    assert sorted(reads) == [(0, 1, 0, 111), (0, 1, 1, 111)]  # the tool saw where each call was made
+    assert sorted(m["content"].split(":")[1] for m in messages[0][:2]) == ["1", "2"]
+    assert messages[0][0]["content"].startswith("utc:") and messages[0][1]["content"].startswith("cet:")
+
+    again = journal.scope("rollout_000002")
+    replayed, _ = tools.run(calls, sites, again)
+    assert replayed == messages and len(reads) == 2 and again.replayed == 2  # answered as recorded, not run
+    # other arguments at the same place, or the same call in another episode: run, and recorded
+    other, _ = tools.run([[ParsedCall("clock", {"zone": "pst"})]], [CallSite(0, 1, 111)], again)
+    assert other[0][0]["content"] == "pst:3"
+    again.close()
+
+    path = tmp_path / "journal" / "rollout_000002.jsonl"
+    path.write_text(path.read_text() + '{"k": 5, "t": 0, "j": 0, "name": "clock", "argum')  # torn by a kill
+    assert len(journal.scope("rollout_000002").recorded) == 2  # the pst call replaced the first at its place
+
+    journal.scope("rollout_000005").record([(0, 0, 0, Recorded("clock", "{}", "utc:9"))])
+    journal.prune(3)  # the oldest checkpoint kept is rollout 3: rollout 2 is never generated again
+    assert sorted(p.name for p in (tmp_path / "journal").iterdir()) == ["rollout_000005.jsonl"]
+
+
+def test_a_replayed_timeout_and_error_keep_their_counts(tmp_path):
+    from rlhpc.rollout.journal import ToolJournal
+    from rlhpc.rollout.tools import CallSite
+
+    def slow(x: int) -> str:
+        """Sleeps, then fails."""
+        time.sleep(0.5 if x else 0)
+        raise ValueError("bad")
+
+    tools = Tools([slow], parse_hermes, 0.2)
+    journal = ToolJournal(tmp_path)
+    calls, sites = [[ParsedCall("slow", {"x": 1}), ParsedCall("slow", {"x": 0})]], [CallSite(0, 0)]
+    scope = journal.scope("rollout_000000")
+    first, counts = tools.run(calls, sites, scope)
+    assert (counts[0].timeouts, counts[0].errors) == (1, 1)
+    replay = journal.scope("rollout_000000")
+    again, counts = tools.run(calls, sites, replay)
+    assert again == first and (counts[0].timeouts, counts[0].errors) == (1, 1) and replay.replayed == 2
