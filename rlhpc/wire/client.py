@@ -251,9 +251,11 @@ class EngineClient:
         rid: str | list[str] | None = None,
         timeout_s: float | None = None,
         logprob_start_len: int | list[int] | None = None,
+        image_data: list[list[str]] | None = None,
     ) -> dict[str, Any] | list[dict[str, Any]]:
         """One dict for a single prompt, a list for a batch (as SGLang answers). ``logprob_start_len``
-        (with ``return_logprob``): the prompt tokens' logprobs from there too.
+        (with ``return_logprob``): the prompt tokens' logprobs from there too. ``image_data``: a
+        vision-language model's images, a list per prompt (``rlhpc.wire.protocol.GenerateReqInput``).
 
         ``per_prompt`` (through the router): a batch goes as one request per prompt, all at once
         (sglang_router refuses a batch with per-prompt sampling params, and they carry each
@@ -267,6 +269,7 @@ class EngineClient:
             return_logprob=return_logprob,
             logprob_start_len=logprob_start_len,
             rid=rid,
+            image_data=image_data,
         )
         if not self.per_prompt:
             return self._generate(req, timeout_s, _describe(req))

@@ -80,6 +80,11 @@ class GenerateReqInput:
     # None for the token at this position, so a teacher asks from the one before the response.
     logprob_start_len: int | list[int] | None = None
     rid: str | list[str] | None = None
+    # A vision-language model's images: one per prompt, or a list per prompt (SGLang's batch
+    # form), each a data URI ("data:image/png;base64,..."), base64, or a path on the engine's node.
+    # The prompt holds the model's image tokens already (the driver rendered them); SGLang
+    # processes the images again and checks they fill those tokens.
+    image_data: list[list[str]] | list[str] | str | None = None
 
 
 @dataclass
@@ -248,7 +253,7 @@ def per_prompt(req: GenerateReqInput) -> list[GenerateReqInput]:
     def pick(value: Any, i: int) -> Any:
         return value[i] if isinstance(value, list) else value
 
-    for name in ("sampling_params", "return_logprob", "logprob_start_len", "rid"):
+    for name in ("sampling_params", "return_logprob", "logprob_start_len", "rid", "image_data"):
         value = getattr(req, name)
         if isinstance(value, list) and len(value) != n:
             raise RlhpcError(
@@ -262,6 +267,7 @@ def per_prompt(req: GenerateReqInput) -> list[GenerateReqInput]:
             return_logprob=pick(req.return_logprob, i),
             logprob_start_len=pick(req.logprob_start_len, i),
             rid=f"{req.rid}_{i}" if isinstance(req.rid, str) else pick(req.rid, i),
+            image_data=req.image_data[i] if req.image_data is not None else None,  # a batch's: one entry a prompt
         )
         for i in range(n)
     ]
@@ -316,7 +322,7 @@ def body(req: Any, drop_none: tuple[str, ...] = ()) -> dict[str, Any]:
 def generate_body(req: GenerateReqInput) -> dict[str, Any]:
     """A /generate request's body: the prompt field not given, and an unset rid or
     logprob_start_len, are left out (SGLang's own defaults apply)."""
-    return body(req, drop_none=("text", "input_ids", "rid", "logprob_start_len"))
+    return body(req, drop_none=("text", "input_ids", "rid", "logprob_start_len", "image_data"))
 
 
 # ------------------------------------------------------------------ sampling params and outputs

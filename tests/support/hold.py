@@ -39,6 +39,11 @@ def digit_sum(prompt: str, response: str, answer: str) -> float:
     return _DIGIT_SUM(prompt, response, answer)
 
 
+def squares(prompt: str, response: str, answer: str) -> float:
+    _hold()
+    return TASKS["squares"].reward(prompt, response, answer)
+
+
 def length_parity(prompt: str, response: str, answer: str) -> float:
     _hold()
     return _length_parity(prompt, response, answer)

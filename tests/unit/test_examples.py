@@ -21,8 +21,12 @@ WAYS_IN = {
 }
 
 
-# a whole job of a guide, its data made by a script
-GUIDES = {"verl_gsm8k.yaml": "docs/guides/coming-from-verl.md", "code_rl.yaml": "docs/guides/sandbox.md"}
+# a whole job of a guide, its data made by a script (or a task's own)
+GUIDES = {
+    "verl_gsm8k.yaml": "docs/guides/coming-from-verl.md",
+    "code_rl.yaml": "docs/guides/sandbox.md",
+    "squares_vlm.yaml": "docs/guides/multimodal.md",
+}
 
 
 def test_every_example_config_is_listed():
