@@ -139,13 +139,55 @@ def test_engine_killed_mid_run_ends_like_the_uninterrupted_async_run(uninterrupt
     assert final_weights(run) == final_weights(uninterrupted)
 
 
-def test_freshest_weights_stay_within_the_staleness_bound(tmp_path):
+def test_freshest_weights_stay_within_the_staleness_bound_and_tis_weighs_the_loss(tmp_path):
+    """Staleness 2, and TIS truncating at 1.0 with one optimizer step per rollout: the last
+    rollout's reported weights and loss are those worked out here from its dump (the engine's
+    logprobs, older weights) and the checkpoint it was trained from (transformers' log-softmax)."""
     run = tmp_path / "run"
-    run_job(run, "rollout.max_staleness=2", "rollout.num_rollout=6", "checkpoint.save_interval=null", "algo.tis=true")
+    run_job(
+        run, "rollout.max_staleness=2", "rollout.num_rollout=6", "checkpoint.save_interval=1", "algo.tis=true",
+        "algo.tis_clip=1.0", "actor.num_steps_per_rollout=1", "data.reward=support.rewards:spread",
+    )  # fmt: skip
     for r in range(6):
         assert all(0 <= r - v <= 2 for v in versions(run, r)), (r, versions(run, r))
-    records = [m for m in read_metrics(run) if m["kind"] == "rollout"]
-    assert all(0.0 <= m["tis_clipfrac"] <= 1.0 and m["tis_weight"] > 0 for m in records)  # algo.tis reports
+    assert set(versions(run, 5)) == {3}  # two versions behind the weights that train it
+    record = next(m for m in read_metrics(run) if m["kind"] == "rollout" and m["rollout_id"] == 5)
+    expected = tis_by_hand(
+        run / "rollouts" / "rollout_000005.h5", run / "checkpoints" / "rollout_000004" / "actor", 1.0
+    )
+    assert 0 < expected["tis_clipfrac"] < 1  # some tokens truncated, some not
+    assert abs(expected["pg_loss"] - expected["pg_loss_unweighted"]) > 1e-4  # the weights change the loss
+    del expected["pg_loss_unweighted"]
+    for k, v in expected.items():
+        assert record[k] == pytest.approx(v, rel=1e-5, abs=1e-6), (k, record[k], v)
+
+
+def tis_by_hand(dump: Path, policy: Path, clip: float) -> dict[str, float]:
+    """A rollout's TIS metrics and policy loss (one step: ratio 1, token mean) from its dump and
+    the weights it was trained from: w = min(pi_old / pi_engine, clip) per response token,
+    pg_loss = mean(-advantage * w)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(policy), dtype=torch.float32).eval()
+    weights, pg, plain = [], [], []
+    with h5py.File(dump) as f, torch.no_grad():
+        rows = zip(f["prompt_ids"][:], f["response_ids"][:], f["rollout_logprobs"][:], f["advantages"][:])
+        for prompt, response, engine_lps, advantage in rows:
+            prompt, response = prompt.tolist(), response.tolist()
+            lp = torch.log_softmax(model(torch.tensor([prompt + response])).logits[0], -1)
+            old = torch.tensor([lp[len(prompt) - 1 + i, t].item() for i, t in enumerate(response)])
+            raw = torch.exp(old - torch.tensor(engine_lps.tolist()))
+            weights += [(float(min(w, clip)), bool(w > clip)) for w in raw]
+            pg += [-float(advantage) * min(float(w), clip) for w in raw]
+            plain += [-float(advantage)] * len(raw)
+    n = len(weights)
+    return {
+        "tis_weight": sum(w for w, _ in weights) / n,
+        "tis_clipfrac": sum(c for _, c in weights) / n,
+        "pg_loss": sum(pg) / n,
+        "pg_loss_unweighted": sum(plain) / n,
+    }
 
 
 def test_partial_rollouts_keep_every_tokens_version(tmp_path):

@@ -11,3 +11,9 @@ def graded(sample) -> dict:
         "chat": float(sample.messages is not None and sample.messages[0]["role"] == "user"),
         "stopped": float(sample.finish_reason in ("stop", "length")),
     }
+
+
+def spread(prompt: str, response: str, answer: str) -> float:
+    """A reward that differs between almost any two responses, so every group has advantages:
+    for checks of the loss itself, which a group of equal rewards leaves at zero."""
+    return sum(map(ord, response)) % 11 / 10
