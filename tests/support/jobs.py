@@ -46,8 +46,14 @@ def job_args(run_dir: Path, *overrides: str) -> list[str]:
     return args
 
 
-def submit(run_dir: Path, *overrides: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(job_args(run_dir, *overrides), capture_output=True, text=True, timeout=timeout, cwd=REPO)
+def submit(
+    run_dir: Path, *overrides: str, timeout: float = 300, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """Run a fast local job to its end; ``env`` added to this process's environment."""
+    return subprocess.run(
+        job_args(run_dir, *overrides), capture_output=True, text=True, timeout=timeout, cwd=REPO,
+        env={**os.environ, **(env or {})},
+    )  # fmt: skip
 
 
 def submit_slurm(
