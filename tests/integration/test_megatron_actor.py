@@ -4,12 +4,14 @@ PyTorch actor, TP=2 / DP=2 the same as TP=1, torch_dist checkpoints that reshard
 from __future__ import annotations
 
 import math
+import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import ray
 import torch
+from safetensors.torch import load_file, save_file
 
 pytest.importorskip("megatron.core")
 
@@ -339,10 +341,23 @@ def test_qwen3_moe_expert_parallel_actor(tmp_path: Path, ray_cluster: None) -> N
     # 1.3e-5 relative; the weights keep the tight bound
     assert_same_training(ep1, ep2, rtol=1e-4)
     assert "moe_load_balancing_loss" not in ep1[0][0]
-    with_aux = train_two(cfg(2, 1e-2), path, 2)
-    for metrics in with_aux[0]:
-        # about 1 for a balanced router (megatron's normalisation), positive whatever the routing
-        assert 0.5 < metrics["moe_load_balancing_loss"] < 4
+    # A router with zero weights gives every expert 1/E of each token, and the Switch loss,
+    # E * sum_i f_i * P_i with sum_i f_i = 1, is then exactly 1 whatever experts the tokens go to
+    # (the pad tokens EP adds too): logged per layer and forward, so 1. lr 0 keeps it uniform.
+    uniform = tmp_path / "uniform"
+    shutil.copytree(path, uniform)
+    weights = load_file(uniform / "model.safetensors")
+    gates = [name for name in weights if name.endswith(".mlp.gate.weight")]
+    assert len(gates) == 2  # one router a layer
+    save_file(
+        {n: torch.zeros_like(t) if n in gates else t for n, t in weights.items()},
+        uniform / "model.safetensors",
+        {"format": "pt"},
+    )
+    frozen = cfg(2, 1e-2)
+    frozen.actor.lr = 0.0
+    for metrics in train_two(frozen, str(uniform), 2)[0]:
+        assert metrics["moe_load_balancing_loss"] == pytest.approx(1.0, rel=1e-6)
 
 
 @pytest.mark.parametrize(("saved_ep", "resumed_ep"), [(2, 1), (1, 2)], ids=["ep2-to-ep1", "ep1-to-ep2"])
