@@ -12,7 +12,10 @@ import torch
 pytest.importorskip("megatron.core")
 if torch.cuda.is_available():
     # These run megatron on the CPU through rlhpc.actor.megatron.cpu_shim, which refuses a GPU process.
-    pytest.skip("CPU/gloo test of the megatron conversion; not written for GPU processes", allow_module_level=True)
+    pytest.skip(
+        "a CUDA device is present: a CPU/gloo test of the megatron conversion; not written for GPU processes",
+        allow_module_level=True,
+    )
 
 from rlhpc.actor.megatron.convert import (  # noqa: E402
     gather_tp_shards,
