@@ -191,3 +191,22 @@ def test_megatron_lms_weight_and_optimizer_formula_on_qwen3_8b():
         t = dict(actor_estimate(cfg, shape).terms)
         assert t["weights"] + t["gradients"] + t["optimizer"] == pytest.approx(per_param * ours)
         assert t["weights"] + t["gradients"] + t["optimizer"] == pytest.approx(per_param * megatron_lm, rel=4e-5)
+
+
+def test_jobs_submit_refuses_a_layout_that_cannot_fit_before_writing_anything(tmp_path):
+    """The refusal as a user meets it: jobs/submit.py exits 2 with the plan's message and its fix,
+    and no run dir is made."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    run = tmp_path / "run"
+    args = [sys.executable, str(repo / "jobs" / "submit.py"), "--cluster", "local", "--run-dir", str(run)]
+    for override in (*TINY, "cluster.gpu_memory_gb=1.5"):
+        args += ["--set", override]
+    p = subprocess.run(args, capture_output=True, text=True, timeout=120, cwd=repo)
+    out = " ".join((p.stdout + p.stderr).split())
+    assert p.returncode == 2, out[-3000:]
+    assert "an actor rank needs ~" in out and "more than the 1.5 GiB" in out and "fix:" in out, out[-3000:]
+    assert "Traceback" not in out and not run.exists()
