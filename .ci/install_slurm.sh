@@ -4,6 +4,11 @@
 # namespaces, util-linux for nsenter/unshare. Idempotent: installs only what is missing.
 set -euo pipefail
 
+if [ "${RLHPC_SKIP_SLURM:-0}" = "1" ] && [ "${CI:-}" != "true" ]; then
+    echo "install_slurm: RLHPC_SKIP_SLURM=1: no minicluster, nothing to install"
+    exit 0
+fi
+
 SUDO=""
 if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
 
