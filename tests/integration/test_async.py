@@ -7,12 +7,11 @@ import os
 import re
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import h5py
 import pytest
-from support.jobs import HELD, REPO, job_args, kill_job, kill_when, rollouts
+from support.jobs import HELD, REPO, Gate, job_args, kill_job, kill_when, rollout_logged, rollouts
 
 from rlhpc.checkpoint import CheckpointManager
 from rlhpc.invariants import comparable, final_weights
@@ -73,17 +72,20 @@ def test_fixed_lag_reproduces_bit_for_bit(uninterrupted, tmp_path):
 
 
 def test_stop_signal_ends_like_the_uninterrupted_async_run(uninterrupted, tmp_path):
-    run = tmp_path / "run"
+    run, gate = tmp_path / "run", Gate(tmp_path / "gate")
+    gate.shut(*rollout_logged(run, 2))  # mid-run: held while a later rollout is generated
     proc = subprocess.Popen(
-        job_args(run, *ASYNC), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,
+        job_args(run, *ASYNC, HELD), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True, env={**os.environ, **gate.env},
     )  # fmt: skip
-    deadline = time.time() + 240
-    while len(rollouts(run)) < 3:  # mid-run, with the next rollout generated or being generated
-        assert proc.poll() is None and time.time() < deadline, proc.stdout.read()[-4000:]
-        time.sleep(0.05)
-    os.kill(task_pid(run), signal.SIGUSR2)
-    out, _ = proc.communicate(timeout=300)
+    try:
+        gate.wait_held(proc)
+        os.kill(task_pid(run), signal.SIGUSR2)
+        gate.open()
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            kill_job(proc)
     assert proc.returncode == 0, out[-4000:]
     history = read_history(run)
     assert len(history) == 2 and 3 <= history[1]["next_rollout_id"] < N
@@ -112,18 +114,18 @@ def test_engine_killed_mid_run_ends_like_the_uninterrupted_async_run(uninterrupt
     while generation runs beside training: its requests go to engine 1 (same weights), and it is
     restarted between rollouts on the main thread, never behind training with stale labels. A
     request's tokens do not depend on the engine, so the run is the one-engine run exactly."""
-    run = tmp_path / "run"
+    run, gate = tmp_path / "run", Gate(tmp_path / "gate")
+    gate.shut(*rollout_logged(run, 2))  # mid-run: held while rollout 3 or 4 is generated
     proc = subprocess.Popen(
-        job_args(run, *ASYNC, "cluster.gpus_per_node=3", "cluster.rollout_num_gpus=2"), cwd=REPO,
+        job_args(run, *ASYNC, "cluster.gpus_per_node=3", "cluster.rollout_num_gpus=2", HELD), cwd=REPO,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        env={**os.environ, **gate.env},
     )  # fmt: skip
     engine_log = run / "logs" / "engines" / "engine_0.log"
     try:
-        deadline = time.time() + 240
-        while len(rollouts(run)) < 3:  # mid-run: rollout 3 or 4 is being generated
-            assert proc.poll() is None and time.time() < deadline, proc.stdout.read()[-4000:]
-            time.sleep(0.05)
+        gate.wait_held(proc)
         os.kill(int(re.findall(r"cpu_server\[(\d+)\]", engine_log.read_text())[-1]), signal.SIGKILL)
+        gate.open()
         out, _ = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
