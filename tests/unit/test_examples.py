@@ -1,6 +1,6 @@
 """The examples of the three ways into multi-turn rollouts (examples/*.yaml) load and validate:
-their environment, generate function or agent imports and has the right shape. (The agent
-example runs rollouts in tests/integration/test_agent.py.)"""
+their environment, generate function or agent imports and has the right shape. (The agent and
+generate-function examples run as whole jobs in tests/integration/test_ways_in.py.)"""
 
 from pathlib import Path
 
