@@ -39,7 +39,8 @@ def calculator(expression: str) -> str:
 
 async def solve(row: dict, base_url: str, api_key: str) -> float | None:
     client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
-    messages: list[dict] = [{"role": "user", "content": row["prompt"]}]
+    # row.messages: the file's chat (verl's prompt column), or a text prompt as one user message
+    messages: list[dict] = list(row.messages)
     for _ in range(MAX_CALLS):
         reply = await client.chat.completions.create(model="policy", messages=messages, tools=[CALCULATOR])
         message = reply.choices[0].message

@@ -17,7 +17,8 @@ CHECK = {"role": "user", "content": "Check your answer, then give only the final
 
 async def self_check(row: dict, engine) -> Trajectory:
     tok = engine.tokenizer
-    chat = Conversation(tok, tok.chat_template, "of the tokenizer", [{"role": "user", "content": row["prompt"]}])
+    # row.messages: the file's chat (verl's prompt column), or a text prompt as one user message
+    chat = Conversation(tok, tok.chat_template, "of the tokenizer", row.messages)
     first = await engine.generate(chat.prompt_ids)
     between = chat.extend(first.tokens, first.text, [CHECK])
     second = await engine.generate(chat.prompt_ids + first.tokens + between)

@@ -8,8 +8,9 @@ Each section checks its own values when it is built (``Section.__post_init__``);
 holds the rules that read more than one section or the files the config names. The checks that
 need the code a config names (its reward, task, environment, judge, layout, memory plan) are where
 that code is, and ``rlhpc.preflight`` runs them all, in order, with these: an entry point loads a
-config with ``rlhpc.preflight.load_config``. This module imports nothing of rlhpc but its errors,
-and neither torch nor transformers: the login node reads configs too.
+config with ``rlhpc.preflight.load_config``. This module imports nothing of rlhpc but its errors
+and the table of verl's and slime's key names (``rlhpc.foreign_keys``), and neither torch nor
+transformers: the login node reads configs too.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from typing import Any, ClassVar, Literal
 
 import yaml
 
+from rlhpc import foreign_keys
 from rlhpc.errors import ConfigError
 
 # ---------------------------------------------------------------- sections
@@ -68,9 +70,9 @@ class Section:
                 self._refuse(name, f"must be >= {low}", fix or f"set {self.key(name)} to at least {low}")
 
     def _above(self, low: float, *names: str, fix: str = "") -> None:
-        """Each of ``names`` is > ``low``."""
+        """Each of ``names`` is > ``low``; None (unset) passes."""
         for name in names:
-            if not getattr(self, name) > low:
+            if getattr(self, name) is not None and not getattr(self, name) > low:
                 self._refuse(name, f"must be > {low}", fix or f"set {self.key(name)} to a value above {low}")
 
 
@@ -101,12 +103,12 @@ class ClusterConfig(Section):
 
     SECTION: ClassVar[str] = "cluster"
 
-    num_nodes: int = 1
+    num_nodes: int = 1  # nodes of the allocation (jobs/submit.py --nodes)
     gpus_per_node: int = 2  # on a machine without GPUs these are declared to Ray, not real
     # None (the default): the split of the whole allocation that ``split`` documents.
     actor_num_gpus: int | None = None
-    rollout_num_gpus: int | None = None
-    rollout_gpus_per_engine: int = 1
+    rollout_num_gpus: int | None = None  # GPUs of the rollout engines (None: the split above)
+    rollout_gpus_per_engine: int = 1  # GPUs per engine: its tensor-parallel size
     colocate: bool = False  # actor and engines share the same GPUs
     offload: bool = False  # free engine memory during training (and the actor's during generation)
     ray_start_timeout_s: float = 300.0  # all nodes must join Ray within this, or the job fails naming them
@@ -330,17 +332,17 @@ class TinyModelConfig(Section):
     # "char": one token per character, with a BOS. "bpe": a byte-level BPE trained on the tasks'
     # text, shaped as Qwen's ships (no BOS, ChatML special tokens and chat template, every byte).
     tokenizer: Literal["char", "bpe"] = "char"
-    hidden_size: int = 64
-    intermediate_size: int = 256
-    num_hidden_layers: int = 2
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
-    max_position_embeddings: int = 128
+    hidden_size: int = 64  # the model's width
+    intermediate_size: int = 256  # the MLP's width
+    num_hidden_layers: int = 2  # transformer layers
+    num_attention_heads: int = 4  # query heads
+    num_key_value_heads: int = 2  # key/value heads (grouped-query attention)
+    max_position_embeddings: int = 128  # the context length in tokens (prompt and response)
     # qwen3_moe only: routed experts per layer, experts per token and each expert's ffn size.
     num_experts: int = 4
-    num_experts_per_tok: int = 2
-    moe_intermediate_size: int = 64
-    seed: int = 0
+    num_experts_per_tok: int = 2  # experts each token is routed to
+    moe_intermediate_size: int = 64  # each expert's MLP width
+    seed: int = 0  # the random weights' (and the bpe tokenizer's) seed
 
     def check(self) -> None:
         sizes = (
@@ -402,11 +404,11 @@ class DataConfig(Section):
     task: str = "digit_sum"  # a built-in task (rlhpc.data.tasks): digit_sum, reverse, guess (multi-turn)
     # .jsonl, .json, .parquet or a datasets.save_to_disk directory (rlhpc.data.files)
     train_file: str | None = None
-    eval_file: str | None = None
+    eval_file: str | None = None  # the eval set's file, read as train_file is (None: the task's own eval rows)
     prompt_key: str = "prompt"  # where a row's prompt is (text or chat messages); dotted for nested fields
     label_key: str = "answer"  # where its label is (verl's files: reward_model.ground_truth)
-    num_train: int = 100
-    num_eval: int = 100
+    num_train: int = 100  # rows the task generates for training (without train_file)
+    num_eval: int = 100  # rows the task generates for evaluation (without eval_file)
     # Longer prompts are dropped at load, counted in the log (None: the model's context length
     # minus the split's max_new_tokens, so no request can be refused for its length).
     max_prompt_tokens: int | None = None
@@ -421,15 +423,15 @@ class DataConfig(Section):
     # A remote grader (data.reward: http://host:port/path): each call's limit, calls at once, and
     # a file holding its key (sent as a bearer token).
     reward_timeout_s: float = 60.0
-    reward_concurrency: int = 16
-    reward_key_file: str | None = None
+    reward_concurrency: int = 16  # remote grader calls at once
+    reward_key_file: str | None = None  # a file holding the remote grader's key, sent as a bearer token
     # > 0: a local data.reward runs in this many processes of its own, each call cut at
     # reward_timeout_s (0: in the driver, unbounded; for cheap rewards)
     reward_workers: int = 0
     # The rule reward's weight in score = reward_weight x rule + reward_model.weight x reward model
     # (only a reward_model section makes the sum; without one the rule reward is the score).
     reward_weight: float = 1.0
-    seed: int = 0
+    seed: int = 0  # the seed the task generates its rows from
 
     def check(self) -> None:
         self._at_least(1, "num_train", "num_eval", "reward_concurrency")
@@ -462,13 +464,13 @@ class JudgeSamplingConfig(Section):
 
     SECTION: ClassVar[str] = "reward_model.sampling"
 
-    temperature: float = 0.0
-    top_p: float = 1.0
-    max_new_tokens: int = 64
-    top_k: int = -1
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    stop: list[str] = field(default_factory=list)
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0  # 1.0: off
+    max_new_tokens: int = 64  # the judge's reply at most
+    top_k: int = -1  # -1: off
+    min_p: float = 0.0  # 0: off
+    repetition_penalty: float = 1.0  # 1: off
+    stop: list[str] = field(default_factory=list)  # stop strings
 
     def check(self) -> None:
         self._at_least(0, "temperature", fix="use 0 for greedy decoding, or e.g. 1.0 to sample")
@@ -501,8 +503,9 @@ class RewardModelConfig(Section):
     # a classifier for kind classifier, a causal LM on the tiny tokenizer for kind judge.
     path: str | None = None
     tiny: RewardTinyModelConfig | None = None
+    # classifier: a *ForSequenceClassification's score; judge: a chat model's verdict, parsed
     kind: Literal["classifier", "judge"] = "classifier"
-    backend: Literal["cpu", "sglang"] = "cpu"
+    backend: Literal["cpu", "sglang"] = "cpu"  # its engines: cpu (the CPU engine server) or sglang
     num_gpus: int = 1  # the reward group's GPUs, a third group beside the actor's and the rollout's
     gpus_per_engine: int = 1  # each reward engine's TP
     weight: float = 1.0  # of the reward model's score in the sum (data.reward_weight: the rule reward's)
@@ -515,7 +518,7 @@ class RewardModelConfig(Section):
     # kind judge: "module:function"s, judge_prompt(sample: Sample) -> list of chat messages and
     # judge_parse(text: str) -> float; None: the built-in ones (a score from 0 to 10, read / 10)
     judge_prompt: str | None = None
-    judge_parse: str | None = None
+    judge_parse: str | None = None  # see judge_prompt
     sampling: JudgeSamplingConfig = field(default_factory=JudgeSamplingConfig)
 
     def check(self) -> None:
@@ -572,7 +575,7 @@ class TeacherConfig(Section):
 
     path: str | None = None  # exactly one of path (an HF causal LM directory) and tiny
     tiny: TeacherTinyModelConfig | None = None
-    backend: Literal["cpu", "sglang"] = "cpu"
+    backend: Literal["cpu", "sglang"] = "cpu"  # its engines: cpu (the CPU engine server) or sglang
     num_gpus: int = 1  # the teacher group's GPUs, after the actor's, the rollout's and the reward model's
     gpus_per_engine: int = 1  # each teacher engine's TP
     batch_size: int = 64  # samples per /generate request (each a prefill: prompt + response, no new token)
@@ -662,7 +665,7 @@ class DynamicSamplingConfig(Section):
 
     filter: str | None = None  # None: off
     over_sampling_batch_size: int | None = None  # prompts per round; None: rollout.rollout_batch_size
-    max_rounds: int = 4
+    max_rounds: int = 4  # generation rounds at most per rollout; short of a full batch, dropped groups fill it
 
     def check(self) -> None:
         self._at_least(
@@ -675,25 +678,32 @@ class DynamicSamplingConfig(Section):
 class RolloutConfig(Section):
     SECTION: ClassVar[str] = "rollout"
 
-    backend: Literal["cpu", "sglang"] = "cpu"
+    backend: Literal["cpu", "sglang"] = "cpu"  # the engines: cpu (the CPU engine server, no GPU) or sglang
     num_rollout: int | None = None  # None: derived from num_epoch and the data size
-    num_epoch: int = 1
+    num_epoch: int = 1  # passes over the training data (when num_rollout is None)
     rollout_batch_size: int = 32  # prompts per rollout
-    n_samples_per_prompt: int = 8
-    max_new_tokens: int = 4
-    temperature: float = 1.0
-    top_p: float = 1.0
+    n_samples_per_prompt: int = 8  # responses per prompt: the GRPO group
+    max_new_tokens: int = 4  # tokens per reply at most
+    temperature: float = 1.0  # sampling temperature of training rollouts
+    top_p: float = 1.0  # nucleus sampling (1.0: off); eval uses it too
     # SGLang's sampling params, sent only when set away from these no-op defaults
     # (docs/guides/losses.md, "Sampling"); eval has its own (eval.top_k, ...).
     top_k: int = -1  # -1: off
-    min_p: float = 0.0
+    min_p: float = 0.0  # 0: off
     repetition_penalty: float = 1.0  # > 1 discourages tokens already generated
     stop: list[str] = field(default_factory=list)  # stop strings (the text is cut before one, its tokens kept)
     # DAPO's overlong filtering: a sample cut at max_new_tokens (finish reason "length"; for
     # multi-turn episodes, one cut by max_turns / max_episode_tokens) gets loss mask 0.
     overlong_filter: bool = False
     update_weight_buffer_mb: int = 512  # bucket size for weight sync
-    engine_startup_timeout_s: float = 120.0
+    # Seconds an engine may take to start and answer /health (later is a start-up failure, named).
+    # null: 120 s for the CPU engine, 600 s for SGLang (CUDA graph capture, cold JIT caches), plus
+    # 30 s per GB of the model's weight files
+    # (a 7B model in bf16, 15 GB: 1050 s on SGLang)
+    engine_startup_timeout_s: float | None = None
+    # Seconds one /generate request may take before its engine counts as dead. null: 600 s plus
+    # 0.1 s per token of the largest max_new_tokens the request asks for (32768 tokens: about 1 h 5 min)
+    generate_timeout_s: float | None = None
     max_engine_restarts: int = 3  # per engine: a dead/unhealthy engine is restarted and re-synced
     # Asynchronous pipeline: generation may run up to this many rollouts ahead of training, so
     # rollout r is generated with weights no older than version r - max_staleness (the weights
@@ -748,7 +758,12 @@ class RolloutConfig(Section):
         if not 0 < self.top_p <= 1:
             self._refuse("top_p", "must be in (0, 1]", "use 1.0 to sample from the whole distribution")
         _check_sampling_knobs(self)
-        self._above(0, "engine_startup_timeout_s", fix="give rollout.engine_startup_timeout_s seconds, e.g. 120")
+        self._above(
+            0,
+            "engine_startup_timeout_s",
+            "generate_timeout_s",
+            fix="give seconds, or null for the formula it describes",
+        )
         self._at_least(0, "max_engine_restarts", fix="set 0 to never restart an engine")
         self._at_least(
             0, "max_staleness", fix="set 0 for the synchronous loop, or 1 to overlap generation and training"
@@ -768,7 +783,30 @@ class RolloutConfig(Section):
             )
 
 
-DEFAULT_EVAL_SET = "default"  # the set of the old keys (data.eval_file, eval.*): its metrics keep their names
+# The formulas of rollout.engine_startup_timeout_s and rollout.generate_timeout_s when null
+STARTUP_BASE_S = {"cpu": 120.0, "sglang": 600.0}
+STARTUP_S_PER_GB = 30.0
+GENERATE_BASE_S = 600.0
+GENERATE_S_PER_TOKEN = 0.1
+
+
+def startup_timeout_s(rollout: RolloutConfig, weight_bytes: int) -> float:
+    """How long an engine of ``rollout`` serving a model of ``weight_bytes`` may take to start."""
+    if rollout.engine_startup_timeout_s is not None:
+        return rollout.engine_startup_timeout_s
+    return STARTUP_BASE_S[rollout.backend] + STARTUP_S_PER_GB * weight_bytes / 1e9
+
+
+def generate_timeout_s(rollout: RolloutConfig, max_new_tokens: int) -> float:
+    """How long a /generate request asking for up to ``max_new_tokens`` tokens may take."""
+    if rollout.generate_timeout_s is not None:
+        return rollout.generate_timeout_s
+    return GENERATE_BASE_S + GENERATE_S_PER_TOKEN * max_new_tokens
+
+
+DEFAULT_EVAL_SET = "default"  # the set of the old keys (data.eval_file, eval.*), logged as eval/reward, ...
+# A set's metrics are eval/NAME/...: a name that is the first part of the default set's would be read as it
+_RESERVED_SET_NAMES = ("reward", "response_len", "episode")
 _SET_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 
 
@@ -786,9 +824,9 @@ class EvalSetConfig(Section):
     temperature: float | None = None  # None: eval.temperature
     max_new_tokens: int | None = None  # None: eval.max_new_tokens, else rollout.max_new_tokens
     top_k: int | None = None  # None: eval.top_k (and so on for the three below)
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    stop: list[str] | None = None
+    min_p: float | None = None  # None: eval.min_p
+    repetition_penalty: float | None = None  # None: eval.repetition_penalty
+    stop: list[str] | None = None  # None: eval.stop
 
     def check(self) -> None:
         self._at_least(1, "n_samples_per_prompt", fix=f"set {self.key('n_samples_per_prompt')} to at least 1")
@@ -803,14 +841,14 @@ class EvalConfig(Section):
 
     interval: int | None = None  # evaluate every N rollouts (and at epoch ends); None: never
     n_samples_per_prompt: int = 1  # > 1 (with temperature > 0): pass@k for k = 1, 2, 4, ... n and maj@n
-    temperature: float = 0.0
+    temperature: float = 0.0  # 0: greedy
     max_new_tokens: int | None = None  # None: rollout.max_new_tokens
     # SGLang's sampling params for eval, apart from rollout.*: the no-op defaults, as a
     # benchmark's protocol usually wants (top_p is rollout.top_p's).
     top_k: int = -1
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    stop: list[str] = field(default_factory=list)
+    min_p: float = 0.0  # 0: off
+    repetition_penalty: float = 1.0  # 1: off
+    stop: list[str] = field(default_factory=list)  # stop strings
     pass_threshold: float = 1.0  # a sample passes (pass@k, maj@n) when its reward is at least this
     # Named eval sets, each logged as eval/NAME/mean, eval/NAME/pass@k, eval/NAME/maj@n. Empty:
     # one set from data.eval_file and the keys above, logged as eval/reward, eval/pass@k, ...
@@ -823,10 +861,11 @@ class EvalConfig(Section):
         self._at_least(1, "max_new_tokens", fix="set a positive count, or null to use rollout.max_new_tokens")
         _check_sampling_knobs(self)
         for name, s in self.sets.items():
-            if not _SET_NAME.fullmatch(name):
+            if not _SET_NAME.fullmatch(name) or name in _RESERVED_SET_NAMES:
                 raise ConfigError(
                     f"eval.sets has a set named {name!r}: a set's name is part of its metric names (eval/NAME/mean)",
-                    "name it with letters, digits, _ . - only, e.g. gsm8k",
+                    "name it with letters, digits, _ . - only, and not "
+                    f"{', '.join(_RESERVED_SET_NAMES)} (the default set's metrics), e.g. gsm8k",
                 )
             s.check()  # again: a set's fields may have been assigned after it was built
 
@@ -850,14 +889,6 @@ class EvalConfig(Section):
         return out
 
 
-def eval_metric(set_name: str, metric: str) -> str:
-    """A set's metric as logged in the eval record: the default set's under today's names
-    (``reward``, ``pass@4``), a named set's under ``NAME/`` with its mean reward as ``NAME/mean``."""
-    if set_name == DEFAULT_EVAL_SET:
-        return metric
-    return f"{set_name}/{'mean' if metric == 'reward' else metric}"
-
-
 def eval_split(set_name: str) -> str:
     """The split name a set's prompts are prepared and logged under (``eval`` for the default set)."""
     return "eval" if set_name == DEFAULT_EVAL_SET else f"eval/{set_name}"
@@ -869,7 +900,7 @@ class MegatronConfig(Section):
 
     SECTION: ClassVar[str] = "actor.megatron"
 
-    tensor_model_parallel_size: int = 1
+    tensor_model_parallel_size: int = 1  # TP: each layer's weights split over this many ranks
     # Pipeline stages: the layers split evenly over this many ranks (it must divide the layers),
     # micro-batches run through them with megatron-core's 1F1B schedule. Each stage holds 1/PP
     # of the weights, gradients and optimizer state; the first keeps up to PP micro-batches'
@@ -891,7 +922,7 @@ class MegatronConfig(Section):
     # The router's load-balancing loss, added to the policy loss and logged as
     # moe_load_balancing_loss (unscaled). null: the model's router_aux_loss_coef (config.json).
     moe_router_load_balancing_type: Literal["aux_loss", "seq_aux_loss", "none"] = "aux_loss"
-    moe_aux_loss_coeff: float | None = None
+    moe_aux_loss_coeff: float | None = None  # the load-balancing loss's weight (None: the model's router_aux_loss_coef)
     # Full activation recompute (megatron-core's recompute_granularity "full", method "uniform",
     # one layer per chunk): only each layer's input is kept, the layer is recomputed in backward.
     recompute: bool = False
@@ -919,12 +950,13 @@ class MegatronConfig(Section):
 class ActorConfig(Section):
     SECTION: ClassVar[str] = "actor"
 
+    # torch: PyTorch DDP ranks; megatron: megatron-core TP x PP x DP (actor.megatron)
     backend: Literal["torch", "megatron"] = "torch"
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    adam_betas: tuple[float, float] = (0.9, 0.999)
-    adam_eps: float = 1e-8
-    grad_clip: float = 1.0
+    lr: float = 1e-3  # AdamW's learning rate (the peak, with a schedule)
+    weight_decay: float = 0.0  # AdamW's decoupled weight decay
+    adam_betas: tuple[float, float] = (0.9, 0.999)  # AdamW's (beta1, beta2)
+    adam_eps: float = 1e-8  # AdamW's epsilon
+    grad_clip: float = 1.0  # the global gradient norm is clipped to this
     num_steps_per_rollout: int = 1  # optimizer steps (minibatches) per rollout batch
     micro_batch_size: int = 64  # samples per forward/backward on one rank
     # Micro-batches by tokens instead (docs/guides/losses.md, "Micro-batches and packing"):
@@ -939,9 +971,9 @@ class ActorConfig(Section):
     # lr_warmup_steps, then constant, or a linear or cosine decay to min_lr at lr_decay_steps
     # (null: the run's last step, rollouts x num_steps_per_rollout). Resumes exactly.
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
-    lr_warmup_steps: int = 0
-    lr_decay_steps: int | None = None
-    min_lr: float = 0.0
+    lr_warmup_steps: int = 0  # optimizer steps of linear warm-up from 0 to lr
+    lr_decay_steps: int | None = None  # optimizer steps of decay to min_lr (None: to the run's last step)
+    min_lr: float = 0.0  # where linear and cosine decay end
     # Longest wait for one call on the training ranks (load, train, save, weight push, ...): a
     # rank silent for this long is taken as hung, the call fails naming it and the job requeues
     # (checkpoint.requeue_on_failure). Generous: a whole train step or checkpoint save must fit.
@@ -982,21 +1014,24 @@ class AlgoConfig(Section):
     # The definitions of these knobs, and the names verl, slime and OpenRLHF give them, are in
     # docs/guides/losses.md.
     advantage_estimator: Literal["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"] = "grpo"
-    normalize_std: bool = True
+    normalize_std: bool = True  # GRPO: divide each group's advantages by its reward std (false: Dr. GRPO)
     # ppo_clip: token ratios clipped to [1 - eps_clip, 1 + eps_clip_high]; gspo: one ratio per
     # sample, clipped to [1 - gspo_eps_clip, 1 + gspo_eps_clip_high]; cispo: the token ratio
     # truncated at 1 + eps_clip_high and detached, times A * logprob.
     policy_loss: Literal["ppo_clip", "gspo", "cispo"] = "ppo_clip"
+    # how token losses become the loss (docs/guides/losses.md)
     loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = (
         "token-mean"
     )
-    eps_clip: float = 0.2
+    eps_clip: float = 0.2  # ppo_clip: the ratio's lower bound is 1 - eps_clip
+    # ppo_clip: the upper bound is 1 + eps_clip_high (DAPO's clip-higher); cispo's truncation
     eps_clip_high: float = 0.28
     # A sequence ratio moves far less than a token's, hence GSPO's much narrower range (its paper's).
     gspo_eps_clip: float = 3e-4
-    gspo_eps_clip_high: float = 4e-4
+    gspo_eps_clip_high: float = 4e-4  # gspo: the sequence ratio's upper bound is 1 + this
     entropy_coef: float = 0.0  # > 0 subtracts coef * entropy (aggregated as the loss) from the loss
     kl_coef: float = 0.0  # > 0 adds a KL penalty to the reference model (loaded then)
+    # the per-token KL estimate: k1, k2, k3 or low_var_kl (k3, clamped: rlhpc.algo.grpo)
     kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = "k3"
     # Where the KL penalty goes: false, into the loss (per token, with its gradient); true, into
     # the reward before advantages: reward_i -= kl_coef * sum_t KL_t over sample i's response
@@ -1011,12 +1046,12 @@ class AlgoConfig(Section):
     # implementation in any case) and pi_old the trainer's policy before the rollout's steps.
     # Reported: tis_clipfrac (share of tokens truncated) and tis_weight (mean weight).
     tis: bool = False
-    tis_clip: float = 2.0
+    tis_clip: float = 2.0  # the truncation of the importance weight
     # DAPO's soft overlong punishment: a response longer than rollout.max_new_tokens -
     # overlong_buffer tokens gets up to -overlong_penalty added to its reward, linearly over the
     # buffer, before advantages. 0: off.
     overlong_buffer: int = 0
-    overlong_penalty: float = 1.0
+    overlong_penalty: float = 1.0  # the penalty at max_new_tokens (linear over the buffer)
 
     # On-policy distillation (issue 30; slime's --opd-kl-coef): each response token's advantage
     # loses distill_coef x (log pi_old - log pi_teacher), the per-token reverse KL to the teacher
@@ -1077,7 +1112,9 @@ class CheckpointConfig(Section):
     SECTION: ClassVar[str] = "checkpoint"
 
     save_interval: int | None = 10  # save every N rollouts (and at epoch ends); None: only at the end
-    keep_last: int = 2
+    keep_last: int = 2  # checkpoints kept; older ones are deleted once a newer one is complete
+    # auto: resume from the run dir's newest valid checkpoint; never: start fresh (older ones
+    # move to checkpoints/superseded-*, never resumed from or deleted)
     resume: Literal["auto", "never"] = "auto"
     max_restarts: int = 20  # requeues (preemption, time limit, failure) before the job is held
     max_starts_without_progress: int = 3  # restarts that train no rollout before the job is held
@@ -1102,9 +1139,10 @@ class CheckpointConfig(Section):
 class LoggingConfig(Section):
     SECTION: ClassVar[str] = "logging"
 
-    level: str = "INFO"
+    level: str = "INFO"  # the Python logging level of every process
+    # offline: files in RUN_DIR/wandb (wandb sync later); online; disabled
     wandb_mode: Literal["offline", "online", "disabled"] = "offline"
-    wandb_project: str = "rlhpc"
+    wandb_project: str = "rlhpc"  # the wandb project the run logs to
     dump_rollouts: bool = True  # one HDF5 file per rollout id under RUN_DIR/rollouts/
 
     def check(self) -> None:
@@ -1127,8 +1165,10 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     reward_model: RewardModelConfig | None = None  # None: no reward model (the rule reward alone)
     teacher: TeacherConfig | None = None  # None: no teacher (algo.distill_coef and kl_target: teacher need one)
-    seed: int = 1234
-    deterministic: bool = False  # reruns and resumed runs give bit-identical weights (CPU)
+    seed: int = 1234  # the run's seed: model init, data order, every sample's sampling seed
+    # Reruns and resumed runs give bit-identical weights (CPU); every engine honours its requests'
+    # seeds (SGLang: --enable-deterministic-inference, slower: docs/architecture/engines.md)
+    deterministic: bool = False
     # Who may read the run dir (checkpoints, dumps, logs, keys): "private", this user only (dirs
     # 0700, files 0600), or "group", readable by the user's group too (0750/0640; keys stay 0600).
     run_dir_access: Literal["private", "group"] = "private"
@@ -1213,7 +1253,7 @@ def _build(cls: type, data: Any, where: str) -> Any:
         path = f"{where}.{key}" if where else str(key)
         if key not in names:
             close = difflib.get_close_matches(str(key), names, n=1)
-            fix = (
+            fix = _foreign_hint(path, value) or (  # verl's or slime's name for one of ours
                 f"did you mean {where + '.' if where else ''}{close[0]}?"
                 if close
                 else f"valid keys: {', '.join(names)}"
@@ -1224,6 +1264,26 @@ def _build(cls: type, data: Any, where: str) -> Any:
     obj._where = where  # before __init__: its checks name the key where it was read
     obj.__init__(**kwargs)
     return obj
+
+
+def _foreign_hint(path: str, value: Any) -> str | None:
+    """What rlhpc calls the unknown key ``path`` if it is verl's or slime's: by its own name, or
+    (a section of verl's written out, ``actor_rollout_ref: {rollout: {n: 8}}``) by the keys under it."""
+    leaves = [path]
+    if isinstance(value, dict):
+        leaves = []
+        stack = [(path, value)]
+        while stack:
+            where, node = stack.pop(0)
+            for k, v in node.items():
+                if isinstance(v, dict):
+                    stack.append((f"{where}.{k}", v))
+                else:
+                    leaves.append(f"{where}.{k}")
+    hints = [h for leaf in leaves if (h := foreign_keys.hint(leaf, section=False))]
+    if hints:
+        return " ".join(dict.fromkeys(hints))
+    return foreign_keys.hint(path)
 
 
 def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
@@ -1392,9 +1452,15 @@ def check_groups(cfg: Config) -> None:
 
 def check_model(cfg: Config) -> None:
     m = cfg.model
-    if (m.path is None) == (m.tiny is None):
+    if m.path is not None and m.tiny is not None:  # e.g. --set model.path=... on a config with model.tiny
         raise ConfigError(
-            "set exactly one of model.path and model.tiny",
+            f"model.path ({m.path}) and model.tiny are both set: the policy is one or the other",
+            "drop model.tiny, on the command line with --set model.tiny=null beside --set model.path=... "
+            "(the default config, jobs/configs/embedded.yaml, builds a tiny model: model.tiny)",
+        )
+    if m.path is None and m.tiny is None:
+        raise ConfigError(
+            "neither model.path nor model.tiny is set",
             "point model.path at an HF model directory, or use model.tiny for a random toy model",
         )
     if m.path is not None and not (Path(m.path) / "config.json").is_file():

@@ -22,10 +22,11 @@ from rlhpc.algo.grpo import kl_in_reward
 from rlhpc.checkpoint import CheckpointManager
 from rlhpc.cluster.layout import plan_layout, summarize_layout
 from rlhpc.cluster.placement import create_placement
-from rlhpc.config import Config, EvalSetConfig, config_to_dict, eval_metric, eval_split
+from rlhpc.config import DEFAULT_EVAL_SET, Config, EvalSetConfig, config_to_dict, eval_split
 from rlhpc.data.buffer import load_eval_sets, load_train
 from rlhpc.data.prompts import PromptPrep, prepare_prompts
 from rlhpc.data.tasks import TASKS
+from rlhpc.metric_names import eval_name
 from rlhpc.metrics import MetricsLogger, read_metrics
 from rlhpc.model import context_length, load_tokenizer
 from rlhpc.rollout.custom import make_custom
@@ -81,11 +82,13 @@ def prompt_prep(cfg: Config, tokenizer: Any, context: int | None) -> PromptPrep:
 def evaluate_sets(
     generation: Generation, rollout_id: int, sets: dict[str, EvalSetConfig], rows: dict[str, list[dict]]
 ) -> dict[str, float]:
-    """One eval record: every set's metrics (``Generation.evaluate``) under its names (``eval_metric``)."""
+    """One eval record: every set's metrics (``Generation.evaluate``) under their names
+    (``rlhpc.metric_names.eval_name``: ``eval/reward`` for the default set, ``eval/NAME/mean``)."""
     values = {}
     for name, s in sets.items():
         metrics = generation.evaluate(rollout_id, rows[name], s, seed_tag=eval_split(name))
-        values.update({eval_metric(name, k): v for k, v in metrics.items()})
+        named = None if name == DEFAULT_EVAL_SET else name
+        values.update({eval_name(named, k): v for k, v in metrics.items()})
     return values
 
 
@@ -142,7 +145,7 @@ class TrainLoop:
         def start_engines() -> EnginePool:
             return EnginePool.start(
                 cfg.rollout, cfg.cluster, cfg.seed, model_path, self.placement, layout, run.engine_logs, pool_stop,
-                run.engine_key,
+                run.engine_key, deterministic=cfg.deterministic,
             )  # fmt: skip
 
         # The engines start in a thread while the actor ranks start and load here: neither needs the
@@ -176,8 +179,7 @@ class TrainLoop:
         with startup.phase("weight_channel"):
             self.engines.connect_weights(self.actor)  # the engines' one weight source, restarted engines included
         with startup.phase("first_push"):
-            if cfg.cluster.offload:
-                self.engines.onload()
+            # engines just started hold their memory: nothing to resume (SGLang dies resuming memory it holds)
             self.engines.sync_weights(version=self.start)  # engines always start from the trained weights
 
         self.record: dict = {}  # metrics of the newest trained rollout
@@ -217,7 +219,7 @@ class TrainLoop:
                 "reward_engines_up",
                 lambda: start_reward_engines(
                     cfg.reward_model, cfg.rollout, cfg.cluster, cfg.seed, rm_path, self.placement, layout,
-                    run.engine_logs / "reward", pool_stop,
+                    run.engine_logs / "reward", pool_stop, cfg.deterministic,
                 ),
             )  # fmt: skip
         if cfg.teacher is not None:
@@ -226,7 +228,7 @@ class TrainLoop:
                 "teacher_engines_up",
                 lambda: start_teacher_engines(
                     cfg.teacher, cfg.rollout, cfg.cluster, cfg.seed, teacher_path, self.placement, layout,
-                    run.engine_logs / "teacher", pool_stop,
+                    run.engine_logs / "teacher", pool_stop, cfg.deterministic,
                 ),
             )  # fmt: skip
         return reward_up, teacher_up

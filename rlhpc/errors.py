@@ -45,3 +45,42 @@ class WeightPushFailed(RlhpcError):
 
 class StoppedByUser(RlhpcError):
     """A local job stopped at its next safe point because its submitter was interrupted (Ctrl-C)."""
+
+
+class UserCodeError(RlhpcError):
+    """The user's own code (a reward, environment, tool parser, generate function, agent or
+    sampling filter) raised. The job stops at once, local or on Slurm, and is not requeued: a new
+    start would run the same code on the same sample and fail the same way (a grader elsewhere,
+    reached over the network, is an outside service and keeps its restarts)."""
+
+
+def user_code_error(what: str, error: BaseException, on: str, fix: str | None = None) -> UserCodeError:
+    """One error for user code ``what`` (e.g. ``the reward my_mod:fn``) that raised ``error`` on
+    ``on`` (the sample or row): the exception, where, and the traceback's last frame, chained to
+    ``error`` so the whole traceback is logged too."""
+    said = " ".join(str(error).split())  # one line: the run's ended file and the status show it
+    said = said if len(said) <= 300 else said[:300] + "..."
+    problem = f"{what} raised {type(error).__name__}{': ' + said if said else ''} on {on}{_last_frame(error)}"
+    err = UserCodeError(problem, fix or "fix that code (the traceback logged above this error shows where it raised)")
+    err.__cause__ = error
+    return err
+
+
+def _last_frame(error: BaseException) -> str:
+    """`` (at FILE:LINE in FUNCTION `CODE`)`` of the innermost frame of ``error``'s traceback; for
+    an error raised in a worker process (``data.reward_workers``), of the traceback it sent."""
+    import re
+    import traceback
+
+    remote = error.__cause__
+    if type(remote).__name__ == "RemoteTraceback":  # multiprocessing's: the worker's traceback as text
+        found = re.findall(r'File "(.*)", line (\d+), in (.*)\n\s*(.*)', str(remote))
+        if found:
+            name, line, fn, code = found[-1]
+            return f" (at {name}:{line} in {fn}{f' `{code.strip()}`' if code.strip() else ''})"
+    frames = traceback.extract_tb(error.__traceback__)
+    if not frames:
+        return ""
+    f = frames[-1]
+    code = f" `{f.line.strip()}`" if f.line else ""
+    return f" (at {f.filename}:{f.lineno} in {f.name}{code})"

@@ -23,6 +23,7 @@ import torch
 from rlhpc.batch import RolloutBatch
 from rlhpc.config import LoggingConfig
 from rlhpc.errors import RlhpcError
+from rlhpc.metric_names import eval_means, undocumented, upgrade_eval_record
 from rlhpc.run_dir import RunDir
 from rlhpc.util.files import disk_full, disk_space, write_atomic
 
@@ -62,34 +63,42 @@ def _load(path: Path) -> tuple[list[dict], list[str], int | None]:
 
 
 def read_metrics(run: RunDir | str | Path) -> list[dict]:
+    """The records of a run's ``metrics.jsonl``, named as today (an eval record logged before its
+    names began with ``eval/`` is read under today's names)."""
     path = RunDir.of(run).metrics_file
     records, _, torn = _load(path)
     if torn is not None:
         log.warning("%s line %d is torn (the job was killed while writing it); skipping it", path, torn)
-    return records
+    return [upgrade_eval_record(r) for r in records]
 
 
-def eval_means(record: dict) -> dict[str, float]:
-    """An eval record's mean reward per set: ``{"eval": ...}`` for the default set (``reward``),
-    ``{NAME: ...}`` for each named set (``NAME/mean``), in the order they were logged."""
-    return {"eval" if k == "reward" else k.removesuffix("/mean"): v for k, v in record.items()
-            if k == "reward" or k.endswith("/mean")}  # fmt: skip
+_ROLLOUT_LINE = (
+    ("reward", "reward {:.3f}"),
+    ("response_len", "len {:.1f}"),
+    ("loss", "loss {:+.4f}"),
+    ("kl", "kl {:.4f}"),
+    ("grad_norm", "gnorm {:.3f}"),
+    ("time/step", "step {:.2f}s"),
+    ("time/generate", "(gen {:.2f}s"),
+    ("time/train", "train {:.2f}s"),
+    ("time/update_weights", "sync {:.2f}s)"),
+)
+
+
+def rollout_label(rollout_id: int, num_rollout: int) -> str:
+    """How the console names rollout ``rollout_id``: by its id, as ``metrics.jsonl``, its
+    checkpoint (``rollout_000003``) and rlhpc-eval do, with the count trained so far."""
+    return f"rollout {rollout_id} ({rollout_id + 1}/{num_rollout})"
 
 
 def _console_line(kind: str, rollout_id: int, num_rollout: int, values: dict) -> str:
-    keys = (
-        ("reward", "reward {:.3f}"),
-        ("response_len", "len {:.1f}"),
-        ("loss", "loss {:+.4f}"),
-        ("kl", "kl {:.4f}"),
-        ("grad_norm", "gnorm {:.3f}"),
-        ("time/step", "step {:.2f}s"),
-        ("time/generate", "(gen {:.2f}s"),
-        ("time/train", "train {:.2f}s"),
-        ("time/update_weights", "sync {:.2f}s)"),
-    )
-    parts = [fmt.format(values[k]) for k, fmt in keys if k in values]
-    return f"{kind:<7} {rollout_id + 1:>5}/{num_rollout} | " + " ".join(parts)
+    if kind == "eval":  # each set's mean reward, by its name (the default set's as "reward")
+        when = "before rollout 0" if rollout_id < 0 else f"after rollout {rollout_id}"
+        means = " ".join(f"{'reward' if n == 'eval' else n} {v:.3f}" for n, v in eval_means(values).items())
+        length = values.get("eval/response_len")
+        return f"eval {when} | {means}" + (f" len {length:.1f}" if length is not None else "")
+    parts = [fmt.format(values[k]) for k, fmt in _ROLLOUT_LINE if k in values]
+    return f"{rollout_label(rollout_id, num_rollout)} | " + " ".join(parts)
 
 
 def _ragged(f: h5py.File, name: str, rows: list[list], dtype: type) -> None:
@@ -110,6 +119,7 @@ class MetricsLogger:
         self._repair()  # before wandb: a corrupt file stops the job before anything starts
         self._dumper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-dump")
         self._dump: Future | None = None  # the rollout dump being written
+        self._warned: set[str] = set()  # undocumented names already warned of
         self._wandb = None
         self.wandb_id = wandb_id
         if cfg.wandb_mode != "disabled":
@@ -150,7 +160,13 @@ class MetricsLogger:
             self.log("rollout", rollout_id, values)
 
     def log(self, kind: str, rollout_id: int, values: dict[str, float]) -> None:
+        """One record, each value under its name (``rlhpc.metric_names``), in the file, on the
+        console and in wandb alike."""
         record = {"kind": kind, "rollout_id": rollout_id, **values}
+        for name in undocumented(record):
+            if name not in self._warned:
+                self._warned.add(name)
+                log.warning("metric %s is not in rlhpc/metric_names.py: this is a bug of rlhpc, report it", name)
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
             f.flush()
@@ -158,7 +174,7 @@ class MetricsLogger:
         log.info(_console_line(kind, rollout_id, self.num_rollout, values))
         if self._wandb is not None:
             # wandb steps count trained rollouts, so the untrained baseline (rollout_id -1) is step 0.
-            self._wandb.log({f"{kind}/{k}": v for k, v in values.items()}, step=rollout_id + 1)
+            self._wandb.log(values, step=rollout_id + 1)
 
     def dump_rollout(self, rollout_id: int, batch: RolloutBatch, texts: dict[str, list[str]]) -> None:
         """Write one rollout's tokens, texts, rewards and advantages to ``rollouts/rollout_NNNNNN.h5``

@@ -156,5 +156,13 @@ def context_length(path: str | Path) -> int | None:
     return int(n) if n else None
 
 
+WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth")
+
+
+def weight_bytes(path: str | Path) -> int:
+    """The size of a model directory's weight files (what an engine loads at start)."""
+    return sum(f.stat().st_size for pattern in WEIGHT_FILES for f in Path(path).glob(pattern) if f.is_file())
+
+
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
     return AutoTokenizer.from_pretrained(str(path))

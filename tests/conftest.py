@@ -8,7 +8,9 @@ imports another."""
 
 from __future__ import annotations
 
+import json
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -62,11 +64,17 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
 # Seconds spent per worker's share (the Slurm tests on one worker, the rest on the other), summed
 # from every test's setup, call and teardown: CI prints them so the long pole can be seen at once.
 _SPENT: dict[str, float] = {}
+# The same per test module (setup + call + teardown, module fixtures included): the table of the
+# slowest in docs/development.md is copied from this, so cuts are measured, not estimated.
+_BY_MODULE: dict[str, list[float]] = {}
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     share = "slurm" if report.nodeid.startswith("tests/slurm/") else "unit+integration"
     _SPENT[share] = _SPENT.get(share, 0.0) + report.duration
+    module = _BY_MODULE.setdefault(report.nodeid.split("::", 1)[0], [0.0, 0])
+    module[0] += report.duration
+    module[1] += report.when == "call"
 
 
 def _cpu_times() -> tuple[int, int] | None:
@@ -86,12 +94,43 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     if _SPENT:
         shares = ", ".join(f"{share} {seconds / 60:.1f} min" for share, seconds in sorted(_SPENT.items()))
         terminalreporter.write_line(f"time spent in tests by share: {shares}")
+    if _BY_MODULE:
+        terminalreporter.write_sep("-", "seconds per test module (setup + call + teardown), slowest first")
+        for path, (seconds, count) in sorted(_BY_MODULE.items(), key=lambda kv: -kv[1][0]):
+            terminalreporter.write_line(f"{seconds:8.1f} s {count:4d} tests  {path}")
     # How busy the machine's CPUs were over the run: well under 100% says workers wait (on Slurm,
     # timeouts, sleeps) and a third worker could fill the gaps; near 100%, only cheaper tests help.
     end = _cpu_times()
     if _CPU_AT_START is not None and end is not None and end[1] > _CPU_AT_START[1]:
         busy = (end[0] - _CPU_AT_START[0]) / (end[1] - _CPU_AT_START[1])
         terminalreporter.write_line(f"CPUs busy over the run: {busy:.0%} of {os.cpu_count()} cores")
+
+
+# =====================================================================================
+# Every metric a test's job logged is documented (rlhpc/metric_names.py, which generates
+# docs/reference/metrics.md): each module's run dirs are checked when the module is done.
+# =====================================================================================
+
+
+@pytest.fixture(scope="module", autouse=True)
+def metrics_are_documented(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    began = time.time()
+    yield
+    from rlhpc.metric_names import undocumented, upgrade_eval_record
+
+    found: dict[str, None] = {}
+    for f in tmp_path_factory.getbasetemp().rglob("metrics.jsonl"):
+        if f.stat().st_mtime < began:
+            continue  # another module's run
+        for line in f.read_text(errors="replace").splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue  # a torn line a test wrote on purpose
+            if isinstance(record, dict):  # as readers read it (rlhpc.metrics.read_metrics)
+                found.update(dict.fromkeys(f"{n} ({f})" for n in undocumented(upgrade_eval_record(record))))
+    if found:
+        pytest.fail("logged metrics that rlhpc/metric_names.py does not document:\n" + "\n".join(found))
 
 
 # =====================================================================================

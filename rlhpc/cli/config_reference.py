@@ -1,7 +1,8 @@
-"""Write docs/reference/config.md from the config dataclasses in rlhpc/config.py.
+"""Write docs/reference/config.md from the config dataclasses in rlhpc/config.py, and the table of
+verl's and slime's key names (rlhpc/foreign_keys.py) into docs/guides/coming-from-verl.md.
 
-    python -m rlhpc.cli.config_reference            # rewrite docs/reference/config.md
-    python -m rlhpc.cli.config_reference --check    # exit 1 if the committed file is stale
+    python -m rlhpc.cli.config_reference            # rewrite both
+    python -m rlhpc.cli.config_reference --check    # exit 1 if either committed file is stale
 
 Every key comes from the dataclasses themselves (dotted key, type, default), its description from
 the comment beside or above the field in the source, and its rule from what the section's
@@ -27,10 +28,13 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
-from rlhpc import config
+from rlhpc import config, foreign_keys
 
 OUT = Path(__file__).resolve().parents[2] / "docs" / "reference" / "config.md"
+GUIDE = Path(__file__).resolve().parents[2] / foreign_keys.GUIDE
 COMMAND = "python -m rlhpc.cli.config_reference"
+TABLE_BEGIN = f"<!-- verl's and slime's keys: generated from rlhpc/foreign_keys.py by `{COMMAND}` -->"
+TABLE_END = "<!-- end of the generated table -->"
 
 
 @dataclasses.dataclass
@@ -83,12 +87,16 @@ def _source(cls: type) -> tuple[ast.ClassDef, dict[int, str], set[int]] | None:
 
 
 def _comments(cls: type) -> dict[str, str]:
-    """Each field's comment: the comment lines right above it, then the one beside it."""
+    """Each field's comment: the comment lines right above it, then the one beside it; a field
+    a subclass inherits has its base class's (``reward_model.tiny``'s are ``model.tiny``'s)."""
+    out: dict[str, str] = {}
+    for base in reversed(cls.__mro__[1:]):
+        if dataclasses.is_dataclass(base):
+            out.update(_comments(base))
     found = _source(cls)
     if found is None:
-        return {}
+        return out
     tree, comments, alone = found
-    out = {}
     for node in tree.body:
         if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
             continue
@@ -98,7 +106,8 @@ def _comments(cls: type) -> dict[str, str]:
             above.insert(0, comments[row])
             row -= 1
         beside = [comments[r] for r in range(node.lineno, node.end_lineno + 1) if r in comments and r not in alone]
-        out[node.target.id] = " ".join(above + beside)
+        if above or beside or node.target.id not in out:
+            out[node.target.id] = " ".join(above + beside)
     return out
 
 
@@ -208,20 +217,32 @@ def render() -> str:
     return "\n".join(out)
 
 
+def with_foreign_table(guide: str) -> str:
+    """``guide`` with the table between its markers (``TABLE_BEGIN``, ``TABLE_END``) made anew."""
+    head, sep, rest = guide.partition(TABLE_BEGIN)
+    _, end, tail = rest.partition(TABLE_END)
+    if not sep or not end:
+        raise SystemExit(f"{GUIDE} lacks the markers {TABLE_BEGIN} ... {TABLE_END}")
+    return f"{head}{TABLE_BEGIN}\n\n{foreign_keys.markdown_table()}\n\n{TABLE_END}{tail}"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--check", action="store_true", help="compare with the committed file; write nothing")
+    p.add_argument("--check", action="store_true", help="compare with the committed files; write nothing")
     p.add_argument("--out", type=Path, default=OUT, help=f"where to write (default: {OUT})")
     args = p.parse_args(argv)
-    text = render()
+    outputs = [(args.out, render())]
+    if GUIDE.is_file():
+        outputs.append((GUIDE, with_foreign_table(GUIDE.read_text())))
     if args.check:
-        if not args.out.is_file() or args.out.read_text() != text:
-            print(f"{args.out} is stale: run {COMMAND}", file=sys.stderr)
-            return 1
-        return 0
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
-    print(args.out)
+        stale = [str(f) for f, text in outputs if not f.is_file() or f.read_text() != text]
+        for f in stale:
+            print(f"{f} is stale: run {COMMAND}", file=sys.stderr)
+        return 1 if stale else 0
+    for f, text in outputs:
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text(text)
+        print(f)
     return 0
 
 

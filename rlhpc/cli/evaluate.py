@@ -5,7 +5,8 @@ rlhpc-eval runs/exp1 --checkpoint rollout_19          # a given one
 rlhpc-eval runs/exp1 --set eval.sets.hard.file=hard.jsonl --set data.reward=rlhpc.rewards:math
 
 The run's own config.yaml (with the --set values on top) says the eval sets, the reward and the
-engines; the engines start from the checkpoint's model (the actor's HF directory) in a local Ray,
+engines; a set added with --set eval.sets.NAME... to a run that had none of its own is evaluated
+beside the run's own eval rows (data.eval_file, or the task's), which keep their name (eval/reward); the engines start from the checkpoint's model (the actor's HF directory) in a local Ray,
 as the embedded default's do. The metrics are printed and written to RUN_DIR/evals/rollout_N.json.
 Without RUN_DIR it reads $RLHPC_RUN_DIR, so it runs as a follow-up: jobs/submit.py --then rlhpc-eval.
 """
@@ -20,13 +21,14 @@ import sys
 import tempfile
 from pathlib import Path
 
+from rlhpc import config
 from rlhpc.actor.checkpoint_dir import ACTOR_SUBDIR
 from rlhpc.checkpoint import PREFIX, STATE, CheckpointManager, checkpoint_name, validate
-from rlhpc.config import Config
+from rlhpc.config import DEFAULT_EVAL_SET, Config
 from rlhpc.errors import RlhpcError
 from rlhpc.launch.followup import RUN_DIR_ENV
 from rlhpc.logs import setup_logging
-from rlhpc.preflight import load_config
+from rlhpc.preflight import config_from_dict
 from rlhpc.run_dir import RunDir
 from rlhpc.util.files import write_atomic
 
@@ -64,6 +66,21 @@ def find_checkpoint(run: RunDir, name: str | None) -> tuple[Path, int]:
     return path, json.loads((path / STATE).read_text())["rollout_id"]
 
 
+def eval_config(run: RunDir, overrides: list[str]) -> Config:
+    """The run's config with ``overrides`` on top. Sets added to a run without named sets of its
+    own go beside its default set (``data.eval_file``, or the task's eval rows), which becomes the
+    set ``default`` (logged under the same names as in the run): with ``eval.sets`` alone only the
+    named sets would run, and ``data.eval_file`` beside them is refused."""
+    tree = config.load_tree(run.config_file)
+    had_sets = bool((tree.get("eval") or {}).get("sets"))
+    tree = config.load_tree(run.config_file, overrides)
+    sets = (tree.get("eval") or {}).get("sets") or {}
+    if sets and not had_sets and DEFAULT_EVAL_SET not in sets:
+        data = tree.setdefault("data", {})
+        tree["eval"]["sets"] = {DEFAULT_EVAL_SET: {"file": data.pop("eval_file", None)}, **sets}
+    return config_from_dict(tree)
+
+
 def model_dir(ckpt: Path) -> Path:
     """The checkpoint's model as an HF directory the engines load."""
     actor = ckpt / ACTOR_SUBDIR
@@ -99,7 +116,9 @@ def evaluate_checkpoint(cfg: Config, run: RunDir, ckpt: Path, rollout_id: int) -
         placement = create_placement(layout.num_slots, layout.slot_groups if layout.heterogeneous else None)
         try:
             logs = Path(tempfile.mkdtemp(prefix="rlhpc-eval-logs-"))
-            engines = EnginePool.start(cfg.rollout, cfg.cluster, cfg.seed, weights, placement, layout, logs)
+            engines = EnginePool.start(
+                cfg.rollout, cfg.cluster, cfg.seed, weights, placement, layout, logs, deterministic=cfg.deterministic
+            )
             try:
                 generation = Generation(
                     tokenizer, task_reward(cfg.data), cfg.rollout, cfg.eval, cfg.algo, cfg.seed,
@@ -130,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         run = RunDir(args.run_dir)
         ckpt, rollout_id = find_checkpoint(run, args.checkpoint)
         model_dir(ckpt)  # refused before Ray starts
-        cfg = load_config(run.config_file, args.overrides)
+        cfg = eval_config(run, args.overrides)
         values = evaluate_checkpoint(cfg, run, ckpt, rollout_id)
     except RlhpcError as e:
         log.error("%s", e)
@@ -142,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(exist_ok=True)
     record = {"checkpoint": ckpt.name, "rollout_id": rollout_id, "overrides": args.overrides, "metrics": values}
     write_atomic(out, json.dumps(record, indent=1) + "\n")
+    print(f"{ckpt.name}: the weights after rollout {rollout_id}", file=sys.stderr)  # as the run's log names it
     for key, value in values.items():
         print(f"{key:<24} {value:.4f}")
     print(f"written to {out}", file=sys.stderr)

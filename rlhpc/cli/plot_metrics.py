@@ -11,7 +11,8 @@ import sys
 from pathlib import Path
 
 from rlhpc.errors import RlhpcError
-from rlhpc.metrics import eval_means, read_metrics
+from rlhpc.metric_names import eval_means, eval_name
+from rlhpc.metrics import read_metrics
 from rlhpc.run_dir import RunDir, SweepDir
 
 
@@ -37,23 +38,23 @@ def figure(run: RunDir):
     fig, axes = plt.subplots(2, 3, figsize=(15, 7))
     ax = axes[0][0]
     ax.plot(
-        [r["rollout_id"] + 1 for r in train], [r["reward"] for r in train], lw=0.8, alpha=0.6, label="train (sampled)"
+        [r["rollout_id"] + 1 for r in train], [r["reward"] for r in train], lw=0.8, alpha=0.6, label="reward (train)"
     )
-    for name in dict.fromkeys(n for r in evals for n in eval_means(r)):  # one line per eval set
+    for name in dict.fromkeys(n for r in evals for n in eval_means(r)):  # one line per eval set, by its metric's name
         points = [(r["rollout_id"] + 1, eval_means(r)[name]) for r in evals if name in eval_means(r)]
-        ax.plot(*zip(*points), "o-", label=name if name != "eval" else "eval (greedy)")
+        ax.plot(*zip(*points), "o-", label=eval_name(None, "reward") if name == "eval" else eval_name(name, "reward"))
     ax.set(title="reward", xlabel="rollouts trained", ylim=(-0.02, 1.02))
     ax.legend()
     for ax, key, title in (
         (axes[0][1], "response_len", "response length (tokens)"),
-        (axes[0][2], "entropy", "entropy (nats per token): a collapse shows here first"),
+        (axes[0][2], "entropy", "nats per token: a collapse shows here first"),
         (axes[1][0], "loss", "policy loss"),
-        (axes[1][1], "kl", "KL to the reference (algo.kl_estimator; 0 when algo.kl_coef = 0)"),
+        (axes[1][1], "kl", "to the reference (algo.kl_estimator; 0 when algo.kl_coef = 0)"),
         (axes[1][2], "time/step", "seconds per rollout"),
     ):
         pts = [(r["rollout_id"] + 1, r[key]) for r in train if key in r]
         ax.plot([x for x, _ in pts], [y for _, y in pts], lw=0.8)
-        ax.set(title=title, xlabel="rollouts trained")
+        ax.set(title=f"{key}: {title}", xlabel="rollouts trained")  # the metric's name, as everywhere
     fig.suptitle(f"rlhpc run {run.path.name}")
     fig.tight_layout()
     return fig
@@ -84,8 +85,8 @@ def plot_sweep(sweep: SweepDir, out: Path) -> Path:
         firsts = [(r["rollout_id"] + 1, next(iter(eval_means(r).values()))) for r in evals if eval_means(r)]
         if firsts:  # the first eval set of each task
             eval_ax.plot(*zip(*firsts), "o-", color=color, label=f"{i}: {label}")
-    train_ax.set(title="train reward (sampled)", xlabel="rollouts trained", ylim=(-0.02, 1.02))
-    eval_ax.set(title="eval reward (greedy)", xlabel="rollouts trained", ylim=(-0.02, 1.02))
+    train_ax.set(title="reward (train, sampled)", xlabel="rollouts trained", ylim=(-0.02, 1.02))
+    eval_ax.set(title="eval/reward or the first set's eval/NAME/mean", xlabel="rollouts trained", ylim=(-0.02, 1.02))
     train_ax.legend(fontsize="small")
     fig.suptitle(f"rlhpc sweep {sweep.path.name}: {len(tasks)} tasks")
     fig.tight_layout()

@@ -1,7 +1,15 @@
-"""Print one rollout dump (RUN_DIR/rollouts/rollout_NNNNNN.h5): prompts, responses, rewards.
+"""Print one rollout dump (RUN_DIR/rollouts/rollout_NNNNNN.h5): prompts, responses, rewards, and
+which tokens were trained.
 
 python tools/show_rollout.py runs/embedded 42          # rollout id 42
 python tools/show_rollout.py runs/embedded/rollouts/rollout_000042.h5 --limit 16
+python tools/show_rollout.py runs/embedded --full      # prompts whole, not cut to --prompt-chars
+
+Each sample's response is shown in pieces, one per turn and kind: ``+`` the tokens trained on
+(the engine's, loss mask 1), ``-`` the tokens masked out (observations, tool answers, template
+tokens, loss mask 0; and every token of a sample rollout.overlong_filter masked). The pieces
+are decoded with the run's tokenizer (its model.path, or RUN_DIR/base_model; --tokenizer to
+give another); without one, the response is shown whole with its token counts.
 """
 
 from __future__ import annotations
@@ -9,6 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 import h5py
 
@@ -32,12 +41,81 @@ def find(path: Path, rollout_id: int | None) -> Path:
     return f
 
 
+def run_tokenizer(dump: Path) -> Any | None:
+    """The tokenizer of the run that wrote ``dump`` (RUN_DIR/rollouts/X.h5), or None if there is
+    none to load (a dump copied elsewhere, a model no longer there)."""
+    import yaml
+
+    run = RunDir(dump.parent.parent)
+    if not run.config_file.is_file():
+        return None
+    model = ((yaml.safe_load(run.config_file.read_text()) or {}).get("model") or {}).get("path") or run.base_model
+    return load_tokenizer(model)
+
+
+def load_tokenizer(path: str | Path) -> Any | None:
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError):
+        return None
+
+
+def pieces(ids: list[int], mask: list[int] | None, turns: list[int] | None) -> list[tuple[int, bool, list[int]]]:
+    """``ids`` as runs of (turn, trained, ids): a new run wherever the turn or the mask changes.
+    No mask: every token trained; no turns: all turn 0."""
+    out: list[tuple[int, bool, list[int]]] = []
+    for k, t in enumerate(ids):
+        key = (turns[k] if turns is not None else 0, bool(mask[k]) if mask is not None else True)
+        if out and out[-1][:2] == key:
+            out[-1][2].append(int(t))
+        else:
+            out.append((*key, [int(t)]))
+    return out
+
+
+def cut(text: str, chars: int | None) -> str:
+    """``text`` as shown: whole, or its last ``chars`` characters (a rendered chat ends with the
+    question) and how long it was."""
+    if chars is None or len(text) <= chars:
+        return repr(text)
+    return f"...{text[-chars:]!r} ({len(text)} chars; --full shows it whole)"
+
+
+def sample_lines(h: h5py.File, i: int, tokenizer: Any | None, prompt_chars: int | None) -> list[str]:
+    """What is shown of sample ``i``: a header, the prompt, the response in pieces (``pieces``)."""
+    reward, adv = float(h["rewards"][i]), float(h["advantages"][i])
+    answer = h["answer"][i].decode()
+    ids = [int(t) for t in h["response_ids"][i]]
+    mask = [int(m) for m in h["loss_mask"][i]] if "loss_mask" in h else None
+    turns = [int(t) for t in h["turn"][i]] if "turn" in h else None
+    parts = pieces(ids, mask, turns)
+    trained = sum(len(p) for _, on, p in parts if on)
+    head = f"sample {i}: reward {reward:.2f} adv {adv:+.3f} answer {answer!r}, {trained} of {len(ids)} tokens trained"
+    if turns is not None:
+        head += f", {max(turns, default=0) + 1} turn(s)"
+    if "truncated" in h and bool(h["truncated"][i]):
+        head += ", cut at its limit"
+    lines = [head, f"  prompt   {cut(h['prompt'][i].decode(), prompt_chars)}"]
+    if tokenizer is None:
+        lines.append(f"  response {h['response'][i].decode()!r}")
+        return lines
+    for turn, on, piece in parts:
+        text = tokenizer.decode(piece, skip_special_tokens=False)
+        lines.append(f"  turn {turn:<3} {'+' if on else '-'} {text!r}")
+    return lines
+
+
 def build_parser() -> argparse.ArgumentParser:
     """This command's options; the docs test checks the commands the docs show against it."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("path", type=Path, help="a run dir or an .h5 dump")
     p.add_argument("rollout_id", type=int, nargs="?", help="default: the newest dump")
     p.add_argument("--limit", type=int, default=24, help="samples to print")
+    p.add_argument("--prompt-chars", type=int, default=160, help="a prompt's last N characters shown (default: 160)")
+    p.add_argument("--full", action="store_true", help="show every prompt whole")
+    p.add_argument("--tokenizer", type=Path, help="decode with this tokenizer (default: the run's)")
     return p
 
 
@@ -49,13 +127,14 @@ def main(argv: list[str] | None = None) -> int:
     except RlhpcError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else run_tokenizer(f)
     with h5py.File(f) as h:
-        rewards, adv = h["rewards"][:], h["advantages"][:]
+        rewards = h["rewards"][:]
         print(
-            f"{f}: rollout {h.attrs['rollout_id']}, {len(rewards)} samples, group size {h.attrs['group_size']}, mean reward {rewards.mean():.3f}"
+            f"{f}: rollout {h.attrs['rollout_id']}, {len(rewards)} samples, group size {h.attrs['group_size']}, "
+            f"mean reward {rewards.mean():.3f}"
         )
-        print(f"{'prompt':<14} {'response':<14} {'answer':<8} {'reward':>6} {'adv':>7}")
+        print("  + trained (loss mask 1), - masked out (loss mask 0)" if tokenizer else "  (no tokenizer: texts whole)")
         for i in range(min(args.limit, len(rewards))):
-            prompt, resp, ans = (h[k][i].decode() for k in ("prompt", "response", "answer"))
-            print(f"{prompt!r:<14} {resp!r:<14} {ans!r:<8} {rewards[i]:>6.2f} {adv[i]:>+7.3f}")
+            print("\n".join(sample_lines(h, i, tokenizer, None if args.full else args.prompt_chars)))
     return 0

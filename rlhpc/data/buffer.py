@@ -14,6 +14,7 @@ import random
 from typing import TYPE_CHECKING
 
 from rlhpc.config import eval_split
+from rlhpc.data.rows import Row, as_rows
 from rlhpc.data.tasks import TASKS, load_split
 from rlhpc.errors import ConfigError
 
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
 
 class DataBuffer:
     def __init__(self, rows: list[dict], rollout_batch_size: int, seed: int):
+        rows = as_rows(rows)
         if len(rows) < rollout_batch_size:
             raise ConfigError(
                 f"the training data has {len(rows)} prompts, fewer than rollout.rollout_batch_size = {rollout_batch_size}",
@@ -47,12 +49,12 @@ class DataBuffer:
         epoch, k = divmod(rollout_id, self.num_rollout_per_epoch)
         return epoch, k * self.batch_size
 
-    def batch(self, rollout_id: int) -> list[dict]:
+    def batch(self, rollout_id: int) -> list[Row]:
         epoch, start = self.position(rollout_id)
         order = self._order(epoch)
         return [self.rows[i] for i in order[start : start + self.batch_size]]
 
-    def extra_rows(self, rollout_id: int, round: int, count: int) -> list[dict]:
+    def extra_rows(self, rollout_id: int, round: int, count: int) -> list[Row]:
         """``count`` more prompts for rollout ``rollout_id``'s dynamic-sampling round ``round``: drawn
         from all rows (without repeats while there are enough) by a pure function of
         (seed, rollout id, round), so a rerun or a resume draws the same ones."""
@@ -66,7 +68,7 @@ class DataBuffer:
 
     def fingerprint(self) -> str:
         """What the prompts and labels are, in file order (not their metadata, which may not be JSON)."""
-        core = [{"prompt": r["prompt"], "answer": r["answer"]} for r in self.rows]
+        core = [{"prompt": r.prompt_text, "answer": r.label} for r in self.rows]
         return hashlib.sha256(json.dumps(core, sort_keys=True).encode()).hexdigest()[:16]
 
     def state_dict(self, next_rollout_id: int) -> dict:
@@ -97,7 +99,7 @@ class DataBuffer:
 
 def load_data(
     data: DataConfig, rollout_batch_size: int, seed: int, prepare: PromptPrep | None = None
-) -> tuple[DataBuffer, list[dict]]:
+) -> tuple[DataBuffer, list[Row]]:
     """The training buffer and the eval rows of ``data.task`` (or of its files), each split
     passed through ``prepare`` (``rlhpc.data.prompts.prepare_prompts``) before the order is drawn."""
     eval_rows = load_split(
@@ -116,7 +118,7 @@ def load_train(data: DataConfig, rollout_batch_size: int, seed: int, prepare: Pr
 
 def load_eval_sets(
     data: DataConfig, sets: dict[str, EvalSetConfig], prepare: PromptPrep | None = None
-) -> dict[str, list[dict]]:
+) -> dict[str, list[Row]]:
     """Each eval set's rows (``EvalConfig.resolved_sets``): its file, or the task's generated eval
     split (the same rows for every set without a file), through ``prepare`` under its split name."""
     task = TASKS[data.task]

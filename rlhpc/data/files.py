@@ -2,10 +2,9 @@
 read on the driver (and once at submit, to refuse a bad file before anything is queued).
 
 ``prompt_key`` and ``label_key`` may be dotted for nested fields (verl's files keep the label at
-``reward_model.ground_truth``). Each row becomes ``{"prompt": text or chat messages, "answer": str,
-"metadata": the row's other fields}``
-(``rlhpc.data.prompts`` renders the messages with the model's template); every error
-names the file, the row, the key and the fix.
+``reward_model.ground_truth``). Each row is a ``rlhpc.data.rows.Row``: the file's row as it is,
+with its label and prompt messages as attributes (``rlhpc.data.prompts`` renders the messages
+with the model's template); every error names the file, the row, the key and the fix.
 """
 
 from __future__ import annotations
@@ -14,14 +13,15 @@ import json
 from pathlib import Path
 from typing import Any
 
+from rlhpc.data.rows import Row
 from rlhpc.errors import ConfigError
 
 FORMATS = ".jsonl, .json, .parquet, or a directory written by datasets.save_to_disk"
 _MISSING = object()
 
 
-def read_rows(path: str | Path, prompt_key: str = "prompt", label_key: str = "answer") -> list[dict]:
-    """The rows of ``path`` as ``{"prompt", "answer"}``, in the file's order."""
+def read_rows(path: str | Path, prompt_key: str = "prompt", label_key: str = "answer") -> list[Row]:
+    """The rows of ``path``, in the file's order, each with its prompt and label found."""
     path = Path(path)
     raw = _read(path)
     if not raw:
@@ -49,11 +49,7 @@ def read_rows(path: str | Path, prompt_key: str = "prompt", label_key: str = "an
                 f"{path} {number}: {label_key!r} is {json.dumps(label)[:80]}, not a text or number",
                 "point data.label_key at the label itself (dotted for nested fields)",
             )
-        # the other fields, to the reward (Sample.metadata); a nested label's parent stays (verl's
-        # reward_model holds more than the ground truth)
-        taken = {prompt_key.split(".", 1)[0], *([label_key] if "." not in label_key else [])}
-        metadata = {k: v for k, v in row.items() if k not in taken}
-        rows.append({"prompt": prompt, "answer": str(label), **({"metadata": metadata} if metadata else {})})
+        rows.append(Row(row, prompt, str(label)))
     return rows
 
 
@@ -69,7 +65,7 @@ def check_rows(files: list[tuple[str, str, str, str]], chat_template: str) -> No
     """Each file reads, at submit rather than after the queue wait; chat prompts have a template."""
     for _, f, prompt_key, label_key in files:
         rows = read_rows(f, prompt_key, label_key)
-        if chat_template == "none" and any(isinstance(r["prompt"], list) for r in rows):
+        if chat_template == "none" and any(r.is_chat for r in rows):
             raise ConfigError(
                 f"{f} has chat-message prompts but data.chat_template is none",
                 "set data.chat_template: auto (the tokenizer's template) or a Jinja file",

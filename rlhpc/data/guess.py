@@ -30,7 +30,7 @@ class GuessEnv:
     """``reset`` asks for a guess, ``step`` answers it (``rlhpc.rollout.episodes`` for the interface)."""
 
     def reset(self, row: dict) -> list[dict]:
-        self.secret, self.replies = int(row["answer"]), 0
+        self.secret, self.replies = int(row.label), 0
         return [{"role": "user", "content": QUESTION}]
 
     def step(self, reply: str) -> tuple[list[dict], float, bool]:

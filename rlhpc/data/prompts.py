@@ -6,17 +6,24 @@
   ``auto``, the tokenizer's own; or a Jinja file), ``data.system_prompt`` first where it has no
   system message, and the generation prompt after; its ids are what ``transformers``'
   ``apply_chat_template`` gives, and they travel with the row (``prompt_ids``), so what is trained
-  is what was generated. The row's ``prompt`` becomes the rendered text (what a reward reads).
+  is what was generated. The rendered text is the row's ``prompt_text`` (what a reward reads);
+  the row's own columns stay as the file has them (``rlhpc.data.rows``). Control tokens in the
+  messages' own text stay text (``render_chats``, below: the one rendering path of every chat
+  rlhpc tokenizes).
 - A prompt longer than its split's limit is dropped, and counted in the log.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import re
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rlhpc.data.rows import Row, as_rows
 from rlhpc.errors import ConfigError, RlhpcError
 
 if TYPE_CHECKING:
@@ -24,7 +31,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-PromptPrep = Callable[[str, list[dict]], list[dict]]  # (split name, rows) -> the rows to use
+PromptPrep = Callable[[str, list[Row]], list[Row]]  # (split name, rows) -> the rows to use
 
 
 def encode_prompts(tokenizer: Any, prompts: list[str]) -> list[list[int]]:
@@ -40,11 +47,11 @@ def encode_prompts(tokenizer: Any, prompts: list[str]) -> list[list[int]]:
     return encoded
 
 
-def encode_rows(tokenizer: Any, rows: list[dict]) -> list[list[int]]:
+def encode_rows(tokenizer: Any, rows: list[Row]) -> list[list[int]]:
     """The ids to send for each row: a rendered chat prompt's own, a text prompt's encoding."""
-    texts = [i for i, row in enumerate(rows) if "prompt_ids" not in row]
-    encoded = dict(zip(texts, encode_prompts(tokenizer, [rows[i]["prompt"] for i in texts]))) if texts else {}
-    return [encoded[i] if i in encoded else rows[i]["prompt_ids"] for i in range(len(rows))]
+    texts = [i for i, row in enumerate(rows) if row.prompt_ids is None]
+    encoded = dict(zip(texts, encode_prompts(tokenizer, [rows[i].prompt_text for i in texts]))) if texts else {}
+    return [encoded[i] if i in encoded else rows[i].prompt_ids for i in range(len(rows))]
 
 
 def chat_template(data: DataConfig, tokenizer: Any) -> str | None:
@@ -89,8 +96,8 @@ def require_chat_template(data: DataConfig, tiny: TinyModelConfig | None, user: 
 
 
 def render(tokenizer: Any, template: str, messages: list[dict], system_prompt: str | None) -> tuple[str, list[int]]:
-    """(text, ids) of ``messages`` with the generation prompt, by ``apply_chat_template``."""
-    return render_messages(tokenizer, template, with_system(messages, system_prompt), add_generation_prompt=True)
+    """(text, ids) of ``messages`` with the generation prompt (``render_chat``)."""
+    return render_chat(tokenizer, template, with_system(messages, system_prompt), add_generation_prompt=True)
 
 
 def with_system(messages: list[dict], system_prompt: str | None) -> list[dict]:
@@ -100,56 +107,235 @@ def with_system(messages: list[dict], system_prompt: str | None) -> list[dict]:
     return messages
 
 
-def render_messages(
-    tokenizer: Any, template: str, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None
-) -> tuple[str, list[int]]:
-    """(text, ids) of ``messages`` as ``apply_chat_template`` renders them (``tools``: OpenAI
-    tool schemas, for templates that list them)."""
-    text = render_text(tokenizer, template, messages, add_generation_prompt, tools)
-    return text, encode_text(tokenizer, text)
+# ------------------------------------------------------------------ rendering chats: the one path
+#
+# Every chat rlhpc tokenizes (data prompts, environments' and tools' observations, an agent's
+# messages, what a reward model or judge reads) goes through ``render_marked`` and
+# ``encode_marked``. Text that did not come from the template (messages, tool schemas, tool
+# answers, the policy's replies) never becomes a control token: the control tokens in it are
+# wrapped in two private-use characters before the template renders it, and each wrapped one is
+# encoded as plain text. Text without control tokens is left alone, so a benign chat renders
+# and encodes exactly as ``apply_chat_template`` does, at the same cost; one with them encodes as
+# ``apply_chat_template(..., sanitize_control_tokens=True)`` does (tests check both).
+
+MARK_START, MARK_END = "\U000f1a00", "\U000f1a01"  # private-use: no tokenizer gives them meaning
 
 
-def encode_text(tokenizer: Any, text: str) -> list[int]:
-    """A rendered chat's ids as ``apply_chat_template(tokenize=True)`` gives them, without
-    rendering it again: the template writes its own special tokens, none is added."""
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+@dataclass
+class Controls:
+    """A tokenizer's control tokens for one template: its special tokens, its ``chat_control_tokens``,
+    and its added tokens that the template's text contains (Qwen's ``<tool_call>``), as
+    ``transformers``' ``sanitize_control_tokens`` counts them (a superset where the template's
+    source holds an added token outside its literals: safe, it only marks more)."""
+
+    tokens: tuple[str, ...]
+    find: re.Pattern  # any control token, longest first
+    pieces: re.Pattern  # a marked control token (its group), or a stray marker
+    plain: dict[str, list[int]]  # a control token's ids as plain text, once computed
 
 
-def render_texts(
-    tokenizer: Any, template: str, chats: list[list[dict]], add_generation_prompt: bool, tools: list[dict] | None = None
+_CONTROLS: weakref.WeakKeyDictionary[Any, dict[str | None, Controls]] = weakref.WeakKeyDictionary()
+
+
+def controls(tokenizer: Any, template: str | None) -> Controls:
+    """The control tokens of ``tokenizer`` under ``template`` (None: its special tokens only)."""
+    per = _CONTROLS.setdefault(tokenizer, {})
+    if template not in per:
+        listed = set(getattr(tokenizer, "chat_control_tokens", None) or ())
+        tokens = tuple(
+            sorted(
+                {
+                    t.content
+                    for t in tokenizer.added_tokens_decoder.values()
+                    if t.content
+                    and (
+                        t.special
+                        or t.content in listed
+                        or (template and not t.content.isspace() and t.content in template)
+                    )
+                },
+                key=len,
+                reverse=True,
+            )
+        )
+        find = re.compile("|".join(map(re.escape, tokens)) or "(?!)")
+        pieces = re.compile(f"{MARK_START}({find.pattern}){MARK_END}|[{MARK_START}{MARK_END}]")
+        per[template] = Controls(tokens, find, pieces, {})
+    return per[template]
+
+
+def mark(obj: Any, c: Controls) -> Any:
+    """``obj`` (a string, or messages / tool schemas: lists and dicts, keys included) with every
+    control token in its strings wrapped in the markers, and any marker already there dropped (so
+    none can be forged); the object itself where nothing changes (the usual case: no copy)."""
+    if isinstance(obj, str):
+        if MARK_START in obj or MARK_END in obj:
+            obj = obj.replace(MARK_START, "").replace(MARK_END, "")
+        return c.find.sub(lambda m: f"{MARK_START}{m.group()}{MARK_END}", obj) if c.find.search(obj) else obj
+    if isinstance(obj, dict):
+        out = {mark(k, c): mark(v, c) for k, v in obj.items()}
+        return obj if _same_items(out, obj) else out
+    if isinstance(obj, list | tuple):
+        out_list = [mark(v, c) for v in obj]
+        return obj if all(a is b for a, b in zip(out_list, obj)) else out_list
+    return obj
+
+
+def _same_items(a: dict, b: dict) -> bool:
+    return all(ka is kb and va is vb for (ka, va), (kb, vb) in zip(a.items(), b.items()))
+
+
+def unmark(text: str) -> str:
+    """A marked rendering as the text it stands for."""
+    return text.replace(MARK_START, "").replace(MARK_END, "") if MARK_START in text or MARK_END in text else text
+
+
+def is_marked(text: str) -> bool:
+    return MARK_START in text or MARK_END in text
+
+
+def render_marked(
+    tokenizer: Any,
+    template: str,
+    marked: list[list[dict]],
+    add_generation_prompt: bool,
+    tools: list[dict] | None = None,
 ) -> list[str]:
-    """``render_text`` of each of ``chats``, in one ``apply_chat_template`` call: it renders them
-    one by one, each to the text it renders alone, and pays its per-call work once."""
-    if not chats:
+    """Each of the ``marked`` chats (``mark``'s, as ``tools``) rendered by ``template``, in one
+    ``apply_chat_template`` call (it renders them one by one, each to the text it renders alone,
+    and pays its per-call work once). ``unmark`` gives the text, ``encode_marked`` the ids."""
+    if not marked:
         return []
     extra = {"tools": tools} if tools else {}
     try:
         texts = tokenizer.apply_chat_template(
-            chats, chat_template=template, add_generation_prompt=add_generation_prompt, tokenize=False, **extra
+            marked, chat_template=template, add_generation_prompt=add_generation_prompt, tokenize=False, **extra
         )
-    except Exception:
-        for messages in chats:  # the error names the first chat that does not render
-            render_text(tokenizer, template, messages, add_generation_prompt, tools)
-        raise
+    except Exception as e:  # jinja2's errors: a template that does not render these messages
+        bad = next(
+            (chat for chat in marked if not _renders(tokenizer, template, chat, add_generation_prompt, extra)),
+            marked[0],
+        )
+        raise ConfigError(
+            f"the chat template does not render the messages {unmark(str(bad))[:120]} ({type(e).__name__}: {e})",
+            "fix data.chat_template (a Jinja file), or use the tokenizer's own (auto)",
+        ) from e
     return list(texts)
 
 
-def render_text(
-    tokenizer: Any, template: str, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None
-) -> str:
-    """The text ``apply_chat_template`` renders ``messages`` to, not tokenized (``transformers``
-    caches the compiled template, so this is the Jinja rendering alone)."""
-    extra = {"tools": tools} if tools else {}
+def _renders(tokenizer: Any, template: str, chat: list[dict], add_generation_prompt: bool, extra: dict) -> bool:
     try:
-        text = tokenizer.apply_chat_template(
-            messages, chat_template=template, add_generation_prompt=add_generation_prompt, tokenize=False, **extra
-        )
-    except Exception as e:  # jinja2's errors: a template that does not render these messages
-        raise ConfigError(
-            f"the chat template does not render the messages {str(messages)[:120]} ({type(e).__name__}: {e})",
-            "fix data.chat_template (a Jinja file), or use the tokenizer's own (auto)",
-        ) from e
-    return text
+        tokenizer.apply_chat_template(chat, chat_template=template, add_generation_prompt=add_generation_prompt,
+                                      tokenize=False, **extra)  # fmt: skip
+        return True
+    except Exception:
+        return False
+
+
+def encode_marked(tokenizer: Any, template: str | None, texts: Sequence[str]) -> dict[str, list[int]]:
+    """Each distinct text of ``texts`` (a marked rendering, or a tail of one) -> its ids, no special
+    tokens added (the template writes its own): a text without marks in one tokenizer call for
+    all, as ``apply_chat_template`` encodes it; a marked control token as plain text, and the text
+    around it as ``transformers``' ``sanitize_control_tokens`` encodes it (each piece after a mark
+    on its own, after a newline that is then dropped, so no SentencePiece prefix space is added)."""
+    unique = list(dict.fromkeys(texts))
+    plain_texts = [t for t in unique if not is_marked(t)]
+    marked = [t for t in unique if is_marked(t)]
+    c = controls(tokenizer, template) if marked else None
+    splits = {t: c.pieces.split(t) for t in marked} if c is not None else {}
+    # the pieces of marked texts that are encoded as usual: the first as it is, the others after a newline
+    normal = [p for pieces in splits.values() for p in _normal_pieces(pieces)]
+    want = list(dict.fromkeys([*plain_texts, *normal, *(["\n"] if marked else [])]))
+    ids = dict(zip(want, tokenizer(want, add_special_tokens=False)["input_ids"])) if want else {}
+    out = {t: list(ids[t]) for t in plain_texts}
+    for t, pieces in splits.items():
+        assert c is not None
+        out[t] = _encode_pieces(tokenizer, c, pieces, ids)
+    return out
+
+
+def _normal_pieces(pieces: list[str | None]) -> list[str]:
+    out = [pieces[0] or ""]
+    for i, piece in enumerate(pieces[1:], start=1):
+        if piece and i % 2 == 0:
+            out += ["\n" + piece, piece]
+    return out
+
+
+def _encode_pieces(tokenizer: Any, c: Controls, pieces: list[str | None], ids: dict[str, list[int]]) -> list[int]:
+    newline = ids["\n"]
+    out = list(ids[pieces[0] or ""])
+    for i, piece in enumerate(pieces[1:], start=1):
+        if not piece:
+            continue  # a stray marker: dropped (it still breaks the text where it was)
+        if i % 2 == 1:  # a marked control token: plain text
+            if piece not in c.plain:
+                c.plain[piece] = _after_newline(_plain_ids(tokenizer, "\n" + piece), newline) or _plain_ids(
+                    tokenizer, piece
+                )
+                if tokenizer.convert_tokens_to_ids(piece) in c.plain[piece]:
+                    raise RlhpcError(
+                        f"the tokenizer encodes the text {piece!r} as its control token even as plain text, so "
+                        "rlhpc cannot keep it from acting as one",
+                        "remove that text from the messages (or tool answers) given to the model",
+                    )
+            out += c.plain[piece]
+        else:
+            out += _after_newline(ids["\n" + piece], newline) or ids[piece]
+    return out
+
+
+def _after_newline(ids: list[int], newline: list[int]) -> list[int] | None:
+    return list(ids[len(newline) :]) if ids[: len(newline)] == newline else None
+
+
+def _plain_ids(tokenizer: Any, text: str) -> list[int]:
+    """``text``'s ids without matching any added token, special or not: the tokenizer's own
+    pipeline without its added vocabulary (no shared state switched, unlike ``split_special_tokens``)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:  # a slow tokenizer: split_special_tokens is a per-call argument there
+        return list(tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
+    if backend.normalizer is not None:
+        text = backend.normalizer.normalize_str(text)
+    splits = [s for s, _ in backend.pre_tokenizer.pre_tokenize_str(text)] if backend.pre_tokenizer else [text]
+    return [t.id for s in splits for t in backend.model.tokenize(s)]
+
+
+def render_chats(
+    tokenizer: Any, template: str, chats: list[list[dict]], add_generation_prompt: bool, tools: list[dict] | None = None
+) -> list[tuple[str, list[int]]]:
+    """(text, ids) of each of ``chats``: marked (``mark``), ``render_marked``, ``encode_marked``."""
+    c = controls(tokenizer, template)
+    texts = render_marked(
+        tokenizer, template, [mark(list(chat), c) for chat in chats], add_generation_prompt, mark(tools, c)
+    )
+    ids = encode_marked(tokenizer, template, texts)
+    return [(unmark(t), ids[t]) for t in texts]
+
+
+def render_chat(
+    tokenizer: Any, template: str, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None
+) -> tuple[str, list[int]]:
+    """(text, ids) of ``messages`` (``tools``: OpenAI tool schemas, for templates that list them):
+    ``apply_chat_template``'s for text without control tokens, and never a control token from
+    the messages' own text."""
+    return render_chats(tokenizer, template, [messages], add_generation_prompt, tools)[0]
+
+
+def encode_untrusted(tokenizer: Any, trusted: str, untrusted: str, add_special_tokens: bool = True) -> list[int]:
+    """The ids of ``trusted + untrusted`` (a model without a chat template reads plain text), with
+    the tokenizer's special tokens added, and none made from ``untrusted``'s text: as
+    ``tokenizer(trusted + untrusted)`` where that text holds none."""
+    c = controls(tokenizer, None)
+    text = trusted + mark(untrusted, c)
+    if not is_marked(text):
+        return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+    ids = encode_marked(tokenizer, None, [text])[text]
+    if not add_special_tokens:
+        return ids
+    bare, full = tokenizer("x", add_special_tokens=False)["input_ids"], tokenizer("x")["input_ids"]
+    at = next((i for i in range(len(full) - len(bare) + 1) if full[i : i + len(bare)] == bare), 0)
+    return [*full[:at], *ids, *full[at + len(bare) :]]
 
 
 def prepare_prompts(tokenizer: Any, data: DataConfig, limits: dict[str, int] | None) -> PromptPrep:
@@ -157,14 +343,15 @@ def prepare_prompts(tokenizer: Any, data: DataConfig, limits: dict[str, int] | N
     than ``limits[split]`` tokens dropped (one too long for the context would fail a whole
     rollout; dropping every row is an error naming the limit and the fix)."""
 
-    def prepare(split: str, rows: list[dict]) -> list[dict]:
-        template = chat_template(data, tokenizer) if any(isinstance(r["prompt"], list) for r in rows) else None
-        ready = []
-        for row in rows:
-            if isinstance(row["prompt"], list):
-                text, ids = render(tokenizer, template, row["prompt"], data.system_prompt)
-                row = {**row, "prompt": text, "messages": row["prompt"], "prompt_ids": ids}
-            ready.append(row)
+    def prepare(split: str, rows: list[Row]) -> list[Row]:
+        rows = as_rows(rows)
+        template = chat_template(data, tokenizer) if any(r.is_chat for r in rows) else None
+        chats = [i for i, r in enumerate(rows) if r.is_chat]
+        rendered = render_chats(tokenizer, template, [with_system(rows[i].messages, data.system_prompt) for i in chats],
+                                add_generation_prompt=True) if chats else []  # fmt: skip
+        ready = list(rows)
+        for i, (text, ids) in zip(chats, rendered):
+            ready[i] = rows[i].derive(prompt_text=text, prompt_ids=ids)
         if limits is None:
             return ready
         limit = limits[split]

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from rlhpc.data import guess
 from rlhpc.data.files import read_rows
+from rlhpc.data.rows import Row, as_rows
 from rlhpc.errors import ConfigError
 from rlhpc.util.imports import import_function
 
@@ -86,7 +87,8 @@ def check_scored(data: DataConfig, files: list[tuple[str, str, str, str]], env: 
         raise ConfigError(
             f"{' / '.join(k for k, *_ in files)} set but data.reward is not: the toy task {data.task!r}'s "
             "reward would score your data",
-            "set data.reward: rlhpc.rewards:math (math-verify), rlhpc.rewards:exact, or your own module:function",
+            'set data.reward: rlhpc.rewards:gsm8k ("#### N"), rlhpc.rewards:math (\\boxed{}), rlhpc.rewards:exact, '
+            "or your own module:function (verl's compute_score too)",
         )
 
 
@@ -97,9 +99,9 @@ def resolve_reward(spec: str) -> RewardFn:
 
 def load_split(
     task: Task, file: str | None, count: int, seed: int, prompt_key: str = "prompt", label_key: str = "answer"
-) -> list[dict]:
+) -> list[Row]:
     """Rows from ``file`` if given (``rlhpc.data.files``), else ``count`` rows generated
-    deterministically from ``seed``."""
+    deterministically from ``seed`` (a generated row's columns: ``prompt`` and ``answer``)."""
     if file is not None:
         return read_rows(file, prompt_key, label_key)
-    return task.make(count, random.Random(seed))
+    return as_rows(task.make(count, random.Random(seed)))

@@ -29,6 +29,8 @@ from pathlib import Path
 import ray
 
 from rlhpc.engine_server import sglang as sglang_server
+from rlhpc.engine_server.cpu.command import THREAD_DEFAULTS
+from rlhpc.engine_server.cpu.command import server_command as cpu_server_command
 from rlhpc.engine_server.sglang import SGLangSpec
 from rlhpc.errors import RlhpcError
 from rlhpc.util.files import node_tmp_dir, read_trusted_json, tail
@@ -55,8 +57,11 @@ class EngineActor:
         start: bool = True,
         key_file: str | None = None,
         host: str | None = None,
+        deterministic: bool = False,
     ):
         self.model_path = model_path
+        # the CPU engine's --enable-deterministic-inference (SGLang's comes in ``sglang``)
+        self.deterministic = deterministic
         self.engine_id = engine_id
         self.startup_timeout_s = startup_timeout_s
         self.extra_env = dict(env or {})
@@ -82,30 +87,14 @@ class EngineActor:
     # -------------------------------------------------------------- lifecycle
 
     def _command(self) -> list[str]:
-        key = ["--api-key-file", self.key_file] if self.key_file else []
-        return [
-            sys.executable,
-            "-m",
-            "rlhpc.engine_server.cpu",
-            "--model-path",
-            self.model_path,
-            "--host",
-            self.host,
-            "--port",
-            "0",
-            "--ready-file",
-            str(self.ready_file),
-            "--parent-pid",
-            str(os.getpid()),
-            "--threads",
-            self.extra_env.get("OMP_NUM_THREADS", "1"),
-            *key,
-        ]
+        return cpu_server_command(
+            sys.executable, self.model_path, self.host, str(self.ready_file), str(os.getpid()),
+            self.extra_env.get("OMP_NUM_THREADS", "1"), self.key_file, self.deterministic,
+        )  # fmt: skip
 
     def _env(self) -> dict[str, str]:
-        env = dict(os.environ)
-        env.setdefault("OMP_NUM_THREADS", "1")  # CI machines have two cores for everything
-        env.setdefault("MKL_NUM_THREADS", "1")
+        """The job's environment, for either engine (``engine_env`` adds SGLang's switches)."""
+        env = {**THREAD_DEFAULTS, **os.environ}
         env.update({k: str(v) for k, v in self.extra_env.items()})
         return env
 
@@ -124,7 +113,7 @@ class EngineActor:
                 stdin=subprocess.DEVNULL,
                 stdout=logf,
                 stderr=subprocess.STDOUT,
-                env=self._env(),
+                env=sglang_server.engine_env(self._env()),
                 preexec_fn=die_with_parent if main else None,
             )
         log.info("engine %d: server pid %d, log %s", self.engine_id, self.proc.pid, self.log_path)
@@ -160,7 +149,7 @@ class EngineActor:
         spec = self.sglang
         main = threading.current_thread() is threading.main_thread()
         gpu_ids = spec.gpu_ids or tuple(int(g) for g in ray.get_gpu_ids())
-        env = sglang_server.server_env(self._env(), gpu_ids)
+        env = sglang_server.server_env(self._env(), spec, gpu_ids)
         name = f"engine {self.engine_id}" + (f" node rank {spec.node_rank}" if spec.nnodes > 1 else "")
 
         config = None

@@ -41,6 +41,7 @@ from rlhpc.errors import RlhpcError
 from rlhpc.util.net import http_url
 from rlhpc.util.processes import stop_group
 from rlhpc.util.secrets import write_secret
+from rlhpc.wire import switches
 from rlhpc.wire.client import EngineClient
 from rlhpc.wire.engine_key import read_key
 
@@ -71,6 +72,8 @@ class SGLangSpec:
     extra_args: tuple[str, ...] = ()
     nnodes: int = 1
     node_rank: int = 0  # only node rank 0 serves HTTP
+    deterministic: bool = False  # `deterministic: true`: --enable-deterministic-inference (seeds honoured)
+    colocated: bool = False  # its GPUs are shared with actor ranks (cluster.colocate)
 
     @property
     def serves_http(self) -> bool:
@@ -114,6 +117,10 @@ def launch_server_command(
     ]  # fmt: skip
     if spec.memory_saver:
         cmd.append("--enable-memory-saver")
+    if spec.deterministic:
+        # SGLang ignores every request's sampling_seed without it (seeded reruns, requests sent
+        # again after an engine restart); its cost: docs/architecture/engines.md
+        cmd.append("--enable-deterministic-inference")
     if config_file is not None:
         cmd += ["--config", str(config_file)]
     if spec.nnodes > 1:
@@ -161,12 +168,52 @@ def router_command(
     ]  # fmt: skip
 
 
-def server_env(base: Mapping[str, str], gpu_ids: Sequence[int]) -> dict[str, str]:
-    """The server's environment: only this engine's GPUs visible (Ray shows an actor only its own)."""
-    env = dict(base)
+# SGLang's switches every engine (SGLang's or the CPU engine, which reads them alike) gets:
+ENGINE_SWITCHES = {
+    # /health answers without generating: the health checks (rlhpc's, 5 s; the router's) then never
+    # call a paused engine dead (SGLang holds such a /health 20 s, then answers 503), nor run a
+    # generation on one whose memory is released
+    switches.HEALTH_GENERATION: "false",
+    # output logprobs of the model's own distribution, as the trainer computes them (temperature
+    # 1): SGLang's default divides the logits by the request's temperature first
+    switches.RETURN_ORIGINAL_LOGPROB: "true",
+}
+_ALLOC_CONFS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # torch's variable, and its newer name
+
+
+def engine_env(base: Mapping[str, str], memory_saver: bool = False, colocated_tp: bool = False) -> dict[str, str]:
+    """An engine server's environment: ``base`` with ``ENGINE_SWITCHES``; with ``memory_saver``,
+    no ``expandable_segments`` in torch's allocator settings (torch_memory_saver refuses to start
+    under it); ``colocated_tp`` (TP > 1 beside actor ranks): SGLang's check that the GPUs have
+    equal free memory off, since the actor ranks beside them differ (it still sizes by the least)."""
+    env = {**base, **ENGINE_SWITCHES}
+    if memory_saver:
+        for name in _ALLOC_CONFS:
+            if name in env:
+                kept = [o for o in env[name].split(",") if o and not o.strip().startswith("expandable_segments")]
+                if kept:
+                    env[name] = ",".join(kept)
+                else:
+                    del env[name]
+    if colocated_tp:
+        env[switches.TP_MEMORY_IMBALANCE_CHECK] = "false"
+    return env
+
+
+def server_env(base: Mapping[str, str], spec: SGLangSpec, gpu_ids: Sequence[int | str]) -> dict[str, str]:
+    """An SGLang server's environment: ``engine_env``, and only this engine's GPUs visible (Ray
+    shows an actor only its own)."""
+    env = engine_env(base, spec.memory_saver, spec.colocated and spec.tp_size > 1)
     if gpu_ids:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpu_ids)
     return env
+
+
+def env_changes(base: Mapping[str, str], env: Mapping[str, str]) -> list[str]:
+    """What ``env`` sets or removes relative to ``base`` (``K=V``, ``-K``), sorted: what a dry run
+    shows. Only names rlhpc sets appear, never the rest of the job's environment."""
+    changed = [f"{k}={v}" for k, v in sorted(env.items()) if base.get(k) != v]
+    return changed + [f"-{k}" for k in sorted(set(base) - set(env))]
 
 
 def free_port(host: str) -> int:
@@ -319,6 +366,8 @@ def engine_parts(
     memory_saver: bool,
     seed: int,
     extra_args: Sequence[str] = (),
+    deterministic: bool = False,
+    colocated: bool = False,
 ) -> list[tuple[int, SGLangSpec]]:
     """One engine's server processes: ``(first slot on that node, spec)`` per node it spans, in node
     rank order (the node of the engine's first slot is rank 0 and serves HTTP)."""
@@ -343,6 +392,8 @@ def engine_parts(
                 extra_args=tuple(extra_args),
                 nnodes=len(nodes),
                 node_rank=rank,
+                deterministic=deterministic,
+                colocated=colocated,
             ),
         )
         for rank, slots in enumerate(nodes.values())

@@ -86,9 +86,9 @@ def follow(job: submitit.Job, poll_s: float = 0.5) -> int:
         raise _no_result(job)
     outcome, value = submitit.core.utils.pickle_load(job.paths.result_pickle)
     if outcome != "success":  # the job's own traceback is already in its stderr above
-        raise RlhpcError(
-            f"job {job.job_id} failed: {_exception_line(str(value))}", f"see the job log {job.paths.stderr}"
-        )
+        line, fix = _exception_line(str(value))
+        log_fix = f"see the job log {job.paths.stderr}"
+        raise RlhpcError(f"job {job.job_id} failed: {line}", f"{fix} ({log_fix})" if fix else log_fix)
     return 0
 
 
@@ -125,7 +125,17 @@ def _no_result(job: submitit.Job) -> RlhpcError:
     )
 
 
-def _exception_line(text: str) -> str:
-    """The ``SomeError: message`` line of a traceback, the part a user reads first."""
-    hits = re.findall(r"^\s*([A-Za-z_.]*(?:Error|Exception|Interrupt)\b.*)$", text, flags=re.M)
-    return hits[-1].strip() if hits else text.strip().splitlines()[-1] if text.strip() else "no error text"
+def _exception_line(text: str) -> tuple[str, str | None]:
+    """The ``SomeError: message`` line of a traceback, the part a user reads first, and the fix
+    an ``RlhpcError`` printed under it (None if none)."""
+    lines = text.strip().splitlines()
+    hits = [i for i, line in enumerate(lines) if _ERROR_LINE.match(line)]
+    if not hits:
+        return (lines[-1] if lines else "no error text"), None
+    i = hits[-1]
+    fix = lines[i + 1].strip().removeprefix("fix:").strip() if i + 1 < len(lines) and _FIX.match(lines[i + 1]) else None
+    return lines[i].strip(), fix
+
+
+_ERROR_LINE = re.compile(r"^\s*[A-Za-z_.]*(?:Error|Exception|Interrupt)\b.*$")
+_FIX = re.compile(r"^\s+fix: ")

@@ -1,8 +1,9 @@
-"""The dry run: the sbatch script, the GPU plan, the memory estimate and the engines' launch
-lines, without submitting or writing anything."""
+"""The dry run: the sbatch script, the GPU plan, the memory estimate and the engines' and the
+router's launch lines and environments, without submitting or writing anything."""
 
 from __future__ import annotations
 
+import os
 import shlex
 from pathlib import Path
 from typing import Any
@@ -27,66 +28,80 @@ def dry_run(
     idle = idle_note(cfg.cluster, cfg.reward_model, cfg.teacher)
     notes = f"\nWARNING: {idle}" if idle else ""
     where = "each task's layout.txt" if array else RunDir(run_dir).layout_file
-    engine = (
-        f"\n\nengine 0's launch line (each engine's alike):\n  {engine_preview(cfg)}"
-        if cfg.rollout.backend == "sglang"
-        else ""
-    )
-    rm = cfg.reward_model
-    if rm is not None and rm.backend == "sglang":
-        engine += f"\n\nreward engine 0's launch line (each reward engine's alike):\n  {reward_engine_preview(cfg)}"
-    if cfg.teacher is not None and cfg.teacher.backend == "sglang":
-        engine += f"\n\nteacher engine 0's launch line (each teacher engine's alike):\n  {teacher_engine_preview(cfg)}"
+    engines = engines_preview(cfg, RunDir(run_dir))
     return (
-        f"{script}\n\n{layout}\n  full map: {where} (written at submission){notes}\n\n{memory.summarize(cfg)}{engine}\n\n"
+        f"{script}\n\n{layout}\n  full map: {where} (written at submission){notes}\n\n{memory.summarize(cfg)}{engines}\n\n"
         f"# the resolved config the job runs (written to {RunDir(run_dir).path / 'config.yaml'}):\n{dump_config(cfg)}"
     )
 
 
-def reward_engine_preview(cfg: Config) -> str:
-    """The SGLang server command of reward engine 0 (a classifier's with ``--is-embedding``: it serves /classify)."""
+# What is known only on the node, or only once the job runs, is shown as <...>.
+NODE_IP, FREE_PORT, ENGINE_TMP, ENGINE_GPUS = "<node ip>", "<free port>", "<engine tmp dir>", "<its GPUs>"
+ENV_NOTE = "environment (what rlhpc sets, over the job's own; -NAME: removed)"
+
+
+def engines_preview(cfg: Config, run: RunDir) -> str:
+    """Each engine group's launch line and environment (engine 0's; the others' alike), and the
+    router's: what a site admin checks before a large job queues. Keys are files named on these
+    lines, never their content; of the environment only what rlhpc sets or removes is shown."""
     from rlhpc.engine_server.sglang import SGLangSpec
     from rlhpc.rollout.reward_model import reward_rollout_config
-
-    rm = cfg.reward_model
-    sg = reward_rollout_config(cfg.rollout, rm).sglang
-    spec = SGLangSpec(rm.gpus_per_engine, sg.mem_fraction_static, False, cfg.seed, extra_args=tuple(sg.extra_args))
-    return _preview(spec, rm.path or "<run dir>/reward_model")
-
-
-def teacher_engine_preview(cfg: Config) -> str:
-    """The SGLang server command of teacher engine 0."""
-    from rlhpc.engine_server.sglang import SGLangSpec
     from rlhpc.rollout.teacher import teacher_rollout_config
 
-    t = cfg.teacher
-    sg = teacher_rollout_config(cfg.rollout, t).sglang
-    spec = SGLangSpec(t.gpus_per_engine, sg.mem_fraction_static, False, cfg.seed, extra_args=tuple(sg.extra_args))
-    return _preview(spec, t.path or "<run dir>/teacher")
-
-
-def engine_preview(cfg: Config) -> str:
-    """The SGLang server command of engine 0, with what is known only on the node as <...>."""
-    from rlhpc.engine_server.sglang import SGLangSpec
-
-    c, sg = cfg.cluster, cfg.rollout.sglang
-    tp = c.rollout_gpus_per_engine
-    nnodes = max(1, tp // (c.rollout_gpus_per_node or c.gpus_per_node))
-    spec = SGLangSpec(
-        tp, sg.mem_fraction_static, c.colocate or c.offload, cfg.seed, extra_args=tuple(sg.extra_args), nnodes=nnodes
-    )
-    return _preview(spec, cfg.model.path or "<run dir>/base_model")
-
-
-def _preview(spec: Any, model: str) -> str:
-    """``spec``'s launch line (an ``SGLangSpec``), with what is known only on the node as <...>."""
-    from rlhpc.engine_server.sglang import launch_server_command
-
-    nnodes = spec.nnodes
-    cmd = launch_server_command(
-        "python", model, "<node ip>", 0, 0, spec, "<node rank 0 ip>:<port>" if nnodes > 1 else None,
-        Path("<engine tmp dir>/sglang_key.yaml"),
+    c, r = cfg.cluster, cfg.rollout
+    nnodes = max(1, c.rollout_gpus_per_engine // (c.rollout_gpus_per_node or c.gpus_per_node))
+    rollout = SGLangSpec(
+        c.rollout_gpus_per_engine, r.sglang.mem_fraction_static, c.colocate or c.offload, cfg.seed,
+        extra_args=tuple(r.sglang.extra_args), nnodes=nnodes, deterministic=cfg.deterministic, colocated=c.colocate,
     )  # fmt: skip
-    for flag in ("--port", "--nccl-port"):
-        cmd[cmd.index(flag) + 1] = "<free port>"
-    return shlex.join(cmd).replace("'", "")
+    out = [_group("engine", r.backend, rollout, cfg.model.path or "<run dir>/base_model", run)]
+    rm = cfg.reward_model
+    if rm is not None:
+        sg = reward_rollout_config(r, rm).sglang
+        spec = SGLangSpec(rm.gpus_per_engine, sg.mem_fraction_static, False, cfg.seed, extra_args=tuple(sg.extra_args),
+                          deterministic=cfg.deterministic)  # fmt: skip
+        out.append(_group("reward engine", rm.backend, spec, rm.path or "<run dir>/reward_model", run))
+    t = cfg.teacher
+    if t is not None:
+        sg = teacher_rollout_config(r, t).sglang
+        spec = SGLangSpec(t.gpus_per_engine, sg.mem_fraction_static, False, cfg.seed, extra_args=tuple(sg.extra_args),
+                          deterministic=cfg.deterministic)  # fmt: skip
+        out.append(_group("teacher engine", t.backend, spec, t.path or "<run dir>/teacher", run))
+    if r.backend == "sglang" and r.sglang.router:  # as EngineSet.start decides
+        out.append(_router(run))
+    return "".join(out)
+
+
+def _line(cmd: list[str]) -> str:
+    return shlex.join(cmd).replace("'", "")  # the <...> placeholders unquoted
+
+
+def _group(name: str, backend: str, spec: Any, model: str, run: RunDir) -> str:
+    """One group's engine 0: an SGLang server (``spec``) or the CPU engine server."""
+    from rlhpc.engine_server.cpu.command import THREAD_DEFAULTS, server_command
+    from rlhpc.engine_server.sglang import engine_env, env_changes, launch_server_command, server_env
+
+    if backend == "sglang":
+        cmd = launch_server_command(
+            "python", model, NODE_IP, 0, 0, spec, f"<node rank 0 ip>:{FREE_PORT}" if spec.nnodes > 1 else None,
+            Path(f"{ENGINE_TMP}/sglang_key.yaml"),
+        )  # fmt: skip
+        for flag in ("--port", "--nccl-port"):
+            cmd[cmd.index(flag) + 1] = FREE_PORT
+        env = server_env(os.environ, spec, [ENGINE_GPUS])
+    else:
+        cmd = server_command(
+            "python", model, NODE_IP, f"{ENGINE_TMP}/ready.json", "<its Ray actor pid>", THREAD_DEFAULTS["OMP_NUM_THREADS"],
+            str(run.engine_key), spec.deterministic,
+        )  # fmt: skip
+        env = engine_env({**THREAD_DEFAULTS, **os.environ})
+    changes = " ".join(env_changes(os.environ, env))
+    return f"\n\n{name} 0's launch line (each {name}'s alike):\n  {_line(cmd)}\n  {ENV_NOTE}:\n    {changes}"
+
+
+def _router(run: RunDir) -> str:
+    from rlhpc.engine_server.sglang import router_command
+
+    cmd = router_command("python", ["<engine 0 url>", "..."], "127.0.0.1", 0, 0, run.engine_key)
+    cmd[cmd.index("--port") + 1] = cmd[cmd.index("--prometheus-port") + 1] = FREE_PORT
+    return f"\n\nthe router's launch line (on the driver's node):\n  {_line(cmd)}\n  {ENV_NOTE}: none"

@@ -11,8 +11,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from rlhpc.config import context_len
 from rlhpc.data.prompts import conversation_template
-from rlhpc.errors import RlhpcError
+from rlhpc.data.rows import Row, describe
+from rlhpc.errors import RlhpcError, user_code_error
 from rlhpc.rollout.tools import resolve_parser
 from rlhpc.rollout.trajectories import (
     EngineCalls,
@@ -33,9 +35,10 @@ class CustomRollout:
     kind: Literal["generate_fn", "agent"]
     spec: str
     fn: Callable
-    template: str | None = None  # the agent's chat template (data.chat_template)
+    template: str | None = None  # the agent's chat template (data.chat_template; None: none, completions only)
     template_name: str = ""
     parser: Callable[[str], Any] | None = None  # the agent's tool-call parser (rollout.tool_parser)
+    context_len: int | None = None  # the model's, for the agent endpoint's checks (None: unknown)
 
     @property
     def key(self) -> str:
@@ -60,8 +63,18 @@ def make_custom(cfg: Any, tokenizer: Any) -> CustomRollout | None:
         return CustomRollout("generate_fn", r.generate_fn, resolve_generate_fn(r.generate_fn))
     if r.agent is None:
         return None
-    template, name = conversation_template(cfg.data, tokenizer, f"rollout.agent = {r.agent}")
-    return CustomRollout("agent", r.agent, resolve_agent(r.agent), template, name, resolve_parser(r.tool_parser))
+    template, name = agent_template(cfg.data, tokenizer)
+    parser = resolve_parser(r.tool_parser)
+    return CustomRollout("agent", r.agent, resolve_agent(r.agent), template, name, parser, context_len(cfg))
+
+
+def agent_template(data: Any, tokenizer: Any) -> tuple[str | None, str]:
+    """(template, its name) an agent's chat messages are rendered with; None where the run has
+    none (``data.chat_template: none``, or ``auto`` and a tokenizer without one): the endpoint then
+    serves completions only."""
+    if data.chat_template == "none" or (data.chat_template == "auto" and not getattr(tokenizer, "chat_template", None)):
+        return None, ""
+    return conversation_template(data, tokenizer, "rollout.agent")
 
 
 async def _call_user(fn: Callable, *args: Any) -> Any:
@@ -77,7 +90,7 @@ def run_custom(
     tokenizer: Any,
     send: Send,
     num_engines: int,
-    rows: Sequence[dict],
+    rows: Sequence[Row],
     params: dict,
     call_seed: Callable[[int, int], int],
     episode_seed: Callable[[int], int],
@@ -87,21 +100,18 @@ def run_custom(
     calls go to engine ``k mod num_engines``, call t with seed ``call_seed(k, t)``."""
     calls = EngineCalls(send, num_engines)
     handles = [EngineHandle(calls, k, params, lambda t, k=k: call_seed(k, t), tokenizer) for k in range(len(rows))]
-    user_rows = [{**row, "episode_seed": episode_seed(k)} for k, row in enumerate(rows)]
+    user_rows = [row.with_seed(episode_seed(k)) for k, row in enumerate(rows)]
 
-    async def user(*args: Any) -> Any:
+    async def user(k: int, *args: Any) -> Any:
         try:
-            return await _call_user(custom.fn, *args)
+            return await _call_user(custom.fn, user_rows[k], *args)
         except (RlhpcError, GenerationAborted):
             raise
         except Exception as e:  # the user's code: named, with its traceback chained
-            raise RlhpcError(
-                f"{custom.key} {custom.spec} raised {type(e).__name__}: {e}",
-                "fix the function (the traceback above shows where it raised)",
-            ) from e
+            raise user_code_error(f"{custom.key} {custom.spec}", e, f"the episode of {describe(user_rows[k])}") from e
 
     async def generate_fn(k: int) -> EpisodeResult:
-        traj = await user(user_rows[k], handles[k])
+        traj = await user(k, handles[k])
         made = handles[k].calls
         segment = check_trajectory(custom.spec, traj, made)
         reward = None if traj.reward is None else float(traj.reward)
@@ -112,7 +122,7 @@ def run_custom(
     async def agent(k: int, endpoint: Any) -> EpisodeResult:
         key = endpoint.open(handles[k])
         try:
-            reward = await user(user_rows[k], endpoint.base_url, key)
+            reward = await user(k, endpoint.base_url, key)
         finally:
             transcript = endpoint.close(key)
         made = handles[k].calls
@@ -136,9 +146,12 @@ def run_custom(
         if custom.kind == "generate_fn":
             return list(await asyncio.gather(*(generate_fn(k) for k in range(len(rows)))))
         # late: only an agent run needs the HTTP server (uvicorn, fastapi) in the driver
-        from rlhpc.rollout.agent_endpoint import AgentEndpoint
+        from rlhpc.rollout.agent_endpoint import AgentEndpoint, limits_for
 
-        with AgentEndpoint(tokenizer, custom.template or "", custom.template_name, custom.parser) as endpoint:
+        with AgentEndpoint(
+            tokenizer, custom.template, custom.template_name, custom.parser, custom.context_len,
+            limits=limits_for(len(rows)),
+        ) as endpoint:  # fmt: skip
             return list(await asyncio.gather(*(agent(k, endpoint) for k in range(len(rows)))))
 
     return calls.run(main)

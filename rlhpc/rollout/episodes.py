@@ -3,14 +3,16 @@
 The interface (``docs/guides/multi-turn.md``): a class built with no arguments, one per episode, with
 
 - ``reset(row) -> list[dict]``: the first chat messages of the episode. ``row`` is the data row
-  (``prompt``, ``answer``, ...) plus ``episode_seed``, an int that is a pure function of (run
-  seed, rollout, sample): seed any randomness of the episode from it, and a rerun or a resume
-  replays the episode exactly.
+  as the file has it (``rlhpc.data.rows.Row``: every column, nested as in the file), with
+  rlhpc's forms as attributes (``row.messages``, ``row.label``, ``row.prompt_text``) and
+  ``row.episode_seed``, an int that is a pure function of (run seed, rollout, sample): seed any
+  randomness of the episode from it, and a rerun or a resume replays the episode exactly.
 - ``step(assistant_message: str) -> (observation: list[dict], reward: float, done: bool)``: the
   model's reply (the engine's detokenized text) in, the next messages out (usually one
   ``{"role": "user", ...}``), the turn's reward, and whether the episode is over.
 
-Either may be ``async def``. The sample's reward is the sum of the turns' rewards.
+Either may be ``async def``. The sample's reward is the sum of the turns' rewards. Either
+raising stops the job (``UserCodeError``, naming the method, the row and where it raised).
 
 With tools (``rollout.tools``, ``rlhpc.rollout.tools``) a reply that calls any goes to the tools,
 not to ``step``: their answers are the observation, the turn's reward 0, and the episode goes on.
@@ -33,6 +35,10 @@ tokenized (``Conversation.extend``). The episodes of a rollout take each turn to
 (``extend_all``): their chats are rendered in one ``apply_chat_template`` call and their tails
 tokenized in one tokenizer call, a text shared by several (the observation's, the generation
 prompt's) once; each chat's ids are those it gets alone.
+
+Every rendering goes through ``rlhpc.data.prompts``' one path: each message is marked once, when
+it comes (``mark``: the control tokens in its text, a tool answer's ``<|im_end|>`` say, are encoded
+as text), and the template's own tokens are the only control tokens an episode is given.
 """
 
 from __future__ import annotations
@@ -45,10 +51,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlhpc.config import Config, context_len
-from rlhpc.data.prompts import render_messages, render_texts, require_chat_template, with_system
-from rlhpc.errors import ConfigError, RlhpcError
-from rlhpc.rollout.tools import Tools, resolve_parser, resolve_tools
+from rlhpc.data.prompts import (
+    MARK_START,
+    controls,
+    encode_marked,
+    mark,
+    render_marked,
+    require_chat_template,
+    with_system,
+)
+from rlhpc.data.rows import Row, describe
+from rlhpc.errors import ConfigError, RlhpcError, UserCodeError, user_code_error
+from rlhpc.rollout.tools import Tools, resolve_parser, resolve_tools, warn_special_tags
 from rlhpc.util.imports import import_function
+from rlhpc.wire.tool_calls import markup_text
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +95,7 @@ def check_env(cfg: Config, env: str | None) -> None:
     if r.tools:
         resolve_tools(r.tools)
         resolve_parser(r.tool_parser)
+        warn_special_tags(cfg.model.path, "rollout.tools")
     require_chat_template(cfg.data, cfg.model.tiny, f"{key} {env}", "renders its episodes as chat messages")
     context = context_len(cfg)
     prompt = cfg.data.max_prompt_tokens or 1
@@ -106,14 +123,15 @@ def split_tokens(tokenizer: Any) -> tuple[str, ...]:
 
 def split_before(text: str, end: int, tokens: tuple[str, ...]) -> int:
     """The last offset at most ``end`` where one of ``tokens`` starts and lies whole within
-    ``text[:end]`` or starts at ``end``; -1 if none."""
-    return max((max(text.rfind(t, 0, end), end if text.startswith(t, end) else -1) for t in tokens), default=-1)
-
-
-def _encode_each(tokenizer: Any, texts: Sequence[str]) -> dict[str, list[int]]:
-    """Each distinct text of ``texts`` -> its ids (``encode_text``'s), in one tokenizer call."""
-    unique = list(dict.fromkeys(texts))
-    return dict(zip(unique, tokenizer(unique, add_special_tokens=False)["input_ids"])) if unique else {}
+    ``text[:end]`` or starts at ``end``; -1 if none. An occurrence marked as the messages' own text
+    (``prompts.mark``) is not one: only the template's tokens split a rendering."""
+    best = -1
+    for t in tokens:
+        at = end if text.startswith(t, end) else text.rfind(t, 0, end)
+        while at > 0 and text[at - 1] == MARK_START:
+            at = text.rfind(t, 0, at + len(t) - 1)
+        best = max(best, at)
+    return best
 
 
 class Conversation:
@@ -124,8 +142,12 @@ class Conversation:
     def __init__(
         self, tokenizer: Any, template: str, template_name: str, messages: list[dict], tools: list[dict] | None = None
     ):
-        text, ids = render_messages(tokenizer, template, list(messages), True, tools)
+        c = controls(tokenizer, template)
+        marked, marked_tools = mark(list(messages), c), mark(tools, c)
+        (text,) = render_marked(tokenizer, template, [marked], True, marked_tools)
+        ids = encode_marked(tokenizer, template, [text])[text]
         self._start(tokenizer, template, template_name, messages, tools, text, ids, split_tokens(tokenizer))
+        self._marked, self._marked_tools = marked, marked_tools
 
     def _start(
         self, tokenizer: Any, template: str, template_name: str, messages: list[dict], tools: list[dict] | None,
@@ -134,6 +156,10 @@ class Conversation:
         self.tokenizer, self.template, self.template_name = tokenizer, template, template_name
         self.tools = tools  # OpenAI tool schemas, rendered by the template every time (it lists them first)
         self.messages = list(messages)
+        # the messages and tools as the template is given them (prompts.mark: their control tokens
+        # marked as text), each marked once; the text as rendered from them
+        self._marked: list[dict] = []
+        self._marked_tools: list[dict] | None = None
         self._text, self.prompt_ids = text, ids
         self._rendered = self.prompt_ids  # the template's ids of the chat so far, generation prompt included
         self._split = split
@@ -146,11 +172,14 @@ class Conversation:
         """``Conversation(tokenizer, template, template_name, chat, tools)`` of each of ``chats``:
         the same ids, the chats rendered in one call and each distinct text tokenized once."""
         chats = [list(chat) for chat in chats]
-        texts = render_texts(tokenizer, template, chats, True, tools)
-        ids, split, out = _encode_each(tokenizer, texts), split_tokens(tokenizer), []
-        for chat, text in zip(chats, texts):
+        marks = controls(tokenizer, template)
+        marked, marked_tools = [mark(chat, marks) for chat in chats], mark(tools, marks)
+        texts = render_marked(tokenizer, template, marked, True, marked_tools)
+        ids, split, out = encode_marked(tokenizer, template, texts), split_tokens(tokenizer), []
+        for chat, m, text in zip(chats, marked, texts):
             c = cls.__new__(cls)
             c._start(tokenizer, template, template_name, chat, tools, text, list(ids[text]), split)
+            c._marked, c._marked_tools = m, marked_tools
             out.append(c)
         return out
 
@@ -189,7 +218,7 @@ class Conversation:
             )
 
     def _grow(
-        self, generated: Sequence[int], messages: list[dict], after_text: str,
+        self, generated: Sequence[int], messages: list[dict], marked: list[dict], after_text: str,
         content: list[int], closed: list[int], after: list[int],
     ) -> list[int]:  # fmt: skip
         before = self._rendered
@@ -204,7 +233,7 @@ class Conversation:
             for k in range(len(closing) + 1)
             if k <= len(generated) and list(generated[len(generated) - k :]) == closing[:k]
         )
-        self.messages, self._text, self._rendered = messages, after_text, after
+        self.messages, self._marked, self._text, self._rendered = messages, marked, after_text, after
         return closing[done:] + after[len(closed) :]
 
     def extend(self, generated: Sequence[int], reply: str, observation: list[dict]) -> list[int]:
@@ -232,23 +261,27 @@ def extend_all(
         c.tokenizer is not first.tokenizer or c.template != first.template or c.tools is not first.tools for c in chats
     ):
         return [extend_all([c], [g], [r], [o])[0] for c, g, r, o in zip(chats, generated, replies, observations)]
-    tok, template, tools = first.tokenizer, first.template, first.tools
-    closed_chats = [[*c.messages, {"role": "assistant", "content": r}] for c, r in zip(chats, replies)]
-    after_chats = [chat + observation for chat, observation in zip(closed_chats, observations)]
-    closed_texts = render_texts(tok, template, closed_chats, False, tools)
-    after_texts = render_texts(tok, template, after_chats, True, tools)
-    tails = [c._tail_texts(r, x, y) for c, r, x, y in zip(chats, replies, closed_texts, after_texts)]
-    ids = _encode_each(tok, [t for texts in tails if texts is not None for t in texts])
+    tok, template, tools = first.tokenizer, first.template, first._marked_tools
+    marks = controls(tok, template)
+    # only the new messages are marked (prompts.mark): the earlier ones were when they came
+    marked = [mark(r, marks) for r in replies]
+    closed_chats = [[*c._marked, {"role": "assistant", "content": r}] for c, r in zip(chats, marked)]
+    after_chats = [chat + mark(list(observation), marks) for chat, observation in zip(closed_chats, observations)]
+    closed_texts = render_marked(tok, template, closed_chats, False, tools)
+    after_texts = render_marked(tok, template, after_chats, True, tools)
+    tails = [c._tail_texts(r, x, y) for c, r, x, y in zip(chats, marked, closed_texts, after_texts)]
+    ids = encode_marked(tok, template, [t for texts in tails if texts is not None for t in texts])
     found = [c._from_tails(*(ids[t] for t in texts)) if texts is not None else None for c, texts in zip(chats, tails)]
     whole = [k for k, f in enumerate(found) if f is None]  # the fallback: the whole chats tokenized
-    ids.update(_encode_each(tok, [t for k in whole for t in (replies[k], closed_texts[k], after_texts[k])]))
+    ids.update(encode_marked(tok, template, [t for k in whole for t in (marked[k], closed_texts[k], after_texts[k])]))
     out = []
     for k, c in enumerate(chats):
         if found[k] is None:
             c.whole_tokenized += 1
-            found[k] = (ids[replies[k]], ids[closed_texts[k]], ids[after_texts[k]])
+            found[k] = (ids[marked[k]], ids[closed_texts[k]], ids[after_texts[k]])
         content, closed, after = found[k]
-        out.append(c._grow(generated[k], after_chats[k], after_texts[k], content, closed, after))
+        messages = [*c.messages, {"role": "assistant", "content": replies[k]}, *observations[k]]
+        out.append(c._grow(generated[k], messages, after_chats[k], after_texts[k], content, closed, after))
     return out
 
 
@@ -258,6 +291,7 @@ class Episode:
 
     env: Any
     conversation: Conversation
+    row: Row | None = None  # what it was reset with (for errors)
     response_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)
@@ -276,6 +310,10 @@ class Episode:
     def input_ids(self) -> list[int]:
         return self.conversation.prompt_ids + self.response_ids
 
+    def reply_ids(self) -> list[int]:
+        """The engine's tokens of the current turn's reply."""
+        return [t for t, m, u in zip(self.response_ids, self.loss_mask, self.turns) if m and u == self.turn]
+
     def add(self, ids: Sequence[int], logprobs: Sequence[float], versions: Sequence[int], generated: bool) -> None:
         self.response_ids += ids
         self.logprobs += logprobs if generated else [0.0] * len(ids)
@@ -284,14 +322,35 @@ class Episode:
         self.versions += versions
 
 
-def _call(loop: asyncio.AbstractEventLoop, fns: list[Callable[[], Any]]) -> list[Any]:
-    """Call each of ``fns``; those that return awaitables run concurrently on ``loop``."""
-    results = [fn() for fn in fns]
+Failed = Callable[[int, Exception], UserCodeError]  # (index of the call, what it raised) -> the error
+
+
+def _call(loop: asyncio.AbstractEventLoop, fns: list[Callable[[], Any]], failed: Failed) -> list[Any]:
+    """Call each of ``fns`` (the user's code); those that return awaitables run concurrently on
+    ``loop``. One that raises is ``failed(i, error)``, raised."""
+
+    def guarded(i: int, fn: Callable[[], Any]) -> Any:
+        try:
+            return fn()
+        except RlhpcError:
+            raise
+        except Exception as e:
+            raise failed(i, e) from e
+
+    async def awaited(i: int, result: Any) -> Any:
+        try:
+            return await result
+        except RlhpcError:
+            raise
+        except Exception as e:
+            raise failed(i, e) from e
+
+    results = [guarded(i, fn) for i, fn in enumerate(fns)]
     waiting = [i for i, r in enumerate(results) if inspect.isawaitable(r)]
     if waiting:
 
         async def gather() -> list[Any]:
-            return await asyncio.gather(*(results[i] for i in waiting))
+            return await asyncio.gather(*(awaited(i, results[i]) for i in waiting))
 
         for i, r in zip(waiting, loop.run_until_complete(gather())):
             results[i] = r
@@ -317,8 +376,8 @@ class ChatEnv:
     a user message) opens the episode, and the first reply without tool calls ends it, scored
     afterwards by ``data.reward`` (``EpisodeConfig.score_replies``)."""
 
-    def reset(self, row: dict) -> list[dict]:
-        return list(row.get("messages") or [{"role": "user", "content": row["prompt"]}])
+    def reset(self, row: Row) -> list[dict]:
+        return list(row.messages)
 
     def step(self, reply: str) -> tuple[list[dict], float, bool]:
         return [], 0.0, True
@@ -338,16 +397,26 @@ class EpisodeConfig:
     tools: Tools | None = None
     score_replies: bool = False  # ChatEnv: data.reward scores each episode's last reply
 
-    def start(self, tokenizer: Any, row: dict, episode_seed: int, loop: asyncio.AbstractEventLoop) -> Episode:
+    def start(self, tokenizer: Any, row: Row, episode_seed: int, loop: asyncio.AbstractEventLoop) -> Episode:
         return self.start_all(tokenizer, [(row, episode_seed)], loop)[0]
 
-    def start_all(self, tokenizer: Any, rows: list[tuple[dict, int]], loop: asyncio.AbstractEventLoop) -> list[Episode]:
+    def _failed(self, method: str, rows: Sequence[Row | None]) -> Failed:
+        return lambda i, e: user_code_error(f"the environment {self.spec}'s {method}", e, _episode_of(rows[i]))
+
+    def start_all(self, tokenizer: Any, rows: list[tuple[Row, int]], loop: asyncio.AbstractEventLoop) -> list[Episode]:
         """An episode of each (row, episode seed) of ``rows``, its environment reset, their first
         prompts rendered together (``Conversation.start_all``)."""
-        envs, chats = [], []
+        envs, chats, seeded = [], [], []
         for row, episode_seed in rows:
-            env = self.env_cls()
-            (messages,) = _call(loop, [lambda e=env, r=row, s=episode_seed: e.reset({**r, "episode_seed": s})])
+            row = row.with_seed(episode_seed)
+            seeded.append(row)
+            try:
+                env = self.env_cls()
+            except Exception as e:
+                raise user_code_error(
+                    f"the environment {self.spec} (built with no arguments)", e, _episode_of(row)
+                ) from e
+            (messages,) = _call(loop, [lambda e=env, r=row: e.reset(r)], self._failed("reset", [row]))
             if not isinstance(messages, list) or not messages:
                 raise RlhpcError(
                     f"the environment {self.spec}'s reset returned {str(messages)[:200]}, not a list of chat messages",
@@ -357,17 +426,23 @@ class EpisodeConfig:
             chats.append(with_system(messages, self.system_prompt))
         schemas = self.tools.schemas if self.tools is not None else None
         conversations = Conversation.start_all(tokenizer, self.template, self.template_name, chats, schemas)
-        return [Episode(env, c) for env, c in zip(envs, conversations)]
+        return [Episode(env, c, row) for env, c, row in zip(envs, conversations, seeded)]
 
     def step(self, episodes: list[Episode], replies: list[str], loop: asyncio.AbstractEventLoop) -> list[tuple]:
         """Each episode's (observation, reward, done) after its reply: the tools' answers where the
         reply calls tools (every episode's calls run at once), ``env.step``'s elsewhere."""
         for e, r in zip(episodes, replies):
             e.texts.append(r)
-        calls = [self.tools.calls(r) if self.tools is not None else [] for r in replies]
+        # the calls read from the reply's tokens with special tokens kept (markup_text): where
+        # <tool_call> is a special token, the engine's text (what step gets) has no markup left
+        calls = [self._calls(e, markup_text(e.conversation.tokenizer, e.reply_ids())) for e in episodes]
         to_env = [i for i, c in enumerate(calls) if not c]
         results: list[tuple] = [()] * len(episodes)
-        stepped = _call(loop, [lambda e=episodes[i], r=replies[i]: e.env.step(r) for i in to_env])
+        stepped = _call(
+            loop,
+            [lambda e=episodes[i], r=replies[i]: e.env.step(r) for i in to_env],
+            self._failed("step", [episodes[i].row for i in to_env]),
+        )
         for i, result in zip(to_env, stepped):
             results[i] = _observation(self.spec, result)
         to_tools = [i for i, c in enumerate(calls) if c]
@@ -381,6 +456,22 @@ class EpisodeConfig:
                 )  # fmt: skip
                 results[i] = (messages, 0.0, False)
         return results
+
+    def _calls(self, episode: Episode, reply: str) -> list:
+        """The tool calls in ``reply`` (none without tools); the parser raising is its error."""
+        if self.tools is None:
+            return []
+        try:
+            return self.tools.calls(reply)
+        except RlhpcError:
+            raise
+        except Exception as e:
+            on = f"the reply {reply[:80]!r} in {_episode_of(episode.row)}"
+            raise user_code_error(f"the tool parser {getattr(self.tools.parser, '__qualname__', '')}", e, on) from e
+
+
+def _episode_of(row: Row | None) -> str:
+    return f"the episode of {describe(row)}" if row is not None else "an episode"
 
 
 def make_episodes(cfg: Any, tokenizer: Any) -> EpisodeConfig | None:

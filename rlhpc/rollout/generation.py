@@ -24,8 +24,9 @@ from rlhpc.algo.pass_at_k import pass_metrics
 from rlhpc.batch import RolloutBatch
 from rlhpc.data.dynamic_sampling import Group, GroupFilter, resolve_filter
 from rlhpc.data.prompts import encode_rows
+from rlhpc.data.rows import Row, as_rows
 from rlhpc.data.tasks import TASKS, RewardFn, resolve_reward
-from rlhpc.errors import RlhpcError
+from rlhpc.errors import RlhpcError, user_code_error
 from rlhpc.rollout.custom import CustomRollout, run_custom
 from rlhpc.rollout.scoring import MixedScorer, PooledReward, RemoteReward, Sample, Scorer, is_remote
 from rlhpc.wire.protocol import finish_reason, token_versions, weight_version
@@ -96,13 +97,13 @@ def one_batch(client: Generates) -> Send:
     return send
 
 
-def _samples(rows: list[dict], n: int, row_of: Sequence[int], outputs: Sequence[dict]) -> list[Sample]:
+def _samples(rows: list[Row], n: int, row_of: Sequence[int], outputs: Sequence[dict]) -> list[Sample]:
     """What the reward reads of each output: ``outputs[k]`` answers row ``row_of[k]``."""
     return [
         Sample(
-            prompt=rows[i]["prompt"], response=out["text"], label=rows[i]["answer"],
-            response_ids=list(out["output_ids"]), messages=rows[i].get("messages"),
-            metadata=rows[i].get("metadata", {}), finish_reason=finish_reason(out["meta_info"]),
+            prompt=rows[i].prompt_text, response=out["text"], label=rows[i].label,
+            response_ids=list(out["output_ids"]), messages=rows[i].messages if rows[i].is_chat else None,
+            row=rows[i], finish_reason=finish_reason(out["meta_info"]),
         )
         for i, out in zip(row_of, outputs)
     ]  # fmt: skip
@@ -273,7 +274,7 @@ class Generation:
 
     def sample(
         self,
-        rows: list[dict],
+        rows: list[Row],
         n: int,
         temperature: float,
         max_new_tokens: int,
@@ -288,6 +289,7 @@ class Generation:
         rerun sends exactly the same batches and gets the same tokens.
         """
         params = params or {}
+        rows = as_rows(rows)
         if self.custom is not None:
             return self._sample_custom(rows, n, temperature, max_new_tokens, seed_tag, desc, params)
         if self.episodes is not None:
@@ -363,7 +365,7 @@ class Generation:
 
     def _sample_episodes(
         self,
-        rows: list[dict],
+        rows: list[Row],
         n: int,
         temperature: float,
         max_new_tokens: int,
@@ -454,7 +456,7 @@ class Generation:
         texts = {
             "prompt": [decode(e.conversation.prompt_ids) for e in episodes],
             "response": [decode(e.response_ids) for e in episodes],  # the transcript, template tokens and all
-            "answer": [rows[k // n]["answer"] for k in range(total)],
+            "answer": [rows[k // n].label for k in range(total)],
         }
         parts: dict[str, list[float]] = {}
         if ep.score_replies:  # tools without an environment: data.reward scores the last reply
@@ -467,7 +469,7 @@ class Generation:
                 [
                     Sample(
                         prompt=texts["prompt"][k], response=e.texts[-1], label=texts["answer"][k],
-                        response_ids=e.response_ids, messages=chats[k], metadata=rows[k // n].get("metadata", {}),
+                        response_ids=e.response_ids, messages=chats[k], row=rows[k // n],
                         finish_reason="length" if e.truncated else "stop",
                     )
                     for k, e in enumerate(episodes)
@@ -500,7 +502,7 @@ class Generation:
 
     def _sample_custom(
         self,
-        rows: list[dict],
+        rows: list[Row],
         n: int,
         temperature: float,
         max_new_tokens: int,
@@ -535,8 +537,8 @@ class Generation:
                 [
                     Sample(
                         prompt=decode(results[k].segments[0].prompt_ids), response=results[k].reply,
-                        label=rows[k // n]["answer"], response_ids=results[k].segments[-1].response_ids,
-                        messages=results[k].messages, metadata=rows[k // n].get("metadata", {}),
+                        label=rows[k // n].label, response_ids=results[k].segments[-1].response_ids,
+                        messages=results[k].messages, row=rows[k // n],
                         finish_reason=results[k].finish,
                     )
                     for k in unscored
@@ -551,7 +553,7 @@ class Generation:
         texts = {
             "prompt": [decode(seg.prompt_ids) for _, seg in samples],
             "response": [decode(seg.response_ids) for _, seg in samples],  # the transcript, template tokens and all
-            "answer": [rows[k // n]["answer"] for k, _ in samples],
+            "answer": [rows[k // n].label for k, _ in samples],
         }
         return Samples(
             [seg.prompt_ids for _, seg in samples], [seg.response_ids for _, seg in samples],
@@ -639,6 +641,18 @@ class Generation:
         masks = [[0] * len(m) if c else m for m, c in zip(masks, cut)]
         return masks, {"overlong/filtered": float(sum(cut))}
 
+    def _keep(self, group: Group) -> bool:
+        """The dynamic-sampling filter's verdict on ``group``; the filter raising is its error."""
+        assert self.group_filter is not None
+        try:
+            return bool(self.group_filter(group))
+        except RlhpcError:
+            raise
+        except Exception as e:
+            spec = self.rollout_cfg.dynamic_sampling.filter
+            on = f"the group of prompt {group.prompt[-80:]!r} (label {group.answer[:40]!r})"
+            raise user_code_error(f"the sampling filter {spec}", e, on) from e
+
     def _filtered(self, rollout_id: int, rows: list[dict], more_rows: MoreRows) -> tuple[Samples, dict[str, float]]:
         """Dynamic sampling: rounds of ``over_sampling_batch_size`` prompts (the first: the rollout's
         own rows, then extra ones) until ``len(rows)`` groups pass the filter, at most ``max_rounds``;
@@ -656,7 +670,7 @@ class Generation:
             tag = rollout_id if rounds == 0 else f"{rollout_id}/{rounds}"
             desc = f"rollout {rollout_id} round {rounds}"
             s = self.sample(round_rows, n, r.temperature, r.max_new_tokens, tag, desc, self.train_params)
-            verdicts = [bool(self.group_filter(s.group(g, n))) for g in range(len(round_rows))]
+            verdicts = [self._keep(s.group(g, n)) for g in range(len(round_rows))]
             keep = [g for g, v in enumerate(verdicts) if v]
             kept.append(s.groups(n, keep))
             dropped.append(s.groups(n, [g for g, v in enumerate(verdicts) if not v]))

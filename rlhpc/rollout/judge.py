@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from rlhpc.config import RewardModelConfig
+from rlhpc.data.prompts import encode_untrusted, render_chat
 from rlhpc.errors import RlhpcError
 from rlhpc.rollout.scoring import Sample
 from rlhpc.util.imports import import_function
@@ -73,11 +74,12 @@ def resolve_judge(rm: RewardModelConfig) -> tuple[JudgePrompt, JudgeParse]:
 
 def render(tokenizer: Any, messages: list[dict]) -> list[int]:
     """The judge's input ids: its chat template with the generation prompt, or (a tokenizer
-    without one) the messages' contents one after the other, with the tokenizer's special tokens."""
+    without one) the messages' contents one after the other, with the tokenizer's special tokens;
+    control tokens in the messages' text (the policy's response) stay text."""
     if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"])  # the template writes its own
-    return list(tokenizer("\n\n".join(str(m["content"]) for m in messages))["input_ids"])
+        # the one rendering path: the response inside the question cannot forge the judge's turns
+        return render_chat(tokenizer, tokenizer.get_chat_template(), messages, add_generation_prompt=True)[1]
+    return encode_untrusted(tokenizer, "", "\n\n".join(str(m["content"]) for m in messages))
 
 
 class Judge:

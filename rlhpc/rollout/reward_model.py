@@ -5,7 +5,8 @@ a restarted engine serves the model on disk as the others do), each serving a
 ``*ForSequenceClassification`` model through SGLang's ``/classify`` (SGLang: ``--is-embedding``;
 the CPU engine server: the same route). A sample is the conversation ``prompt`` + ``response``
 rendered with the reward model's own chat template when its tokenizer has one (else the plain
-text, tokenized with the tokenizer's special tokens), tokenized here, so the engine scores
+text, tokenized with the tokenizer's special tokens), tokenized here (``data.prompts.render_chat``:
+control tokens the policy writes as text stay text), so the engine scores
 exactly the ids a test can give ``transformers``; the score is the model's first label at the
 last token.
 
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rlhpc.config import RewardModelConfig, RolloutConfig, SGLangConfig
+from rlhpc.data.prompts import encode_untrusted, render_chat
 from rlhpc.rollout.engines import EnginePool
 from rlhpc.rollout.scoring import Sample
 from rlhpc.schedule import BusyClock
@@ -66,11 +68,14 @@ def start_reward_engines(
     layout: Layout,
     log_dir: Path,
     stop: StopCheck | None = None,
+    deterministic: bool = False,
 ) -> EnginePool:
-    """The reward engines on ``layout.reward_slots``, up and answering /health."""
+    """The reward engines on ``layout.reward_slots``, up and answering /health (``deterministic``:
+    a judge's seeded samples are the same on rerun)."""
     return EnginePool.start(
-        reward_rollout_config(rollout, rm), cluster, seed, model_path, placement, layout, log_dir, stop, frozen=True
-    )
+        reward_rollout_config(rollout, rm), cluster, seed, model_path, placement, layout, log_dir, stop, frozen=True,
+        deterministic=deterministic,
+    )  # fmt: skip
 
 
 def render(tokenizer: Any, sample: Sample) -> list[int]:
@@ -82,9 +87,10 @@ def render(tokenizer: Any, sample: Sample) -> list[int]:
             [dict(m) for m in sample.messages] if sample.messages else [{"role": "user", "content": sample.prompt}]
         )
         messages.append({"role": "assistant", "content": sample.response})
-        text = tokenizer.apply_chat_template(messages, tokenize=False)
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"])  # the template writes its own
-    return list(tokenizer(sample.prompt + sample.response)["input_ids"])
+        # the one rendering path: a response that writes the template's control tokens as text
+        # gets them as text, so it cannot forge a turn in what the reward model reads
+        return render_chat(tokenizer, tokenizer.get_chat_template(), messages, add_generation_prompt=False)[1]
+    return encode_untrusted(tokenizer, sample.prompt, sample.response)
 
 
 class RewardModel:

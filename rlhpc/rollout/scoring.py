@@ -1,14 +1,21 @@
 """Scoring samples with the user's reward, on the driver.
 
-A reward is either form, told apart by its signature:
+A reward is one of three forms, told apart by its signature (``reward_form``):
 
 - ``reward(sample: Sample) -> float | dict``: everything about the sample (prompt text and chat
-  messages, response text and ids, label, the data row's other fields, finish reason);
-- ``reward(prompt, response, answer) -> float | dict``: the older form, unchanged.
+  messages, response text and ids, label, the data row as the file has it, finish reason);
+- ``reward(prompt, response, answer) -> float | dict``: the older form, unchanged;
+- verl's ``compute_score(data_source, solution_str, ground_truth, extra_info=None)``, told by
+  its parameter names and called with them: the row's ``data_source`` and ``extra_info``
+  columns, the response, the label. (verl's per-dataset ``compute_score(solution_str,
+  ground_truth)`` is the same form without the row's columns.)
 
 A dict reward (``{"score": 1.0, "format": 0.5}``) trains on ``score`` and logs every part as
-``reward/<part>``. A reward that raises is one error naming the function and the sample, or,
-with ``data.reward_errors: zero``, scores 0 and is counted (``reward/errors``).
+``reward/<part>``. A reward that raises is one error naming the function, the sample and
+where it raised, which stops the job for good (``UserCodeError``: the same code would fail the
+same way after a restart); with ``data.reward_errors: zero`` the sample scores 0 instead and is
+counted (``reward/errors``). A grader elsewhere (a URL) that fails is an outside service's
+fault: ``RewardError``, which the job requeues on like a crash.
 """
 
 from __future__ import annotations
@@ -24,19 +31,24 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
-from rlhpc.errors import ConfigError, RlhpcError
+from rlhpc.errors import ConfigError, RlhpcError, user_code_error
 
 if TYPE_CHECKING:
     from rlhpc.config import DataConfig
 
-SIGNATURES = "reward(sample) or reward(prompt, response, answer), returning a float or a dict with 'score'"
+SIGNATURES = (
+    "reward(sample), reward(prompt, response, answer), or verl's compute_score(data_source, solution_str, "
+    "ground_truth, extra_info=None), returning a float or a dict with 'score'"
+)
+VERL_NAMES = ("solution_str", "ground_truth")  # verl's reward parameters: the form is told by them
+RewardForm = Literal["sample", "prompt", "verl"]
 
 
 class RewardError(RlhpcError):
-    # A grader may fail for a moment (a remote one, a resource): the job requeues on it as on a
-    # crash (checkpoint.requeue_on_failure), and a grader failing every time ends held.
+    # A grader elsewhere (data.reward: a URL) may fail for a moment: the job requeues on it as on
+    # a crash (checkpoint.requeue_on_failure), and a grader failing every time ends held.
     transient = True
 
 
@@ -49,12 +61,16 @@ class Sample:
     label: str
     response_ids: list[int] = field(default_factory=list)
     messages: list[dict] | None = None  # a chat prompt's messages
-    metadata: dict = field(default_factory=dict)  # the data row's other fields
+    row: dict = field(default_factory=dict)  # the data row as the file has it (rlhpc.data.rows.Row)
     finish_reason: str | None = None  # "stop", "length" or "abort"
 
     @property
     def answer(self) -> str:  # the older form's name for the label
         return self.label
+
+    @property
+    def metadata(self) -> dict:  # the older name of the row
+        return self.row
 
     @property
     def response_length(self) -> int:
@@ -73,20 +89,54 @@ def batched(fn: Callable) -> Callable:
     return fn
 
 
-def takes_sample(fn: Callable, spec: str) -> bool:
-    """Which form ``fn`` is: True for ``reward(sample)``; any other signature is an error."""
+def reward_form(fn: Callable, spec: str) -> RewardForm:
+    """Which form ``fn`` is (module doc); a signature of none of them is refused, naming them."""
     try:
         params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):  # a builtin without a signature: assume the older form
-        return False
+        return "prompt"
+    names = {p.name for p in params}
+    if all(n in names for n in VERL_NAMES):
+        return "verl"
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     required = [p for p in positional if p.default is p.empty]
     varargs = any(p.kind == p.VAR_POSITIONAL for p in params)
     if len(required) == 1 and len(positional) < 3 and not varargs:
-        return True
+        return "sample"
     if len(required) <= 3 and (len(positional) >= 3 or varargs):
-        return False
-    raise ConfigError(f"data.reward = {spec!r} takes {len(required)} arguments", f"write {SIGNATURES}")
+        return "prompt"
+    said = ", ".join(p.name for p in params) or "no arguments"
+    raise ConfigError(
+        f"data.reward = {spec!r} takes ({said}), which is none of the reward forms", f"write {SIGNATURES}"
+    )
+
+
+def takes_sample(fn: Callable, spec: str) -> bool:
+    """True for ``reward(sample)``; a signature of no form is an error (``reward_form``)."""
+    return reward_form(fn, spec) == "sample"
+
+
+def call_reward(fn: Callable, form: RewardForm, s: Sample) -> Any:
+    """``fn`` (a reward of ``form``) on one sample."""
+    if form == "sample":
+        return fn(s)
+    if form == "prompt":
+        return fn(s.prompt, s.response, s.label)
+    return fn(**_verl_arguments(fn, s))
+
+
+def _verl_arguments(fn: Callable, s: Sample) -> dict[str, Any]:
+    """verl's keyword arguments of one sample, those ``fn`` takes: the row's ``data_source`` and
+    ``extra_info`` columns (None where the file has none), the response, the label."""
+    params = inspect.signature(fn).parameters
+    takes_any = any(p.kind == p.VAR_KEYWORD for p in params.values())
+    given = {
+        "data_source": s.row.get("data_source"),
+        "solution_str": s.response,
+        "ground_truth": s.label,
+        "extra_info": s.row.get("extra_info"),
+    }
+    return {k: v for k, v in given.items() if k in params or takes_any}
 
 
 def is_remote(spec: str) -> bool:
@@ -105,7 +155,7 @@ def check_reward(data: DataConfig) -> None:
     elif data.reward is not None:
         fn = _import_reward(data.reward)
         if not is_batched(fn):
-            takes_sample(fn, data.reward)  # either form, or the signature is refused
+            reward_form(fn, data.reward)  # one of the forms, or the signature is refused
         elif data.reward_workers:
             raise ConfigError(
                 f"data.reward {data.reward} scores whole batches, which data.reward_workers does not split over processes",
@@ -116,7 +166,8 @@ def check_reward(data: DataConfig) -> None:
 class RemoteReward:
     """A grader that lives elsewhere: ``data.reward: http://host:port/path``. Each sample is one
     POST of its fields as JSON (``prompt``, ``messages``, ``response``, ``response_ids``,
-    ``label``, ``metadata``, ``finish_reason``); the answer is a number or a dict with ``score``
+    ``label``, ``row``, ``metadata`` (the row again, its older name), ``finish_reason``); the
+    answer is a number or a dict with ``score``
     (a dict reward). Each call is bounded by ``timeout_s`` and not retried past it; a refused
     connection or a 5xx is retried ``retries`` times with backoff; ``concurrency`` calls run at once. The key,
     if any, is read from a file and sent as ``Authorization: Bearer``, never logged."""
@@ -138,8 +189,8 @@ class RemoteReward:
     def __call__(self, sample: Sample) -> float | dict:
         body = {
             "prompt": sample.prompt, "messages": sample.messages, "response": sample.response,
-            "response_ids": sample.response_ids, "label": sample.label, "metadata": sample.metadata,
-            "finish_reason": sample.finish_reason,
+            "response_ids": sample.response_ids, "label": sample.label, "row": sample.row,
+            "metadata": sample.row, "finish_reason": sample.finish_reason,
         }  # fmt: skip
         resp = self.http.request("POST", self.url, body=json.dumps(body, default=str), headers=self.headers)
         if resp.status != 200:
@@ -155,7 +206,7 @@ class PooledReward:
 
     def __init__(self, spec: str, workers: int, timeout_s: float):
         self.spec, self.workers, self.timeout_s = spec, workers, timeout_s
-        self.sample_form = takes_sample(_import_reward(spec), spec)
+        self.form = reward_form(_import_reward(spec), spec)
         self._pool = None
 
     def _start(self):
@@ -171,7 +222,7 @@ class PooledReward:
         while len(out) < len(samples):
             pool = self._pool or self._start()
             rest = samples[len(out) :]
-            pending = [pool.apply_async(_worker_call, (s, self.sample_form)) for s in rest]
+            pending = [pool.apply_async(_worker_call, (s, self.form)) for s in rest]
             for r in pending:
                 try:
                     out.append((r.get(self.timeout_s), None))
@@ -204,9 +255,9 @@ def _worker_init(spec: str) -> None:
     _WORKER_FN = _import_reward(spec)
 
 
-def _worker_call(s: Sample, sample_form: bool) -> Any:
+def _worker_call(s: Sample, form: RewardForm) -> Any:
     assert _WORKER_FN is not None
-    return _WORKER_FN(s) if sample_form else _WORKER_FN(s.prompt, s.response, s.label)
+    return call_reward(_WORKER_FN, form, s)
 
 
 class Scorer:
@@ -216,15 +267,18 @@ class Scorer:
     def __init__(self, fn: Callable | PooledReward, spec: str, errors: str = "raise"):
         self.fn, self.spec, self.errors = fn, spec, errors
         self.batched = not isinstance(fn, PooledReward | RemoteReward) and is_batched(fn)
+        self.form: RewardForm
         if isinstance(fn, PooledReward):
-            self.sample_form = fn.sample_form
+            self.form = fn.form
+        elif isinstance(fn, RemoteReward) or self.batched:
+            self.form = "sample"
         else:
-            self.sample_form = isinstance(fn, RemoteReward) or self.batched or takes_sample(fn, spec)
+            self.form = reward_form(fn, spec)
         self.concurrency = fn.concurrency if isinstance(fn, RemoteReward) else 1
 
     def _call(self, s: Sample) -> tuple[Any, BaseException | None]:
         try:
-            return (self.fn(s) if self.sample_form else self.fn(s.prompt, s.response, s.label)), None
+            return call_reward(self.fn, self.form, s), None
         except RlhpcError:
             raise
         except Exception as e:
@@ -233,13 +287,18 @@ class Scorer:
     def _one(self, s: Sample, value: Any, error: BaseException | None) -> tuple[float, dict[str, float], float]:
         """(score, other parts, 1.0 if the reward failed)."""
         if error is None:
-            return (*self._read(value), 0.0)
+            try:
+                return (*self._read(value), 0.0)
+            except (TypeError, ValueError) as e:  # a value that is no number: the reward's bug
+                error = e
         if self.errors != "zero":
-            raise RewardError(
-                f"the reward {self.spec} raised {type(error).__name__}: {error} on the sample with prompt "
-                f"{s.prompt[:80]!r} and response {s.response[:80]!r}",
-                "fix the reward, or set data.reward_errors: zero to score such samples 0 and count them",
-            ) from error
+            fix = "fix the reward, or set data.reward_errors: zero to score such samples 0 and count them"
+            on = f"the sample with prompt {s.prompt[-80:]!r}, label {s.label[:40]!r} and response {s.response[:80]!r}"
+            if isinstance(self.fn, RemoteReward):  # an outside service: the job may requeue on it
+                raise RewardError(
+                    f"the reward {self.spec} raised {type(error).__name__}: {error} on {on}", fix
+                ) from error
+            raise user_code_error(f"the reward {self.spec}", error, on, fix)
         return 0.0, {}, 1.0
 
     def _batch(self, samples: list[Sample]) -> list[tuple[Any, BaseException | None]]:

@@ -48,11 +48,12 @@ def start_teacher_engines(
     layout: Layout,
     log_dir: Path,
     stop: StopCheck | None = None,
+    deterministic: bool = False,
 ) -> EnginePool:
     """The teacher engines on ``layout.teacher_slots``, up and answering /health."""
     return EnginePool.start(
         teacher_rollout_config(rollout, t), cluster, seed, model_path, placement, layout, log_dir, stop,
-        frozen=True, role="teacher",
+        frozen=True, role="teacher", deterministic=deterministic,
     )  # fmt: skip
 
 

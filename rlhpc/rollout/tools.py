@@ -22,10 +22,11 @@ import types
 import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 from rlhpc.errors import ConfigError, RlhpcError
-from rlhpc.wire.tool_calls import ParsedCall, ParsedOutput
+from rlhpc.wire.tool_calls import ParsedCall, ParsedOutput, special_tags
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +124,41 @@ def resolve_parser(spec: str, key: str = "rollout.tool_parser") -> Callable[[str
     if not callable(fn):
         raise ConfigError(f"{key} = {spec!r} is not callable", "point it at a function of the reply's text")
     return fn
+
+
+def warn_special_tags(model_path: str | None, user: str) -> list[str]:
+    """At submit, for a run whose model calls tools (``user``: the key that makes it so): where the
+    model's tokenizer makes the ``<tool_call>`` tags special tokens, a warning that text decoded
+    without special tokens loses them. rlhpc reads calls with them kept (``tool_calls.markup_text``);
+    what an environment's ``step``, a reward, or an agent reading calls out of a reply's content
+    get is the engine's text, which holds none. The tags found (none: no warning)."""
+    tags = special_tags(_added_tokens(Path(model_path))) if model_path and Path(model_path).is_dir() else []
+    if tags:
+        log.warning(
+            "%s: %s %s special tokens of the model's tokenizer (%s). rlhpc reads tool calls with special tokens "
+            "kept, but text decoded without them has no %s: an environment's step and a reward get such text, and "
+            "so does an agent that reads calls out of a reply's content: offer the tools in its requests (tools=...) "
+            "and read message.tool_calls instead",
+            user, " and ".join(tags), "is" if len(tags) == 1 else "are", model_path, tags[0],
+        )  # fmt: skip
+    return tags
+
+
+def _added_tokens(model_dir: Path) -> dict[str, bool]:
+    """A saved tokenizer's added tokens (content -> special), from its files (no tokenizer loaded)."""
+    added: dict[str, bool] = {}
+    try:
+        fast = json.loads((model_dir / "tokenizer.json").read_text())
+        added.update({t["content"]: bool(t.get("special")) for t in fast.get("added_tokens", [])})
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    try:
+        config = json.loads((model_dir / "tokenizer_config.json").read_text())
+        for t in (config.get("added_tokens_decoder") or {}).values():
+            added[t["content"]] = added.get(t["content"], False) or bool(t.get("special"))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass
+    return added
 
 
 @dataclass

@@ -31,8 +31,8 @@ from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from rlhpc.data.prompts import require_chat_template
 from rlhpc.errors import ConfigError, RlhpcError
+from rlhpc.rollout.tools import warn_special_tags
 from rlhpc.util.imports import import_function
 
 if TYPE_CHECKING:
@@ -378,8 +378,7 @@ def resolve_agent(spec: str, key: str = "rollout.agent") -> Callable:
 
 
 def check_custom(cfg: Config, env: str | None) -> None:
-    """A run with a generate function or an agent: one way in only, importable, and (the agent)
-    a chat template to render its messages with."""
+    """A run with a generate function or an agent: one way in only, importable."""
     r = cfg.rollout
     if r.generate_fn is not None and r.agent is not None:
         raise ConfigError(
@@ -403,5 +402,5 @@ def check_custom(cfg: Config, env: str | None) -> None:
     if r.generate_fn is not None:
         resolve_generate_fn(r.generate_fn)
         return
-    resolve_agent(spec)
-    require_chat_template(cfg.data, cfg.model.tiny, f"rollout.agent = {spec}", "talks in chat messages")
+    resolve_agent(spec)  # no chat template needed: without one, the agent's endpoint serves /v1/completions
+    warn_special_tags(cfg.model.path, f"rollout.agent = {spec}")

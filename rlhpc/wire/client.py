@@ -31,7 +31,7 @@ class EngineUnavailable(RlhpcError):
 # ------------------------------------------------------------------ connections
 
 # A node that loses power sends no reset: a request to it would wait out its whole read timeout
-# (600 s for a generation), deaf to the node-loss check. TCP keepalive probes an idle connection
+# (minutes for a generation), deaf to the node-loss check. TCP keepalive probes an idle connection
 # every few seconds, and a user timeout bounds unacknowledged sends, so the kernel gives up on a
 # silent peer in ~15 s while a busy but live server (its kernel answers the probes) is waited for.
 CONNECT_TIMEOUT_S = 10.0

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 
 class OpenAIRoute:
@@ -21,6 +21,18 @@ class OpenAIRoute:
     MODELS = "/v1/models"
     COMPLETIONS = "/v1/completions"
     CHAT_COMPLETIONS = "/v1/chat/completions"
+
+    @classmethod
+    def all(cls) -> dict[str, str]:
+        return {k: v for k, v in vars(cls).items() if k.isupper() and isinstance(v, str)}
+
+
+class HarnessRoute:
+    """SGLang's other routes that agent harnesses speak (``http_server.py``): OpenAI's Responses
+    API and Anthropic's Messages API. rlhpc's agent endpoint serves them; the CPU engine does not."""
+
+    RESPONSES = "/v1/responses"
+    MESSAGES = "/v1/messages"
 
     @classmethod
     def all(cls) -> dict[str, str]:
@@ -72,6 +84,41 @@ class ChatCompletionRequest(_Request):
     return_meta_info: bool = False  # the native meta_info per choice (per-token weight versions)
 
 
+class ResponsesRequest(BaseModel):
+    """OpenAI's Responses API request (SGLang's ``ResponsesRequest``), the fields rlhpc's agent
+    endpoint reads; the others are checked by ``unsupported_fields`` against ``RESPONSES_NO_EFFECT``."""
+
+    model_config = ConfigDict(extra="allow")
+
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    model: str | None = None
+    previous_response_id: str | None = None
+    stream: bool | None = False
+    temperature: float | None = None
+    top_p: float | None = None
+    tool_choice: str | dict[str, Any] = "auto"
+    tools: list[dict[str, Any]] = Field(default_factory=list)
+    stop: str | list[str] | None = None  # SGLang's extension
+
+
+# Responses fields taken at any value (they change no token: bookkeeping) or only at the values
+# that change nothing.
+RESPONSES_ANY = frozenset({"store", "metadata", "user", "service_tier", "parallel_tool_calls"})
+RESPONSES_NO_EFFECT: dict[str, tuple[Any, ...]] = {
+    "background": (False, None),
+    "include": (None, []),
+    "max_tool_calls": (None,),
+    "reasoning": (None,),
+    "text": (None, {"format": {"type": "text"}}),
+    "top_logprobs": (0, None),
+    "truncation": ("disabled", None),
+    "frequency_penalty": (0, 0.0),
+    "presence_penalty": (0, 0.0),
+}
+
+
 # SGLang fields accepted only at the values that leave the output as it is.
 NO_EFFECT: dict[str, tuple[Any, ...]] = {
     "frequency_penalty": (0, 0.0, None),
@@ -113,7 +160,11 @@ DELTA_FIELDS = frozenset({"role", "content", "tool_calls"})
 STREAM_CHOICE_FIELDS = frozenset({"index", "delta", "text", "logprobs", "finish_reason", "matched_stop"})
 
 
-def unsupported_fields(req: _Request) -> list[str]:
-    """The body's fields the CPU engine neither uses nor may ignore, as ``name=value``."""
+def unsupported_fields(req: BaseModel) -> list[str]:
+    """The body's fields the server neither uses nor may ignore, as ``name=value``."""
     extra = req.model_extra or {}
-    return [f"{k}={v!r}" for k, v in extra.items() if k not in NO_EFFECT or v not in NO_EFFECT[k]]
+    if isinstance(req, ResponsesRequest):
+        allowed, anything = RESPONSES_NO_EFFECT, RESPONSES_ANY
+    else:
+        allowed, anything = NO_EFFECT, frozenset()
+    return [f"{k}={v!r}" for k, v in extra.items() if k not in anything and (k not in allowed or v not in allowed[k])]

@@ -17,7 +17,7 @@ from typing import Any
 SGLANG_VERSION = "0.5.23"  # the release these names are pinned against (Makefile downloads its wheel)
 
 SGLANG_GROUP_NAME = "weight_update_group"  # SGLang's default weight-update group name
-MEMORY_TAGS = ("weights", "kv_cache")  # release/resume_memory_occupation tags
+MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")  # release/resume_memory_occupation tags (None: all)
 PAUSE_MODES = ("abort", "retract", "in_place")
 WEIGHT_VERSION_SPAN_KEYS = ("version", "start", "end")  # one entry of meta_info["weight_versions"]
 WEIGHT_UPDATE_SELECTORS = ("target", "draft", "all")  # which model runners a weight-update session opens

@@ -12,6 +12,11 @@ is still read (the output hit its length or a stop string); a call to a function
 not offer is dropped (with ``tool_names`` None every call is kept: an episode's tools answer an
 unknown name with an error observation instead). If any block is not valid JSON nothing is parsed, and the whole text stays
 content, so a caller never acts on half a call.
+
+The text a parser reads must keep special tokens (``markup_text``): ``<tool_call>`` is a special
+token of some tokenizers, and a text decoded without them (the engine's ``text``, what an
+environment's ``step`` and a reward read) holds no call. SGLang decodes with special tokens
+whenever a request offers tools for the same reason.
 """
 
 from __future__ import annotations
@@ -19,7 +24,9 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 log = logging.getLogger("rlhpc.tool_calls")
 
@@ -65,3 +72,24 @@ def _call(call: dict, tool_names: set[str] | None) -> list[ParsedCall]:
         return []
     arguments = call.get("parameters") or call.get("arguments", {})
     return [ParsedCall(name, json.dumps(arguments, ensure_ascii=False))]
+
+
+def markup_text(tokenizer: Any, output_ids: Sequence[int], matched: int | None = None) -> str:
+    """The text of an engine's ``output_ids`` as a tool-call parser must read it: special tokens
+    kept, the stop token that ended the output dropped, as SGLang's detokenizer drops it
+    (``matched``: that token's id; None: the last token, where it is a special one)."""
+    ids = list(output_ids)
+    if ids and (ids[-1] == matched if matched is not None else is_special(tokenizer, ids[-1])):
+        ids = ids[:-1]
+    return tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def is_special(tokenizer: Any, token: int) -> bool:
+    added = tokenizer.added_tokens_decoder.get(int(token))
+    return bool(added is not None and added.special)
+
+
+def special_tags(added_tokens: dict[str, bool]) -> list[str]:
+    """The Hermes tags among a tokenizer's added tokens (content -> special) that are special tokens:
+    what a text decoded without special tokens loses."""
+    return [tag for tag in (OPEN, CLOSE) if added_tokens.get(tag)]

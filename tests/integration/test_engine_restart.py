@@ -105,7 +105,9 @@ def groups(cfg: Config, model_path: str, log_dir: Path) -> Iterator[tuple[ActorG
     layout = plan_layout(cfg.cluster)
     placement = create_placement(layout.num_slots)
     actor = ActorGroup(ActorSpec.from_config(cfg), model_path, placement, layout.actor_slots, cfg.cluster.colocate)
-    engines = EnginePool.start(cfg.rollout, cfg.cluster, cfg.seed, model_path, placement, layout, log_dir)
+    engines = EnginePool.start(
+        cfg.rollout, cfg.cluster, cfg.seed, model_path, placement, layout, log_dir, deterministic=cfg.deterministic
+    )
     generation = Generation(
         load_tokenizer(model_path), task_reward(cfg.data), cfg.rollout, cfg.eval, cfg.algo, cfg.seed,
         send=engines.generate, num_engines=len(layout.engine_slots),

@@ -27,6 +27,7 @@ def run(tmp_path_factory):
         "data.reward=support.rewards:odd_or_even", "eval.sets.toy.file=null",
         f"eval.sets.file.file={tmp}/file.jsonl", "eval.sets.file.prompt_key=q", "eval.sets.file.label_key=sol",
         "eval.sets.file.n_samples_per_prompt=2", "eval.sets.file.temperature=1.0",
+        "deterministic=true",  # the sampled set's seeds honoured: rlhpc-eval gives the same numbers
         env={SCORED_ENV: str(tmp / "scored.jsonl")},
     )  # fmt: skip
     assert p.returncode == 0, said(p)
@@ -37,17 +38,18 @@ def test_each_set_is_logged_at_start_every_interval_and_the_end(run):
     evals = [r for r in read_metrics(run) if r["kind"] == "eval"]
     assert [r["rollout_id"] for r in evals] == [-1, 0, 1]
     for r in evals:
-        assert {"toy/mean", "toy/pass@1", "file/mean", "file/pass@1", "file/pass@2", "file/maj@2"} <= set(r)
-        assert "reward" not in r  # no default set beside named ones
-        assert r["toy/pass@1"] == r["toy/mean"]  # one greedy sample, a 0/1 reward
+        names = {"toy/mean", "toy/pass@1", "file/mean", "file/pass@1", "file/pass@2", "file/maj@2"}
+        assert {f"eval/{n}" for n in names} <= set(r)  # named as the reference names them
+        assert "eval/reward" not in r  # no default set beside named ones
+        assert r["eval/toy/pass@1"] == r["eval/toy/mean"]  # one greedy sample, a 0/1 reward
     # the file set's pass@k and maj@2 at each evaluation, from the samples its reward scored
     samples = scored(run.parent / "scored.jsonl", set="file")
     assert len(samples) == 3 * 12 * 2  # three evaluations of 12 prompts x 2 samples, one after the other
     for i, r in enumerate(evals):
         expected, (maj_low, maj_high) = pass_at_k_by_hand(samples[24 * i : 24 * (i + 1)], 2)
-        assert {k: r[f"file/{k}"] for k in expected} == pytest.approx(expected, abs=1e-9)
-        assert maj_low - 1e-9 <= r["file/maj@2"] <= maj_high + 1e-9
-    assert any(0 < r["file/pass@1"] < r["file/pass@2"] < 1 for r in evals)  # something to count
+        assert {k: r[f"eval/file/{k}"] for k in expected} == pytest.approx(expected, abs=1e-9)
+        assert maj_low - 1e-9 <= r["eval/file/maj@2"] <= maj_high + 1e-9
+    assert any(0 < r["eval/file/pass@1"] < r["eval/file/pass@2"] < 1 for r in evals)  # something to count
 
 
 def test_rlhpc_eval_of_a_checkpoint_equals_what_the_run_logged(run):
@@ -58,9 +60,9 @@ def test_rlhpc_eval_of_a_checkpoint_equals_what_the_run_logged(run):
     written = json.loads((run / "evals" / "rollout_000000.json").read_text())
     logged = next(r for r in read_metrics(run) if r["kind"] == "eval" and r["rollout_id"] == 0)
     assert written["rollout_id"] == 0
-    # greedy on the same weights: identical; sampled with the same per-sample seeds: identical too
+    # greedy on the same weights: identical; sampled with the same per-sample seeds (deterministic): identical too
     assert written["metrics"] == {k: v for k, v in logged.items() if k not in ("kind", "rollout_id")}
-    assert f"toy/mean {logged['toy/mean']:.4f}" in said(p)
+    assert f"eval/toy/mean {logged['eval/toy/mean']:.4f}" in said(p)
 
 
 def test_rlhpc_eval_refuses_a_missing_run_or_checkpoint(run, tmp_path):

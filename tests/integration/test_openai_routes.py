@@ -30,7 +30,10 @@ def model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture(scope="module")
 def server(model_path: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    proc, url, _ = start_server(model_path, tmp_path_factory.mktemp("srv"), "engine")
+    # deterministic, as in a `deterministic: true` run: the seeded tests need their seeds honoured
+    proc, url, _ = start_server(
+        model_path, tmp_path_factory.mktemp("srv"), "engine", ["--enable-deterministic-inference"]
+    )
     yield url
     stop_server(proc)
 
@@ -228,6 +231,25 @@ def test_chat_with_tools_passes_them_to_the_template_and_stays_plain_without_mar
     assert r.usage.prompt_tokens > plain.usage.prompt_tokens + 10
     # the tiny random model writes no <tool_call> markup: the output is content (parsing: unit tests)
     assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_with_tools_offered_the_output_keeps_special_tokens_as_sglangs_does(model_path: str) -> None:
+    """Issue 42 item 4: where <tool_call> is a special token, an output decoded without special
+    tokens holds no call; SGLang decodes with them whenever tools are offered (pinned against its
+    serving_chat in tests/unit/test_sglang_protocol.py), and so does the CPU engine."""
+    from rlhpc.engine_server.cpu.openai_routes import _chat
+    from rlhpc.engine_server.cpu.runner import Engine
+
+    engine = Engine(model_path, "default")
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    chat = [{"role": "user", "content": "hi"}]
+    offered, _ = _chat(engine, OP.ChatCompletionRequest(messages=chat, tools=tools, max_tokens=2))
+    assert [it.skip_special_tokens for it in offered] == [False]
+    for req in (
+        OP.ChatCompletionRequest(messages=chat),
+        OP.ChatCompletionRequest(messages=chat, tools=tools, tool_choice="none"),
+    ):
+        assert [it.skip_special_tokens for it in _chat(engine, req)[0]] == [True]
 
 
 def test_streaming_chunks_end_with_done(oai: openai.OpenAI, server: str) -> None:

@@ -6,7 +6,9 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -242,18 +244,49 @@ def test_sigkill_during_a_checkpoint_write_resumes_from_the_previous_one(uninter
     assert final_weights(run) == final_weights(uninterrupted)
 
 
+class FlakyGrader(BaseHTTPRequestHandler):
+    """A grader that lives elsewhere (data.reward: URL): exact answers, until the file ``down``
+    names exists; then every call is answered 503, as a service that went down."""
+
+    down: Path
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if type(self).down.exists():
+            self.send_response(503)
+            self.end_headers()
+            return
+        out = json.dumps({"score": float(body["response"].startswith(body["label"]))}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(out)))
+        self.end_headers()
+        self.wfile.write(out)
+
+    def log_message(self, *args):
+        pass
+
+
 def test_restart_loop_is_held_with_a_message(tmp_path):
+    """An infrastructure fault (a grader elsewhere that stays down) keeps its restarts: the job
+    requeues itself until its restart policy holds it as a restart loop."""
     run = tmp_path / "run"
-    crash = tmp_path / "crash-now"
-    env = {"PYTHONPATH": f"{REPO / 'tests'}:{os.environ.get('PYTHONPATH', '')}", "RLHPC_TEST_CRASH_FILE": str(crash)}
-    proc = start(
-        run, "rollout.num_rollout=40", "checkpoint.save_interval=2", "data.reward=support.crashy_reward:reward",
-        "checkpoint.max_starts_without_progress=1", env=env,
-    )  # fmt: skip
-    wait_for(lambda: (run / "checkpoints" / "latest").is_file(), proc)
-    crash.write_text("")  # from now on every generation crashes: the resumed job fails at once
-    os.kill(task_pid(run), signal.SIGUSR2)
-    out, _ = proc.communicate(timeout=300)
+    FlakyGrader.down = tmp_path / "grader-down"
+    server = ThreadingHTTPServer(("127.0.0.1", 0), FlakyGrader, bind_and_activate=False)
+    server.request_queue_size = 64  # the job's calls come at once: a backlog of 5 would reset some
+    server.server_bind()
+    server.server_activate()
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        proc = start(
+            run, "rollout.num_rollout=40", "checkpoint.save_interval=2",
+            f"data.reward=http://127.0.0.1:{server.server_address[1]}/score", "checkpoint.max_starts_without_progress=1",
+        )  # fmt: skip
+        wait_for(lambda: (run / "checkpoints" / "latest").is_file(), proc)
+        FlakyGrader.down.write_text("")  # from now on every generation fails: the resumed job fails at once
+        os.kill(task_pid(run), signal.SIGUSR2)
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        server.shutdown()
     assert proc.returncode == 2, out[-4000:]
     said = " ".join(out.split())  # unwrap rich lines
     assert "no rollout was trained in between (a restart loop)" in said
@@ -262,9 +295,33 @@ def test_restart_loop_is_held_with_a_message(tmp_path):
     # one good start, then two starts at the same rollout (max_starts_without_progress = 1): the second is refused
     assert len({h["next_rollout_id"] for h in history[1:]}) == 1 and len(history) == 3
     assert json.loads((run / "restarts.jsonl").read_text().splitlines()[-1])["restart_count"] == 2
-    assert "the reward support.crashy_reward:reward raised RuntimeError: simulated crash" in said  # and on what
+    assert "/score raised MaxRetryError" in said and "503" in said  # and on what
     shown = subprocess.run([sys.executable, str(REPO / "jobs" / "status.py"), str(run)], capture_output=True, text=True)
     assert shown.returncode == 0, shown.stderr
     shown = " ".join(shown.stdout.split())
     assert "ended HELD (job" in shown and "no rollout was trained in between (a restart loop)" in shown
     assert "starts 3 (" in shown
+
+
+def test_a_reward_that_raises_stops_the_job_at_once(tmp_path):
+    """The user's own code raising is the user's error, not a fault to retry: the job stops at
+    its first start, exit status non-zero, one error naming the function, the sample and the
+    line it raised at; the status says why (before: three restarts, then held as a restart loop)."""
+    run = tmp_path / "run"
+    crash = tmp_path / "crash-now"
+    crash.write_text("")
+    env = {"PYTHONPATH": f"{REPO / 'tests'}:{os.environ.get('PYTHONPATH', '')}", "RLHPC_TEST_CRASH_FILE": str(crash)}
+    p = subprocess.run(
+        command(run, "rollout.num_rollout=4", "data.reward=support.crashy_reward:reward"), cwd=REPO,
+        capture_output=True, text=True, timeout=300, env={**os.environ, **env},
+    )  # fmt: skip
+    out = p.stdout + p.stderr
+    assert p.returncode == 2, out[-4000:]
+    said = " ".join(out.split())
+    error = "the reward support.crashy_reward:reward raised RuntimeError: simulated crash after resume on the sample"
+    assert error in said and "crashy_reward.py:" in said and "in reward `raise RuntimeError(" in said
+    assert "restarting" not in said and "restart loop" not in said
+    assert len(read_history(run)) == 1  # one start, no requeue
+    shown = subprocess.run([sys.executable, str(REPO / "jobs" / "status.py"), str(run)], capture_output=True, text=True)
+    shown = " ".join(shown.stdout.split())
+    assert "ended FAILED (job" in shown and error in shown and "starts 1 (" in shown

@@ -196,7 +196,7 @@ def test_reward_engines_score_overlapped_and_a_killed_one_is_restarted(tmp_path,
                 engines.connect_weights(None)
 
             policy = build_tiny_model(tmp_path / "policy", TinyModelConfig())
-            engine = Engine(str(policy), "default")
+            engine = Engine(str(policy), "default", deterministic=True)  # seeded: each run samples alike
             rows = [{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(8)]
             rm = RewardModel(engines, tok, batch_size=64)
 

@@ -183,6 +183,28 @@ def test_node_whose_ray_cannot_start_fails_clearly(minicluster, tmp_path):
     assert no_ray_left(job_id)
 
 
+def test_a_reward_that_raises_fails_the_job_at_once_without_a_requeue(minicluster, tmp_path):
+    """The user's own reward raising (issue 42): the job ends FAILED at its first start, with the
+    default checkpoint.requeue_on_failure, never requeued or held; --follow and the status say why."""
+    run, crash = tmp_path / "run", tmp_path / "crash-now"
+    crash.write_text("")
+    env = {"PYTHONPATH": f"{REPO / 'tests'}:{os.environ.get('PYTHONPATH', '')}", "RLHPC_TEST_CRASH_FILE": str(crash)}
+    p = submit_slurm(
+        run, "--time", "15", *SMALL, "--nodes", "1", "--gpus-per-node", "2",
+        "--set", "data.reward=support.crashy_reward:reward", "--follow", env=env, timeout=400,
+    )  # fmt: skip
+    error = "the reward support.crashy_reward:reward raised RuntimeError: simulated crash after resume on the sample"
+    assert p.returncode == 2 and error in said(p), said(p)[-3000:]
+    job_id = (run / "slurm_job_id").read_text().strip()
+    assert wait_gone(job_id) == "FAILED"
+    info = subprocess.run(["scontrol", "show", "job", job_id, "-o"], capture_output=True, text=True).stdout
+    assert "Restarts=0" in info or not info  # never requeued (forgotten already: nothing to read)
+    assert len((run / "restarts.jsonl").read_text().splitlines()) == 1
+    shown = subprocess.run([sys.executable, str(REPO / "jobs" / "status.py"), str(run)], capture_output=True, text=True)
+    assert "ended FAILED" in shown.stdout and error in " ".join(shown.stdout.split()), shown.stdout
+    assert no_ray_left(job_id)
+
+
 def test_a_run_dir_with_a_live_job_is_refused_and_following_a_held_job_returns(minicluster, tmp_path):
     run = tmp_path / "run"
     small = ["--nodes", "1", "--gpus-per-node", "2"]

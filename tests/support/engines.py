@@ -25,11 +25,16 @@ def key_file(work: Path, name: str) -> Path:
 
 
 def start_server(
-    model_path: str, work: Path, name: str, extra_args: list[str] | None = None, key_path: Path | None = None
+    model_path: str,
+    work: Path,
+    name: str,
+    extra_args: list[str] | None = None,
+    key_path: Path | None = None,
+    env: dict[str, str] | None = None,
 ) -> tuple[subprocess.Popen, str, Path]:
     """Start a CPU engine server on port 0 that requires a fresh engine key (``key_file``, and
     ``engine_client(url)`` sends it), or the one in ``key_path`` (engines of one pool share a key);
-    return (process, url, ready file)."""
+    return (process, url, ready file). ``env``: its environment (default: this one's)."""
     ready = work / f"{name}.ready.json"
     key_path = key_path or key_file(work, name)
     key = new_key(key_path) if key_path == key_file(work, name) else key_path.read_text().strip()
@@ -40,7 +45,7 @@ def start_server(
         + ["--api-key-file", str(key_path), *(extra_args or [])],
         stdout=log,
         stderr=subprocess.STDOUT,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        env={**(os.environ if env is None else env), "OMP_NUM_THREADS": "1"},
     )
     deadline = time.monotonic() + 60
     while not ready.exists():

@@ -14,3 +14,8 @@ def slow_on_seven(sample) -> float:
 def pid(prompt: str, response: str, answer: str) -> dict:
     """The older form, saying which process scored it."""
     return {"score": float(response == answer), "pid": float(os.getpid())}
+
+
+def raises(sample) -> float:
+    """A grader with a bug: it raises on every sample."""
+    return {"7": 1.0}[sample.label]  # KeyError on any other label

@@ -1,5 +1,5 @@
-"""A reward as a user moving from verl writes it: one ``Sample``, the row's metadata read, a dict
-returned (``data.reward: support.rewards:graded``)."""
+"""A reward as a user moving from verl writes it: one ``Sample``, the row's own column read, a
+dict returned (``data.reward: support.rewards:graded``)."""
 
 import json
 import os
@@ -28,7 +28,7 @@ def graded(sample) -> dict:
     record(sample, exact(sample.prompt, sample.response, sample.label))
     return {
         "score": exact(sample.prompt, sample.response, sample.label),
-        "from_metadata": float(sample.metadata.get("data_source") == "toy"),  # the row's own field
+        "from_metadata": float(sample.row.get("data_source") == "toy"),  # the row's own column
         "chat": float(sample.messages is not None and sample.messages[0]["role"] == "user"),
         "stopped": float(sample.finish_reason in ("stop", "length")),
     }

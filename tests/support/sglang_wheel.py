@@ -90,7 +90,10 @@ class NotLiteral:
 def _default(value: ast.expr | None) -> Any:
     if value is None:
         return None
-    if isinstance(value, ast.Call) and getattr(value.func, "id", None) == "field":  # dataclasses.field(...)
+    if isinstance(value, ast.Call) and getattr(value.func, "id", None) in (
+        "field",
+        "Field",
+    ):  # dataclasses', pydantic's
         for kw in value.keywords:
             if kw.arg == "default":
                 return _default(kw.value)
@@ -104,8 +107,8 @@ def _default(value: ast.expr | None) -> Any:
 def _required(value: ast.expr | None) -> bool:
     if value is None:
         return True
-    if isinstance(value, ast.Call) and getattr(value.func, "id", None) == "field":
-        return not any(kw.arg in ("default", "default_factory") for kw in value.keywords)
+    if isinstance(value, ast.Call) and getattr(value.func, "id", None) in ("field", "Field"):
+        return not value.args and not any(kw.arg in ("default", "default_factory") for kw in value.keywords)
     return False
 
 
@@ -416,7 +419,31 @@ OPENAI_PROTOCOL = "sglang/srt/entrypoints/openai/protocol.py"
 def openai_models() -> dict[str, dict[str, Field]]:
     """Pydantic model name -> its fields (own and inherited from models of the same module), in
     ``entrypoints/openai/protocol.py``; private attributes (``_name``) are no fields."""
-    classes = _classes(OPENAI_PROTOCOL)
+    return _pydantic_models(OPENAI_PROTOCOL)
+
+
+ANTHROPIC_PROTOCOL = "sglang/srt/entrypoints/anthropic/protocol.py"
+ANTHROPIC_SERVING = "sglang/srt/entrypoints/anthropic/serving.py"
+OPENAI_SERVING_CHAT = "sglang/srt/entrypoints/openai/serving_chat.py"
+DETOKENIZER = "sglang/srt/managers/detokenizer_manager.py"
+
+
+@functools.cache
+def anthropic_models() -> dict[str, dict[str, Field]]:
+    """The same for ``entrypoints/anthropic/protocol.py`` (SGLang's Anthropic Messages API)."""
+    return _pydantic_models(ANTHROPIC_PROTOCOL)
+
+
+def module_constant(path: str, name: str) -> Any:
+    """A module-level literal assignment of ``path`` (e.g. a dict of strings)."""
+    for node in _tree(path).body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
+            return ast.literal_eval(node.value)
+    raise KeyError(f"{path} assigns no {name}")
+
+
+def _pydantic_models(path: str) -> dict[str, dict[str, Field]]:
+    classes = _classes(path)
 
     def fields_of(name: str, inherited: bool) -> dict[str, Field]:
         out: dict[str, Field] = {}
@@ -430,7 +457,7 @@ def openai_models() -> dict[str, dict[str, Field]]:
                 and not stmt.target.id.startswith("_")
             ):
                 n = stmt.target.id
-                out[n] = Field(n, stmt.value is None, _default(stmt.value), inherited)
+                out[n] = Field(n, _required(stmt.value), _default(stmt.value), inherited)
         return out
 
     return {name: fields_of(name, False) for name in classes}
@@ -471,3 +498,302 @@ def qwen3_moe_skips_stacked_experts() -> bool:
         isinstance(n, ast.If) and ast.unparse(n.test) == "'mlp.experts' in name" and isinstance(n.body[0], ast.Continue)
         for n in ast.walk(load)
     )
+
+
+# ------------------------------------------------------------------ strict behaviours (issue 40)
+# What SGLang does where it is strict, read from its sources: the CPU engine does the same, and
+# tests/unit/test_sglang_strict.py compares both, so a new pin shows what changed.
+
+ENVIRON = "sglang/srt/environ.py"
+COMMON = "sglang/srt/utils/common.py"
+CONSTANTS = "sglang/srt/constants.py"
+SAMPLER = "sglang/srt/layers/sampler.py"
+SAMPLING_BATCH_INFO = "sglang/srt/sampling/sampling_batch_info.py"
+MODEL_RUNNER = "sglang/srt/model_executor/model_runner.py"
+SCHEDULER = "sglang/srt/managers/scheduler.py"
+BOOTSTRAP = "sglang/srt/distributed/bootstrap.py"
+OVERRIDES = "sglang/srt/arg_groups/overrides.py"
+ATTENTION_HOOK = "sglang/srt/arg_groups/attention_hook.py"
+CHOICES = "sglang/srt/arg_groups/choices.py"
+
+
+def _function(path: str, name: str) -> ast.FunctionDef | ast.AsyncFunctionDef:
+    """The first function (or method) called ``name`` in ``path``."""
+    for n in ast.walk(_tree(path)):
+        if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef) and n.name == name:
+            return n
+    raise AssertionError(f"{name} not found in {path}")
+
+
+def _calls(node: ast.AST) -> list[ast.Call]:
+    return [n for n in ast.walk(node) if isinstance(n, ast.Call)]
+
+
+def env_field(name: str) -> tuple[str, Any]:
+    """``(kind, default)`` of an ``Envs`` field in environ.py: ``X = EnvBool(True)`` -> ("EnvBool", True)."""
+    for stmt in _classes(ENVIRON)["Envs"].body:
+        if isinstance(stmt, ast.Assign) and any(getattr(t, "id", None) == name for t in stmt.targets):
+            call = stmt.value
+            return _call_name(call.func), ast.literal_eval(call.args[0])
+    raise AssertionError(f"{name} is no Envs field in {ENVIRON}")
+
+
+def env_bool_values() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The strings ``EnvBool.parse`` reads as true, and as false."""
+    parse = next(s for s in _classes(ENVIRON)["EnvBool"].body if isinstance(s, ast.FunctionDef) and s.name == "parse")
+    found: dict[bool, tuple[str, ...]] = {}
+    for n in ast.walk(parse):
+        if isinstance(n, ast.If) and isinstance(n.test, ast.Compare) and isinstance(n.body[0], ast.Return):
+            found[ast.literal_eval(n.body[0].value)] = tuple(ast.literal_eval(n.test.comparators[0]))
+    return found[True], found[False]
+
+
+def bool_env_var_rule() -> tuple[str, tuple[str, ...], tuple[str, ...]]:
+    """``get_bool_env_var``'s default, and the strings it reads as true and as false."""
+    fn = _function(COMMON, "get_bool_env_var")
+    default = ast.literal_eval(fn.args.defaults[-1])
+    values = {
+        t.id: ast.literal_eval(s.value)
+        for s in ast.walk(fn)
+        if isinstance(s, ast.Assign)
+        for t in s.targets
+        if isinstance(t, ast.Name) and t.id in ("truthy_values", "falsy_values")
+    }
+    return default, values["truthy_values"], values["falsy_values"]
+
+
+def module_constant_call(path: str, name: str) -> str:
+    """The expression a module-level constant is assigned (``X = get_bool_env_var("X")``), unparsed."""
+    for stmt in _tree(path).body:
+        if isinstance(stmt, ast.Assign) and any(getattr(t, "id", None) == name for t in stmt.targets):
+            return ast.unparse(stmt.value)
+    raise AssertionError(f"no module-level {name} in {path}")
+
+
+@dataclass(frozen=True)
+class HealthCheck:
+    """SGLang's /health handler."""
+
+    paths: frozenset[str]  # the routes it serves
+    switch: str  # the Envs field that, off, makes /health answer 200 without generating
+    sampling_params: dict  # of the generation it runs
+    input_ids: list[int]
+    poll_s: float  # how often it looks for progress
+    timeout: str  # the constant it waits for progress up to
+    answers: frozenset[int]  # the status codes it answers
+
+
+@functools.cache
+def health_check() -> HealthCheck:
+    fn = _function(HTTP_SERVER, "health_generate")
+    paths = frozenset(ast.literal_eval(d.args[0]) for d in fn.decorator_list if isinstance(d, ast.Call))
+    # the `if not envs.X.get() and request.url.path == "/health": return 200` that skips the generation
+    skip = next(
+        n for n in ast.walk(fn) if isinstance(n, ast.If) and "request.url.path == '/health'" in ast.unparse(n.test)
+    )
+    switch = next(
+        n.operand.func.value.attr
+        for n in ast.walk(skip.test)
+        if isinstance(n, ast.UnaryOp) and isinstance(n.op, ast.Not) and ast.unparse(n.operand).startswith("envs.")
+    )
+    params = next(
+        ast.literal_eval(s.value)
+        for s in ast.walk(fn)
+        if isinstance(s, ast.Assign) and getattr(s.targets[0], "id", None) == "sampling_params"
+    )
+    gri = next(c for c in _calls(fn) if _call_name(c.func) == "GenerateReqInput")
+    input_ids = next(ast.literal_eval(k.value) for k in gri.keywords if k.arg == "input_ids")
+    sleep = next(c for c in _calls(fn) if ast.unparse(c.func) == "asyncio.sleep")
+    loop = next(n for n in ast.walk(fn) if isinstance(n, ast.While))
+    timeout = ast.unparse(loop.test.comparators[0]).split("+")[-1].strip()
+    answers = frozenset(
+        ast.literal_eval(k.value) for c in _calls(fn) if _call_name(c.func) == "Response" for k in c.keywords
+    )
+    return HealthCheck(paths, switch, params, input_ids, ast.literal_eval(sleep.args[0]), timeout, answers)
+
+
+def getenv_default(path: str, constant: str) -> tuple[str, Any]:
+    """``(env name, default)`` of a module constant read as ``int(os.getenv("NAME", default))``."""
+    call = next(
+        c for c in _calls(ast.parse(module_constant_call(path, constant))) if ast.unparse(c.func) == "os.getenv"
+    )
+    return ast.literal_eval(call.args[0]), ast.literal_eval(call.args[1])
+
+
+def offload_tag_calls(function: str) -> frozenset[str]:
+    """The methods a scheduler memory function calls on its set of released tags (``self.offload_tags``)."""
+    fn = _functions(SCHEDULER_WEIGHT_UPDATER)[function]
+    return frozenset(
+        c.func.attr
+        for c in _calls(fn)
+        if isinstance(c.func, ast.Attribute) and ast.unparse(c.func.value) == "self.offload_tags"
+    )
+
+
+def reads_released_tags(function: str) -> bool:
+    """Does a scheduler memory function look at which tags are released (``tag in self.offload_tags``)?"""
+    fn = _functions(SCHEDULER_WEIGHT_UPDATER)[function]
+    return any(
+        isinstance(n, ast.Compare) and any(ast.unparse(c) == "self.offload_tags" for c in n.comparators)
+        for n in ast.walk(fn)
+    )
+
+
+def memory_saver_calls(function: str) -> frozenset[str]:
+    """What a scheduler memory function asks of torch_memory_saver (``self.memory_saver_adapter.X``)."""
+    fn = _functions(SCHEDULER_WEIGHT_UPDATER)[function]
+    return frozenset(
+        c.func.attr
+        for c in _calls(fn)
+        if isinstance(c.func, ast.Attribute) and ast.unparse(c.func.value) == "self.memory_saver_adapter"
+    )
+
+
+def all_memory_tags() -> tuple[str, ...]:
+    """``GPU_MEMORY_ALL_TYPES``: what release/resume with no tags covers."""
+    consts = {
+        t.id: s.value
+        for s in _tree(CONSTANTS).body
+        if isinstance(s, ast.Assign)
+        for t in s.targets
+        if isinstance(t, ast.Name)
+    }
+    return tuple(ast.literal_eval(consts[e.id]) for e in consts["GPU_MEMORY_ALL_TYPES"].elts)
+
+
+def scheduler_exception_signal() -> str:
+    """The signal a scheduler process sends its parent (the HTTP server) when it raises."""
+    fn = _function(SCHEDULER, "run_scheduler_process")
+    handler = next(h for n in ast.walk(fn) if isinstance(n, ast.Try) for h in n.handlers)
+    call = next(c for c in _calls(handler) if _call_name(c.func) == "send_signal")
+    return ast.unparse(call.args[0]).removeprefix("signal.")
+
+
+def sigquit_handler_calls() -> frozenset[str]:
+    """What the HTTP server does on that signal (``SignalHandler.running_phase_sigquit_handler``)."""
+    fn = _method(TOKENIZER_MANAGER, "SignalHandler", "running_phase_sigquit_handler")
+    return frozenset(_call_name(c.func) for c in _calls(fn))
+
+
+@dataclass(frozen=True)
+class SeedRule:
+    """How a request's ``sampling_seed`` reaches the sampler."""
+
+    gate: str  # the condition under which seeds are used at all
+    gate_source: str  # where that condition comes from
+    unseeded: int  # the seed of a request without one, when seeds are used
+
+
+@functools.cache
+def seed_rule() -> SeedRule:
+    fn = _function(SAMPLING_BATCH_INFO, "from_schedule_batch")
+    assign = next(
+        s for s in ast.walk(fn) if isinstance(s, ast.Assign) and getattr(s.targets[0], "id", None) == "sampling_seed"
+    )
+    ifexp = assign.value
+    inner = next(n for n in ast.walk(ifexp.body) if isinstance(n, ast.IfExp))
+    source = next(
+        ast.unparse(s.value)
+        for s in ast.walk(fn)
+        if isinstance(s, ast.Assign) and getattr(s.targets[0], "id", None) == ast.unparse(ifexp.test)
+    )
+    return SeedRule(ast.unparse(ifexp.test), source, ast.literal_eval(inner.orelse))
+
+
+def greedy_rewrite() -> dict[str, Any]:
+    """What ``SamplingParams`` sets when the temperature is below its epsilon (greedy)."""
+    for n in ast.walk(_tree(SAMPLING_PARAMS)):
+        if isinstance(n, ast.If) and "_SAMPLING_EPS" in ast.unparse(n.test):
+            return {
+                ast.unparse(s.targets[0]).removeprefix("self."): ast.literal_eval(s.value)
+                for s in n.body
+                if isinstance(s, ast.Assign)
+            }
+    raise AssertionError(f"no greedy rewrite in {SAMPLING_PARAMS}")
+
+
+def sampler_logprob_steps() -> frozenset[str]:
+    """The logprob-related expressions of ``Sampler.forward``, unparsed: the tests look for the
+    temperature division, the original-logprob switch and the greedy path among them."""
+    fn = _method(SAMPLER, "Sampler", "forward")
+    out = set()
+    for n in ast.walk(fn):
+        if isinstance(n, ast.Call | ast.BoolOp | ast.BinOp):
+            out.add(ast.unparse(n))
+    return frozenset(out)
+
+
+def calls_in(path: str, function: str) -> frozenset[str]:
+    """Every call in ``function`` (the first of that name in ``path``), its callee unparsed."""
+    return frozenset(ast.unparse(c.func) for c in _calls(_function(path, function)))
+
+
+@dataclass(frozen=True)
+class DeterministicCost:
+    """What ``--enable-deterministic-inference`` changes in a server, read from its overrides."""
+
+    sampling_backend: str  # forced
+    attention_fallbacks: frozenset[str]  # picked when no --attention-backend is given
+    attention_allowed: tuple[str, ...]  # any other --attention-backend is refused
+    radix_cache_with: tuple[str, ...]  # backends that keep the radix (prefix) cache; others disable it
+    batch_invariant_ops: bool  # batch-invariant kernels replace the usual matmul/softmax ones
+    tp_all_reduce: str  # NCCL_ALGO set for TP > 1 (custom all-reduce disabled)
+
+
+@functools.cache
+def deterministic_cost() -> DeterministicCost:
+    sampling = next(
+        ast.literal_eval(r.value)
+        for r in ast.walk(_function(OVERRIDES, "_deterministic_sampling_backend"))
+        if isinstance(r, ast.Return) and isinstance(r.value, ast.Dict) and r.value.keys
+    )["sampling_backend"]
+    attention = _function(OVERRIDES, "_deterministic_attention_backend")
+    fallbacks = frozenset(
+        ast.literal_eval(s.value)
+        for s in ast.walk(attention)
+        if isinstance(s, ast.Assign) and getattr(s.targets[0], "id", None) == "backend"
+    )
+    choices = {
+        t.id: ast.literal_eval(s.value)
+        for s in _tree(CHOICES).body
+        if isinstance(s, ast.Assign)
+        for t in s.targets
+        if isinstance(t, ast.Name)
+        and t.id.endswith("DETERMINISTIC_ATTENTION_BACKEND_CHOICES")
+        or isinstance(t, ast.Name)
+        and t.id == "RADIX_SUPPORTED_DETERMINISTIC_ATTENTION_BACKEND"
+    }
+    invariant = any(
+        _call_name(c.func) == "enable_batch_invariant_mode"
+        for c in _calls(_function(MODEL_RUNNER, "maybe_enable_batch_invariant_mode"))
+    )
+    hook = _function(ATTENTION_HOOK, "handle_deterministic_inference")
+    nccl = next(
+        ast.literal_eval(s.value)
+        for s in ast.walk(hook)
+        if isinstance(s, ast.Assign) and ast.unparse(s.targets[0]) == "os.environ['NCCL_ALGO']"
+    )
+    return DeterministicCost(
+        sampling,
+        fallbacks,
+        tuple(choices["DETERMINISTIC_ATTENTION_BACKEND_CHOICES"]),
+        tuple(choices["RADIX_SUPPORTED_DETERMINISTIC_ATTENTION_BACKEND"]),
+        invariant,
+        nccl,
+    )
+
+
+def tp_memory_check() -> tuple[str, str, float]:
+    """``(switch, what it raises, threshold)`` of the check that a TP engine's GPUs have about
+    the same free memory: it raises when the least free is below threshold x this GPU's."""
+    fn = _function(BOOTSTRAP, "_check_tp_memory_balance")
+    switch = next(
+        c.func.value.attr
+        for c in _calls(fn)
+        if isinstance(c.func, ast.Attribute) and c.func.attr == "get" and ast.unparse(c.func).startswith("envs.")
+    )
+    raised = next(_call_name(n.exc.func) for n in ast.walk(fn) if isinstance(n, ast.Raise))
+    threshold = next(
+        n.right.value for n in ast.walk(fn) if isinstance(n, ast.BinOp) and isinstance(n.right, ast.Constant)
+    )
+    return switch, raised, threshold

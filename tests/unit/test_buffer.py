@@ -55,4 +55,4 @@ def test_jsonl_errors_name_the_line(tmp_path):
     with pytest.raises(ConfigError, match=r"d.jsonl line 2 has no 'answer'"):
         read_rows(f)
     f.write_text('{"prompt": "1+1=", "answer": 2}\n')
-    assert read_rows(f) == [{"prompt": "1+1=", "answer": "2"}]
+    assert read_rows(f) == [{"prompt": "1+1=", "answer": 2}] and read_rows(f)[0].label == "2"

@@ -99,9 +99,51 @@ def test_model_path_without_config(tmp_path):
         load_config(None, [f"model.path={tmp_path}"])
 
 
-def test_exactly_one_model_source():
-    with pytest.raises(ConfigError, match="exactly one of model.path and model.tiny"):
+def test_exactly_one_model_source(tmp_path):
+    with pytest.raises(ConfigError, match="neither model.path nor model.tiny is set"):
         load_config(None, [])
+    # a model of one's own on the default config, which builds a tiny one (issue 42, item 11): the
+    # fix says what to add, and what it says works
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 4096}))
+    default = REPO / "jobs" / "configs" / "embedded.yaml"
+    with pytest.raises(ConfigError, match="model.path .* and model.tiny are both set") as e:
+        load_config(default, [f"model.path={tmp_path}"])
+    assert "--set model.tiny=null" in e.value.fix
+    from rlhpc import config  # the config's own rules: the model's weights are not read here
+
+    cfg = config.load_config(default, [f"model.path={tmp_path}", "model.tiny=null"])
+    assert cfg.model.path == str(tmp_path) and cfg.model.tiny is None
+
+
+@pytest.mark.parametrize(
+    ("typed", "says"),
+    [
+        ("data.train_batch_size=64", "verl's data.train_batch_size is rlhpc's rollout.rollout_batch_size"),
+        ("rollout.n=8", "verl's actor_rollout_ref.rollout.n is rlhpc's rollout.n_samples_per_prompt"),
+        ("data.max_response_length=512", "verl's data.max_response_length is rlhpc's rollout.max_new_tokens"),
+        ("actor_rollout_ref.actor.optim.lr=1e-6", "verl's actor_rollout_ref.actor.optim.lr is rlhpc's actor.lr"),
+        ("actor_rollout_ref.rollout.n=8", "verl's actor_rollout_ref.rollout.n is rlhpc's rollout.n_samples_per_prompt"),
+        ("actor_rollout_ref.hybrid_engine=true", "actor_rollout_ref is verl's section"),
+        ("trainer.total_epochs=3", "verl's trainer.total_epochs is rlhpc's rollout.num_epoch"),
+        ("n_samples_per_prompt=8", "slime's --n-samples-per-prompt is rlhpc's rollout.n_samples_per_prompt"),
+        ("global-batch-size=64", "slime's --global-batch-size is rlhpc's actor.num_steps_per_rollout"),
+    ],
+)
+def test_verl_and_slime_key_names_get_rlhpcs(typed, says):
+    """verl's and slime's names for rlhpc's keys are answered from one table (rlhpc.foreign_keys,
+    shown in docs/guides/coming-from-verl.md), not with the nearest spelling (issue 42, item 10:
+    data.train_batch_size got "did you mean data.train_file?")."""
+    msg = " ".join(error([typed]).split())
+    assert says in msg and "did you mean" not in msg and "docs/guides/coming-from-verl.md" in msg
+
+
+def test_every_key_the_foreign_table_names_is_a_key_of_rlhpc():
+    from rlhpc.cli.config_reference import blocks
+    from rlhpc.foreign_keys import KEYS
+
+    ours = {k.key for b in blocks() for k in b.keys}
+    assert not [k.rlhpc for k in KEYS if k.rlhpc is not None and k.rlhpc not in ours]
+    assert {k.framework for k in KEYS} == {"verl", "slime"} and len({(k.framework, k.key) for k in KEYS}) == len(KEYS)
 
 
 def test_missing_config_file(tmp_path):
@@ -448,7 +490,8 @@ def test_requests_longer_than_the_models_context_are_refused_at_load(overrides, 
 
 
 def test_the_config_module_imports_nothing_of_rlhpc_but_its_errors_and_util(tmp_path):
-    """rlhpc.config is the bottom of the house: a spec is checked where it is resolved, not here."""
+    """rlhpc.config is the bottom of the house: a spec is checked where it is resolved, not here.
+    (Beside them, the table of verl's and slime's key names, plain data, which its errors read.)"""
     import rlhpc
 
     env = {**os.environ, "PYTHONPATH": str(Path(rlhpc.__file__).resolve().parents[1])}
@@ -457,7 +500,8 @@ def test_the_config_module_imports_nothing_of_rlhpc_but_its_errors_and_util(tmp_
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, check=True, capture_output=True)
     loaded = json.loads(out.stdout)
-    assert loaded and all(m in ("rlhpc.config", "rlhpc.errors") or m.startswith("rlhpc.util") for m in loaded), loaded
+    ok = ("rlhpc.config", "rlhpc.errors", "rlhpc.foreign_keys")
+    assert loaded and all(m in ok or m.startswith("rlhpc.util") for m in loaded), loaded
 
 
 def test_the_config_alone_checks_no_code_the_preflight_checks_it_all():

@@ -20,10 +20,6 @@ VERL_ROWS = [
     {"data_source": "gsm8k", "question": f"What is {i} + {i}?", "reward_model": {"ground_truth": 2 * i}}
     for i in range(5)
 ]
-EXPECTED = [
-    {"prompt": f"What is {i} + {i}?", "answer": str(2 * i), "metadata": {k: v for k, v in r.items() if k != "question"}}
-    for i, r in enumerate(VERL_ROWS)
-]  # the row's other fields travel with it, to the reward
 VERL_KEYS = ("question", "reward_model.ground_truth")
 
 
@@ -38,7 +34,12 @@ def write_each_format(tmp_path):
 
 def test_every_format_reads_the_same_rows_with_nested_keys(tmp_path):
     for name in write_each_format(tmp_path):
-        assert read_rows(tmp_path / name, *VERL_KEYS) == EXPECTED, name
+        rows = read_rows(tmp_path / name, *VERL_KEYS)
+        assert rows == VERL_ROWS, name  # the file's rows as they are: every column, nested as in the file
+        # what rlhpc derives, beside them: the label as text, the prompt as chat messages
+        assert [r.label for r in rows] == [str(2 * i) for i in range(5)], name
+        assert [r.messages for r in rows] == [[{"role": "user", "content": f"What is {i} + {i}?"}] for i in range(5)]
+        assert [r.prompt_text for r in rows] == [f"What is {i} + {i}?" for i in range(5)] and not rows[0].is_chat
 
 
 def test_a_bad_file_names_file_row_and_key(tmp_path):
@@ -103,3 +104,24 @@ def test_prompts_too_long_for_the_context_are_dropped_at_load(caplog):
     with pytest.raises(ConfigError):
         prompt_prep(cfg, tok, 127)("eval", long)
     assert prompt_prep(cfg, tok, None)("eval", rows) == rows  # no context known: nothing dropped
+
+
+def test_the_guides_verl_snippet_reads_verls_gsm8k_layout(tmp_path, monkeypatch):
+    """docs/guides/your-own-task.md's "a verl-format file trains as it is" config, as written,
+    on files in verl's GSM8K layout (examples/make_verl_gsm8k.py): the question is in `prompt`
+    as chat messages, not in a `question` column (issue 42)."""
+    import yaml
+
+    monkeypatch.syspath_prepend(str(REPO))
+    from examples import make_verl_gsm8k
+
+    guide = (REPO / "docs" / "guides" / "your-own-task.md").read_text()
+    block = guide.split("A verl-format file trains as it is", 1)[1].split("```yaml\n", 1)[1].split("```", 1)[0]
+    make_verl_gsm8k.main([str(tmp_path / "data" / "gsm8k"), "--train", "4", "--test", "2"])
+    monkeypatch.chdir(tmp_path)  # the snippet's paths are relative, as a user's are
+    cfg = load_config(
+        None, ["model.tiny={tokenizer: bpe}"] + [f"data.{k}={v}" for k, v in yaml.safe_load(block)["data"].items()]
+    )
+    rows = read_rows(cfg.data.train_file, cfg.data.prompt_key, cfg.data.label_key)
+    assert all(r.is_chat and r.label == r["reward_model"]["ground_truth"] for r in rows)
+    assert rows[0]["data_source"] == "openai/gsm8k" and "####" in rows[0].messages[0]["content"]

@@ -13,9 +13,11 @@ import pytest
 from rlhpc.config import ClusterConfig, RolloutConfig
 from rlhpc.errors import RlhpcError, WeightPushFailed
 from rlhpc.rollout.engines import EnginePool, EnginesDown, EngineSet, Health, NodeLost, health
+from rlhpc.rollout.engines import engine_set as engine_set_module
 from rlhpc.rollout.engines.health import NODE_CHECK_S
 from rlhpc.rollout.generation import MAX_SAMPLES_PER_REQUEST, rows_per_request
 from rlhpc.wire.client import EngineUnavailable
+from rlhpc.wire.protocol import MEMORY_TAGS
 from rlhpc.wire.request import Request
 
 
@@ -26,12 +28,15 @@ class FakeClient:
         self.health_checks = 0
         self.powered = threading.Event()  # cleared: the node lost power, requests get no answer at all
         self.powered.set()
+        self.released: set[str] = set()  # memory tags released
+        self.timeouts: list[float | None] = []  # of each /generate
 
     def health(self) -> bool:
         self.health_checks += 1
         return self.alive and self.powered.is_set()
 
-    def generate(self, *, input_ids, sampling_params, return_logprob) -> list[dict]:
+    def generate(self, *, input_ids, sampling_params, return_logprob, timeout_s=None) -> list[dict]:
+        self.timeouts.append(timeout_s)
         self.powered.wait()
         if not self.alive:
             raise EngineUnavailable(f"{self.base_url} refused", "is it up?")
@@ -40,6 +45,23 @@ class FakeClient:
 
     def close(self) -> None:
         pass
+
+    # SGLang's memory rules (issue 40): its server dies on a resume of memory it holds, or a
+    # release of memory it released (tests/unit/test_sglang_strict.py reads them in the wheel)
+    def release_memory_occupation(self, tags: list[str] | None = None) -> None:
+        self._memory(tags, lambda t: t not in self.released, self.released.add)
+
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
+        self._memory(tags, lambda t: t in self.released, self.released.discard)
+
+    def _memory(self, tags, allowed, change) -> None:
+        if not self.alive:
+            raise EngineUnavailable(f"{self.base_url} refused", "is it up?")
+        for t in tags or MEMORY_TAGS:
+            if not allowed(t):
+                self.alive = False
+                raise EngineUnavailable(f"{self.base_url} dropped the connection", "it died")
+            change(t)
 
 
 class FakeRouter:
@@ -323,7 +345,7 @@ def test_an_engine_that_answers_nothing_is_named_long_before_the_read_timeout(mo
         sender.join(10)
     line = next(r.getMessage() for r in caplog.records if "no answer for" in r.getMessage())
     assert "http://e1 (2 request(s), log /logs/engine_1.log)" in line and "http://e0" not in line
-    assert "600 s timeout" in line and len(out) == 4
+    assert "rollout.generate_timeout_s" in line and len(out) == 4
 
 
 def test_a_frozen_pool_restarts_and_routes_but_has_no_weight_channel():
@@ -336,3 +358,50 @@ def test_a_frozen_pool_restarts_and_routes_but_has_no_weight_channel():
     answers = pool.generate(requests(2))
     assert [a[0]["output_ids"] for a in answers] == [[0], [1]] and pool.restarted == [1]
     assert pool.clients[1].served == [1]  # sent again to the restarted engine, which serves the model on disk
+
+
+def test_onload_resumes_only_what_offload_released(monkeypatch):
+    """Issue 40: SGLang's server dies resuming memory it holds. Engines just started hold theirs
+    (the first push resumes nothing), and so does one restarted while the others are offloaded."""
+    monkeypatch.setattr(engine_set_module, "EngineClient", lambda url, api_key: FakeClient(url))
+    pool = bare_pool(2)
+    engines = pool.engine_set
+    engines.engine_parts = [["part"], ["part"]]
+    engines.restart = lambda e: (pool.restarted.append(e), engines.replace(e, ["part"], f"e{e}-restarted"))
+    pool.onload()  # nothing was released: nothing is resumed
+    assert all(c.alive and not c.released for c in pool.clients)
+
+    pool.offload()
+    assert all(c.released == set(MEMORY_TAGS) for c in pool.clients)
+    engines.restart(1)  # a new server, its memory in place
+    pool.onload()
+    assert pool.restarted == [1] and all(c.alive and not c.released for c in pool.clients)
+
+    pool.clients[0].alive = False  # dies while its memory is in place
+    pool.offload()  # restarted, then released as the others
+    assert pool.restarted == [1, 0] and all(c.released == set(MEMORY_TAGS) for c in pool.clients)
+    pool.onload()
+    assert pool.restarted == [1, 0] and all(c.alive and not c.released for c in pool.clients)
+
+
+def test_a_generate_request_may_take_as_long_as_its_longest_sample(tmp_path):
+    """Issue 40, item 8: no fixed 600 s read timeout, which one long chain of thought outlasts."""
+    from rlhpc.config import GENERATE_BASE_S, GENERATE_S_PER_TOKEN, STARTUP_BASE_S, STARTUP_S_PER_GB, startup_timeout_s
+
+    pool = bare_pool(1)
+    long = Request(input_ids=[[1], [2]], sampling_params=[{"max_new_tokens": 100}, {"max_new_tokens": 32768}])
+    pool.send([long, Request(input_ids=[[3]], sampling_params=[{}])])
+    assert pool.clients[0].timeouts == [GENERATE_BASE_S + GENERATE_S_PER_TOKEN * n for n in (32768, 128)]
+    pool.engine_set.rollout_cfg = RolloutConfig(generate_timeout_s=30.0)
+    pool.send([long])
+    assert pool.clients[0].timeouts[-1] == 30.0
+
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * 2_000_000)
+    assert (
+        startup_timeout_s(RolloutConfig(backend="sglang"), 15 * 10**9)
+        == STARTUP_BASE_S["sglang"] + 15 * STARTUP_S_PER_GB
+    )
+    assert EngineSet(RolloutConfig(), ClusterConfig(), 0, str(tmp_path), None, None, tmp_path).startup_timeout_s == (
+        STARTUP_BASE_S["cpu"] + STARTUP_S_PER_GB * 0.002
+    )
+    assert startup_timeout_s(RolloutConfig(engine_startup_timeout_s=5.0), 10**12) == 5.0

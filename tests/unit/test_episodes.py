@@ -11,6 +11,7 @@ from tokenizers import AddedToken
 from rlhpc.batch import RolloutBatch
 from rlhpc.config import TinyModelConfig
 from rlhpc.data.guess import GuessEnv
+from rlhpc.data.rows import as_row
 from rlhpc.errors import ConfigError
 from rlhpc.metrics import write_rollout_dump
 from rlhpc.model import IM_END, build_bpe_tokenizer, build_tiny_model
@@ -199,7 +200,7 @@ def test_the_loss_mask_skips_observation_tokens_and_single_turn_is_unchanged():
 
 def test_the_guess_environment_answers_and_rewards_fewer_turns():
     env = GuessEnv()
-    assert env.reset({"prompt": "guess 1-8", "answer": "6", "episode_seed": 1}) == USER
+    assert env.reset(as_row({"prompt": "guess 1-8", "answer": "6"}).with_seed(1)) == USER
     assert env.step("3") == ([{"role": "user", "content": "higher"}], 0.0, False)
     assert env.step("no digit") == ([{"role": "user", "content": "a digit"}], 0.0, False)
     assert env.step("7") == ([{"role": "user", "content": "lower"}], 0.0, False)

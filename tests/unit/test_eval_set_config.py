@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from rlhpc.config import DEFAULT_EVAL_SET, EvalSetConfig, eval_metric
+from rlhpc.config import DEFAULT_EVAL_SET, EvalSetConfig
 from rlhpc.errors import ConfigError
-from rlhpc.metrics import eval_means
+from rlhpc.metric_names import eval_means, eval_name, upgrade_eval_record
 from rlhpc.preflight import load_config
 
 REPO = __import__("pathlib").Path(__file__).resolve().parents[2]
@@ -43,15 +43,21 @@ def test_the_old_keys_are_one_set_that_keeps_todays_metric_names(tmp_path):
     assert cfg.eval.resolved_sets(cfg.data, cfg.rollout) == {
         DEFAULT_EVAL_SET: EvalSetConfig(str(f), "prompt", "answer", 1, 0.0, 3, -1, 0.0, 1.0, [])
     }
-    assert [eval_metric(DEFAULT_EVAL_SET, k) for k in ("reward", "pass@1", "maj@4")] == ["reward", "pass@1", "maj@4"]
-    assert [eval_metric("gsm8k", k) for k in ("reward", "pass@2", "maj@4")] == [
-        "gsm8k/mean",
-        "gsm8k/pass@2",
-        "gsm8k/maj@4",
+    assert [eval_name(None, k) for k in ("reward", "pass@1", "maj@4")] == ["eval/reward", "eval/pass@1", "eval/maj@4"]
+    assert [eval_name("gsm8k", k) for k in ("reward", "pass@2", "maj@4")] == [
+        "eval/gsm8k/mean",
+        "eval/gsm8k/pass@2",
+        "eval/gsm8k/maj@4",
     ]
     old_record = {"kind": "eval", "rollout_id": 3, "reward": 0.5, "response_len": 1.0}
-    assert eval_means(old_record) == {"eval": 0.5}  # status and plot read runs logged before eval.sets
-    assert eval_means({"a/mean": 0.1, "a/pass@1": 0.1, "b/mean": 0.2}) == {"a": 0.1, "b": 0.2}
+    new_record = upgrade_eval_record(old_record)  # status and plot read runs logged before the eval/ names
+    assert new_record == {"kind": "eval", "rollout_id": 3, "eval/reward": 0.5, "eval/response_len": 1.0}
+    assert eval_means(new_record) == {"eval": 0.5}
+    assert eval_means(upgrade_eval_record({"kind": "eval", "a/mean": 0.1, "a/pass@1": 0.1, "b/mean": 0.2})) == {
+        "a": 0.1,
+        "b": 0.2,
+    }
+    assert eval_means({"eval/a/mean": 0.1, "eval/a/pass@1": 0.1, "eval/b/mean": 0.2}) == {"a": 0.1, "b": 0.2}
 
 
 @pytest.mark.parametrize(
@@ -92,3 +98,24 @@ def test_a_bad_set_file_is_refused_by_submit_before_anything_is_written(tmp_path
     said = " ".join((p.stdout + p.stderr).split())
     assert p.returncode == 2, said
     assert "e.jsonl line 1 has no 'prompt'" in said and "Traceback" not in said and not run.exists()
+
+
+def test_rlhpc_eval_adds_a_set_to_a_run_that_used_data_eval_file(tmp_path):
+    """rlhpc-eval RUN --set eval.sets.X.file=... on a run with data.eval_file (issue 42, item 6):
+    the new set runs beside the run's own eval file, which keeps its metric names (before: refused,
+    "data.eval_file and eval.sets are both set")."""
+    from rlhpc.cli.evaluate import eval_config
+    from rlhpc.config import dump_config
+    from rlhpc.run_dir import RunDir
+
+    f, hard = write_rows(tmp_path / "e.jsonl"), write_rows(tmp_path / "hard.jsonl", "q", "a")
+    run = RunDir(tmp_path / "run")
+    run.path.mkdir()
+    run.config_file.write_text(
+        dump_config(load_config(None, [*TINY, f"data.eval_file={f}", "data.reward=rlhpc.rewards:exact"]))
+    )
+    cfg = eval_config(run, [f"eval.sets.hard.file={hard}", "eval.sets.hard.prompt_key=q", "eval.sets.hard.label_key=a"])
+    sets = cfg.eval.resolved_sets(cfg.data, cfg.rollout)
+    assert list(sets) == [DEFAULT_EVAL_SET, "hard"] and sets[DEFAULT_EVAL_SET].file == str(f)
+    assert sets["hard"].file == str(hard) and sets["hard"].prompt_key == "q"
+    assert eval_config(run, []).eval.sets == {}  # without new sets: the run's config as it is

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # Bottom floor first. A module's package is ``rlhpc.X`` (``rlhpc.X.Y`` counts as ``rlhpc.X``).
 FLOORS: list[set[str]] = [
     {"rlhpc.errors", "rlhpc.logs", "rlhpc.util"},
-    {"rlhpc.wire", "rlhpc.algo", "rlhpc.batch"},
+    {"rlhpc.wire", "rlhpc.algo", "rlhpc.batch", "rlhpc.metric_names", "rlhpc.foreign_keys"},
     {"rlhpc.config"},
     {"rlhpc.model", "rlhpc.weights", "rlhpc.data", "rlhpc.cluster", "rlhpc.run_dir", "rlhpc.checkpoint"},
     {"rlhpc.runtime"},

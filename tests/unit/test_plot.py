@@ -17,7 +17,10 @@ def test_the_plot_has_entropy_and_kl_panels(tmp_path, newer):
         records.append(r | ({"entropy": 3.0 - i, "kl": 0.01 * i} if newer else {}))
     run.metrics_file.write_text("".join(json.dumps(r) + "\n" for r in records))
     fig = plot_metrics.figure(run)
-    panels = {ax.get_title().split(" ")[0]: ax for ax in fig.axes}
-    assert {"reward", "entropy", "KL", "policy", "seconds", "response"} <= set(panels)
+    panels = {ax.get_title().split(" ")[0].removesuffix(":"): ax for ax in fig.axes}
+    # each panel named by its metric, as metrics.jsonl, the console and wandb name it
+    assert {"reward", "entropy", "kl", "loss", "time/step", "response_len"} <= set(panels)
+    # an eval record of an older run (logged as "reward") is read under today's name
+    assert [line.get_label() for line in panels["reward"].get_lines()] == ["reward (train)", "eval/reward"]
     assert [len(line.get_xdata()) for line in panels["entropy"].get_lines()] == [4 if newer else 0]
     assert plot_metrics.plot(run, tmp_path / "metrics.png").stat().st_size > 10_000  # a PNG of them

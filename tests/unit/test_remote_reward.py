@@ -13,7 +13,7 @@ from rlhpc.preflight import load_config
 from rlhpc.rollout.generation import task_reward
 from rlhpc.rollout.scoring import Sample
 
-SAMPLES = [Sample(f"{i}+1=", str(i + 1) if i % 2 else "0", str(i + 1), [7], metadata={"i": i}) for i in range(8)]
+SAMPLES = [Sample(f"{i}+1=", str(i + 1) if i % 2 else "0", str(i + 1), [7], row={"i": i}) for i in range(8)]
 
 
 class Grader(BaseHTTPRequestHandler):
@@ -83,7 +83,7 @@ def test_a_remote_grader_scores_with_its_key_and_calls_at_once(grader, tmp_path)
     assert scores == [float(i % 2) for i in range(8)] and parts["seen_i"] == list(range(8))
     assert {auth for auth, _ in Grader.seen} == {"Bearer s3cret"}
     body = Grader.seen[0][1]
-    assert set(body) == {"prompt", "messages", "response", "response_ids", "label", "metadata", "finish_reason"}
+    assert set(body) == {"prompt", "messages", "response", "response_ids", "label", "row", "metadata", "finish_reason"}
     assert 1 < Grader.peak <= 4  # concurrent, within the limit
 
 

@@ -13,6 +13,7 @@ import torch
 
 from rlhpc.algo.grpo import overlong_penalty
 from rlhpc.config import AlgoConfig, EvalConfig, EvalSetConfig, RolloutConfig
+from rlhpc.data.rows import Row
 from rlhpc.engine_server.cpu.requests import ModelLimits, normalize_generate
 from rlhpc.errors import ConfigError
 from rlhpc.preflight import load_config
@@ -59,7 +60,7 @@ def generation(engine: Engine, rollout: RolloutConfig, algo: AlgoConfig, eval: E
     return Generation(None, lambda p, r, label: 1.0, rollout, eval or EvalConfig(), algo, 0, engine)
 
 
-ROWS = [{"prompt": "p", "prompt_ids": [1, 2], "answer": "a"}]
+ROWS = [Row({"prompt": "p", "answer": "a"}, "p", "a").derive(prompt_ids=[1, 2])]  # no tokenizer needed
 
 
 def test_overlong_filter_masks_cut_samples_and_counts_them() -> None:

@@ -15,6 +15,7 @@ from support import sglang_wheel as sgl
 from rlhpc.engine_server import sglang as sglang_server
 from rlhpc.engine_server.cpu import requests as cpu_requests
 from rlhpc.engine_server.sglang import SGLangSpec
+from rlhpc.wire import anthropic_messages as AM
 from rlhpc.wire import openai_protocol as OP
 from rlhpc.wire import protocol as P
 from rlhpc.wire.openai_protocol import OpenAIRoute
@@ -102,7 +103,9 @@ def test_launch_flags_exist_in_server_args() -> None:
     flags = sgl.server_flags()
     assert {"--tp-size", "--tensor-parallel-size", "--model-path"} <= flags and "--no-such-flag" not in flags
     assert sgl.has_module(sglang_server.SERVER_MODULE)
-    every_option = SGLangSpec(tp_size=4, mem_fraction_static=0.5, memory_saver=True, seed=1, nnodes=2, node_rank=1)
+    every_option = SGLangSpec(
+        tp_size=4, mem_fraction_static=0.5, memory_saver=True, seed=1, nnodes=2, node_rank=1, deterministic=True
+    )
     cmd = sglang_server.launch_server_command("/py", "/m", "h", 1, 2, every_option, "h:3")
     emitted = {a for a in cmd if a.startswith("--")}
     assert emitted, cmd
@@ -218,12 +221,22 @@ def test_weight_update_session_refusals_are_sglangs() -> None:
 
 def test_openai_routes_are_sglangs() -> None:
     theirs = sgl.http_routes()
-    assert set(OpenAIRoute.all().values()) <= set(theirs), set(OpenAIRoute.all().values()) - set(theirs)
+    ours = {*OpenAIRoute.all().values(), *OP.HarnessRoute.all().values()}  # the agent endpoint serves all
+    assert ours <= set(theirs), ours - set(theirs)
 
 
-@pytest.mark.parametrize("cls", [OP.CompletionRequest, OP.ChatCompletionRequest], ids=lambda c: c.__name__)
-def test_openai_request_fields_are_sglangs_with_its_defaults(cls: type) -> None:
-    theirs = sgl.openai_models()[cls.__name__]
+@pytest.mark.parametrize(
+    ("cls", "models"),
+    [
+        (OP.CompletionRequest, sgl.openai_models),
+        (OP.ChatCompletionRequest, sgl.openai_models),
+        (OP.ResponsesRequest, sgl.openai_models),
+        (AM.AnthropicMessagesRequest, sgl.anthropic_models),
+    ],
+    ids=lambda x: getattr(x, "__name__", ""),
+)
+def test_openai_request_fields_are_sglangs_with_its_defaults(cls: type, models) -> None:
+    theirs = models()[cls.__name__]
     ours = cls.model_fields
     assert set(ours) <= set(theirs), f"{cls.__name__}: not in SGLang {P.SGLANG_VERSION}: {set(ours) - set(theirs)}"
     for name, f in ours.items():
@@ -231,6 +244,31 @@ def test_openai_request_fields_are_sglangs_with_its_defaults(cls: type) -> None:
         their = theirs[name].default
         if not theirs[name].required and their is not sgl.NotLiteral:
             assert f.default == their, f"{cls.__name__}.{name}: {f.default!r} != SGLang's {their!r}"
+
+
+def test_fields_the_agent_endpoint_takes_without_reading_are_sglangs() -> None:
+    responses, messages = sgl.openai_models()["ResponsesRequest"], sgl.anthropic_models()["AnthropicMessagesRequest"]
+    assert {*OP.RESPONSES_ANY, *OP.RESPONSES_NO_EFFECT} <= set(responses)
+    assert {*AM.ANY, *AM.NO_EFFECT} <= set(messages)
+    for name, values in OP.RESPONSES_NO_EFFECT.items():  # SGLang's default changes nothing
+        if responses[name].default is not sgl.NotLiteral:
+            assert responses[name].default in values, name
+
+
+def test_anthropic_stop_reasons_and_error_types_are_sglangs() -> None:
+    assert sgl.module_constant(sgl.ANTHROPIC_SERVING, "STOP_REASON_MAP") == AM.STOP_REASONS
+    errors = sgl.module_constant(sgl.ANTHROPIC_SERVING, "ERROR_TYPE_MAP")
+    assert {k: v for k, v in errors.items() if k in AM.ERROR_TYPES} == AM.ERROR_TYPES
+
+
+def test_sglang_decodes_with_special_tokens_when_tools_are_offered() -> None:
+    """Issue 42 item 4: why the CPU engine, the agent endpoint and episodes read tool calls from a
+    text that keeps special tokens (``rlhpc.wire.tool_calls.markup_text``), and drop the stop token."""
+    chat = [line.strip() for line in sgl.source(sgl.OPENAI_SERVING_CHAT).splitlines() if line.strip()]
+    at = chat.index('if effective_tools and request.tool_choice != "none":')
+    assert chat[at + 1] == "request.skip_special_tokens = False"
+    trim = sgl.source(sgl.DETOKENIZER).split("def trim_matched_stop", 1)[1].split("\n    def ", 1)[0]
+    assert "return output[:-1]" in trim  # the stop token that ended an output is not in its text
 
 
 def test_openai_fields_accepted_at_no_effect_values_are_sglangs() -> None:

@@ -81,9 +81,9 @@ def test_router_command_is_what_sglang_routers_own_parser_reads(tmp_path: Path) 
 
 
 def test_server_env_shows_only_the_engine_gpus() -> None:
-    env = sg.server_env({"CUDA_VISIBLE_DEVICES": "3", "PATH": "/bin"}, [4, 5])
+    env = sg.server_env({"CUDA_VISIBLE_DEVICES": "3", "PATH": "/bin"}, spec(), [4, 5])
     assert env["CUDA_VISIBLE_DEVICES"] == "4,5" and env["PATH"] == "/bin"
-    assert sg.server_env({"CUDA_VISIBLE_DEVICES": "3"}, [])["CUDA_VISIBLE_DEVICES"] == "3"
+    assert sg.server_env({"CUDA_VISIBLE_DEVICES": "3"}, spec(), [])["CUDA_VISIBLE_DEVICES"] == "3"
 
 
 def test_engine_parts_split_an_engine_over_nodes() -> None:

@@ -170,6 +170,51 @@ def test_dry_run_needs_no_slurm_on_this_machine(tmp_path):
     assert here.stdout == laptop.stdout  # the preview is the same script, srun or not
 
 
+def test_the_dry_run_shows_each_engines_and_the_routers_command_and_environment_never_a_key(tmp_path):
+    """Issue 40: what a site admin checks before a large job queues. A run dir resumed holds last
+    start's engine key (a new one is written at each start): its path may show, its content never,
+    nor any of the job's own environment but what rlhpc changes."""
+    from rlhpc.wire.engine_key import new_key
+
+    run = tmp_path / "run"
+    run.mkdir()
+    key = new_key(run / "engine_key")
+    before = sorted(run.rglob("*"))
+    env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "HF_TOKEN": "hf_not_to_be_shown"}
+    p = subprocess.run(
+        [sys.executable, str(REPO / "jobs" / "submit.py"), "--dry-run", "--run-dir", str(run), "--nodes", "1",
+         "--gpus-per-node", "4", "--set", "rollout.backend=sglang", "--set", "cluster.colocate=true",
+         "--set", "cluster.rollout_gpus_per_engine=2", "--set", "deterministic=true",
+         "--set", "reward_model.tiny.seed=1"],
+        capture_output=True, text=True, timeout=120, env=env, cwd=REPO,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    out = p.stdout
+    assert key not in out + p.stderr and "hf_not_to_be_shown" not in out and sorted(run.rglob("*")) == before
+
+    def shown(header: str) -> tuple[str, str]:
+        """The command line (placeholders <...> shown unquoted) and the environment's changes."""
+        lines = out.split(header + "\n", 1)[1].splitlines()
+        assert lines[1].strip().startswith("environment (what rlhpc sets")
+        return lines[0].strip(), lines[2].strip() if lines[1].rstrip().endswith(":") else lines[1].split(": ")[-1]
+
+    cmd, changes = shown("engine 0's launch line (each engine's alike):")
+    assert cmd.startswith("python -m sglang.launch_server ") and " --tp-size 2 " in cmd
+    assert " --enable-memory-saver " in cmd and " --enable-deterministic-inference " in cmd
+    assert cmd.endswith(" --config <engine tmp dir>/sglang_key.yaml")  # the key's file, written on the node
+    assert changes.split() == [
+        "CUDA_VISIBLE_DEVICES=<its", "GPUs>", "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false",
+        "SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK=false", "SGLANG_RETURN_ORIGINAL_LOGPROB=true",
+        "-PYTORCH_CUDA_ALLOC_CONF",
+    ]  # fmt: skip
+    cmd, changes = shown("reward engine 0's launch line (each reward engine's alike):")  # a CPU engine
+    assert cmd.startswith("python -m rlhpc.engine_server.cpu ") and cmd.endswith(" --enable-deterministic-inference")
+    assert f" --api-key-file {run / 'engine_key'} " in cmd
+    assert "SGLANG_RETURN_ORIGINAL_LOGPROB=true" in changes and "PYTORCH_CUDA_ALLOC_CONF" not in changes
+    cmd, changes = shown("the router's launch line (on the driver's node):")
+    assert f" --api-key-file {run / 'engine_key'} " in cmd and " --api-key " not in cmd and changes == "none"
+
+
 def submit_refused(args: list[str], run: Path) -> str:
     p = subprocess.run(
         [sys.executable, str(REPO / "jobs" / "submit.py"), "--cluster", "local", "--run-dir", str(run), *args],

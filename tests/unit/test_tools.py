@@ -13,12 +13,14 @@ from typing import Literal, Optional
 import pytest
 from support.engines import in_process_send
 
+from rlhpc.config import TinyModelConfig
+from rlhpc.data.rows import as_row
 from rlhpc.errors import ConfigError
-from rlhpc.model import IM_END, build_bpe_tokenizer
+from rlhpc.model import IM_END, build_bpe_tokenizer, build_tiny_model, load_tokenizer
 from rlhpc.preflight import load_config
 from rlhpc.rollout.episodes import CHAT_ENV, ChatEnv, Conversation, EpisodeConfig
 from rlhpc.rollout.tools import Tools, tool_schema
-from rlhpc.wire.tool_calls import ParsedCall, parse_hermes
+from rlhpc.wire.tool_calls import ParsedCall, markup_text, parse_hermes
 
 USER = [{"role": "user", "content": "what is 6*7?"}]
 TINY = ["model.tiny.tokenizer=bpe", "rollout.max_episode_tokens=64"]
@@ -209,25 +211,73 @@ class Recording:
         return [{"role": "user", "content": "again"}], 1.0, False
 
 
+def step_with_engine_replies(ep, tok, replies):
+    """Two episodes stepped after replies the engine generated: their tokens recorded (as a rollout
+    records them), the engine's text (special tokens skipped) handed to ``step``."""
+    loop = asyncio.new_event_loop()
+    try:
+        episodes = [ep.start(tok, as_row({"prompt": "p", "answer": "42"}), k, loop) for k in range(len(replies))]
+        texts = []
+        for e, reply in zip(episodes, replies):
+            ids = tok.encode(reply, add_special_tokens=False) + [tok.convert_tokens_to_ids("<|im_end|>")]
+            e.add(ids, [0.0] * len(ids), [0] * len(ids), generated=True)
+            texts.append(tok.decode(ids[:-1], skip_special_tokens=True))  # the engine's text
+        return episodes, texts, ep.step(episodes, texts, loop)
+    finally:
+        loop.close()
+
+
+CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "6*7"}}</tool_call>'
+
+
 def test_a_reply_with_calls_goes_to_the_tools_and_one_without_to_the_environment():
     tok = build_bpe_tokenizer()
     tools = Tools([calculator], parse_hermes, timeout_s=5)
     ep = EpisodeConfig("m:Recording", Recording, tok.chat_template, "t", None, 4, 64, tools)
-    loop = asyncio.new_event_loop()
-    try:
-        episodes = [ep.start(tok, {"prompt": "p", "answer": "42"}, k, loop) for k in range(2)]
-        call = '<tool_call>{"name": "calculator", "arguments": {"expression": "6*7"}}</tool_call>'
-        steps = ep.step(episodes, [call, "42"], loop)
-    finally:
-        loop.close()
+    episodes, _, steps = step_with_engine_replies(ep, tok, [CALL, "42"])
     assert steps[0] == ([{"role": "tool", "name": "calculator", "content": "42"}], 0.0, False)
     assert steps[1] == ([{"role": "user", "content": "again"}], 1.0, False)
     assert episodes[0].env.seen == [] and episodes[1].env.seen == ["42"]
     assert (episodes[0].tool_calls, episodes[1].tool_calls) == (1, 0)
     # tools without an environment: the row's prompt opens the episode, a reply without calls ends it
-    assert ChatEnv().reset({"prompt": "6*7?", "answer": "42"}) == [{"role": "user", "content": "6*7?"}]
-    assert ChatEnv().reset({"prompt": "rendered", "messages": USER}) == USER
+    assert ChatEnv().reset(as_row({"prompt": "6*7?", "answer": "42"})) == [{"role": "user", "content": "6*7?"}]
+    assert ChatEnv().reset(as_row({"prompt": USER, "answer": "42"}).derive(prompt_text="rendered")) == USER
     assert ChatEnv().step("42") == ([], 0.0, True)
+
+
+def test_calls_are_read_where_the_tool_call_tags_are_special_tokens():
+    """Issue 42 item 4: a tokenizer whose <tool_call> is a special token (the engine's text, decoded
+    without special tokens, holds no tag): the call is still read, from the reply's tokens."""
+    tok = build_bpe_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["<tool_call>", "</tool_call>"]})
+    tools = Tools([calculator], parse_hermes, timeout_s=5)
+    ep = EpisodeConfig("m:Recording", Recording, tok.chat_template, "t", None, 4, 64, tools)
+    episodes, texts, steps = step_with_engine_replies(ep, tok, [CALL])
+    assert "<tool_call>" not in texts[0] and parse_hermes(texts[0]).calls == []  # what the parser was given before
+    assert steps[0] == ([{"role": "tool", "name": "calculator", "content": "42"}], 0.0, False)
+    assert episodes[0].env.seen == [] and episodes[0].tool_calls == 1
+    # the stop token the engine ended with is not read as part of an unclosed call
+    assert markup_text(tok, tok.encode(CALL[:-12]) + [tok.eos_token_id]) == CALL[:-12]
+
+
+def test_submit_warns_where_the_tool_call_tags_are_special_tokens(tmp_path, caplog):
+    model = build_tiny_model(tmp_path / "tiny", TinyModelConfig(tokenizer="bpe", max_position_embeddings=512))
+    sets = [f"model.path={model}", f"rollout.tools=[{__name__}:calculator]", "rollout.max_episode_tokens=64"]
+    with caplog.at_level("WARNING", logger="rlhpc.rollout.tools"):
+        load_config(None, sets)
+        assert not caplog.records  # Hermes tags that are plain text: nothing is lost
+        tok = load_tokenizer(model)
+        tok.add_special_tokens({"additional_special_tokens": ["<tool_call>", "</tool_call>"]})
+        tok.save_pretrained(model)
+        load_config(None, sets)
+        load_config(None, [f"model.path={model}", f"rollout.agent={__name__}:agent"])
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 2 and "<tool_call> and </tool_call> are special tokens" in warned[0]
+    assert warned[0].startswith("rollout.tools:") and warned[1].startswith(f"rollout.agent = {__name__}:agent:")
+
+
+async def agent(row, base_url, api_key):
+    return None
 
 
 def test_the_tools_are_checked_at_submit():

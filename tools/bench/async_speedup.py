@@ -88,11 +88,11 @@ def job(run: Path, args: argparse.Namespace, staleness: int) -> dict:
         "train_s": mean("time/train"),
         "update_weights_s": mean("time/update_weights"),
         "staleness_mean": mean("staleness/mean"),
-        "eval_reward": evals[-1]["reward"] if evals else float("nan"),
+        "eval_reward": evals[-1]["eval/reward"] if evals else float("nan"),
         # the sampled answers' reward over the last 5 rollouts: a finer sign of learning than
         # the greedy eval of 100 prompts, which moves in steps of 0.01 and stays near 0.1 here
         "train_reward_end": sum(r["reward"] for r in steps[-5:]) / len(steps[-5:]),
-        "eval_reward_start": evals[0]["reward"] if evals else float("nan"),
+        "eval_reward_start": evals[0]["eval/reward"] if evals else float("nan"),
         "job_wall_s": wall,
     }
 

@@ -51,6 +51,7 @@ import torch
 
 from rlhpc.config import Config
 from rlhpc.data.guess import GuessEnv
+from rlhpc.data.rows import as_row
 from rlhpc.data.tasks import TASKS, load_split
 from rlhpc.logs import setup_logging
 from rlhpc.model import build_tiny_model, load_tokenizer
@@ -103,7 +104,7 @@ def plain_episodes(
     r, n = cfg.rollout, cfg.rollout.n_samples_per_prompt
     total = len(rows) * n
     envs = [GuessEnv() for _ in range(total)]
-    first = [env.reset({**rows[k // n]}) for k, env in enumerate(envs)]
+    first = [env.reset(as_row(rows[k // n])) for k, env in enumerate(envs)]
     texts = [tok.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in first]
     prompts = [tok.encode(t, add_special_tokens=False) for t in texts]
     responses: list[list[int]] = [[] for _ in range(total)]

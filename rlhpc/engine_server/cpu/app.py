@@ -8,17 +8,27 @@ answers a single prompt with a dict and a batch with a list.
 With a key (``build_app(..., api_key=KEY)``) every request, to every path but ``GET /health``,
 must carry ``Authorization: Bearer KEY`` or is answered 401: the check is middleware in front of
 the router, so no route can be added without it. /health is exempt as in SGLang (probes, and
-sglang_router's health checks, carry no key); it answers an empty 200 and runs nothing. SGLang
-exempts every path starting /health, /ready or /metrics; /health_generate runs the model here,
-so it keeps the key.
+sglang_router's health checks, carry no key). SGLang exempts every path starting /health, /ready
+or /metrics; /health_generate keeps the key here.
+
+Where SGLang is strict, so is this server (docs/architecture/engines.md has the table):
+/health and /health_generate run a one-token generation and answer 200 once the engine made
+progress, 503 when it made none within ``SGLANG_HEALTH_CHECK_TIMEOUT`` seconds (a paused
+engine); /health answers 200 at once when ``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION`` is off.
+What kills SGLang's scheduler (resuming memory that is not released, releasing it twice or
+while a batch runs) ends this server's process without an answer, as SGLang's server dies.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import time
+import uuid
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, NoReturn
 
 import orjson
 from fastapi import FastAPI, Request
@@ -28,14 +38,30 @@ from pydantic import TypeAdapter, ValidationError
 
 from rlhpc.engine_server.cpu.openai_routes import add_openai_routes
 from rlhpc.engine_server.cpu.requests import Item
-from rlhpc.engine_server.cpu.runner import Engine
+from rlhpc.engine_server.cpu.runner import Engine, SchedulerDied
 from rlhpc.wire import protocol as P
+from rlhpc.wire import switches
 from rlhpc.wire.engine_key import HEADER, authorized
 from rlhpc.wire.protocol import PAUSE_MODES, EngineError, Route
 
 log = logging.getLogger("rlhpc.cpu_server")
 
 _PAUSE = TypeAdapter(P.PauseGenerationReqInput)
+
+
+# SGLang's /health: the generation it queues, and how often it looks for progress
+HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK"
+HEALTH_INPUT_IDS = [0]
+HEALTH_SAMPLING_PARAMS = {"max_new_tokens": 1, "temperature": 0.0}
+HEALTH_POLL_S = 1.0
+
+
+def die(reason: str) -> NoReturn:
+    """The process ends at once, as SGLang's server does when its scheduler dies: the request
+    in flight gets no answer, and the next ones find no server."""
+    log.critical("Scheduler hit an exception: %s; the server exits (as SGLang's does)", reason)
+    logging.shutdown()
+    os._exit(1)
 
 
 def error_response(message: str, status: int = 400) -> JSONResponse:
@@ -119,9 +145,15 @@ class Workers:
         return Response(orjson.dumps(outs[0] if single else outs), media_type="application/json")
 
 
-def build_app(engine: Engine, address: dict[str, Any], api_key: str | None = None) -> FastAPI:
+def build_app(
+    engine: Engine,
+    address: dict[str, Any],
+    api_key: str | None = None,
+    env: Mapping[str, str] = os.environ,
+) -> FastAPI:
     """FastAPI app with SGLang's native routes. ``address`` holds host/port once bound.
-    ``api_key``: required on every request (None: no check; the server allows that on loopback only)."""
+    ``api_key``: required on every request (None: no check; the server allows that on loopback only).
+    ``env``: where SGLang's switches are read (``rlhpc.wire.switches``)."""
     app = FastAPI(openapi_url=None)
     if api_key is not None:
         app.add_middleware(RequireKey, api_key=api_key)
@@ -133,7 +165,7 @@ def build_app(engine: Engine, address: dict[str, Any], api_key: str | None = Non
     async def bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
         return error_response(f"invalid request to {request.url.path}: {exc.errors()}")
 
-    _add_health_and_info(app, engine, address, workers)
+    _add_health_and_info(app, engine, address, workers, env)
     _add_generation(app, engine, workers)
     _add_weights_and_memory(app, engine, workers)
 
@@ -144,26 +176,42 @@ def build_app(engine: Engine, address: dict[str, Any], api_key: str | None = Non
     return app
 
 
-def _add_health_and_info(app: FastAPI, engine: Engine, address: dict[str, Any], workers: Workers) -> None:
+def _add_health_and_info(
+    app: FastAPI, engine: Engine, address: dict[str, Any], workers: Workers, env: Mapping[str, str]
+) -> None:
     state = app.state.flags
+    generation = switches.env_bool(env, switches.HEALTH_GENERATION, True)
+    timeout_s = switches.health_check_timeout_s(env)
+
+    async def health_generation(rid: str) -> None:
+        if engine.classifier:  # SGLang scores the one token on an embedding model
+            await workers.generate(engine.classify, [HEALTH_INPUT_IDS])
+            return
+        items, _ = engine.normalize(
+            {"input_ids": HEALTH_INPUT_IDS, "sampling_params": HEALTH_SAMPLING_PARAMS, "rid": rid}
+        )
+        await workers.generate(engine.generate, items, engine.next_seq())
 
     @app.get(Route.HEALTH)
-    async def health() -> Response:
-        return Response(status_code=503 if state["shutting_down"] else 200)
-
     @app.get(Route.HEALTH_GENERATE)
-    async def health_generate() -> Response:
+    async def health(request: Request) -> Response:
+        """SGLang's: healthy once the engine makes progress (any batch's decoding step) after
+        the check began; the one-token generation it queues makes some on an idle engine."""
         if state["shutting_down"]:
             return Response(status_code=503)
-        if engine.busy or not engine.running.is_set() or engine.released or engine.stale:
-            return Response(status_code=200)  # like SGLang: a busy or paused engine is alive
-        items, _ = engine.normalize({"input_ids": [0], "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}})
-        try:
-            await workers.generate(engine.generate, items, engine.next_seq())
-        except Exception as e:
-            log.error("health_generate failed: %s", e)
-            return Response(status_code=503)
-        return Response(status_code=200)
+        if not generation and request.url.path == Route.HEALTH:
+            return Response(status_code=200)
+        tic = time.monotonic()
+        rid = f"{HEALTH_CHECK_RID_PREFIX}_{uuid.uuid4().hex}"
+        task = asyncio.ensure_future(health_generation(rid))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # its failure shows as no progress
+        while time.monotonic() < tic + timeout_s:
+            await asyncio.sleep(HEALTH_POLL_S)
+            if engine.last_progress > tic:
+                return Response(status_code=200)
+        engine.abort(rid)  # queued behind a pause: dropped when it runs
+        log.error("Health check failed: no progress for %d s (paused, or busy with nothing)", timeout_s)
+        return Response(status_code=503)
 
     @app.get(Route.MODEL_INFO_OLD)
     @app.get(Route.MODEL_INFO)
@@ -273,6 +321,8 @@ def _add_weights_and_memory(app: FastAPI, engine: Engine, workers: Workers) -> N
             await workers.control(fn, tags)
         except EngineError as e:
             return error_response(str(e))
+        except SchedulerDied as e:
+            die(str(e))
         return None
 
     @app.api_route(Route.RELEASE_MEMORY_OCCUPATION, methods=["GET", "POST"])

@@ -5,7 +5,9 @@ A request becomes a native /generate batch (one row per prompt and choice, so ev
 sampled token ids (``return_token_ids``), ``matched_stop``, the weight versions in ``metadata``.
 Chat messages are rendered by the model's own chat template (``apply_chat_template``, ``tools``
 passed to it); tool calls in the output are read in the Hermes/Qwen format
-(``rlhpc.wire.tool_calls``). ``stream: true`` is answered as server-sent events once the
+(``rlhpc.wire.tool_calls``), from the text decoded with special tokens kept whenever the request
+offers tools (SGLang's rule). As SGLang, the messages' text is tokenized with the template's text
+(its control tokens parse): rlhpc's own chats go through ``rlhpc.data.prompts`` instead. ``stream: true`` is answered as server-sent events once the
 whole batch is done (the CPU engine does not decode incrementally): the client sees the same
 chunks, all at the end. Field names: ``rlhpc.wire.openai_protocol``.
 """
@@ -183,8 +185,11 @@ def _chat(engine: Engine, req: ChatCompletionRequest) -> tuple[list[Item], Calla
         raise EngineError("top_logprobs needs logprobs=true")
     prompt = render_chat(engine.tokenizer, req.messages, req.tools, req.chat_template_kwargs)
     max_new = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    items = _rows(engine, [prompt], req, _sampling(req, max_new), (top or 0) if req.logprobs else None)
     parse_tools = bool(req.tools) and req.tool_choice != "none"
+    params = _sampling(req, max_new)
+    if parse_tools:  # as SGLang (serving_chat): the parser must see <tool_call> even where it is a special token
+        params["skip_special_tokens"] = False
+    items = _rows(engine, [prompt], req, params, (top or 0) if req.logprobs else None)
     tool_names = {t.get("function", {}).get("name") for t in req.tools or []}
 
     def answer(outs: list[dict]) -> dict:

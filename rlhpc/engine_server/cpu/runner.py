@@ -2,7 +2,9 @@
 
 Concurrency: one HTTP /generate request is one sampling batch, and batches run one at a time on
 a single thread (see ``rlhpc.engine_server.cpu.app``), so with fixed ``sampling_seed``s a
-request's tokens do not depend on other traffic. Weight routes run on a second thread; a lock
+request's tokens do not depend on other traffic. As in SGLang, seeds are used only by an engine
+started ``deterministic`` (SGLang's ``--enable-deterministic-inference``); elsewhere every
+request samples at random. Weight routes run on a second thread; a lock
 keeps them off the model while a batch computes. A pause holds new batches (and, in modes
 ``in_place``/``retract``, the running one between decoding steps; ``abort``, SGLang's default,
 ends it) until continued. Weights may change during such a pause: the batch goes on with them
@@ -51,6 +53,13 @@ from rlhpc.wire.protocol import MetaInfo
 log = logging.getLogger("rlhpc.cpu_server")
 
 SERVER_VERSION = "rlhpc-cpu-engine-0.1"
+# The seed of a request without one on a deterministic engine (SGLang's SamplingBatchInfo)
+UNSEEDED_DETERMINISTIC_SEED = 42
+
+
+class SchedulerDied(Exception):
+    """What kills SGLang's scheduler process, and with it the whole server (it sends its HTTP
+    process SIGQUIT, which kills the process tree): the CPU engine server exits on it too."""
 
 
 def version_spans(steps: list[str], num_tokens: int, current: str) -> list[dict[str, Any]]:
@@ -70,8 +79,17 @@ def version_spans(steps: list[str], num_tokens: int, current: str) -> list[dict[
 class Engine:
     """One model behind SGLang's semantics: batches generate, weights update, memory is released and resumed."""
 
-    def __init__(self, model_path: str, weight_version: str, device: str = "cpu"):
+    def __init__(
+        self,
+        model_path: str,
+        weight_version: str,
+        device: str = "cpu",
+        deterministic: bool = False,
+        original_logprobs: bool = False,
+    ):
         self.model_path = model_path
+        self.deterministic = deterministic  # --enable-deterministic-inference: sampling_seed is honoured
+        self.original_logprobs = original_logprobs  # SGLANG_RETURN_ORIGINAL_LOGPROB: logprobs before temperature
         self.device = torch.device(device)
         if self.device.type == "cuda":
             if self.device.index is None:
@@ -107,6 +125,7 @@ class Engine:
         self._scratch_buffers: dict[str, torch.Tensor] = {}  # per group: flattened buckets land here
         self._mapped: collections.deque = collections.deque(maxlen=2)  # see update_from_tensor
         self.busy = False
+        self.last_progress = time.monotonic()  # a decoding step or a batch ended (what /health waits for)
         self.receiving = False  # an update from distributed is under way (waiting for or in its broadcast)
         self.steps: list[str] = []  # of the batch running (or last run): its decoding steps' versions
         self.update_session: str | None = None  # selector of the open weight-update session
@@ -168,6 +187,7 @@ class Engine:
                 hidden = self.model.base_model(input_ids=ids).last_hidden_state[:, -1]
                 for i, row in zip(idx, self.model.score(hidden).float().tolist()):
                     scores[i] = row
+            self.last_progress = time.monotonic()
         return [
             {P.EMBEDDING: s, "meta_info": {MetaInfo.ID: f"classify-{i}", MetaInfo.PROMPT_TOKENS: len(ids)}}
             for i, (s, ids) in enumerate(zip(scores, inputs))
@@ -227,6 +247,7 @@ class Engine:
             recompute = self.pause_mode == "retract" and (self.weight_version, self._updates) != before
         self.require_usable()
         steps.append(self.weight_version)
+        self.last_progress = time.monotonic()
         return RECOMPUTE if recompute and len(steps) > 1 else False
 
     def generate(self, items: list[Item], seq: int) -> list[dict[str, Any]]:
@@ -243,7 +264,7 @@ class Engine:
                     [it.max_new_tokens for it in items],
                     [it.temperature for it in items],
                     [it.top_p for it in items],
-                    [it.seed for it in items],
+                    [self._seed(it) for it in items],
                     eos_id=min(self.eos_ids, default=-1),  # unused: stop_ids decides per row
                     pad_id=self.pad_id,
                     stop_ids=[it.stop_ids for it in items],
@@ -253,10 +274,13 @@ class Engine:
                     min_p=[it.min_p for it in items],
                     repetition_penalty=[it.repetition_penalty for it in items],
                     step_hook=lambda: self._step_hook(seq, rids, steps),
+                    original_logprobs=self.original_logprobs,
                 )
                 inputs = [self._input_logprobs(it) if it.logprob_start_len >= 0 else None for it in items]
             finally:
                 self.busy = False
+                if steps:  # tokens were made (a batch aborted before its first step made none)
+                    self.last_progress = time.monotonic()
             version = self.weight_version
         latency = time.perf_counter() - t0
         outs = [
@@ -267,6 +291,13 @@ class Engine:
             if lps is not None:
                 out["meta_info"][MetaInfo.INPUT_TOKEN_LOGPROBS] = lps
         return outs
+
+    def _seed(self, it: Item) -> int | None:
+        """The seed a row samples with: its own on a deterministic engine (42 without one, as
+        SGLang's), None (at random) on any other, whatever it asked for."""
+        if not self.deterministic:
+            return None
+        return UNSEEDED_DETERMINISTIC_SEED if it.seed is None else it.seed
 
     @torch.no_grad()
     def _input_logprobs(self, it: Item) -> list[list[Any]]:
@@ -559,9 +590,21 @@ class Engine:
     # -------------------------------------------------------------- memory
 
     def release(self, tags: list[str] | None) -> None:
+        """SGLang's release_memory_occupation: only on an idle engine (a paused one may hold
+        waiting requests), and each tag once: SGLang's scheduler asserts the first, and
+        torch_memory_saver exits the process when asked to pause memory already paused."""
         tags = check_tags(tags)
-        with self.model_lock:
-            if "weights" in tags and "weights" not in self.released:
+        again = sorted(self.released.intersection(tags))
+        if again:
+            raise SchedulerDied(f"torch_memory_saver: Cannot pause allocation that is not active (tags {again})")
+        with self.model_lock:  # a batch computing ends first (or, paused in place, waits off the lock)
+            # a batch that holds a cache (it ran a step) is SGLang's running batch; one held by a
+            # pause before its first step is a waiting request, which SGLang lets a paused engine keep
+            if self.busy and self.steps:
+                raise SchedulerDied(
+                    "AssertionError: release_memory_occupation should be called only when server is idle."
+                )
+            if "weights" in tags:
                 # Swap each parameter's storage for an empty one (the Parameter objects, and so
                 # tied weights, stay). Buffers such as rotary tables stay too: nobody re-sends them.
                 for name, p in self.model.named_parameters():
@@ -569,8 +612,9 @@ class Engine:
                     p.data = torch.empty(0, dtype=p.dtype, device=p.device)
                 self._mapped.clear()  # shared-memory segments held for the next colocated push
                 self._scratch_buffers.clear()  # receive buffers: one bucket each
-            # kv_cache: sample() builds its cache per batch and frees it after, so nothing is
-            # resident between requests; the tag is recorded to refuse generation like SGLang.
+            # kv_cache, cuda_graph: sample() builds its cache per batch and frees it after, and
+            # there are no graphs, so nothing is resident; the tags are recorded to refuse
+            # generation, and to hold resume to SGLang's rule.
             self.released.update(tags)
             if self.device.type == "cuda":
                 # freed blocks stay reserved by torch's caching allocator; hand them back to the
@@ -579,9 +623,15 @@ class Engine:
         log.info("released %s (weights bytes now %d)", tags, self.weights_bytes())
 
     def resume(self, tags: list[str] | None) -> None:
+        """SGLang's resume_memory_occupation: each tag is removed from the released ones
+        (``set.remove``), so a tag that is not released is a KeyError, which kills SGLang's
+        scheduler and with it the server."""
         tags = check_tags(tags)
+        missing = [t for t in tags if t not in self.released]
+        if missing:
+            raise SchedulerDied(f"KeyError: {missing[0]!r} (resume_memory_occupation of memory that is not released)")
         with self.model_lock:
-            if "weights" in tags and "weights" in self.released:
+            if "weights" in tags:
                 flatten_parameters(self.model, self._shapes)
                 # by the names a push re-sends them under; a tied weight once, as named_parameters has it
                 named = ((n, p.detach()) for n, p in self.model.named_parameters())

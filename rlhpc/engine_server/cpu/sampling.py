@@ -79,20 +79,23 @@ def sample(
     top_k: list[int] | None = None,
     min_p: list[float] | None = None,
     repetition_penalty: list[float] | None = None,
+    original_logprobs: bool = False,
 ) -> list[Sample]:
     """Generate for a batch of prompts. Temperature 0 means greedy.
 
-    Logprobs are those of the sampled token under the unmodified (temperature 1) softmax, as
-    SGLang reports them by default.
+    Logprobs are SGLang's: of the sampled token under the softmax of the logits (after the
+    repetition penalty, which SGLang applies to the logits before its sampler) divided by the
+    row's temperature (1 for a greedy row, which SGLang samples at temperature 1 with top-k 1),
+    or, with ``original_logprobs`` (SGLang's ``SGLANG_RETURN_ORIGINAL_LOGPROB``), not divided.
+    Top-k, top-p and min-p never change them: SGLang takes them before its filters.
 
     ``stop_ids[i]``, when given, replaces ``{eos_id}`` as row i's set of stopping tokens (SGLang's
     ``stop_token_ids`` / ``ignore_eos``). ``stop_fns[i]``, when given, sees row i's output ids after
     each new token and returns the stop string they now contain (the row ends, "stop") or None;
     it is asked before the stop tokens, as SGLang checks strings first. ``top_logprobs[i]`` > 0
-    records that many most likely tokens per step for row i. ``top_k`` (-1 or ``TOP_K_ALL``: off),
-    ``min_p`` and ``repetition_penalty`` shape row i's distribution as SGLang's sampling params of
-    those names; the reported logprobs stay the model's own (before any shaping), which is what
-    the trainer recomputes. ``step_hook`` runs before every forward pass; it may
+    records that many most likely tokens per step for row i (of the same logprobs). ``top_k`` (-1 or
+    ``TOP_K_ALL``: off), ``min_p`` and ``repetition_penalty`` shape row i's distribution as SGLang's
+    sampling params of those names. ``step_hook`` runs before every forward pass; it may
     block (an engine pausing mid-batch) and returning True ends all unfinished rows as "abort";
     returning ``RECOMPUTE`` drops the KV cache and runs the next step over every token so far (the
     prompts and the tokens sampled up to now), so the cache holds the weights loaded meanwhile.
@@ -107,6 +110,11 @@ def sample(
     uniforms = _row_uniforms(seeds, steps_max).to(device)
     temps = torch.tensor(temperature, dtype=torch.float32, device=device)
     greedy = temps <= 0
+    # what the logprobs are divided by: None when by nothing (original logprobs, or no row samples
+    # away from temperature 1); a greedy row's is 1 (SGLang samples it at temperature 1, top-k 1)
+    lp_temps = None if original_logprobs else torch.where(greedy, torch.ones_like(temps), temps)
+    if lp_temps is not None and bool((lp_temps == 1).all()):
+        lp_temps = None
     tops = torch.tensor(top_p, dtype=torch.float32, device=device)
     # each shaping only when some row asks for it: the default path stays as it was
     ks = [TOP_K_ALL if k is None or k <= 0 else k for k in top_k] if top_k is not None else []
@@ -145,7 +153,7 @@ def sample(
         next_ids = _draw(shaped, temps, tops, greedy, uniforms[:, step], ks_t, min_ps)
         if seen is not None:
             seen[torch.arange(batch, device=device), next_ids] = True
-        log_probs = torch.log_softmax(logits, dim=-1)
+        log_probs = torch.log_softmax(shaped if lp_temps is None else shaped / lp_temps[:, None], dim=-1)
         chosen_lps = log_probs.gather(1, next_ids[:, None])[:, 0]
         rows.record(next_ids.tolist(), chosen_lps.tolist(), _top(log_probs, k_max))
         if all(rows.done):

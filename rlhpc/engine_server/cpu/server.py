@@ -24,6 +24,7 @@ from rlhpc.engine_server.cpu.app import build_app
 from rlhpc.engine_server.cpu.guard import HEADER_TIMEOUT_S, guarded_protocol
 from rlhpc.engine_server.cpu.runner import Engine
 from rlhpc.util.files import write_atomic
+from rlhpc.wire import switches
 from rlhpc.wire.engine_key import read_key
 
 log = logging.getLogger("rlhpc.cpu_server")
@@ -76,6 +77,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--parent-pid", type=int, help="exit when this process is no longer our parent")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: the model on cuda:0")
+    p.add_argument(
+        "--enable-deterministic-inference", action="store_true",
+        help="honour each request's sampling_seed (42 without one), as SGLang's flag of this name; "
+        "without it every request samples at random",
+    )  # fmt: skip
     p.add_argument("--log-level", default="INFO")
     p.add_argument(
         "--header-timeout-s", type=float, default=HEADER_TIMEOUT_S,
@@ -110,7 +116,8 @@ def main(argv: list[str] | None = None) -> None:
     # signal, which would otherwise kill us with status -15 instead of a clean exit.
     signal.signal(signal.SIGTERM, lambda *_: stop_requested.set())
 
-    engine = Engine(args.model_path, args.weight_version, args.device)
+    original = switches.bool_env_var(os.environ, switches.RETURN_ORIGINAL_LOGPROB)
+    engine = Engine(args.model_path, args.weight_version, args.device, args.enable_deterministic_inference, original)
     sock = _bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
     address = {"host": args.host, "port": port}

@@ -16,13 +16,15 @@ An engine whose server dies or stops answering /health is restarted (at most
 ``rollout.max_engine_restarts`` times) and brought back to the current weights through the
 weight source it was connected to (``connect_weights``, the actor; ``weight_channel``): the weight-sync channel is
 opened again over all engines, since they share one group, and the current version is pushed.
-Generation requests that failed on it are sent again; every sample has its own seed, so they
-give the same tokens.
+Generation requests that failed on it are sent again; every sample has its own seed, so in a
+``deterministic: true`` run (engines started with --enable-deterministic-inference, which SGLang
+needs to honour a seed) they give the same tokens.
 
 /health is asked only after a failure (a request or a push that an engine did not answer),
-never before every generation, evaluation or push: SGLang's /health is itself a generation
-that waits at least a second. A dead server refuses connections at once, so its death shows
-as failed requests; a hung one, as requests that time out (``EngineClient.timeout_s``).
+never before every generation, evaluation or push. SGLang's own /health is a generation, held
+20 s and answered 503 on a paused engine; every engine gets it switched off (``engine_env``). A dead server refuses connections at once, so its death shows
+as failed requests; a hung one, as requests that time out (a /generate after
+``rollout.generate_timeout_s``, which grows with its max_new_tokens).
 
 Restarts wait for a safe moment. A restarted engine must get the weights the others hold, and
 only the actor has them, and only while it is not training. Generation in the async pipeline

@@ -12,9 +12,11 @@ from typing import TYPE_CHECKING
 
 import ray
 
+from rlhpc.config import startup_timeout_s
 from rlhpc.engine_server.host import EngineActor
 from rlhpc.engine_server.sglang import Router, engine_parts
 from rlhpc.errors import RlhpcError
+from rlhpc.model import weight_bytes
 from rlhpc.util.files import tail
 from rlhpc.wire.client import EngineClient
 from rlhpc.wire.engine_key import new_key
@@ -36,7 +38,8 @@ class EngineSet:
     ``frozen``: the reward (or, ``role`` "teacher", the teacher's) engines (``layout.reward_slots``,
     ``layout.teacher_slots``), on GPUs of their own, never given weights: a restarted one serves
     the model on disk, as the others do. ``key_file``: where the engine key is written
-    (``RunDir.engine_key``); None: a private temp dir. Nothing starts before ``start``.
+    (``RunDir.engine_key``); None: a private temp dir. ``deterministic`` (the run's): every engine
+    honours its requests' seeds (SGLang's --enable-deterministic-inference). Nothing starts before ``start``.
     """
 
     def __init__(
@@ -51,11 +54,14 @@ class EngineSet:
         key_file: Path | None = None,
         frozen: bool = False,
         role: str = "reward",
+        deterministic: bool = False,
     ):
-        self.frozen = frozen
+        self.frozen, self.deterministic = frozen, deterministic
         self.role = role if frozen else "rollout"
         self.rollout_cfg, self.cluster_cfg, self.seed = rollout, cluster, seed
         self.model_path, self.placement, self.layout, self.log_dir = model_path, placement, layout, log_dir
+        # rollout.engine_startup_timeout_s, or its formula for this model's size
+        self.startup_timeout_s = startup_timeout_s(rollout, weight_bytes(model_path))
         self._key_dir = None if key_file is not None else Path(tempfile.mkdtemp(prefix="rlhpc-engine-key-"))
         self.key_file = Path(key_file) if key_file is not None else self._key_dir / "engine_key"
         self.api_key = ""
@@ -69,6 +75,7 @@ class EngineSet:
         self.router_client: EngineClient | None = None  # generation goes through it when set
         self.router_restarts = 0  # after it died, bounded by rollout.max_engine_restarts
         self.weight_version: int | None = None  # what the engines hold (None: the weights on disk)
+        self.released: set[int] = set()  # engines whose memory is released (offloaded), until resumed
 
     def start(self) -> None:
         """A new engine key, every engine's server (and the router), up and answering."""
@@ -114,7 +121,7 @@ class EngineSet:
             memory_saver = not self.frozen and (self.cluster_cfg.colocate or self.cluster_cfg.offload)
             parts = engine_parts(
                 slots, self.placement.location_of_slot, r.sglang.mem_fraction_static, memory_saver, self.seed,
-                r.sglang.extra_args,
+                r.sglang.extra_args, self.deterministic, self.layout.colocate and not self.frozen,
             )  # fmt: skip
         multi = len(parts) > 1
         strategy = self.placement.strategy
@@ -123,12 +130,13 @@ class EngineSet:
                 self.model_path,
                 str(self.log_dir),
                 e,
-                r.engine_startup_timeout_s,
+                self.startup_timeout_s,
                 None,
                 spec,
                 not multi,
                 key_file=str(self.key_file),
                 host=self.engine_host,
+                deterministic=self.deterministic,
             )  # fmt: skip
             for slot, spec in parts
         ]
@@ -137,7 +145,9 @@ class EngineSet:
         return actors
 
     def replace(self, e: int, parts: list[ray.actor.ActorHandle], url: str) -> None:
-        """Engine e is now ``parts``, serving at ``url`` (started again on another node)."""
+        """Engine e is now ``parts``, serving at ``url`` (started again on another node): a new
+        server, with its memory resident."""
+        self.released.discard(e)
         self.engine_parts[e] = parts
         self.clients[e].close()
         self.clients[e] = EngineClient(url, api_key=self.api_key)

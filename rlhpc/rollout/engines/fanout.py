@@ -17,11 +17,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from rlhpc.config import generate_timeout_s
 from rlhpc.rollout.engines import health as _health
 from rlhpc.wire.client import EngineClient, EngineUnavailable
 from rlhpc.wire.request import GenerationAborted, StopCheck
 
 if TYPE_CHECKING:
+    from rlhpc.config import RolloutConfig
     from rlhpc.rollout.engines.engine_set import EngineSet
     from rlhpc.rollout.engines.health import Health
     from rlhpc.rollout.engines.weight_channel import WeightChannel
@@ -31,9 +33,17 @@ log = logging.getLogger(__name__)
 Call = Callable[[EngineClient, Any], Any]
 
 
-def generate(client: EngineClient, r: Any) -> Any:
-    """The default request: a /generate of a ``rlhpc.wire.request.Request``."""
-    return client.generate(input_ids=r.input_ids, sampling_params=r.sampling_params, return_logprob=r.return_logprob)
+SGLANG_DEFAULT_MAX_NEW_TOKENS = 128  # what SGLang generates when a request names no max_new_tokens
+
+
+def generate(client: EngineClient, r: Any, rollout: RolloutConfig) -> Any:
+    """The default request: a /generate of a ``rlhpc.wire.request.Request``, given as long as its
+    longest sample may take (``rollout.generate_timeout_s``)."""
+    longest = max((sp.get("max_new_tokens") or SGLANG_DEFAULT_MAX_NEW_TOKENS for sp in r.sampling_params), default=0)
+    return client.generate(
+        input_ids=r.input_ids, sampling_params=r.sampling_params, return_logprob=r.return_logprob,
+        timeout_s=generate_timeout_s(rollout, longest),
+    )  # fmt: skip
 
 
 @dataclass
@@ -89,11 +99,14 @@ class FanOut:
         pending = list(range(len(requests)))
         while pending:
             sent = _Round(self.health.targets(), len(self.health.lost))
-            self._round(sent, requests, pending, answers, done, call or generate, first)
+            self._round(sent, requests, pending, answers, done, call or self._generate, first)
             if sent.failed:
                 self._after_failures(sent)
             pending = sorted(sent.failed)
         return answers
+
+    def _generate(self, client: EngineClient, r: Any) -> Any:
+        return generate(client, r, self.engines.rollout_cfg)
 
     def _round(self, sent: _Round, requests: Sequence[Any], pending: list[int], answers: list[Any],
                done: Callable[[int, Any], None] | None, call: Call, first: int) -> None:  # fmt: skip

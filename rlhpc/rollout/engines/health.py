@@ -8,7 +8,8 @@ router can be down too. ``changed`` says an engine came back or was lost since t
 channel was opened (it must be opened again).
 
 /health is asked only after a failure, never before every generation (SGLang's /health is
-itself a generation that waits at least a second).
+itself a generation that waits at least a second, unless switched off as rlhpc switches it off
+on every engine: ``rlhpc.engine_server.sglang.ENGINE_SWITCHES``).
 """
 
 from __future__ import annotations
@@ -165,7 +166,7 @@ class Health:
                 continue  # not placed yet
             try:
                 parts = s.start_engine(e)
-                url = ray.get(parts[0].url.remote(), timeout=s.rollout_cfg.engine_startup_timeout_s)
+                url = ray.get(parts[0].url.remote(), timeout=s.startup_timeout_s)
             except Exception as err:  # the new node may be gone again: try at the next boundary
                 log.warning("rollout engine %d could not start again on its new node: %s", e, err)
                 continue
@@ -241,7 +242,7 @@ class Health:
         )
         log.warning(
             "no answer for %.0f s from %s: stopped (SIGSTOP), hung or out of memory? the wait ends at the "
-            "client's %.0f s timeout", silent.for_s(), named, max(c.timeout_s for c in waiting_on),
+            "request's read timeout (a /generate's: rollout.generate_timeout_s)", silent.for_s(), named,
         )  # fmt: skip
 
     def close(self) -> None:

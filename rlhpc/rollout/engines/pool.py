@@ -43,10 +43,13 @@ class EnginePool:
         key_file: Path | None = None,
         frozen: bool = False,
         role: str = "reward",
+        deterministic: bool = False,
     ) -> EnginePool:
         """Start the engines (``EngineSet``'s arguments) and watch them; ``stop``: generation in
         flight is aborted when it is set (the job's stop request, or the schedule's ``abort``)."""
-        engine_set = EngineSet(rollout, cluster, seed, model_path, placement, layout, log_dir, key_file, frozen, role)
+        engine_set = EngineSet(
+            rollout, cluster, seed, model_path, placement, layout, log_dir, key_file, frozen, role, deterministic
+        )
         engine_set.start()
         health = Health(engine_set)
         health.locate()
@@ -158,11 +161,17 @@ class EnginePool:
 
     # ------------------------------------------------------------ memory and lifecycle
 
-    def _on_engines(self, fn: Callable[[EngineClient], Any], again_on_restarted: bool) -> None:
-        """Run fn on every engine; restart engines that turn out dead (``again_on_restarted``: run fn on
-        them too). Their weights are brought back by the next sync_weights."""
+    def _on_engines(
+        self, fn: Callable[[EngineClient], Any], again_on_restarted: bool, only: set[int] | None = None
+    ) -> None:
+        """Run fn on every engine (``only``: on those); restart engines that turn out dead
+        (``again_on_restarted``: run fn on them too). Their weights are brought back by the next sync_weights."""
         clients, lost = self.clients, self.health.lost
-        futures = {e: self.fanout.threads.submit(fn, c) for e, c in enumerate(clients) if e not in lost}
+        futures = {
+            e: self.fanout.threads.submit(fn, c)
+            for e, c in enumerate(clients)
+            if e not in lost and (only is None or e in only)
+        }
         failed: dict[int, EngineUnavailable] = {}
         for e, f in futures.items():
             try:
@@ -180,11 +189,25 @@ class EnginePool:
                 fn(clients[e])
 
     def offload(self) -> None:
-        """Free engine weights and KV cache (for the actor's turn on shared GPUs)."""
-        self._on_engines(lambda c: c.release_memory_occupation(), again_on_restarted=True)
+        """Free engine weights and KV cache (for the actor's turn on shared GPUs). Once each: SGLang
+        dies when asked to release memory it released already."""
+        s = self.engine_set
+        self._on_engines(lambda c: c.release_memory_occupation(), again_on_restarted=True, only=self._resident())
+        s.released.update(self._resident())
 
     def onload(self) -> None:
-        self._on_engines(lambda c: c.resume_memory_occupation(), again_on_restarted=False)  # a new engine is resident
+        """Resume the memory ``offload`` released, on those engines only: SGLang's resume of memory
+        it did not release raises in its scheduler, which kills the server. An engine started
+        (or restarted) since is resident: nothing to resume."""
+        s = self.engine_set
+        # an engine restarted here is new, so resident: not resumed again
+        self._on_engines(lambda c: c.resume_memory_occupation(), again_on_restarted=False, only=set(s.released))
+        s.released.clear()
+
+    def _resident(self) -> set[int]:
+        """The engines serving with their memory in place (not released, not lost with their node)."""
+        lost = self.health.lost
+        return {e for e in range(len(self.clients)) if e not in self.engine_set.released and e not in lost}
 
     def shutdown(self) -> None:
         self.fanout.close()

@@ -1,0 +1,35 @@
+"""The CPU engine server's command line (``server.parse_args`` reads it): what ``EngineActor``
+runs, and what a dry run shows."""
+
+from __future__ import annotations
+
+MODULE = "rlhpc.engine_server.cpu"
+THREAD_DEFAULTS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}  # unless the job says: CI machines have two cores
+
+
+def server_command(
+    python: str,
+    model_path: str,
+    host: str,
+    ready_file: str,
+    parent_pid: str,
+    threads: str,
+    key_file: str | None = None,
+    deterministic: bool = False,
+) -> list[str]:
+    """``python -m rlhpc.engine_server.cpu ...`` on a port it picks (written to ``ready_file``).
+    ``deterministic``: SGLang's ``--enable-deterministic-inference`` (seeds honoured)."""
+    cmd = [
+        python, "-m", MODULE,
+        "--model-path", model_path,
+        "--host", host,
+        "--port", "0",
+        "--ready-file", ready_file,
+        "--parent-pid", parent_pid,
+        "--threads", threads,
+    ]  # fmt: skip
+    if key_file is not None:
+        cmd += ["--api-key-file", key_file]
+    if deterministic:
+        cmd.append("--enable-deterministic-inference")
+    return cmd
