@@ -50,11 +50,11 @@ def test_data_prompts_are_sent_as_the_template_renders_them(family):
     assert encode_rows(tok, ready) == want
     for row, chat in zip(ready, rows[:2]):
         text = tok.apply_chat_template(with_system(chat["prompt"], sys), add_generation_prompt=True, tokenize=False)
-        assert row["prompt"] == text
+        assert row.prompt_text == text
     if f.bos is not None:
         assert [ids.count(tok.bos_token_id) for ids in want] == [1, 1, 1]
     if f.name == "qwen3":  # the earlier turn's reasoning is not in what the model is sent
-        assert "small steps" not in ready[1]["prompt"] and "3 then" in ready[1]["prompt"]
+        assert "small steps" not in ready[1].prompt_text and "3 then" in ready[1].prompt_text
 
 
 # Per family, turns of (reply, the engine stopped at its stop token, observation) that the
