@@ -12,7 +12,7 @@ TORCH_INDEX ?=
 CONSTRAINTS ?= constraints/cpu.txt
 PIP_VERSION := 26.3
 
-.PHONY: install run test test-fast lint clean-runs
+.PHONY: install run test test-fast lint bench clean-runs
 
 install: $(VENV)/.installed
 
@@ -46,6 +46,13 @@ test: install $(SGLANG_WHEEL_STAMP)
 # Everyday work: the unit tests (no Ray, no Slurm, no engine servers), under two minutes.
 test-fast: install $(SGLANG_WHEEL_STAMP)
 	$(PY) -m pytest -q tests/unit
+
+# Every benchmark of tools/bench/ (minutes each; not a test), each ratio held against the spread
+# recorded in docs/benchmarks.json: run it before closing a change to a hot path (the weight push,
+# the loop, generation, checkpoints, the engine server). make bench BENCH="weight_sync loop_overhead"
+BENCH ?=
+bench: install
+	$(PY) -m rlhpc.devtools.bench $(if $(BENCH),--only $(BENCH))
 
 lint: install
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

@@ -12,7 +12,7 @@ fi
 SUDO=""
 if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
 
-PACKAGES=(slurm-wlm munge iproute2 util-linux mount hostname libc-bin)
+PACKAGES=(slurm-wlm munge iproute2 util-linux mount hostname libc-bin bubblewrap)  # bubblewrap: the sandbox (tests/integration/test_sandbox.py)
 missing=()
 for pkg in "${PACKAGES[@]}"; do
     if ! dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed"; then

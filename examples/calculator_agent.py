@@ -9,7 +9,9 @@ transcript's last reply; return a float to score the episode yourself.
 
 from __future__ import annotations
 
+import ast
 import json
+import operator
 
 from openai import AsyncOpenAI
 
@@ -28,13 +30,34 @@ CALCULATOR = {
 }
 
 
+MAX_EXPRESSION = 200  # characters: a calculator's input, not a program
+_OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+
+
 def calculator(expression: str) -> str:
-    if set(expression) - set("0123456789+-*/(). ") or "**" in expression:  # no names, no 9**9**9
+    """The tool: any input is an answer, an error the model reads included, never an exception
+    (one would end the episode, and the run with it). Bounded: 3,000 characters of nested
+    parentheses or signs once raised MemoryError or RecursionError in Python's own parser."""
+    if not isinstance(expression, str) or len(expression) > MAX_EXPRESSION:
+        return f"error: not an expression of at most {MAX_EXPRESSION} characters"
+    if set(expression) - set("0123456789+-*/(). "):  # no names, no calls
         return f"error: not arithmetic: {expression!r}"
     try:
-        return str(eval(expression, {"__builtins__": {}}))
-    except (SyntaxError, ZeroDivisionError) as e:
-        return f"error: {e}"
+        return str(_value(ast.parse(expression, mode="eval").body))
+    except (SyntaxError, ValueError, ArithmeticError, RecursionError, MemoryError) as e:
+        return f"error: {type(e).__name__}: {e}"
+
+
+def _value(node: ast.expr) -> int | float:
+    """Numbers, + - * / and parentheses only (no ``**``: 9**9**9 has 370 million digits)."""
+    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+        return node.value
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub | ast.UAdd):
+        value = _value(node.operand)
+        return -value if isinstance(node.op, ast.USub) else value
+    if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
+        return _OPERATORS[type(node.op)](_value(node.left), _value(node.right))
+    raise ValueError(f"not arithmetic: {ast.unparse(node)!r}")
 
 
 async def solve(row: dict, base_url: str, api_key: str) -> float | None:

@@ -428,6 +428,12 @@ class CheckpointManager:
         dirs = [p for p in self.root.iterdir() if p.is_dir() and _rollout_id(p) is not None]
         return sorted(dirs, key=_rollout_id)
 
+    def oldest(self) -> int | None:
+        """The rollout id of the oldest checkpoint directory (valid or not), or None: no resume
+        goes back past it."""
+        dirs = self._checkpoint_dirs()
+        return _rollout_id(dirs[0]) if dirs else None
+
     def latest(self, content: bool = True) -> Checkpoint | None:
         """The newest valid checkpoint. Falls back past damaged ones, with a warning.
 

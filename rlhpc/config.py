@@ -401,7 +401,9 @@ class DataConfig(Section):
 
     SECTION: ClassVar[str] = "data"
 
-    task: str = "digit_sum"  # a built-in task (rlhpc.data.tasks): digit_sum, reverse, guess (multi-turn)
+    task: str = (
+        "digit_sum"  # a built-in task (rlhpc.data.tasks): digit_sum, reverse, guess (multi-turn), code (sandboxed)
+    )
     # .jsonl, .json, .parquet or a datasets.save_to_disk directory (rlhpc.data.files)
     train_file: str | None = None
     eval_file: str | None = None  # the eval set's file, read as train_file is (None: the task's own eval rows)
@@ -735,6 +737,10 @@ class RolloutConfig(Section):
     tool_parser: str = "rlhpc.wire.tool_calls:parse_hermes"
     # Each call's limit in seconds; one still running after it answers "error: timed out after N s".
     tool_timeout_s: float = 30.0
+    # Record every tool call's answer in RUN_DIR/tool_journal/ as it is made (fsynced once per
+    # turn), and answer a resumed episode's calls from it instead of running them again, so a run
+    # whose tools read the clock, the network or a sandbox's state resumes exactly (multi-turn guide).
+    tool_journal: bool = True
     # Rollouts written as code (docs/guides/multi-turn.md#three-ways-in), instead of rollout.env:
     # "module:fn", (row, engine) -> rlhpc.rollout.trajectories.Trajectory (async def or def); its
     # engine.generate(input_ids, sampling) samples from the engines. The trajectory is checked:
@@ -915,7 +921,10 @@ class MegatronConfig(Section):
     # Shard optimizer state over data-parallel ranks. Its checkpoints resume at another DP size
     # but the same TP and PP sizes; the plain optimizer's reshard to any TP/PP/DP.
     use_distributed_optimizer: bool = False
-    bf16: bool = False  # bf16 params/compute with fp32 master weights (GPU); fp32 otherwise
+    # bf16 weights, compute and weight pushes, with fp32 master weights and gradients. null: bf16
+    # where the hardware has it (a CUDA GPU with bf16: Ampere and later), fp32 elsewhere (CPU,
+    # gloo); the ranks log which. The memory plan, made for GPUs, counts bf16 unless false.
+    bf16: bool | None = None
     # MoE models (qwen3_moe): experts split over this many ranks of the data-parallel group
     # (megatron's expert parallelism; it must divide DP and the number of experts).
     expert_model_parallel_size: int = 1
@@ -926,6 +935,10 @@ class MegatronConfig(Section):
     # Full activation recompute (megatron-core's recompute_granularity "full", method "uniform",
     # one layer per chunk): only each layer's input is kept, the layer is recomputed in backward.
     recompute: bool = False
+
+    def uses_bf16(self, device_has_bf16: bool) -> bool:
+        """Whether the actor runs in bf16 on a device that has it or not: the one place ``bf16`` is read."""
+        return device_has_bf16 if self.bf16 is None else self.bf16
 
     def check(self) -> None:
         self._at_least(1, "tensor_model_parallel_size", fix="use 1, 2, 4 or 8")
@@ -1136,6 +1149,59 @@ class CheckpointConfig(Section):
 
 
 @dataclass
+class SandboxConfig(Section):
+    """Where model-written code runs (docs/guides/sandbox.md): the code reward
+    (``rlhpc.rewards:code``), the ``python`` and ``bash`` tools (``rlhpc.sandbox:python``,
+    ``rlhpc.sandbox:bash``) and your own code through ``rlhpc.sandbox.pool()``. A pool of warm
+    sandboxes on the driver's node, each running one execution at a time in a fresh child."""
+
+    SECTION: ClassVar[str] = "sandbox"
+
+    # bwrap: bubblewrap with unprivileged user namespaces (Debian/Ubuntu/RHEL package "bubblewrap");
+    # apptainer: "apptainer exec" of sandbox.image (for sites with Apptainer and no user
+    # namespaces); subprocess: a plain process with the limits and no isolation at all (trusted code only).
+    backend: Literal["bwrap", "apptainer", "subprocess"] = "bwrap"
+    image: str | None = None  # apptainer: the image (.sif) the sandboxes run, with a Python 3.6+ inside
+    # The interpreter that runs inside (standard library only, plus what binds add). null: python3
+    # on the node (/usr/bin/python3), or python3 in the apptainer image. One outside /usr has its
+    # prefix (the directory above its bin/) bound read-only.
+    python: str | None = None
+    binds: list[str] = field(default_factory=list)  # more host paths seen read-only inside (a venv with numpy)
+    pool_size: int = 4  # warm sandboxes on the driver's node: executions at once
+    wall_s: float = 10.0  # an execution's wall-clock limit; past it the code is killed ("timeout")
+    cpu_s: float = 10.0  # CPU seconds per process of the code (RLIMIT_CPU)
+    memory_mb: int = 1024  # address space per process of the code (RLIMIT_AS)
+    processes: int = 64  # processes and threads of the code at once (RLIMIT_NPROC, in its own user namespace)
+    # The private /tmp's size (a tmpfs: memory) and any file's largest size (RLIMIT_FSIZE).
+    disk_mb: int = 64
+    output_kb: int = 64  # stdout and stderr kept per execution; the rest is cut (and marked truncated)
+    # An execution that failed for infrastructure (a sandbox that did not start, died, or was
+    # starved by the node) runs again this many times in a fresh sandbox before its sample is
+    # masked as failed-for-infrastructure (infra/failed).
+    retries: int = 1
+    # A time-out is the node's, not the code's, when the code's processes waited for a CPU
+    # longer than this share of sandbox.wall_s and ran less than it.
+    overload_share: float = 0.5
+
+    def check(self) -> None:
+        self._at_least(1, "pool_size", "memory_mb", "processes", "disk_mb", "output_kb")
+        self._at_least(0, "retries", fix="set 0 to mask an execution's sample at its first infrastructure failure")
+        self._above(0, "wall_s", "cpu_s", fix="give the limit in seconds, e.g. 10")
+        if not 0 < self.overload_share < 1:
+            self._refuse("overload_share", "must be in (0, 1)", "use e.g. 0.5: half of the wall limit spent waiting")
+        if self.backend == "apptainer" and not self.image:
+            self._refuse(
+                "image",
+                "is unset, but sandbox.backend = 'apptainer' runs an image",
+                "set sandbox.image to a .sif with python3 (e.g. apptainer build py.sif docker://python:3.12-slim)",
+            )
+        for i, path in enumerate([*self.binds, *([self.python] if self.python else [])]):
+            if not path.startswith("/"):
+                where = f"binds[{i}]" if i < len(self.binds) else "python"
+                raise ConfigError(f"{self.key(where)} = {path!r} is not an absolute path", "give the full path")
+
+
+@dataclass
 class LoggingConfig(Section):
     SECTION: ClassVar[str] = "logging"
 
@@ -1165,6 +1231,7 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     reward_model: RewardModelConfig | None = None  # None: no reward model (the rule reward alone)
     teacher: TeacherConfig | None = None  # None: no teacher (algo.distill_coef and kl_target: teacher need one)
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)  # where model-written code runs
     seed: int = 1234  # the run's seed: model init, data order, every sample's sampling seed
     # Reruns and resumed runs give bit-identical weights (CPU); every engine honours its requests'
     # seeds (SGLang: --enable-deterministic-inference, slower: docs/architecture/engines.md)
@@ -1539,6 +1606,16 @@ def check_run(cfg: Config) -> None:
         raise ConfigError(
             f"a rollout has {r.rollout_batch_size * r.n_samples_per_prompt} samples, fewer than the {c.actor_num_gpus} actor ranks",
             "raise rollout.rollout_batch_size or lower cluster.actor_num_gpus",
+        )
+    if c.colocate and c.rollout_num_gpus > c.gpus_per_node:
+        # the engines take the actor's first GPUs, and actor rank 0 alone pushes to them
+        raise ConfigError(
+            f"cluster.colocate with cluster.rollout_num_gpus = {c.rollout_num_gpus} over nodes of "
+            f"cluster.gpus_per_node = {c.gpus_per_node}: the engines would span nodes, and a colocated push hands "
+            "each engine a CUDA IPC (on CPU, shared-memory) handle of actor rank 0's buffer, which no other node "
+            "can open",
+            "keep the colocated engines on one node (cluster.rollout_num_gpus <= cluster.gpus_per_node), or drop "
+            "cluster.colocate: a disaggregated push broadcasts to engines on every node",
         )
     if r.max_staleness > 0 and (c.colocate or c.offload):
         key = "cluster.colocate" if c.colocate else "cluster.offload"

@@ -17,6 +17,7 @@ from typing import Any
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from rlhpc import sandbox
 from rlhpc.actor.group import ActorGroup, ActorSpec
 from rlhpc.algo.grpo import kl_in_reward
 from rlhpc.checkpoint import CheckpointManager
@@ -33,6 +34,7 @@ from rlhpc.rollout.custom import make_custom
 from rlhpc.rollout.engines import EnginePool
 from rlhpc.rollout.episodes import make_episodes
 from rlhpc.rollout.generation import Generation, task_reward
+from rlhpc.rollout.journal import ToolJournal
 from rlhpc.rollout.judge import Judge
 from rlhpc.rollout.reward_model import RewardModel, start_reward_engines
 from rlhpc.rollout.scoring import MixedScorer
@@ -171,10 +173,15 @@ class TrainLoop:
             self.engines = engines_up.result()
         self.reward_engines = reward_up.result() if reward_up is not None else None
         self.teacher_engines = teacher_up.result() if teacher_up is not None else None
+        sandbox.configure(cfg.sandbox)  # the code reward, the python/bash tools and your code use these settings
+        if sandbox.used(cfg):
+            with startup.phase("sandbox_up"):
+                sandbox.pool()  # warm now: a node that cannot run the sandbox fails here, named
         self.generation = Generation(
             tokenizer, self._scorer(), cfg.rollout, cfg.eval, cfg.algo, cfg.seed,
             send=self.engines.generate, progress=progress, num_engines=len(layout.engine_slots),
             episodes=make_episodes(cfg, tokenizer), custom=make_custom(cfg, tokenizer), teacher=self._teacher(tokenizer),
+            journal=self.journal,
         )  # fmt: skip
         with startup.phase("weight_channel"):
             self.engines.connect_weights(self.actor)  # the engines' one weight source, restarted engines included
@@ -239,8 +246,12 @@ class TrainLoop:
         cfg, run = self.cfg, self.rundir
         self.checkpoints = CheckpointManager(run.checkpoints, cfg.checkpoint.keep_last)
         self.checkpoints.clean_debris()  # staging left by a killed save
+        # tool answers of episodes since the last checkpoint, replayed when they are generated again
+        self.journal = ToolJournal(run.tool_journal) if cfg.rollout.tools and cfg.rollout.tool_journal else None
         if cfg.checkpoint.resume == "never":
             self.checkpoints.start_fresh()  # older checkpoints go to checkpoints/superseded-*/: never resumed from or deleted
+            if self.journal is not None:
+                self.journal.clear()  # what an earlier run recorded
         resume = self.checkpoints.latest() if cfg.checkpoint.resume == "auto" else None
         if resume is not None:
             self.buffer.check_resume(resume.state["data"])
@@ -442,6 +453,8 @@ class TrainLoop:
 
         # A failed save leaves nothing half-written; a background one raises at the next wait.
         self.checkpoints.save_async(rollout_id, snapshot, state, background=self.cfg.checkpoint.async_save)
+        if self.journal is not None and (oldest := self.checkpoints.oldest()) is not None:
+            self.journal.prune(oldest)  # no resume goes back past the oldest checkpoint kept
         if not self.cfg.checkpoint.async_save:
             self.checkpoints.wait()
         self.saved = rollout_id
@@ -492,6 +505,7 @@ class TrainLoop:
         finally:
             self.schedule.close()
             self.metrics.close()
+            sandbox.close()
 
     def shutdown(self) -> None:
         """After a run that ended well: the engines, the ranks and the GPUs' reservation."""

@@ -84,3 +84,12 @@ def _last_frame(error: BaseException) -> str:
     f = frames[-1]
     code = f" `{f.line.strip()}`" if f.line else ""
     return f" (at {f.filename}:{f.lineno} in {f.name}{code})"
+
+
+class InfrastructureFailure(Exception):
+    """Something around the sample failed, not the sample: a sandbox that could not start, was
+    killed from outside, or was starved by an overloaded node (``rlhpc.sandbox``). A reward that
+    raises it (or returns it, from a batched reward) leaves its sample unscored, and a tool that
+    raises it ends its episode unscored: the sample is masked out of the loss and out of its
+    group's baseline and counted (``infra/failed``), never scored 0. Not an ``RlhpcError``: the
+    run goes on."""

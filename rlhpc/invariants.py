@@ -112,7 +112,7 @@ def violations(run: RunDir | str | Path, reference: RunDir | str | Path) -> list
     if run.owner_file.exists():
         problems.append(f"the run dir is still claimed: {run.owner_file.read_text().strip()}")
     ray_temp = run.local_ray_dir
-    if ray_temp.exists():
+    if ray_temp is not None and ray_temp.exists():
         problems.append(f"Ray's temp dir of the run left behind: {ray_temp}")
     alive = processes_using(run.path)
     if alive:

@@ -51,6 +51,7 @@ TASK = "../guides/your-own-task.md"
 MULTI = "../guides/multi-turn.md"
 EVALS = "../guides/evaluation.md"
 RM = "../guides/reward-models.md"
+SANDBOX = "../guides/sandbox.md"
 
 _ROLLOUT = [
     ("reward", "the mean reward of the rollout's samples (the task's, before any overlong penalty)", TASK),
@@ -98,6 +99,8 @@ _ROLLOUT = [
     ("overlong/filtered", "rollout.overlong_filter: samples cut at their limit, masked out", LOSSES),
     ("overlong/penalty", "algo.overlong_buffer: the mean soft overlong penalty", LOSSES),
     ("reward/errors", "samples whose reward raised, scored 0 (data.reward_errors: zero)", TASK),
+    ("infra/failed", "samples left unscored because their sandbox could not run (start failure, killed from "
+     "outside, starved by the node): masked out of the loss and of their group's baseline, never scored 0", SANDBOX),
     ("reward/rule", "with a reward_model: the rule reward (data.reward) before weighting", RM),
     ("reward/reward_model", "with a reward_model: its score before weighting", RM),
     ("reward/{part}", "each other part of a reward that returns a dict (the score trains; the parts are logged)", TASK),
@@ -118,6 +121,7 @@ _EVAL_SET = [
     ("maj@{n}", "maj@{n}", "with n = n_samples_per_prompt > 1: the share of prompts whose most common answer passes"),
     ("reward/{part}", "reward/{part}", "each part of a reward that returns a dict (reward/errors: the count)"),
     ("episode/{stat}", "episode/{stat}", "multi-turn: the episode statistics, as in a rollout record"),
+    ("infra/failed", "infra/failed", "samples whose sandbox could not run: left out of the mean, not passed in pass@k"),
 ]
 
 

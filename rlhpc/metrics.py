@@ -7,25 +7,29 @@ appends. A bad line anywhere else is a real corruption and raises ``MetricsFileC
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import json
 import logging
 import os
 import re
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import h5py
 import numpy as np
-import torch
 
-from rlhpc.batch import RolloutBatch
 from rlhpc.config import LoggingConfig
 from rlhpc.errors import RlhpcError
 from rlhpc.metric_names import eval_means, undocumented, upgrade_eval_record
 from rlhpc.run_dir import RunDir
 from rlhpc.util.files import disk_full, disk_space, write_atomic
+
+if TYPE_CHECKING:  # status reads metrics on the login node, without torch
+    from rlhpc.batch import RolloutBatch
 
 log = logging.getLogger("rlhpc.metrics")
 
@@ -246,7 +250,7 @@ def _dump_bytes(rollout_id: int, batch: RolloutBatch, texts: dict[str, list[str]
                 continue  # an optional field, unknown for this rollout
             if fld.type == "int":
                 f.attrs[name] = value  # group_size
-            elif isinstance(value, torch.Tensor):
+            elif fld.type == "torch.Tensor":  # by its annotation: status reads dumps without torch
                 f.create_dataset(name, data=value.numpy())
             elif fld.type.startswith("list[list["):  # per token
                 _ragged(f, name, value, np.dtype(dtype))
@@ -265,3 +269,74 @@ def readable(text: str) -> str:
     decode to one) is written as U+2400 (␀), and a lone surrogate as U+FFFD. The token ids
     beside it are exact; the text is for reading."""
     return _SURROGATE.sub("\ufffd", text.replace("\x00", "\u2400"))
+
+
+# ------------------------------------------------------------------ reading a dump
+
+
+def printable(text: object) -> str:
+    """``text`` for a terminal: control characters (escape sequences that move the cursor, set
+    the window title, clear the screen), line breaks and the invisible ones that reorder what
+    is shown, written as Python escapes (``\\x1b``, ``\\u202e``), whoever wrote the text."""
+    text = text.decode(errors="replace") if isinstance(text, bytes) else str(text)
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
+@contextlib.contextmanager
+def open_rollout_dump(path: Path) -> Iterator[h5py.File]:
+    """An HDF5 dump opened for reading, whoever wrote it (a dump may come from elsewhere): refused,
+    naming why, unless every object in it lies in the file itself and declares no more bytes than
+    the file holds (issue 43, item 10). HDF5 reads, on a dataset's first access, the files an
+    external dataset, an external link or a virtual dataset names (any file the reader can read),
+    and a dataset of 10^9 values with nothing stored hands back 10^9 fill values: a 4.7 KB file
+    allocated 3.9 GB. Its texts are the writer's: print them through ``printable``."""
+    path = Path(path)
+    size = os.path.getsize(path)
+    with h5py.File(path, "r") as f:
+        problem = _foreign(f, size)
+        if problem is not None:
+            raise RlhpcError(
+                f"{path} is not a rollout dump rlhpc can read safely: {printable(problem)}",
+                "read only dumps a run wrote (RUN_DIR/rollouts/); a file made to look like one can make HDF5 "
+                "read other files or allocate without bound",
+            )
+        yield f
+
+
+def _foreign(group: h5py.Group, size: int) -> str | None:
+    """Why ``group`` (a file, recursively) is no plain self-contained dump, or None."""
+    for what in (group.attrs.get_id(name) for name in group.attrs):
+        if _declared(what.shape, what.dtype) > size:
+            return f"an attribute of {group.name} declares more bytes than the file's {size}"
+    for name in group:
+        link = group.get(name, getlink=True)
+        where = f"{group.name.rstrip('/')}/{name}"
+        if not isinstance(link, h5py.HardLink):
+            target = getattr(link, "filename", "") or getattr(link, "path", "")
+            return f"{where} is a link ({type(link).__name__}) to {target}"
+        obj = group[name]
+        if isinstance(obj, h5py.Group):
+            if (problem := _foreign(obj, size)) is not None:
+                return problem
+            continue
+        if not isinstance(obj, h5py.Dataset):
+            return f"{where} is a {type(obj).__name__}, not a dataset"
+        if obj.is_virtual:
+            return f"{where} is a virtual dataset (its data lies in other files)"
+        if obj.external:
+            return f"{where} is an external dataset (its data lies in {obj.external[0][0]!r})"
+        if obj.id.get_create_plist().get_nfilters():
+            return f"{where} has filters (compression): a dump has none, and a few bytes may unpack to any size"
+        if _declared(obj.shape, obj.dtype) > size:
+            return f"{where} declares {_declared(obj.shape, obj.dtype)} bytes in a file of {size}"
+        for attr in (obj.attrs.get_id(n) for n in obj.attrs):
+            if _declared(attr.shape, attr.dtype) > size:
+                return f"an attribute of {where} declares more bytes than the file's {size}"
+    return None
+
+
+def _declared(shape: tuple[int, ...] | None, dtype: np.dtype) -> int:
+    """Bytes a dataset or attribute of ``shape`` declares (a variable-length item: its reference)."""
+    return int(np.prod(shape or (), dtype=np.int64)) * max(1, dtype.itemsize)

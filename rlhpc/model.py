@@ -37,6 +37,7 @@ CHARS = list("0123456789+-*=?:; ") + [chr(c) for c in range(ord("a"), ord("z") +
 # The byte-level BPE's special tokens, named as ChatML (Qwen2/Qwen3) names them.
 END_OF_TEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 BPE_VOCAB_SIZE = 320  # the 256 bytes, the specials, and merges of the tasks' frequent pairs
+BPE_TASKS = ("digit_sum", "reverse")  # the tasks whose text the BPE's merges are learned from
 # A ChatML template (the shape Qwen's tokenizers ship), written for this tiny tokenizer.
 # Tools (a request's or an episode's OpenAI schemas) are listed in a system turn of their own,
 # with Qwen's instruction to answer in <tool_call> blocks; without tools nothing changes.
@@ -68,8 +69,9 @@ def build_bpe_tokenizer(seed: int = 0) -> PreTrainedTokenizerFast:
     ``<|im_end|>``, pad ``<|endoftext|>``, a ChatML chat template, and a token for every byte
     (NUL and bytes that are not UTF-8 on their own among them)."""
     rng = random.Random(seed)
-    # single-turn tasks only: the vocabulary (and every tiny model built so far) stays as it was
-    corpus = [f"{r['prompt']}{r['answer']}" for t in TASKS.values() if t.env is None for r in t.make(2000, rng)]
+    # the first two tasks' text only: the vocabulary (and every tiny model built so far) stays as
+    # it was when a task is added
+    corpus = [f"{r['prompt']}{r['answer']}" for name in BPE_TASKS for r in TASKS[name].make(2000, rng)]
     core = Tokenizer(models.BPE())
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     core.decoder = decoders.ByteLevel()

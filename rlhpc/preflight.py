@@ -3,7 +3,8 @@
 ``rlhpc.config`` holds the rules that need nothing but the config; the checks that need the code a
 config names sit where that code resolves it (the task and its data files in ``rlhpc.data``, the
 reward in ``rlhpc.rollout.scoring``, the environment, tools, generate function, agent and judge in
-``rlhpc.rollout``, the layout and the memory plan in ``rlhpc.cluster``). This module, above them all,
+``rlhpc.rollout``, the layout and the memory plan in ``rlhpc.cluster``, the models the megatron actor
+builds in ``rlhpc.actor.megatron.support``). This module, above them all,
 runs both kinds in the order a reader meets the config: the groups, the model, the data, the way
 in, the algorithm, the parallel sizes, and last the memory estimate, which reads what came before.
 Every entry point (submit, dry run, sweeps, the job's start, evaluation) loads a config here.
@@ -14,6 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from rlhpc import config
+from rlhpc.actor.megatron.support import check_model as check_megatron_model
 from rlhpc.cluster.layout import check_homes
 from rlhpc.cluster.memory import check_fits
 from rlhpc.config import Config
@@ -52,6 +54,7 @@ def check(cfg: Config) -> None:
 
         resolve_judge(cfg.reward_model)
     config.check_model(cfg)
+    check_megatron_model(cfg)
     _check_data(cfg)
     r, env = cfg.rollout, task_env(cfg.data, cfg.rollout)
     if r.generate_fn is not None or r.agent is not None:

@@ -12,7 +12,13 @@
   number, so an untrained model scores above 0 on noise; ``math`` did this before it required
   ``\\boxed{}``.
 
-Each is ``reward(prompt, response, answer) -> float`` like any reward a user writes.
+- ``code``: the response's code (its last fenced code block, else all of it) run against the
+  row's tests in the sandbox (``rlhpc.sandbox``; the tests' forms: ``rlhpc.sandbox.testing``):
+  1.0 when every test passes, the share passed logged as ``reward/passed``. A sample whose
+  sandbox could not run (``InfrastructureFailure``) is left unscored and masked, never 0.
+
+Each but ``code`` is ``reward(prompt, response, answer) -> float`` like any reward a user
+writes; ``code`` scores the whole batch at once (every execution through the sandbox pool).
 ``batched`` marks a reward of a whole list of samples (``rlhpc.rollout.scoring``).
 """
 
@@ -22,7 +28,10 @@ import re
 import threading
 from decimal import Decimal, InvalidOperation
 
-from rlhpc.rollout.scoring import batched  # noqa: F401 (re-exported: @rlhpc.rewards.batched)
+from rlhpc import sandbox
+from rlhpc.errors import InfrastructureFailure
+from rlhpc.rollout.scoring import Sample, batched
+from rlhpc.sandbox.testing import extract_code, judge_all, parse_tests
 
 PARSE_TIMEOUT_S = 5  # math-verify's own limit a parse or comparison may take
 _GSM8K_ANSWER = re.compile(r"####\s*(-?[$0-9.,]+)")
@@ -87,3 +96,18 @@ def _verify(answer: str, response: str) -> float:
         return 0.0
     given = parse(response, parsing_timeout=limit)
     return 1.0 if given and verify(gold, given, timeout_seconds=limit) else 0.0
+
+
+@batched
+def code(samples: list[Sample]) -> list[dict | InfrastructureFailure]:
+    tests = []
+    for s in samples:
+        try:
+            tests.append(parse_tests(s.label))
+        except ValueError as e:
+            raise ValueError(f"{e} (data.label_key points at the row's tests)") from None
+    verdicts = judge_all(sandbox.pool(), [extract_code(s.response) for s in samples], tests)
+    return [
+        v if isinstance(v, InfrastructureFailure) else {"score": float(v.passed == v.total), "passed": v.fraction}
+        for v in verdicts
+    ]

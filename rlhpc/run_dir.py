@@ -12,6 +12,8 @@ Every path under a run dir is named here, and only here::
     metrics.jsonl          one JSON object per rollout and per eval (rlhpc/metrics.py)
     metrics.png            tools/plot_metrics.py's default output
     rollouts/              rollout_NNNNNN.h5: one HDF5 dump per rollout id (logging.dump_rollouts)
+    tool_journal/          every tool call's answer of the rollouts since the oldest kept checkpoint,
+                           replayed on resume (rollout.tool_journal; rlhpc/rollout/journal.py)
     restarts.jsonl         one line per start of the job (rlhpc/runtime/restarts.py)
     startup.jsonl          one line per start-up phase of every start (rlhpc/runtime/startup.py)
     slurm_job_id           the job id, written at submission (jobs/status.py reads it)
@@ -37,10 +39,8 @@ A sweep dir (``--sweep``, SweepDir) holds one run dir per task and the array's o
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -127,6 +127,7 @@ class RunDir:
         self.metrics_file = self.path / "metrics.jsonl"
         self.metrics_plot = self.path / "metrics.png"
         self.rollouts_dir = self.path / "rollouts"
+        self.tool_journal = self.path / "tool_journal"
         self.restarts_file = self.path / "restarts.jsonl"
         self.startup_file = self.path / "startup.jsonl"
         self.job_id_file = self.path / "slurm_job_id"
@@ -163,11 +164,20 @@ class RunDir:
         return JobRayState(self.ray_root / f"job_{job_id}.{attempt}")
 
     @property
-    def local_ray_dir(self) -> Path:
-        """Where a local job's Ray keeps its sockets and logs: outside the run dir (Unix socket paths
-        must stay short), named after it, so what a killed job left there goes at the next start."""
-        digest = hashlib.sha256(str(self.path).encode()).hexdigest()[:12]
-        return Path(tempfile.gettempdir()) / f"rlhpc-ray-{digest}"
+    def local_ray_dir_file(self) -> Path:
+        """Where a local job records its Ray's temp dir (``local_ray_dir``)."""
+        return self.ray_root / "local_ray_dir"
+
+    @property
+    def local_ray_dir(self) -> Path | None:
+        """Where the run's local Ray keeps (or kept) its sockets and logs, as its last start
+        recorded it; None before any. Outside the run dir (Unix socket paths must stay short),
+        under a name nobody can tell in advance, so another user cannot make it first (issue 43,
+        item 12); recorded, so that what a killed start left there goes at the next one."""
+        try:
+            return Path(self.local_ray_dir_file.read_text().strip())
+        except FileNotFoundError:
+            return None
 
     def latest_ray_state(self, job_id: str) -> JobRayState | None:
         """The newest attempt's Ray state of ``job_id``, None if it never started Ray."""

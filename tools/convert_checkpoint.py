@@ -180,7 +180,12 @@ def to_hf(ckpt: Path, out: Path) -> None:
         del gpt
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+    tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+    if tied:  # megatron's tied model has no output layer: lm_head is the embedding
+        hf_sd["lm_head.weight"] = hf_sd["model.embed_tokens.weight"]
     model.load_state_dict(hf_sd, strict=True, assign=True)
+    if tied:  # assign gave each name its tensor: make them one parameter again
+        model.tie_weights()
     tokenizer = AutoTokenizer.from_pretrained(d)
     with atomic_dir(out) as tmp:
         model.save_pretrained(tmp)

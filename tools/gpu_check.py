@@ -151,7 +151,7 @@ def run(
 
     # the actor is built while the engine process loads its model (it reserves no memory up front)
     actor = MegatronTrainWorker(ActorSpec.from_config(cfg), model_path, 0, 1)
-    actor.init_process_group(*actor.master_addr_port())
+    actor.init_process_group(actor.rendezvous(one_node=True))
     phase_done("actor_up")
     params = sum(p.numel() for p in actor.gpt.parameters())
     log.info("actor up: %.1fM params, %s", params / 1e6, gpu_gib())

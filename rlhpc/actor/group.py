@@ -124,9 +124,10 @@ class ActorGroup:
             for rank, slot in enumerate(self.slots)
         ]
         self._pushed: tuple[int, str | None] | None = None  # a push made with training: (version, error)
-        addr, port = self._get([self.workers[0].master_addr_port.remote()], "master_addr_port")[0]
-        self._call("init_process_group", addr, port)
-        log.info("actor group: %d rank(s) on slots %s, rendezvous %s:%d", self.world_size, self.slots, addr, port)
+        one_node = len({ip for ip, _ in (placement.location_of_slot[s] for s in self.slots)}) == 1
+        rendezvous = self._get([self.workers[0].rendezvous.remote(one_node)], "rendezvous")[0]
+        self._call("init_process_group", rendezvous)
+        log.info("actor group: %d rank(s) on slots %s, rendezvous %s", self.world_size, self.slots, rendezvous)
 
     # ------------------------------------------------------------------ fan-out
 

@@ -21,6 +21,7 @@ import hashlib
 import logging
 import math
 import os
+import socket
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager, nullcontext
@@ -49,11 +50,22 @@ from rlhpc.algo.grpo import (
 from rlhpc.batch import RolloutBatch
 from rlhpc.errors import RlhpcError
 from rlhpc.model import load_tokenizer
+from rlhpc.util.files import node_tmp_dir
 from rlhpc.weights.expert_names import checkpoint_named
 
 log = logging.getLogger(__name__)
 
 PG_TIMEOUT = timedelta(minutes=30)
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where the actor's ranks meet to form their group (``RankBase.rendezvous``): in rank 0's
+    process (one rank), a file (``where``) on their one node, or ``where:port`` over TCP."""
+
+    kind: str  # "process", "file" or "tcp"
+    where: str = ""
+    port: int = 0
 
 
 def split_even(n: int, parts: int) -> list[tuple[int, int]]:
@@ -176,19 +188,49 @@ class RankBase:
     def node_ip(self) -> str:
         return node_ip_address()
 
-    def master_addr_port(self) -> tuple[str, int]:
-        """Rank 0: start the rendezvous store on a port the OS picks (no probe-then-bind race)."""
-        assert self.rank == 0, "only rank 0 hosts the rendezvous store"
-        if self._store is None:
-            self._store = dist.TCPStore(
-                self.node_ip(), 0, self.world_size, is_master=True, wait_for_workers=False, timeout=PG_TIMEOUT
-            )
-        return self.node_ip(), self._store.port
+    def rendezvous(self, one_node: bool) -> Rendezvous:
+        """Rank 0: the store the ranks form their group through, made here; where it is.
 
-    def _join(self, master_addr: str, master_port: int) -> None:
+        Whoever reaches a torch ``TCPStore`` can read and write its keys, with no key of its own
+        (torch has none), for as long as the group lives: the actor's store listened on every
+        address for the whole run, even with one rank (issue 43, item 7). So: one rank keeps an
+        in-process store; ranks that all run on one node meet in a ``FileStore`` in this node's
+        private dir (0700: no other user, no port); only ranks on several nodes need a
+        ``TCPStore``, bound to this node's address alone (not every address) on a port the OS
+        picks, reachable from the network for the run (torch offers no authentication)."""
+        assert self.rank == 0, "only rank 0 makes the rendezvous store"
+        if self.world_size == 1:
+            self._store = dist.HashStore()
+            return Rendezvous("process")
+        if one_node:
+            path = node_tmp_dir("rlhpc-rendezvous-") / "store"
+            self._store = dist.FileStore(str(path), self.world_size)
+            self._store.set_timeout(PG_TIMEOUT)
+            return Rendezvous("file", str(path))
+        ip = self.node_ip()
+        sock = socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((ip, 0))  # port 0: no probe-then-bind race with other jobs on the node
+        sock.listen(1024)
+        port = sock.getsockname()[1]
+        self._store = dist.TCPStore(
+            ip, port, self.world_size, is_master=True, wait_for_workers=False, timeout=PG_TIMEOUT,
+            master_listen_fd=sock.detach(),  # the store's now: torch has no bind address of its own
+        )  # fmt: skip
+        return Rendezvous("tcp", ip, port)
+
+    def _join(self, rendezvous: Rendezvous) -> None:
         """Join the default torch.distributed group and load the tokenizer."""
-        if self._store is None:
-            self._store = dist.TCPStore(master_addr, master_port, self.world_size, is_master=False, timeout=PG_TIMEOUT)
+        if self._store is None:  # rank 0 made it
+            if rendezvous.kind == "file":
+                self._store = dist.FileStore(rendezvous.where, self.world_size)
+                self._store.set_timeout(PG_TIMEOUT)
+            elif rendezvous.kind == "tcp":
+                self._store = dist.TCPStore(
+                    rendezvous.where, rendezvous.port, self.world_size, is_master=False, timeout=PG_TIMEOUT
+                )
+            else:
+                raise RlhpcError(f"rank {self.rank} cannot join a {rendezvous.kind} store", "report this as a bug")
         dist.init_process_group(
             self.backend, store=self._store, rank=self.rank, world_size=self.world_size, timeout=PG_TIMEOUT
         )

@@ -20,7 +20,7 @@ import torch
 
 from rlhpc.actor.checkpoint_dir import ACTOR_SUBDIR, RNG_PREFIX, read_meta, rng_file, write_meta
 from rlhpc.actor.flat_grads import FlatGrads
-from rlhpc.actor.rank import MicroBatch, RankBase, fingerprint
+from rlhpc.actor.rank import MicroBatch, RankBase, Rendezvous, fingerprint
 from rlhpc.actor.rng import get_rng_state
 from rlhpc.actor.snapshot import (
     FlatTensors,
@@ -91,7 +91,7 @@ def _untied(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 class TrainWorker(RankBase):
     """Data-parallel rank ``rank`` of ``world_size``. Call order: (rank 0)
-    ``master_addr_port``, (all) ``init_process_group``, ``load``, then ``train`` / ``save`` /
+    ``rendezvous``, (all) ``init_process_group``, ``load``, then ``train`` / ``save`` /
     ``update_weights``..."""
 
     can_pack = True
@@ -106,9 +106,9 @@ class TrainWorker(RankBase):
         self._ref_snap = FlatTensors(pin=self.device.type == "cuda")
         self._snapshot: dict | None = None
 
-    def init_process_group(self, master_addr: str, master_port: int) -> None:
+    def init_process_group(self, rendezvous: Rendezvous) -> None:
         """Join torch.distributed, load the model, lay out its gradients, build AdamW (+ the ref model)."""
-        self._join(master_addr, master_port)
+        self._join(rendezvous)
         a = self.spec.actor
         # eval(): no dropout, so the no-grad "old" pass and the training pass compute the same
         # function and the PPO ratio is exactly 1 before the first step.

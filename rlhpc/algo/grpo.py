@@ -13,14 +13,49 @@ from dataclasses import dataclass
 import torch
 
 
+def _unscored(
+    name: str, rewards: torch.Tensor, group_size: int, normalize_std: bool, eps: float
+) -> torch.Tensor | None:
+    """The advantages of ``name`` where some samples have no reward (NaN: their sandbox failed
+    for infrastructure, ``rlhpc.errors.InfrastructureFailure``): each statistic taken over the
+    scored samples only, so an unscored one is out of its group's baseline (and the batch's), and
+    its own advantage is 0. None when every sample is scored: the estimator's own arithmetic."""
+    nan = torch.isnan(rewards)
+    if not nan.any():
+        return None
+    valid = (~nan).float().view(-1, group_size)
+    x = torch.where(nan, torch.zeros_like(rewards), rewards).float().view(-1, group_size)
+    count = valid.sum(1, keepdim=True)
+    if name == "reinforce_plus_plus":
+        total = valid.sum().clamp(min=1)
+        centered = (x - (x * valid).sum() / total) * valid
+        if normalize_std:
+            centered = centered / (torch.sqrt((centered**2).sum() / total) + eps)
+        return centered.view(-1)
+    if name == "rloo":
+        baseline = ((x * valid).sum(1, keepdim=True) - x) / (count - 1).clamp(min=1)
+        return ((x - baseline) * valid * (count > 1)).view(-1)
+    centered = (x - (x * valid).sum(1, keepdim=True) / count.clamp(min=1)) * valid
+    if normalize_std:
+        if name == "grpo":
+            std = torch.sqrt((centered**2).sum(1, keepdim=True) / count.clamp(min=1))
+        else:  # reinforce_plus_plus_baseline: one std over the batch's scored samples
+            std = torch.sqrt((centered**2).sum() / valid.sum().clamp(min=1))
+        centered = centered / (std + eps)
+    return centered.view(-1)
+
+
 def grpo_advantages(
     rewards: torch.Tensor, group_size: int, normalize_std: bool = True, eps: float = 1e-6
 ) -> torch.Tensor:
     """Group-normalised advantages: (r - mean(group)) / (std(group) + eps).
 
     ``rewards`` is flat ``[n_prompts * group_size]``, samples of a prompt adjacent. The std is
-    the population std (unbiased=False); a group whose rewards are all equal gets 0.
+    the population std (unbiased=False); a group whose rewards are all equal gets 0. A NaN
+    reward (no score) is left out of every statistic and gets 0, in every estimator here.
     """
+    if (masked := _unscored("grpo", rewards, group_size, normalize_std, eps)) is not None:
+        return masked
     groups = rewards.float().view(-1, group_size)
     centered = groups - groups.mean(dim=1, keepdim=True)
     if normalize_std:
@@ -32,6 +67,8 @@ def rloo_advantages(
     rewards: torch.Tensor, group_size: int, normalize_std: bool = False, eps: float = 1e-6
 ) -> torch.Tensor:
     """Leave-one-out baseline: r_i - mean(r_j, j != i)."""
+    if (masked := _unscored("rloo", rewards, group_size, normalize_std, eps)) is not None:
+        return masked
     groups = rewards.float().view(-1, group_size)
     baseline = (groups.sum(dim=1, keepdim=True) - groups) / (group_size - 1)
     return (groups - baseline).view(-1)
@@ -44,6 +81,8 @@ def reinforce_pp_advantages(
 
     Each sample counts once (population std over the rollout's samples, not over its tokens).
     """
+    if (masked := _unscored("reinforce_plus_plus", rewards, group_size, normalize_std, eps)) is not None:
+        return masked
     r = rewards.float()
     centered = r - r.mean()
     if normalize_std:
@@ -59,6 +98,8 @@ def reinforce_pp_baseline_advantages(
     The group mean removes the prompt's difficulty; the one batch-wide std keeps the scale of
     easy and hard prompts comparable (GRPO divides each group by its own std instead).
     """
+    if (masked := _unscored("reinforce_plus_plus_baseline", rewards, group_size, normalize_std, eps)) is not None:
+        return masked
     groups = rewards.float().view(-1, group_size)
     centered = (groups - groups.mean(dim=1, keepdim=True)).view(-1)
     if normalize_std:

@@ -30,7 +30,8 @@ from rlhpc.launch.followup import RUN_DIR_ENV
 from rlhpc.logs import setup_logging
 from rlhpc.preflight import config_from_dict
 from rlhpc.run_dir import RunDir
-from rlhpc.util.files import write_atomic
+from rlhpc.util.files import apply_access, write_atomic
+from rlhpc.util.processes import safe_python_env
 
 log = logging.getLogger(__name__)
 
@@ -150,6 +151,10 @@ def main(argv: list[str] | None = None) -> int:
         ckpt, rollout_id = find_checkpoint(run, args.checkpoint)
         model_dir(ckpt)  # refused before Ray starts
         cfg = eval_config(run, args.overrides)
+        # The rules of a job (issue 43, item 12): what it writes as private as the run dir, no
+        # Python of it importing from the working dir; its local Ray requires a token of its own.
+        apply_access(run.path, cfg.run_dir_access)
+        safe_python_env()
         values = evaluate_checkpoint(cfg, run, ckpt, rollout_id)
     except RlhpcError as e:
         log.error("%s", e)

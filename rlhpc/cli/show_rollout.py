@@ -19,9 +19,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import h5py
-
 from rlhpc.errors import RlhpcError
+from rlhpc.metrics import open_rollout_dump, printable
 from rlhpc.run_dir import RunDir
 
 
@@ -83,11 +82,13 @@ def cut(text: str, chars: int | None) -> str:
     return f"...{text[-chars:]!r} ({len(text)} chars; --full shows it whole)"
 
 
-def sample_lines(h: h5py.File, i: int, tokenizer: Any | None, prompt_chars: int | None) -> list[str]:
+def sample_lines(h: Any, i: int, tokenizer: Any | None, prompt_chars: int | None) -> list[str]:
     """What is shown of sample ``i``: a header, the prompt, the response in pieces (``pieces``)."""
     reward, adv = float(h["rewards"][i]), float(h["advantages"][i])
     answer = h["answer"][i].decode()
-    ids = [int(t) for t in h["response_ids"][i]]
+    if "response_ids" not in h:  # a dump without token ids (written by hand): the texts alone
+        tokenizer = None
+    ids = [int(t) for t in h["response_ids"][i]] if "response_ids" in h else []
     mask = [int(m) for m in h["loss_mask"][i]] if "loss_mask" in h else None
     turns = [int(t) for t in h["turn"][i]] if "turn" in h else None
     parts = pieces(ids, mask, turns)
@@ -124,17 +125,23 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         f = find(args.path, args.rollout_id)
+        tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else run_tokenizer(f)
+        return show(f, args.limit, tokenizer, None if args.full else args.prompt_chars)
     except RlhpcError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print("error: " + "\n".join(printable(line) for line in str(e).splitlines()), file=sys.stderr)
         return 1
-    tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else run_tokenizer(f)
-    with h5py.File(f) as h:
+
+
+def show(f: Path, limit: int, tokenizer: Any | None, prompt_chars: int | None) -> int:
+    # the dump may come from anyone: checked as it opens, every text of it printed escaped (repr)
+    with open_rollout_dump(f) as h:
         rewards = h["rewards"][:]
+        rollout_id, group_size = printable(h.attrs["rollout_id"]), printable(h.attrs["group_size"])
         print(
-            f"{f}: rollout {h.attrs['rollout_id']}, {len(rewards)} samples, group size {h.attrs['group_size']}, "
+            f"{printable(f)}: rollout {rollout_id}, {len(rewards)} samples, group size {group_size}, "
             f"mean reward {rewards.mean():.3f}"
         )
         print("  + trained (loss mask 1), - masked out (loss mask 0)" if tokenizer else "  (no tokenizer: texts whole)")
-        for i in range(min(args.limit, len(rewards))):
-            print("\n".join(sample_lines(h, i, tokenizer, None if args.full else args.prompt_chars)))
+        for i in range(min(limit, len(rewards))):
+            print("\n".join(sample_lines(h, i, tokenizer, prompt_chars)))
     return 0

@@ -225,7 +225,9 @@ def main(argv: list[str] | None = None) -> int:
         # Here, not at the top: --help answers without importing the config, Slurm and
         # submitit modules and what they import.
         from rlhpc.launch.submission import submit
+        from rlhpc.util.processes import safe_python_env
 
+        safe_python_env()  # the job's processes inherit it: none imports from the working dir
         return submit(submission(args))
     except StoppedByUser as e:
         log.warning("%s", e)

@@ -59,6 +59,7 @@ class ModelShape:
     moe_ffn: int = 0
     qkv_bias: bool = False  # qwen2
     qk_norm: bool = False  # qwen3, qwen3_moe
+    tied: bool = False  # tie_word_embeddings: the output layer is the embedding
 
     @classmethod
     def from_hf(cls, hf: dict) -> ModelShape:
@@ -77,6 +78,7 @@ class ModelShape:
             moe_ffn=hf.get("moe_intermediate_size") or 0,
             qkv_bias=kind == "qwen2",
             qk_norm=kind in ("qwen3", "qwen3_moe"),
+            tied=bool(hf.get("tie_word_embeddings")),
         )
 
     @classmethod
@@ -117,9 +119,10 @@ class ModelShape:
         return split + 3 * h * self.ffn, replicated, 0
 
     def params(self) -> int:
-        """All parameters (untied embedding and output layer, unpadded vocab), as the HF checkpoint has."""
+        """All parameters (embedding and, untied, output layer; unpadded vocab), as the HF checkpoint has."""
         split, replicated, expert = self.layer_params()
-        return self.layers * (split + replicated + expert) + 2 * self.vocab * self.hidden + self.hidden
+        vocab_matrices = 1 if self.tied else 2
+        return self.layers * (split + replicated + expert) + vocab_matrices * self.vocab * self.hidden + self.hidden
 
 
 def padded_vocab(vocab: int, tp: int, divisible_by: int = 128) -> int:
@@ -184,13 +187,15 @@ def stage_estimate(cfg: Config, shape: ModelShape, first: bool, last: bool) -> E
     pp = m.pipeline_model_parallel_size if megatron else 1
     vp = (m.virtual_pipeline_model_parallel_size or 1) if megatron and pp > 1 else 1
     dp = (cfg.cluster.actor_num_gpus or 1) // (tp * pp)
-    bf16 = megatron and m.bf16
+    bf16 = megatron and m.uses_bf16(device_has_bf16=True)  # a plan for GPUs: bf16 unless turned off
     distributed = megatron and m.use_distributed_optimizer
     split, replicated, expert = shape.layer_params()
     vocab = padded_vocab(shape.vocab, tp) if megatron else shape.vocab
     layers = -(-shape.layers // pp)
-    # the embedding on the first stage; the final norm and output layer on the last
-    ends = (vocab * shape.hidden / tp if first else 0) + (vocab * shape.hidden / tp + shape.hidden if last else 0)
+    # the embedding on the first stage; the final norm and output layer on the last (tied: the
+    # embedding is the output layer, on the one stage the megatron actor allows then)
+    output = 0 if shape.tied else vocab * shape.hidden / tp
+    ends = (vocab * shape.hidden / tp if first else 0) + (output + shape.hidden if last else 0)
     dense = layers * (split / tp + replicated) + ends
     experts = layers * expert / (ep * tp)
     params = dense + experts

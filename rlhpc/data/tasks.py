@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from rlhpc.data import guess
+from rlhpc.data import code, guess
 from rlhpc.data.files import read_rows
 from rlhpc.data.rows import Row, as_rows
 from rlhpc.errors import ConfigError
@@ -65,6 +65,12 @@ TASKS: dict[str, Task] = {
         Task("reverse", _reverse_data, _reverse_reward, "'abc:' -> 'cba'"),
         Task(
             "guess", guess.make, guess.reward, "guess 1-8, told higher/lower (multi-turn)", "rlhpc.data.guess:GuessEnv"
+        ),
+        Task(
+            "code",
+            code.make,
+            code.reward,
+            "'0:5;1:6;x:x' -> the rest of a Python expression passing the row's asserts (+5)",
         ),
     )
 }

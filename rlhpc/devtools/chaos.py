@@ -16,10 +16,12 @@ generate without the engine key and must refuse. Trial i uses seed ``--seed + i`
 replays it.
 
 The attacker kinds (``ready_swap``, ``stage_plant``, ``conn_flood``, ``bad_pickle``,
-``huge_request``; issue 32) are another user of the node, uid 65534 via ``setpriv``
-(``rlhpc.devtools.attacks``), attacking the job once an engine is up: the run must still end as
-the undisturbed one, and no engine key of the job may reach that user (every key the job used
-is looked for in all it received or read).
+``huge_request``: issue 32; ``stage_link``, ``keepalive_flood``, ``header_flood``,
+``store_probe``, ``cwd_plant``, ``ray_probe``, ``hostile_dump``: issue 43) are another user of
+the node, uid 65534 via ``setpriv`` (``rlhpc.devtools.attacks``), attacking the job once an
+engine is up (or, for some, planting before it starts): the run must still end as the
+undisturbed one, and no engine key of the job may reach that user (every key the job used is
+looked for in all it received or read).
 Prints one line per trial, survived / tried per kind, then one JSON line
 ``{"tried": N, "survived": M, "by_kind": {...}, "by_layout": {...}}``. Needs root for ``full_disk`` (a tmpfs)
 and the attacker kinds.
@@ -28,6 +30,7 @@ and the attacker kinds.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import random
@@ -50,7 +53,7 @@ from rlhpc.devtools.minicluster import MiniCluster
 from rlhpc.invariants import processes_using, violations
 from rlhpc.metrics import read_metrics
 from rlhpc.run_dir import RunDir
-from rlhpc.util.processes import kill_groups, process_groups
+from rlhpc.util.processes import kill_groups, process_groups, python_command
 
 # The checkout this module lies in: the soak submits through its jobs/submit.py.
 REPO = Path(__file__).resolve().parents[2]
@@ -133,13 +136,15 @@ def submit_command(run: Path, cluster: str, layout: str, *extra: str, node_kill:
 
 
 def env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    # no empty entry: one is the working dir, which a trial may make another user's (cwd_plant)
+    path = [p for p in (str(REPO), *os.environ.get("PYTHONPATH", "").split(os.pathsep)) if p]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
 
 
-def start(cmd: list[str], log: Path) -> subprocess.Popen:
-    """A job in a session of its own (as from a terminal), output appended to ``log``."""
+def start(cmd: list[str], log: Path, cwd: Path = REPO) -> subprocess.Popen:
+    """A job in a session of its own (as from a terminal), submitted from ``cwd``, output appended to ``log``."""
     with log.open("a") as out:
-        return subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env())
+        return subprocess.Popen(cmd, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env())
 
 
 def trained(run: Path) -> list[int]:
@@ -284,6 +289,7 @@ class Context:
     cleanup: list[Callable[[], None]] = field(default_factory=list)
     after: list[Callable[[], None]] = field(default_factory=list)  # once the run finished, before the checks
     stage_dir: Path | None = None  # cluster.stage_dir, shared with other users as /tmp is
+    cwd: Path = REPO  # where the job is submitted from
     keys: set[str] = field(default_factory=set)  # every engine key the job used while attacked
     notes: list[str] = field(default_factory=list)
     step_s: float = 0.5  # seconds per rollout of the undisturbed run
@@ -438,9 +444,13 @@ def note_key(c: Context) -> str:
 def judge(c: Context, kind: str, record: dict) -> None:
     note_key(c)
     c.problems += attacks.findings(kind, record, c.keys)
-    tried = {**record["steps"], **record.get("answers", {})}
+    tried = {**record["steps"], **record.get("answers", {}), **record.get("stores", {}), **record.get("metrics", {})}
     got = f"{len(record['received'])} messages received" if "received" in record else ""
-    counts = {k: record[k] for k in ("opened", "closed_by_engine") if k in record}
+    counts = {
+        k: record[k]
+        for k in ("opened", "closed_by_engine", "answered", "half_sent_closed", "half_sent_held_s", "accepted_bytes")
+        if k in record
+    }
     c.notes.append(f"{kind} as uid {attacks.UID}: {tried} {counts or ''} {got}; keys checked: {len(c.keys)}")
 
 
@@ -496,6 +506,33 @@ def plant_stage(c: Context) -> bool:
     return False  # a start that finds the planted copy refuses it and ends: the runner resubmits
 
 
+def plant_links(c: Context) -> None:
+    """Before the job starts: the other user plants links (one dangling, two to a dir and a file
+    of the job's user) and a dir of its own, named as other jobs' stage roots, in the shared stage
+    dir; the job's sweep of what its user's ended jobs left must neither follow nor fail on them."""
+    assert c.stage_dir is not None
+    canary = c.run.parent / "canary"
+    canary.mkdir(parents=True)
+    (canary / "keep").write_text("kept")
+    record = attacks.run("stage_link", str(c.stage_dir), str(canary))
+    if set(record["steps"].values()) != {"done"}:
+        raise TrialError(f"the other user could not plant its names: {record['steps']}")
+
+    def check() -> None:
+        left = sorted(p.name for p in c.stage_dir.iterdir() if p.name in attacks.STAGE_LINK_NAMES)
+        if left != sorted(attacks.STAGE_LINK_NAMES):
+            c.problems.append(f"stage_link: the other user's names were removed: only {left} are left")
+        if not (canary / "keep").is_file():
+            c.problems.append("stage_link: the job removed its user's file through the other user's link")
+        c.notes.append(f"stage_link as uid {attacks.UID}: {record['steps']}")
+
+    c.after.append(check)
+
+
+def staged_with_links(c: Context) -> bool:
+    return False  # planted before the start (plant_links): the job must stage and run past them
+
+
 def flood_connections(c: Context) -> bool:
     """The other user holds 400 half-sent requests open to an engine for 5 s (the start of the run)."""
     _, _, url = engine(c)
@@ -508,6 +545,136 @@ def flood_connections(c: Context) -> bool:
     judge(c, "conn_flood", record)
     if record.get("opened", 0) < 400:
         c.problems.append(f"trial not carried out: the flood opened {record.get('opened')} connections, not 400")
+    return False
+
+
+def flood_kept_alive(c: Context) -> bool:
+    """The other user holds 600 connections to an engine (past its cap of 512), each after one
+    complete keyless GET /health, every other one with half of a second request, for 20 s (past
+    the engine's 10 s deadline for a request's headers)."""
+    _, _, url = engine(c)
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    note_key(c)
+    attack = attacks.Attack.start("keepalive_flood", host, port, "600")
+    c.cleanup.append(lambda: attack.proc.poll() is None and attack.proc.kill())
+    time.sleep(20.0)  # the job trains on meanwhile
+    record = attack.finish()
+    judge(c, "keepalive_flood", record)
+    if record.get("answered", 0) < 600:
+        c.problems.append(f"trial not carried out: {record.get('answered')} first requests answered, not 600")
+    return False
+
+
+def flood_headers(c: Context) -> bool:
+    """The other user sends header lines without end on four connections to an engine."""
+    _, _, url = engine(c)
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    note_key(c)
+    judge(c, "header_flood", attacks.run("header_flood", host, port))
+    return False
+
+
+def probe_stores(c: Context) -> bool:
+    """The other user speaks torch's TCPStore protocol (set a key, read it back; torch has no key)
+    to every port the job's training ranks listen on, once they trained (their group formed)."""
+    note_key(c)
+    wait_for(lambda: bool(trained(c.run)), 300, "the first rollout trained", c.proc)
+    ranks = [pid for pid, args in descendants(task_pid(c.run)).items() if args.startswith("ray::TrainWorker")]
+    if not ranks:
+        raise TrialError("no training rank of the job is up")
+    judge(c, "store_probe", attacks.run("store_probe", *attacks.listening(ranks)))
+    return False
+
+
+def plant_modules(c: Context) -> None:
+    """Before the job starts: the job is submitted from a dir others can write (as /tmp), where the
+    other user planted modules the driver, the engine servers and Ray's workers import; each one
+    notes it ran, then hands over to the real module. No process of the job may run one."""
+    c.cwd = Path(tempfile.mkdtemp(prefix="rlhpc-chaos-cwd-"))
+    c.cwd.chmod(0o1777)
+    c.cleanup.append(lambda: shutil.rmtree(c.cwd, ignore_errors=True))
+    record = attacks.run("cwd_plant", str(c.cwd), *attacks.CWD_PLANT_NAMES)
+    if set(record["steps"].values()) != {"done"}:
+        raise TrialError(f"the other user could not plant its modules: {record['steps']}")
+
+    def check() -> None:
+        if ran := (c.cwd / "ran").read_text():
+            c.problems.append(f"cwd_plant: the job ran the other user's code: {ran[:500]}")
+        c.notes.append(f"cwd_plant as uid {attacks.UID}: {record['steps']}")
+
+    c.after.append(check)
+
+
+def submitted_from_a_shared_dir(c: Context) -> bool:
+    return False  # planted before the start (plant_modules): the job must run past them
+
+
+def squat_ray_dir(c: Context) -> None:
+    """Before the job starts: the other user makes the local Ray dir's old name (it was derived
+    from the run dir's path, which ``ps`` shows), as a squatter blocking the run would."""
+    digest = hashlib.sha256(str(c.run.resolve()).encode()).hexdigest()[:12]
+    squat = Path(tempfile.gettempdir()) / f"rlhpc-ray-{digest}"
+    record = attacks.run("ray_squat", str(squat))
+    c.cleanup.append(lambda: shutil.rmtree(squat, ignore_errors=True))
+    if record["steps"].get("make the local Ray dir's old name") != "done":
+        raise TrialError(f"the other user could not squat {squat}: {record['steps']}")
+
+
+# Ray's fixed defaults, which every job on a node would share: the dashboard's and the
+# autoscaler's Prometheus ports, the dashboard's, the GCS's and the client server's
+RAY_FIXED_PORTS = frozenset({44227, 44217, 8265, 6379, 10001})
+
+
+def probe_ray(c: Context) -> bool:
+    """The other user asks every port the job's Ray listens on for Prometheus metrics (they take
+    no token); none may be one of Ray's fixed ports, and nothing it gets may hold a key of the job
+    (the engine key, the job's Ray token)."""
+    note_key(c)
+    ray_procs = [
+        pid
+        for pid, args in descendants(task_pid(c.run)).items()
+        if args.startswith("ray::") or "/ray/" in args or "gcs_server" in args or "raylet" in args
+    ]
+    ports = attacks.listening(ray_procs)
+    token = RunDir(c.run).ray_state(job_id(c.run), 0).token
+    if token.is_file():
+        c.keys.add(token.read_text().strip())
+    if fixed := {int(p.rsplit(":", 1)[1]) for p in ports} & RAY_FIXED_PORTS:
+        c.problems.append(f"ray_probe: the job's Ray listens on Ray's fixed ports {sorted(fixed)}")
+    judge(c, "ray_probe", attacks.run("ray_probe", *ports))
+    return False
+
+
+def show_hostile_dumps(c: Context) -> bool:
+    """While the run goes on, the job's user runs rlhpc-show-rollout on dumps the other user
+    planted (``attacks.plant_dumps``): an external dataset, a virtual one and an external link
+    onto a 0600 file of the job's user, 10^8 values declared in a few KB, a compressed dataset,
+    and escapes in every text. Each is refused (escapes: shown escaped), nothing of that file or
+    a control character reaches the terminal, and no reader grows 200 MB past the plain one."""
+    where = Path(tempfile.mkdtemp(prefix="rlhpc-chaos-dumps-"))
+    c.cleanup.append(lambda: shutil.rmtree(where, ignore_errors=True))
+    secret = where / "secret"
+    secret.write_text(f"secret of {c.run}".ljust(64))
+    secret.chmod(0o600)
+    codes, peaks = {}, {}
+    for kind, dump in attacks.plant_dumps(where, secret).items():
+        proc = subprocess.Popen(
+            python_command(str(REPO / "tools" / "show_rollout.py"), str(dump)),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env(),
+        )  # fmt: skip
+        out = proc.stdout.read()
+        _, status, usage = os.wait4(proc.pid, 0)
+        codes[kind], peaks[kind] = os.waitstatus_to_exitcode(status), usage.ru_maxrss / 1024
+        if codes[kind] != (0 if kind == "escapes" else 1):
+            c.problems.append(f"hostile_dump: rlhpc-show-rollout on the {kind} dump exited {codes[kind]}: {out[-300:]}")
+        if secret.read_text().strip() in out or not all(ch.isprintable() for ch in out.replace("\n", "")):
+            c.problems.append(f"hostile_dump: the {kind} dump put the job user's file or escapes out: {out[-300:]!r}")
+    c.problems += [
+        f"hostile_dump: reading the {kind} dump took {mb:.0f} MB, the plain one {peaks['escapes']:.0f} MB"
+        for kind, mb in peaks.items()
+        if mb > peaks["escapes"] + 200
+    ]
+    c.notes.append(f"hostile_dump planted as uid {attacks.UID}: exit codes {codes}")
     return False
 
 
@@ -545,6 +712,7 @@ class Kind:
     needs_tmpfs: bool = False
     attacker: bool = False  # needs the second user (root, setpriv); acts once an engine is up
     needs_stage_dir: bool = False
+    before_start: Callable[[Context], None] | None = None  # acts before the job is submitted
 
 
 KINDS: dict[str, Kind] = {
@@ -557,7 +725,14 @@ KINDS: dict[str, Kind] = {
     "second_submission": Kind(second_submission, "local", True),
     "ready_swap": Kind(swap_ready_file, "local", True, attacker=True),
     "stage_plant": Kind(plant_stage, "local", False, attacker=True, needs_stage_dir=True),
+    "stage_link": Kind(staged_with_links, "local", True, attacker=True, needs_stage_dir=True, before_start=plant_links),
     "conn_flood": Kind(flood_connections, "local", True, attacker=True),
+    "keepalive_flood": Kind(flood_kept_alive, "local", True, attacker=True),
+    "header_flood": Kind(flood_headers, "local", True, attacker=True),
+    "store_probe": Kind(probe_stores, "local", True, attacker=True),
+    "cwd_plant": Kind(submitted_from_a_shared_dir, "local", True, attacker=True, before_start=plant_modules),
+    "ray_probe": Kind(probe_ray, "local", True, attacker=True, before_start=squat_ray_dir),
+    "hostile_dump": Kind(show_hostile_dumps, "local", True, attacker=True),
     "bad_pickle": Kind(send_bad_pickle, "local", True, attacker=True),
     "huge_request": Kind(send_huge_requests, "local", True, attacker=True),
     "scontrol_requeue": Kind(scontrol_requeue, "slurm", True),
@@ -630,7 +805,9 @@ def run_trial(trial: Trial, workdir: Path, reference: Path, keep: bool = False) 
             c.cleanup.append(lambda: shutil.rmtree(c.stage_dir, ignore_errors=True))
         c.step_s = mean_step_s(reference)
         c.run.parent.mkdir(parents=True, exist_ok=True)
-        c.proc = start(c.command(), c.log)
+        if kind.before_start is not None:
+            kind.before_start(c)
+        c.proc = start(c.command(), c.log, c.cwd)
         timeout = 300 if kind.cluster == "local" else 600
         if kind.attacker:
             # the moment an engine is up: a run of the tiny model trains for seconds after minutes of start-up
@@ -643,8 +820,9 @@ def run_trial(trial: Trial, workdir: Path, reference: Path, keep: bool = False) 
             time.sleep(trial.step_fraction * c.step_s)
         if c.cluster == "local":
             c.problems += engine_probe(c.run)
-            if not RunDir(c.run).local_ray_dir.is_dir():  # else a kill leaves it in /tmp for good
-                c.problems.append(f"the job's Ray does not keep its files in {RunDir(c.run).local_ray_dir}")
+            ray_dir = RunDir(c.run).local_ray_dir
+            if ray_dir is None or not ray_dir.is_dir():  # else a kill leaves it in /tmp for good
+                c.problems.append(f"the job's Ray does not keep its files where the run dir records: {ray_dir}")
         ended = kind.inject(c)
         if ended:
             c.proc.wait()
@@ -654,7 +832,7 @@ def run_trial(trial: Trial, workdir: Path, reference: Path, keep: bool = False) 
         for _ in range(3):  # what a user does after a crash: submit the same command again
             if RunDir(c.run).is_finished():
                 break
-            c.proc = start(c.command(), c.log)
+            c.proc = start(c.command(), c.log, c.cwd)
             wait_finished(c, JOB_TIMEOUT_S)
         for check in c.after:
             check()

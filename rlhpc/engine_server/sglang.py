@@ -39,7 +39,7 @@ import yaml
 
 from rlhpc.errors import RlhpcError
 from rlhpc.util.net import http_url
-from rlhpc.util.processes import stop_group
+from rlhpc.util.processes import python_command, stop_group
 from rlhpc.util.secrets import write_secret
 from rlhpc.wire import switches
 from rlhpc.wire.client import EngineClient
@@ -105,7 +105,7 @@ def launch_server_command(
 
     ``config_file``: SGLang's ``--config`` YAML holding the engine key (``write_key_config``)."""
     cmd = [
-        python, "-m", SERVER_MODULE,
+        *python_command("-m", SERVER_MODULE, python=python),
         "--model-path", model_path,
         "--host", host,
         "--port", str(port),
@@ -158,7 +158,7 @@ def router_command(
         raise RlhpcError("the router needs at least one engine URL", "start the engines before the router")
     entry = [ROUTER_MAIN, "--api-key-file", str(key_file)] if key_file is not None else [ROUTER_MODULE]
     return [
-        python, "-m", *entry,
+        *python_command("-m", *entry, python=python),
         "--worker-urls", *worker_urls,
         "--host", host,
         "--port", str(port),

@@ -61,7 +61,7 @@ class LocalBackend:
     ) -> AbstractContextManager:
         """A private one-node Ray; yields "local"."""
         slots = plan_layout(cfg.cluster, cfg.reward_model, cfg.teacher).num_slots
-        return local_ray(cfg.cluster, slots, stop, self.ray_state(run, job_id).token, run.local_ray_dir)
+        return local_ray(cfg.cluster, slots, stop, self.ray_state(run, job_id).token, run.local_ray_dir_file)
 
     def node_watch(self, cfg: Config, run: RunDir, job_id: str) -> NodeWatch | None:
         return None  # one node: nothing to lose but the job itself

@@ -8,7 +8,8 @@ so the follow-up waits for its real end, as it does for a job held after a resta
 Locally, ``jobs/submit.py`` runs the commands itself after the run succeeded.
 
 The command runs with ``bash -c`` in the directory jobs/submit.py was started from, with the
-submitting Python's environment and ``RLHPC_RUN_DIR`` set to the run dir.
+submitting Python's environment (less the PYTHONSAFEPATH rlhpc sets for its own processes) and
+``RLHPC_RUN_DIR`` set to the run dir.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import submitit
 from rlhpc.errors import RlhpcError
 from rlhpc.launch.slurm import SlurmOptions, slurm_executor
 from rlhpc.run_dir import RunDir
+from rlhpc.util.processes import SAFE_PATH_ENV
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +39,9 @@ class FollowUp:
 
     def __call__(self) -> int:
         env = {**os.environ, RUN_DIR_ENV: self.run_dir}
+        # the user's own command, as the user would run it: a script of theirs may import what lies
+        # beside it, which rlhpc's PYTHONSAFEPATH (for its own processes) would hide
+        env.pop(SAFE_PATH_ENV, None)
         log.info("follow-up of %s: %s", self.run_dir, self.command)
         code = subprocess.run(["bash", "-c", self.command], cwd=self.cwd, env=env).returncode
         if code:

@@ -36,6 +36,7 @@ from rlhpc.runtime.signals import Stopped, StopRequest, shield_from_user_signal
 from rlhpc.runtime.staging import NOT_STAGED, Staged
 from rlhpc.runtime.startup import StartupClock
 from rlhpc.util.files import apply_access
+from rlhpc.util.processes import safe_python_env
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +91,7 @@ class TrainJob:
         # every check again on the job's own node: its reward, data and environment
         cfg = preflight_config_from_dict(run.config_tree())
         apply_access(run.path, cfg.run_dir_access)  # on every node: Slurm's umask is the submitter's shell's
+        safe_python_env()  # every Python it starts (Ray's included) imports nothing from the working dir
         console = setup_logging(cfg.logging.level)
         env = submitit.JobEnvironment()
         where = backend(env.cluster)

@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING
 import submitit
 from submitit.local.local import LOCAL_REQUEUE_RETURN_CODE, Controller, LocalJob
 
+from rlhpc.util.processes import python_command
+
 if TYPE_CHECKING:  # the controller process imports no more than it runs
     from rlhpc.run_dir import RunDir
 
@@ -63,7 +65,7 @@ class LocalExecutor(submitit.LocalExecutor):
     and ``visible_gpus`` included."""
 
     def __init__(self, folder: Path, max_starts: int):
-        super().__init__(folder=folder)
+        super().__init__(folder=folder, python=shlex.join(python_command()))  # the task's command: python -P -u -m ...
         self.max_starts = max_starts
 
     def _submit_command(self, command: str) -> LocalJob:
@@ -85,13 +87,9 @@ class LocalExecutor(submitit.LocalExecutor):
             "CUDA_VISIBLE_DEVICES": ",".join(str(k) for k in gpus),
             "SUBMITIT_LOCAL_WITH_SHELL": "1" if setup else "",  # the job id is then the shell's pid
         }
-        cmd: list[str] | str = [
-            sys.executable,
-            "-m",
-            "rlhpc.launch.local_controller",
-            str(self.folder),
-            str(self.max_starts),
-        ]
+        cmd: list[str] | str = python_command(
+            "-m", "rlhpc.launch.local_controller", str(self.folder), str(self.max_starts)
+        )
         if setup:
             cmd = " && ".join([*setup, shlex.join(cmd)])
         # A session of its own: a terminal's Ctrl-C reaches every process of its foreground group

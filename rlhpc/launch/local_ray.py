@@ -11,7 +11,8 @@ from pathlib import Path
 
 from rlhpc.config import ClusterConfig
 from rlhpc.runtime.signals import StopRequest
-from rlhpc.util.files import NODE_TMP_ENV, private_dir, ray_temp_dir
+from rlhpc.util.files import NODE_TMP_ENV, ray_temp_dir, remove_if_ours, write_atomic
+from rlhpc.util.processes import ray_job_config, safe_python_env
 from rlhpc.util.secrets import write_secret
 
 log = logging.getLogger(__name__)
@@ -26,23 +27,59 @@ def local_ray(
     slots: int,
     stop: StopRequest,
     token_file: Path | None = None,
-    temp_dir: Path | None = None,
+    record: Path | None = None,
 ):
     """A private single-node Ray: its own temp dir, no dashboard, GPUs declared if none exist.
 
     ``stop`` starts listening once Ray's processes exist (they keep USR2 ignored).
-    ``token_file``: token authentication as on Slurm, with a new random token in that 0600 file
-    (``JobRayState.token``); set before ray is first imported, which reads RAY_AUTH_* then.
-    ``temp_dir``: Ray's temp dir (``RunDir.local_ray_dir``), emptied first: only the run dir's
-    owner gets here, so whatever is in it was left by a job of this run that was killed."""
-    if token_file is not None:
+    Token authentication always, as on Slurm, with a new random token in a 0600 file:
+    ``token_file`` (``JobRayState.token``), else one in the temp dir; set before ray is first
+    imported, which reads RAY_AUTH_* then. The temp dir is a new one under a name nobody can
+    tell in advance (another user could make a predictable one first and block the run);
+    ``record`` (``RunDir.local_ray_dir_file``) keeps its path, so that the next start removes
+    what a killed one left (only a dir of ours, never through a link)."""
+    if record is not None and (old := _recorded(record)) is not None and remove_if_ours(old):
+        log.info("removed %s, left by a killed job of this run", old)
+    temp_dir = Path(tempfile.mkdtemp(prefix="rlhpc-ray-"))  # 0700, ours, a random name
+    try:
+        if record is not None:
+            record.parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(record, str(temp_dir))
+        token_file = token_file or temp_dir / "ray_token"
         write_secret(token_file)
         os.environ.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_file)})
-    # Every listener of a one-node Ray on loopback (issue 32, item 12): its node address is then
-    # 127.0.0.1 (what Ray does on macOS), and its gRPC servers (GCS, raylet, workers, the
-    # dashboard's and its agents) bind there, not on all addresses; ray.init(_node_ip_address=
-    # "127.0.0.1") is turned back into the node's IP. Read when ray is first imported.
-    os.environ[LOOPBACK_ONLY_ENV] = "0"
+        # Every listener of a one-node Ray on loopback (issue 32, item 12): its node address is then
+        # 127.0.0.1 (what Ray does on macOS), and its gRPC servers (GCS, raylet, workers, the
+        # dashboard's and its agents) bind there, not on all addresses; ray.init(_node_ip_address=
+        # "127.0.0.1") is turned back into the node's IP. Read when ray is first imported.
+        os.environ[LOOPBACK_ONLY_ENV] = "0"
+        os.environ.update(METRICS_ENV)
+        safe_python_env()  # Ray's processes and workers inherit it
+        os.environ[NODE_TMP_ENV] = str(temp_dir)  # Ray's workers inherit it: engines' files go with the dir
+        with _ray(cluster, slots, stop, temp_dir):
+            yield "local"
+    finally:
+        os.environ.pop(NODE_TMP_ENV, None)
+        os.environ.pop(LOOPBACK_ONLY_ENV, None)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+# Ray's Prometheus endpoints answer whoever reaches them, without the token (issue 43, item 12):
+# the agent's per-node exporter is off (Ray's switch; rlhpc keeps its own metrics), and the
+# dashboard's and autoscaler's, which Ray has no switch for, get a port the kernel picks, not
+# their fixed defaults (44227, 44217), which two jobs on one node would share.
+METRICS_ENV = {"RAY_enable_metrics_collection": "0", "DASHBOARD_METRIC_PORT": "0", "AUTOSCALER_METRIC_PORT": "0"}
+
+
+def _recorded(record: Path) -> Path | None:
+    try:
+        return Path(record.read_text().strip())
+    except FileNotFoundError:
+        return None
+
+
+@contextmanager
+def _ray(cluster: ClusterConfig, slots: int, stop: StopRequest, temp_dir: Path):
     import ray
     import torch
 
@@ -54,13 +91,6 @@ def local_ray(
         os.environ.pop("CUDA_VISIBLE_DEVICES", None)
     # Every slot is a {GPU:1, CPU:1} bundle; Ray's CPU count is a scheduling token, not a thread.
     num_cpus = max(os.cpu_count() or 1, slots + 2)
-    if temp_dir is None:
-        temp_dir = Path(tempfile.mkdtemp(prefix="rlhpc-ray-"))
-    else:
-        if temp_dir.exists():
-            log.info("removing %s, left by a killed job of this run", temp_dir)
-        private_dir(temp_dir, fresh=True)
-    os.environ[NODE_TMP_ENV] = str(temp_dir)  # Ray's workers inherit it: engines' files go with the dir
     try:
         ray.init(
             num_cpus=num_cpus,
@@ -69,12 +99,10 @@ def local_ray(
             _temp_dir=str(ray_temp_dir(temp_dir)),
             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}},
             log_to_driver=True,
+            job_config=ray_job_config(),  # the driver's working dir on no worker's sys.path
         )
         stop.install()
         log.info("local Ray up: %d CPUs, %d GPUs (%s)", num_cpus, num_gpus, "real" if real_gpus else "declared")
-        yield "local"
+        yield
     finally:
         ray.shutdown()
-        os.environ.pop(NODE_TMP_ENV, None)
-        os.environ.pop(LOOPBACK_ONLY_ENV, None)
-        shutil.rmtree(temp_dir, ignore_errors=True)

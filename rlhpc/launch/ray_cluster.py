@@ -44,7 +44,7 @@ from rlhpc.errors import RlhpcError
 from rlhpc.launch import slurm
 from rlhpc.run_dir import JobRayState
 from rlhpc.util.files import NODE_TMP_ENV, private_dir, ray_temp_dir, write_atomic
-from rlhpc.util.processes import stop_group
+from rlhpc.util.processes import python_command, stop_group
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +119,8 @@ class RayPorts:
     dashboard_agent_listen: int
     runtime_env_agent: int
     metrics_export: int
+    dashboard_metrics: int
+    autoscaler_metrics: int
     min_worker: int
     max_worker: int
 
@@ -126,9 +128,7 @@ class RayPorts:
     def block(cls, index: int) -> RayPorts:
         base = FIRST_PORT + (index % NUM_BLOCKS) * PORT_BLOCK
         # The GCS port must lie outside the worker port range, or ray start refuses it.
-        return cls(
-            base, base + 1, base + 2, base + 3, base + 4, base + 5, base + 6, base + 7, base + 10, base + PORT_BLOCK - 1
-        )
+        return cls(*range(base, base + 10), base + 10, base + PORT_BLOCK - 1)
 
     @classmethod
     def candidates(cls, first_index: int) -> list[RayPorts]:
@@ -144,6 +144,17 @@ class RayPorts:
 
     def to_dict(self) -> dict[str, int]:
         return asdict(self)
+
+    def env(self) -> dict[str, str]:
+        """Ray's Prometheus endpoints, which answer whoever reaches them without the token (issue 43,
+        item 12): the agent's per-node exporter off (Ray's switch), the dashboard's and the
+        autoscaler's (on the head; Ray has no switch for them) on the job's ports, not on their
+        fixed defaults (44227, 44217), which every job on a node would share."""
+        return {
+            "RAY_enable_metrics_collection": "0",
+            "DASHBOARD_METRIC_PORT": str(self.dashboard_metrics),
+            "AUTOSCALER_METRIC_PORT": str(self.autoscaler_metrics),
+        }
 
     def args(self) -> list[str]:
         return [
@@ -249,7 +260,7 @@ class RayNode:
         private_dir(self.temp_dir, fresh=True)
         raise_open_file_limit()
         cmd = [
-            sys.executable, "-m", "ray.scripts.scripts", "start", "--block",
+            *python_command("-m", "ray.scripts.scripts"), "start", "--block",
             f"--node-ip-address={self.ip}",
             f"--num-gpus={self.num_gpus}",
             f"--num-cpus={self.num_cpus}",
@@ -265,7 +276,7 @@ class RayNode:
             cmd,
             stdout=logf,
             stderr=subprocess.STDOUT,
-            env={**(env or {}), **os.environ, **self.env(), NODE_TMP_ENV: str(self.temp_dir)},
+            env={**(env or {}), **os.environ, **self.env(), **self.ports.env(), NODE_TMP_ENV: str(self.temp_dir)},
             start_new_session=True,
         )
         logf.close()
@@ -444,7 +455,7 @@ class NodeWatch:
         group = self._group_of(node)
         gpus = self.node_gpus.get(group, next(iter(self.node_gpus.values())))
         command = [
-            sys.executable, "-m", "rlhpc.launch.ray_cluster", "worker",
+            *python_command("-m", "rlhpc.launch.ray_cluster"), "worker",
             str(self.state.root), self.job_id, str(rank), str(gpus), *([str(group)] if group is not None else []),
         ]  # fmt: skip
         env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SBATCH_", "SRUN_"))}

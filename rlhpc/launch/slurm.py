@@ -26,6 +26,7 @@ import submitit
 
 from rlhpc.errors import ConfigError
 from rlhpc.run_dir import RunDir
+from rlhpc.util.processes import python_command
 
 log = logging.getLogger(__name__)
 
@@ -295,7 +296,7 @@ def slurm_executor(
     when several jobs are submitted together (``submit_array``: one Slurm job array)."""
     het = opts.rollout_nodes is not None
     kind = PreviewExecutor if preview else HetSlurmExecutor if het else submitit.SlurmExecutor
-    executor = kind(folder=folder or run.submitit_dir)
+    executor = kind(folder=folder or run.submitit_dir, python=shlex.join(python_command()))  # python -P -u -m ...
     if isinstance(executor, HetSlurmExecutor):
         executor.rollout = rollout_component(opts)
     params = {

@@ -20,6 +20,7 @@ from rlhpc.launch.ray_cluster import RayNode, wait_for_cluster
 from rlhpc.launch.requeue import requeue_slurm
 from rlhpc.run_dir import JobRayState, RunDir
 from rlhpc.runtime.signals import StopRequest
+from rlhpc.util.processes import ray_job_config
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +108,7 @@ def slurm_ray(cfg: Config, run: RunDir, env: submitit.JobEnvironment, stop: Stop
         deadline = started + c.ray_start_timeout_s
         while True:  # the GCS needs a moment before it accepts a driver
             try:
-                ray.init(address=address, _node_ip_address=node.ip, log_to_driver=True)
+                ray.init(address=address, _node_ip_address=node.ip, log_to_driver=True, job_config=ray_job_config())
                 break
             except (ConnectionError, RuntimeError) as e:
                 if time.monotonic() > deadline:

@@ -143,7 +143,7 @@ def submit(s: Submission) -> int:
     run_owner.check_free(run, Owner.slurm_job(in_job) if in_job else None)
     if s.prepare_only:  # the job claims the run dir when it starts
         run.prepare(cfg, force=s.force)
-        log.info("run dir %s is ready; start every task with: srun python -m rlhpc.launch.task %s", run, run)
+        log.info("run dir %s is ready; start every task with: srun python -P -m rlhpc.launch.task %s", run, run)
         return 0
     if kind == "slurm":
         return _submit_slurm(s, cfg, opts, run)

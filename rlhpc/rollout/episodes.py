@@ -62,7 +62,8 @@ from rlhpc.data.prompts import (
 )
 from rlhpc.data.rows import Row, describe
 from rlhpc.errors import ConfigError, RlhpcError, UserCodeError, user_code_error
-from rlhpc.rollout.tools import Tools, resolve_parser, resolve_tools, warn_special_tags
+from rlhpc.rollout.journal import ScopeJournal
+from rlhpc.rollout.tools import CallSite, Tools, resolve_parser, resolve_tools, warn_special_tags
 from rlhpc.util.imports import import_function
 from rlhpc.wire.tool_calls import markup_text
 
@@ -292,6 +293,7 @@ class Episode:
     env: Any
     conversation: Conversation
     row: Row | None = None  # what it was reset with (for errors)
+    index: int = 0  # its place among the generation's episodes (the tool journal's key)
     response_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)
@@ -305,6 +307,7 @@ class Episode:
     tool_calls: int = 0
     tool_errors: int = 0
     tool_timeouts: int = 0
+    infra_failed: bool = False  # a tool could not run (InfrastructureFailure): ended, unscored
 
     @property
     def input_ids(self) -> list[int]:
@@ -426,11 +429,18 @@ class EpisodeConfig:
             chats.append(with_system(messages, self.system_prompt))
         schemas = self.tools.schemas if self.tools is not None else None
         conversations = Conversation.start_all(tokenizer, self.template, self.template_name, chats, schemas)
-        return [Episode(env, c, row) for env, c, row in zip(envs, conversations, seeded)]
+        return [Episode(env, c, row, k) for k, (env, c, row) in enumerate(zip(envs, conversations, seeded))]
 
-    def step(self, episodes: list[Episode], replies: list[str], loop: asyncio.AbstractEventLoop) -> list[tuple]:
+    def step(
+        self,
+        episodes: list[Episode],
+        replies: list[str],
+        loop: asyncio.AbstractEventLoop,
+        journal: ScopeJournal | None = None,
+    ) -> list[tuple]:
         """Each episode's (observation, reward, done) after its reply: the tools' answers where the
-        reply calls tools (every episode's calls run at once), ``env.step``'s elsewhere."""
+        reply calls tools (every episode's calls run at once; ``journal``: recorded there, and
+        answered from it where it holds them), ``env.step``'s elsewhere."""
         for e, r in zip(episodes, replies):
             e.texts.append(r)
         # the calls read from the reply's tokens with special tokens kept (markup_text): where
@@ -448,13 +458,15 @@ class EpisodeConfig:
         to_tools = [i for i, c in enumerate(calls) if c]
         if to_tools:
             assert self.tools is not None
-            answers, counts = self.tools.run([calls[i] for i in to_tools])
+            sites = [CallSite(episodes[i].index, episodes[i].turn, _seed_of(episodes[i].row)) for i in to_tools]
+            answers, counts = self.tools.run([calls[i] for i in to_tools], sites, journal)
             for i, messages, n in zip(to_tools, answers, counts):
                 e = episodes[i]
                 e.tool_calls, e.tool_errors, e.tool_timeouts = (
                     e.tool_calls + n.calls, e.tool_errors + n.errors, e.tool_timeouts + n.timeouts,
                 )  # fmt: skip
-                results[i] = (messages, 0.0, False)
+                e.infra_failed = e.infra_failed or n.infra > 0
+                results[i] = (messages, 0.0, e.infra_failed)  # a tool that could not run ends the episode
         return results
 
     def _calls(self, episode: Episode, reply: str) -> list:
@@ -468,6 +480,10 @@ class EpisodeConfig:
         except Exception as e:
             on = f"the reply {reply[:80]!r} in {_episode_of(episode.row)}"
             raise user_code_error(f"the tool parser {getattr(self.tools.parser, '__qualname__', '')}", e, on) from e
+
+
+def _seed_of(row: Row | None) -> int | None:
+    return row.episode_seed if row is not None else None
 
 
 def _episode_of(row: Row | None) -> str:

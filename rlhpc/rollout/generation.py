@@ -28,6 +28,7 @@ from rlhpc.data.rows import Row, as_rows
 from rlhpc.data.tasks import TASKS, RewardFn, resolve_reward
 from rlhpc.errors import RlhpcError, user_code_error
 from rlhpc.rollout.custom import CustomRollout, run_custom
+from rlhpc.rollout.journal import ToolJournal, scope_name
 from rlhpc.rollout.scoring import MixedScorer, PooledReward, RemoteReward, Sample, Scorer, is_remote
 from rlhpc.wire.protocol import finish_reason, token_versions, weight_version
 from rlhpc.wire.request import Request, Send, knob_params, sample_seed
@@ -253,9 +254,11 @@ class Generation:
         episodes: EpisodeConfig | None = None,
         custom: CustomRollout | None = None,
         teacher: TeacherLogprobs | None = None,
+        journal: ToolJournal | None = None,
     ):
         self.tokenizer = tokenizer
         self.teacher = teacher  # each trained token's logprob under the teacher (issue 30), or None
+        self.journal = journal  # episodes' tool answers, recorded and replayed (rlhpc.rollout.journal)
         self.reward_fn = (
             reward_fn
             if isinstance(reward_fn, Scorer | MixedScorer)
@@ -281,9 +284,11 @@ class Generation:
         seed_tag: object,
         desc: str,
         params: dict[str, Any] | None = None,
+        journal_scope: str | None = None,
     ) -> Samples:
         """Sample ``n`` responses per row, in requests of a few rows each, and score them.
-        ``params``: further sampling params of every request (``knob_params``).
+        ``params``: further sampling params of every request (``knob_params``); ``journal_scope``:
+        the tool journal's file of this generation (``rlhpc.rollout.journal.scope_name``).
 
         A request's rows depend only on the row index, and every sample has its own seed, so a
         rerun sends exactly the same batches and gets the same tokens.
@@ -293,7 +298,7 @@ class Generation:
         if self.custom is not None:
             return self._sample_custom(rows, n, temperature, max_new_tokens, seed_tag, desc, params)
         if self.episodes is not None:
-            return self._sample_episodes(rows, n, temperature, max_new_tokens, seed_tag, desc, params)
+            return self._sample_episodes(rows, n, temperature, max_new_tokens, seed_tag, desc, params, journal_scope)
         top_p = self.rollout_cfg.top_p
         per_request = rows_per_request(len(rows), n, self.num_engines)
         chunks = [range(i, min(i + per_request, len(rows))) for i in range(0, len(rows), per_request)]
@@ -372,6 +377,7 @@ class Generation:
         seed_tag: object,
         desc: str,
         params: dict[str, Any],
+        journal_scope: str | None = None,
     ) -> Samples:
         """``n`` episodes per row, run turn by turn in lockstep: each turn sends every running
         episode's tokens so far (prompt, then the engine's own tokens and the observations'), and
@@ -386,6 +392,8 @@ class Generation:
         progress = self.progress
         bar = progress.add_task(desc, total=total) if progress is not None else None
         loop = asyncio.new_event_loop()  # one per call: async environments keep theirs across turns
+        use_journal = self.journal is not None and ep.tools is not None and journal_scope is not None
+        journal = self.journal.scope(journal_scope) if use_journal else None
         try:
             seeds = [sample_seed(self.seed, seed_tag, k // n, k % n, "env") for k in range(total)]
             episodes = ep.start_all(self.tokenizer, [(rows[k // n], seeds[k]) for k in range(total)], loop)
@@ -424,7 +432,7 @@ class Generation:
                     lps = [lp for lp, _tok, _ in out["meta_info"].get("output_token_logprobs", [])]
                     episodes[k].turn = turn
                     episodes[k].add(ids, lps, token_versions(out["meta_info"], len(ids)), generated=True)
-                steps = ep.step([episodes[k] for k in active], [out["text"] for out in outputs], loop)
+                steps = ep.step([episodes[k] for k in active], [out["text"] for out in outputs], loop, journal)
                 going, ended = [], []
                 for k, out, (observation, reward, done) in zip(active, outputs, steps):
                     episodes[k].reward += reward
@@ -450,6 +458,8 @@ class Generation:
                         progress.advance(bar, 1)
         finally:
             loop.close()
+            if journal is not None:
+                journal.close()
             if bar is not None:
                 progress.remove_task(bar)
         decode = self.tokenizer.decode
@@ -477,6 +487,9 @@ class Generation:
             )  # fmt: skip
             for e, reward in zip(episodes, rewards):
                 e.reward = float(reward)
+        for e in episodes:
+            if e.infra_failed:  # a tool could not run: no reward, masked in training
+                e.reward = math.nan
         versions = [min(v) if v else 0 for v in (e.versions for e in episodes)]
         tool_stats = (
             {
@@ -580,7 +593,9 @@ class Generation:
         filter_metrics: dict[str, float] = {}
         if self.group_filter is None:
             desc = f"rollout {rollout_id}"
-            s = self.sample(rows, n, r.temperature, r.max_new_tokens, rollout_id, desc, self.train_params)
+            s = self.sample(
+                rows, n, r.temperature, r.max_new_tokens, rollout_id, desc, self.train_params, scope_name(rollout_id)
+            )
         else:
             if more_rows is None:
                 raise RlhpcError(
@@ -597,6 +612,7 @@ class Generation:
         if s.episode_of:  # an agent episode's samples share its advantage
             advantages = advantages[torch.tensor(s.episode_of)]
         loss_masks, overlong_metrics = self._overlong_masks(s)
+        loss_masks, infra_metrics = self._unscored_masks(s, loss_masks)
         batch = RolloutBatch(
             s.prompt_ids, s.response_ids, s.logprobs, rewards, advantages, n, s.weight_versions, s.token_versions,
             loss_masks, s.turns, s.cut() if s.loss_masks or r.overlong_filter else [],
@@ -610,9 +626,11 @@ class Generation:
             teacher_metrics["time/teacher"] = time.perf_counter() - start
         staleness = [rollout_id - v for v in s.weight_versions]
         tokens = sum(map(len, s.token_versions))
+        scored = s.rewards[~torch.isnan(s.rewards)]
         metrics = {
-            "reward": s.rewards.mean().item(),
-            "reward_std": s.rewards.std(unbiased=False).item(),
+            "reward": scored.mean().item() if len(scored) else 0.0,
+            "reward_std": scored.std(unbiased=False).item() if len(scored) else 0.0,
+            **infra_metrics,
             "response_len": lengths.mean().item(),
             "samples": float(len(batch)),
             "staleness/mean": sum(staleness) / max(len(staleness), 1),
@@ -629,6 +647,17 @@ class Generation:
             **teacher_metrics,
         }
         return batch, metrics, s.texts
+
+    @staticmethod
+    def _unscored_masks(s: Samples, masks: list[list[int]]) -> tuple[list[list[int]], dict[str, float]]:
+        """The loss masks with every unscored sample's all 0 (its reward is NaN: a sandbox that
+        could not run, ``InfrastructureFailure``; the advantages leave it out of its group's
+        baseline), and how many there were (``infra/failed``)."""
+        unscored = torch.isnan(s.rewards).tolist()
+        if any(unscored):
+            masks = masks or [[1] * len(ids) for ids in s.response_ids]
+            masks = [[0] * len(m) if u else m for m, u in zip(masks, unscored)]
+        return masks, {"infra/failed": float(sum(unscored))}
 
     def _overlong_masks(self, s: Samples) -> tuple[list[list[int]], dict[str, float]]:
         """``rollout.overlong_filter``: the loss masks with every cut sample's all 0 (its reward
@@ -669,7 +698,9 @@ class Generation:
             round_rows = rows + more_rows(0, per_round - want) if rounds == 0 else more_rows(rounds, per_round)
             tag = rollout_id if rounds == 0 else f"{rollout_id}/{rounds}"
             desc = f"rollout {rollout_id} round {rounds}"
-            s = self.sample(round_rows, n, r.temperature, r.max_new_tokens, tag, desc, self.train_params)
+            s = self.sample(
+                round_rows, n, r.temperature, r.max_new_tokens, tag, desc, self.train_params, scope_name(tag)
+            )
             verdicts = [self._keep(s.group(g, n)) for g in range(len(round_rows))]
             keep = [g for g, v in enumerate(verdicts) if v]
             kept.append(s.groups(n, keep))
@@ -703,10 +734,13 @@ class Generation:
         e = self.eval_cfg
         n, desc = eval_set.n_samples_per_prompt, f"{seed_tag} after {rollout_id}"
         params = knob_params(eval_set.top_k, eval_set.min_p, eval_set.repetition_penalty, eval_set.stop)
-        s = self.sample(rows, n, eval_set.temperature, eval_set.max_new_tokens, seed_tag, desc, params)
+        scope = scope_name(seed_tag, rollout_id)
+        s = self.sample(rows, n, eval_set.temperature, eval_set.max_new_tokens, seed_tag, desc, params, scope)
         s = s.last_per_episode()  # pass@k counts episodes
+        unscored = torch.isnan(s.rewards)  # failed for infrastructure: out of the mean, not passed in pass@k
         return {
-            "reward": s.rewards.mean().item(),
+            "reward": s.rewards[~unscored].mean().item() if not unscored.all() else 0.0,
+            "infra/failed": float(unscored.sum()),
             "response_len": sum(map(len, s.response_ids)) / len(s.response_ids),
             **pass_metrics(s.rewards.tolist(), s.texts["response"], n, e.pass_threshold),
             **s.part_metrics(),

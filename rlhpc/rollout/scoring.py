@@ -15,7 +15,9 @@ A dict reward (``{"score": 1.0, "format": 0.5}``) trains on ``score`` and logs e
 where it raised, which stops the job for good (``UserCodeError``: the same code would fail the
 same way after a restart); with ``data.reward_errors: zero`` the sample scores 0 instead and is
 counted (``reward/errors``). A grader elsewhere (a URL) that fails is an outside service's
-fault: ``RewardError``, which the job requeues on like a crash.
+fault: ``RewardError``, which the job requeues on like a crash. A reward that raises (or, batched,
+returns) ``rlhpc.errors.InfrastructureFailure`` leaves its sample unscored (NaN), which training
+masks: a sandbox that could not run is no verdict on the response.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from rlhpc.errors import ConfigError, RlhpcError, user_code_error
+from rlhpc.errors import ConfigError, InfrastructureFailure, RlhpcError, user_code_error
 
 if TYPE_CHECKING:
     from rlhpc.config import DataConfig
@@ -285,7 +287,11 @@ class Scorer:
             return None, e
 
     def _one(self, s: Sample, value: Any, error: BaseException | None) -> tuple[float, dict[str, float], float]:
-        """(score, other parts, 1.0 if the reward failed)."""
+        """(score, other parts, 1.0 if the reward failed). A sample whose reward could not be
+        known for an infrastructure reason (``InfrastructureFailure`` raised, or returned by a
+        batched reward) scores NaN: no reward, masked out of training (``Generation.rollout``)."""
+        if isinstance(error, InfrastructureFailure) or isinstance(value, InfrastructureFailure):
+            return math.nan, {}, 0.0
         if error is None:
             try:
                 return (*self._read(value), 0.0)

@@ -6,12 +6,15 @@ the model's replies are read for calls by ``rollout.tool_parser`` (by default th
 ``<tool_call>`` parser of ``rlhpc.wire.tool_calls``); ``Tools.run`` runs one turn's calls,
 all of them at once, each cut at ``rollout.tool_timeout_s``, and answers each with a
 ``{"role": "tool", "name": ..., "content": ...}`` message. A tool that raises, times out, or does
-not exist answers ``"error: ..."``: the episode goes on, and the error is counted.
+not exist answers ``"error: ..."``: the episode goes on, and the error is counted. A tool that
+raises ``rlhpc.errors.InfrastructureFailure`` (its sandbox could not run) ends its episode
+unscored instead: the episode is masked out of training, as a reward's infrastructure failure is.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib
 import inspect
 import json
@@ -25,7 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from rlhpc.errors import ConfigError, RlhpcError
+from rlhpc.errors import ConfigError, InfrastructureFailure, RlhpcError
+from rlhpc.rollout.journal import Recorded, ScopeJournal, arguments_key
 from rlhpc.wire.tool_calls import ParsedCall, ParsedOutput, special_tags
 
 log = logging.getLogger(__name__)
@@ -168,18 +172,43 @@ class ToolCounts:
     calls: int = 0
     errors: int = 0  # raised, or no such tool
     timeouts: int = 0
+    infra: int = 0  # raised InfrastructureFailure (a sandbox that could not run): the episode is masked
+
+
+@dataclass(frozen=True)
+class CallSite:
+    """Where a call was made: its episode's place among the generation's episodes, the turn of
+    the reply that made it, and the episode's ``episode_seed`` (a pure function of run seed,
+    rollout and sample: the episode's identity across runs). ``current_call()`` in a tool."""
+
+    episode: int
+    turn: int
+    episode_seed: int | None = None
+    index: int = 0  # the call's place among its reply's calls
+
+
+_calling = threading.local()
+
+
+def current_call() -> CallSite | None:
+    """In a tool, the call it is answering (``CallSite``): to keep state per episode, or to log;
+    None outside a tool call of an episode. (A resumed episode answers recorded calls from the
+    tool journal without running the tool, so state a tool keeps is not rebuilt for them.)"""
+    return getattr(_calling, "site", None)
 
 
 class _Run:
     """One call, run on a thread of its own; ``content`` is set when it returns or raises."""
 
-    def __init__(self, fn: Callable, call: ParsedCall):
-        self.fn, self.call = fn, call
+    def __init__(self, fn: Callable, call: ParsedCall, site: CallSite | None = None):
+        self.fn, self.call, self.site = fn, call, site
         self.content: str | None = None
         self.error = False
+        self.infra = False
         self.thread = threading.Thread(target=self._run, name=f"tool-{call.name}", daemon=True)
 
     def _run(self) -> None:
+        _calling.site = self.site
         try:
             args = self.call.arguments
             args = json.loads(args) if isinstance(args, str) else args
@@ -192,6 +221,9 @@ class _Run:
                 False,
                 result if isinstance(result, str) else json.dumps(result, ensure_ascii=False, default=str),
             )
+        except InfrastructureFailure as e:  # not the model's doing: its episode ends unscored
+            log.warning("tool %s failed for infrastructure: %s", self.call.name, e)
+            self.infra, self.content = True, f"error: the tool could not run: {e}"
         except Exception as e:  # the model's arguments or the tool's own failure: the model reads it
             log.debug("tool %s raised %s: %s", self.call.name, type(e).__name__, e)
             self.error, self.content = True, f"error: {type(e).__name__}: {e}"
@@ -217,35 +249,64 @@ class Tools:
                 "return a ParsedOutput or a list of ParsedCall(name, arguments) (rlhpc.wire.tool_calls)",
             ) from e
 
-    def run(self, calls: Sequence[Sequence[ParsedCall]]) -> tuple[list[list[dict]], list[ToolCounts]]:
+    def run(
+        self,
+        calls: Sequence[Sequence[ParsedCall]],
+        sites: Sequence[CallSite] | None = None,
+        journal: ScopeJournal | None = None,
+    ) -> tuple[list[list[dict]], list[ToolCounts]]:
         """Run every episode's calls (``calls[i]``: episode i's, in its reply's order) at once; the
-        tool messages answering them, in the same order, and each episode's counts."""
+        tool messages answering them, in the same order, and each episode's counts. ``sites[i]``:
+        where episode i's calls were made (``current_call`` in the tool). With a ``journal``
+        (``rlhpc.rollout.journal``) a call it recorded is answered from it, not run, and every
+        answer of a call run is recorded."""
         # Threads, not processes: tools are mostly I/O (a request, a subprocess) and need not be
         # picklable or importable in a fresh process. Daemon threads, not a pool: a call cut at the
         # timeout cannot be killed, and a pool's workers are joined when the interpreter exits,
         # so one hung tool would hang the job's end; a daemon thread is left behind instead.
-        runs = [[_Run(self.fns[c.name], c) if c.name in self.fns else c for c in cs] for cs in calls]
+        runs: list[list[_Run | ParsedCall | Recorded]] = []
+        for i, cs in enumerate(calls):
+            row: list[_Run | ParsedCall | Recorded] = []
+            for j, c in enumerate(cs):
+                site = dataclasses.replace(sites[i], index=j) if sites is not None else None
+                found = journal.lookup(site.episode, site.turn, j, c) if journal is not None and site else None
+                row.append(found if found is not None else _Run(self.fns[c.name], c, site) if c.name in self.fns else c)
+            runs.append(row)
         started = [r for rs in runs for r in rs if isinstance(r, _Run)]
         for r in started:
             r.thread.start()
         deadline = time.monotonic() + self.timeout_s
         for r in started:
             r.thread.join(max(0.0, deadline - time.monotonic()))
-        messages, counts = [], []
-        for rs in runs:
+        messages, counts, answered = [], [], []
+        for i, rs in enumerate(runs):
             out, n = [], ToolCounts(calls=len(rs))
-            for r in rs:
+            for j, r in enumerate(rs):
                 if isinstance(r, ParsedCall):
                     n.errors += 1
                     name, content = r.name, f"error: no tool named {r.name!r}; the tools are {', '.join(self.fns)}"
+                    out.append({"role": "tool", "name": name, "content": content})
+                    continue
+                if isinstance(r, Recorded):  # answered as the journal recorded it
+                    answer = r
                 elif r.content is None:  # still running: abandoned, its result never read
-                    n.timeouts += 1
                     log.warning("tool %s still running after %s s; answered as timed out", r.call.name, self.timeout_s)
-                    name, content = r.call.name, f"error: timed out after {self.timeout_s:g} s"
+                    answer = Recorded(
+                        r.call.name, arguments_key(r.call.arguments), f"error: timed out after {self.timeout_s:g} s",
+                        timeout=True,
+                    )  # fmt: skip
                 else:
-                    n.errors += r.error
-                    name, content = r.call.name, r.content
-                out.append({"role": "tool", "name": name, "content": content})
+                    answer = Recorded(r.call.name, arguments_key(r.call.arguments), r.content, r.error, infra=r.infra)
+                if isinstance(r, _Run) and sites is not None:
+                    answered.append((sites[i].episode, sites[i].turn, j, answer))
+                n.errors, n.timeouts, n.infra = (
+                    n.errors + answer.error,
+                    n.timeouts + answer.timeout,
+                    n.infra + answer.infra,
+                )
+                out.append({"role": "tool", "name": answer.name, "content": answer.content})
             messages.append(out)
             counts.append(n)
+        if journal is not None:
+            journal.record(answered)  # before the episodes go on: a kill from here on replays them
         return messages, counts

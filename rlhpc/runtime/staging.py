@@ -21,6 +21,7 @@ import logging
 import os
 import shutil
 import socket
+import stat
 import subprocess
 import tarfile
 import time
@@ -31,7 +32,7 @@ from pathlib import Path
 
 from rlhpc.config import ClusterConfig
 from rlhpc.errors import RlhpcError
-from rlhpc.util.files import private_dir
+from rlhpc.util.files import private_dir, remove_if_ours
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +54,8 @@ class Staged:
 
     def remove(self) -> None:
         if self.root is not None:
-            shutil.rmtree(self.root, ignore_errors=True)
-            _archive(self.root).unlink(missing_ok=True)
+            remove_if_ours(self.root)
+            remove_if_ours(_archive(self.root))  # beside the root, in a dir others may write to
             log.info("removed the staged copies in %s", self.root)
 
 
@@ -74,17 +75,24 @@ def stage_root(stage_dir: str, job_id: str) -> Path:
 
 def remove_stale(root: Path, alive: Callable[[str], bool | None]) -> None:
     """Remove what killed jobs of this user left beside ``root`` (a SIGKILL skips the removal at
-    the end): every other ``rlhpc-JOB`` dir and archive whose job ``alive`` says has ended."""
+    the end): every other ``rlhpc-JOB`` dir and archive of this user whose job ``alive`` says has
+    ended. The stage dir may be shared (/tmp): a name there may be another user's, or a link
+    (dangling, or to a dir of ours); neither is followed, trusted or removed (issue 43, item 5)."""
     for other in root.parent.glob("*rlhpc-*"):
         job = other.name.lstrip(".").removeprefix("rlhpc-").split(".")[0]
-        if other.name.lstrip(".").split(".")[0] == root.name or other.stat().st_uid != os.getuid():
+        if other.name.lstrip(".").split(".")[0] == root.name or not _ours(other):
             continue
-        if alive(job) is False:
-            log.info("removing %s, left by job %s of this user, which has ended", other, job)
-            if other.is_dir():
-                shutil.rmtree(other, ignore_errors=True)
-            else:
-                other.unlink(missing_ok=True)
+        if alive(job) is False and remove_if_ours(other):
+            log.info("removed %s, left by job %s of this user, which has ended", other, job)
+
+
+def _ours(path: Path) -> bool:
+    """``path`` is this user's own dir or file, not a link (its own owner, not its target's)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    return st.st_uid == os.getuid() and (stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode))
 
 
 def plan(root: Path, model: str, checkpoint: str | None) -> dict[str, str]:
@@ -122,7 +130,7 @@ def stage(paths: dict[str, str], root: Path, broadcast: Broadcast | None = None)
     began = time.monotonic()
     if broadcast is not None:
         broadcast.done.parent.mkdir(parents=True, exist_ok=True)
-        archive = root.parent / f".{root.name}.src.tar"
+        archive = root / ".src.tar"  # in our private root: beside it, in a shared dir, a name may be a link
         try:
             with tarfile.open(archive, "w") as tar:  # uncompressed: model weights do not compress
                 for k, src in enumerate(paths):

@@ -35,6 +35,7 @@ PHASES = (
     "engines_up",  # beside actor_up and actor_load
     "actor_up",
     "actor_load",
+    "sandbox_up",  # the sandbox pool on the driver's node, when the run runs code (docs/guides/sandbox.md)
     "weight_channel",
     "first_push",
     "first_eval",

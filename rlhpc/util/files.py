@@ -104,6 +104,24 @@ def _require_ours(path: Path) -> None:
         )
 
 
+def remove_if_ours(path: Path) -> bool:
+    """Remove ``path`` (a dir with what is in it, or a file) when it is this user's own and not a
+    link; whether it was. In a dir others can write (a shared stage dir, /tmp) a name may be
+    another user's: a link of theirs is never followed (its target's owner proves nothing), and
+    what is theirs is left alone, not an error. Absent is fine."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    if st.st_uid != os.getuid() or not (stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode)):
+        return False
+    if stat.S_ISDIR(st.st_mode):
+        shutil.rmtree(path, ignore_errors=True)  # fd-based where the platform has it: links inside are not followed
+    else:
+        Path(path).unlink(missing_ok=True)
+    return True
+
+
 def read_trusted_json(path: Path, pid: int | None = None) -> dict[str, Any]:
     """A small JSON file one of our processes wrote (a server's ready file): opened without
     following a link, refused unless this user owns it and, with ``pid``, it names that process."""

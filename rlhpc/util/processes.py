@@ -1,5 +1,5 @@
 """Stopping a process and everything it started: TERM to its group, a short wait, then KILL;
-and a process that dies with its parent."""
+a process that dies with its parent; and how the job starts a Python process (``python_command``)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,52 @@ import logging
 import os
 import signal
 import subprocess
+import sys
+from collections.abc import MutableMapping
+from typing import Any
 
 log = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
+
+
+# Python puts the working dir (``-m``, ``-c``) or the script's dir first on sys.path: a job
+# submitted from a dir other users can write would import their ``uvloop.py`` (or ``rlhpc/``)
+# before ours, in every process it starts (issue 43, item 6). User modules come from PYTHONPATH.
+SAFE_PATH_ENV = "PYTHONSAFEPATH"
+
+
+def python_command(*args: str, python: str = sys.executable) -> list[str]:
+    """``python -P ARGS``: the command line of every Python process the job starts (-P: nothing
+    from the working dir or a script's dir on its import path; the project needs Python 3.11)."""
+    return [python, "-P", *args]
+
+
+def safe_python_env(env: MutableMapping[str, str] | None = None) -> MutableMapping[str, str]:
+    """``env`` (default: this process's) for Python processes that others start from it (submitit's
+    task, Ray's processes and workers): PYTHONSAFEPATH set, which is ``-P`` for all of them,
+    and PYTHONPATH without empty entries, each of which is the working dir again."""
+    env = os.environ if env is None else env
+    env[SAFE_PATH_ENV] = "1"
+    if "PYTHONPATH" in env:
+        parts = [p for p in env["PYTHONPATH"].split(os.pathsep) if p]
+        if parts:
+            env["PYTHONPATH"] = os.pathsep.join(parts)
+        else:
+            del env["PYTHONPATH"]
+    return env
+
+
+def ray_job_config() -> Any:
+    """The driver's ``ray.init(job_config=...)``: Ray puts the driver's working dir first on
+    every worker's sys.path (for a script's modules beside it), except for a Ray Client job, whose
+    code travels with it; rlhpc's user code comes from PYTHONPATH, as Ray Client's comes with it,
+    so the job says it is one (Ray's private flag: tests/integration/test_submit_dir.py pins it)."""
+    from ray.job_config import JobConfig
+
+    config = JobConfig()
+    config._client_job = True
+    return config
 
 
 def die_with_parent(sig: int = signal.SIGTERM) -> None:

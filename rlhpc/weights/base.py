@@ -1,13 +1,13 @@
 """What both weight channels share: buckets, the push's steps around them, and the sender base.
 
-A push pauses generation first (a push of one bucket sends it with ``abort_all_requests``
-instead), opens a weight-update session on every engine (``/begin_weight_update``: SGLang refuses
-updates outside one), tags the last bucket with ``flush_cache`` and the new ``weight_version``,
-closes the session (``/end_weight_update``), checks that every engine set that version (its answer
-to the last bucket says so, as SGLang's does; else it is asked), then continues generation.
-Only one trainer process (rank 0, holding full HF-named tensors) sends. The two transports, chosen
-by placement (``rlhpc.weights.sender.make_weight_sender``): ``broadcast`` (disaggregated) and
-``shared_memory`` (colocated).
+A push pauses generation first, opens a weight-update session on every engine
+(``/begin_weight_update``: SGLang refuses updates outside one), checks each bucket for NaN and
+infinities and sends it, tags the last bucket with ``flush_cache`` and the new
+``weight_version``, closes the session (``/end_weight_update``), checks that every engine set
+that version (its answer to the last bucket says so, as SGLang's does; else it is asked), then
+continues generation. Only one trainer process (rank 0, holding full HF-named tensors) sends.
+The two transports, chosen by placement (``rlhpc.weights.sender.make_weight_sender``):
+``broadcast`` (disaggregated) and ``shared_memory`` (colocated).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -24,16 +25,21 @@ import torch
 
 from rlhpc.errors import RlhpcError
 from rlhpc.weights.tensor_transport import (
+    flat_layout,
     flat_order,
     nbytes,
+    non_finite,
 )
 from rlhpc.wire import protocol as P
-from rlhpc.wire.client import EngineClient
+from rlhpc.wire.client import EngineClient, EngineUnavailable
 from rlhpc.wire.protocol import weight_version_note
 
 log = logging.getLogger(__name__)
 
 DEFAULT_GROUP_NAME = "rlhpc_weight_sync"
+# How long a push flushes the cache again after SGLang refused it because requests were still
+# running (a race with the pause's aborts; slime retries too): then the push fails.
+FLUSH_RETRY_S = 10.0
 
 
 # ------------------------------------------------------------------ buckets
@@ -80,11 +86,11 @@ def iter_buckets(
 # ------------------------------------------------------------------ senders
 
 
-def _done(fn: Callable[[EngineClient], Any], client: EngineClient) -> Future:
-    """fn(client) run here, as a finished future (so errors are reported like the pool's)."""
+def run_now(fn: Callable[..., Any], *args: Any) -> Future:
+    """fn(*args) run here, as a finished future (so errors are reported like the pool's)."""
     future: Future = Future()
     try:
-        future.set_result(fn(client))
+        future.set_result(fn(*args))
     except Exception as e:
         future.set_exception(e)
     return future
@@ -120,14 +126,13 @@ class SenderBase:
         self.engine_world_sizes = list(engine_world_sizes)
         self.bucket_bytes = int(bucket_bytes)
         self._last_answers: list[Any] = []  # every engine's answer to the latest bucket
-        self._pushed = False  # a push succeeded on this channel (see send())
         self._pool = ThreadPoolExecutor(max_workers=max(2, 2 * len(clients)), thread_name_prefix="weight-sync")
 
     def _on_all(self, fn: Callable[[EngineClient], Any], clients: list[EngineClient] | None = None) -> list[Any]:
         """Run fn on every engine concurrently; raise the first failure, naming the engine."""
         clients = self.clients if clients is None else clients
         if len(clients) == 1:  # no thread hop: a tiny push is a handful of round trips
-            return [self._result(_done(fn, clients[0]), clients[0])]
+            return [self._result(run_now(fn, clients[0]), clients[0])]
         futures = [self._pool.submit(fn, c) for c in clients]
         return [self._result(f, c) for f, c in zip(futures, clients)]
 
@@ -143,30 +148,29 @@ class SenderBase:
     def connect(self) -> None:
         """Open the channel (no-op for channels without one)."""
 
-    def _send_buckets(
-        self, buckets: Iterator[tuple[list[tuple[str, torch.Tensor]], bool]], version: str, abort_all: bool
-    ) -> int:
-        """Send every bucket (the last tagged with ``version``); ``abort_all``: ask the engines to
-        abort in-flight requests before the update. Returns the number of buckets."""
+    def _send_buckets(self, buckets: Iterator[tuple[list[tuple[str, torch.Tensor]], bool]], version: str) -> int:
+        """Check and send every bucket (``_checked``; the last tagged with ``version``). Returns
+        the number of buckets."""
         raise NotImplementedError
 
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Push HF-named tensors to every engine; afterwards all report ``weight_version == str(version)``.
 
         No sample mixes old and new weights: generation is paused first (SGLang's default pause
-        mode aborts in-flight requests) and continued only on success. With ``pause_mode``
-        "retract" (partial rollouts) the requests in flight are kept and go on with the new
-        weights; the engines tag each token with the version that made it. A push of one bucket
-        instead sends it with ``abort_all_requests``, which aborts in-flight requests and holds
-        new ones until that one update is done (SGLang's model-update lock, the CPU engine's
-        model lock): the same guarantee, two round trips fewer. SGLang refuses weight updates
-        outside a weight-update session, so each push opens one per engine before its first
-        bucket (every engine answering it is also the check that all are alive before any
-        joins a broadcast) and closes it after the last (one session per push, not per
-        bucket). After a failure the engines hold partly updated weights and
-        are left paused, to be restarted; their sessions are closed where they can be. A
-        channel's first push always pauses and continues, which releases the engines a failed
-        push on the previous channel left paused.
+        mode aborts in-flight requests and waits until none is left) and continued only on
+        success. With ``pause_mode`` "retract" (partial rollouts) the requests in flight are kept
+        and go on with the new weights; the engines tag each token with the version that made it.
+        Every push pauses, one bucket or many: SGLang's ``/begin_weight_update`` of an engine
+        that is not paused waits until every request in flight has finished, and between two
+        buckets new requests would run on half-updated weights.
+
+        SGLang refuses weight updates outside a weight-update session, so each push opens one
+        per engine before its first bucket (every engine answering it is also the check that all
+        are alive before any joins a broadcast) and closes it after the last (one session per
+        push, not per bucket). No bucket holding NaN or an infinity is sent (``_checked``): a
+        diverged trainer's weights never reach an engine. After a failure the engines hold
+        partly updated weights and are left paused, to be restarted; their sessions are closed
+        where they can be.
         """
         v = str(version)
         self._check_ready()
@@ -174,30 +178,66 @@ class SenderBase:
         first = next(buckets, None)
         if first is None:
             raise RlhpcError("weight sync got no tensors to send", "pass the model's named parameters")
-        # abort_all_requests aborts; a channel's first push pauses and continues (releases engines a failed push left paused)
-        single = first[1] and self.pause_mode == "abort" and self._pushed
         self._last_answers = []
         closed = False
         try:
-            if single:
-                self._on_all(self._begin_session)
-            else:  # per engine: pause, then open the session (one task each, engines in parallel)
-                self._on_all(lambda c: (c.pause_generation(self.pause_mode), self._begin_session(c)))
-            n = self._send_buckets(itertools.chain([first], buckets), v, abort_all=single)
+            # per engine: pause, then open the session (one task each, engines in parallel)
+            self._on_all(lambda c: (c.pause_generation(self.pause_mode), self._begin_session(c)))
+            n = self._send_buckets(itertools.chain([first], buckets), v)
             closed = True  # an engine that fails its end is not asked again
             self._on_all(lambda c: c.end_weight_update())
             self._check_versions(v)
         except BaseException:
             if not closed:
                 self._end_sessions_after_failure()
-            if single:  # best effort: an engine that refused stays off its partly updated weights
-                with contextlib.suppress(Exception):
-                    self._on_all(lambda c: c.pause_generation())
             raise
-        if not single:
-            self._on_all(lambda c: c.continue_generation())
-        self._pushed = True
+        self._on_all(lambda c: c.continue_generation())
         log.debug("weights version %s sent to %d engine(s) in %d bucket(s)", v, len(self.clients), n)
+
+    def _checked(self, flat: torch.Tensor, names: list[str], tensors: list[torch.Tensor]) -> None:
+        """Raise, before the bucket leaves, if it holds NaN or an infinity: a diverged trainer's
+        weights never reach an engine, SGLang's included (it loads whatever it is sent). Here,
+        where the bytes are, once for every engine: one read of the bucket (``non_finite``),
+        beside the engines' load of the previous bucket when there is one."""
+        dtypes = [t.dtype for t in tensors]
+        bad = non_finite(flat, dtypes, flat_layout(dtypes, [list(t.shape) for t in tensors]), names)
+        if bad:
+            raise RlhpcError(
+                f"the trainer's weights hold NaN or infinite values in {len(bad)} tensor(s): {', '.join(bad[:5])}"
+                f"{' ...' if len(bad) > 5 else ''}; nothing of this bucket was sent",
+                "the training diverged: lower actor.lr or set actor.grad_clip, and resume from the last checkpoint",
+            )
+
+    def _update(self, client: EngineClient, call: Callable[[Any], Any], req: Any) -> Any:
+        """``call(req)``, one bucket's update on one engine. SGLang fails the update whose cache
+        flush (the last bucket's) finds requests running or queued, with the weights loaded but
+        the version not recorded: then flush again until the engine is idle (bounded), and set
+        the version. Returns the engine's answer, or None when the version must be asked."""
+        try:
+            return call(req)
+        except RlhpcError as e:
+            if not (req.flush_cache and P.FLUSH_BUSY in e.problem):
+                raise
+        log.warning("engine %s was busy at the weight update's cache flush; flushing again", client.base_url)
+        delay, deadline = 0.05, time.monotonic() + FLUSH_RETRY_S
+        while True:
+            try:
+                client.flush_cache()
+                break
+            except EngineUnavailable:
+                raise
+            except RlhpcError as e:  # HTTP 400: still busy
+                if time.monotonic() + delay > deadline:
+                    raise RlhpcError(
+                        f"engine {client.base_url}: the cache flush after a weight update still finds requests "
+                        f"after {FLUSH_RETRY_S:.0f}s: {e.problem}",
+                        "nothing should generate during a push: check what sends requests to the trained engines",
+                    ) from e
+            time.sleep(delay)
+            delay = min(2 * delay, 1.0)
+        if req.weight_version is not None:
+            client.update_weight_version(req.weight_version)
+        return None
 
     def _check_ready(self) -> None:
         """Raise, before any request, when the channel cannot send."""

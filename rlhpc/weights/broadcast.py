@@ -152,13 +152,11 @@ class DistributedWeightSender(SenderBase):
         if self._group is None:
             raise RlhpcError("weight sync send() before connect()", "call connect() once after the engines are up")
 
-    def _send_buckets(
-        self, buckets: Iterator[tuple[list[tuple[str, torch.Tensor]], bool]], version: str, abort_all: bool
-    ) -> int:
+    def _send_buckets(self, buckets: Iterator[tuple[list[tuple[str, torch.Tensor]], bool]], version: str) -> int:
         n = 0
         packed = self._pack(next(buckets, None), slot=0)
         while packed is not None:
-            posts, bcast = self._start_bucket(packed, version, abort_all)
+            posts, bcast = self._start_bucket(packed, version)
             # pack bucket n + 1 into the other buffer while bucket n is on the wire
             try:
                 following = self._pack(next(buckets, None), slot=(n + 1) % 2)
@@ -172,7 +170,7 @@ class DistributedWeightSender(SenderBase):
         return n
 
     def _pack(self, item: tuple[list[tuple[str, torch.Tensor]], bool] | None, slot: int) -> Packed | None:
-        """A bucket as one flat uint8 tensor in SGLang's flattened-bucket layout.
+        """A bucket as one flat uint8 tensor in SGLang's flattened-bucket layout, checked (``_checked``).
 
         No copy when the bucket is one contiguous tensor, or tensors already back to back in one
         storage; else a copy into a buffer kept between sends (host memory handed back to the
@@ -191,9 +189,10 @@ class DistributedWeightSender(SenderBase):
             elif buf is None or buf.numel() < total:
                 buf = self._buffers[slot] = torch.empty(total, dtype=torch.uint8)
             flat = flatten_into(tensors, buf)
+        self._checked(flat, names, tensors)  # beside the broadcast of the previous bucket
         return Packed(flat, names, [dtype_name(t.dtype) for t in tensors], [list(t.shape) for t in tensors], last)
 
-    def _start_bucket(self, packed: Packed, version: str, abort_all: bool) -> tuple[list[Future], Future]:
+    def _start_bucket(self, packed: Packed, version: str) -> tuple[list[Future], Future]:
         """Announce the bucket to every engine (one POST each) and broadcast it (one broadcast)."""
         announce = P.UpdateWeightsFromDistributedReqInput(
             names=packed.names,
@@ -201,11 +200,10 @@ class DistributedWeightSender(SenderBase):
             shapes=packed.shapes,
             group_name=self.group_name,
             flush_cache=packed.last,
-            abort_all_requests=abort_all,
             weight_version=version if packed.last else None,
             load_format=FLATTENED_BUCKET,
         )
-        posts = [self._pool.submit(c.update_weights_from_distributed, announce) for c in self.clients]
+        posts = [self._pool.submit(self._update, c, c.update_weights_from_distributed, announce) for c in self.clients]
         return posts, self._bcast_pool.submit(self._broadcast, packed.flat)
 
     def _finish_bucket(self, posts: list[Future], bcast: Future) -> None:

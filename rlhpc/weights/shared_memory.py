@@ -4,17 +4,18 @@ Each bucket travels as ONE handle (shared memory, or CUDA IPC on a GPU) inside
 ``/update_weights_from_tensor``, ``load_format="flattened_bucket"`` (``rlhpc.weights.tensor_transport``):
 of the buffer the bucket is packed into (on CPU a shared-memory segment kept between pushes, on a
 GPU a device buffer for the push), or, for weights already lying flat in shared memory or on the
-GPU, of the weights as they are.
+GPU, of the weights as they are. Each TP rank of each engine gets a pickle of its own.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from concurrent.futures import Future
 
 import torch
 
-from rlhpc.weights.base import SenderBase, in_flat_order
+from rlhpc.weights.base import SenderBase, in_flat_order, run_now
 from rlhpc.weights.tensor_transport import (
     SharedStaging,
     adjacent_bytes,
@@ -38,50 +39,60 @@ class TensorWeightSender(SenderBase):
     memory, ``share_memory_by_name``) goes as it is. Any other is packed: on CPU into a
     shared-memory segment kept between pushes (the engines map it once); on a GPU into one
     device buffer per push, given back after it (an offloaded actor leaves the GPU to the
-    engines between pushes)."""
+    engines between pushes). While the engines load a bucket, the next one is checked
+    (``SenderBase._checked``) when it needs no packing into the buffer they read."""
 
     def __init__(self, clients: list[EngineClient], engine_world_sizes: list[int], bucket_bytes: int):
         super().__init__(clients, engine_world_sizes, bucket_bytes)
         self._staging = SharedStaging()
 
-    def _send_buckets(
-        self, buckets: Iterator[tuple[list[tuple[str, torch.Tensor]], bool]], version: str, abort_all: bool
-    ) -> int:
+    def _send_buckets(self, buckets: Iterator[tuple[list[tuple[str, torch.Tensor]], bool]], version: str) -> int:
         n = 0
         device_buf: torch.Tensor | None = None  # a GPU bucket's packing buffer, for this push
+        posts: list[Future] = []  # the engines' loads of the previous bucket
         for bucket, last in buckets:
             names, tensors = in_flat_order(bucket)
             if sendable_as_is(tensors):
                 flat = adjacent_bytes(tensors)
-            elif tensors[0].device.type == "cpu":
-                flat = self._staging.pack(tensors)
             else:
-                total = sum(nbytes(t) for t in tensors)
-                if device_buf is None or device_buf.numel() < total:
-                    device_buf = None  # back to the allocator before a bigger one
-                    device_buf = torch.empty(total, dtype=torch.uint8, device=tensors[0].device)
-                flat = flatten_into(tensors, device_buf)
-            payload = serialize_flat_bucket(flat, names, tensors, receivers=sum(self.engine_world_sizes))
+                self._collect(posts)  # the engines are done with the buffer: pack it again
+                posts = []
+                if tensors[0].device.type == "cpu":
+                    flat = self._staging.pack(tensors)
+                else:
+                    total = sum(nbytes(t) for t in tensors)
+                    if device_buf is None or device_buf.numel() < total:
+                        device_buf = None  # back to the allocator before a bigger one
+                        device_buf = torch.empty(total, dtype=torch.uint8, device=tensors[0].device)
+                    flat = flatten_into(tensors, device_buf)
+            self._checked(flat, names, tensors)  # beside the engines' load of the previous bucket
+            self._collect(posts)  # in order: an engine takes one bucket after the other
+            # the last bucket to one engine: no thread hop, nothing to check beside it
+            submit = run_now if last and len(self.clients) == 1 else self._pool.submit
             posts = [
-                self._pool.submit(
+                submit(
+                    self._update,
+                    c,
                     c.update_weights_from_tensor,
                     P.UpdateWeightsFromTensorReqInput(
-                        serialized_named_tensors=[payload] * tp,  # SGLang wants one entry per TP rank
+                        serialized_named_tensors=serialize_flat_bucket(flat, names, tensors, ranks=tp),
                         load_format=FLATTENED_BUCKET,
                         flush_cache=last,
-                        abort_all_requests=abort_all,
                         weight_version=version if last else None,
                     ),
                 )
                 for c, tp in zip(self.clients, self.engine_world_sizes)
             ]
-            # every engine has copied the bucket out once it answered: the buffer may be packed again
-            self._last_answers = [self._result(f, c) for f, c in zip(posts, self.clients)]
             n += 1
+        self._collect(posts)  # every engine has copied the last bucket out
         if device_buf is not None:
             del device_buf, flat
             torch.cuda.ipc_collect()  # free it once the engines have closed their handles
         return n
+
+    def _collect(self, posts: list[Future]) -> None:
+        if posts:
+            self._last_answers = [self._result(f, c) for f, c in zip(posts, self.clients)]
 
     def close(self) -> None:
         self._staging.close()

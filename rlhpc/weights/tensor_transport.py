@@ -39,14 +39,18 @@ import base64
 import contextlib
 import io
 import math
+import os
 import pickle
+import re
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
 import torch
 import torch.multiprocessing as torch_mp
+from torch.multiprocessing import reductions as torch_reductions
 
 
 class TensorPayloadError(ValueError):
@@ -168,41 +172,59 @@ def _file_system_sharing() -> Iterator[None]:
             torch_mp.set_sharing_strategy(before)
 
 
-def _dump(obj: Any, shared: list[torch.Tensor], receivers: int) -> str:
-    """base64 of a ForkingPickler dump of ``obj``, whose tensors are ``shared``; ``receivers``:
-    how many processes unpickle this one payload (every TP rank of every engine)."""
+def _uuid_of(device: int) -> str:
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
+def with_device_uuid(args: tuple, uuid_of: Any = _uuid_of) -> tuple:
+    """``rebuild_cuda_tensor``'s arguments with the sender's device index (argument 6) replaced
+    by that GPU's UUID, as SGLang's ``monkey_patch_torch_reductions`` sends it: each receiving
+    rank maps it to its own index for that GPU (``_device_from_uuid``), whatever
+    ``CUDA_VISIBLE_DEVICES`` numbers it there; an index would name the receiver's GPU of that number."""
+    return (*args[:6], uuid_of(args[6]), *args[7:])
+
+
+def _reduce_tensor(t: torch.Tensor) -> tuple:
+    fn, args = torch_reductions.reduce_tensor(t)
+    return (fn, with_device_uuid(args)) if fn is torch_reductions.rebuild_cuda_tensor else (fn, args)
+
+
+def _dump(obj: Any) -> str:
+    """base64 of a ForkingPickler dump of ``obj`` for ONE receiving process: pickling counts one
+    reference on each shared storage (CPU shared memory, or a CUDA IPC block) and that process's
+    unpickling drops it, so every TP rank of every engine gets a dump of its own (as SGLang's
+    clients send one per rank: another rank's copy would unbalance the count, and a CUDA block
+    would never be freed). CUDA devices travel as UUIDs (``with_device_uuid``)."""
     from multiprocessing.reduction import ForkingPickler
 
     buf = io.BytesIO()
     with _file_system_sharing():
-        ForkingPickler(buf).dump(obj)
-    # Pickling a shared CPU storage counts one reference and every unpickling drops one; with
-    # more than one receiver the count would reach zero early and unlink a segment the sender
-    # keeps using (a staging buffer, shared weights), so count the other receivers too.
-    for t in shared:
-        if not t.is_cuda:
-            for _ in range(receivers - 1):
-                t.untyped_storage()._shared_incref()
+        pickler = ForkingPickler(buf)
+        pickler.dispatch_table[torch.Tensor] = _reduce_tensor  # this pickler's table: torch's stays as it is
+        pickler.dump(obj)
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
 def serialize_named_tensors(
-    named_tensors: list[tuple[str, torch.Tensor]], clone: bool = True, receivers: int = 1
+    named_tensors: list[tuple[str, torch.Tensor]], clone: bool = True
 ) -> tuple[str, list[torch.Tensor]]:
     """SGLang's default payload, [(name, tensor), ...] (what its own clients send; the senders
-    here send flattened buckets). Returns (base64 payload, the tensors that must stay alive until
-    the engine has loaded them). ``clone=False``: the tensors are pickled as they are, for CPU
-    tensors already in shared memory or CUDA tensors the caller keeps unchanged until the
-    engines answered."""
+    here send flattened buckets), for one receiving process. Returns (base64 payload, the tensors
+    that must stay alive until the engine has loaded them). ``clone=False``: the tensors are
+    pickled as they are, for CPU tensors already in shared memory or CUDA tensors the caller
+    keeps unchanged until the engines answered."""
     if clone:
         keep = [t.detach().clone(memory_format=torch.contiguous_format) for _, t in named_tensors]
     else:
         keep = [t.detach() for _, t in named_tensors]
-    return _dump([(name, t) for (name, _), t in zip(named_tensors, keep)], keep, receivers), keep
+    return _dump([(name, t) for (name, _), t in zip(named_tensors, keep)]), keep
 
 
-def serialize_flat_bucket(flat: torch.Tensor, names: list[str], tensors: list[torch.Tensor], receivers: int = 1) -> str:
-    """SGLang's ``flattened_bucket`` payload for ``/update_weights_from_tensor``: ``flat`` (uint8,
+def serialize_flat_bucket(
+    flat: torch.Tensor, names: list[str], tensors: list[torch.Tensor], ranks: int = 1
+) -> list[str]:
+    """SGLang's ``flattened_bucket`` payload for ``/update_weights_from_tensor``, one per
+    receiving TP rank (``serialized_named_tensors[tp_rank]``, see ``_dump``): ``flat`` (uint8,
     ``tensors``' bytes back to back, in shared memory or on a GPU: it travels as a handle, and
     must stay unchanged until the engines answered) and per tensor its name, shape, dtype and
     byte span. The metadata are ``SimpleNamespace``s with the fields of SGLang's
@@ -212,7 +234,35 @@ def serialize_flat_bucket(flat: torch.Tensor, names: list[str], tensors: list[to
         SimpleNamespace(name=n, shape=t.shape, dtype=t.dtype, start_idx=start, end_idx=end, numel=end - start)
         for n, t, (start, end) in zip(names, tensors, spans)
     ]
-    return _dump({"flattened_tensor": flat, "metadata": metadata}, [flat], receivers)
+    return [_dump({"flattened_tensor": flat, "metadata": metadata}) for _ in range(ranks)]
+
+
+def non_finite(
+    flat: torch.Tensor, dtypes: list[torch.dtype], spans: list[tuple[int, int]], names: list[str]
+) -> list[str]:
+    """Names of the tensors of a flattened bucket that hold NaN or an infinity: one read of the
+    bucket where it lies (a sum per run of one floating dtype, NaN and infinities carry through
+    a sum; one sync on a GPU). Only a run whose sum is not finite is looked at tensor by tensor
+    (a sum of finite values can overflow, e.g. float16's: those tensors pass)."""
+    runs: list[tuple[torch.dtype, int, int]] = []  # (dtype, first tensor, end tensor)
+    for k, dtype in enumerate(dtypes):
+        if not dtype.is_floating_point:
+            continue
+        if runs and runs[-1][0] == dtype and runs[-1][2] == k:
+            runs[-1] = (dtype, runs[-1][1], k + 1)
+        else:
+            runs.append((dtype, k, k + 1))
+    if not runs:
+        return []
+    sums = torch.stack([flat[spans[a][0] : spans[b - 1][1]].view(dtype).sum().float() for dtype, a, b in runs])
+    finite = sums.isfinite().tolist()
+    return [
+        names[k]
+        for (dtype, a, b), ok in zip(runs, finite)
+        if not ok
+        for k in range(a, b)
+        if not bool(flat[spans[k][0] : spans[k][1]].view(dtype).isfinite().all())
+    ]
 
 
 def share_memory_by_name(module: torch.nn.Module) -> None:
@@ -256,84 +306,211 @@ class SharedStaging:
 
 # ------------------------------------------------------------------ receiver
 
-# Only what torch's ForkingPickler emits for CPU tensors shared through the "file_system"
-# strategy (see serialize_named_tensors), and for CUDA tensors on a GPU engine, may be
-# unpickled: the body arrives over HTTP, and plain pickle would run whatever it names.
-_ALLOWED_GLOBALS = {
-    ("torch.multiprocessing.reductions", "rebuild_tensor"),
-    ("torch.multiprocessing.reductions", "rebuild_typed_storage"),
-    ("torch.multiprocessing.reductions", "rebuild_storage_filename"),
-    ("torch.multiprocessing.reductions", "rebuild_storage_empty"),
-    ("torch", "Tensor"),
-    ("torch", "Size"),
-    ("torch.storage", "UntypedStorage"),
-    ("torch.storage", "TypedStorage"),
-    ("types", "SimpleNamespace"),  # a flattened bucket's metadata (serialize_flat_bucket)
+# A payload arrives over HTTP and plain pickle would run whatever it names. Torch's ForkingPickler
+# output for a shared CPU tensor (or a CUDA IPC handle on a GPU engine) names a handful of
+# globals, and the unpickler below hands out for each only an object that is safe whatever the
+# payload does with it: the rebuild functions behind wrappers that check their arguments, the
+# classes passed to them as tokens that cannot be called or changed, ``torch.Size`` and the dtypes
+# (immutable), and for a flattened bucket's ``SimpleNamespace`` metadata a class with exactly
+# its six fields, set once. That holds for every opcode, so the C unpickler (``pickle.Unpickler``)
+# can run it: only ``find_class`` is hooked, no opcode needs checking. (Allowing a real class and
+# checking REDUCE and BUILD was not enough: a BUILD on an allowed SimpleNamespace set its
+# ``append`` to a class, and APPEND then called it, allocating what the payload asked.)
+
+
+class _Frozen:
+    """No attribute can be set or added after construction (a BUILD's slot state is a setattr)."""
+
+    __slots__ = ()
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise TensorPayloadError(f"refusing to set {name!r} on {self!r} from a weight payload")
+
+
+class _ClassToken(_Frozen):
+    """Stands for a class a payload names as an argument of a rebuild function; never the class."""
+
+    __slots__ = ("cls",)
+
+    def __init__(self, cls: type):
+        object.__setattr__(self, "cls", cls)
+
+    def __repr__(self) -> str:
+        return f"<{self.cls.__module__}.{self.cls.__qualname__} as named in a payload>"
+
+
+_TENSOR = _ClassToken(torch.Tensor)
+_UNTYPED_STORAGE = _ClassToken(torch.UntypedStorage)
+_TYPED_STORAGE = _ClassToken(torch.TypedStorage)
+
+
+def _cls(token: Any, *allowed: _ClassToken) -> Any:
+    if not any(token is t for t in allowed):
+        raise TensorPayloadError(f"a rebuild function got {token!r}, not one of {list(allowed)}")
+    return token.cls
+
+
+def _int(x: Any, what: str) -> int:
+    if type(x) is not int or x < 0:
+        raise TensorPayloadError(f"{what} must be a non-negative int, not {x!r}")
+    return x
+
+
+def _ints(xs: Any, what: str) -> tuple[int, ...]:
+    if not isinstance(xs, tuple) or not all(type(x) is int and x >= 0 for x in xs):
+        raise TensorPayloadError(f"{what} must be a tuple of non-negative ints, not {xs!r}")
+    return xs
+
+
+def _shm_segment(manager: Any, handle: Any, size: int) -> None:
+    """A "file_system" share names torch's shm manager socket and a /dev/shm segment: both must
+    be torch's and this user's, and the segment hold the declared size (mapping past its end
+    would crash the engine on the first read)."""
+    if type(manager) is not bytes or type(handle) is not bytes:
+        raise TensorPayloadError("a shared storage's manager and handle must be bytes")
+    if not re.fullmatch(rb"/torch_\d+_\d+_\d+", handle):
+        raise TensorPayloadError(f"{handle!r} does not name a torch shared-memory segment")
+    sock = os.fsdecode(manager)
+    if os.path.basename(sock) != "manager.sock" or not os.path.basename(os.path.dirname(sock)).startswith(
+        "torch-shm-dir-"
+    ):
+        raise TensorPayloadError(f"{sock!r} is not torch's shared-memory manager socket")
+    try:
+        st = os.stat(b"/dev/shm" + handle)
+    except OSError as e:
+        raise TensorPayloadError(f"shared-memory segment {handle.decode()}: {e.strerror}") from e
+    if st.st_uid != os.getuid() or st.st_size < size:
+        raise TensorPayloadError(
+            f"shared-memory segment {handle.decode()} is not this user's or holds fewer than {size} bytes"
+        )
+
+
+def _rebuild_tensor(cls: Any, storage: Any, metadata: Any) -> torch.Tensor:
+    _cls(cls, _TENSOR)
+    if not isinstance(storage, torch.TypedStorage):
+        raise TensorPayloadError(f"rebuild_tensor got a {type(storage).__name__}, not a storage")
+    if not (isinstance(metadata, tuple) and len(metadata) == 4):
+        raise TensorPayloadError("rebuild_tensor's metadata must be (offset, size, stride, requires_grad)")
+    offset, size, stride, requires_grad = metadata
+    _int(offset, "a tensor's offset")
+    _ints(tuple(size) if isinstance(size, torch.Size) else size, "a tensor's size")
+    _ints(stride, "a tensor's stride")
+    if requires_grad is not False:
+        raise TensorPayloadError("a pushed weight must not require grad")
+    return torch_reductions.rebuild_tensor(torch.Tensor, storage, metadata)  # set_ checks the bounds
+
+
+def _rebuild_typed_storage(storage: Any, dtype: Any) -> torch.TypedStorage:
+    if not isinstance(storage, torch.UntypedStorage) or not isinstance(dtype, torch.dtype):
+        raise TensorPayloadError("rebuild_typed_storage takes an untyped storage and a dtype")
+    return torch_reductions.rebuild_typed_storage(storage, dtype)
+
+
+def _rebuild_storage_filename(cls: Any, manager: Any, handle: Any, size: Any, dtype: Any = None) -> Any:
+    _cls(cls, _UNTYPED_STORAGE)
+    if dtype is not None:
+        raise TensorPayloadError("a shared storage comes untyped")
+    _shm_segment(manager, handle, _int(size, "a shared storage's size"))
+    return torch_reductions.rebuild_storage_filename(torch.UntypedStorage, manager, handle, size)
+
+
+def _rebuild_storage_empty(cls: Any) -> Any:
+    return _cls(cls, _UNTYPED_STORAGE)()
+
+
+def _device_from_uuid(device: Any) -> int:
+    """The local index of the GPU a sender named by UUID (``cuda_reducer``), as SGLang's
+    ``monkey_patch_torch_reductions`` maps it; a bare index is the sender's own numbering."""
+    if type(device) is int:
+        return device
+    if isinstance(device, str):
+        for index in range(torch.cuda.device_count()):
+            if str(torch.cuda.get_device_properties(index).uuid) == device:
+                return index
+    raise TensorPayloadError(f"no GPU here has the UUID {device!r} the payload names")
+
+
+def _rebuild_cuda_tensor(*args: Any) -> torch.Tensor:
+    if len(args) != 15:
+        raise TensorPayloadError("rebuild_cuda_tensor takes 15 arguments")
+    args = (_cls(args[0], _TENSOR), *args[1:4], _cls(args[4], _TYPED_STORAGE, _UNTYPED_STORAGE), *args[5:])
+    _ints(tuple(args[1]), "a tensor's size")
+    _ints(args[2], "a tensor's stride")
+    if not isinstance(args[5], torch.dtype) or args[10] is not False:
+        raise TensorPayloadError("a CUDA tensor needs a dtype and must not require grad")
+    args = (*args[:6], _device_from_uuid(args[6]), *args[7:])
+    return torch_reductions.rebuild_cuda_tensor(*args)
+
+
+class _Rebuild(_Frozen):
+    """A rebuild function a payload may call, with any arguments: its wrapper checks them."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Any):
+        object.__setattr__(self, "fn", fn)
+
+    def __call__(self, *args: Any) -> Any:
+        return self.fn(*args)
+
+    def __repr__(self) -> str:
+        return f"<{self.fn.__name__.lstrip('_')} for a weight payload>"
+
+
+class BucketMetadata(_Frozen):
+    """A flattened bucket's per-tensor metadata as it arrives (the sender pickles a
+    ``SimpleNamespace``): its six fields, set once, and nothing else."""
+
+    FIELDS = ("name", "shape", "dtype", "start_idx", "end_idx", "numel")
+    __slots__ = FIELDS
+
+    def __setstate__(self, state: Any) -> None:
+        if not isinstance(state, dict) or set(state) != set(self.FIELDS) or hasattr(self, "name"):
+            raise TensorPayloadError(f"flattened_bucket metadata must set {self.FIELDS} once")
+        for k, v in state.items():
+            object.__setattr__(self, k, v)
+
+    def __repr__(self) -> str:
+        return f"BucketMetadata({', '.join(f'{k}={getattr(self, k, None)!r}' for k in self.FIELDS)})"
+
+
+_GLOBALS: dict[tuple[str, str], Any] = {
+    ("torch.multiprocessing.reductions", "rebuild_tensor"): _Rebuild(_rebuild_tensor),
+    ("torch.multiprocessing.reductions", "rebuild_typed_storage"): _Rebuild(_rebuild_typed_storage),
+    ("torch.multiprocessing.reductions", "rebuild_storage_filename"): _Rebuild(_rebuild_storage_filename),
+    ("torch.multiprocessing.reductions", "rebuild_storage_empty"): _Rebuild(_rebuild_storage_empty),
+    ("torch", "Tensor"): _TENSOR,
+    ("torch.storage", "UntypedStorage"): _UNTYPED_STORAGE,
+    ("torch.storage", "TypedStorage"): _TYPED_STORAGE,
+    ("torch", "Size"): torch.Size,  # an immutable tuple of ints
+    ("types", "SimpleNamespace"): BucketMetadata,  # a flattened bucket's metadata (serialize_flat_bucket)
 }
+_GLOBALS.update(
+    {("torch", str(d).removeprefix("torch.")): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
+)
+_CUDA_GLOBAL = ("torch.multiprocessing.reductions", "rebuild_cuda_tensor")
+_CUDA_REBUILD = _Rebuild(_rebuild_cuda_tensor)
 _REFUSED_GLOBALS = {
     "rebuild_storage_fd": "the sender shared tensors by file descriptor, which only its own child "
     "processes can open; serialise with the 'file_system' sharing strategy",
     "rebuild_cuda_tensor": "CUDA tensors cannot be loaded by the CPU engine (start it with --device cuda)",
 }
-_CUDA_GLOBAL = ("torch.multiprocessing.reductions", "rebuild_cuda_tensor")
 
 
-# What a payload may call (REDUCE) and set state on (BUILD): finding a class is not calling it
-# (``UntypedStorage(10**12)`` would allocate a terabyte), and a BUILD on a class found by name is
-# a process-wide setattr (measured: one request broke every later weight push). As torch's
-# ``weights_only`` unpickler, the pure-Python Unpickler with those two opcodes checked: the
-# tensors' bytes travel in shared memory, so a payload is a few hundred bytes a tensor.
-_CALLABLE = {
-    ("torch.multiprocessing.reductions", "rebuild_tensor"),
-    ("torch.multiprocessing.reductions", "rebuild_typed_storage"),
-    ("torch.multiprocessing.reductions", "rebuild_storage_filename"),
-    ("torch.multiprocessing.reductions", "rebuild_storage_empty"),
-    ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"),
-    ("torch", "Size"),
-    ("types", "SimpleNamespace"),
-}
-_STATE_SETTABLE = (SimpleNamespace,)
-
-
-class TensorUnpickler(pickle._Unpickler):
-    """Unpickles named tensors and nothing else; ``allow_cuda`` lets CUDA IPC handles through."""
-
-    dispatch = dict(pickle._Unpickler.dispatch)
+class TensorUnpickler(pickle.Unpickler):
+    """Unpickles named tensors and nothing else (see above); ``allow_cuda`` lets CUDA IPC handles through."""
 
     def __init__(self, file: io.BytesIO, allow_cuda: bool):
         super().__init__(file)
         self.allow_cuda = allow_cuda
 
-    def load_reduce(self) -> None:
-        func = self.stack[-2]
-        if (getattr(func, "__module__", None), getattr(func, "__qualname__", None)) not in _CALLABLE:
-            raise TensorPayloadError(f"refusing to call {getattr(func, '__qualname__', func)!r} from a weight payload")
-        pickle._Unpickler.load_reduce(self)
-
-    def load_build(self) -> None:
-        target = self.stack[-2]
-        if type(target) not in _STATE_SETTABLE:
-            raise TensorPayloadError(f"refusing to set state on {type(target).__name__} from a weight payload")
-        pickle._Unpickler.load_build(self)
-
-    def load_newobj(self) -> None:
-        raise TensorPayloadError("refusing NEWOBJ in a weight payload: objects are built by their rebuild functions")
-
-    dispatch[pickle.REDUCE[0]] = load_reduce
-    dispatch[pickle.BUILD[0]] = load_build
-    dispatch[pickle.NEWOBJ[0]] = load_newobj
-    dispatch[pickle.NEWOBJ_EX[0]] = load_newobj
-    dispatch[pickle.INST[0]] = load_newobj
-    dispatch[pickle.OBJ[0]] = load_newobj
-
     def find_class(self, module: str, name: str) -> Any:
-        if (
-            (module, name) in _ALLOWED_GLOBALS
-            or (self.allow_cuda and (module, name) == _CUDA_GLOBAL)
-            or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))
-        ):
-            return super().find_class(module, name)
-        if name in _REFUSED_GLOBALS:
+        found = _GLOBALS.get((module, name))
+        if found is not None:
+            return found
+        if self.allow_cuda and (module, name) == _CUDA_GLOBAL:
+            return _CUDA_REBUILD
+        if module == "torch.multiprocessing.reductions" and name in _REFUSED_GLOBALS:
             raise TensorPayloadError(_REFUSED_GLOBALS[name])
         raise TensorPayloadError(f"refusing to unpickle {module}.{name} from a weight payload")
 
@@ -358,9 +535,38 @@ def deserialize_named_tensors(payload: str, allow_cuda: bool = False) -> list[tu
     return named
 
 
-def deserialize_flat_bucket(payload: str, allow_cuda: bool = False) -> list[tuple[str, torch.Tensor]]:
-    """A ``flattened_bucket`` payload as views of each named tensor in its flat tensor (no copy);
-    every span must lie inside it and hold its shape and dtype, aligned to its element size."""
+@dataclass
+class FlatBucket:
+    """A received flattened bucket: its bytes and each tensor's name, dtype, shape and byte span
+    in them, checked to lie inside and aligned (``deserialize_flat_bucket``)."""
+
+    flat: torch.Tensor
+    names: list[str]
+    dtypes: list[torch.dtype]
+    shapes: list[torch.Size]
+    spans: list[tuple[int, int]]
+
+    def back_to_back(self) -> torch.Tensor | None:
+        """The bytes of all tensors, when they lie back to back from the start in this order (as
+        senders lay them out, ``flat_layout``): one copy lands them in parameters laid out alike."""
+        end = 0
+        for start, stop in self.spans:
+            if start != end:
+                return None
+            end = stop
+        return self.flat[:end]
+
+    def tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """Views of each named tensor (no copy)."""
+        return [
+            (name, self.flat[start:end].view(dtype).view(shape))
+            for name, dtype, shape, (start, end) in zip(self.names, self.dtypes, self.shapes, self.spans)
+        ]
+
+
+def deserialize_flat_bucket(payload: str, allow_cuda: bool = False) -> FlatBucket:
+    """A ``flattened_bucket`` payload: every span must lie inside its flat tensor and hold its
+    shape and dtype, aligned to its element size (what SGLang's receiver checks)."""
     obj = _load(payload, allow_cuda)
     flat = obj.get("flattened_tensor") if isinstance(obj, dict) else None
     metadata = obj.get("metadata") if isinstance(obj, dict) else None
@@ -368,7 +574,8 @@ def deserialize_flat_bucket(payload: str, allow_cuda: bool = False) -> list[tupl
         raise TensorPayloadError("a flattened_bucket payload holds {'flattened_tensor': tensor, 'metadata': [...]}")
     if flat.dtype != torch.uint8 or flat.dim() != 1:
         raise TensorPayloadError(f"flattened_tensor must be 1-D uint8, not {flat.dtype} of shape {list(flat.shape)}")
-    named = []
+    size = flat.numel()
+    bucket = FlatBucket(flat, [], [], [], [])
     for m in metadata:
         try:
             name, shape, dtype, start, end = m.name, torch.Size(m.shape), m.dtype, int(m.start_idx), int(m.end_idx)
@@ -376,14 +583,13 @@ def deserialize_flat_bucket(payload: str, allow_cuda: bool = False) -> list[tupl
             raise TensorPayloadError(f"bad flattened_bucket metadata {m!r}: {e}") from e
         if not isinstance(name, str) or not isinstance(dtype, torch.dtype):
             raise TensorPayloadError(f"bad flattened_bucket metadata {m!r}: name must be a str, dtype a torch.dtype")
-        if (
-            not 0 <= start <= end <= flat.numel()
-            or end - start != shape.numel() * dtype.itemsize
-            or start % dtype.itemsize
-        ):
+        if not 0 <= start <= end <= size or end - start != shape.numel() * dtype.itemsize or start % dtype.itemsize:
             raise TensorPayloadError(
-                f"{name}: bytes {start}..{end} of a {flat.numel()}-byte bucket do not hold an aligned {dtype} "
+                f"{name}: bytes {start}..{end} of a {size}-byte bucket do not hold an aligned {dtype} "
                 f"tensor of shape {list(shape)}"
             )
-        named.append((name, flat[start:end].view(dtype).view(shape)))
-    return named
+        bucket.names.append(name)
+        bucket.dtypes.append(dtype)
+        bucket.shapes.append(shape)
+        bucket.spans.append((start, end))
+    return bucket

@@ -222,7 +222,8 @@ class EngineClient:
         return [float(a[P.EMBEDDING][0]) for a in answers]
 
     def flush_cache(self) -> None:
-        self._request("POST", Route.FLUSH_CACHE)  # no body; 400 while requests are pending
+        """SGLang's /flush_cache; HTTP 400 (an RlhpcError) while requests are running or queued."""
+        self._request("POST", Route.FLUSH_CACHE)  # no body
 
     def pause_generation(self, mode: str = "abort") -> None:
         """Modes: abort (SGLang's default) | retract | in_place; older SGLang ignores the body."""
@@ -260,6 +261,11 @@ class EngineClient:
 
     def update_weights_from_tensor(self, req: P.UpdateWeightsFromTensorReqInput) -> dict[str, Any]:
         return self._checked(Route.UPDATE_WEIGHTS_FROM_TENSOR, P.body(req))
+
+    def update_weight_version(self, version: str, abort_all_requests: bool = False) -> dict[str, Any]:
+        """Set the version alone (after SGLang refused a busy flush, see ``P.FLUSH_BUSY``)."""
+        req = P.UpdateWeightVersionReqInput(new_version=version, abort_all_requests=abort_all_requests)
+        return self._checked(Route.UPDATE_WEIGHT_VERSION, P.body(req))
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
         req = P.GetWeightsByNameReqInput(name=name, truncate_size=truncate_size)

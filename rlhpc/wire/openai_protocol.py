@@ -160,6 +160,13 @@ DELTA_FIELDS = frozenset({"role", "content", "tool_calls"})
 STREAM_CHOICE_FIELDS = frozenset({"index", "delta", "text", "logprobs", "finish_reason", "matched_stop"})
 
 
+# SGLang's refusal and its words (serving_chat._validate_request): a template in a request's
+# chat_template_kwargs is code the engine would run (``{{ 'x' * 300000000 }}`` took 22.8 GB).
+REQUEST_TEMPLATE_REFUSED = (
+    "Request-supplied chat_template is not allowed. Start the server with --trust-request-chat-template to permit it."
+)
+
+
 def unsupported_fields(req: BaseModel) -> list[str]:
     """The body's fields the server neither uses nor may ignore, as ``name=value``."""
     extra = req.model_extra or {}

@@ -51,6 +51,7 @@ class Route:
     END_WEIGHT_UPDATE = "/end_weight_update"
     UPDATE_WEIGHTS_FROM_DISTRIBUTED = "/update_weights_from_distributed"
     UPDATE_WEIGHTS_FROM_TENSOR = "/update_weights_from_tensor"
+    UPDATE_WEIGHT_VERSION = "/update_weight_version"  # the version alone (after a busy flush, see FLUSH_BUSY)
     GET_WEIGHTS_BY_NAME = "/get_weights_by_name"
     RELEASE_MEMORY_OCCUPATION = "/release_memory_occupation"
     RESUME_MEMORY_OCCUPATION = "/resume_memory_occupation"
@@ -160,6 +161,12 @@ class UpdateWeightsFromTensorReqInput:
 
 
 @dataclass
+class UpdateWeightVersionReqInput:
+    new_version: str
+    abort_all_requests: bool = True
+
+
+@dataclass
 class GetWeightsByNameReqInput:
     name: str
     truncate_size: int = 100
@@ -188,6 +195,7 @@ ROUTE_BODIES: dict[str, type] = {
     Route.END_WEIGHT_UPDATE: EndWeightUpdateReqInput,
     Route.UPDATE_WEIGHTS_FROM_DISTRIBUTED: UpdateWeightsFromDistributedReqInput,
     Route.UPDATE_WEIGHTS_FROM_TENSOR: UpdateWeightsFromTensorReqInput,
+    Route.UPDATE_WEIGHT_VERSION: UpdateWeightVersionReqInput,
     Route.GET_WEIGHTS_BY_NAME: GetWeightsByNameReqInput,
     Route.RELEASE_MEMORY_OCCUPATION: ReleaseMemoryOccupationReqInput,
     Route.RESUME_MEMORY_OCCUPATION: ResumeMemoryOccupationReqInput,
@@ -203,6 +211,14 @@ def outside_session_message(route: str) -> str:
 
 SESSION_ALREADY_OPEN = "a weight-update session is already open; call end_weight_update() first"
 NO_SESSION_OPEN = "no weight-update session is open; call begin_weight_update() first"
+# An update asked to flush the cache (the last bucket) with requests running or queued: SGLang
+# loads the weights but answers success=false with this, and records no new version
+# (weight_updater.flush_cache_after_weight_update); /flush_cache then answers 400 until it is idle.
+FLUSH_BUSY = (
+    "Weights were updated, but the cache was not flushed because requests are still running or queued. "
+    "Retract or finish them, then call /flush_cache."
+)
+FLUSH_FAILED = "Flush cache failed.\n"  # /flush_cache's 400 body while requests run (http_server.flush_cache)
 
 
 def weight_version_note(version: str) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import threading
 import time
 from pathlib import Path
@@ -17,6 +18,7 @@ from rlhpc.actor.group import ActorGroup, ActorRankError
 from rlhpc.actor.packing import first_fit_decreasing, sample_lengths
 from rlhpc.actor.worker import read_optimizer
 from rlhpc.config import Config
+from rlhpc.devtools import attacks
 from rlhpc.errors import RlhpcError
 
 pytestmark = pytest.mark.ray
@@ -36,6 +38,7 @@ def tensors(group: ActorGroup, rank: int = 0, grads: bool = False) -> dict[str, 
 
 def test_two_ranks_train_in_lockstep(ray_cluster: None, model_path: str) -> None:
     with Group(make_cfg(micro_batch_size=3, num_steps_per_rollout=2), model_path, 2) as g:
+        no_store_for_the_other_user(g)
         start = g.fingerprints()
         assert start[0] == start[1]
         before = tensors(g)
@@ -66,6 +69,17 @@ def test_two_ranks_train_in_lockstep(ray_cluster: None, model_path: str) -> None
         with pytest.raises(ActorRankError, match="actor rank 1 died during state_fingerprint") as e:
             g.fingerprints()
         assert e.value.rank == 1
+
+
+def no_store_for_the_other_user(g: ActorGroup) -> None:
+    # Issue 43, item 7: rank 0's TCPStore listened on every address for the whole run, even with
+    # one rank, and answered a keyless set and get. Ranks on one node meet in a private file now.
+    pids = ray.get([w.__ray_call__.remote(lambda self: os.getpid()) for w in g.workers])
+    ports = attacks.listening(pids)
+    if os.getuid() == 0:  # the other user tries each port the ranks listen on
+        record = attacks.run("store_probe", *ports)
+        assert set(record["stores"]) == set(ports), record
+        assert attacks.findings("store_probe", record, set()) == [], record
 
 
 @ray.remote(num_cpus=0)
@@ -335,6 +349,7 @@ def test_kl_against_initial_model(ray_cluster: None, model_path: str, tmp_path: 
     cfg = make_cfg(micro_batch_size=4)
     cfg.algo.kl_coef = 0.1
     with Group(cfg, model_path, 1) as g:
+        no_store_for_the_other_user(g)  # one rank: its store is in its own process
         first = g.train(0, make_batch(6, seed=0))
         assert first["kl"] == 0.0  # policy == reference before the first step
         second = g.train(1, make_batch(6, seed=1))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -18,6 +19,8 @@ if torch.cuda.is_available():
     pytest.skip(
         "a CUDA device is present: a CPU/gloo test of the megatron checkpoint conversion", allow_module_level=True
     )
+
+from support.tiny_variants import TIED_LLAMA3, build_variant  # noqa: E402
 
 from rlhpc.model import TinyModelConfig, build_tiny_model  # noqa: E402
 
@@ -52,6 +55,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _save_rank(rank: int, world_size: int, tp: int, model_path: str, ckpt: str, rendezvous: str) -> None:
     """One rank of a megatron actor: one training step (weights move, Adam state exists), then save."""
     from rlhpc.actor.megatron.worker import MegatronTrainWorker
+    from rlhpc.actor.rank import Rendezvous
     from rlhpc.actor.spec import ActorSpec
     from rlhpc.batch import RolloutBatch
     from rlhpc.config import Config
@@ -63,15 +67,15 @@ def _save_rank(rank: int, world_size: int, tp: int, model_path: str, ckpt: str, 
     w = MegatronTrainWorker(ActorSpec.from_config(cfg), model_path, rank, world_size)
     rdv = Path(rendezvous)
     if rank == 0:
-        addr, port = w.master_addr_port()
-        rdv.with_suffix(".tmp").write_text(f"{addr} {port}")
+        meet = w.rendezvous(one_node=True)
+        rdv.with_suffix(".tmp").write_text(json.dumps(dataclasses.asdict(meet)))
         rdv.with_suffix(".tmp").rename(rdv)
     else:
         deadline = time.monotonic() + 60
         while not rdv.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
-        addr, port = rdv.read_text().split()
-    w.init_process_group(addr, int(port))
+        meet = Rendezvous(**json.loads(rdv.read_text()))
+    w.init_process_group(meet)
     prompts, responses = [[5, 6, 7], [8, 9], [10, 11, 12, 13]], [[20, 21], [22, 23, 24], [25]]
     logprobs = [[-1.0] * len(r) for r in responses]
     w.train(0, RolloutBatch(prompts, responses, logprobs, torch.zeros(3), torch.tensor([1.0, -0.5, 0.7]), 1))
@@ -107,15 +111,20 @@ def test_tp2_actor_checkpoint_to_hf(tiny: Path, tmp_path: Path) -> None:
 
 
 def test_from_hf_round_trip_bf16(tiny: Path, tmp_path: Path) -> None:
-    """from-hf writes a torch_dist checkpoint in the actor's layout; to-hf keeps its dtype (bf16)."""
-    convert("from-hf", tiny, tmp_path / "mg", "--tp", "2", "--dtype", "bfloat16")
+    """from-hf writes a torch_dist checkpoint in the actor's layout; to-hf keeps its dtype (bf16).
+    The model has tied embeddings and Llama 3 RoPE scaling (Llama-3.2-1B's kind): megatron holds
+    no output layer, and the HF model written back has no lm_head of its own either."""
+    tied = build_variant(tiny, tmp_path / "tied", TIED_LLAMA3)
+    convert("from-hf", tied, tmp_path / "mg", "--tp", "2", "--dtype", "bfloat16")
     meta = json.loads((tmp_path / "mg" / "actor" / "actor_meta.json").read_text())
     assert meta["backend"] == "megatron" and meta["weights_only"] is True
     assert (tmp_path / "mg" / "actor" / "dist" / "metadata.json").is_file()
     convert("to-hf", tmp_path / "mg" / "actor", tmp_path / "hf")  # the actor/ directory itself is accepted too
-    want = {k: v.to(torch.bfloat16) for k, v in load_file(tiny / "model.safetensors").items()}
+    want = {k: v.to(torch.bfloat16) for k, v in load_file(tied / "model.safetensors").items()}
+    assert "lm_head.weight" not in want
     assert_same_weights(tmp_path / "hf", want)
-    assert json.loads((tmp_path / "hf" / "config.json").read_text())["dtype"] == "bfloat16"
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["dtype"] == "bfloat16" and config["tie_word_embeddings"] is True
 
 
 def test_refusals(tiny: Path, tmp_path: Path) -> None:

@@ -24,7 +24,10 @@ B, N, SEED = 4, 2, 7
 
 @pytest.fixture(scope="module")
 def client(model_path: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineClient]:
-    proc, url, _ = start_server(model_path, tmp_path_factory.mktemp("srv"), "engine")
+    # deterministic: seeds are honoured (SGLang ignores them otherwise), so two rollouts compare
+    proc, url, _ = start_server(
+        model_path, tmp_path_factory.mktemp("srv"), "engine", ["--enable-deterministic-inference"]
+    )
     yield engine_client(url, timeout_s=120)
     stop_server(proc)
 

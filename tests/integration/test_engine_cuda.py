@@ -114,3 +114,30 @@ def test_release_gives_gpu_memory_back(engine: EngineClient, model_path: str) ->
     sender.close()
     assert_engine_holds(engine, model)
     assert_generation_matches(engine, model, model_path)
+
+
+def test_colocated_pushes_to_two_engines_free_every_ipc_buffer(model_path: str, tmp_path: Path) -> None:
+    """Each engine gets a pickle of its own (issue 40, item 3): CUDA IPC's reference count of the
+    push's device buffer returns to zero once both have loaded, so the trainer's device memory
+    is flat across pushes (one pickle read by two engines kept a bucket per push)."""
+    servers = [start_server(model_path, tmp_path, f"gpu{i}", ["--device", "cuda"]) for i in range(2)]
+    try:
+        clients = [engine_client(url, timeout_s=120) for _, url, _ in servers]
+        model = trainer_model(model_path, seed=5, device="cuda:0")  # not flat: each bucket is packed
+        sender = TensorWeightSender(clients, [1, 1], bucket_bytes=4 << 20)
+        sender.send(named(model), version=8)
+        torch.cuda.synchronize()
+        torch.cuda.ipc_collect()
+        after_one = torch.cuda.memory_allocated()
+        for version in range(9, 14):
+            sender.send(named(model), version=version)
+        torch.cuda.synchronize()
+        torch.cuda.ipc_collect()
+        assert torch.cuda.memory_allocated() <= after_one
+        sender.close()
+        for c in clients:
+            assert c.get_weight_version() == "13"
+            assert_engine_holds(c, model)
+    finally:
+        for proc, _, _ in servers:
+            stop_server(proc)

@@ -19,7 +19,7 @@ import pytest
 import ray
 import torch
 import urllib3
-from support.engines import KEYS, engine_client, start_server, stop_server, transformers_greedy
+from support.engines import KEYS, engine_client, generate_in_background, start_server, stop_server, transformers_greedy
 
 from rlhpc.engine_server.cpu.server import parse_args
 from rlhpc.errors import RlhpcError
@@ -303,6 +303,73 @@ def test_abort_mode_aborts_requests_queued_before_the_pause(client: EngineClient
     assert after["meta_info"]["finish_reason"]["type"] != "abort"
 
 
+# ------------------------------------------------------------------ weight updates beside requests in flight
+
+
+def test_begin_waits_for_the_requests_in_flight_unless_paused(client: EngineClient) -> None:
+    """SGLang's begin (and end, and each update) takes the model-update lock that every request
+    holds: it waits for them on an engine that is not paused, and goes at once on a paused one."""
+    t, out = generate_in_background(client, "begin-waits")
+    client.begin_weight_update()
+    state = client.get_server_info()["internal_states"][0]
+    assert state["requests_in_flight"] == 0 and state["decode_steps"] == 120  # it ran to its end first
+    client.end_weight_update()
+    t.join(60)
+    assert out[0]["meta_info"]["finish_reason"]["type"] == "length"  # finished, not aborted
+
+    t, out = generate_in_background(client, "begin-paused")
+    client.pause_generation(mode="in_place")
+    client.begin_weight_update()
+    client.end_weight_update()
+    assert not out  # held by the pause, not waited for
+    client.continue_generation()
+    t.join(60)
+    assert out[0]["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_a_pause_that_aborts_answers_once_nothing_is_in_flight(client: EngineClient) -> None:
+    t, out = generate_in_background(client, "pause-drains")
+    client.pause_generation(mode="abort")
+    assert out and out[0]["meta_info"]["finish_reason"]["type"] == "abort"  # answered before the pause was
+    assert client.get_server_info()["internal_states"][0]["requests_in_flight"] == 0
+    client.continue_generation()
+    t.join(60)
+
+
+def test_a_cache_flush_with_a_request_running_fails_as_sglangs(client: EngineClient, model_path: str) -> None:
+    """An update asked to flush (the last bucket) while a request runs (pause in place) loads the
+    weights but fails, recording no version; /flush_cache answers 400 until the engine is idle."""
+    from rlhpc.weights.tensor_transport import serialize_named_tensors
+
+    name = "model.norm.weight"
+    before = torch.tensor(client.get_weights_by_name(name, truncate_size=10**6))
+    version = client.get_weight_version()
+    t, out = generate_in_background(client, "flush-busy")
+    client.pause_generation(mode="in_place")
+    with pytest.raises(RlhpcError, match="HTTP 400"):
+        client.flush_cache()
+    payload, keep = serialize_named_tensors([(name, before + 1)])
+    client.begin_weight_update()
+    try:
+        req = P.UpdateWeightsFromTensorReqInput(serialized_named_tensors=[payload], weight_version="busy")
+        with pytest.raises(RlhpcError, match=re.escape(P.FLUSH_BUSY)):
+            client.update_weights_from_tensor(req)
+    finally:
+        client.end_weight_update()
+    assert torch.equal(torch.tensor(client.get_weights_by_name(name, truncate_size=10**6)), before + 1)
+    assert client.get_weight_version() == version  # loaded, but no version recorded
+    client.abort_request(rid="flush-busy")
+    t.join(60)
+    assert out[0]["meta_info"]["finish_reason"]["type"] == "abort"
+    client.flush_cache()  # idle now
+    client.update_weight_version(version)
+    client.continue_generation()
+    payload, keep = serialize_named_tensors([(name, before)])  # as the other tests found it
+    client.begin_weight_update()
+    client.update_weights_from_tensor(P.UpdateWeightsFromTensorReqInput(serialized_named_tensors=[payload]))
+    client.end_weight_update()
+
+
 # ------------------------------------------------------------------ EngineActor
 
 
@@ -387,7 +454,8 @@ def _generate_across_an_update(model_path: str, new_model: str, mode: str, pause
     t = threading.Thread(target=lambda: out.extend(engine.generate(items, engine.next_seq())))
     t.start()
     new = load_model(new_model)
-    engine.load_weights(list(new.named_parameters()), "1")  # the model lock is free only once paused
+    engine.load_weights(list(new.named_parameters()))  # the model lock is free only once paused
+    engine.set_weight_version("1")
     assert len(engine.steps) == pause_after
     engine.running.set()
     t.join(60)

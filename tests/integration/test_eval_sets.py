@@ -2,6 +2,7 @@
 the same weights give the same numbers the run logged at that rollout."""
 
 import json
+import stat
 import subprocess
 import sys
 
@@ -54,12 +55,16 @@ def test_each_set_is_logged_at_start_every_interval_and_the_end(run):
 
 def test_rlhpc_eval_of_a_checkpoint_equals_what_the_run_logged(run):
     p = subprocess.run(
-        [*EVAL, str(run), "--checkpoint", "rollout_0"], capture_output=True, text=True, timeout=300, cwd=REPO
-    )
+        [*EVAL, str(run), "--checkpoint", "rollout_0"], capture_output=True, text=True, timeout=300, cwd=REPO,
+        umask=0o022,
+    )  # fmt: skip
     assert p.returncode == 0, said(p)
     written = json.loads((run / "evals" / "rollout_000000.json").read_text())
     logged = next(r for r in read_metrics(run) if r["kind"] == "eval" and r["rollout_id"] == 0)
     assert written["rollout_id"] == 0
+    # under the run's own access (private), whatever the umask it was started with (022 here)
+    assert stat.S_IMODE((run / "evals").stat().st_mode) == 0o700
+    assert stat.S_IMODE((run / "evals" / "rollout_000000.json").stat().st_mode) == 0o600
     # greedy on the same weights: identical; sampled with the same per-sample seeds (deterministic): identical too
     assert written["metrics"] == {k: v for k, v in logged.items() if k not in ("kind", "rollout_id")}
     assert f"eval/toy/mean {logged['eval/toy/mean']:.4f}" in said(p)

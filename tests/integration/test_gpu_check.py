@@ -41,10 +41,26 @@ def test_gpu_check_rehearsal(tmp_path):
     assert figures["actor_estimate_gib"] is None and figures["actor_peak_gib"] is None  # measured on a GPU only
 
 
+def test_gpu_memory_check_rehearsal(tmp_path):
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "gpu_memory_check.py"), "--cpu", "--work", str(tmp_path)],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-2000:]
+    figures = json.loads(r.stdout.strip().splitlines()[-1])
+    rows = figures["rows"]
+    assert [(x["tokens"], x["recompute"]) for x in rows] == [(64, False), (128, False), (64, True), (128, True)]
+    for x in rows:  # the estimate is the dry run's, with its terms; the allocator's share leaves the runtime out
+        assert abs(sum(x["terms_gib"].values()) - x["estimate_gib"]) < 0.01 and x["peak_gib"] is None
+        assert x["allocator_estimate_gib"] < x["estimate_gib"]
+    assert "activations (recompute)" in rows[2]["terms_gib"] and "activations (no recompute)" in rows[0]["terms_gib"]
+
+
 def test_gpu_check_sh_names_files_that_exist():
     """A GPU session runs tools/gpu_check.sh as it is, with minutes to spare: every file of the
     repo it names must be there (it named tests/test_engine_cuda.py for days after the tests
     moved under tests/integration/, and would have stopped before the check)."""
     named = re.findall(r"(?<![\w/])((?:tests|tools)/[\w/.-]+\.py)", TOOL.with_suffix(".sh").read_text())
     assert "tests/integration/test_engine_cuda.py" in named and TOOL.relative_to(ROOT).as_posix() in named
+    assert "tools/gpu_memory_check.py" in named
     assert [p for p in named if not (ROOT / p).is_file()] == []

@@ -3,24 +3,29 @@ PyTorch actor, TP=2 / DP=2 the same as TP=1, torch_dist checkpoints that reshard
 
 from __future__ import annotations
 
+import contextlib
 import math
 import shutil
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import ray
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 pytest.importorskip("megatron.core")
 
 from support.actors import Group, engine_weights, make_batch, sequence_k1_by_transformers  # noqa: E402
+from support.tiny_variants import TIED_LLAMA3, build_variant  # noqa: E402
 
 from rlhpc.checkpoint import file_crc32  # noqa: E402
 from rlhpc.config import Config  # noqa: E402
 from rlhpc.errors import RlhpcError  # noqa: E402
 from rlhpc.model import TinyModelConfig, build_tiny_model  # noqa: E402
+from rlhpc.weights.expert_names import checkpoint_named  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
@@ -308,6 +313,25 @@ def test_model_parallel_weights_reach_engine_bit_exact(
         ray.kill(engine)
 
 
+def test_tied_embeddings_and_llama3_rope_train_as_in_pytorch_and_push_embed_tokens_once(
+    ray_cluster: None, model_path: str, tmp_path: Path
+) -> None:
+    """Llama-3.2-1B's kind, tiny: tied embeddings (megatron's output layer multiplies by the
+    vocab-parallel embedding, both uses' gradients in one parameter) and Llama 3 RoPE scaling.
+    Megatron at TP=2 trains as the PyTorch actor does (metrics and weights); its HF view, which
+    the push sends, holds ``model.embed_tokens.weight`` and no ``lm_head.weight``, and the engine
+    (started from another model) ties its lm_head to what arrived, as SGLang does (issue 40)."""
+    tied = str(build_variant(Path(model_path), tmp_path / "tied", TIED_LLAMA3, seed=3))
+    other = str(build_variant(Path(model_path), tmp_path / "other", TIED_LLAMA3, seed=4))
+    reference = train_two(make_cfg("torch"), tied, 1)
+    assert "lm_head.weight" not in reference[1]  # named_parameters: the tied one once
+    with cpu_engine(other, tmp_path / "logs") as url:
+        got = train_and_push(make_cfg(tp=2), tied, 2, url)
+        assert "lm_head.weight" not in got[1]
+        assert_engine_holds(url, {"lm_head.weight": got[1]["model.embed_tokens.weight"]})
+    assert_same_training(reference, got)
+
+
 def test_token_budget_micro_batches_train_as_sample_counts_do(model_path: str, ray_cluster: None) -> None:
     """actor.max_tokens_per_micro_batch: the PyTorch actor's packed rows and megatron's padded
     micro-batches (TP=2; megatron-core packs only with Transformer Engine) train, over two
@@ -322,13 +346,75 @@ def test_token_budget_micro_batches_train_as_sample_counts_do(model_path: str, r
     assert_same_training(reference, train_two(budget(make_cfg(tp=2)), model_path, 2))
 
 
-def test_qwen3_moe_expert_parallel_actor(tmp_path: Path, ray_cluster: None) -> None:
+@pytest.fixture(scope="module")
+def moe_paths(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    """A tiny Qwen3-MoE (4 experts) to train, and another (other seed) for an engine to start from."""
+    root = tmp_path_factory.mktemp("moe")
+    return tuple(
+        str(build_tiny_model(root / f"s{s}", TinyModelConfig(architecture="qwen3_moe", seed=s))) for s in (3, 4)
+    )
+
+
+@contextlib.contextmanager
+def cpu_engine(model_path: str, log_dir: Path) -> Iterator[str]:
+    """A CPU engine serving ``model_path``; yields its URL."""
+    from rlhpc.engine_server.host import EngineActor
+
+    # no CPU of its own: a 4-rank group takes the test cluster's four
+    engine = EngineActor.options(num_cpus=0).remote(model_path, str(log_dir), 0, 120.0, None)
+    try:
+        yield ray.get(engine.url.remote())
+    finally:
+        ray.get(engine.shutdown.remote())
+        ray.kill(engine)
+
+
+@pytest.fixture
+def moe_engine(ray_cluster: None, moe_paths: tuple[str, str], tmp_path: Path) -> Iterator[str]:
+    """A CPU engine serving the *other* MoE model: a weight the push leaves out keeps other bytes."""
+    with cpu_engine(moe_paths[1], tmp_path / "logs") as url:
+        yield url
+
+
+def assert_engine_holds(url: str, expected: dict[str, torch.Tensor]) -> None:
+    """The engine's every weight, by the names SGLang loads (each expert's projections on their
+    own), equals ``expected`` (the same names) byte for byte."""
+    from rlhpc.wire.client import EngineClient
+
+    got = engine_weights(EngineClient(url), list(expected))
+    for name, t in expected.items():
+        assert torch.equal(got[name].view(torch.int32), t.float().view(torch.int32)), name
+
+
+def train_and_push(cfg: Config, model_path: str, ranks: int, url: str) -> tuple[list[dict], dict[str, torch.Tensor]]:
+    """``train_two``, pushing to the engine at ``url`` before (the checkpoint's weights, read from
+    its safetensors file) and after the two rollouts (the trainer's, gathered from its ranks).
+    A push that leaves a rank out of a gather hangs: the call timeout makes that a failure."""
+    from safetensors.torch import load_file
+
+    cfg.actor.call_timeout_s = 300
+    with Group(cfg, model_path, ranks) as g:
+        g.connect_rollout([url], [1], False)
+        g.update_weights(1)
+        assert_engine_holds(url, load_file(str(Path(model_path) / "model.safetensors")))
+        metrics = [g.train(r, make_batch(12, seed=r)) for r in range(2)]
+        weights = tensors(g)
+        g.update_weights(2)
+        assert_engine_holds(url, dict(checkpoint_named(weights.items())))
+        return metrics, weights
+
+
+def test_qwen3_moe_expert_parallel_actor(moe_paths: tuple[str, str], moe_engine: str, tmp_path: Path) -> None:
     """Qwen3-MoE (QK-norm, 4 experts) behind ActorGroup: EP=2 over the two data-parallel ranks
     trains as EP=1 does and its HF view (the weight push's: experts gathered over the EP group)
     is the EP=1 one; the router's load-balancing loss is logged. The equality runs without the
     aux loss: under EP the micro-batches are padded to the EP group's shape and megatron's aux
-    loss counts the pad tokens' routing."""
-    path = str(build_tiny_model(tmp_path / "moe", TinyModelConfig(architecture="qwen3_moe", seed=3)))
+    loss counts the pad tokens' routing. The EP=2 actor pushes its weights to a CPU engine
+    before and after training: every expert (DP rank 1 holds half of them and joins the
+    push's gathers) and every other weight arrive byte for byte (issue 40: the push hung)."""
+    path = moe_paths[0]
+    on_disk = safe_open(str(Path(path) / "model.safetensors"), framework="pt").keys()
+    assert sum(".mlp.experts." in n for n in on_disk) == 2 * 4 * 3  # layers x experts x projections
 
     def cfg(ep: int, coeff: float) -> Config:
         c = make_cfg()
@@ -336,7 +422,7 @@ def test_qwen3_moe_expert_parallel_actor(tmp_path: Path, ray_cluster: None) -> N
         c.actor.megatron.moe_aux_loss_coeff = coeff
         return c
 
-    ep1, ep2 = (train_two(cfg(ep, 0.0), path, 2) for ep in (1, 2))
+    ep1, ep2 = train_two(cfg(1, 0.0), path, 2), train_and_push(cfg(2, 0.0), path, 2, moe_engine)
     # EP pads micro-batches to the group's shape (other GEMM shapes): a near-zero pg_loss moved
     # 1.3e-5 relative; the weights keep the tight bound
     assert_same_training(ep1, ep2, rtol=1e-4)
@@ -362,14 +448,14 @@ def test_qwen3_moe_expert_parallel_actor(tmp_path: Path, ray_cluster: None) -> N
 
 @pytest.mark.parametrize(("saved_ep", "resumed_ep"), [(2, 1), (1, 2)], ids=["ep2-to-ep1", "ep1-to-ep2"])
 def test_a_moe_checkpoint_resumes_at_another_expert_parallel_size(
-    tmp_path: Path, ray_cluster: None, saved_ep: int, resumed_ep: int
+    tmp_path: Path, ray_cluster: None, moe_paths: tuple[str, str], saved_ep: int, resumed_ep: int
 ) -> None:
     """Qwen3-MoE saved at one EP size (at EP=2 each rank saves its 2 of the 4 experts) resumes
     at another on the same two data-parallel ranks: torch_dist keys the experts by their global
     number and the optimizer is chained (dense, experts) at any EP size, so the resumed actor
     holds the saved weights bit for bit and continues the run (plain optimizer: its Adam
     moments reshard too). Aux loss off, as in the EP training test."""
-    path = str(build_tiny_model(tmp_path / "moe", TinyModelConfig(architecture="qwen3_moe", seed=3)))
+    path = moe_paths[0]
 
     def cfg(ep: int) -> Config:
         c = make_cfg(steps=1)
@@ -394,8 +480,10 @@ def test_a_moe_checkpoint_resumes_at_another_expert_parallel_size(
         torch.testing.assert_close(resumed[name], t, rtol=0, atol=WEIGHT_ATOL, msg=name)
 
 
-def test_distributed_optimizer_refuses_another_expert_parallel_size(tmp_path: Path, ray_cluster: None) -> None:
-    path = str(build_tiny_model(tmp_path / "moe", TinyModelConfig(architecture="qwen3_moe", seed=3)))
+def test_distributed_optimizer_refuses_another_expert_parallel_size(
+    tmp_path: Path, ray_cluster: None, moe_paths: tuple[str, str]
+) -> None:
+    path = moe_paths[0]
 
     def cfg(ep: int) -> Config:
         c = make_cfg(dist_opt=True, steps=1)
@@ -443,12 +531,13 @@ def test_a_checkpoint_resumes_at_another_pipeline_size(
     assert_resumes(ckpt, model_path, False, resumed_ranks, fingerprints[0], continued, pp=resumed_pp)
 
 
-def test_qwen3_moe_pipeline_with_expert_parallelism(tmp_path: Path, ray_cluster: None) -> None:
+def test_qwen3_moe_pipeline_with_expert_parallelism(moe_paths: tuple[str, str], moe_engine: str) -> None:
     """Qwen3-MoE at PP=2 x DP=2 with EP=2 on each stage trains as PP=1, EP=1 on two ranks: the
     MoE pipeline pads a step's micro-batches to one shape (its dispatcher gathers equal
     blocks), its stages' experts are gathered for the HF view. Without the aux loss, which
-    counts the pad tokens' routing (as in the EP test above)."""
-    path = str(build_tiny_model(tmp_path / "moe", TinyModelConfig(architecture="qwen3_moe", seed=3)))
+    counts the pad tokens' routing (as in the EP test above). Its pushes (each stage's experts
+    gathered with DP rank 1's, broadcast over the pipeline) reach the engine byte for byte."""
+    path = moe_paths[0]
 
     def cfg(pp: int, ep: int) -> Config:
         c = make_pp_cfg(pp)
@@ -456,7 +545,7 @@ def test_qwen3_moe_pipeline_with_expert_parallelism(tmp_path: Path, ray_cluster:
         c.actor.megatron.moe_aux_loss_coeff = 0.0
         return c
 
-    assert_same_training(train_two(cfg(1, 1), path, 2), train_two(cfg(2, 2), path, 4), rtol=1e-4)
+    assert_same_training(train_two(cfg(1, 1), path, 2), train_and_push(cfg(2, 2), path, 4, moe_engine), rtol=1e-4)
 
 
 def test_virtual_pipeline_stages_train_as_one_stage(tmp_path: Path, ray_cluster: None) -> None:

@@ -16,6 +16,8 @@ if torch.cuda.is_available():
         allow_module_level=True,
     )
 
+from support.tiny_variants import TIED_LLAMA3, build_variant  # noqa: E402
+
 from rlhpc.actor.megatron.convert import (  # noqa: E402
     gather_tp_shards,
     hf_to_megatron,
@@ -25,7 +27,10 @@ from rlhpc.actor.megatron.convert import (  # noqa: E402
     renumber_layer,
     shard_for_pp,
     shard_for_tp,
+    shard_tensor,
+    to_global,
 )
+from rlhpc.actor.megatron.hf_reader import HFReader  # noqa: E402
 from rlhpc.model import TinyModelConfig, build_tiny_model, load_model  # noqa: E402
 
 ARCHS = ["llama", "qwen2", "qwen3", "qwen3_moe"]
@@ -45,12 +50,37 @@ def _perturb_norms(model_dir: Path) -> None:
     hf.save_pretrained(model_dir)
 
 
+# Tied embeddings and RoPE scaling (issue 40): the models people try first (Llama-3.2-1B: tied,
+# llama3; Qwen's long context: yarn). The original contexts are short (16 positions), so the
+# scaling moves most frequencies at the positions of SEQS: dropping it changes the logits.
+# Tied embeddings and RoPE scaling (issue 40): the models people try first (Llama-3.2-1B: tied,
+# llama3; Qwen's long context: yarn). The original contexts are short (16 positions), so the
+# scaling moves most frequencies at the positions of SEQS: dropping it changes the logits.
+VARIANTS = {
+    "llama_tied_llama3": ("llama", TIED_LLAMA3),
+    "qwen3_yarn": (
+        "qwen3",
+        {
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 16,
+                "rope_theta": 1e4,
+            }
+        },
+    ),
+    "qwen2_linear": ("qwen2", {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}}),
+}
+
+
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("megatron_models")
     # 4 query heads in 2 kv groups: GQA, and TP=2 gives each rank one whole group. qwen3_moe:
     # 4 experts, 2 per token, so EP=2 gives each rank two.
     models = {a: build_tiny_model(root / a, TinyModelConfig(architecture=a, seed=3)) for a in ARCHS}
+    for name, (arch, changes) in VARIANTS.items():
+        models[name] = build_variant(models[arch], root / name, changes)
     for path in models.values():
         _perturb_norms(path)
     return models
@@ -182,16 +212,86 @@ def test_pipeline_stages_split_the_model_and_number_their_layers_from_zero(tiny_
     assert set(union) == set(full) and all(torch.equal(union[k], v) for k, v in full.items())
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize(
+    ("arch", "tp_size", "ep_size", "pp_size", "files"),
+    [
+        ("qwen2", 2, 1, 1, "one"),
+        ("llama_tied_llama3", 2, 1, 1, "one"),
+        ("llama", 1, 1, 2, "one"),
+        ("qwen3_moe", 2, 2, 1, "shards"),
+        ("qwen3_moe", 1, 2, 2, "fused"),
+        ("qwen3_moe", 2, 1, 1, "bin"),
+    ],
+    ids=["qwen2-tp2", "tied-tp2", "llama-pp2", "moe-tp2-ep2-shards", "moe-ep2-pp2-fused-experts", "moe-tp2-bin"],
+)
+def test_each_rank_reads_only_its_shard(tiny_models, tmp_path, arch, tp_size, ep_size, pp_size, files):
+    """Every rank of a TP x EP x PP layout reads from a bf16 safetensors checkpoint exactly the
+    bytes of its own part of the model (counted as read; the vocab padding is not read, it is
+    zeros), keeps them in bf16, and gets the tensors that converting the whole model gives,
+    bit for bit. ``files``: one model.safetensors; shards named by model.safetensors.index.json;
+    or one file of transformers' in-memory names (each layer's experts in two 3-D tensors)
+    instead of one tensor per expert and projection; or no safetensors but a pytorch_model.bin
+    (memory-mapped, sliced as the safetensors are)."""
+    from safetensors.torch import load_file, save_file
+
+    hf = load_model(tiny_models[arch]).to(torch.bfloat16)
+    cfg, hf_sd = hf.config, hf.state_dict()
+    ckpt = tmp_path / "bf16"
+    hf.save_pretrained(ckpt, **({"max_shard_size": "40KB"} if files == "shards" else {}))
+    assert (ckpt / "model.safetensors.index.json").is_file() == (files == "shards")
+    if files == "fused":
+        (ckpt / "model.safetensors").unlink()
+        save_file({k: v.contiguous() for k, v in hf_sd.items()}, str(ckpt / "model.safetensors"))
+    if files == "bin":
+        torch.save(load_file(ckpt / "model.safetensors"), ckpt / "pytorch_model.bin")
+        (ckpt / "model.safetensors").unlink()
+    layers, experts = cfg.num_hidden_layers // pp_size, getattr(cfg, "num_experts", 0) // ep_size
+    shares = []
+    for stage in range(pp_size):
+        for ep_rank in range(ep_size):
+            for tp_rank in range(tp_size):
+                whole = hf_to_megatron(hf_sd, cfg, tp_size, tp_rank, ep_size, ep_rank)
+                expected = shard_for_pp(whole, stage * layers, layers, stage == 0, stage == pp_size - 1)
+                reader = HFReader(ckpt)
+                for name, want in expected.items():
+                    got = shard_tensor(
+                        reader, cfg, to_global(name, stage * layers, ep_rank * experts), tp_size, tp_rank
+                    )
+                    assert got.dtype == torch.bfloat16 and torch.equal(got, want), name
+                vocab_rows = sum(
+                    t.shape[0]
+                    for n, t in expected.items()
+                    if n in ("embedding.word_embeddings.weight", "output_layer.weight")
+                )
+                real_rows = sum(  # of this rank's vocab rows, those below the real vocab size
+                    max(0, min(cfg.vocab_size - r0, t.shape[0]))
+                    for n, t in expected.items()
+                    if n in ("embedding.word_embeddings.weight", "output_layer.weight")
+                    for r0 in [tp_rank * t.shape[0]]
+                )
+                padding = (vocab_rows - real_rows) * cfg.hidden_size * 2
+                assert reader.bytes_read == sum(t.numel() * 2 for t in expected.values()) - padding
+                shares.append(reader.bytes_read)
+    assert max(shares) < sum(t.numel() * 2 for t in hf_sd.values()) * 0.75  # nobody read the whole model
+
+
+@pytest.mark.parametrize("arch", ARCHS + list(VARIANTS))
 def test_megatron_logits_match_hf(tiny_models, megatron_tp1, arch):
+    """The converted model's logits are transformers', for every architecture and for tied
+    embeddings with Llama 3 RoPE scaling, YaRN and linear scaling (log-softmax of equal logits:
+    the same logprobs)."""
     from rlhpc.actor.megatron.model import build_gpt_model
 
     hf = load_model(tiny_models[arch])
     model = build_gpt_model(hf.config, tp_size=1)
     load_into(model, hf_to_megatron(hf.state_dict(), hf.config))
-    # Through the real module and back: still bit-exact.
+    # Through the real module and back: still bit-exact (a tied model has no lm_head of its own)
     back = megatron_to_hf([model_state_dict(model)], hf.config)
-    assert all(torch.equal(back[k], v) for k, v in hf.state_dict().items())
+    tied = hf.config.tie_word_embeddings
+    assert set(back) == set(hf.state_dict()) - ({"lm_head.weight"} if tied else set())
+    assert all(torch.equal(t, hf.state_dict()[k]) for k, t in back.items())
+    if tied:
+        assert model.output_layer.weight is None and model.share_embeddings_and_output_weights
 
     ref = _hf_logits(tiny_models[arch])
     got = _megatron_logits(tiny_models[arch], tp_size=1, tp_rank=0)
@@ -213,7 +313,9 @@ def _tp2_worker(rank: int, init_method: str, model_dir: str, out_dir: str, tp_si
 
 
 @pytest.mark.parametrize(
-    ("arch", "tp_size", "ep_size"), [(a, 2, 1) for a in ARCHS] + [("qwen3_moe", 1, 2)], ids=lambda v: str(v)
+    ("arch", "tp_size", "ep_size"),
+    [(a, 2, 1) for a in [*ARCHS, "llama_tied_llama3"]] + [("qwen3_moe", 1, 2)],
+    ids=lambda v: str(v),
 )
 def test_tp2_logits_match_tp1(tiny_models, megatron_tp1, tmp_path, arch, tp_size, ep_size):
     """Two gloo ranks (TP=2, or EP=2 for the MoE) give the TP=1 and the HF logits."""

@@ -1,7 +1,8 @@
 """Short local jobs on the built-in multi-turn task (guess): what was trained is what the
 engine generated, token for token, and the loss mask is 0 exactly over the observations; a
-SIGKILL of the job or of an engine in the middle of episodes ends like the undisturbed run; a
-weight push between two turns shows in the tokens' versions, within the staleness bound."""
+SIGKILL of the job or of an engine in the middle of episodes ends like the undisturbed run, also
+with a tool that reads a clock outside the job (the tool journal); a weight push between two
+turns shows in the tokens' versions, within the staleness bound."""
 
 import os
 import re
@@ -12,7 +13,7 @@ import h5py
 import pytest
 import torch
 from support.guess_envs import KILL_ENGINE_ENV, WAIT_PUSH_ENV
-from support.hold import MID_EPISODE
+from support.hold import CLOCK_ENV, MID_EPISODE
 from support.jobs import REPO, job_args, kill_when, rollouts, submit
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -27,9 +28,14 @@ GUESS = (
 )  # fmt: skip
 # Two engines: an episode's turns keep to one, and a request is one batch on the CPU engine,
 # whose padded batches make tokens depend on what shares a batch, so runs compare like for like.
+# A reply without a digit reads a clock outside the job (support.hold:now, one clock per episode,
+# ticking at every reading) instead of guessing: what a resumed run replays of it comes from the
+# tool journal. (The template leaves the tools' schemas out: the tiny context has no room for
+# them, and the parser, not the model, decides what calls the clock.)
 EXACT = (
     *GUESS, "deterministic=true", "rollout.num_rollout=4", "checkpoint.save_interval=2", "cluster.gpus_per_node=3",
-    "cluster.rollout_num_gpus=2",
+    "cluster.rollout_num_gpus=2", "rollout.tools=[support.hold:now]", "rollout.tool_parser=support.hold:clock_calls",
+    f"data.chat_template={REPO}/tests/support/chatml_without_tools.jinja",
 )  # fmt: skip
 
 OBSERVATION = re.compile(
@@ -94,11 +100,18 @@ def run_job(run: Path, *overrides: str, env: dict | None = None) -> subprocess.C
     return p
 
 
+def clocks(run: Path) -> dict[str, str]:
+    """The environment of a run whose clocks (support.hold:now) live beside its run dir."""
+    (run.parent / "clocks").mkdir(parents=True, exist_ok=True)
+    return {CLOCK_ENV: str(run.parent / "clocks")}
+
+
 @pytest.fixture(scope="module")
 def undisturbed(tmp_path_factory) -> Path:
     run = tmp_path_factory.mktemp("guess") / "run"
-    run_job(run, *EXACT)
-    assert any(m.get("episode/turns", 0) > 1 for m in read_metrics(run) if m["kind"] == "rollout")
+    run_job(run, *EXACT, env=clocks(run))
+    records = [m for m in read_metrics(run) if m["kind"] == "rollout"]
+    assert any(m["episode/turns"] > 1 for m in records) and all(m["episode/tool_calls"] > 0 for m in records)
     return run
 
 
@@ -112,23 +125,30 @@ def killed_then_engine_killed(tmp_path_factory) -> tuple[Path, str, dict]:
     faults = (*EXACT, "rollout.env=support.hold:HeldThenEngineKilling")
     # once rollout 1's checkpoint exists, the next episode step holds, and the kill comes there
     held = run / "checkpoints" / f"rollout_000001{MID_EPISODE}"
-    kill_when(job_args(run, *faults), held)
+    kill_when(job_args(run, *faults), held, env=clocks(run))
     engine_log = run / "logs" / "engines" / "engine_0.log"
     before = {
         "held": held.read_text(),
         "latest": CheckpointManager(run / "checkpoints", 2).latest(),
         "engine_starts": engine_log.read_text().count("starting at"),
         "killed_engine": Path(f"{engine_log}.killed").exists(),
+        "journal": sorted(p.name for p in (run / "tool_journal").glob("*.jsonl")),
     }
-    p = run_job(run, *faults, env={KILL_ENGINE_ENV: str(engine_log)})  # no hold: the resumed job runs on
+    # no hold: the resumed job runs on; its clocks are where the first start left them
+    p = run_job(run, *faults, env={KILL_ENGINE_ENV: str(engine_log), **clocks(run)})
     return run, p.stdout + p.stderr, before
 
 
 def test_sigkill_in_the_middle_of_episodes_resumes_to_the_same_run(undisturbed, killed_then_engine_killed):
     """Episodes run within a rollout and checkpoints fall between rollouts, so the episodes a
-    kill cuts are replayed whole from their seeds: same tokens, same rewards, same weights."""
+    kill cuts are replayed whole from their seeds: same tokens, same rewards, same weights. The
+    clock the tool reads went on while the job was down (it ticked at every reading of the first
+    start): the calls the replayed episodes made before the kill are answered from the tool
+    journal, as they were, and only the calls after it read the clock."""
     run, out, before = killed_then_engine_killed
     assert before["held"].startswith("held after reply")  # between two turns of an episode
+    assert any(name >= "rollout_000002" for name in before["journal"]), before["journal"]  # the cut rollouts'
+    assert "tool call(s) answered from the journal" in out, out[-3000:]
     ck = before["latest"]
     assert ck is not None and ck.rollout_id == 1
     assert f"resuming from {ck.path.name}" in out

@@ -24,9 +24,11 @@ from rlhpc.config import ClusterConfig
 from rlhpc.launch.local_ray import local_ray
 from rlhpc.runtime.signals import StopRequest
 
-temp_dir, result, attacker = Path(sys.argv[1]), Path(sys.argv[2]), json.loads(sys.argv[3])
-with local_ray(ClusterConfig(), 2, StopRequest(), temp_dir=temp_dir):
+record, result, attacker = Path(sys.argv[1]), Path(sys.argv[2]), json.loads(sys.argv[3])
+with local_ray(ClusterConfig(), 2, StopRequest(), record=record):
     import ray
+
+    temp_dir = Path(record.read_text())
 
     @ray.remote
     def make_and_die():
@@ -49,6 +51,7 @@ with local_ray(ClusterConfig(), 2, StopRequest(), temp_dir=temp_dir):
         pass
     # a file, not stdout: Ray's log monitor prints workers' lines to stdout from its own thread
     result.write_text(json.dumps({
+        "temp_dir": str(temp_dir),
         "made": made,
         "inside": sorted(p.name for p in temp_dir.iterdir()),
         "ray_modes": sorted({oct(p.stat().st_mode & 0o777) for p in (temp_dir / "ray").rglob("*") if p.is_dir()}),
@@ -80,23 +83,24 @@ print(json.dumps(out))
 def test_a_killed_workers_files_go_with_the_tasks_node_local_dir_which_no_other_user_enters() -> None:
     require_second_user()
     attacker = ["setpriv", f"--reuid={UID}", f"--regid={UID}", "--clear-groups", "/usr/bin/python3", "-c", ATTACK]
-    short = Path(tempfile.mkdtemp(prefix="rlhpc-t-"))  # Ray's socket paths must stay short
-    short.chmod(0o755)  # as /tmp: others may pass through to the task's dir
-    temp_dir, result = short / "job", short / "seen.json"
+    work = Path(tempfile.mkdtemp(prefix="rlhpc-t-"))
+    record, result = work / "local_ray_dir", work / "seen.json"
     try:
         out = subprocess.run(
-            [sys.executable, "-c", JOB, str(temp_dir), str(result), json.dumps(attacker)],
+            [sys.executable, "-c", JOB, str(record), str(result), json.dumps(attacker)],
             capture_output=True,
             text=True,
             timeout=300,
             check=False,
         )
-        leftover = temp_dir.exists()
         assert out.returncode == 0, out.stderr[-3000:]
         assert result.is_file(), out.stdout[-3000:] + out.stderr[-3000:]
         seen = json.loads(result.read_text())
     finally:
-        shutil.rmtree(short, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
+    temp_dir = Path(seen["temp_dir"])
+    leftover = temp_dir.exists()
+    assert temp_dir.parent == Path(tempfile.gettempdir())  # the machine's /tmp: others pass through it
     assert Path(seen["made"]).parent == temp_dir  # in the task's dir, not the machine's /tmp
     assert any(name.startswith("rlhpc-engine1-") for name in seen["inside"])  # the killed worker's too
     assert not leftover  # removed with the task's dir when the job ended

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from pathlib import Path
 
 import openai
+import psutil
 import pytest
 import urllib3
 from support.engines import KEYS, engine_client, start_server, stop_server
@@ -313,3 +315,36 @@ def test_responses_write_only_the_pinned_sglang_fields(server: str) -> None:
         "GET", f"{server}/v1/models", headers={"Authorization": f"Bearer {KEYS[server]}"}
     )
     assert set(models.json()["data"][0]) == OP.MODEL_CARD_FIELDS
+
+
+def peak_rss_mb(server: str) -> float:
+    """The engine server's peak resident memory so far (VmHWM), in MB."""
+    port = int(server.rsplit(":", 1)[1])
+    pid = next(c.pid for c in psutil.net_connections("tcp") if c.status == psutil.CONN_LISTEN and c.laddr.port == port)
+    line = next(x for x in Path(f"/proc/{pid}/status").read_text().splitlines() if x.startswith("VmHWM:"))
+    return int(line.split()[1]) / 1024
+
+
+def test_a_key_holders_request_is_bounded_before_any_work(
+    oai: openai.OpenAI, server: str, native: EngineClient
+) -> None:
+    # Issue 43, item 8: a template in chat_template_kwargs ({{ 'x' * 300000000 }}) drove an engine
+    # to 22.8 GB; n = 2,000,000 built its rows before the cap was checked.
+    before = peak_rss_mb(server)
+    bomb = {"chat_template": "{{ 'x' * 20000000 }}"}
+    with pytest.raises(openai.BadRequestError, match="Request-supplied chat_template is not allowed"):
+        oai.chat.completions.create(
+            model="m",
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=1,
+            extra_body={"chat_template_kwargs": bomb},
+        )
+    with pytest.raises(openai.BadRequestError, match="chat_template_kwargs may not set tokenize"):
+        oai.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=1,
+            extra_body={"chat_template_kwargs": {"tokenize": False}},
+        )  # fmt: skip
+    with pytest.raises(openai.BadRequestError, match="a batch of 400000 rows"):
+        oai.completions.create(model="m", prompt="ab", max_tokens=1, n=400_000)
+    assert peak_rss_mb(server) - before < 64, (before, peak_rss_mb(server))  # nothing was built
+    assert native.get_weight_version() == "default"

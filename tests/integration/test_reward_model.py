@@ -14,6 +14,7 @@ from support.jobs import said, submit
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from rlhpc.config import TinyModelConfig
+from rlhpc.engine_server.cpu.requests import MAX_ROWS
 from rlhpc.errors import RlhpcError
 from rlhpc.invariants import comparable, final_weights
 from rlhpc.metrics import read_metrics
@@ -53,6 +54,9 @@ def test_cpu_server_classifies_as_transformers_scores(tmp_path):
         assert client.get_model_info()["is_generation"] is False
         with pytest.raises(RlhpcError, match="serves /classify, not /generate"):
             client.generate(input_ids=ids[0], sampling_params={"max_new_tokens": 1})
+        # issue 43, item 8: /classify took any number of rows
+        with pytest.raises(RlhpcError, match=f"a batch of {MAX_ROWS + 1} rows"):
+            client.classify([[1, 2]] * (MAX_ROWS + 1))
     finally:
         stop_server(proc)
 

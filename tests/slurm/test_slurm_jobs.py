@@ -201,7 +201,8 @@ def test_a_reward_that_raises_fails_the_job_at_once_without_a_requeue(minicluste
     assert "Restarts=0" in info or not info  # never requeued (forgotten already: nothing to read)
     assert len((run / "restarts.jsonl").read_text().splitlines()) == 1
     shown = subprocess.run([sys.executable, str(REPO / "jobs" / "status.py"), str(run)], capture_output=True, text=True)
-    assert "ended FAILED" in shown.stdout and error in " ".join(shown.stdout.split()), shown.stdout
+    status_text = " ".join(shown.stdout.split())  # status aligns its columns with spaces
+    assert "ended FAILED" in status_text and error in status_text, shown.stdout
     assert no_ray_left(job_id)
 
 

@@ -28,7 +28,7 @@ OVERRIDES = [
 ]
 ACTIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "SUSPENDED"}
 PREPARE = 'python "$RLHPC_HOME/jobs/submit.py" --prepare-only'
-TASK = 'python -m rlhpc.launch.task "$RUN_DIR" &'
+TASK = 'python -P -m rlhpc.launch.task "$RUN_DIR" &'
 
 
 def job_state(job_id: str) -> str | None:

@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -148,3 +149,19 @@ def in_process_send(engine, answered):
         return out
 
     return send
+
+
+def generate_in_background(client: EngineClient, rid: str, tokens: int = 120) -> tuple[threading.Thread, list[dict]]:
+    """A greedy generation of ``tokens`` tokens (the tiny model's context is 128) in a thread,
+    returned once the engine runs it."""
+    out: list[dict] = []
+    params = {"max_new_tokens": tokens, "temperature": 0, "ignore_eos": True}
+    t = threading.Thread(
+        target=lambda: out.append(client.generate(input_ids=[1, 5], sampling_params=params, rid=rid)), daemon=True
+    )
+    t.start()
+    deadline = time.monotonic() + 60
+    while not client.get_server_info()["internal_states"][0]["running_batch"]:
+        assert t.is_alive() and time.monotonic() < deadline, "the generation never started"
+        time.sleep(0.01)
+    return t, out

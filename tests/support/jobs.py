@@ -48,11 +48,11 @@ def job_args(run_dir: Path, *overrides: str) -> list[str]:
 
 
 def submit(
-    run_dir: Path, *overrides: str, timeout: float = 300, env: dict[str, str] | None = None
+    run_dir: Path, *overrides: str, timeout: float = 300, cwd: Path = REPO, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess:
     """Run a fast local job to its end; ``env`` added to this process's environment."""
     return subprocess.run(
-        job_args(run_dir, *overrides), capture_output=True, text=True, timeout=timeout, cwd=REPO,
+        job_args(run_dir, *overrides), capture_output=True, text=True, timeout=timeout, cwd=cwd,
         env={**os.environ, **(env or {})},
     )  # fmt: skip
 
@@ -99,13 +99,14 @@ def kill_job(proc: subprocess.Popen, groups: list[int] | None = None) -> None:
     proc.wait()
 
 
-def kill_when(args: list[str], path: Path, timeout: float = 300) -> None:
+def kill_when(args: list[str], path: Path, timeout: float = 300, env: dict[str, str] | None = None) -> None:
     """Run a job until ``path`` exists, then SIGKILL it all: no chance to clean up or save. The
     job scores with a reward of ``support.hold`` (``HELD``), which holds it still once ``path``
     exists, so what the kill leaves is the state the test chose however fast the job runs. A job
-    that ends or stalls first fails the test with the tail of what it printed."""
+    that ends or stalls first fails the test with the tail of what it printed. ``env``: added to
+    the job's environment."""
     assert any("support.hold:" in a for a in args), f"kill_when needs a held reward: add --set {HELD}"
-    env = {**os.environ, HOLD_ENV: str(path)}
+    env = {**os.environ, **(env or {}), HOLD_ENV: str(path)}
     with tempfile.TemporaryFile("w+") as out:
         # A new session, like a terminal (the job's controller makes a session of its own).
         proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=env, start_new_session=True)

@@ -410,9 +410,41 @@ def refusal_messages(function: str) -> frozenset[str]:
     return frozenset(found)
 
 
+TOKENIZER_CONTROL = "sglang/srt/managers/tokenizer_control_mixin.py"
+SCHEDULER = "sglang/srt/managers/scheduler.py"
+TP_WORKER = "sglang/srt/managers/tp_worker.py"
+
+
+def function_code(path: str, function: str) -> str:
+    """The source of ``function`` (sync or async, any class) in ``path``, unparsed: comments and
+    line breaks gone, adjacent string literals joined."""
+    tree = _tree(path)
+    fn = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef) and n.name == function)
+    return ast.unparse(fn)
+
+
+def string_constants(path: str, function: str) -> frozenset[str]:
+    """The string literals in ``function`` (adjacent ones joined, as Python joins them)."""
+    tree = ast.parse(function_code(path, function))
+    return frozenset(n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str))
+
+
 # ------------------------------------------------------------------ OpenAI-compatible protocol
 
 OPENAI_PROTOCOL = "sglang/srt/entrypoints/openai/protocol.py"
+SERVING_CHAT = "sglang/srt/entrypoints/openai/serving_chat.py"
+
+
+def chat_request_refusals() -> frozenset[str]:
+    """The literal texts ``OpenAIServingChat._validate_request`` returns: why it refuses a chat request."""
+    fn = next(
+        n for n in ast.walk(_tree(SERVING_CHAT)) if isinstance(n, ast.FunctionDef) and n.name == "_validate_request"
+    )
+    return frozenset(
+        n.value.value
+        for n in ast.walk(fn)
+        if isinstance(n, ast.Return) and isinstance(n.value, ast.Constant) and isinstance(n.value.value, str)
+    )
 
 
 @functools.cache

@@ -44,6 +44,8 @@ def test_generated_tasks_are_deterministic_and_scored():
     for task in TASKS.values():
         rows = load_split(task, None, 20, seed=3)
         assert rows == load_split(task, None, 20, seed=3)
+        if task.name == "code":  # its answers run in the sandbox: tests/integration/test_sandbox.py
+            continue
         assert all(task.reward(r["prompt"], r["answer"], r["answer"]) == 1.0 for r in rows)
     assert TASKS["digit_sum"].reward("3+4=", "7", "7") == 1.0
     assert TASKS["digit_sum"].reward("3+4=", "6", "7") == 0.0

@@ -84,6 +84,15 @@ def test_colocate_with_more_rollout_than_actor_gpus():
     )
 
 
+def test_colocated_engines_on_several_nodes_are_refused():
+    """A colocated push hands each engine a handle of actor rank 0's buffer (CUDA IPC, or shared
+    memory on CPU): no other node can open it. Engines on rank 0's node alone may colocate."""
+    msg = error(["cluster.colocate=true", "cluster.num_nodes=2", "cluster.gpus_per_node=2"])
+    assert "the engines would span nodes" in msg and "drop cluster.colocate" in msg
+    one_node = ["cluster.colocate=true", "cluster.num_nodes=2", "cluster.gpus_per_node=2", "cluster.rollout_num_gpus=2"]
+    assert load_config(None, TINY + one_node).cluster.split() == (4, 2)
+
+
 def test_engine_tp_must_divide_rollout_gpus():
     assert "multiple of" in error(
         ["cluster.rollout_num_gpus=3", "cluster.rollout_gpus_per_engine=2", "cluster.gpus_per_node=8"]

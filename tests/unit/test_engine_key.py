@@ -43,7 +43,7 @@ def test_sglang_gets_the_key_in_a_0600_config_file_not_on_its_command_line(tmp_p
 def test_the_routers_command_line_names_the_key_file_not_the_key(tmp_path: Path) -> None:
     key = new_key(tmp_path / "engine_key")
     cmd = sglang_server.router_command("/py", ["http://a:1"], "127.0.0.1", 5, 6, tmp_path / "engine_key")
-    assert cmd[2:5] == ["rlhpc.engine_server.router_main", "--api-key-file", str(tmp_path / "engine_key")]
+    assert cmd[3:6] == ["rlhpc.engine_server.router_main", "--api-key-file", str(tmp_path / "engine_key")]
     assert key not in " ".join(cmd) and "--api-key" not in cmd
     assert "--api-key-file" not in sglang_server.router_command("/py", ["http://a:1"], "127.0.0.1", 5, 6)
 

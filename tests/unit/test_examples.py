@@ -22,7 +22,8 @@ WAYS_IN = {
 }
 
 
-GUIDES = {"verl_gsm8k.yaml": "docs/guides/coming-from-verl.md"}  # a whole job of a guide, its data made by a script
+# a whole job of a guide, its data made by a script
+GUIDES = {"verl_gsm8k.yaml": "docs/guides/coming-from-verl.md", "code_rl.yaml": "docs/guides/sandbox.md"}
 
 
 def test_every_example_config_is_listed():
@@ -130,3 +131,43 @@ def test_the_verl_guides_job_validates_as_written(tmp_path, monkeypatch):
         REPO / "examples" / "verl_gsm8k.yaml", ["rollout.agent=null", "rollout.env=examples.verl_gsm8k:GSM8KEnv"]
     )
     assert env.rollout.env == "examples.verl_gsm8k:GSM8KEnv"
+
+
+def test_the_code_recipe_validates_on_its_data_and_every_row_holds_tests(tmp_path, monkeypatch):
+    """docs/guides/sandbox.md's recipe: its data script writes verl's code layout, one row of each
+    test form rlhpc.rewards:code reads, and its config validates on that data as the guide runs it."""
+    from rlhpc.data.files import read_rows
+    from rlhpc.sandbox.testing import parse_tests
+
+    monkeypatch.syspath_prepend(str(REPO))
+    from examples import make_code_rl
+
+    monkeypatch.chdir(tmp_path)
+    make_code_rl.main(["data/code", "--train", "12", "--test", "3"])
+    cfg = load_config(REPO / "examples" / "code_rl.yaml")
+    assert cfg.data.reward == "rlhpc.rewards:code" and cfg.sandbox.backend == "bwrap"
+    rows = read_rows("data/code/train.parquet", cfg.data.prompt_key, cfg.data.label_key)
+    assert {parse_tests(r.label).kind for r in rows} == {"stdio", "call", "asserts"}
+
+
+@pytest.mark.parametrize(
+    "expression",
+    [
+        "(" * 1500 + "1" + ")" * 1500,  # too many nested parentheses
+        "-" * 3000 + "1",  # RecursionError in the compiler
+        "+".join(["1"] * 1500),
+        "9" * 1500 + "*" + "9" * 1499,
+        "9**9**9",
+        "(1)(1)",
+        "1/0",
+        "__import__('os')",
+    ],
+)
+def test_the_shipped_calculator_answers_any_input_and_never_raises(monkeypatch, expression):
+    # Issue 43, item 11: 3,000-character inputs raised MemoryError or RecursionError, which
+    # ended the episode and the run: a tool's bad input is a tool result
+    monkeypatch.syspath_prepend(str(REPO))
+    from examples.calculator_agent import calculator
+
+    assert calculator(expression).startswith("error: ")
+    assert calculator("6*(3+4)/2") == "21.0" and calculator("-2*-3") == "6"

@@ -106,10 +106,10 @@ def test_cpu_engine_takes_the_per_expert_names_into_its_fused_experts(tmp_path: 
     engine.release(["weights"])
     engine.resume(["weights"])
     assert engine.stale == {n for n, _ in pushed}
-    engine.load_weights(pushed, "1")
+    engine.load_weights(pushed)
     assert not engine.stale
     for name, p in engine.model.named_parameters():
         assert torch.equal(p, new[name]), name
     fused = "model.layers.0.mlp.experts.gate_up_proj"
     with pytest.raises(EngineError, match="unknown parameter"):
-        engine.load_weights([(fused, new[fused])], "2")
+        engine.load_weights([(fused, new[fused])])

@@ -18,7 +18,15 @@ FLOORS: list[set[str]] = [
     {"rlhpc.errors", "rlhpc.logs", "rlhpc.util"},
     {"rlhpc.wire", "rlhpc.algo", "rlhpc.batch", "rlhpc.metric_names", "rlhpc.foreign_keys"},
     {"rlhpc.config"},
-    {"rlhpc.model", "rlhpc.weights", "rlhpc.data", "rlhpc.cluster", "rlhpc.run_dir", "rlhpc.checkpoint"},
+    {
+        "rlhpc.model",
+        "rlhpc.weights",
+        "rlhpc.data",
+        "rlhpc.cluster",
+        "rlhpc.run_dir",
+        "rlhpc.checkpoint",
+        "rlhpc.sandbox",
+    },
     {"rlhpc.runtime"},
     {"rlhpc.engine_server", "rlhpc.actor", "rlhpc.schedule", "rlhpc.metrics"},
     {"rlhpc.rollout"},
@@ -104,3 +112,64 @@ def test_an_upward_import_is_found_and_a_reasoned_one_allowed(tmp_path):
     assert len(problems) == 2, problems
     assert problems[0].startswith("rlhpc/nowhere.py: package rlhpc.nowhere is on no floor")
     assert problems[1].startswith("rlhpc/util/a.py:6 imports rlhpc.driver")
+
+
+# Walls between the processes (docs/architecture/map.md): a package on a floor may still not
+# reach into the packages that run in another process. Checked at any depth, annotations aside.
+WALLS: dict[str, set[str]] = {
+    # the engine server runs on a GPU node beside SGLang's place: none of the trainer or the loop
+    "rlhpc.engine_server": {"rlhpc.actor", "rlhpc.rollout", "rlhpc.driver", "rlhpc.schedule", "rlhpc.launch"},
+    # the training ranks: neither the loop's rollout side nor the engines
+    "rlhpc.actor": {"rlhpc.rollout", "rlhpc.engine_server", "rlhpc.schedule", "rlhpc.driver", "rlhpc.launch"},
+}
+
+
+def wall_problems(root: Path) -> list[str]:
+    problems = []
+    for package, forbidden in WALLS.items():
+        for path in sorted((root / Path(*package.split("."))).rglob("*.py")):
+            for line, target in imports_of(path):
+                if _package(target) in forbidden:
+                    problems.append(f"{path.relative_to(root)}:{line} imports {target} across the wall of {package}")
+    return problems
+
+
+def test_the_process_walls_hold():
+    problems = wall_problems(ROOT)
+    assert not problems, "\n".join(problems)
+
+
+def test_a_wall_crossing_is_found(tmp_path):
+    (tmp_path / "rlhpc" / "actor").mkdir(parents=True)
+    (tmp_path / "rlhpc" / "engine_server").mkdir(parents=True)
+    (tmp_path / "rlhpc" / "actor" / "a.py").write_text("def f():\n    from rlhpc.rollout.generation import x\n")
+    (tmp_path / "rlhpc" / "engine_server" / "b.py").write_text("import rlhpc.wire\n")
+    assert wall_problems(tmp_path) == [
+        "rlhpc/actor/a.py:2 imports rlhpc.rollout.generation across the wall of rlhpc.actor"
+    ]
+
+
+def test_the_login_node_imports_no_torch(tmp_path):
+    """What runs on a login node (submit, its dry run and preview, status, sweeps) imports no
+    torch, transformers or ray: they are slow to import there, and may not be installed."""
+    import os
+    import subprocess
+    import sys
+
+    import rlhpc
+
+    env = {**os.environ, "PYTHONPATH": str(Path(rlhpc.__file__).resolve().parents[1])}
+    login = [
+        "rlhpc.cli.submit",
+        "rlhpc.launch.submission",
+        "rlhpc.launch.preview",
+        "rlhpc.launch.sweep",
+        "rlhpc.cli.status",
+    ]
+    code = (
+        "import importlib, sys\n"
+        f"for m in {login!r}:\n    importlib.import_module(m)\n"
+        "heavy = [m for m in ('torch', 'transformers', 'ray') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+    )
+    subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, check=True)

@@ -168,6 +168,33 @@ def test_reinforce_plus_plus_baseline_divides_by_the_batch_std():
     assert adv.tolist() == pytest.approx([2 / 3, -1 / 3, -1 / 3, 0.0, 0.0, 0.0], rel=1e-5)
 
 
+def test_an_unscored_sample_is_out_of_every_baseline_and_gets_no_advantage():
+    """NaN (a sample whose sandbox could not run) in a group of 4: group 0 is then [1, 0, 1]
+    scored. By hand: GRPO's group mean 2/3, population std sqrt(2)/3 -> (1 - 2/3) / (sqrt(2)/3)
+    = 1/sqrt(2), (0 - 2/3) / (sqrt(2)/3) = -sqrt(2); RLOO's leave-one-out over the other two
+    scored: 1 - 1/2, 0 - 1, 1 - 1/2; group 1 [0, 0, 1, 1] as it is."""
+    rewards = torch.tensor([1.0, math.nan, 0.0, 1.0, 0.0, 0.0, 1.0, 1.0])
+    hi, lo = 1 / math.sqrt(2), -math.sqrt(2)
+    assert ADVANTAGE_ESTIMATORS["grpo"](rewards, 4, True, 1e-12).tolist() == pytest.approx(
+        [hi, 0.0, lo, hi, -1.0, -1.0, 1.0, 1.0], rel=1e-5
+    )
+    assert ADVANTAGE_ESTIMATORS["rloo"](rewards, 4).tolist() == pytest.approx(
+        [0.5, 0.0, -1.0, 0.5, -2 / 3, -2 / 3, 2 / 3, 2 / 3], rel=1e-5
+    )
+    # the batch's scored samples: 4 of 7 are 1 -> mean 4/7 (REINFORCE++, not normalised)
+    assert ADVANTAGE_ESTIMATORS["reinforce_plus_plus"](rewards, 4, False).tolist() == pytest.approx(
+        [3 / 7, 0.0, -4 / 7, 3 / 7, -4 / 7, -4 / 7, 3 / 7, 3 / 7], rel=1e-5
+    )
+    # group means 2/3 and 1/2 over their scored samples (not normalised)
+    assert ADVANTAGE_ESTIMATORS["reinforce_plus_plus_baseline"](rewards, 4, False).tolist() == pytest.approx(
+        [1 / 3, 0.0, -2 / 3, 1 / 3, -0.5, -0.5, 0.5, 0.5], rel=1e-5
+    )
+    # a group with nothing scored, or one scored sample only: no advantage, no NaN
+    alone = torch.tensor([math.nan, math.nan, 1.0, math.nan])
+    for name, fn in ADVANTAGE_ESTIMATORS.items():
+        assert fn(alone, 2, True).tolist() == [0.0, 0.0, 0.0, 0.0], name
+
+
 # ---------------------------------------------------------------- KL estimators
 
 LP = torch.tensor([0.0, -1.0, 1.0, -30.0])

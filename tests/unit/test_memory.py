@@ -210,3 +210,39 @@ def test_jobs_submit_refuses_a_layout_that_cannot_fit_before_writing_anything(tm
     assert p.returncode == 2, out[-3000:]
     assert "an actor rank needs ~" in out and "more than the 1.5 GiB" in out and "fix:" in out, out[-3000:]
     assert "Traceback" not in out and not run.exists()
+
+
+def test_a_tied_model_counts_its_embedding_once():
+    """Tied embeddings (issue 40): one vocab matrix, as the checkpoint holds it; the published
+    parameter counts of Llama-3.2-1B and Qwen2.5-1.5B come out exactly; the megatron rank's
+    single stage holds no output layer of its own."""
+    import json
+    from pathlib import Path
+
+    models = Path(__file__).resolve().parents[1] / "support" / "models"
+    shapes = {m: ModelShape.from_hf(json.loads((models / m / "config.json").read_text())) for m in
+              ("llama-3.2-1b-instruct", "qwen2.5-1.5b-instruct")}  # fmt: skip
+    assert {m: s.params() for m, s in shapes.items()} == {
+        "llama-3.2-1b-instruct": 1_235_814_400,
+        "qwen2.5-1.5b-instruct": 1_543_714_304,
+    }
+    llama = shapes["llama-3.2-1b-instruct"]
+    cfg = load_config(None, [f"model.path={models / 'llama-3.2-1b-instruct'}", "actor.backend=megatron",
+                             "actor.megatron.bf16=false"])  # fmt: skip
+    (weights,) = [b for name, b in stage_estimate(cfg, llama, True, True).terms if name == "weights"]
+    assert weights == 4 * llama.params()  # fp32; its vocab (128256) needs no padding
+
+
+def test_the_megatron_plan_counts_bf16_by_default_as_the_gpu_ranks_run():
+    """actor.megatron.bf16 null (the default): bf16 on a GPU that has it, which the plan (made
+    for GPUs) counts; false: fp32, twice the weight bytes and Adam without a master copy. The
+    ranks decide the same way, from the hardware they find (MegatronConfig.uses_bf16)."""
+    default, fp32 = tiny("actor.megatron.bf16=null"), tiny("actor.megatron.bf16=false")
+    assert default.actor.megatron.bf16 is None
+    assert default.actor.megatron.uses_bf16(device_has_bf16=True)
+    assert not default.actor.megatron.uses_bf16(device_has_bf16=False)  # CPU / gloo: fp32
+    assert fp32.actor.megatron.uses_bf16(device_has_bf16=True) is False
+    terms = {cfg: dict(actor_estimate(c, read_shape(c)).terms) for cfg, c in (("default", default), ("fp32", fp32))}
+    assert terms["fp32"]["weights"] == 2 * terms["default"]["weights"]
+    assert terms["default"]["optimizer"] / terms["fp32"]["optimizer"] == 12 / 8
+    assert "bf16" in summarize(default) and "fp32" in summarize(fp32)

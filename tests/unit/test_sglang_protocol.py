@@ -173,7 +173,7 @@ def test_colocated_flattened_bucket_is_what_sglang_unpickles() -> None:
     theirs = sgl.flattened_bucket_from_tensor()
     tensors = [torch.arange(6.0).reshape(2, 3), torch.tensor([7, 8], dtype=torch.int16)]
     staging = SharedStaging()
-    payload = serialize_flat_bucket(staging.pack(tensors), ["a", "b"], tensors)
+    (payload,) = serialize_flat_bucket(staging.pack(tensors), ["a", "b"], tensors)
 
     named: list[tuple[str, str]] = []
 
@@ -189,7 +189,7 @@ def test_colocated_flattened_bucket_is_what_sglang_unpickles() -> None:
         assert all(hasattr(meta, f) for f in theirs.metadata_fields), theirs.metadata_fields
     # SGLang cuts each tensor out as flat[start:end].view(dtype).reshape(shape): so does the CPU engine
     assert theirs.flat_view == "self.flattened_tensor[meta.start_idx:meta.end_idx].view(meta.dtype).reshape(meta.shape)"
-    got = deserialize_flat_bucket(payload)
+    got = deserialize_flat_bucket(payload).tensors()
     assert [n for n, _ in got] == ["a", "b"] and all(torch.equal(x, y) for (_, x), y in zip(got, tensors))
     staging.close()
 
@@ -217,6 +217,10 @@ def test_weight_update_session_refusals_are_sglangs() -> None:
 
 
 # ------------------------------------------------------------------ OpenAI-compatible routes (issue 29)
+
+
+def test_a_request_supplied_chat_template_is_refused_in_sglangs_words() -> None:
+    assert OP.REQUEST_TEMPLATE_REFUSED in sgl.chat_request_refusals()
 
 
 def test_openai_routes_are_sglangs() -> None:
@@ -305,3 +309,47 @@ def test_openai_response_fields_are_sglangs(ours: frozenset[str], their_models: 
     models = sgl.openai_models()
     theirs = set().union(*(models[m] for m in their_models))
     assert ours <= theirs, f"not in SGLang's {their_models}: {ours - theirs}"
+
+
+# ------------------------------------------------------------------ weight updates beside requests in flight
+
+
+def test_weight_calls_wait_for_requests_in_flight_unless_paused() -> None:
+    """The CPU engine's ModelUpdateLock (app.py) is SGLang's: every request holds the
+    model-update lock shared, and a session call or update of an engine that is not paused takes
+    it alone; abort_all_requests aborts before waiting. rlhpc's push therefore pauses first."""
+    session = sgl.function_code(sgl.TOKENIZER_CONTROL, "_weight_update_session_call")
+    assert "if is_paused:" in session and "async with self.model_update_lock.writer_lock:" in session
+    update = sgl.function_code(sgl.TOKENIZER_CONTROL, "update_weights_from_tensor")
+    assert update.index("self.abort_request(abort_all=True)") < update.index("self.model_update_lock.writer_lock")
+    generate = sgl.function_code(sgl.TOKENIZER_MANAGER, "generate_request")
+    assert generate.index("wait_for(lambda: not self.is_pause)") < generate.index("self.model_update_lock.reader_lock")
+    pause = sgl.function_code(sgl.TOKENIZER_MANAGER, "pause_generation")
+    assert "self.abort_request(abort_all=True)" in pause and "await self.model_update_lock.is_locked()" in pause
+
+
+def test_a_busy_cache_flush_fails_the_update_as_the_cpu_engine_s() -> None:
+    """The last bucket's flush fails the update (weights in, version not recorded) unless the
+    scheduler is idle, ignoring its queue only while paused in place or retracting; /flush_cache
+    answers 400 then: the CPU engine's Engine.flushable and P.FLUSH_BUSY / P.FLUSH_FAILED."""
+    assert P.FLUSH_BUSY in sgl.string_constants(sgl.SCHEDULER_WEIGHT_UPDATER, "flush_cache_after_weight_update")
+    flush = sgl.function_code(sgl.SCHEDULER, "flush_cache")
+    assert "if self.is_fully_idle(ignore_waiting=self._engine_paused):" in flush
+    route = sgl.function_code(sgl.HTTP_SERVER, "flush_cache")
+    assert P.FLUSH_FAILED in sgl.string_constants(sgl.HTTP_SERVER, "flush_cache")
+    assert "status_code=200 if ret.success else HTTPStatus.BAD_REQUEST" in route
+    # the version is recorded on the tokenizer side only when the update succeeded
+    update = sgl.function_code(sgl.TOKENIZER_CONTROL, "update_weights_from_tensor")
+    assert "if success and obj.weight_version is not None:" in update
+    assert "/update_weight_version" in sgl.http_routes()
+
+
+def test_each_tp_rank_reads_its_own_payload() -> None:
+    """serialized_named_tensors holds one payload per TP rank; each rank unpickles only its own
+    (another rank's copy would unbalance CUDA IPC's reference count): TensorWeightSender sends
+    each engine as many separate pickles as it has ranks (serialize_flat_bucket(ranks=tp))."""
+    own = sgl.function_code(sgl.TP_WORKER, "deserialize_own_rank")
+    assert "serialized_named_tensors[get_parallel().tp_rank]" in own
+    assert sgl.request_structs()["UpdateWeightsFromTensorReqInput"]["serialized_named_tensors"].required
+    patch = sgl.source("sglang/srt/utils/patch_torch.py")
+    assert "_REDUCE_TENSOR_ARG_DEVICE_INDEX = 6" in patch and "get_device_properties(device).uuid" in patch

@@ -41,7 +41,7 @@ def spec(**kw: object) -> SGLangSpec:
 
 def test_launch_server_command() -> None:
     cmd = sg.launch_server_command("/py", "/models/m", "10.0.0.5", 31000, 31001, spec(extra_args=("--dtype", "bf16")))
-    assert cmd[:3] == ["/py", "-m", "sglang.launch_server"]
+    assert cmd[:4] == ["/py", "-P", "-m", "sglang.launch_server"]  # -P: nothing imported from the working dir
     f = flags(cmd)
     assert f["--model-path"] == "/models/m" and f["--host"] == "10.0.0.5"
     assert f["--port"] == "31000" and f["--nccl-port"] == "31001"
@@ -67,15 +67,15 @@ def test_router_command_is_what_sglang_routers_own_parser_reads(tmp_path: Path) 
 
     (tmp_path / "key").write_text("k3y")
     cmd = sg.router_command("/py", ["http://10.0.0.5:1", "http://10.0.0.6:2"], "10.0.0.5", 30500, 30501)
-    assert cmd[:3] == ["/py", "-m", "sglang_router.launch_router"]
-    parsed = parse_router_args(cmd[3:])
+    assert cmd[:4] == ["/py", "-P", "-m", "sglang_router.launch_router"]
+    parsed = parse_router_args(cmd[4:])
     assert parsed.worker_urls == ["http://10.0.0.5:1", "http://10.0.0.6:2"] and parsed.policy == "round_robin"
     assert (parsed.host, parsed.port, parsed.prometheus_host, parsed.prometheus_port) == (
         "10.0.0.5", 30500, "127.0.0.1", 30501,
     )  # fmt: skip
     keyed = sg.router_command("/py", ["http://10.0.0.5:1"], "127.0.0.1", 1, 2, tmp_path / "key")
-    assert keyed[2:5] == [sg.ROUTER_MAIN, "--api-key-file", str(tmp_path / "key")]
-    assert parse_router_args(keyed[5:]).worker_urls == ["http://10.0.0.5:1"]
+    assert keyed[3:6] == [sg.ROUTER_MAIN, "--api-key-file", str(tmp_path / "key")]
+    assert parse_router_args(keyed[6:]).worker_urls == ["http://10.0.0.5:1"]
     with pytest.raises(RlhpcError, match="at least one engine"):
         sg.router_command("/py", [], "h", 1, 2)
 

@@ -12,7 +12,7 @@ from support import sglang_wheel as sgl
 
 from rlhpc.engine_server import sglang as sglang_server
 from rlhpc.engine_server.cpu import app as cpu_app
-from rlhpc.engine_server.cpu.command import server_command
+from rlhpc.engine_server.cpu.command import MODULE, server_command
 from rlhpc.engine_server.cpu.runner import UNSEEDED_DETERMINISTIC_SEED
 from rlhpc.engine_server.cpu.server import parse_args
 from rlhpc.engine_server.sglang import SGLangSpec, engine_env, server_env
@@ -123,10 +123,9 @@ def test_a_deterministic_run_launches_both_engines_with_the_flag(tmp_path: Path)
     flag = "--enable-deterministic-inference"
     (tmp_path / "key").write_text("k")
     cmd = server_command("/py", "/m", "10.0.0.5", "/r.json", "1", "1", str(tmp_path / "key"), deterministic=True)
-    assert cmd[-1] == flag and parse_args(cmd[3:]).enable_deterministic_inference
-    assert not parse_args(
-        server_command("/py", "/m", "127.0.0.1", "/r.json", "1", "1")[3:]
-    ).enable_deterministic_inference
+    assert cmd[-1] == flag and parse_args(cmd[cmd.index(MODULE) + 1 :]).enable_deterministic_inference
+    plain = server_command("/py", "/m", "127.0.0.1", "/r.json", "1", "1")
+    assert not parse_args(plain[plain.index(MODULE) + 1 :]).enable_deterministic_inference
     spec = SGLangSpec(1, 0.7, False, 3, deterministic=True)
     assert flag in sglang_server.launch_server_command("/py", "/m", "h", 1, 2, spec)
     assert flag not in sglang_server.launch_server_command("/py", "/m", "h", 1, 2, SGLangSpec(1, 0.7, False, 3))

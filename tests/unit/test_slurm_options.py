@@ -55,7 +55,14 @@ def first_choice(job_id: str) -> RayPorts:
 def test_port_blocks_per_job():
     a, b = first_choice("1234"), first_choice("1235")
     ports_a = set(vars(a).values())
-    assert len(ports_a) == 10  # no port used twice inside a job
+    assert len(ports_a) == len(vars(a)) == 12  # no port used twice inside a job
+    # Ray's Prometheus endpoints on the job's ports (issue 43, item 12), its node exporter off
+    assert a.env() == {
+        "RAY_enable_metrics_collection": "0",
+        "DASHBOARD_METRIC_PORT": str(a.dashboard_metrics),
+        "AUTOSCALER_METRIC_PORT": str(a.autoscaler_metrics),
+    }
+    assert {a.dashboard_metrics, a.autoscaler_metrics} <= set(a.all()) - set(range(a.min_worker, a.max_worker + 1))
     assert not (set(range(a.gcs, a.gcs + PORT_BLOCK)) & set(range(b.gcs, b.gcs + PORT_BLOCK)))
     assert not a.min_worker <= a.gcs <= a.max_worker  # ray start refuses a GCS port in the worker range
     assert FIRST_PORT <= a.gcs and a.max_worker < FIRST_PORT + NUM_BLOCKS * PORT_BLOCK <= 32768  # below ephemeral ports
@@ -199,7 +206,7 @@ def test_the_dry_run_shows_each_engines_and_the_routers_command_and_environment_
         return lines[0].strip(), lines[2].strip() if lines[1].rstrip().endswith(":") else lines[1].split(": ")[-1]
 
     cmd, changes = shown("engine 0's launch line (each engine's alike):")
-    assert cmd.startswith("python -m sglang.launch_server ") and " --tp-size 2 " in cmd
+    assert cmd.startswith("python -P -m sglang.launch_server ") and " --tp-size 2 " in cmd
     assert " --enable-memory-saver " in cmd and " --enable-deterministic-inference " in cmd
     assert cmd.endswith(" --config <engine tmp dir>/sglang_key.yaml")  # the key's file, written on the node
     assert changes.split() == [
@@ -208,7 +215,7 @@ def test_the_dry_run_shows_each_engines_and_the_routers_command_and_environment_
         "-PYTORCH_CUDA_ALLOC_CONF",
     ]  # fmt: skip
     cmd, changes = shown("reward engine 0's launch line (each reward engine's alike):")  # a CPU engine
-    assert cmd.startswith("python -m rlhpc.engine_server.cpu ") and cmd.endswith(" --enable-deterministic-inference")
+    assert cmd.startswith("python -P -m rlhpc.engine_server.cpu ") and cmd.endswith(" --enable-deterministic-inference")
     assert f" --api-key-file {run / 'engine_key'} " in cmd
     assert "SGLANG_RETURN_ORIGINAL_LOGPROB=true" in changes and "PYTORCH_CUDA_ALLOC_CONF" not in changes
     cmd, changes = shown("the router's launch line (on the driver's node):")

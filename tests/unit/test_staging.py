@@ -183,6 +183,30 @@ def test_what_ended_jobs_left_is_removed_and_a_live_jobs_copy_kept(tmp_path):
     assert sorted(p.name for p in local.iterdir()) == ["rlhpc-11", "rlhpc-12", "someone-elses"]
 
 
+def test_links_and_names_another_user_planted_in_a_shared_stage_dir_are_neither_followed_nor_fatal(tmp_path):
+    # Issue 43, item 5: a dangling link "rlhpc-1" planted by another user made every staged job's
+    # sweep fail (it followed links and trusted the target's owner).
+    mine = make_source(tmp_path / "mine", {"keep": b"1"})  # a dir and a file of ours elsewhere
+    with shared_tmp_dir() as shared:
+        out = run_as_other_user(
+            "import os, sys; d, mine = sys.argv[1], sys.argv[2]\n"
+            "os.symlink('/nonexistent', os.path.join(d, 'rlhpc-1'))\n"
+            "os.symlink(mine, os.path.join(d, 'rlhpc-2'))\n"
+            "os.symlink(os.path.join(mine, 'keep'), os.path.join(d, '.rlhpc-3.tar'))\n"
+            "os.mkdir(os.path.join(d, 'rlhpc-4'))\n",
+            str(shared),
+            str(mine),
+        )
+        assert out.returncode == 0, out.stderr
+        make_source(shared / "rlhpc-5" / "model", {"x": b"1"})  # ours, of an ended job
+        (shared / ".rlhpc-5.tar").write_bytes(b"archive")
+        staging.remove_stale(shared / "rlhpc-100", lambda job: False)  # every job ended
+        assert sorted(p.name for p in shared.iterdir()) == [".rlhpc-3.tar", "rlhpc-1", "rlhpc-2", "rlhpc-4"]
+        staging.Staged(shared / "rlhpc-3").remove()  # its archive's name is the other user's link
+        assert (shared / ".rlhpc-3.tar").is_symlink()
+    assert tree(mine) == {"keep": b"1"}
+
+
 def test_a_copy_another_user_planted_for_the_next_job_is_refused(tmp_path, sources):
     # Issue 32, item 2: sizes and mtimes are readable by anyone, so another user can plant a
     # "current" copy (other weights, the same manifest) where the next job id will stage.

@@ -109,7 +109,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model_path = str(build_tiny_model(Path(tmp) / "model", tiny))
         worker = TrainWorker(spec, model_path, 0, 1)
-        worker.init_process_group(*worker.master_addr_port())
+        worker.init_process_group(worker.rendezvous(one_node=True))
         vocab = worker.module.config.vocab_size
         rates: dict[str, list[float]] = {s: [] for s in SIDES}
         forward: dict[str, int] = dict.fromkeys(SIDES, 0)

@@ -1,7 +1,9 @@
 """HF Llama/Qwen2/Qwen3/Qwen3-MoE <-> megatron-core GPTModel (local spec) weight conversion,
 with TP and expert-parallel (EP) sharding.
 
-Pure functions over state dicts of CPU/GPU tensors; no process groups needed.
+Pure functions over state dicts of CPU/GPU tensors; no process groups needed. The actor's
+ranks load with :func:`shard_tensor` instead: each tensor's part a rank holds, read slice by
+slice from the checkpoint (``hf_reader``), equal to :func:`hf_to_megatron`'s.
 
 Layout, per decoder layer ``i`` (megatron name <- HF name):
 
@@ -28,8 +30,10 @@ Layout, per decoder layer ``i`` (megatron name <- HF name):
 
 Plus ``embedding.word_embeddings.weight`` <- ``model.embed_tokens.weight`` (vocab parallel,
 dim 0), ``decoder.final_layernorm.weight`` <- ``model.norm.weight`` and ``output_layer.weight``
-<- ``lm_head.weight`` (column parallel, dim 0). Both vocab matrices are zero-padded to
-megatron's padded vocab (``model.padded_vocab_size``) and un-padded on the way back.
+<- ``lm_head.weight`` (column parallel, dim 0; none with ``tie_word_embeddings``: megatron's
+output layer then uses the embedding, and the engines tie ``lm_head`` themselves). Both vocab
+matrices are zero-padded to megatron's padded vocab (``model.padded_vocab_size``) and
+un-padded on the way back.
 Layernorms are replicated on every TP rank.
 """
 
@@ -147,8 +151,9 @@ def hf_to_megatron_full(hf_sd: StateDict, hf_config: Any, tp_size: int = 1) -> S
     out: StateDict = {
         "embedding.word_embeddings.weight": _pad_rows(hf_sd["model.embed_tokens.weight"], vocab),
         "decoder.final_layernorm.weight": hf_sd["model.norm.weight"],
-        "output_layer.weight": _pad_rows(hf_sd["lm_head.weight"], vocab),
     }
+    if not getattr(hf_config, "tie_word_embeddings", False):  # tied: the embedding is the output layer
+        out["output_layer.weight"] = _pad_rows(hf_sd["lm_head.weight"], vocab)
     for i in range(hf_config.num_hidden_layers):
         h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
         out[m + "input_layernorm.weight"] = hf_sd[h + "input_layernorm.weight"]
@@ -311,6 +316,89 @@ def hf_to_megatron(
     _check_ep(hf_config, ep_size)
     full = shard_for_ep(hf_to_megatron_full(hf_sd, hf_config, tp_size), hf_config, ep_size, ep_rank)
     return shard_for_tp(full, tp_size, tp_rank)
+
+
+def to_global(name: str, first_layer: int, first_expert: int) -> str:
+    """A megatron module's name (layers numbered on its pipeline chunk, experts on its EP rank)
+    -> the whole model's (``first_layer``, ``first_expert``: the first global numbers it holds)."""
+    i = layer_index(name)
+    if i is None:
+        return name
+    name = renumber_layer(name, i + first_layer)
+    e = expert_index(name)
+    return name if e is None else _renumber_expert(name, e + first_expert)
+
+
+def shard_tensor(reader: Any, hf_config: Any, name: str, tp_size: int = 1, tp_rank: int = 0) -> Tensor:
+    """TP rank ``tp_rank``'s part of megatron tensor ``name`` (global layer and expert numbers,
+    see :func:`to_global`), read from the HF checkpoint slice by slice: ``reader.read(hf_name,
+    index)`` returns ``hf_tensor[index]``, ``hf_name in reader`` says whether it holds one
+    (``rlhpc.actor.megatron.hf_reader.HFReader``). Reads only the rows or columns this rank
+    holds, in the checkpoint's dtype; equal to the same tensor of :func:`hf_to_megatron` on the
+    whole state dict."""
+    heads, kv_heads, head_dim = _dims(hf_config)
+    read = reader.read
+
+    def block(n: int) -> slice:  # rank tp_rank's part of n rows (or columns)
+        return slice(tp_rank * n // tp_size, (tp_rank + 1) * n // tp_size)
+
+    if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        hf = "model.embed_tokens.weight"
+        if name == "output_layer.weight" and not getattr(hf_config, "tie_word_embeddings", False):
+            hf = "lm_head.weight"
+        vocab, rows = hf_config.vocab_size, padded_vocab_size(hf_config.vocab_size, tp_size) // tp_size
+        first = tp_rank * rows
+        # the padding rows are zeros, not read
+        real = read(hf, (slice(min(first, vocab), min(first + rows, vocab)),))
+        return _pad_rows(real, rows)
+    if name == "decoder.final_layernorm.weight":
+        return read("model.norm.weight")
+    i = layer_index(name)
+    if i is None:
+        raise KeyError(f"no HF source for {name}")
+    h, rest = f"model.layers.{i}.", name.split(".", 3)[3]
+    simple = {
+        "input_layernorm.weight": "input_layernorm.weight",
+        "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+        "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+        "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
+        "mlp.router.weight": "mlp.gate.weight",
+    }
+    if rest in simple:
+        return read(h + simple[rest])
+    if rest.startswith("self_attention.linear_qkv."):
+        kind = rest.rsplit(".", 1)[1]
+        groups, per_group = kv_heads // tp_size, heads // kv_heads
+        q = read(f"{h}self_attn.q_proj.{kind}", (block(heads * head_dim),))
+        k, v = (read(f"{h}self_attn.{p}_proj.{kind}", (block(kv_heads * head_dim),)) for p in "kv")
+        return fuse_qkv(q, k, v, groups * per_group, groups, head_dim)
+    if rest == "self_attention.linear_proj.weight":
+        return read(h + "self_attn.o_proj.weight", (slice(None), block(heads * head_dim)))
+    e = expert_index(name)
+    if e is not None:
+        return _expert_shard(reader, h, e, rest.rsplit(".", 2)[1], hf_config.moe_intermediate_size, block)
+    if rest == "mlp.linear_fc1.weight":
+        ffn = hf_config.intermediate_size
+        return torch.cat([read(f"{h}mlp.{p}_proj.weight", (block(ffn),)) for p in ("gate", "up")], dim=0)
+    if rest == "mlp.linear_fc2.weight":
+        return read(h + "mlp.down_proj.weight", (slice(None), block(hf_config.intermediate_size)))
+    raise KeyError(f"no HF source for {name}")
+
+
+def _expert_shard(reader: Any, h: str, e: int, kind: str, ffn: int, block: Any) -> Tensor:
+    """Expert ``e``'s fc1 (``[gate; up]``, this rank's rows of each) or fc2 (its columns of down),
+    from the checkpoint's per-expert tensors, or from fused 3-D ones where a checkpoint holds those."""
+    gate_up, down = f"{h}mlp.experts.gate_up_proj", f"{h}mlp.experts.down_proj"
+    if kind == "linear_fc1":
+        if gate_up in reader:  # [E, 2 x ffn, hidden]: gate rows, then up rows
+            rows = block(ffn)
+            up = slice(ffn + rows.start, ffn + rows.stop)
+            return torch.cat([reader.read(gate_up, (e, rows)), reader.read(gate_up, (e, up))], dim=0)
+        parts = [reader.read(f"{h}mlp.experts.{e}.{p}_proj.weight", (block(ffn),)) for p in ("gate", "up")]
+        return torch.cat(parts, dim=0)
+    if down in reader:  # [E, hidden, ffn]
+        return reader.read(down, (e, slice(None), block(ffn)))
+    return reader.read(f"{h}mlp.experts.{e}.down_proj.weight", (slice(None), block(ffn)))
 
 
 def megatron_to_hf(shards: list[StateDict], hf_config: Any, ep_size: int = 1) -> StateDict:

@@ -13,9 +13,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
-QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")  # RMSNorm over each head's queries and keys
-MOE_MODEL_TYPES = ("qwen3_moe",)
+from rlhpc.actor.megatron.support import MOE_MODEL_TYPES, QK_NORM_MODEL_TYPES, Rope, check_supported, rope_of
 
 
 def is_moe(hf_config: Any) -> bool:
@@ -26,11 +24,6 @@ def num_experts(hf_config: Any) -> int:
     return int(getattr(hf_config, "num_experts", 0) or 0) if is_moe(hf_config) else 0
 
 
-def _check_moe(hf_config: Any) -> None:
-    if getattr(hf_config, "mlp_only_layers", None) or getattr(hf_config, "decoder_sparse_step", 1) != 1:
-        raise NotImplementedError("Qwen3-MoE with dense layers (mlp_only_layers, decoder_sparse_step != 1)")
-
-
 def _define_missing_te_names() -> None:
     """megatron-core 0.16's router gating reads ``te_general_gemm``, which its ``moe_utils`` only
     defines when Transformer Engine imports: without TE a MoE forward raises NameError. None is
@@ -39,19 +32,6 @@ def _define_missing_te_names() -> None:
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
-
-
-def rope_theta(hf_config: Any) -> float:
-    """RoPE base from either the old (``rope_theta``) or new (``rope_parameters``) HF config layout."""
-    params = getattr(hf_config, "rope_parameters", None) or {}
-    theta = params.get("rope_theta") if isinstance(params, dict) else None
-    if theta is None:
-        theta = getattr(hf_config, "rope_theta", 10000.0)
-    scaling = getattr(hf_config, "rope_scaling", None) or {}
-    rope_type = (params if isinstance(params, dict) else {}).get("rope_type") or scaling.get("rope_type", "default")
-    if rope_type not in ("default", None):
-        raise NotImplementedError(f"rope_type {rope_type!r} is not supported yet")
-    return float(theta)
 
 
 def padded_vocab_size(vocab_size: int, tp_size: int, divisible_by: int = 128) -> int:
@@ -73,14 +53,8 @@ def transformer_config(
     """
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    if hf_config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise NotImplementedError(f"model_type {hf_config.model_type!r}; supported: {SUPPORTED_MODEL_TYPES}")
-    if getattr(hf_config, "hidden_act", "silu") != "silu":
-        raise NotImplementedError(f"hidden_act {hf_config.hidden_act!r}")
-    if hf_config.model_type in QK_NORM_MODEL_TYPES and getattr(hf_config, "attention_bias", False):
-        raise NotImplementedError("Qwen3 with attention_bias (q/k/v and o_proj biases)")
-    if getattr(hf_config, "use_sliding_window", False):
-        raise NotImplementedError("sliding-window attention")
+    # what the preflight refused at submit, checked again for a model that got here another way
+    check_supported(hf_config.to_dict(), pp_size, getattr(hf_config, "name_or_path", "") or "this model")
     heads = hf_config.num_attention_heads
     kwargs: dict[str, Any] = dict(
         num_layers=hf_config.num_hidden_layers,
@@ -128,7 +102,6 @@ def transformer_config(
             # always, which pairs them wrongly at PP=2 as above.)
             kwargs.update(variable_seq_lengths=True, moe_token_dispatcher_type="alltoall")
     if is_moe(hf_config):
-        _check_moe(hf_config)
         kwargs.update(
             num_moe_experts=hf_config.num_experts,
             moe_ffn_hidden_size=hf_config.moe_intermediate_size,
@@ -146,7 +119,19 @@ def transformer_config(
             moe_token_dispatcher_type="allgather",
         )
     kwargs.update(overrides)
-    return TransformerConfig(**kwargs)
+    config = TransformerConfig(**kwargs)
+    rope = rope_of(hf_config.to_dict())
+    if rope.type == "yarn":
+        # GPTModel builds its YaRN embedding from these (no TransformerConfig fields: megatron's
+        # MLA config has them), and its attention scales q and k by the attention factor they give
+        m, m_all = rope.yarn_mscales()
+        config.yarn_rotary_scaling_factor = rope.yarn_factor(hf_config.max_position_embeddings)
+        config.yarn_original_max_position_embeddings = rope.params["original_max_position_embeddings"]
+        config.yarn_beta_fast = rope.params.get("beta_fast") or 32.0
+        config.yarn_beta_slow = rope.params.get("beta_slow") or 1.0
+        config.yarn_mscale, config.yarn_mscale_all_dim = m, m_all
+        config.yarn_correction_range_round_to_int = rope.params.get("truncate", True)
+    return config
 
 
 def build_gpt_model(
@@ -157,7 +142,8 @@ def build_gpt_model(
     vp_stage: int | None = None,
     **config_overrides: Any,
 ):
-    """An untied-embedding megatron ``GPTModel`` for ``hf_config`` (vocab padded, see ``padded_vocab_size``).
+    """A megatron ``GPTModel`` for ``hf_config`` (vocab padded, see ``padded_vocab_size``; tied
+    embeddings and RoPE scaling as the HF config says: ``_rope``).
 
     ``parallel_output=False`` gathers the logits over tensor-parallel ranks (full vocab on
     every rank); the default keeps them vocab-sharded as training wants. ``pp_size`` > 1: this
@@ -170,8 +156,6 @@ def build_gpt_model(
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
 
-    if getattr(hf_config, "tie_word_embeddings", False):
-        raise NotImplementedError("tied embeddings")
     vp = mpu.get_virtual_pipeline_model_parallel_world_size() if pp_size > 1 else None
     if vp is not None:
         config_overrides["virtual_pipeline_model_parallel_size"] = vp
@@ -184,16 +168,39 @@ def build_gpt_model(
         qk_layernorm=config.qk_layernorm,
         normalization="RMSNorm",
     )
-    return GPTModel(
+    rope = rope_of(hf_config.to_dict())
+    gpt = GPTModel(
         config=config,
         transformer_layer_spec=spec,
         vocab_size=padded_vocab_size(hf_config.vocab_size, tp_size),
         max_sequence_length=hf_config.max_position_embeddings,
         parallel_output=parallel_output,
-        share_embeddings_and_output_weights=False,
-        position_embedding_type="rope",
-        rotary_base=rope_theta(hf_config),
+        # tied: the output layer multiplies by the embedding (one pipeline stage: support.py)
+        share_embeddings_and_output_weights=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        position_embedding_type="yarn" if rope.type == "yarn" else "rope",
+        rotary_base=rope.theta,
+        # linear: positions divided by the factor (transformers divides the frequencies: the same angles)
+        seq_len_interpolation_factor=rope.params["factor"] if rope.type == "linear" else None,
         pre_process=pp_size == 1 or mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
         post_process=pp_size == 1 or mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
         vp_stage=vp_stage,
+    )
+    _rope(gpt, rope)
+    return gpt
+
+
+def _rope(gpt: Any, rope: Rope) -> None:
+    """Llama 3's frequency scaling with the model's own parameters. megatron-core 0.16's
+    ``rope_scaling`` flag fixes three of them (low/high frequency factors 1 and 4, original
+    context 8192, Llama 3.1's); its ``RotaryEmbedding._apply_scaling`` takes all four, and the
+    frequencies are read at each forward, so they are set once here, before any."""
+    if rope.type != "llama3":
+        return
+    p, emb = rope.params, gpt.rotary_pos_emb
+    emb.inv_freq = emb._apply_scaling(
+        emb.inv_freq,
+        factor=p["factor"],
+        low_freq_factor=p["low_freq_factor"],
+        high_freq_factor=p["high_freq_factor"],
+        original_max_position_embeddings=p["original_max_position_embeddings"],
     )

@@ -24,7 +24,8 @@ same data shard.
   data-parallel group (megatron's EP; the allgather token dispatcher), the router's
   load-balancing loss from megatron's router (in train mode only, so the MoE model trains in
   train mode: dropout is off, the function is the same) averaged over the step's micro-batches,
-  and logged as ``moe_load_balancing_loss``. Weight sync gathers the experts over the EP group.
+  and logged as ``moe_load_balancing_loss``. Weight sync gathers the experts over the EP group,
+  whose other data-parallel ranks join DP rank 0's push for it (``_send_weights``).
 * Pipeline parallelism (``actor.megatron.pipeline_model_parallel_size``): each stage holds
   layers / PP of the layers (megatron numbers them from 0 on every stage); a step's
   micro-batches, and the no-grad passes', go through megatron-core's schedule
@@ -54,20 +55,21 @@ from rlhpc.actor.megatron.convert import (
     expert_index,
     gather_ep_shards,
     gather_tp_shards,
-    hf_to_megatron,
     layer_index,
     load_into,
     megatron_full_to_hf,
+    model_state_dict,
     renumber_layer,
-    shard_for_pp,
+    shard_tensor,
+    to_global,
 )
-from rlhpc.actor.megatron.model import build_gpt_model, is_moe
+from rlhpc.actor.megatron.hf_reader import HFReader
+from rlhpc.actor.megatron.model import build_gpt_model, is_moe, num_experts
 from rlhpc.actor.offload import StorageOffloader
-from rlhpc.actor.rank import MicroBatch, RankBase
+from rlhpc.actor.rank import MicroBatch, RankBase, Rendezvous
 from rlhpc.actor.spec import ActorSpec
 from rlhpc.algo.grpo import AggNorm
 from rlhpc.errors import RlhpcError
-from rlhpc.model import load_model
 
 log = logging.getLogger(__name__)
 
@@ -113,9 +115,9 @@ class MegatronTrainWorker(RankBase):
 
     # ------------------------------------------------------------------ setup
 
-    def init_process_group(self, master_addr: str, master_port: int) -> None:
+    def init_process_group(self, rendezvous: Rendezvous) -> None:
         """Join torch.distributed, set up megatron's parallel state, build model, DDP and optimizer."""
-        self._join(master_addr, master_port)
+        self._join(rendezvous)
         if self.device.type == "cpu":
             from rlhpc.actor.megatron.cpu_shim import apply_cpu_shim
 
@@ -125,6 +127,10 @@ class MegatronTrainWorker(RankBase):
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
+        # bf16 where the hardware has it (actor.megatron.bf16: null), else as configured
+        has_bf16 = self.device.type == "cuda" and torch.cuda.is_bf16_supported()
+        self.bf16 = self.mcfg.uses_bf16(has_bf16)
+        self.dtype = torch.bfloat16 if self.bf16 else torch.float32
         tp, ep = self.mcfg.tensor_model_parallel_size, self.mcfg.expert_model_parallel_size
         pp = self.mcfg.pipeline_model_parallel_size
         if ep > 1 and not self.moe:
@@ -159,6 +165,9 @@ class MegatronTrainWorker(RankBase):
         self.ep_size, self.ep_rank = ep, mpu.get_expert_model_parallel_rank()
         self.ep_group = mpu.get_expert_model_parallel_group()
         self.etp_group = mpu.get_expert_tensor_parallel_group()  # the TP group of the experts (same size as TP)
+        # EP groups are carved out of the data-parallel ranks: the replicas of expert-data-parallel
+        # rank 0 (DP ranks 0 .. EP-1) hold DP rank 0's missing experts and join its weight gathers
+        self.edp_rank = mpu.get_expert_data_parallel_rank()
         self.dp_group = mpu.get_data_parallel_group()
         self.dp_size, self.dp_rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
         # Pipeline stages: megatron's rank order puts PP outermost, so this rank's stage is
@@ -170,12 +179,16 @@ class MegatronTrainWorker(RankBase):
         self.layers_per_chunk = layers // (pp * self.vp_size)
         self.first_stage, self.last_stage = self.pp_rank == 0, self.pp_rank == pp - 1
 
-        hf_sd = load_model(self.model_path).state_dict()
-        self.chunks = [self._build(hf_sd, v) for v in range(self.vp_size)]
-        if self.spec.needs_reference:
-            self.ref_chunks = [self._build(hf_sd, v).requires_grad_(False) for v in range(self.vp_size)]
+        # each rank reads only its own part of the checkpoint, tensor by tensor, in its dtype
+        reader = HFReader(self.model_path)
+        self.chunks = [self._load(self._build(v), reader, v) for v in range(self.vp_size)]
+        reader.close()
+        log.info("rank %d: read %.1f MB of the checkpoint (this rank's shard)", self.rank, reader.bytes_read / 2**20)
+        if self.spec.needs_reference:  # the same weights: copied from the policy, not read again
+            self.ref_chunks = [self._build(v).requires_grad_(False) for v in range(self.vp_size)]
+            for ref, chunk in zip(self.ref_chunks, self.chunks):
+                load_into(ref, model_state_dict(chunk))
             self.ref = self.ref_chunks[0]
-        del hf_sd
         self.gpt = self.chunks[0]
         if self.moe:
             # Experts count as expert-parallel (megatron's allreduce=False) at EP=1 too: their
@@ -206,13 +219,19 @@ class MegatronTrainWorker(RankBase):
                 adam_beta2=a.adam_betas[1],
                 adam_eps=a.adam_eps,
                 clip_grad=a.grad_clip,
-                bf16=self.mcfg.bf16,
-                params_dtype=torch.bfloat16 if self.mcfg.bf16 else torch.float32,
+                bf16=self.bf16,
+                params_dtype=self.dtype,
                 use_distributed_optimizer=self.mcfg.use_distributed_optimizer,
             ),
             self.models,
         )
         self.saver = TorchDistSave()
+        if self.rank == 0:
+            if self.mcfg.bf16 is not None:
+                why = f"actor.megatron.bf16: {str(self.mcfg.bf16).lower()}"
+            else:
+                why = "actor.megatron.bf16: null, " + ("the GPU has bf16" if has_bf16 else f"no bf16 on {self.device}")
+            log.info("megatron actor: %s weights, compute and pushes (%s)", "bf16" if self.bf16 else "fp32", why)
         log.info(
             "rank %d/%d: megatron TP %d/%d PP %d/%d (%d chunks) DP %d/%d EP %d/%d, %s on %s, %d params in this shard%s",
             self.rank,
@@ -243,8 +262,9 @@ class MegatronTrainWorker(RankBase):
         """The global index of model chunk ``chunk``'s first layer on this stage."""
         return (chunk * self.pp_size + self.pp_rank) * self.layers_per_chunk
 
-    def _build(self, hf_sd: dict[str, torch.Tensor], chunk: int = 0) -> torch.nn.Module:
-        dtype = torch.bfloat16 if self.mcfg.bf16 else torch.float32
+    def _build(self, chunk: int = 0) -> torch.nn.Module:
+        """Model chunk ``chunk`` of this rank (its TP/PP/EP part), in the actor's dtype, on its device."""
+        dtype = self.dtype
         moe: dict[str, Any] = {}
         if self.moe:
             moe = dict(
@@ -267,15 +287,36 @@ class MegatronTrainWorker(RankBase):
             # activations reach the last stage's loss scaled by this: the DP size, as the
             # single-stage backward scales its loss (MoE's aux loss takes it from here too)
             gpt.config.grad_scale_func = lambda t: t * self.dp_size
-        mg_sd = hf_to_megatron(hf_sd, self.hf_config, self.tp_size, self.tp_rank, self.ep_size, self.ep_rank)
-        first_chunk, last_chunk = self.first_stage and chunk == 0, self.last_stage and chunk == self.vp_size - 1
-        load_into(gpt, shard_for_pp(mg_sd, self._first_layer(chunk), self.layers_per_chunk, first_chunk, last_chunk))
         # All parameters in one dtype, as megatron's Float16Module does: the local spec's norms
         # are created in fp32 even for a bf16 model, and the optimizers' checkpoint mapping
         # assumes one dtype per model (mixed, it pairs Adam states with the wrong tensors).
         # eval(): no dropout, so the no-grad "old" pass and the training pass compute the same
         # function and the PPO ratio is exactly 1 before the first step.
         return gpt.to(self.device, dtype).eval()
+
+    def _load(self, gpt: torch.nn.Module, reader: HFReader, chunk: int) -> torch.nn.Module:
+        """Copy the checkpoint's weights into model chunk ``chunk``: each parameter's part
+        (``convert.shard_tensor``), read and copied one at a time, so the host holds one
+        tensor's slice beside the model, never the whole checkpoint."""
+        first_expert = self.ep_rank * num_experts(self.hf_config) // self.ep_size
+        with torch.no_grad():
+            for name, p in gpt.named_parameters():
+                where = to_global(name, self._first_layer(chunk), first_expert)
+                try:
+                    t = shard_tensor(reader, self.hf_config, where, self.tp_size, self.tp_rank)
+                except KeyError as e:
+                    raise RlhpcError(
+                        f"{self.model_path}: no weights for {where} ({e.args[0]})",
+                        "point model.path at a complete HF checkpoint whose config.json matches its safetensors",
+                    ) from e
+                if t.shape != p.shape:
+                    raise RlhpcError(
+                        f"{self.model_path}: {name} of this rank has shape {tuple(t.shape)} in the checkpoint, "
+                        f"the model's is {tuple(p.shape)}",
+                        "check that config.json matches the checkpoint's weights",
+                    )
+                p.copy_(t)
+        return gpt
 
     # ------------------------------------------------------------------ checkpoint
 
@@ -714,11 +755,10 @@ class MegatronTrainWorker(RankBase):
 
     # ------------------------------------------------------------------ HF view of the weights
 
-    def _hf_named(self, grads: bool) -> Iterator[tuple[str, torch.Tensor]]:
-        """The full weights (or reduced gradients) in HF names, one layer at a time: the TP
-        shards are gathered within each TP group and the pipeline stages' parts sent to every
-        stage, so peak extra memory is one layer. The same names in the same order at any
-        TP/PP/EP layout (the fingerprint compares across layouts)."""
+    def _layers(self) -> Iterator[list[tuple[str, torch.nn.Parameter]]]:
+        """This stage's parameters in the order every gather takes them: the non-layer tensors
+        (embedding, final norm, output layer), then layer 0, 1, ... of the whole model (empty
+        where another stage holds the layer), each named by its global layer number."""
         groups: dict[int | None, list[tuple[str, torch.nn.Parameter]]] = {}
         for v, chunk in enumerate(self.chunks):
             offset = self._first_layer(v)
@@ -729,10 +769,29 @@ class MegatronTrainWorker(RankBase):
                     (name if i is None else renumber_layer(name, i + offset), p)
                 )
         for key in [None, *range(self.hf_config.num_hidden_layers)]:
-            part = self._gathered(groups.get(key, []), grads)
+            yield groups.get(key, [])
+
+    def _hf_named(self, grads: bool) -> Iterator[tuple[str, torch.Tensor]]:
+        """The full weights (or reduced gradients) in HF names, one layer at a time: the TP
+        shards are gathered within each TP group, the experts over the EP group and the
+        pipeline stages' parts sent to every stage, so peak extra memory is one layer. The same
+        names in the same order at any TP/PP/EP layout (the fingerprint compares across layouts)."""
+        for params in self._layers():
+            part = self._gathered(params, grads)
             if self.pp_size > 1:
                 part = self._from_every_stage(part)
             yield from megatron_full_to_hf(part, self.hf_config).items()
+
+    def _send_weights(self, version: int) -> None:
+        """DP rank 0's replica gathers and rank 0 sends (``RankBase``). Its experts are gathered
+        over the EP group, which spans DP ranks 0 .. EP-1: those replicas take part in each of
+        these gathers, in the same order, and in nothing else (their dense weights are DP rank
+        0's; the TP gathers and pipeline broadcasts stay within DP rank 0's replica)."""
+        if self.dp_rank == 0:
+            return super()._send_weights(version)
+        if self.moe and self.ep_size > 1 and self.edp_rank == 0:
+            for params in self._layers():
+                self._gathered(params, grads=False, experts_only=True)
 
     def _from_every_stage(self, part: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The union of every pipeline stage's ``part`` (in the pipeline group; each stage
@@ -749,12 +808,17 @@ class MegatronTrainWorker(RankBase):
                 out[name] = t
         return out
 
-    def _gathered(self, params: list[tuple[str, torch.nn.Parameter]], grads: bool) -> dict[str, torch.Tensor]:
-        """This stage's ``params`` (one layer, or the non-layer tensors) gathered over TP and EP."""
+    def _gathered(
+        self, params: list[tuple[str, torch.nn.Parameter]], grads: bool, experts_only: bool = False
+    ) -> dict[str, torch.Tensor]:
+        """This stage's ``params`` (one layer, or the non-layer tensors) gathered over TP and EP
+        (``experts_only``: the experts alone, for a replica that only helps DP rank 0 gather them)."""
         full, experts = {}, {}
         for name, p in params:
-            t = self.offloader.host_view(p.main_grad if grads else p.detach()).to(self.device).contiguous()
             expert = expert_index(name) is not None
+            if experts_only and not expert:
+                continue
+            t = self.offloader.host_view(p.main_grad if grads else p.detach()).to(self.device).contiguous()
             if self.tp_size > 1:
                 shards = [torch.empty_like(t) for _ in range(self.tp_size)]
                 dist.all_gather(shards, t, group=self.etp_group if expert else self.tp_group)

@@ -22,11 +22,12 @@ while a batch runs) ends this server's process without an answer, as SGLang's se
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NoReturn
 
@@ -86,21 +87,91 @@ class RequireKey:
         await self.app(scope, receive, send)
 
 
+class ModelUpdateLock:
+    """SGLang's ``model_update_lock`` (``sglang/srt/utils/aio_rwlock.py``): every generation
+    request holds it shared from after the pause until answered; a weight call on an engine that
+    is not paused takes it alone, so it waits until every request in flight has finished, and a
+    request arriving meanwhile waits behind it (writers first)."""
+
+    def __init__(self) -> None:
+        self._cond = asyncio.Condition()
+        self.readers = 0
+        self._writer = False
+        self._waiting_writers = 0
+
+    @contextlib.asynccontextmanager
+    async def reader(self) -> AsyncIterator[None]:
+        async with self._cond:
+            await self._cond.wait_for(lambda: not self._writer and not self._waiting_writers)
+            self.readers += 1
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self.readers -= 1
+                self._cond.notify_all()
+
+    @contextlib.asynccontextmanager
+    async def writer(self) -> AsyncIterator[None]:
+        async with self._cond:
+            self._waiting_writers += 1
+            try:
+                await self._cond.wait_for(lambda: not self._writer and not self.readers)
+                self._writer = True
+            finally:
+                self._waiting_writers -= 1
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self._writer = False
+                self._cond.notify_all()
+
+    async def drained(self) -> None:
+        """Until no request holds the lock (SGLang's pause in mode abort waits for this)."""
+        async with self._cond:
+            await self._cond.wait_for(lambda: not self.readers)
+
+
 class Workers:
     """The engine's two worker threads: generation batches one at a time, and control calls
     (weights, memory) in arrival order. Routes hand their work to them and await it."""
 
-    def __init__(self) -> None:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
         self.gen = ThreadPoolExecutor(max_workers=1, thread_name_prefix="generate")
+        # an OpenAI request's chat template and rows: never on the event loop, which serves /health
+        self.prep = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prepare")
         self.ctl = ThreadPoolExecutor(max_workers=1, thread_name_prefix="control")
         self.ctl_queued = 0  # control calls handed to ctl and not yet back on the event loop
+        self.model_update = ModelUpdateLock()
+        self.resumed = asyncio.Event()  # cleared while generation is paused
+        self.resumed.set()
 
     @staticmethod
     async def on(pool: ThreadPoolExecutor, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
 
     async def generate(self, fn: Any, *args: Any) -> Any:
-        return await self.on(self.gen, fn, *args)
+        """A batch, as SGLang takes a request: after the pause, holding ``model_update`` shared."""
+        await self.resumed.wait()
+        async with self.model_update.reader():
+            self.engine.in_flight += 1
+            try:
+                return await self.on(self.gen, fn, *args)
+            finally:
+                self.engine.in_flight -= 1
+
+    async def weight_call(self, fn: Any, *args: Any, quick: bool = False) -> JSONResponse:
+        """A weight-update session call or update, as SGLang's tokenizer manager runs them: at
+        once on a paused engine, else holding ``model_update`` alone (after the requests in flight)."""
+        if not self.resumed.is_set():
+            return await self.success_route(fn, *args, quick=quick)
+        async with self.model_update.writer():
+            return await self.success_route(fn, *args, quick=quick)
+
+    async def prepare(self, fn: Any, *args: Any) -> Any:
+        return await self.on(self.prep, fn, *args)
 
     async def control(self, fn: Any, *args: Any, quick: bool = False) -> Any:
         """A control call, in order with the others. ``quick`` (a state flip, never blocking) runs
@@ -157,7 +228,7 @@ def build_app(
     app = FastAPI(openapi_url=None)
     if api_key is not None:
         app.add_middleware(RequireKey, api_key=api_key)
-    workers = Workers()
+    workers = Workers(engine)
     app.state.engine = engine
     app.state.flags = {"shutting_down": False}
 
@@ -172,7 +243,9 @@ def build_app(
     async def generate_items(items: list[Item], seq: int) -> list[dict[str, Any]]:
         return await workers.generate(engine.generate, items, seq)
 
-    add_openai_routes(app, engine, generate_items)  # behind the same key (the middleware covers every path)
+    add_openai_routes(
+        app, engine, generate_items, workers.prepare
+    )  # behind the same key (the middleware covers every path)
     return app
 
 
@@ -248,8 +321,14 @@ def _add_generation(app: FastAPI, engine: Engine, workers: Workers) -> None:
         return await workers.batch_route(request, "classify", run)
 
     @app.api_route(Route.FLUSH_CACHE, methods=["GET", "POST"])
-    async def flush_cache() -> Response:
-        # Nothing is cached between requests (no radix cache), so this always succeeds.
+    async def flush_cache(timeout: float = 0.0) -> Response:
+        # Nothing is cached between requests (no radix cache), but as SGLang's the flush goes
+        # through only on an idle engine (Engine.flushable); ``timeout``: wait that long for it.
+        deadline = asyncio.get_running_loop().time() + max(0.0, timeout)
+        while not engine.flushable():
+            if asyncio.get_running_loop().time() >= deadline:
+                return Response(content=P.FLUSH_FAILED, status_code=400)
+            await asyncio.sleep(0.01)
         return Response(content="Cache flushed.\n", status_code=200)
 
     @app.post(Route.PAUSE_GENERATION)
@@ -263,8 +342,10 @@ def _add_generation(app: FastAPI, engine: Engine, workers: Workers) -> None:
             return error_response(f"unknown pause mode {req.mode!r}")
         engine.pause_mode = req.mode
         engine.running.clear()
+        workers.resumed.clear()  # new requests wait before the model-update lock, as SGLang's
         if req.mode == "abort":
             engine.abort(abort_all=True)
+            await workers.model_update.drained()  # SGLang answers once none is left in flight
         # in_place/retract: the running batch waits between two decoding steps and goes on with
         # the weights loaded by then (retract: its KV cache recomputed with them, see Engine._step_hook)
         log.info("generation paused (%s)", req.mode)
@@ -273,6 +354,7 @@ def _add_generation(app: FastAPI, engine: Engine, workers: Workers) -> None:
     @app.post(Route.CONTINUE_GENERATION)
     async def continue_generation() -> JSONResponse:
         engine.running.set()
+        workers.resumed.set()
         log.info("generation continued")
         return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
 
@@ -295,19 +377,31 @@ def _add_weights_and_memory(app: FastAPI, engine: Engine, workers: Workers) -> N
 
     @app.post(Route.BEGIN_WEIGHT_UPDATE)
     async def begin_weight_update(req: P.BeginWeightUpdateReqInput) -> JSONResponse:
-        return await success(engine.begin_weight_update, req, quick=True)
+        return await workers.weight_call(engine.begin_weight_update, req, quick=True)
 
     @app.post(Route.END_WEIGHT_UPDATE)
     async def end_weight_update(req: P.EndWeightUpdateReqInput) -> JSONResponse:
-        return await success(engine.end_weight_update, quick=True)
+        return await workers.weight_call(engine.end_weight_update, quick=True)
 
     @app.post(Route.UPDATE_WEIGHTS_FROM_DISTRIBUTED)
     async def update_weights_from_distributed(req: P.UpdateWeightsFromDistributedReqInput) -> JSONResponse:
-        return await success(engine.update_from_distributed, req)
+        if req.abort_all_requests:  # before waiting for them, as SGLang
+            engine.abort(abort_all=True)
+        return await workers.weight_call(engine.update_from_distributed, req)
 
     @app.post(Route.UPDATE_WEIGHTS_FROM_TENSOR)
     async def update_weights_from_tensor(req: P.UpdateWeightsFromTensorReqInput) -> JSONResponse:
-        return await success(engine.update_from_tensor, req)
+        if req.abort_all_requests:  # before waiting for them, as SGLang
+            engine.abort(abort_all=True)
+        return await workers.weight_call(engine.update_from_tensor, req)
+
+    @app.post(Route.UPDATE_WEIGHT_VERSION)
+    async def update_weight_version(req: P.UpdateWeightVersionReqInput) -> JSONResponse:
+        if req.abort_all_requests:  # and then at once, without the lock (SGLang's route says so)
+            engine.abort(abort_all=True)
+        await workers.control(engine.set_weight_version, req.new_version, quick=True)
+        message = f"Weight version updated to {req.new_version}"
+        return JSONResponse({"success": True, "message": message, "new_version": req.new_version})
 
     @app.api_route(Route.GET_WEIGHTS_BY_NAME, methods=["GET", "POST"])
     async def get_weights_by_name(req: P.GetWeightsByNameReqInput) -> Any:

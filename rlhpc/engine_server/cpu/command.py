@@ -3,6 +3,8 @@ runs, and what a dry run shows."""
 
 from __future__ import annotations
 
+from rlhpc.util.processes import python_command
+
 MODULE = "rlhpc.engine_server.cpu"
 THREAD_DEFAULTS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}  # unless the job says: CI machines have two cores
 
@@ -20,7 +22,7 @@ def server_command(
     """``python -m rlhpc.engine_server.cpu ...`` on a port it picks (written to ``ready_file``).
     ``deterministic``: SGLang's ``--enable-deterministic-inference`` (seeds honoured)."""
     cmd = [
-        python, "-m", MODULE,
+        *python_command("-m", MODULE, python=python),
         "--model-path", model_path,
         "--host", host,
         "--port", "0",

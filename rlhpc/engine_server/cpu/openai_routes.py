@@ -14,6 +14,7 @@ chunks, all at the end. Field names: ``rlhpc.wire.openai_protocol``.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -24,10 +25,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
-from rlhpc.engine_server.cpu.requests import MAX_TOP_LOGPROBS, Item
+from rlhpc.engine_server.cpu.requests import MAX_TOP_LOGPROBS, Item, check_rows
 from rlhpc.engine_server.cpu.runner import Engine
 from rlhpc.wire.openai_messages import assistant_message, openai_error, sse_events, template_message
 from rlhpc.wire.openai_protocol import (
+    REQUEST_TEMPLATE_REFUSED,
     ChatCompletionRequest,
     CompletionRequest,
     OpenAIRoute,
@@ -39,10 +41,12 @@ from rlhpc.wire.tool_calls import parse_hermes
 log = logging.getLogger("rlhpc.cpu_server")
 
 Generate = Callable[[list[Item], int], Awaitable[list[dict[str, Any]]]]
+Prepare = Callable[..., Awaitable[Any]]
 
 
-def add_openai_routes(app: FastAPI, engine: Engine, generate: Generate) -> None:
-    """Serve the OpenAI routes on ``app``; ``generate(items, seq)`` runs a native batch."""
+def add_openai_routes(app: FastAPI, engine: Engine, generate: Generate, prepare: Prepare) -> None:
+    """Serve the OpenAI routes on ``app``; ``generate(items, seq)`` runs a native batch,
+    ``prepare(fn, *args)`` runs ``fn`` off the event loop (a request's rendering and rows)."""
 
     @app.get(OpenAIRoute.MODELS)
     async def models() -> dict[str, Any]:
@@ -66,7 +70,7 @@ def add_openai_routes(app: FastAPI, engine: Engine, generate: Generate) -> None:
         if bad:
             return openai_error(f"not supported by the CPU engine: {', '.join(bad)}; leave them out")
         try:
-            items, answer = build(req)
+            items, answer = await prepare(build, req)  # a template renders off the event loop
             outs = await generate(items, seq)
             body = answer(outs)
         except EngineError as e:
@@ -115,6 +119,7 @@ def _rows(
     ``seed``, choice k samples with seed + k: n choices of one seed would otherwise be n copies."""
     if req.n < 1:
         raise EngineError(f"n must be at least 1, got {req.n}")
+    check_rows(len(prompts) * req.n)  # before a row is built: n = 2,000,000 built them all first
     rows = [(p, k) for p in prompts for k in range(req.n)]
     body = {
         "input_ids": [p for p, _ in rows],
@@ -177,12 +182,27 @@ def render_chat(
     return [int(t) for t in ids]
 
 
+def check_template_kwargs(tokenizer: Any, kwargs: dict[str, Any] | None) -> None:
+    """``chat_template_kwargs`` are the template's variables: a template of the request's own is
+    refused (SGLang's rule), and so is a name of ``apply_chat_template``'s own arguments."""
+    if not kwargs:
+        return
+    if "chat_template" in kwargs:
+        raise EngineError(REQUEST_TEMPLATE_REFUSED)
+    own = set(inspect.signature(tokenizer.apply_chat_template).parameters) - {"kwargs"}
+    if clash := sorted(own & set(kwargs)):
+        raise EngineError(
+            f"chat_template_kwargs may not set {', '.join(clash)}: apply_chat_template's own arguments; leave them out"
+        )
+
+
 def _chat(engine: Engine, req: ChatCompletionRequest) -> tuple[list[Item], Callable[[list[dict]], dict]]:
     top = req.top_logprobs if req.logprobs else None
     if req.logprobs and not 0 <= (top or 0) <= MAX_TOP_LOGPROBS:
         raise EngineError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top}")
     if req.top_logprobs and not req.logprobs:
         raise EngineError("top_logprobs needs logprobs=true")
+    check_template_kwargs(engine.tokenizer, req.chat_template_kwargs)
     prompt = render_chat(engine.tokenizer, req.messages, req.tools, req.chat_template_kwargs)
     max_new = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     parse_tools = bool(req.tools) and req.tool_choice != "none"

@@ -79,6 +79,12 @@ def _per_item(value: Any, num: int, what: str) -> list[Any]:
     return [value] * num
 
 
+def check_rows(num: int) -> None:
+    """Refuse a batch of more than ``MAX_ROWS`` rows, before any is built."""
+    if num > MAX_ROWS:
+        raise EngineError(f"a batch of {num} rows (prompts x n) is more than the CPU engine takes at once ({MAX_ROWS})")
+
+
 def _inputs(
     body: dict[str, Any], limits: ModelLimits, encode: Callable[[str], list[int]]
 ) -> tuple[list[list[int]], bool]:
@@ -92,9 +98,13 @@ def _inputs(
             raise EngineError("input_ids cannot be empty.")
         single = isinstance(input_ids[0], int)
         prompts = [input_ids] if single else input_ids
+        check_rows(len(prompts))  # /classify had no cap at all
     else:
         single = isinstance(text, str)
         texts = [text] if single else text
+        if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
+            raise EngineError("text must be a string or a list of strings")
+        check_rows(len(texts))  # before one of them is encoded
         prompts = [encode(t) for t in texts]
     for p in prompts:
         if not isinstance(p, list) or not p or not all(isinstance(t, int) for t in p):
@@ -147,8 +157,7 @@ def normalize_generate(
     if n > 1 and single:
         single = False
     num = batch_size * n
-    if num > MAX_ROWS:
-        raise EngineError(f"a batch of {num} rows (prompts x n) is more than the CPU engine takes at once ({MAX_ROWS})")
+    check_rows(num)
     # SGLang repeats the whole batch n times: [p0, p1, p0, p1, ...]
     prompts = prompts * n
     param_list = [params] * num if isinstance(params, dict) else _per_item(params, batch_size, "sampling_params") * n

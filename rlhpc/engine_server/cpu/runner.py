@@ -37,6 +37,7 @@ from rlhpc.engine_server.cpu.sampling import RECOMPUTE, sample
 from rlhpc.model import is_classifier, load_classifier, load_model, load_tokenizer
 from rlhpc.weights.expert_names import checkpoint_named
 from rlhpc.weights.tensor_transport import (
+    FlatBucket,
     TensorPayloadError,
     adjacent_bytes,
     copy_bytes,
@@ -53,6 +54,8 @@ from rlhpc.wire.protocol import MetaInfo
 log = logging.getLogger("rlhpc.cpu_server")
 
 SERVER_VERSION = "rlhpc-cpu-engine-0.1"
+CLASSIFY_BATCH_TOKENS = 1 << 14  # tokens of one /classify forward (its inputs of one length ran at once)
+
 # The seed of a request without one on a deterministic engine (SGLang's SamplingBatchInfo)
 UNSEEDED_DETERMINISTIC_SEED = 42
 
@@ -120,12 +123,14 @@ class Engine:
         self.released: set[str] = set()
         self.stale: set[str] = set()  # parameters re-allocated but not re-sent since a resume
         self._shapes: dict[str, torch.Size] = {}  # of released parameters
+        self._table: dict[str, torch.Tensor] | None = None  # see _param_table
         self.groups: dict[str, dist.ProcessGroup] = {}
         self.group_devices: dict[str, torch.device] = {}  # where a group's broadcasts land
         self._scratch_buffers: dict[str, torch.Tensor] = {}  # per group: flattened buckets land here
         self._mapped: collections.deque = collections.deque(maxlen=2)  # see update_from_tensor
         self.busy = False
         self.last_progress = time.monotonic()  # a decoding step or a batch ended (what /health waits for)
+        self.in_flight = 0  # generation requests past the pause, not yet answered (see flushable)
         self.receiving = False  # an update from distributed is under way (waiting for or in its broadcast)
         self.steps: list[str] = []  # of the batch running (or last run): its decoding steps' versions
         self.update_session: str | None = None  # selector of the open weight-update session
@@ -182,11 +187,13 @@ class Engine:
             by_length[len(ids)].append(i)
         scores: list[list[float]] = [[] for _ in inputs]
         with self.model_lock:
-            for idx in by_length.values():
-                ids = torch.tensor([inputs[i] for i in idx], device=self.device)
-                hidden = self.model.base_model(input_ids=ids).last_hidden_state[:, -1]
-                for i, row in zip(idx, self.model.score(hidden).float().tolist()):
-                    scores[i] = row
+            for length, same in by_length.items():
+                step = max(1, CLASSIFY_BATCH_TOKENS // length)  # a forward's memory, whatever the batch
+                for idx in (same[k : k + step] for k in range(0, len(same), step)):
+                    ids = torch.tensor([inputs[i] for i in idx], device=self.device)
+                    hidden = self.model.base_model(input_ids=ids).last_hidden_state[:, -1]
+                    for i, row in zip(idx, self.model.score(hidden).float().tolist()):
+                        scores[i] = row
             self.last_progress = time.monotonic()
         return [
             {P.EMBEDDING: s, "meta_info": {MetaInfo.ID: f"classify-{i}", MetaInfo.PROMPT_TOKENS: len(ids)}}
@@ -375,24 +382,31 @@ class Engine:
     def _param_table(self) -> dict[str, torch.Tensor]:
         """The weights by the names a push sends (SGLang's): a fused expert parameter as views of
         its experts (``expert_names``), so a push in HF's in-memory names is refused as SGLang's
-        loader would drop it. With duplicates: a tied lm_head is addressable by either name."""
-        named = ((n, p.detach()) for n, p in self.model.named_parameters(remove_duplicate=False))
-        return dict(checkpoint_named(named))
+        loader would drop it. With duplicates: a tied lm_head is addressable by either name.
+        Kept until the parameters move (``release``, ``resume``)."""
+        if self._table is None:
+            named = ((n, p.detach()) for n, p in self.model.named_parameters(remove_duplicate=False))
+            self._table = dict(checkpoint_named(named))
+        return self._table
 
-    def load_weights(self, named: list[tuple[str, torch.Tensor]], version: str | None) -> None:
-        """Validate every tensor first, then copy all: an update applies fully or not at all."""
+    def load_weights(self, received: list[tuple[str, torch.Tensor]] | FlatBucket) -> None:
+        """Validate every tensor first, then copy all: an update applies fully or not at all.
+        Values are not checked (NaN would be loaded, as SGLang loads them): the trainer checks
+        what it sends, where the bytes are (``rlhpc.weights.base.SenderBase._checked``)."""
         table = self._param_table()
+        if isinstance(received, FlatBucket):
+            names, metas = received.names, zip(received.names, received.shapes, received.dtypes)
+        else:
+            names, metas = [n for n, _ in received], ((n, t.shape, t.dtype) for n, t in received)
         problems = []
-        for name, t in named:
+        for name, shape, dtype in metas:
             p = table.get(name)
             if p is None:
                 problems.append(f"unknown parameter {name!r}")
-            elif tuple(t.shape) != tuple(p.shape):
-                problems.append(f"{name}: shape {tuple(t.shape)} != engine's {tuple(p.shape)}")
-            elif t.dtype.is_floating_point != p.dtype.is_floating_point or t.is_complex():
-                problems.append(f"{name}: dtype {t.dtype} for the engine's {p.dtype}")  # int64 weights are a bug
-            elif t.dtype.is_floating_point and not bool(torch.isfinite(t).all()):
-                problems.append(f"{name}: holds NaN or infinite values")  # a diverged trainer: refused, named
+            elif tuple(shape) != tuple(p.shape):
+                problems.append(f"{name}: shape {tuple(shape)} != engine's {tuple(p.shape)}")
+            elif dtype.is_floating_point != p.dtype.is_floating_point or dtype.is_complex:
+                problems.append(f"{name}: dtype {dtype} for the engine's {p.dtype}")  # int64 weights are a bug
         if problems:
             raise EngineError(f"{len(problems)} bad tensor(s): " + "; ".join(problems[:5]))
         with self.model_lock:
@@ -400,9 +414,16 @@ class Engine:
                 raise EngineError("weights are released; resume_memory_occupation(['weights']) before updating")
             with torch.no_grad():
                 # a flat bucket into flat parameters of the same layout: one copy, not one per tensor
-                dst = adjacent_bytes([table[name].data for name, _ in named])
-                src = adjacent_bytes([t for _, t in named]) if dst is not None else None
-                if src is not None and all(t.dtype == table[name].dtype for name, t in named):
+                dst = adjacent_bytes([table[name].data for name in names])
+                if isinstance(received, FlatBucket):
+                    src = received.back_to_back() if dst is not None else None
+                    same = src is not None and all(d == table[n].dtype for n, d in zip(names, received.dtypes))
+                    named = [] if same else received.tensors()
+                else:
+                    src = adjacent_bytes([t for _, t in received]) if dst is not None else None
+                    same = src is not None and all(t.dtype == table[n].dtype for n, t in received)
+                    named = received
+                if same:
                     copy_bytes(dst, src)
                 else:
                     for name, t in named:
@@ -411,11 +432,36 @@ class Engine:
                 # copy_ is asynchronous on CUDA; the sender frees (or reuses) its IPC/broadcast
                 # memory as soon as we answer, so the copies must be done first.
                 torch.cuda.synchronize(self.device)
-            self.stale.difference_update(name for name, _ in named)
+            self.stale.difference_update(names)
             self._updates += 1
-            if version is not None:
-                self.weight_version = version
-        log.info("loaded %d tensor(s)%s", len(named), f"; weight_version {version}" if version is not None else "")
+        log.info("loaded %d tensor(s)", len(names))
+
+    def flushable(self) -> bool:
+        """Would SGLang's cache flush go through now? Its scheduler flushes only when fully idle
+        (``Scheduler.flush_cache``: no running batch, no queued request), and a pause in mode
+        ``retract`` or ``in_place`` makes it ignore the queue (``ignore_waiting``): ``retract``
+        moved the running requests there, ``in_place`` kept them running. ``in_flight``: requests
+        past the pause and not yet answered (``rlhpc.engine_server.cpu.app.Workers``)."""
+        if self.running.is_set() or self.pause_mode == "abort":
+            return self.in_flight == 0
+        return self.pause_mode == "retract" or not self.busy
+
+    def _finish_update(self, flush_cache: bool, version: str | None) -> str:
+        """After an update's weights are in: SGLang's cache flush (the last bucket asks for it),
+        which fails the update, weights loaded but no new version recorded, unless the engine is
+        idle (``flushable``); then the version. Returns the success message's version note."""
+        if flush_cache and not self.flushable():
+            raise EngineError(P.FLUSH_BUSY)
+        if version is None:
+            return ""
+        self.weight_version = version
+        log.info("weight_version %s", version)
+        return P.weight_version_note(version)
+
+    def set_weight_version(self, version: str) -> None:
+        """SGLang's /update_weight_version: the version alone (after a busy flush, see ``_finish_update``)."""
+        self.weight_version = version
+        log.info("weight_version %s (set alone)", version)
 
     def init_group(self, req: P.InitWeightsUpdateGroupReqInput) -> str:
         if req.group_name in self.groups:
@@ -488,14 +534,11 @@ class Engine:
             spans = flat_layout(dtypes, req.shapes) if req.load_format == P.FLATTENED_BUCKET else None
         except (AttributeError, TensorPayloadError) as e:  # refused before any broadcast: SGLang does too
             raise EngineError(f"bad tensor metadata: {e}") from e
-        if req.abort_all_requests:
-            self.abort(abort_all=True)
         device = self.group_devices[req.group_name]
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        note = P.weight_version_note(req.weight_version) if req.weight_version is not None else ""
         if spans is not None and self._receive_in_place(req, dtypes, pg, device):
-            return f"updated {len(req.names)} tensor(s) in place.{note}"
+            return f"updated {len(req.names)} tensor(s) in place.{self._finish_update(req.flush_cache, req.weight_version)}"
         received = []
         # Receive every tensor even if some will be refused: skipping one would desynchronise
         # the broadcast sequence for the trainer and every other engine in the group.
@@ -508,8 +551,8 @@ class Engine:
                 buf = torch.empty(shape, dtype=dtype, device=device)
                 dist.broadcast(buf, group_src=0, group=pg)
                 received.append((name, buf))
-        self.load_weights(received, req.weight_version)
-        return f"updated {len(received)} tensor(s).{note}"
+        self.load_weights(received)
+        return f"updated {len(received)} tensor(s).{self._finish_update(req.flush_cache, req.weight_version)}"
 
     def _scratch(self, group_name: str, size: int, device: torch.device) -> torch.Tensor:
         """A receive buffer kept per group: one bucket of memory, faulted in once, not per update."""
@@ -544,13 +587,7 @@ class Engine:
                 torch.cuda.synchronize(device)
             self.stale.difference_update(req.names)
             self._updates += 1
-            if req.weight_version is not None:
-                self.weight_version = req.weight_version
-        log.info(
-            "received %d tensor(s) in place%s",
-            len(req.names),
-            f"; weight_version {req.weight_version}" if req.weight_version is not None else "",
-        )
+        log.info("received %d tensor(s) in place", len(req.names))
         return True
 
     def update_from_tensor(self, req: P.UpdateWeightsFromTensorReqInput) -> str:
@@ -559,22 +596,22 @@ class Engine:
             raise EngineError(f"load_format {req.load_format!r} is not supported by the CPU engine")
         if not req.serialized_named_tensors:
             raise EngineError("serialized_named_tensors is empty")
-        if req.abort_all_requests:
-            self.abort(abort_all=True)
-        # this engine is TP rank 0 of 1; CUDA IPC handles only open on a GPU engine
+        # one payload per TP rank, each rank reads its own (SGLang's TpWorker.deserialize_own_rank):
+        # this engine is TP rank 0 of 1. CUDA IPC handles only open on a GPU engine
         read = deserialize_flat_bucket if req.load_format == P.FLATTENED_BUCKET else deserialize_named_tensors
         try:
             named = read(req.serialized_named_tensors[0], allow_cuda=self.device.type == "cuda")
         except TensorPayloadError as e:
             raise EngineError(str(e)) from e
-        self.load_weights(named, req.weight_version)
+        self.load_weights(named)
         # Hold on to the shared-memory segments of the last two requests: a sender's kept staging
         # buffer then maps from torch's cache next time, without a new mmap and a page fault per
         # 4 KiB; a sender's one-off segments are freed two requests later. (Not CUDA: an open IPC
         # handle would keep the sender's memory.)
-        self._mapped.append({t.untyped_storage().data_ptr(): t.untyped_storage() for _, t in named if not t.is_cuda})
-        note = P.weight_version_note(req.weight_version) if req.weight_version is not None else ""
-        return f"updated {len(named)} tensor(s).{note}"
+        flats = [named.flat] if isinstance(named, FlatBucket) else [t for _, t in named]
+        self._mapped.append({t.untyped_storage().data_ptr(): t.untyped_storage() for t in flats if not t.is_cuda})
+        count = len(named.names) if isinstance(named, FlatBucket) else len(named)
+        return f"updated {count} tensor(s).{self._finish_update(req.flush_cache, req.weight_version)}"
 
     def get_weights_by_name(self, name: str, truncate_size: int) -> list:
         with self.model_lock:
@@ -610,6 +647,7 @@ class Engine:
                 for name, p in self.model.named_parameters():
                     self._shapes[name] = p.shape
                     p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+                self._table = None
                 self._mapped.clear()  # shared-memory segments held for the next colocated push
                 self._scratch_buffers.clear()  # receive buffers: one bucket each
             # kv_cache, cuda_graph: sample() builds its cache per batch and frees it after, and
@@ -633,6 +671,7 @@ class Engine:
         with self.model_lock:
             if "weights" in tags:
                 flatten_parameters(self.model, self._shapes)
+                self._table = None
                 # by the names a push re-sends them under; a tied weight once, as named_parameters has it
                 named = ((n, p.detach()) for n, p in self.model.named_parameters())
                 self.stale.update(n for n, _ in checkpoint_named(named))
@@ -679,6 +718,8 @@ class Engine:
                     "paused": not self.running.is_set(),
                     "pause_mode": self.pause_mode,
                     "decode_steps": len(self.steps),  # of the running (or last) batch
+                    "requests_in_flight": self.in_flight,
+                    "running_batch": self.busy,
                     "released_tags": sorted(self.released),
                     "weights_bytes": self.weights_bytes(),
                     "weight_update_groups": sorted(self.groups),

@@ -21,9 +21,9 @@ import uvicorn
 import uvloop
 
 from rlhpc.engine_server.cpu.app import build_app
-from rlhpc.engine_server.cpu.guard import HEADER_TIMEOUT_S, guarded_protocol
 from rlhpc.engine_server.cpu.runner import Engine
 from rlhpc.util.files import write_atomic
+from rlhpc.util.http_guard import HEADER_TIMEOUT_S, connection_cap, guarded_protocol
 from rlhpc.wire import switches
 from rlhpc.wire.engine_key import read_key
 
@@ -85,7 +85,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log-level", default="INFO")
     p.add_argument(
         "--header-timeout-s", type=float, default=HEADER_TIMEOUT_S,
-        help="a connection that has not sent its first request's headers by then is closed",
+        help="a connection that has not sent a request's headers this long after its first byte (or the "
+        "connection's start) is closed",
+    )  # fmt: skip
+    p.add_argument(
+        "--max-connections", type=int, default=connection_cap(),
+        help="connections open at once; past it the longest idle one is closed (default: %(default)s)",
     )  # fmt: skip
     p.add_argument(
         "--api-key-file",
@@ -128,7 +133,7 @@ def main(argv: list[str] | None = None) -> None:
     # with h11 and asyncio's own loop, and a push or a rollout is a few of them.
     config = uvicorn.Config(
         app, log_level="warning", access_log=False, timeout_graceful_shutdown=3, lifespan="off",
-        timeout_keep_alive=300, http=guarded_protocol(args.header_timeout_s),
+        timeout_keep_alive=300, http=guarded_protocol(args.header_timeout_s, args.max_connections),
     )  # fmt: skip
     server = uvicorn.Server(config)
     if args.parent_pid:
