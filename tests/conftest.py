@@ -150,9 +150,14 @@ def model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
 def ray_cluster() -> Iterator[None]:
     import ray
 
+    from rlhpc.launch.local_ray import NO_PRESTART_ENV
+
+    os.environ.update(NO_PRESTART_ENV)  # as a local job's Ray: no idle workers nobody uses
     ray.init(num_cpus=4, num_gpus=4, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
+    for k in NO_PRESTART_ENV:
+        os.environ.pop(k, None)
 
 
 # =====================================================================================
