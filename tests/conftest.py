@@ -19,6 +19,9 @@ import pytest
 
 TESTS = Path(__file__).resolve().parent
 
+# In CI a skip for any reason but a missing CUDA device fails the run (tests/support/ci_skips.py).
+pytest_plugins = ["support.ci_skips"]
+
 
 # A job a test starts imports the test plugins (rewards, filters in tests/support) as a user's
 # job imports the user's own modules: from its PYTHONPATH.

@@ -764,6 +764,7 @@ class Engine:
                     "released_tags": sorted(self.released),
                     "weights_bytes": self.weights_bytes(),
                     "weight_update_groups": sorted(self.groups),
+                    "weight_update_session": self.update_session is not None,
                     "receiving_weights": self.receiving,
                     **(
                         {"cuda_memory_reserved_bytes": torch.cuda.memory_reserved(self.device)}
