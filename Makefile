@@ -2,19 +2,26 @@
 # make test-fast runs the unit tests only, for everyday work.
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
-# A CPU build of torch serves the embedded default and the tests; on a GPU cluster install
-# the CUDA build instead (e.g. make install TORCH=torch==2.13.0 with your site's index).
+# Every package is installed through the pins of constraints/cpu.txt: a fresh clone gets what CI
+# tested. torch==2.13.0 from PyPI is its CUDA build on Linux x86_64 (several GB with its NVIDIA
+# libraries; it runs on the CPU too). TORCH_INDEX: an index for torch alone, e.g. PyTorch's CPU
+# one (README, "Set up and run"); empty: PyPI, as pip is set up.
+# A GPU cluster installs the GPU stack through constraints/gpu.txt instead (docs/getting-started.md).
 TORCH  ?= torch==2.13.0
+TORCH_INDEX ?=
+CONSTRAINTS ?= constraints/cpu.txt
+PIP_VERSION := 26.3
 
 .PHONY: install run test test-fast lint bench clean-runs
 
 install: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
+	@bash .ci/check_machine.sh install
 	python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q "pip==$(PIP_VERSION)"
+	$(PY) -m pip install -q -c $(CONSTRAINTS) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH)"
+	$(PY) -m pip install -q -c $(CONSTRAINTS) -e ".[test]"
 	touch $@
 
 # SGLang's sources, NOT installed (it needs CUDA): tests read its request fields and flags from the wheel.
@@ -32,6 +39,7 @@ run: install
 # Two workers: the Slurm tests on one, the other modules on the other (tests/conftest.py says why);
 # every test's time and each module's total listed at the end (docs/development.md keeps the slowest).
 test: install $(SGLANG_WHEEL_STAMP)
+	@bash .ci/check_machine.sh test
 	bash .ci/install_slurm.sh
 	$(PY) -m pytest -q -n 2 --no-loadscope-reorder --durations=0
 

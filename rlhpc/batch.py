@@ -47,6 +47,13 @@ class RolloutBatch:
     truncated: list[bool] = _dumped("truncated", "bool", optional=True)
     # A teacher (issue 30): each response token's logprob under it (empty without one).
     teacher_logprobs: list[list[float]] = _dumped("teacher_logprobs", "float32", optional=True)
+    # A vision-language model's: per sample, its prompt's images (``rlhpc.wire.images.ImageRef``;
+    # a prompt's samples share the objects); empty without images. The actor computes their
+    # pixel values and grid sizes with the model's image processor per micro-batch: the encoded
+    # image is 10-100x smaller than its pixels, and a group's n samples carry one. A dump keeps
+    # each distinct image once (its source; its bytes only where no file has them) and each
+    # sample's indices into that table (``rlhpc.metrics``), never a copy per sample.
+    images: list[list[Any]] = _dumped("image_index", "int32", optional=True)
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
@@ -66,13 +73,20 @@ class RolloutBatch:
         return [getattr(self, f.name) for f in fields(self)]
 
     def state_dict(self) -> dict[str, Any]:
-        """Every field by its name (a checkpoint's pending rollouts, ``rlhpc.schedule``)."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        """Every field by its name (a checkpoint's pending rollouts, ``rlhpc.schedule``); images as
+        plain values (it is loaded with ``weights_only``)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["images"] = [[ref.state() for ref in refs] for refs in self.images]
+        return out
 
     @classmethod
     def from_state_dict(cls, d: dict[str, Any]) -> RolloutBatch:
         """The batch of a ``state_dict``; optional fields an older checkpoint lacks are empty."""
-        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
+        from rlhpc.wire.images import ImageRef  # late: only a vision-language run's checkpoint has any
+
+        out = cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
+        out.images = [[ImageRef.from_state(r) for r in refs] for refs in out.images]
+        return out
 
     def to_padded(self, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Right-padded ``input_ids``, ``attention_mask`` [N, L] and ``loss_mask`` [N, L-1].

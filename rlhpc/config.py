@@ -327,8 +327,9 @@ class TinyModelConfig(Section):
 
     SECTION: ClassVar[str] = "model.tiny"
 
-    # The HF model type: Llama, Qwen2 (qkv bias), Qwen3 (QK-norm), Qwen3-MoE (QK-norm, routed experts).
-    architecture: Literal["llama", "qwen2", "qwen3", "qwen3_moe"] = "llama"
+    # The HF model type: Llama, Qwen2 (qkv bias), Qwen3 (QK-norm), Qwen3-MoE (QK-norm, routed experts),
+    # Qwen2.5-VL (a vision-language model: a two-block vision tower, images in prompts; tokenizer bpe).
+    architecture: Literal["llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_5_vl"] = "llama"
     # "char": one token per character, with a BOS. "bpe": a byte-level BPE trained on the tasks'
     # text, shaped as Qwen's ships (no BOS, ChatML special tokens and chat template, every byte).
     tokenizer: Literal["char", "bpe"] = "char"
@@ -357,6 +358,12 @@ class TinyModelConfig(Section):
             "moe_intermediate_size",
         )
         self._at_least(1, *sizes)
+        if self.architecture == "qwen2_5_vl" and self.tokenizer != "bpe":
+            self._refuse(
+                "tokenizer",
+                "has no chat template or vision tokens, which the qwen2_5_vl architecture needs",
+                "set model.tiny.tokenizer: bpe",
+            )
         if self.num_experts_per_tok > self.num_experts:
             self._refuse(
                 "num_experts_per_tok",
@@ -409,6 +416,9 @@ class DataConfig(Section):
     eval_file: str | None = None  # the eval set's file, read as train_file is (None: the task's own eval rows)
     prompt_key: str = "prompt"  # where a row's prompt is (text or chat messages); dotted for nested fields
     label_key: str = "answer"  # where its label is (verl's files: reward_model.ground_truth)
+    # Where a row's images are (verl's: images; a list of bytes, paths or {"bytes", "path"}), one
+    # <image> in its prompt messages per image; a file without the column is text only (docs/guides/multimodal.md).
+    image_key: str = "images"
     num_train: int = 100  # rows the task generates for training (without train_file)
     num_eval: int = 100  # rows the task generates for evaluation (without eval_file)
     # Longer prompts are dropped at load, counted in the log (None: the model's context length
@@ -612,7 +622,7 @@ class SGLangConfig(Section):
     SECTION: ClassVar[str] = "rollout.sglang"
 
     mem_fraction_static: float = 0.7  # GPU memory for weights + KV cache (colocate: leave room for the actor)
-    router: bool = True  # put sglang_router in front of the engines for generation
+    router: bool = True  # put sglang_router in front of the engines for generation (CPU engines too)
     extra_args: list[str] = field(default_factory=list)  # passed to sglang.launch_server as they are
 
     def check(self) -> None:
@@ -991,6 +1001,9 @@ class ActorConfig(Section):
     # rank silent for this long is taken as hung, the call fails naming it and the job requeues
     # (checkpoint.requeue_on_failure). Generous: a whole train step or checkpoint save must fit.
     call_timeout_s: float = 3600.0
+    # A vision-language model's vision tower (docs/guides/multimodal.md): false trains it with the
+    # language model (verl's default); true keeps it as loaded (no gradients, no optimizer state).
+    freeze_vision_tower: bool = False
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
 
     def check(self) -> None:

@@ -25,6 +25,7 @@ from rlhpc.cluster.layout import plan_layout, summarize_layout
 from rlhpc.cluster.placement import create_placement
 from rlhpc.config import DEFAULT_EVAL_SET, Config, EvalSetConfig, config_to_dict, eval_split
 from rlhpc.data.buffer import load_eval_sets, load_train
+from rlhpc.data.images import Vision, load_vision
 from rlhpc.data.prompts import PromptPrep, prepare_prompts
 from rlhpc.data.tasks import TASKS
 from rlhpc.metric_names import eval_name
@@ -60,10 +61,11 @@ class Timer(dict):
         self[f"time/{name}"] = self.get(f"time/{name}", 0.0) + time.perf_counter() - start
 
 
-def prompt_prep(cfg: Config, tokenizer: Any, context: int | None) -> PromptPrep:
+def prompt_prep(cfg: Config, tokenizer: Any, context: int | None, vision: Vision | None = None) -> PromptPrep:
     """Chat rows rendered, and each split's prompts held to ``data.max_prompt_tokens`` or what the
     context leaves after the split's ``max_new_tokens`` (no limit when neither is known). The
-    splits: ``train`` and each eval set's (``eval_split``)."""
+    splits: ``train`` and each eval set's (``eval_split``). ``vision``: a vision-language model's
+    image processor (rows with images are rendered with their image tokens)."""
     sets = cfg.eval.resolved_sets(cfg.data, cfg.rollout)
     new = {
         "train": cfg.rollout.max_new_tokens,
@@ -73,12 +75,14 @@ def prompt_prep(cfg: Config, tokenizer: Any, context: int | None) -> PromptPrep:
     # an episode's prompt leaves room for all its turns
     if cfg.rollout.env or cfg.rollout.tools or TASKS[cfg.data.task].env:
         new = dict.fromkeys(new, cfg.rollout.max_episode_tokens)
+    r = cfg.rollout
+    multi_turn = bool(r.env or r.tools or r.generate_fn or r.agent or TASKS[cfg.data.task].env)
     limits: dict[str, int] | None = None
     if cfg.data.max_prompt_tokens is not None:
         limits = dict.fromkeys(new, cfg.data.max_prompt_tokens)
     elif context is not None:
         limits = {split: context - n for split, n in new.items()}
-    return prepare_prompts(tokenizer, cfg.data, limits)
+    return prepare_prompts(tokenizer, cfg.data, limits, vision, single_turn=not multi_turn)
 
 
 def evaluate_sets(
@@ -140,7 +144,7 @@ class TrainLoop:
             self.placement = create_placement(layout.num_slots, layout.slot_groups if layout.heterogeneous else None)
         model_path = staged.get(run.model_path(cfg))
         tokenizer = load_tokenizer(model_path)
-        self._load_data(tokenizer, context_length(model_path))
+        self._load_data(tokenizer, context_length(model_path), load_vision(model_path))
         self.schedule = self._make_schedule()
         pool_stop = self.schedule.abort  # the engines drop generation in flight when the schedule says so
 
@@ -193,11 +197,11 @@ class TrainLoop:
         # when the loop began (``begin``): the start-up phase ``first_rollout`` counts from there
         self.loop_began = time.monotonic()
 
-    def _load_data(self, tokenizer: Any, context: int | None) -> None:
+    def _load_data(self, tokenizer: Any, context: int | None, vision: Vision | None) -> None:
         """The training rows in their order (a pure function of seed and rollout id), the eval sets,
         and how many rollouts the run has."""
         cfg = self.cfg
-        prepare = prompt_prep(cfg, tokenizer, context)
+        prepare = prompt_prep(cfg, tokenizer, context, vision)
         self.buffer = load_train(cfg.data, cfg.rollout.rollout_batch_size, cfg.seed, prepare)
         self.eval_sets = cfg.eval.resolved_sets(cfg.data, cfg.rollout)
         self.eval_rows = load_eval_sets(cfg.data, self.eval_sets, prepare)

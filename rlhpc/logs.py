@@ -32,8 +32,13 @@ def setup_logging(level: str = "INFO") -> Console:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     logging.getLogger("submitit").propagate = False  # it has its own handler; avoid every line twice
     warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
-    from transformers.utils import logging as hf_logging
+    # transformers' own chatter off, without importing it here (it imports torch: seconds on a
+    # login node that may need neither): read at its import, also by the processes started from
+    # here; its progress bars are turned off where models are loaded (rlhpc.model).
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
     return console

@@ -27,6 +27,7 @@ from rlhpc.errors import RlhpcError
 from rlhpc.metric_names import eval_means, undocumented, upgrade_eval_record
 from rlhpc.run_dir import RunDir
 from rlhpc.util.files import disk_full, disk_space, write_atomic
+from rlhpc.wire.images import ImageRef
 
 if TYPE_CHECKING:  # status reads metrics on the login node, without torch
     from rlhpc.batch import RolloutBatch
@@ -248,6 +249,9 @@ def _dump_bytes(rollout_id: int, batch: RolloutBatch, texts: dict[str, list[str]
             name, dtype = fld.metadata["dump"], fld.metadata.get("dtype")
             if fld.default_factory is not dataclasses.MISSING and not value:
                 continue  # an optional field, unknown for this rollout
+            if fld.name == "images":
+                _image_table(f, value)
+                continue
             if fld.type == "int":
                 f.attrs[name] = value  # group_size
             elif fld.type == "torch.Tensor":  # by its annotation: status reads dumps without torch
@@ -259,6 +263,27 @@ def _dump_bytes(rollout_id: int, batch: RolloutBatch, texts: dict[str, list[str]
         for name, values in texts.items():
             f.create_dataset(name, data=[readable(v) for v in values], dtype=h5py.string_dtype())
     return buf.getbuffer()
+
+
+def _image_table(f: h5py.File, images: list[list]) -> None:
+    """A rollout's images, each distinct one once: ``image_source`` (where it came from),
+    ``image_bytes`` (its encoded bytes where no file has it: a generated image; empty otherwise),
+    and per sample ``image_index`` into them, in its prompt's order."""
+
+    def key(ref: ImageRef) -> tuple:  # a group's samples share one image (its bytes one object, also once resumed)
+        return ref.source, ref.path, id(ref.data)
+
+    index: dict[tuple, int] = {}
+    table: list = []
+    for refs in images:
+        for ref in refs:
+            if key(ref) not in index:
+                index[key(ref)] = len(table)
+                table.append(ref)
+    f.create_dataset("image_source", data=[readable(r.source) for r in table], dtype=h5py.string_dtype())
+    empty = np.zeros(0, np.uint8)
+    _ragged(f, "image_bytes", [empty if r.durable else np.frombuffer(r.read(), np.uint8) for r in table], np.uint8)
+    _ragged(f, "image_index", [[index[key(r)] for r in refs] for refs in images], np.int32)
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")

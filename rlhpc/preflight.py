@@ -21,7 +21,9 @@ from rlhpc.cluster.memory import check_fits
 from rlhpc.config import Config
 from rlhpc.data.dynamic_sampling import resolve_filter
 from rlhpc.data.files import check_exist, check_rows
-from rlhpc.data.tasks import check_scored, check_task, task_env
+from rlhpc.data.images import is_vision_model
+from rlhpc.data.tasks import TASKS, check_scored, check_task, task_env
+from rlhpc.errors import ConfigError
 from rlhpc.rollout.episodes import check_env
 from rlhpc.rollout.scoring import check_reward
 from rlhpc.rollout.trajectories import check_custom
@@ -54,6 +56,7 @@ def check(cfg: Config) -> None:
 
         resolve_judge(cfg.reward_model)
     config.check_model(cfg)
+    check_vision(cfg)
     check_megatron_model(cfg)
     _check_data(cfg)
     r, env = cfg.rollout, task_env(cfg.data, cfg.rollout)
@@ -67,6 +70,34 @@ def check(cfg: Config) -> None:
     check_fits(cfg)  # last: the estimate reads the layout and the model's shape checked above
 
 
+def check_vision(cfg: Config) -> None:
+    """A vision-language model trains with the torch actor; the squares task needs one; images
+    are single-turn (an episode, a generate function or an agent cannot take them yet)."""
+    tiny = cfg.model.tiny
+    vlm = tiny.architecture == "qwen2_5_vl" if tiny is not None else is_vision_model(cfg.model.path)
+    model = "model.tiny.architecture = qwen2_5_vl" if tiny is not None else f"model.path {cfg.model.path}"
+    if vlm and cfg.actor.backend == "megatron":
+        raise ConfigError(
+            f"{model} is a vision-language model, which the megatron actor cannot train yet (its model "
+            "builder has no vision tower)",
+            "use actor.backend: torch (docs/guides/multimodal.md)",
+        )
+    task = TASKS[cfg.data.task]
+    if task.images and cfg.data.train_file is None and not vlm:
+        raise ConfigError(
+            f"data.task = {cfg.data.task} shows the model pictures, but {model} takes none",
+            "set model.tiny.architecture: qwen2_5_vl and model.tiny.tokenizer: bpe, or a vision-language model.path",
+        )
+    r = cfg.rollout
+    multi = r.env or r.tools or r.generate_fn or r.agent or task.env
+    if task.images and multi:
+        raise ConfigError(
+            f"data.task = {cfg.data.task} has images, which multi-turn rollouts (rollout.env, tools, a "
+            "generate function, an agent) cannot take yet",
+            "run it single-turn (unset rollout.env, rollout.tools, rollout.generate_fn, rollout.agent)",
+        )
+
+
 def _check_data(cfg: Config) -> None:
     """The data files exist, are scored by a reward that knows them, and read; the reward imports;
     the dynamic sampling filter resolves."""
@@ -75,7 +106,9 @@ def _check_data(cfg: Config) -> None:
     check_exist(files)
     check_scored(cfg.data, files, task_env(cfg.data, cfg.rollout))
     config.check_chat_template(cfg)
-    check_rows(files, cfg.data.chat_template)  # a bad file is refused here, at submit, not after the queue wait
+    check_rows(
+        files, cfg.data.chat_template, cfg.data.image_key
+    )  # a bad file is refused here, at submit, not after the queue wait
     check_reward(cfg.data)
     if cfg.rollout.dynamic_sampling.filter is not None:
         resolve_filter(cfg.rollout.dynamic_sampling.filter)

@@ -39,17 +39,21 @@ A sweep dir (``--sweep``, SweepDir) holds one run dir per task and the array's o
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import importlib.metadata
 import json
 import os
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
-from rlhpc.config import Config, config_to_dict, dump_config
+from rlhpc.config import Config, TinyModelConfig, config_to_dict, dump_config
 from rlhpc.errors import RunDirError
-from rlhpc.util.files import apply_access, write_atomic
+from rlhpc.util.files import apply_access, private_dir, write_atomic
 
 # Changing these between submissions of the same run keeps a resume meaningful.
 RESUMABLE_CHANGES = (
@@ -275,17 +279,11 @@ class RunDir:
 
         write_atomic(self.layout_file, describe_layout(plan_layout(cfg.cluster, cfg.reward_model, cfg.teacher)) + "\n")
         if cfg.model.tiny is not None and not self.base_model.exists():
-            from rlhpc.model import build_tiny_model
-
-            build_tiny_model(self.base_model, cfg.model.tiny)
+            tiny_model(self.base_model, cfg.model.tiny)
         if cfg.reward_model is not None and cfg.reward_model.tiny is not None and not self.reward_model.exists():
-            from rlhpc.model import build_tiny_model
-
-            build_tiny_model(self.reward_model, cfg.reward_model.tiny, classifier=cfg.reward_model.kind == "classifier")
+            tiny_model(self.reward_model, cfg.reward_model.tiny, classifier=cfg.reward_model.kind == "classifier")
         if cfg.teacher is not None and cfg.teacher.tiny is not None and not self.teacher_model.exists():
-            from rlhpc.model import build_tiny_model
-
-            build_tiny_model(self.teacher_model, cfg.teacher.tiny)
+            tiny_model(self.teacher_model, cfg.teacher.tiny)
         self.logs.mkdir(exist_ok=True)
 
     def mark_finished(self, summary: dict) -> None:
@@ -328,3 +326,57 @@ class SweepDir:
 
     def __str__(self) -> str:
         return str(self.path)
+
+
+def tiny_model(out: Path, tiny: TinyModelConfig, classifier: bool = False) -> None:
+    """A tiny model written to ``out``: copied from this user's cache when one of the same
+    config was built before, else built (``rlhpc.model.build_tiny_model``) and cached. The build
+    is deterministic in its config, so a copy is the same bytes; a hit spares the submitting
+    process torch's and transformers' imports (seconds on a login node, each job). The key
+    holds the builder's source and the library versions that shape the files; the cache is
+    ``$RLHPC_CACHE_DIR`` or ``~/.cache/rlhpc``, 0700 (``private_dir``: nobody else's files)."""
+    cache = tiny_cache_dir()
+    key = tiny_model_key(tiny, classifier)
+    hit = cache / key if cache is not None else None
+    if hit is None or not hit.is_dir():
+        from rlhpc.model import build_tiny_model
+
+        if hit is None:
+            build_tiny_model(out, tiny, classifier=classifier)
+            return
+        built = build_tiny_model(cache / f"{key}.{os.getpid()}", tiny, classifier=classifier)
+        try:
+            built.rename(hit)  # whole or not at all; a concurrent build of the same key wins alike
+        except OSError:
+            shutil.rmtree(built, ignore_errors=True)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(hit, tmp)
+    tmp.rename(out)
+
+
+def tiny_cache_dir() -> Path | None:
+    """This user's cache of tiny models, or None where there is no home to keep one in."""
+    root = Path(os.environ.get("RLHPC_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache") / "rlhpc")
+    root = root.expanduser()
+    try:
+        root.parent.mkdir(parents=True, exist_ok=True)
+        return private_dir(private_dir(root) / "tiny")
+    except OSError:
+        return None  # a read-only or missing home: build into the run dir as before
+
+
+def tiny_model_key(tiny: TinyModelConfig, classifier: bool) -> str:
+    h = hashlib.sha256(json.dumps(dataclasses.asdict(tiny), sort_keys=True).encode())
+    h.update(b"classifier" if classifier else b"causal")
+    h.update(_builder_source())
+    for lib in ("torch", "transformers", "tokenizers", "safetensors"):
+        h.update(f"{lib}={importlib.metadata.version(lib)}".encode())
+    return h.hexdigest()[:32]
+
+
+def _builder_source() -> bytes:
+    """The builder's source and the tasks' (the BPE vocabulary is trained on their text), read
+    without importing them (they import torch)."""
+    here = Path(__file__).resolve().parent
+    return b"".join((here / f).read_bytes() for f in ("model.py", "data/tasks.py", "data/code.py", "data/guess.py"))

@@ -19,6 +19,9 @@ import pytest
 
 TESTS = Path(__file__).resolve().parent
 
+# In CI a skip for any reason but a missing CUDA device fails the run (tests/support/ci_skips.py).
+pytest_plugins = ["support.ci_skips"]
+
 
 # A job a test starts imports the test plugins (rewards, filters in tests/support) as a user's
 # job imports the user's own modules: from its PYTHONPATH.
@@ -147,9 +150,14 @@ def model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
 def ray_cluster() -> Iterator[None]:
     import ray
 
+    from rlhpc.launch.local_ray import NO_PRESTART_ENV
+
+    os.environ.update(NO_PRESTART_ENV)  # as a local job's Ray: no idle workers nobody uses
     ray.init(num_cpus=4, num_gpus=4, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
+    for k in NO_PRESTART_ENV:
+        os.environ.pop(k, None)
 
 
 # =====================================================================================

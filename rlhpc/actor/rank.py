@@ -125,6 +125,9 @@ class MicroBatch:
     teacher_logprobs: torch.Tensor | None = None  # [N, L-1] the teacher's (a teacher section only)
     positions: torch.Tensor | None = None  # packed: [1, T] position ids, from 0 in each sample
     unpack_index: torch.Tensor | None = None  # packed: [N, L-1] into the packed row's positions
+    # A vision-language model's further forward inputs: its images' pixels and grid sizes (and
+    # padded, its 3-D positions); packed, ``positions`` holds the text and 3-D ones [4, 1, T].
+    vision: dict[str, torch.Tensor] | None = None
 
     def per_sample(self, x: torch.Tensor) -> torch.Tensor:
         """A per-position result of the forward ([rows, width-1]) as the padded [N, L-1]."""
@@ -438,7 +441,16 @@ class RankBase:
             mb.ids, mb.positions, mb.unpack_index = pack_rows(ids, attention)
             mb.attention = None
         mb.rollout_logprobs = _rollout_logprob_tensor(rmb, mask.shape).to(self.device)
+        if any(rmb.images):
+            self._with_images(mb, rmb, ids, attention)
         return mb
+
+    def _with_images(self, mb: MicroBatch, rmb: RolloutBatch, ids: torch.Tensor, attention: torch.Tensor) -> None:
+        """Give ``mb`` its samples' images as the backend's forward takes them (``MicroBatch.vision``)."""
+        raise RlhpcError(
+            f"the {self.spec.actor.backend} actor cannot train a vision-language model",
+            "use actor.backend: torch",
+        )
 
     def kl_to_reference(self, batch: RolloutBatch) -> list[float]:
         """Per sample of this rank's shard, sum_t KL_t of the current policy (the one ``train``

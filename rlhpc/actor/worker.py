@@ -31,8 +31,10 @@ from rlhpc.actor.snapshot import (
     safetensors_header,
 )
 from rlhpc.actor.spec import ActorSpec
+from rlhpc.batch import RolloutBatch
+from rlhpc.data.images import Vision, load_vision
 from rlhpc.errors import RlhpcError
-from rlhpc.model import load_model
+from rlhpc.model import load_model, mrope_positions, vision_language_logits
 from rlhpc.weights.tensor_transport import flatten_parameters, share_memory_by_name
 
 log = logging.getLogger(__name__)
@@ -100,6 +102,7 @@ class TrainWorker(RankBase):
         super().__init__(spec, model_path, rank, world_size)
         self.module: torch.nn.Module | None = None  # the unwrapped HF model
         self.grads: FlatGrads | None = None  # None while offloaded
+        self.vision: Vision | None = None  # a vision-language model's image processor
         # the checkpoint snapshot: host buffers kept between saves, and what the next write needs
         self._model_snap = FlatTensors(pin=self.device.type == "cuda")
         self._optim_snap = FlatTensors(pin=self.device.type == "cuda")
@@ -115,6 +118,10 @@ class TrainWorker(RankBase):
         self.module = load_model(self.model_path, self.device).eval()
         # back to back in the order they are sent: a weight-sync bucket is then a view, not a copy
         flatten_parameters(self.module)
+        self.vision = load_vision(self.model_path)
+        if self.vision is not None and a.freeze_vision_tower:
+            self.module.model.visual.requires_grad_(False)  # before FlatGrads: no gradient buffer for it
+            log.info("rank %d: the vision tower is frozen (actor.freeze_vision_tower)", self.rank)
         self.grads = FlatGrads(self.module)
         self.optimizer = torch.optim.AdamW(
             self.module.parameters(), lr=a.lr, betas=tuple(a.adam_betas), eps=a.adam_eps, weight_decay=a.weight_decay
@@ -246,11 +253,51 @@ class TrainWorker(RankBase):
         return self.module
 
     def _logits(self, model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
+        if mb.vision is not None:
+            v = mb.vision
+            positions = mb.positions if mb.positions is not None else v["position_ids"]
+            logits = vision_language_logits(
+                model, mb.ids, positions, mb.attention, v["pixel_values"], v["image_grid_thw"], v["images"]
+            )
+            return logits[:, :-1].float()
         if mb.positions is not None:
             # Packed: with no attention mask, transformers makes the attention block-diagonal
             # where the position ids restart, but only without a KV cache (with one it ignores them).
             return model(input_ids=mb.ids, position_ids=mb.positions, use_cache=False).logits[:, :-1].float()
         return model(input_ids=mb.ids, attention_mask=mb.attention).logits[:, :-1].float()
+
+    def _with_images(self, mb: MicroBatch, rmb: RolloutBatch, ids: torch.Tensor, attention: torch.Tensor) -> None:
+        """The micro-batch's images, each distinct one processed once (a group's samples share it),
+        in sample order as the forward takes them; the 3-D positions from the model's own
+        ``get_rope_index``. Packed: each sample's positions as padded, laid out as the packed row,
+        under a row of text positions from which transformers builds the block-diagonal mask."""
+        if self.vision is None:
+            raise RlhpcError(
+                f"a rollout has images but {self.model_path} is not a vision-language model",
+                "train a vision-language model on image data (model.tiny.architecture: qwen2_5_vl, or a Qwen2.5-VL)",
+            )
+        done: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for refs in rmb.images:
+            for ref in refs:
+                if id(ref) not in done:
+                    done[id(ref)] = self.vision.pixels([ref])
+        rows = [done[id(ref)] for refs in rmb.images for ref in refs]
+        grid = torch.cat([g for _, g in rows]).to(self.device)
+        ids, attention = ids.to(self.device), attention.to(self.device)
+        # the prompts' image tokens: one the policy sampled in a response is text (as in SGLang)
+        prompt = (
+            torch.arange(ids.shape[1], device=self.device)[None]
+            < torch.tensor([len(p) for p in rmb.prompt_ids], device=self.device)[:, None]
+        )
+        images = (ids == self.module.config.image_token_id) & prompt
+        padded = mrope_positions(self.module, ids, attention, grid, images)
+        mb.vision = {"pixel_values": torch.cat([p for p, _ in rows]).to(self.device), "image_grid_thw": grid}
+        if mb.positions is None:
+            mb.vision |= {"position_ids": padded, "images": images}
+        else:
+            keep = attention.bool()
+            mb.positions = torch.cat([mb.positions[None], padded[:, keep][:, None]], dim=0)
+            mb.vision["images"] = images[keep][None]
 
     def _token_logprobs(self, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         return torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)

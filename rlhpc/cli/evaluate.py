@@ -103,6 +103,7 @@ def evaluate_checkpoint(cfg: Config, run: RunDir, ckpt: Path, rollout_id: int) -
     with local_ray(cfg.cluster, layout.num_slots, StopRequest()):
         from rlhpc.cluster.placement import create_placement
         from rlhpc.data.buffer import load_eval_sets
+        from rlhpc.data.images import load_vision
         from rlhpc.driver import evaluate_sets, prompt_prep
         from rlhpc.model import context_length, load_tokenizer
         from rlhpc.rollout.custom import make_custom
@@ -113,7 +114,8 @@ def evaluate_checkpoint(cfg: Config, run: RunDir, ckpt: Path, rollout_id: int) -
         weights = str(model_dir(ckpt))
         tokenizer = load_tokenizer(run.model_path(cfg))  # the run's, as its driver encodes prompts with
         sets = cfg.eval.resolved_sets(cfg.data, cfg.rollout)
-        rows = load_eval_sets(cfg.data, sets, prompt_prep(cfg, tokenizer, context_length(weights)))
+        vision = load_vision(run.model_path(cfg))
+        rows = load_eval_sets(cfg.data, sets, prompt_prep(cfg, tokenizer, context_length(weights), vision))
         placement = create_placement(layout.num_slots, layout.slot_groups if layout.heterogeneous else None)
         try:
             logs = Path(tempfile.mkdtemp(prefix="rlhpc-eval-logs-"))

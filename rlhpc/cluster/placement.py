@@ -45,11 +45,12 @@ def sort_key(location: tuple[str, int]) -> tuple[int, int]:
     return int(ipaddress.ip_address(ip)), int(gpu)
 
 
+# A task, not an actor: an actor is a Python process of its own, started and killed for one
+# answer; tasks share the workers Ray keeps.
 @ray.remote(num_cpus=0.01, num_gpus=0.01)
-class _Probe:
-    def where(self) -> tuple[str, int]:
-        gpu_ids = ray.get_gpu_ids()
-        return ray.util.get_node_ip_address(), int(gpu_ids[0]) if gpu_ids else -1
+def _where() -> tuple[str, int]:
+    gpu_ids = ray.get_gpu_ids()
+    return ray.util.get_node_ip_address(), int(gpu_ids[0]) if gpu_ids else -1
 
 
 def create_placement(num_slots: int, groups: Sequence[int] | None = None, timeout_s: float = 120.0) -> Placement:
@@ -67,15 +68,14 @@ def create_placement(num_slots: int, groups: Sequence[int] | None = None, timeou
             f"Ray could not reserve {num_slots} GPUs within {timeout_s:.0f}s (cluster has {have})",
             "check that every node joined Ray with its GPUs, or shrink the layout",
         )
-    probes = [
-        _Probe.options(
-            scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i)
-        ).remote()
-        for i in range(num_slots)
-    ]
-    locations = ray.get([p.where.remote() for p in probes])
-    for p in probes:
-        ray.kill(p)
+    locations = ray.get(
+        [
+            _where.options(
+                scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i)
+            ).remote()
+            for i in range(num_slots)
+        ]
+    )
     order = sorted(range(num_slots), key=lambda i: (groups[i], *sort_key(locations[i])))
     placement = Placement(pg, order, [locations[i] for i in order])
     log.info("placement: %s", ", ".join(f"slot{k}={ip}:gpu{g}" for k, (ip, g) in enumerate(placement.location_of_slot)))

@@ -103,7 +103,7 @@ def load_data(
     """The training buffer and the eval rows of ``data.task`` (or of its files), each split
     passed through ``prepare`` (``rlhpc.data.prompts.prepare_prompts``) before the order is drawn."""
     eval_rows = load_split(
-        TASKS[data.task], data.eval_file, data.num_eval, data.seed + 1, data.prompt_key, data.label_key
+        TASKS[data.task], data.eval_file, data.num_eval, data.seed + 1, data.prompt_key, data.label_key, data.image_key
     )
     if prepare is not None:
         eval_rows = prepare("eval", eval_rows)
@@ -112,7 +112,9 @@ def load_data(
 
 def load_train(data: DataConfig, rollout_batch_size: int, seed: int, prepare: PromptPrep | None = None) -> DataBuffer:
     """The training buffer of ``data.task`` (or of its file)."""
-    rows = load_split(TASKS[data.task], data.train_file, data.num_train, data.seed, data.prompt_key, data.label_key)
+    rows = load_split(
+        TASKS[data.task], data.train_file, data.num_train, data.seed, data.prompt_key, data.label_key, data.image_key
+    )
     return DataBuffer(prepare("train", rows) if prepare is not None else rows, rollout_batch_size, seed)
 
 
@@ -124,6 +126,6 @@ def load_eval_sets(
     task = TASKS[data.task]
     out = {}
     for name, s in sets.items():
-        rows = load_split(task, s.file, data.num_eval, data.seed + 1, s.prompt_key, s.label_key)
+        rows = load_split(task, s.file, data.num_eval, data.seed + 1, s.prompt_key, s.label_key, data.image_key)
         out[name] = prepare(eval_split(name), rows) if prepare is not None else rows
     return out

@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from rlhpc.data.images import check_placeholders, read_images
 from rlhpc.data.rows import Row
 from rlhpc.errors import ConfigError
 
@@ -20,8 +21,11 @@ FORMATS = ".jsonl, .json, .parquet, or a directory written by datasets.save_to_d
 _MISSING = object()
 
 
-def read_rows(path: str | Path, prompt_key: str = "prompt", label_key: str = "answer") -> list[Row]:
-    """The rows of ``path``, in the file's order, each with its prompt and label found."""
+def read_rows(
+    path: str | Path, prompt_key: str = "prompt", label_key: str = "answer", image_key: str = "images"
+) -> list[Row]:
+    """The rows of ``path``, in the file's order, each with its prompt and label found, and its
+    images (``image_key``, verl's ``images`` column: ``rlhpc.data.images``) where it has any."""
     path = Path(path)
     raw = _read(path)
     if not raw:
@@ -49,7 +53,11 @@ def read_rows(path: str | Path, prompt_key: str = "prompt", label_key: str = "an
                 f"{path} {number}: {label_key!r} is {json.dumps(label)[:80]}, not a text or number",
                 "point data.label_key at the label itself (dotted for nested fields)",
             )
-        rows.append(Row(row, prompt, str(label)))
+        images = _get(row, image_key)
+        refs = read_images(images, path, number, image_key) if images not in (_MISSING, None, []) else []
+        if refs and _is_chat(prompt):
+            check_placeholders(prompt, refs, f"{path} {number}", image_key)
+        rows.append(Row(row, prompt, str(label), refs))
     return rows
 
 
@@ -61,10 +69,10 @@ def check_exist(files: list[tuple[str, str, str, str]]) -> None:
             raise ConfigError(f"{key} {f} does not exist", f"create it ({FORMATS}) or unset {key}")
 
 
-def check_rows(files: list[tuple[str, str, str, str]], chat_template: str) -> None:
-    """Each file reads, at submit rather than after the queue wait; chat prompts have a template."""
+def check_rows(files: list[tuple[str, str, str, str]], chat_template: str, image_key: str = "images") -> None:
+    """Each file reads, at submit rather than after the queue wait (its images too); chat prompts have a template."""
     for _, f, prompt_key, label_key in files:
-        rows = read_rows(f, prompt_key, label_key)
+        rows = read_rows(f, prompt_key, label_key, image_key)
         if chat_template == "none" and any(r.is_chat for r in rows):
             raise ConfigError(
                 f"{f} has chat-message prompts but data.chat_template is none",

@@ -23,11 +23,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rlhpc.data.images import expand_pads, with_image_parts
 from rlhpc.data.rows import Row, as_rows
 from rlhpc.errors import ConfigError, RlhpcError
 
 if TYPE_CHECKING:
     from rlhpc.config import DataConfig, TinyModelConfig
+    from rlhpc.data.images import ImageRef, Vision
 
 log = logging.getLogger(__name__)
 
@@ -302,15 +304,41 @@ def _plain_ids(tokenizer: Any, text: str) -> list[int]:
 
 
 def render_chats(
-    tokenizer: Any, template: str, chats: list[list[dict]], add_generation_prompt: bool, tools: list[dict] | None = None
+    tokenizer: Any,
+    template: str,
+    chats: list[list[dict]],
+    add_generation_prompt: bool,
+    tools: list[dict] | None = None,
+    images: ImageTokens | None = None,
 ) -> list[tuple[str, list[int]]]:
-    """(text, ids) of each of ``chats``: marked (``mark``), ``render_marked``, ``encode_marked``."""
+    """(text, ids) of each of ``chats``: marked (``mark``), ``render_marked``, ``encode_marked``.
+    ``images``: chat i's ``<image>`` marks are image parts, each image's pad repeated as many
+    times as it has tokens (``rlhpc.data.images``); its text keeps one pad per image."""
     c = controls(tokenizer, template)
+    counts = images.counts if images is not None else [[] for _ in chats]
+    chats = [with_image_parts(chat) if n else chat for chat, n in zip(chats, counts)]
     texts = render_marked(
         tokenizer, template, [mark(list(chat), c) for chat in chats], add_generation_prompt, mark(tools, c)
     )
-    ids = encode_marked(tokenizer, template, texts)
-    return [(unmark(t), ids[t]) for t in texts]
+    # the template's own pads only: a pad in the messages' text is marked, and stays text
+    full = [expand_pads(t, images.pad, n, MARK_START) if images is not None and n else t for t, n in zip(texts, counts)]
+    ids = encode_marked(tokenizer, template, full)
+    return [(unmark(t), ids[f]) for t, f in zip(texts, full)]
+
+
+@dataclass(frozen=True)
+class ImageTokens:
+    """The image tokens of chats to render: the model's image pad token, and per chat the token
+    count of each of its images, in order (none: a chat without images)."""
+
+    pad: str
+    counts: list[list[int]]
+
+    @classmethod
+    def of(cls, tokenizer: Any, vision: Vision, images: list[list[ImageRef]]) -> ImageTokens:
+        return cls(
+            tokenizer.convert_ids_to_tokens(vision.image_token_id), [[vision.tokens(r) for r in i] for i in images]
+        )
 
 
 def render_chat(
@@ -338,17 +366,27 @@ def encode_untrusted(tokenizer: Any, trusted: str, untrusted: str, add_special_t
     return [*full[:at], *ids, *full[at + len(bare) :]]
 
 
-def prepare_prompts(tokenizer: Any, data: DataConfig, limits: dict[str, int] | None) -> PromptPrep:
+def prepare_prompts(
+    tokenizer: Any,
+    data: DataConfig,
+    limits: dict[str, int] | None,
+    vision: Vision | None = None,
+    single_turn: bool = True,
+) -> PromptPrep:
     """A ``PromptPrep``: chat rows rendered (``render``), then the rows whose prompt is longer
     than ``limits[split]`` tokens dropped (one too long for the context would fail a whole
-    rollout; dropping every row is an error naming the limit and the fix)."""
+    rollout; dropping every row is an error naming the limit and the fix). ``vision``: a
+    vision-language model's (rows with images are refused without one); a prompt's length
+    counts its image tokens; multi-turn rollouts (not ``single_turn``) take none yet."""
 
     def prepare(split: str, rows: list[Row]) -> list[Row]:
         rows = as_rows(rows)
+        check_images(rows, vision, single_turn)
         template = chat_template(data, tokenizer) if any(r.is_chat for r in rows) else None
         chats = [i for i, r in enumerate(rows) if r.is_chat]
+        images = ImageTokens.of(tokenizer, vision, [rows[i].images for i in chats]) if vision is not None else None
         rendered = render_chats(tokenizer, template, [with_system(rows[i].messages, data.system_prompt) for i in chats],
-                                add_generation_prompt=True) if chats else []  # fmt: skip
+                                add_generation_prompt=True, images=images) if chats else []  # fmt: skip
         ready = list(rows)
         for i, (text, ids) in zip(chats, rendered):
             ready[i] = rows[i].derive(prompt_text=text, prompt_ids=ids)
@@ -370,3 +408,29 @@ def prepare_prompts(tokenizer: Any, data: DataConfig, limits: dict[str, int] | N
         return kept
 
     return prepare
+
+
+def check_images(rows: list[Row], vision: Vision | None, single_turn: bool = True) -> None:
+    """Rows with images need a vision-language model, chat-message prompts (the template writes
+    the image tokens) and single-turn rollouts."""
+    with_images = [r for r in rows if r.images]
+    if not with_images:
+        return
+    where = with_images[0].images[0].source
+    if not single_turn:
+        raise ConfigError(
+            f"the data has images ({where}, ...), which multi-turn rollouts (rollout.env, tools, a generate "
+            "function, an agent) cannot take yet",
+            "run image data single-turn (docs/guides/multimodal.md)",
+        )
+    if vision is None:
+        raise ConfigError(
+            f"the data has images ({where}, ...) but the model takes none (its config.json has no vision_config)",
+            "use a vision-language model (e.g. Qwen2.5-VL; model.tiny.architecture: qwen2_5_vl), or drop the images",
+        )
+    text = next((r for r in with_images if not r.is_chat), None)
+    if text is not None:
+        raise ConfigError(
+            f"{text.images[0].source}: a row with images has a text prompt, which has no place for image tokens",
+            'give its prompt as chat messages with <image> where each image goes: [{"role": "user", "content": "<image>..."}]',
+        )

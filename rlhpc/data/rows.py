@@ -11,7 +11,10 @@ column can shadow or be mistaken for:
 - ``prompt_text``: the prompt as the model is given it: the messages rendered by the chat
   template (system prompt and generation prompt included), or the text as it is;
 - ``episode_seed``: in an episode, an int that is a pure function of (run seed, rollout,
-  sample), to seed the episode's own randomness from; None elsewhere.
+  sample), to seed the episode's own randomness from; None elsewhere;
+- ``images``: the prompt's images (``rlhpc.data.images.ImageRef``, read from ``data.image_key``
+  at load, checked to decode), in the order of the ``<image>`` marks in its messages; empty for
+  a text-only row.
 
 Rows are made once, at load (``rlhpc.data.files``, a task's generator), and never changed: a
 derived form is set on a copy (``derive``).
@@ -26,7 +29,7 @@ from typing import Any
 class Row(dict):
     """One data row: the file's columns as dict items, rlhpc's forms as attributes (module doc)."""
 
-    def __init__(self, columns: dict, prompt: str | list[dict], label: str):
+    def __init__(self, columns: dict, prompt: str | list[dict], label: str, images: list | None = None):
         super().__init__(columns)
         self.label = label
         self.is_chat = not isinstance(prompt, str)  # the file gave the prompt as chat messages
@@ -34,6 +37,7 @@ class Row(dict):
         self.prompt_text: str | None = None if self.is_chat else prompt  # a chat's: once rendered
         self.prompt_ids: list[int] | None = None  # a rendered chat's ids (apply_chat_template's)
         self.episode_seed: int | None = None
+        self.images: list = list(images or [])  # rlhpc.data.images.ImageRef, in the prompt's order
 
     def derive(self, **attrs: Any) -> Row:
         """A copy with the attributes ``attrs`` set (the columns are shared: rows are read-only)."""
@@ -53,10 +57,10 @@ class Row(dict):
 
 def as_row(row: dict) -> Row:
     """``row`` as a ``Row``: itself, or a plain ``{"prompt", "answer"}`` dict (code and tests that
-    build rows by hand) read as a file row with those two columns."""
+    build rows by hand, a toy task's generator: with ``images``, its ``ImageRef``s) read as a file row."""
     if isinstance(row, Row):
         return row
-    return Row(row, row["prompt"], str(row["answer"]))
+    return Row(row, row["prompt"], str(row["answer"]), row.get("images"))
 
 
 def as_rows(rows: list[dict]) -> list[Row]:

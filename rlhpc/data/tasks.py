@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from rlhpc.data import code, guess
+from rlhpc.data import code, guess, squares
 from rlhpc.data.files import read_rows
 from rlhpc.data.rows import Row, as_rows
 from rlhpc.errors import ConfigError
@@ -30,6 +30,7 @@ class Task:
     reward: RewardFn
     description: str
     env: str | None = None  # multi-turn: the environment ("module:Class") its episodes run in
+    images: bool = False  # its prompts hold images (a vision-language model's task)
 
 
 def _digit_sum_data(count: int, rng: random.Random) -> list[dict]:
@@ -66,6 +67,13 @@ TASKS: dict[str, Task] = {
         Task(
             "guess", guess.make, guess.reward, "guess 1-8, told higher/lower (multi-turn)", "rlhpc.data.guess:GuessEnv"
         ),
+        Task(
+            "squares",
+            squares.make,
+            squares.reward,
+            "a picture -> how many squares (a vision-language model's)",
+            images=True,
+        ),  # fmt: skip
         Task(
             "code",
             code.make,
@@ -104,10 +112,16 @@ def resolve_reward(spec: str) -> RewardFn:
 
 
 def load_split(
-    task: Task, file: str | None, count: int, seed: int, prompt_key: str = "prompt", label_key: str = "answer"
+    task: Task,
+    file: str | None,
+    count: int,
+    seed: int,
+    prompt_key: str = "prompt",
+    label_key: str = "answer",
+    image_key: str = "images",
 ) -> list[Row]:
     """Rows from ``file`` if given (``rlhpc.data.files``), else ``count`` rows generated
     deterministically from ``seed`` (a generated row's columns: ``prompt`` and ``answer``)."""
     if file is not None:
-        return read_rows(file, prompt_key, label_key)
+        return read_rows(file, prompt_key, label_key, image_key)
     return as_rows(task.make(count, random.Random(seed)))

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import shutil
 import signal
 import subprocess
+import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -91,6 +93,7 @@ STAGE_PLANT = r"""
     root = sys.argv[1]
     step("list the job's stage root", lambda: os.listdir(root))
     step("write into the job's stage root", lambda: open(os.path.join(root, "planted"), "w").close())
+    print("first steps taken", flush=True)  # the caller may now free the name
     def plant():
         os.mkdir(root)
         os.chmod(root, 0o755)  # as a helpful copy would be
@@ -404,6 +407,7 @@ class Attack:
 
     kind: str
     proc: subprocess.Popen
+    early: str = ""  # output read before finish() (wait_for_first_steps) that was not its line
 
     @classmethod
     def start(cls, kind: str, *args: str) -> Attack:
@@ -414,6 +418,20 @@ class Attack:
         )
         return cls(kind, proc)
 
+    def wait_for_first_steps(self, timeout: float = 120) -> None:
+        """Until the attack says its first steps are taken (stage_plant: it tried the stage root
+        and now waits for the name to be free), so the caller's next move meets the waiting part."""
+        deadline, said = time.monotonic() + timeout, b""
+        fd = self.proc.stdout.fileno()  # read raw: what finish()'s communicate() reads comes after
+        while b"first steps taken\n" not in said:
+            ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+            chunk = os.read(fd, 4096) if ready else b""
+            if not chunk:  # past the deadline, or the script ended
+                self.early = said.decode(errors="replace")
+                raise AttackError(f"the {self.kind} attack did not take its first steps: {self.finish()}")
+            said += chunk
+        self.early = said.decode(errors="replace").split("first steps taken\n", 1)[1]
+
     def finish(self, timeout: float = 60) -> dict:
         """Stop the attack (if it still runs) and return its record."""
         if self.proc.poll() is None:
@@ -423,6 +441,7 @@ class Attack:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             out, err = self.proc.communicate()
+        out = self.early + out
         try:
             return json.loads(out.strip().splitlines()[-1])
         except (ValueError, IndexError) as e:

@@ -491,7 +491,7 @@ def plant_stage(c: Context) -> bool:
     note_key(c)
     attack = attacks.Attack.start("stage_plant", str(roots[0]))
     c.cleanup.append(lambda: attack.proc.poll() is None and attack.proc.kill())
-    time.sleep(0.5)
+    attack.wait_for_first_steps()  # it tried the stage root and waits for the name: free it now
     os.kill(one_of(c.run, "ray::TrainWorker"), signal.SIGKILL)  # the job requeues itself
 
     def check() -> None:

@@ -152,7 +152,14 @@ def router_command(
 
     Round robin: every sample carries its own seed, so which engine serves it does not matter,
     and the requests of a rollout spread evenly. Its Prometheus endpoint on loopback and a port
-    of its own: the default (29000) is one port for every job on the node.
+    of its own: the default (29000) is one port for every job on the node (it cannot be turned
+    off: without a port it takes 29000). The job decides alone whether an engine is alive
+    (``rlhpc.rollout.engines.health``), so the router's own judgement is off: no periodic
+    ``/health`` (SGLang's generates a token, which an engine whose memory is released cannot, and
+    a paused one answers late: slime turns it off too), no circuit breaker (after 10 failures it
+    refused every request for 60 s, healthy engines or not), no retries (a failed request comes
+    back at once, and the pool checks the engines, restarts the dead one and sends it again).
+    Its log keeps warnings and errors: at ``info`` it writes two lines per request.
     """
     if not worker_urls:
         raise RlhpcError("the router needs at least one engine URL", "start the engines before the router")
@@ -165,7 +172,13 @@ def router_command(
         "--policy", "round_robin",
         "--prometheus-host", "127.0.0.1",
         "--prometheus-port", str(metrics_port),
+        "--log-level", "warn",
+        *ROUTER_JUDGEMENT_OFF,
     ]  # fmt: skip
+
+
+# sglang_router's flags that leave every health decision to the job (see ``router_command``)
+ROUTER_JUDGEMENT_OFF = ("--disable-health-check", "--disable-circuit-breaker", "--disable-retries")
 
 
 # SGLang's switches every engine (SGLang's or the CPU engine, which reads them alike) gets:
@@ -405,11 +418,12 @@ class Router:
     weight updates and memory calls go to each engine directly."""
 
     def __init__(self, host: str, log_path: Path, startup_timeout_s: float, key_file: Path | None = None):
-        require_module(
-            "sglang_router",
-            "sglang_router for rollout.sglang.router: true",
-            "pip install sglang-router into the job's environment, or set rollout.sglang.router: false",
-        )
+        if importlib.util.find_spec("sglang_router") is None:
+            raise RlhpcError(
+                f"rollout.sglang.router: true needs sglang_router, but {sys.executable} cannot import it",
+                "pip install rlhpc (it depends on sglang-router) into the job's environment, "
+                "or set rollout.sglang.router: false",
+            )
         self.host = host  # loopback: the driver, beside it, is its one client
         self.log_path = log_path
         self.startup_timeout_s = startup_timeout_s
@@ -417,10 +431,12 @@ class Router:
         self.api_key = read_key(key_file) if key_file is not None else None
         self.proc: subprocess.Popen | None = None
         self.url: str | None = None
+        self.worker_urls: list[str] = []  # the engines it routes to
 
     def start(self, worker_urls: Sequence[str]) -> str:
         """(Re)start over ``worker_urls`` (after an engine restart its URL changed); returns the URL."""
         self.stop()
+        self.worker_urls = list(worker_urls)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.proc, port = start_on_free_port(
             lambda p: router_command(sys.executable, worker_urls, self.host, p, free_port(self.host), self.key_file),
@@ -432,8 +448,25 @@ class Router:
             api_key=self.api_key,
         )
         self.url = http_url(self.host, port)
+        self._wait_routing(len(worker_urls))
         log.info("sglang router at %s over %d engine(s), log %s", self.url, len(worker_urls), self.log_path)
         return self.url
+
+    def _wait_routing(self, engines: int) -> None:
+        """Until it routes to all ``engines``: it answers /health before it has registered them."""
+        deadline = time.monotonic() + self.startup_timeout_s
+        with contextlib.closing(EngineClient(self.url, api_key=self.api_key)) as client:
+            while (routed := client.routed_engines()) < engines:
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    url = self.url
+                    self.stop()
+                    raise RlhpcError(
+                        f"the sglang router at {url} routes to {routed} of its {engines} engine(s) after "
+                        f"{self.startup_timeout_s:.0f} s (log {self.log_path}):\n"
+                        f"{_last_lines(_read_from(self.log_path, 0), 30)}",
+                        f"read {self.log_path}: it could not reach or register the engines",
+                    )
+                time.sleep(0.05)
 
     def stop(self) -> None:
         proc, self.proc, self.url = self.proc, None, None

@@ -54,6 +54,7 @@ def local_ray(
         # "127.0.0.1") is turned back into the node's IP. Read when ray is first imported.
         os.environ[LOOPBACK_ONLY_ENV] = "0"
         os.environ.update(METRICS_ENV)
+        os.environ.update(NO_PRESTART_ENV)
         safe_python_env()  # Ray's processes and workers inherit it
         os.environ[NODE_TMP_ENV] = str(temp_dir)  # Ray's workers inherit it: engines' files go with the dir
         with _ray(cluster, slots, stop, temp_dir):
@@ -69,6 +70,12 @@ def local_ray(
 # dashboard's and autoscaler's, which Ray has no switch for, get a port the kernel picks, not
 # their fixed defaults (44227, 44217), which two jobs on one node would share.
 METRICS_ENV = {"RAY_enable_metrics_collection": "0", "DASHBOARD_METRIC_PORT": "0", "AUTOSCALER_METRIC_PORT": "0"}
+
+
+# Ray starts idle Python workers when the first driver connects; a job's ranks and engines are
+# actors with workers of their own and the placement probes need none, so none of them is used:
+# each costs a second of CPU at every start (measured: docs/development.md, "where CI time goes").
+NO_PRESTART_ENV = {"RAY_prestart_worker_first_driver": "0"}
 
 
 def _recorded(record: Path) -> Path | None:

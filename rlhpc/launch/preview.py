@@ -67,7 +67,7 @@ def engines_preview(cfg: Config, run: RunDir) -> str:
         spec = SGLangSpec(t.gpus_per_engine, sg.mem_fraction_static, False, cfg.seed, extra_args=tuple(sg.extra_args),
                           deterministic=cfg.deterministic)  # fmt: skip
         out.append(_group("teacher engine", t.backend, spec, t.path or "<run dir>/teacher", run))
-    if r.backend == "sglang" and r.sglang.router:  # as EngineSet.start decides
+    if r.sglang.router:  # as EngineSet.start decides: CPU engines too
         out.append(_router(run))
     return "".join(out)
 

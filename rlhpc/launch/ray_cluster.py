@@ -243,6 +243,7 @@ class RayNode:
             "node": os.environ.get("SLURMD_NODENAME", socket.gethostname()),
             "log": str(self.state.log(self.rank)),
             "group": self.group,
+            "temp_dir": str(self.temp_dir),  # node-local, removed at the end (what a check looks for)
         }
         if self.ports is not None:
             info["ports"] = self.ports.to_dict()

@@ -223,10 +223,20 @@ def _submit_slurm(s: Submission, cfg: Config, opts: SlurmOptions, run: RunDir) -
     return follow(job) if s.follow else 0
 
 
-def _local_gpus() -> int:
-    import torch  # here: only a local run counts this machine's GPUs, and torch is slow to import
-
-    return torch.cuda.device_count()
+def _local_gpus(driver: Path = Path("/proc/driver/nvidia/gpus")) -> int:
+    """This machine's NVIDIA GPUs that CUDA_VISIBLE_DEVICES leaves visible, as CUDA counts them
+    (up to the first entry that is not a device), without importing torch (seconds, each job):
+    the NVIDIA driver lists each GPU as a dir under ``driver``."""
+    installed = len(list(driver.iterdir())) if driver.is_dir() else 0
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return installed
+    named = []
+    for entry in (e.strip() for e in visible.split(",")):
+        if not entry or entry.startswith("-"):
+            break  # CUDA stops at an invalid index: "-1" hides every GPU
+        named.append(entry)
+    return min(len(named), installed)
 
 
 def _start_local_owned(s: Submission, cfg: Config, run: RunDir, time_min: int) -> submitit.Job:

@@ -83,10 +83,12 @@ def one_batch(client: Generates) -> Send:
     so the engine samples the whole rollout as one batch."""
 
     def send(requests: Sequence[Request], done: Callable[[int, list[dict]], None]) -> list[list[dict]]:
+        images = [imgs for r in requests for imgs in (r.image_data or [[]] * len(r.input_ids))]
         outputs = client.generate(
             input_ids=[ids for r in requests for ids in r.input_ids],
             sampling_params=[p for r in requests for p in r.sampling_params],
             return_logprob=any(r.return_logprob for r in requests),
+            **({"image_data": images} if any(images) else {}),
         )
         answers, start = [], 0
         for c, r in enumerate(requests):
@@ -96,6 +98,14 @@ def one_batch(client: Generates) -> Send:
         return answers
 
     return send
+
+
+def image_uris(rows: list[Row]) -> list[list[str]]:
+    """Each row's images as SGLang's ``image_data`` takes them (data URIs, encoded once per row,
+    not per sample); empty when no row has any."""
+    if not any(r.images for r in rows):
+        return []
+    return [[ref.uri() for ref in r.images] for r in rows]
 
 
 def _samples(rows: list[Row], n: int, row_of: Sequence[int], outputs: Sequence[dict]) -> list[Sample]:
@@ -130,6 +140,8 @@ class Samples:
     # An agent's episode may give several samples (``trajectories.assemble``): per sample, its
     # episode's index (row-major, a row's n episodes adjacent). Empty: sample k is episode k.
     episode_of: list[int] = field(default_factory=list)
+    # A vision-language model's: per sample, its prompt's images (``ImageRef``); empty: none has any.
+    images: list[list] = field(default_factory=list)
 
     def num_episodes(self) -> int:
         return self.episode_of[-1] + 1 if self.episode_of else len(self.response_ids)
@@ -192,6 +204,7 @@ class Samples:
             {key: [v[k] for k in idx] for key, v in self.episode.items()},
             [self.finish_reasons[k] for k in idx] if self.finish_reasons else [],
             episode_of,
+            [self.images[k] for k in idx] if self.images else [],
         )
 
     @staticmethod
@@ -213,6 +226,9 @@ class Samples:
             {key: [x for p in parts for x in p.episode.get(key, [])] for key in parts[0].episode},
             [x for p in parts for x in p.finish_reasons],
             Samples._concat_episodes(parts),
+            [x for p in parts for x in (p.images or [[]] * len(p.response_ids))]
+            if any(p.images for p in parts)
+            else [],
         )
 
     @staticmethod
@@ -303,9 +319,11 @@ class Generation:
         per_request = rows_per_request(len(rows), n, self.num_engines)
         chunks = [range(i, min(i + per_request, len(rows))) for i in range(0, len(rows), per_request)]
         prompts = encode_rows(self.tokenizer, rows)
+        uris = image_uris(rows)
         requests = [
             Request(
                 input_ids=[prompts[i] for i in chunk for _ in range(n)],
+                image_data=[uris[i] for i in chunk for _ in range(n)] if uris else None,
                 sampling_params=[
                     {
                         "max_new_tokens": max_new_tokens,
@@ -366,6 +384,7 @@ class Generation:
         return Samples(
             prompt_ids, response_ids, logprobs, torch.tensor(rewards, dtype=torch.float32), texts, versions, per_token,
             parts, finish_reasons=[finish_reason(out["meta_info"]) for out in outputs],
+            images=[rows[k // n].images for k in range(len(outputs))] if uris else [],
         )  # fmt: skip
 
     def _sample_episodes(
@@ -615,12 +634,17 @@ class Generation:
         loss_masks, infra_metrics = self._unscored_masks(s, loss_masks)
         batch = RolloutBatch(
             s.prompt_ids, s.response_ids, s.logprobs, rewards, advantages, n, s.weight_versions, s.token_versions,
-            loss_masks, s.turns, s.cut() if s.loss_masks or r.overlong_filter else [],
+            loss_masks, s.turns, s.cut() if s.loss_masks or r.overlong_filter else [], images=s.images,
         )  # fmt: skip
         if algo.overlong_buffer:
             overlong_metrics["overlong/penalty"] = penalty.mean().item()
         teacher_metrics = {}
         if self.teacher is not None:  # the samples trained on, after any filtering
+            if s.images:
+                raise RlhpcError(
+                    "a teacher scores token ids only, and this rollout's prompts hold images it would not see",
+                    "drop the teacher section for image data (docs/guides/multimodal.md)",
+                )
             start = time.perf_counter()
             batch.teacher_logprobs = self.teacher(s.prompt_ids, s.response_ids)
             teacher_metrics["time/teacher"] = time.perf_counter() - start

@@ -36,7 +36,21 @@ def per_expert(name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     return [(name, t)]
 
 
+# transformers 5 keeps a Qwen-VL model's language model under ``model.language_model.`` and its
+# vision tower under ``model.visual.``; its checkpoints, and SGLang's Qwen2-VL/Qwen2.5-VL classes
+# (whose ``load_weights`` skips a name it does not have, without an error), name them
+# ``model.`` and ``visual.``.
+VISION_LANGUAGE_PREFIXES = (("model.language_model.", "model."), ("model.visual.", "visual."))
+
+
+def checkpoint_name(name: str) -> str:
+    for memory, checkpoint in VISION_LANGUAGE_PREFIXES:
+        if name.startswith(memory):
+            return checkpoint + name[len(memory) :]
+    return name
+
+
 def checkpoint_named(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
     """HF in-memory names -> the checkpoint's (what SGLang loads), lazily."""
     for name, t in named:
-        yield from per_expert(name, t)
+        yield from per_expert(checkpoint_name(name), t)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import orjson
@@ -26,6 +27,16 @@ log = logging.getLogger(__name__)
 
 class EngineUnavailable(RlhpcError):
     """The engine did not answer (connection refused/reset, timeout) or answered 5xx: it may be dead."""
+
+
+class RequestRefused(RlhpcError):
+    """The engine or the router answered 4xx: the request itself is wrong, and sent again it would
+    be refused again, so it is never retried as an engine failure."""
+
+    def __init__(self, problem: str, fix: str, status: int | None):
+        """``status``: the HTTP status answered (None: refused here, before it was sent)."""
+        super().__init__(problem, fix)
+        self.status = status
 
 
 # ------------------------------------------------------------------ connections
@@ -57,14 +68,21 @@ def _socket_options() -> list[tuple[int, int, int]]:
 
 # Connections kept per engine: the pool's request threads and a push's calls share them.
 POOL_SIZE = 16
+# Prompts a client sends at once, one request each (``EngineClient.generate`` with
+# ``per_prompt``), each on a thread of its own waiting for its answer, with its connection: the
+# engines behind the router batch what arrives together, so this bounds their batches, as
+# rlhpc.rollout.generation.MAX_SAMPLES_PER_REQUEST bounds a request without the router. Well
+# under the 1024 open files a node often allows a process, and under the connections a CPU
+# engine keeps that have not sent their headers yet (guard.MAX_PENDING).
+ROUTER_IN_FLIGHT = 256
 
 
-def engine_connections(api_key: str | None) -> urllib3.PoolManager:
+def engine_connections(api_key: str | None, size: int = POOL_SIZE) -> urllib3.PoolManager:
     """Connections that notice a silent peer (see above), carrying the engine key. urllib3 itself,
     not requests on top of it: a round trip to the CPU engine took 1.9 ms against 3.3 ms
     (interleaved in one process), and a weight push is several round trips. No retries: a failed request is the pool's to handle."""
     return urllib3.PoolManager(
-        maxsize=POOL_SIZE, socket_options=_socket_options(), headers=auth_headers(api_key), retries=False
+        maxsize=size, socket_options=_socket_options(), headers=auth_headers(api_key), retries=False
     )
 
 
@@ -72,24 +90,49 @@ def engine_connections(api_key: str | None) -> urllib3.PoolManager:
 
 
 class EngineClient:
-    """One engine's HTTP API. Methods raise RlhpcError on connection failure, non-200 or success=false."""
+    """One engine's HTTP API, or (``router``) sglang_router's in front of several. Methods raise
+    RlhpcError on connection failure, non-200 or success=false (``EngineUnavailable``: no answer
+    or 5xx; ``RequestRefused``: 4xx)."""
 
-    def __init__(self, base_url: str, timeout_s: float = 600.0, api_key: str | None = None):
-        """``api_key``: the job's engine key (``rlhpc.wire.engine_key``), sent on every request."""
+    def __init__(
+        self,
+        base_url: str,
+        timeout_s: float = 600.0,
+        api_key: str | None = None,
+        router: bool = False,
+        per_prompt: bool | None = None,
+    ):
+        """``api_key``: the job's engine key (``rlhpc.wire.engine_key``), sent on every request.
+        ``router``: the URL is sglang_router's. ``per_prompt`` (default: ``router``): a batch goes
+        as one request per prompt, all at once, as the router takes it; an engine of a routed pool
+        gets them so too, so a request's tokens and logprobs are the same whichever way it went
+        (the CPU engine computes a request as one batch)."""
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
-        self._http = engine_connections(api_key)
+        self.router = router
+        self.per_prompt = router if per_prompt is None else per_prompt
+        self.what = "sglang router" if router else "engine"  # who answered, in errors
+        self._http = engine_connections(api_key, ROUTER_IN_FLIGHT if self.per_prompt else POOL_SIZE)
         # urllib3 sends the headers a request names instead of the pool's: the key goes with them
         self._json_headers = {**auth_headers(api_key), "Content-Type": "application/json"}
+        # prompts in flight, each waiting for its answer on a thread of its own (made as needed)
+        self._prompts = ThreadPoolExecutor(ROUTER_IN_FLIGHT, thread_name_prefix="prompt") if self.per_prompt else None
 
     def __repr__(self) -> str:
-        return f"EngineClient({self.base_url!r})"
+        return f"EngineClient({self.base_url!r}{', router=True' if self.router else ''})"
 
     # -------------------------------------------------------------- plumbing
 
     def _request(
-        self, method: str, route: str, body: Any = None, timeout_s: float | None = None, send_body: bool = True
+        self,
+        method: str,
+        route: str,
+        body: Any = None,
+        timeout_s: float | None = None,
+        send_body: bool = True,
+        about: str = "",
     ) -> urllib3.BaseHTTPResponse:
+        """``about``: what the request is, named in a refusal (e.g. the prompt and its seed)."""
         url = f"{self.base_url}{route}"
         data = orjson.dumps(body) if send_body and body is not None else None
         try:
@@ -102,23 +145,31 @@ class EngineClient:
             )
         except urllib3.exceptions.HTTPError as e:
             raise EngineUnavailable(
-                f"engine {self.base_url} unreachable on {route}: {type(e).__name__}: {e}",
-                "check that the engine server is running (its log names the reason it stopped)",
+                f"{self.what} {self.base_url} unreachable on {route}: {type(e).__name__}: {e}",
+                f"check that the {self.what} is running (its log names the reason it stopped)",
             ) from e
         if resp.status >= 500:  # SGLang answers 5xx when its scheduler died or is shutting down
             raise EngineUnavailable(
-                f"engine {self.base_url}{route} answered HTTP {resp.status}: {_error_text(resp)}",
-                "see the engine log: the server may have crashed",
+                f"{self.what} {self.base_url}{route} answered HTTP {resp.status}: {_error_text(resp)}",
+                f"see the {self.what}'s log: it may have crashed",
+            )
+        if 400 <= resp.status < 500:
+            raise RequestRefused(
+                f"{self.what} {self.base_url}{route} refused {about or 'the request'} with HTTP {resp.status}: "
+                f"{_error_text(resp)}",
+                "the request itself is wrong (sent again it would be refused again): the message names "
+                f"what, e.g. a sampling param or a prompt longer than the context; see also the {self.what}'s log",
+                resp.status,
             )
         if resp.status != 200:
             raise RlhpcError(
-                f"engine {self.base_url}{route} answered HTTP {resp.status}: {_error_text(resp)}",
-                "see the message above and the engine log",
+                f"{self.what} {self.base_url}{route} answered HTTP {resp.status}: {_error_text(resp)}",
+                f"see the message above and the {self.what}'s log",
             )
         return resp
 
-    def _json(self, method: str, route: str, body: Any = None, timeout_s: float | None = None) -> Any:
-        resp = self._request(method, route, body, timeout_s)
+    def _json(self, method: str, route: str, body: Any = None, timeout_s: float | None = None, about: str = "") -> Any:
+        resp = self._request(method, route, body, timeout_s, about=about)
         if not resp.data:
             return None
         try:
@@ -149,6 +200,14 @@ class EngineClient:
     def health_generate(self, timeout_s: float = 60.0) -> bool:
         return self._status(Route.HEALTH_GENERATE, timeout_s) == 200
 
+    def routed_engines(self) -> int:
+        """A router's engines it routes to now (its /readiness; 0 while it answers nothing)."""
+        try:
+            ready = self._json("GET", P.ROUTER_READINESS, timeout_s=5.0)
+        except RlhpcError:
+            return 0
+        return int(ready.get("healthy_workers", 0)) if isinstance(ready, dict) else 0
+
     def wait_healthy(self, deadline_s: float, poll_s: float = 0.2) -> None:
         """Block until /health answers 200, for at most ``deadline_s`` seconds from now."""
         end = time.monotonic() + deadline_s
@@ -164,8 +223,8 @@ class EngineClient:
         """GET ``route``; on HTTP 404 (an older SGLang) its deprecated name ``old_route``."""
         try:
             return self._json("GET", route)
-        except RlhpcError as e:
-            if "HTTP 404" not in e.problem:
+        except RequestRefused as e:
+            if e.status != 404:
                 raise
         return self._json("GET", old_route)
 
@@ -192,9 +251,15 @@ class EngineClient:
         rid: str | list[str] | None = None,
         timeout_s: float | None = None,
         logprob_start_len: int | list[int] | None = None,
+        image_data: list[list[str]] | None = None,
     ) -> dict[str, Any] | list[dict[str, Any]]:
         """One dict for a single prompt, a list for a batch (as SGLang answers). ``logprob_start_len``
-        (with ``return_logprob``): the prompt tokens' logprobs from there too."""
+        (with ``return_logprob``): the prompt tokens' logprobs from there too. ``image_data``: a
+        vision-language model's images, a list per prompt (``rlhpc.wire.protocol.GenerateReqInput``).
+
+        ``per_prompt`` (through the router): a batch goes as one request per prompt, all at once
+        (sglang_router refuses a batch with per-prompt sampling params, and they carry each
+        sample's seed; see ``rlhpc.wire.protocol.per_prompt``); the answers come back in prompt order."""
         if (input_ids is None) == (text is None):
             raise RlhpcError("generate needs exactly one of input_ids and text", "pass token ids or a prompt string")
         req = P.GenerateReqInput(
@@ -204,9 +269,37 @@ class EngineClient:
             return_logprob=return_logprob,
             logprob_start_len=logprob_start_len,
             rid=rid,
+            image_data=image_data,
         )
-        drop = ("text", "input_ids", "rid", "logprob_start_len")
-        return self._json("POST", Route.GENERATE, P.body(req, drop_none=drop), timeout_s)
+        if not self.per_prompt:
+            return self._generate(req, timeout_s, _describe(req))
+        prompts = P.per_prompt(req)
+        about = [_describe(p, i, len(prompts)) for i, p in enumerate(prompts)]
+        for p, what in zip(prompts, about):
+            lost = P.lost_through_router(p.sampling_params)
+            if lost:  # refused on an engine of a routed pool too: the next request may take the router
+                raise RequestRefused(
+                    f"{what} asks for sampling param(s) {', '.join(lost)}, which sglang_router "
+                    f"{P.ROUTER_VERSION} does not pass on to the engines (refused before sending)",
+                    "leave them out, or set rollout.sglang.router: false to send requests to the engines directly",
+                    status=None,
+                )
+        if not P.is_batch(req):
+            return self._generate(prompts[0], timeout_s, about[0])
+        try:
+            answers = [self._prompts.submit(self._generate, p, timeout_s, a) for p, a in zip(prompts, about)]
+        except RuntimeError as e:  # closed: the job started the router (or engine) again meanwhile
+            raise EngineUnavailable(
+                f"{self.what} {self.base_url} was replaced while a batch was being sent", "send it again"
+            ) from e
+        try:
+            return [a.result() for a in answers]
+        finally:
+            for a in answers:  # one failed: those not sent yet are not sent
+                a.cancel()
+
+    def _generate(self, req: P.GenerateReqInput, timeout_s: float | None, about: str) -> Any:
+        return self._json("POST", Route.GENERATE, P.generate_body(req), timeout_s, about)
 
     def classify(self, input_ids: list[list[int]], timeout_s: float | None = None) -> list[float]:
         """A reward model's score of each input (its first label), through SGLang's /classify."""
@@ -281,7 +374,23 @@ class EngineClient:
         self._json("POST", Route.RESUME_MEMORY_OCCUPATION, P.body(req))
 
     def close(self) -> None:
+        if self._prompts is not None:  # prompts queued still go, and find the server gone (EngineUnavailable)
+            self._prompts.shutdown(wait=False)
         self._http.clear()
+
+
+def _describe(req: P.GenerateReqInput, i: int = 0, n: int = 1) -> str:
+    """A /generate request as an error names it: prompt ``i`` of ``n``, its length, seed and rid."""
+    prompt = req.text if req.text is not None else req.input_ids
+    if P.is_batch(req):
+        return f"a batch of {len(prompt)} prompts"
+    params = req.sampling_params if isinstance(req.sampling_params, dict) else {}
+    details = [f"{len(prompt)} {'characters' if req.text is not None else 'tokens'}"]
+    if "sampling_seed" in params:
+        details.append(f"sampling_seed {params['sampling_seed']}")
+    if req.rid is not None:
+        details.append(f"rid {req.rid}")
+    return f"{f'prompt {i} of {n}' if n > 1 else 'a prompt'} ({', '.join(details)})"
 
 
 def _error_text(resp: urllib3.BaseHTTPResponse) -> str:

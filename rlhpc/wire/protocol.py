@@ -14,6 +14,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from rlhpc.errors import RlhpcError
+
 SGLANG_VERSION = "0.5.23"  # the release these names are pinned against (Makefile downloads its wheel)
 
 SGLANG_GROUP_NAME = "weight_update_group"  # SGLang's default weight-update group name
@@ -78,6 +80,11 @@ class GenerateReqInput:
     # None for the token at this position, so a teacher asks from the one before the response.
     logprob_start_len: int | list[int] | None = None
     rid: str | list[str] | None = None
+    # A vision-language model's images: one per prompt, or a list per prompt (SGLang's batch
+    # form), each a data URI ("data:image/png;base64,..."), base64, or a path on the engine's node.
+    # The prompt holds the model's image tokens already (the driver rendered them); SGLang
+    # processes the images again and checks they fill those tokens.
+    image_data: list[list[str]] | list[str] | str | None = None
 
 
 @dataclass
@@ -227,6 +234,81 @@ def weight_version_note(version: str) -> str:
     return f" Weight version updated to {version}."
 
 
+def is_batch(req: GenerateReqInput) -> bool:
+    """A list of prompts (token-id lists or strings), not one prompt."""
+    if req.text is not None:
+        return isinstance(req.text, list)
+    return bool(req.input_ids) and isinstance(req.input_ids[0], list)
+
+
+def per_prompt(req: GenerateReqInput) -> list[GenerateReqInput]:
+    """A /generate request as one request per prompt, each with its own sampling params, rid,
+    return_logprob and logprob_start_len; a field given once applies to every prompt (a string
+    rid becomes ``RID_i``), as SGLang normalizes a batch (``GenerateReqInput.normalize_batch_and_arguments``)."""
+    if not is_batch(req):
+        return [req]
+    prompts = req.text if req.text is not None else req.input_ids
+    n = len(prompts)
+
+    def pick(value: Any, i: int) -> Any:
+        return value[i] if isinstance(value, list) else value
+
+    for name in ("sampling_params", "return_logprob", "logprob_start_len", "rid", "image_data"):
+        value = getattr(req, name)
+        if isinstance(value, list) and len(value) != n:
+            raise RlhpcError(
+                f"a /generate of {n} prompts with {len(value)} {name}", f"give {name} once, or once per prompt"
+            )
+    return [
+        GenerateReqInput(
+            text=prompts[i] if req.text is not None else None,
+            input_ids=prompts[i] if req.text is None else None,
+            sampling_params=dict(pick(req.sampling_params, i) or {}),
+            return_logprob=pick(req.return_logprob, i),
+            logprob_start_len=pick(req.logprob_start_len, i),
+            rid=f"{req.rid}_{i}" if isinstance(req.rid, str) else pick(req.rid, i),
+            image_data=req.image_data[i] if req.image_data is not None else None,  # a batch's: one entry a prompt
+        )
+        for i in range(n)
+    ]
+
+
+# ------------------------------------------------------------------ sglang_router
+
+ROUTER_VERSION = "0.3.2"  # the sglang-router release the router's behaviour below is pinned against
+# The router's own route answering how many of its engines it routes to now: its /health answers
+# before it has registered them (it registers them in the background).
+ROUTER_READINESS = "/readiness"
+
+# sglang_router parses a /generate body into a request type of its own and sends the engine that,
+# serialized again: one sampling-params dict, one rid string, one return_logprob (a batch with a
+# list of either is answered 422), and of the sampling params only those it knows. rlhpc sends
+# it one prompt per request (``per_prompt``): per-sample seeds reach the engine, and the engines
+# batch the requests as they arrive (SGLang's scheduler does; tests/integration/test_router.py
+# compares what an engine receives with what was sent). These sampling params never arrive:
+ROUTER_DROPPED_SAMPLING_PARAMS = frozenset(
+    {"stop_regex", "structural_tag", "logit_bias", "spaces_between_special_tokens", "stream_interval", "custom_params"}
+)
+# ... at these values, dropping one changes nothing (SGLang's defaults; stream_interval paces a
+# stream, and rlhpc never streams from an engine)
+_DROPPED_HARMLESS: dict[str, tuple[Any, ...]] = {
+    "stop_regex": (None, "", []),
+    "structural_tag": (None, ""),
+    "logit_bias": (None, {}),
+    "spaces_between_special_tokens": (None, True),
+    "custom_params": (None, {}),
+}
+
+
+def lost_through_router(sampling_params: dict[str, Any]) -> list[str]:
+    """The sampling params the router would drop at a value that changes what the engine does."""
+    return sorted(
+        k
+        for k, v in sampling_params.items()
+        if k in ROUTER_DROPPED_SAMPLING_PARAMS and k in _DROPPED_HARMLESS and v not in _DROPPED_HARMLESS[k]
+    )
+
+
 def body(req: Any, drop_none: tuple[str, ...] = ()) -> dict[str, Any]:
     """A request dataclass as its JSON body; fields named in ``drop_none`` are left out when None."""
     # not dataclasses.asdict: it deep-copies every list (token ids, base64 tensor payloads)
@@ -235,6 +317,12 @@ def body(req: Any, drop_none: tuple[str, ...] = ()) -> dict[str, Any]:
         for f in dataclasses.fields(req)
         if not (f.name in drop_none and getattr(req, f.name) is None)
     }
+
+
+def generate_body(req: GenerateReqInput) -> dict[str, Any]:
+    """A /generate request's body: the prompt field not given, and an unset rid or
+    logprob_start_len, are left out (SGLang's own defaults apply)."""
+    return body(req, drop_none=("text", "input_ids", "rid", "logprob_start_len", "image_data"))
 
 
 # ------------------------------------------------------------------ sampling params and outputs

@@ -22,6 +22,9 @@ class Request:
     # The engine slot it goes to (engine ``affinity`` mod the engine count) instead of its index
     # in the send: an episode's turns keep to one engine, which holds their prefix in its cache.
     affinity: int | None = None
+    # A vision-language model's images, a list per prompt (data URIs; an empty list: a prompt
+    # without images); None: no prompt has any.
+    image_data: list[list[str]] | None = None
 
 
 class GenerationAborted(Exception):

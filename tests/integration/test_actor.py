@@ -134,6 +134,7 @@ def test_gradient_is_global_token_mean(ray_cluster: None, model_path: str, loss:
         for k, v in LOSS_SETTINGS[loss].items():
             setattr(cfg.algo, k, v)
     with Group(cfg_split, model_path, 2) as split, Group(cfg_whole, model_path, 1) as whole:
+        start = tensors(whole)
         m_split = split.train(0, batch)
         m_whole = whole.train(0, batch)
         g_split, g_whole = tensors(split, grads=True), tensors(whole, grads=True)
@@ -141,13 +142,30 @@ def test_gradient_is_global_token_mean(ray_cluster: None, model_path: str, loss:
     assert m_split["tokens"] == m_whole["tokens"]
     assert m_split["pg_loss"] == pytest.approx(m_whole["pg_loss"], rel=1e-5, abs=1e-7)
     assert m_split["grad_norm"] == pytest.approx(m_whole["grad_norm"], rel=1e-5)
+    # Each step is exactly one AdamW step from the start with the gradient rank 0 reports (rank
+    # 1's weights: a rank that stepped with its own shard's gradient differs), and that gradient
+    # is the whole batch's, up to the order of the sums.
+    assert_one_adamw_step(w_split, start, g_split, cfg_split)
+    assert_one_adamw_step(w_whole, start, g_whole, cfg_whole)
     for k in g_whole:
         torch.testing.assert_close(g_split[k], g_whole[k], rtol=1e-5, atol=1e-8)
         # Adam's first step is lr * g / (|g| + eps): where |g| is near eps (1e-8), rounding noise
         # in g changes the step, so compare the weights where the gradient is well above it.
         clear = g_whole[k].abs() > 1e-5
         torch.testing.assert_close(w_split[k][clear], w_whole[k][clear], rtol=1e-6, atol=1e-6)
-        assert (w_split[k] - w_whole[k]).abs().max() <= 2 * cfg_whole.actor.lr
+
+
+def assert_one_adamw_step(
+    after: dict[str, torch.Tensor], start: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], cfg: Config
+) -> None:
+    """``after`` is, bit for bit, ``start`` moved by one step of torch's AdamW with ``grads``."""
+    a = cfg.actor
+    for k, g in grads.items():
+        p = torch.nn.Parameter(start[k].clone())
+        p.grad = g.clone()
+        torch.optim.AdamW([p], lr=a.lr, betas=tuple(a.adam_betas), eps=a.adam_eps, weight_decay=a.weight_decay).step()
+        assert torch.equal(after[k], p.detach()), f"{k}: not one AdamW step with the reported gradient"
+        assert not torch.equal(after[k], start[k]) or not g.any(), f"{k}: did not move"
 
 
 # Micro-batches by tokens (issue 31, item 8): packed rows, or padded rows within a token budget,

@@ -7,12 +7,11 @@ import os
 import re
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import h5py
 import pytest
-from support.jobs import HELD, REPO, job_args, kill_job, kill_when, rollouts
+from support.jobs import HELD, REPO, Gate, job_args, kill_job, kill_when, rollout_logged, rollouts, routed
 
 from rlhpc.checkpoint import CheckpointManager
 from rlhpc.invariants import comparable, final_weights
@@ -50,6 +49,7 @@ def task_pid(run: Path) -> int:
 def uninterrupted(tmp_path_factory) -> Path:
     run = tmp_path_factory.mktemp("async") / "run"
     run_job(run, *ASYNC)
+    assert routed(run)  # generated through the real router
     return run
 
 
@@ -73,17 +73,20 @@ def test_fixed_lag_reproduces_bit_for_bit(uninterrupted, tmp_path):
 
 
 def test_stop_signal_ends_like_the_uninterrupted_async_run(uninterrupted, tmp_path):
-    run = tmp_path / "run"
+    run, gate = tmp_path / "run", Gate(tmp_path / "gate")
+    gate.shut(*rollout_logged(run, 2))  # mid-run: held while a later rollout is generated
     proc = subprocess.Popen(
-        job_args(run, *ASYNC), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,
+        job_args(run, *ASYNC, HELD), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True, env={**os.environ, **gate.env},
     )  # fmt: skip
-    deadline = time.time() + 240
-    while len(rollouts(run)) < 3:  # mid-run, with the next rollout generated or being generated
-        assert proc.poll() is None and time.time() < deadline, proc.stdout.read()[-4000:]
-        time.sleep(0.05)
-    os.kill(task_pid(run), signal.SIGUSR2)
-    out, _ = proc.communicate(timeout=300)
+    try:
+        gate.wait_held(proc)
+        os.kill(task_pid(run), signal.SIGUSR2)
+        gate.open()
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            kill_job(proc)
     assert proc.returncode == 0, out[-4000:]
     history = read_history(run)
     assert len(history) == 2 and 3 <= history[1]["next_rollout_id"] < N
@@ -112,18 +115,18 @@ def test_engine_killed_mid_run_ends_like_the_uninterrupted_async_run(uninterrupt
     while generation runs beside training: its requests go to engine 1 (same weights), and it is
     restarted between rollouts on the main thread, never behind training with stale labels. A
     request's tokens do not depend on the engine, so the run is the one-engine run exactly."""
-    run = tmp_path / "run"
+    run, gate = tmp_path / "run", Gate(tmp_path / "gate")
+    gate.shut(*rollout_logged(run, 2))  # mid-run: held while rollout 3 or 4 is generated
     proc = subprocess.Popen(
-        job_args(run, *ASYNC, "cluster.gpus_per_node=3", "cluster.rollout_num_gpus=2"), cwd=REPO,
+        job_args(run, *ASYNC, "cluster.gpus_per_node=3", "cluster.rollout_num_gpus=2", HELD), cwd=REPO,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        env={**os.environ, **gate.env},
     )  # fmt: skip
     engine_log = run / "logs" / "engines" / "engine_0.log"
     try:
-        deadline = time.time() + 240
-        while len(rollouts(run)) < 3:  # mid-run: rollout 3 or 4 is being generated
-            assert proc.poll() is None and time.time() < deadline, proc.stdout.read()[-4000:]
-            time.sleep(0.05)
+        gate.wait_held(proc)
         os.kill(int(re.findall(r"cpu_server\[(\d+)\]", engine_log.read_text())[-1]), signal.SIGKILL)
+        gate.open()
         out, _ = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
@@ -139,13 +142,55 @@ def test_engine_killed_mid_run_ends_like_the_uninterrupted_async_run(uninterrupt
     assert final_weights(run) == final_weights(uninterrupted)
 
 
-def test_freshest_weights_stay_within_the_staleness_bound(tmp_path):
+def test_freshest_weights_stay_within_the_staleness_bound_and_tis_weighs_the_loss(tmp_path):
+    """Staleness 2, and TIS truncating at 1.0 with one optimizer step per rollout: the last
+    rollout's reported weights and loss are those worked out here from its dump (the engine's
+    logprobs, older weights) and the checkpoint it was trained from (transformers' log-softmax)."""
     run = tmp_path / "run"
-    run_job(run, "rollout.max_staleness=2", "rollout.num_rollout=6", "checkpoint.save_interval=null", "algo.tis=true")
+    run_job(
+        run, "rollout.max_staleness=2", "rollout.num_rollout=6", "checkpoint.save_interval=1", "algo.tis=true",
+        "algo.tis_clip=1.0", "actor.num_steps_per_rollout=1", "data.reward=support.rewards:spread",
+    )  # fmt: skip
     for r in range(6):
         assert all(0 <= r - v <= 2 for v in versions(run, r)), (r, versions(run, r))
-    records = [m for m in read_metrics(run) if m["kind"] == "rollout"]
-    assert all(0.0 <= m["tis_clipfrac"] <= 1.0 and m["tis_weight"] > 0 for m in records)  # algo.tis reports
+    assert set(versions(run, 5)) == {3}  # two versions behind the weights that train it
+    record = next(m for m in read_metrics(run) if m["kind"] == "rollout" and m["rollout_id"] == 5)
+    expected = tis_by_hand(
+        run / "rollouts" / "rollout_000005.h5", run / "checkpoints" / "rollout_000004" / "actor", 1.0
+    )
+    assert 0 < expected["tis_clipfrac"] < 1  # some tokens truncated, some not
+    assert abs(expected["pg_loss"] - expected["pg_loss_unweighted"]) > 1e-4  # the weights change the loss
+    del expected["pg_loss_unweighted"]
+    for k, v in expected.items():
+        assert record[k] == pytest.approx(v, rel=1e-5, abs=1e-6), (k, record[k], v)
+
+
+def tis_by_hand(dump: Path, policy: Path, clip: float) -> dict[str, float]:
+    """A rollout's TIS metrics and policy loss (one step: ratio 1, token mean) from its dump and
+    the weights it was trained from: w = min(pi_old / pi_engine, clip) per response token,
+    pg_loss = mean(-advantage * w)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(policy), dtype=torch.float32).eval()
+    weights, pg, plain = [], [], []
+    with h5py.File(dump) as f, torch.no_grad():
+        rows = zip(f["prompt_ids"][:], f["response_ids"][:], f["rollout_logprobs"][:], f["advantages"][:])
+        for prompt, response, engine_lps, advantage in rows:
+            prompt, response = prompt.tolist(), response.tolist()
+            lp = torch.log_softmax(model(torch.tensor([prompt + response])).logits[0], -1)
+            old = torch.tensor([lp[len(prompt) - 1 + i, t].item() for i, t in enumerate(response)])
+            raw = torch.exp(old - torch.tensor(engine_lps.tolist()))
+            weights += [(float(min(w, clip)), bool(w > clip)) for w in raw]
+            pg += [-float(advantage) * min(float(w), clip) for w in raw]
+            plain += [-float(advantage)] * len(raw)
+    n = len(weights)
+    return {
+        "tis_weight": sum(w for w, _ in weights) / n,
+        "tis_clipfrac": sum(c for _, c in weights) / n,
+        "pg_loss": sum(pg) / n,
+        "pg_loss_unweighted": sum(plain) / n,
+    }
 
 
 def test_partial_rollouts_keep_every_tokens_version(tmp_path):

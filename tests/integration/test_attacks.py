@@ -174,7 +174,7 @@ def test_the_other_user_can_neither_swap_an_engines_ready_file_nor_serve_a_plant
             root = staging.stage_root(str(shared), "4242")  # a stage dir as /tmp: anyone may make a name
             staging.stage(staging.plan(root, model_path, None), root)
             plant = attacks.Attack.start("stage_plant", str(root))
-            time.sleep(1.0)
+            plant.wait_for_first_steps()  # it tried the root and waits for the name to be free
             staging.Staged(root).remove()
             deadline = time.monotonic() + 30
             while not (root.exists() and root.stat().st_uid == attacks.UID):

@@ -16,7 +16,9 @@ from safetensors.torch import load_file
 pytest.importorskip("megatron.core")
 if torch.cuda.is_available():
     # The checkpoint writers below run megatron on the CPU through the shim, which refuses a GPU process.
-    pytest.skip("CPU/gloo test of the megatron checkpoint conversion", allow_module_level=True)
+    pytest.skip(
+        "a CUDA device is present: a CPU/gloo test of the megatron checkpoint conversion", allow_module_level=True
+    )
 
 from support.tiny_variants import TIED_LLAMA3, build_variant  # noqa: E402
 

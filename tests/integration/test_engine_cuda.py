@@ -83,7 +83,10 @@ def test_gloo_group_lands_on_a_gpu_engine(engine: EngineClient, model_path: str)
     assert_engine_holds(engine, model)
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs the trainer and the engine on different GPUs")
+@pytest.mark.skipif(
+    torch.cuda.device_count() < 2,
+    reason="needs two CUDA devices: NCCL needs the trainer and the engine on different GPUs",
+)
 def test_nccl_group_lands_on_a_gpu_engine(engine: EngineClient, model_path: str) -> None:
     model = trainer_model(model_path, seed=3, device="cuda:1")  # the engine holds cuda:0
     sender = DistributedWeightSender([engine], [1], "127.0.0.1", "nccl", 4 << 20, group_name="nccl_gpu", timeout=60)

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import ray
 import torch
+from support.jobs import HELD, Gate, kill_job, rollout_logged
 
 from rlhpc.actor.group import ActorGroup, ActorSpec
 from rlhpc.batch import RolloutBatch
@@ -272,22 +273,25 @@ def test_train_survives_a_killed_engine(tmp_path: Path) -> None:
         "cluster.gpus_per_node=3",
         "cluster.rollout_num_gpus=2",
         "eval.interval=4",
+        HELD,
     ):
         args += ["--set", o]
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
+    gate = Gate(tmp_path / "gate")
+    gate.shut(*rollout_logged(run, 2))  # held at rollout 3, however fast the run goes
+    proc = subprocess.Popen(
+        args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, start_new_session=True,
+        env={**os.environ, **gate.env},
+    )  # fmt: skip
     try:
         engine_log = run / "logs" / "engines" / "engine_1.log"
-        deadline = time.monotonic() + 240
-        while not [r for r in _metrics(run) if r["kind"] == "rollout" and r["rollout_id"] >= 2]:
-            assert proc.poll() is None and time.monotonic() < deadline, "no rollout 2 within 240 s"
-            time.sleep(0.05)
+        gate.wait_held(proc)
         pid = int(re.findall(r"cpu_server\[(\d+)\]", engine_log.read_text())[-1])
         os.kill(pid, signal.SIGKILL)
+        gate.open()
         out, _ = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+            kill_job(proc)  # the job's own session too (its controller leads one): nothing orphaned
     assert proc.returncode == 0, out[-4000:]
     assert [r["rollout_id"] for r in _metrics(run) if r["kind"] == "rollout"] == list(range(12))
     assert engine_log.read_text().count("starting at") == 2

@@ -19,9 +19,8 @@ import pytest
 import ray
 import torch
 import urllib3
-from support.engines import KEYS, engine_client, generate_in_background, start_server, stop_server
+from support.engines import KEYS, engine_client, generate_in_background, start_server, stop_server, transformers_greedy
 
-from rlhpc.engine_server.cpu.sampling import sample
 from rlhpc.engine_server.cpu.server import parse_args
 from rlhpc.errors import RlhpcError
 from rlhpc.model import load_model, load_tokenizer
@@ -125,18 +124,17 @@ def test_seeded_samples_do_not_depend_on_the_batch(client: EngineClient, model_p
     assert again[1]["output_ids"] != alone  # another seed, another sample (12 tokens: a tie is ~impossible)
 
 
-def test_greedy_matches_in_process_sampling(client: EngineClient, model_path: str) -> None:
+def test_greedy_is_transformers_greedy_generation(client: EngineClient, model_path: str) -> None:
     tok = load_tokenizer(model_path)
-    model = load_model(model_path)
+    model = load_model(model_path).eval()
     ids = prompts(tok, ["12+30=", "xyz", "q"])
     outs = client.generate(
         input_ids=ids, sampling_params={"max_new_tokens": 10, "temperature": 0.0}, return_logprob=True
     )
-    ref = sample(model, ids, [10] * 3, [0.0] * 3, [1.0] * 3, [None] * 3, tok.eos_token_id, tok.pad_token_id)
-    for out, r in zip(outs, ref):
-        assert out["output_ids"] == r.output_ids
+    for out, (want, logprobs) in zip(outs, transformers_greedy(model, ids, 10, tok.eos_token_id), strict=True):
+        assert out["output_ids"] == want
         got = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
-        assert torch.allclose(torch.tensor(got), torch.tensor(r.output_logprobs), atol=1e-5)
+        assert got == pytest.approx(logprobs, abs=1e-5)
 
 
 def test_prompt_logprobs_are_transformers_log_softmax_in_sglangs_shape(client: EngineClient, model_path: str) -> None:
@@ -491,6 +489,5 @@ def test_retract_recomputes_the_cache_with_the_new_weights(model_path: str, othe
     continuation of the prompt and the tokens so far (as SGLang re-prefills retracted requests)."""
     prompt, out = _generate_across_an_update(model_path, other_model, "retract", pause_after=3)
     ids = out["output_ids"]
-    tok = load_tokenizer(model_path)
-    (ref,) = sample(load_model(other_model), [prompt + ids[:3]], [9], [0.0], [1.0], [None], -1, tok.pad_token_id)
-    assert ids[3:] == ref.output_ids
+    ((ref, _),) = transformers_greedy(load_model(other_model).eval(), [prompt + ids[:3]], 9, None)
+    assert ids[3:] == ref

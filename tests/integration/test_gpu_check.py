@@ -14,7 +14,7 @@ import torch
 
 pytest.importorskip("megatron.core")
 if torch.cuda.is_available():
-    pytest.skip("on a GPU machine tools/gpu_check.sh runs the check itself", allow_module_level=True)
+    pytest.skip("a CUDA device is present: tools/gpu_check.sh runs the check itself", allow_module_level=True)
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOL = ROOT / "tools" / "gpu_check.py"

@@ -7,24 +7,23 @@ import os
 import re
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
-from support.jobs import REPO, job_args, kill_job, rollouts
+from support.jobs import HELD, REPO, Gate, job_args, kill_job, rollout_logged, rollouts
 
 from rlhpc.runtime.restarts import read_history
 
-# Rollouts take ~0.1 s here: with only 6, a loaded machine finished the run while the test looked
-# for the rank's pid (measured in CI), and the hang then hit nothing.
-NUM_ROLLOUT = 30
-OVERRIDES = (f"rollout.num_rollout={NUM_ROLLOUT}", "checkpoint.save_interval=2", "eval.interval=null")
+# Rollouts take ~0.1 s here: each fault is dealt while the job is held at a gate (support.jobs),
+# so a fast run cannot outrun it.
+NUM_ROLLOUT = 12
+OVERRIDES = (f"rollout.num_rollout={NUM_ROLLOUT}", "checkpoint.save_interval=2", "eval.interval=null", HELD)
 
 
-def start(run: Path, *overrides: str) -> subprocess.Popen:
+def start(run: Path, gate: Gate, *overrides: str) -> subprocess.Popen:
     return subprocess.Popen(
         job_args(run, *OVERRIDES, *overrides), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,
+        start_new_session=True, env={**os.environ, **gate.env},
     )  # fmt: skip
 
 
@@ -62,38 +61,15 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
-def hang_a_rank(run: Path, proc: subprocess.Popen, sig: int = signal.SIGSTOP, start: int = 1) -> int:
-    """Once rollouts 0-2 of job start ``start`` are trained (rollout 1 saved), SIGSTOP the rank: it
-    answers nothing from now on."""
-
-    def trained_here() -> int:
-        history = read_history(run)
-        if len(history) < start:
-            return 0
-        return len([r for r in rollouts(run) if r >= history[start - 1]["next_rollout_id"]])
-
-    deadline = time.time() + 300
-    while trained_here() < 3:
-        assert proc.poll() is None, proc.stdout.read()[-4000:]
-        assert time.time() < deadline, f"no 3 rollouts trained in start {start}"
-        time.sleep(0.1)
+def hang_a_rank(run: Path, proc: subprocess.Popen, gate: Gate, trained: int, sig: int = signal.SIGSTOP) -> int:
+    """Once rollout ``trained`` is trained (a line of the metrics), hold the job at its next
+    reward and stop (or kill) the rank: it answers nothing from now on. The gate stays shut:
+    the caller opens it (or shuts it on a later rollout) to let the job go on."""
+    gate.shut(*rollout_logged(run, trained))
+    gate.wait_held(proc)
     pid = rank_pid(run)
     os.kill(pid, sig)
-    assert len(rollouts(run)) < NUM_ROLLOUT, "the run ended before the rank was stopped"
     return pid
-
-
-def wait_until_blocked(run: Path, quiet_s: float = 3.0) -> None:
-    """Until no rollout has been logged for ``quiet_s`` (a rollout takes ~0.1 s): the loop then
-    waits on the stopped rank. A stop request before that can land at a safe point between two
-    rollouts with everything trained already saved, and stop the job without asking the rank."""
-    deadline = time.time() + 120
-    seen, since = len(rollouts(run)), time.time()
-    while time.time() - since < quiet_s:
-        assert time.time() < deadline, "rollouts kept coming with the rank stopped"
-        time.sleep(0.1)
-        if (n := len(rollouts(run))) != seen:
-            seen, since = n, time.time()
 
 
 def finish(proc: subprocess.Popen, *hung: int | None) -> str:
@@ -125,12 +101,16 @@ def killed_then_hung(tmp_path_factory) -> tuple[str, str]:
     """One job for two faults (each requeues it): its rank SIGKILLed in the first start, the new
     rank SIGSTOPped in the second (a hang, found by actor.call_timeout_s = 30). The third start
     finishes. What the job printed, unwrapped, and its tail as printed."""
-    run = tmp_path_factory.mktemp("hang") / "run"
-    proc = start(run, "actor.call_timeout_s=30")
+    tmp = tmp_path_factory.mktemp("hang")
+    run, gate = tmp / "run", Gate(tmp / "gate")
+    proc = start(run, gate, "actor.call_timeout_s=30")
     killed = hung = None
     try:
-        killed = hang_a_rank(run, proc, signal.SIGKILL)
-        hung = hang_a_rank(run, proc, start=2)
+        # killed while held at rollout 3 (checkpoint 1 saved); the job goes on (the gate now
+        # waits for rollout 6, which only the next start reaches), fails and resumes at rollout 2
+        killed = hang_a_rank(run, proc, gate, trained=2, sig=signal.SIGKILL)
+        hung = hang_a_rank(run, proc, gate, trained=6)  # in the second start, checkpoint 5 saved
+        gate.open()
     finally:
         out = finish(proc, killed, hung)
     said = check_requeued_and_finished(run, proc, out, killed, hung, requeues=2)
@@ -148,13 +128,15 @@ def test_a_hung_rank_fails_the_call_naming_it_and_the_job_requeues(killed_then_h
 
 def test_a_stop_request_is_honoured_while_a_rank_hangs(tmp_path):
     """The default call_timeout_s (an hour) would outlast Slurm's warning: the stop shortens the wait."""
-    run = tmp_path / "run"
-    proc = start(run)
+    run, gate = tmp_path / "run", Gate(tmp_path / "gate")
+    proc = start(run, gate)
     hung = None
     try:
-        hung = hang_a_rank(run, proc)
-        wait_until_blocked(run)
-        os.kill(task_pid(run), signal.SIGUSR2)  # a preemption warning while the loop waits on the hung rank
+        # held at rollout 5 with rollout 4 trained and not saved (checkpoint 3): the stop must save
+        # it, or train rollout 5 first, either way asking the stopped rank
+        hung = hang_a_rank(run, proc, gate, trained=4)
+        os.kill(task_pid(run), signal.SIGUSR2)  # a preemption warning, the rank hung
+        gate.open()
     finally:
         out = finish(proc, hung)
     said = check_requeued_and_finished(run, proc, out, hung)

@@ -7,7 +7,8 @@ import sys
 
 import h5py
 import pytest
-from support.jobs import HELD, REPO, job_args, kill_when, rollouts, said, submit
+from support.jobs import REPO, rollouts, routed, said, submit
+from support.rewards import SCORED_ENV, pass_at_k_by_hand, scored
 
 from rlhpc.checkpoint import CheckpointManager
 from rlhpc.metrics import read_metrics
@@ -17,7 +18,7 @@ def test_embedded_loop_end_to_end(tmp_path):
     run = tmp_path / "run"
     p = submit(run, "rollout.num_rollout=5", "checkpoint.save_interval=2", "eval.interval=2")
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    assert rollouts(run) == [0, 1, 2, 3, 4]
+    assert rollouts(run) == [0, 1, 2, 3, 4] and routed(run)  # generated through the real router
     evals = [r["rollout_id"] for r in read_metrics(run) if r["kind"] == "eval"]
     assert evals == [-1, 1, 3, 4]  # baseline, every 2, and the last
     # keep_last=2 of the saves at rollouts 1, 3 and the final 4
@@ -44,28 +45,37 @@ def test_a_users_own_files_train_on_a_bos_less_byte_level_tokenizer(tmp_path):
     import pyarrow.parquet as pq
     from transformers import AutoTokenizer
 
-    def verl_rows(prompts):
+    def verl_rows(prompts, split):
         return pa.Table.from_pylist(
-            [{"prompt": q, "reward_model": {"ground_truth": a}, "data_source": "toy"} for q, a in prompts]
+            [
+                {"prompt": q, "reward_model": {"ground_truth": a}, "data_source": "toy", "split": split}
+                for q, a in prompts
+            ]
         )
 
     train = [([{"role": "user", "content": f"{a}+{b}="}], str((a + b) % 10)) for a in range(8) for b in range(8)]
-    pq.write_table(verl_rows(train), tmp_path / "train.parquet")
-    pq.write_table(verl_rows([("1+2=", "3"), ("3+4=", "7"), ("9+" * 200 + "1=", "0")]), tmp_path / "eval.parquet")
+    pq.write_table(verl_rows(train, "train"), tmp_path / "train.parquet")
+    pq.write_table(
+        verl_rows([("1+2=", "3"), ("3+4=", "7"), ("9+" * 200 + "1=", "0")], "eval"), tmp_path / "eval.parquet"
+    )
     run = tmp_path / "run"
     p = submit(
         run, "model.tiny.tokenizer=bpe", "rollout.num_rollout=2", "checkpoint.save_interval=null",
         f"data.train_file={tmp_path}/train.parquet", f"data.eval_file={tmp_path}/eval.parquet",
         "data.label_key=reward_model.ground_truth", "data.reward=support.rewards:graded",
-        "eval.n_samples_per_prompt=4", "eval.temperature=1.0",
+        "eval.n_samples_per_prompt=4", "eval.temperature=1.0", env={SCORED_ENV: str(tmp_path / "scored.jsonl")},
     )  # fmt: skip
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "eval data: 1 of 3 prompts are longer than" in said(p)
-    for m in (m for m in read_metrics(run) if m["kind"] == "eval"):  # a 0/1 reward: pass@1 is its mean
+    evals = [m for m in read_metrics(run) if m["kind"] == "eval"]
+    samples = scored(tmp_path / "scored.jsonl", split="eval")  # 2 prompts x 4 samples an evaluation
+    assert len(samples) == len(evals) * 8
+    for i, m in enumerate(evals):  # a 0/1 reward: pass@1 is its mean
         assert {"eval/pass@1", "eval/pass@2", "eval/pass@4", "eval/maj@4"} <= set(m)
-        assert (
-            abs(m["eval/pass@1"] - m["eval/reward"]) < 1e-6 and m["eval/pass@1"] <= m["eval/pass@2"] <= m["eval/pass@4"]
-        )
+        assert abs(m["eval/pass@1"] - m["eval/reward"]) < 1e-6
+        expected, (maj_low, maj_high) = pass_at_k_by_hand(samples[8 * i : 8 * (i + 1)], 4)
+        assert {k: m[f"eval/{k}"] for k in expected} == pytest.approx(expected, abs=1e-9)
+        assert maj_low - 1e-9 <= m["eval/maj@4"] <= maj_high + 1e-9
     assert rollouts(run) == [0, 1]
     for m in (m for m in read_metrics(run) if m["kind"] == "rollout"):  # the Sample the reward saw
         assert m["reward/from_metadata"] == 1.0 and m["reward/chat"] == 1.0 and m["reward/stopped"] == 1.0
@@ -110,19 +120,6 @@ def test_a_job_that_fails_says_why_in_status(tmp_path):
     assert "finished no" in shown and "starts 1 (" in shown
 
 
-def test_killed_run_resumes_from_last_checkpoint(tmp_path):
-    run = tmp_path / "run"
-    args = job_args(run, "rollout.num_rollout=30", "checkpoint.save_interval=2", HELD)
-    kill_when(args, run / "checkpoints" / "rollout_000005")
-    resumed_from = CheckpointManager(run / "checkpoints", 2).latest().rollout_id
-    assert resumed_from >= 5 and not (run / "FINISHED").exists()
-
-    p = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    assert f"resuming from rollout_{resumed_from:06d}" in p.stdout
-    assert rollouts(run) == list(range(30))  # every rollout exactly once, none lost, none doubled
-
-
 # The entropy bonus moves the policy even where a rollout's rewards are all equal (no advantage).
 KL_IN_REWARD = ["algo.kl_in_reward=true", "algo.kl_coef=0.1", "algo.ref_update_interval=2", "algo.entropy_coef=0.01"]
 
@@ -150,7 +147,7 @@ def test_other_layouts_train(tmp_path, layout):
     run = tmp_path / "run"
     p = submit(run, "rollout.num_rollout=3", "checkpoint.save_interval=null", *layout)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    assert rollouts(run) == [0, 1, 2]
+    assert rollouts(run) == [0, 1, 2] and routed(run)  # through the real router, offloaded engines too
     assert json.loads((run / "FINISHED").read_text())["num_rollout"] == 3
     # no engine died and was restarted: as SGLang's, the CPU engine dies resuming memory it holds
     assert "is down; restart" not in p.stdout + p.stderr

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import shutil
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -13,6 +14,7 @@ import pytest
 import ray
 import torch
 from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 pytest.importorskip("megatron.core")
 
@@ -402,7 +404,7 @@ def train_and_push(cfg: Config, model_path: str, ranks: int, url: str) -> tuple[
         return metrics, weights
 
 
-def test_qwen3_moe_expert_parallel_actor(moe_paths: tuple[str, str], moe_engine: str) -> None:
+def test_qwen3_moe_expert_parallel_actor(moe_paths: tuple[str, str], moe_engine: str, tmp_path: Path) -> None:
     """Qwen3-MoE (QK-norm, 4 experts) behind ActorGroup: EP=2 over the two data-parallel ranks
     trains as EP=1 does and its HF view (the weight push's: experts gathered over the EP group)
     is the EP=1 one; the router's load-balancing loss is logged. The equality runs without the
@@ -425,10 +427,23 @@ def test_qwen3_moe_expert_parallel_actor(moe_paths: tuple[str, str], moe_engine:
     # 1.3e-5 relative; the weights keep the tight bound
     assert_same_training(ep1, ep2, rtol=1e-4)
     assert "moe_load_balancing_loss" not in ep1[0][0]
-    with_aux = train_two(cfg(2, 1e-2), path, 2)
-    for metrics in with_aux[0]:
-        # about 1 for a balanced router (megatron's normalisation), positive whatever the routing
-        assert 0.5 < metrics["moe_load_balancing_loss"] < 4
+    # A router with zero weights gives every expert 1/E of each token, and the Switch loss,
+    # E * sum_i f_i * P_i with sum_i f_i = 1, is then exactly 1 whatever experts the tokens go to
+    # (the pad tokens EP adds too): logged per layer and forward, so 1. lr 0 keeps it uniform.
+    uniform = tmp_path / "uniform"
+    shutil.copytree(path, uniform)
+    weights = load_file(uniform / "model.safetensors")
+    gates = [name for name in weights if name.endswith(".mlp.gate.weight")]
+    assert len(gates) == 2  # one router a layer
+    save_file(
+        {n: torch.zeros_like(t) if n in gates else t for n, t in weights.items()},
+        uniform / "model.safetensors",
+        {"format": "pt"},
+    )
+    frozen = cfg(2, 1e-2)
+    frozen.actor.lr = 0.0
+    for metrics in train_two(frozen, str(uniform), 2)[0]:
+        assert metrics["moe_load_balancing_loss"] == pytest.approx(1.0, rel=1e-6)
 
 
 @pytest.mark.parametrize(("saved_ep", "resumed_ep"), [(2, 1), (1, 2)], ids=["ep2-to-ep1", "ep1-to-ep2"])

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -12,7 +11,10 @@ import torch
 pytest.importorskip("megatron.core")
 if torch.cuda.is_available():
     # These run megatron on the CPU through rlhpc.actor.megatron.cpu_shim, which refuses a GPU process.
-    pytest.skip("CPU/gloo test of the megatron conversion; not written for GPU processes", allow_module_level=True)
+    pytest.skip(
+        "a CUDA device is present: a CPU/gloo test of the megatron conversion; not written for GPU processes",
+        allow_module_level=True,
+    )
 
 from support.tiny_variants import TIED_LLAMA3, build_variant  # noqa: E402
 
@@ -84,13 +86,14 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
     return models
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _rendezvous(where: Path) -> str:
+    """An init_method through a file in ``where`` (fresh): no port to probe and lose before the
+    ranks bind it (mp.spawn starts them after the probe)."""
+    where.mkdir(parents=True, exist_ok=True)
+    return f"file://{where / 'rendezvous'}"
 
 
-def _init_megatron(rank: int, world_size: int, tp_size: int, port: int, ep_size: int = 1) -> None:
+def _init_megatron(rank: int, world_size: int, tp_size: int, init_method: str, ep_size: int = 1) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -98,7 +101,7 @@ def _init_megatron(rank: int, world_size: int, tp_size: int, port: int, ep_size:
     from rlhpc.actor.megatron.cpu_shim import apply_cpu_shim
 
     apply_cpu_shim()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp_size, expert_model_parallel_size=ep_size)
     model_parallel_cuda_manual_seed(1234)
 
@@ -142,9 +145,9 @@ def _hf_logits(model_dir: Path) -> list[torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def megatron_tp1():
+def megatron_tp1(tmp_path_factory):
     """This process as a gloo group of one with megatron's model-parallel state (TP=1)."""
-    _init_megatron(0, 1, 1, _free_port())
+    _init_megatron(0, 1, 1, _rendezvous(tmp_path_factory.mktemp("rdzv")))
     yield
     _teardown_megatron()
 
@@ -297,9 +300,9 @@ def test_megatron_logits_match_hf(tiny_models, megatron_tp1, arch):
         torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5)
 
 
-def _tp2_worker(rank: int, port: int, model_dir: str, out_dir: str, tp_size: int, ep_size: int) -> None:
+def _tp2_worker(rank: int, init_method: str, model_dir: str, out_dir: str, tp_size: int, ep_size: int) -> None:
     torch.set_num_threads(1)
-    _init_megatron(rank, 2, tp_size, port, ep_size=ep_size)
+    _init_megatron(rank, 2, tp_size, init_method, ep_size=ep_size)
     try:
         # megatron's rank order: TP fastest, then EP (TP x EP = 2 here, so no DP)
         tp_rank, ep_rank = rank % tp_size, rank // tp_size % ep_size
@@ -318,7 +321,7 @@ def test_tp2_logits_match_tp1(tiny_models, megatron_tp1, tmp_path, arch, tp_size
     """Two gloo ranks (TP=2, or EP=2 for the MoE) give the TP=1 and the HF logits."""
     import torch.multiprocessing as mp
 
-    args = (_free_port(), str(tiny_models[arch]), str(tmp_path), tp_size, ep_size)
+    args = (_rendezvous(tmp_path / "rdzv"), str(tiny_models[arch]), str(tmp_path), tp_size, ep_size)
     mp.spawn(_tp2_worker, args=args, nprocs=2, join=True)
     tp1 = _megatron_logits(tiny_models[arch], tp_size=1, tp_rank=0)
     ref = _hf_logits(tiny_models[arch])

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -12,7 +11,10 @@ import torch
 pytest.importorskip("megatron.core")
 if torch.cuda.is_available():
     # These run megatron on the CPU through rlhpc.actor.megatron.cpu_shim, which refuses a GPU process.
-    pytest.skip("CPU/gloo test of megatron training; not written for GPU processes", allow_module_level=True)
+    pytest.skip(
+        "a CUDA device is present: a CPU/gloo test of megatron training; not written for GPU processes",
+        allow_module_level=True,
+    )
 
 import torch.nn.functional as F  # noqa: E402
 
@@ -39,10 +41,11 @@ CLIP = 1.0
 WEIGHT_ATOL = 2e-5
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _rendezvous(where: Path) -> str:
+    """An init_method through a file in ``where`` (fresh): no port to probe and lose before the
+    ranks bind it (mp.spawn starts them after the probe)."""
+    where.mkdir(parents=True, exist_ok=True)
+    return f"file://{where / 'rendezvous'}"
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +60,7 @@ def tiny_qwen3(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def megatron_tp1():
+def megatron_tp1(tmp_path_factory):
     """This process as a gloo group of one with megatron's model-parallel state (TP=1)."""
     import torch.distributed as dist
     from megatron.core import parallel_state
@@ -66,7 +69,7 @@ def megatron_tp1():
     from rlhpc.actor.megatron.cpu_shim import apply_cpu_shim, remove_cpu_shim
 
     apply_cpu_shim()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=_rendezvous(tmp_path_factory.mktemp("rdzv")), rank=0, world_size=1)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
     model_parallel_cuda_manual_seed(1234)
     yield
@@ -172,7 +175,7 @@ def test_megatron_adam_steps_match_hf_adamw(tiny_llama, tiny_qwen3, megatron_tp1
         torch.testing.assert_close(mg_weights[name], ref, rtol=0, atol=WEIGHT_ATOL, msg=name)
 
 
-def _tp2_worker(rank: int, port: int, model_dir: str, out_dir: str, ep_size: int = 1) -> None:
+def _tp2_worker(rank: int, init_method: str, model_dir: str, out_dir: str, ep_size: int = 1) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -181,7 +184,7 @@ def _tp2_worker(rank: int, port: int, model_dir: str, out_dir: str, ep_size: int
 
     torch.set_num_threads(1)
     apply_cpu_shim()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=2)
     try:
         tp_size = 2 // ep_size
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp_size, expert_model_parallel_size=ep_size)
@@ -199,7 +202,7 @@ def _tp2_worker(rank: int, port: int, model_dir: str, out_dir: str, ep_size: int
 def test_tp2_steps_match_tp1(tiny_llama, megatron_tp1, tmp_path):
     import torch.multiprocessing as mp
 
-    mp.spawn(_tp2_worker, args=(_free_port(), str(tiny_llama), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_tp2_worker, args=(_rendezvous(tmp_path / "rdzv"), str(tiny_llama), str(tmp_path)), nprocs=2, join=True)
     config = load_model(tiny_llama).config
     ids = _batch(config.vocab_size)
     tp1_losses, tp1_grad_norms, tp1_state = _train_megatron(tiny_llama, ids)
@@ -226,7 +229,7 @@ def test_ep2_steps_match_ep1(tiny_qwen3, megatron_tp1, tmp_path):
     import torch.multiprocessing as mp
 
     model_dir = tiny_qwen3["qwen3_moe"]
-    mp.spawn(_tp2_worker, args=(_free_port(), str(model_dir), str(tmp_path), 2), nprocs=2, join=True)
+    mp.spawn(_tp2_worker, args=(_rendezvous(tmp_path / "rdzv"), str(model_dir), str(tmp_path), 2), nprocs=2, join=True)
     config = load_model(model_dir).config
     ids = _batch(config.vocab_size)
     ep1_losses, ep1_grad_norms, ep1_state = _train_megatron(model_dir, ids, moe_aux_loss_coeff=AUX_COEFF)

@@ -14,7 +14,7 @@ import pytest
 import torch
 from support.guess_envs import KILL_ENGINE_ENV, WAIT_PUSH_ENV
 from support.hold import CLOCK_ENV, MID_EPISODE
-from support.jobs import REPO, job_args, kill_when, rollouts, submit
+from support.jobs import REPO, job_args, kill_when, rollouts, routed, submit
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlhpc.checkpoint import CheckpointManager
@@ -112,6 +112,7 @@ def undisturbed(tmp_path_factory) -> Path:
     run_job(run, *EXACT, env=clocks(run))
     records = [m for m in read_metrics(run) if m["kind"] == "rollout"]
     assert any(m["episode/turns"] > 1 for m in records) and all(m["episode/tool_calls"] > 0 for m in records)
+    assert routed(run)  # every turn through the real router
     return run
 
 

@@ -12,7 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from support.jobs import kill_job
+from support.jobs import HELD, Gate, kill_job, kill_when, rollout_logged
 
 from rlhpc.checkpoint import CheckpointManager
 from rlhpc.invariants import comparable, final_weights
@@ -91,10 +91,16 @@ def stopped(uninterrupted, tmp_path_factory) -> tuple[Path, str, dict]:
     gate = run.parent / "hold-writes"
     gate.write_text("")  # no save before the stop (save_interval=100): the first write held is the stop's
     env = {"PYTHONPATH": f"{HOLD_WRITES}:{os.environ.get('PYTHONPATH', '')}", "RLHPC_TEST_HOLD_WRITES": str(gate)}
-    proc = start(run, "rollout.num_rollout=12", "checkpoint.save_interval=100", "logging.wandb_mode=offline", env=env)
+    stop_at = Gate(run.parent / "gate")
+    stop_at.shut(*rollout_logged(run, 2))  # held at rollout 3's reward, however fast the run goes
+    env.update(stop_at.env)
+    proc = start(
+        run, "rollout.num_rollout=12", "checkpoint.save_interval=100", "logging.wandb_mode=offline", HELD, env=env
+    )
     try:
-        wait_for(lambda: len(trained(run)) >= 3, proc)
+        stop_at.wait_held(proc)
         os.kill(task_pid(run), signal.SIGUSR2)  # what Slurm sends before the time limit or on preemption
+        stop_at.open()
         wait_for(lambda: Path(f"{gate}.held").exists(), proc)  # the stop's snapshot is taken, its write held
         held = {
             "latest": CheckpointManager(run / "checkpoints", 2).latest(),
@@ -187,7 +193,25 @@ def test_stop_signal_during_an_evaluation_is_a_safe_point(uninterrupted_with_eva
     assert comparable(run) == comparable(uninterrupted_with_evals)
 
 
-def test_sigkill_during_a_checkpoint_write_resumes_from_the_previous_one(tmp_path):
+def test_killed_run_resumes_from_last_checkpoint_and_ends_like_an_uninterrupted_run(uninterrupted, tmp_path):
+    """SIGKILLed once checkpoint 5 is written (held there: see kill_when), resumed: every rollout
+    once, and the metrics and final weights of the run nobody killed (the optimizer's and the
+    RNG's state came back with the weights)."""
+    run = tmp_path / "run"
+    args = command(run, "rollout.num_rollout=12", "checkpoint.save_interval=2", HELD)
+    kill_when(args, run / "checkpoints" / "rollout_000005")
+    resumed_from = CheckpointManager(run / "checkpoints", 2).latest().rollout_id
+    assert resumed_from >= 5 and not (run / "FINISHED").exists()
+
+    p = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert f"resuming from rollout_{resumed_from:06d}" in p.stdout
+    assert trained(run) == list(range(12))  # every rollout exactly once, none lost, none doubled
+    assert comparable(run) == comparable(uninterrupted)
+    assert final_weights(run) == final_weights(uninterrupted)
+
+
+def test_sigkill_during_a_checkpoint_write_resumes_from_the_previous_one(uninterrupted, tmp_path):
     run = tmp_path / "run"
     overrides = ("rollout.num_rollout=12", "checkpoint.save_interval=1", "checkpoint.keep_last=3")
     caught = False
@@ -216,6 +240,8 @@ def test_sigkill_during_a_checkpoint_write_resumes_from_the_previous_one(tmp_pat
     assert f"resuming from {ck.path.name}" in p.stdout
     assert trained(run) == list(range(12))
     assert not list((run / "checkpoints").glob(".staging-*"))
+    assert comparable(run) == comparable(uninterrupted)  # the config of the run nobody killed
+    assert final_weights(run) == final_weights(uninterrupted)
 
 
 class FlakyGrader(BaseHTTPRequestHandler):

@@ -10,7 +10,7 @@ import h5py
 import pytest
 import torch
 from support.engines import engine_client, in_process_send, start_server, stop_server
-from support.jobs import said, submit
+from support.jobs import routed, said, submit
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from rlhpc.config import TinyModelConfig
@@ -79,6 +79,9 @@ def test_a_local_run_trains_on_the_reward_models_score(tmp_path):
     assert p.returncode == 0, said(p)[-4000:]
     assert "reward engine 0   (tp=1) -> " in (run / "layout.txt").read_text()
     assert "1 reward engine(s)" in said(p)
+    # the policy's samples through the real router; the reward model scores without one (the
+    # router has no /classify)
+    assert routed(run) and not routed(run, "reward")
     records = [r for r in read_metrics(run) if r["kind"] == "rollout"]
     assert len(records) == 2
     path = run / "reward_model"

@@ -8,6 +8,7 @@ import time
 
 from support.hold import HOLD_ENV
 from support.jobs import HELD, REPO, job_args, kill_job, rollouts, said, submit
+from support.other_user import require_second_user, shared_tmp_dir, what_the_other_user_reads
 
 from rlhpc.invariants import processes_using
 from rlhpc.launch.run_owner import liveness, read
@@ -24,7 +25,15 @@ def snapshot(run) -> dict:
 
 
 def test_second_submission_is_refused_while_the_first_job_lives(tmp_path):
-    run = tmp_path / "run"
+    """... and another user of the machine, with the run dir where anyone can reach it (under a
+    1777 dir, as /tmp), tries to read the live run's engine key and Ray token, and gets neither,
+    also once the run dir itself is opened to all (the key's own 0600)."""
+    require_second_user()
+    with shared_tmp_dir() as shared:
+        second_submission_and_the_other_user(shared / "run")
+
+
+def second_submission_and_the_other_user(run):
     first = subprocess.Popen(
         job_args(run, "rollout.num_rollout=200"), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         start_new_session=True,
@@ -42,6 +51,16 @@ def test_second_submission_is_refused_while_the_first_job_lives(tmp_path):
         assert p.returncode == 2 and f"in use by local job {owner.job_id}" in out and "fix:" in out, out[-2000:]
         assert snapshot(run) == before  # nothing written, nothing submitted
         assert read(run) == owner
+        secrets = [run / "engine_key", *(run / "ray").glob("*/auth_token")]
+        assert len(secrets) == 2 and all(p.is_file() for p in secrets)  # the live job's
+        tried = what_the_other_user_reads(run, *secrets)
+        assert set(tried.values()) == {"PermissionError"}, tried
+        run.chmod(0o755)  # opened by hand: each file still refuses
+        try:
+            tried = what_the_other_user_reads(run, *secrets)
+        finally:
+            run.chmod(0o700)
+        assert tried.pop(str(run)) == "read" and set(tried.values()) == {"PermissionError"}, tried
     finally:
         kill_job(first)  # no chance to release: a stale owner is left
     p = submit(run, "rollout.num_rollout=2")

@@ -15,7 +15,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -68,6 +68,31 @@ def engines(model_path: str, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         stop_server(proc)
     for proc, _, _ in started:
         assert proc.returncode == 0
+
+
+def state(c: EngineClient) -> dict:
+    return c.get_server_info()["internal_states"][0]
+
+
+@pytest.fixture(autouse=True)
+def clean_engines(request: pytest.FixtureRequest) -> None:
+    """Each test that uses the shared engines gets them as a fresh one is: no weight-update session
+    or group an earlier test left open (a failed push keeps both on purpose), not paused, memory
+    held. Only the weights and their version carry over: every test pushes and checks its own."""
+    if "engines" not in request.fixturenames:
+        return
+    fresh = {"paused": False, "released_tags": [], "weight_update_groups": [], "weight_update_session": False}
+    for c in request.getfixturevalue("engines"):
+        now = state(c)
+        if now["weight_update_session"]:
+            c.end_weight_update()
+        for group in now["weight_update_groups"]:
+            c.destroy_weights_update_group(group)
+        if now["released_tags"]:
+            c.resume_memory_occupation()
+        c.continue_generation()
+        now = state(c)
+        assert {k: now[k] for k in fresh} == fresh and not now["receiving_weights"], now
 
 
 @contextlib.contextmanager
@@ -267,7 +292,9 @@ def test_distributed_sync_failures_are_reported_not_hung(engines: list[EngineCli
 
 def test_an_end_waits_for_the_update_under_way(engines: list[EngineClient], model_path: str) -> None:
     """The engine answers begin/end without a thread hop only when no other control call is
-    pending: an end sent while an update waits for its broadcast closes the session after it."""
+    pending: an end sent while an update waits for its broadcast closes the session after it.
+    The broadcast is held until the end is seen queued behind the update (an end that did not
+    wait would be answered while the broadcast is still held)."""
     model = trainer_model(model_path, seed=11)
     c = engines[0]
     sender = DistributedWeightSender([c], [1], "127.0.0.1", "gloo", 1 << 24, group_name="order", timeout=30)
@@ -278,17 +305,18 @@ def test_an_end_waits_for_the_update_under_way(engines: list[EngineClient], mode
             names=packed.names, dtypes=packed.dtypes, shapes=packed.shapes, group_name="order",
             flush_cache=True, weight_version="77", load_format=P.FLATTENED_BUCKET,
         )  # fmt: skip
-        sender._begin_session(c)  # (closes one an earlier test's failed push left open)
+        c.begin_weight_update()
         with ThreadPoolExecutor(2) as pool:
             update = pool.submit(c.update_weights_from_distributed, announce)  # waits for the broadcast
-            while not c.get_server_info()["internal_states"][0]["receiving_weights"]:
+            while not state(c)["receiving_weights"]:
                 assert not update.done(), update.result()
             end = pool.submit(c.end_weight_update)
-            done, _ = wait([update, end], timeout=1.0)
-            assert not done  # the update waits for the broadcast, the end for the update
+            while state(c)["control_calls_queued"] < 2:  # the update, and the end behind it
+                assert not end.done(), f"the end was answered during the update: {end.result()}"
+            assert not update.done() and not end.done() and state(c)["weight_update_session"]
             sender._broadcast(packed.flat)
             assert update.result(timeout=30)["success"] and end.result(timeout=30)["success"]
-        assert c.get_weight_version() == "77"
+        assert c.get_weight_version() == "77" and not state(c)["weight_update_session"]
         assert_engine_holds(c, model)
     finally:
         sender.close()

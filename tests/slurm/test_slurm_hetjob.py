@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from support.jobs import deterministic_config, submit_slurm
+from support.slow_reward import slow_allocations
 
 from rlhpc.invariants import comparable, final_weights
 from rlhpc.metrics import read_metrics
@@ -28,9 +29,9 @@ HET = ["--nodes", "1", "--gpus-per-node", "2", "--partition", "train",
 
 
 def submit(
-    run: Path, *args: str, follow: bool, het: list[str] = HET, config: list[str] = CONFIG
+    run: Path, *args: str, follow: bool, het: list[str] = HET, config: list[str] = CONFIG, env: dict | None = None
 ) -> subprocess.CompletedProcess:
-    return submit_slurm(run, *het, *args, overrides=config, follow=follow)
+    return submit_slurm(run, *het, *args, overrides=config, follow=follow, env=env)
 
 
 def queued() -> list[str]:
@@ -74,7 +75,10 @@ def test_each_group_on_its_partition_and_a_preemption_resumes_identically(minicl
     assert len(set(scored)) > 1  # the reward model scored every rollout
 
     run = tmp_path / "run"
-    assert submit(run, follow=False).returncode == 0
+    # The first allocation scores 0.1 s a sample, so the preemption lands mid-run however fast the
+    # loop is (a fast one trained all 30 rollouts before Slurm's signal came); the same scores.
+    slow, env = slow_allocations()
+    assert submit(run, *slow, follow=False, env=env).returncode == 0
     wait(lambda: (run / "metrics.jsonl").is_file() and len(trained(run)) >= 4, 240, "4 trained rollouts", run)
     # A high job that needs all of node1's GPUs: Slurm preempts the het job (every component).
     subprocess.run(

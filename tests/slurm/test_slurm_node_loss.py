@@ -77,9 +77,9 @@ def wait_finished(run: Path, job_id: str, timeout: float = 600) -> None:
     assert (run / "FINISHED").is_file(), f"job {job_id} ended {slurm.job_state(job_id)}:\n" + job_log(run)[-4000:]
 
 
-def same_results(run: Path, baseline: Path) -> None:
+def same_results(run: Path, baseline: Path, num_rollout: int = NUM_ROLLOUT) -> None:
     """Every rollout logged once; weights and metrics (bar the engine count) as undisturbed."""
-    assert [r["rollout_id"] for r in rollouts(run)] == list(range(NUM_ROLLOUT))
+    assert [r["rollout_id"] for r in rollouts(run)] == list(range(num_rollout))
     assert final_weights(run) == final_weights(baseline)
     assert comparable(run) == comparable(baseline)  # the engine count is left out there
 
@@ -89,6 +89,20 @@ def baseline(minicluster, tmp_path_factory) -> Path:
     """The same run on one node, never disturbed."""
     run = tmp_path_factory.mktemp("baseline") / "run"
     p = submit(run, 1, 3, "--sbatch", "nodelist=node3", follow=True)
+    assert p.returncode == 0 and (run / "FINISHED").is_file(), p.stdout[-3000:] + p.stderr[-3000:]
+    return run
+
+
+# The actor- and head-node tests' layout: two data-parallel actor ranks and one engine.
+REQUEUE_LAYOUT = ["--set", "cluster.actor_num_gpus=2", "--set", "cluster.rollout_num_gpus=1"]
+
+
+@pytest.fixture(scope="module")
+def requeue_baseline(minicluster, tmp_path_factory) -> Path:
+    """The actor- and head-node tests' run on one node, never disturbed (gloo's two-rank
+    all-reduce gives the same sums on one node as across two)."""
+    run = tmp_path_factory.mktemp("requeue-baseline") / "run"
+    p = submit(run, 1, 3, *REQUEUE_LAYOUT, "--sbatch", "nodelist=node3", follow=True, num_rollout=REQUEUE_ROLLOUT)
     assert p.returncode == 0 and (run / "FINISHED").is_file(), p.stdout[-3000:] + p.stderr[-3000:]
     return run
 
@@ -140,14 +154,13 @@ def lost_work_within_bound(run: Path, trained_before_kill: int) -> None:
 
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("index", [1, 0], ids=["actor_node", "head_node"])
-def test_actor_or_head_node_lost_requeues_and_resumes(minicluster, tmp_path, index):
+def test_actor_or_head_node_lost_requeues_and_resumes(minicluster, requeue_baseline, tmp_path, index):
     # Actor ranks on the first node (the head, with the driver) and the second; the engine on the
     # third. Not pinned: the requeued job takes any node but the lost one. The actor node stays down
     # until the job has requeued; the head comes back as soon as Slurm marked it DOWN (a quick
     # reboot: back before the worker tasks' Ray gives up on it, and no longer part of the job).
     run = tmp_path / "run"
-    args = ["--set", "cluster.actor_num_gpus=2", "--set", "cluster.rollout_num_gpus=1"]
-    job = job_id_of(run, submit(run, 3, 1, *args, follow=False, num_rollout=REQUEUE_ROLLOUT))
+    job = job_id_of(run, submit(run, 3, 1, *REQUEUE_LAYOUT, follow=False, num_rollout=REQUEUE_ROLLOUT))
     node = None
     try:
         wait(lambda: len(rollouts(run)) >= SAVE_INTERVAL + 5, 300, "rollouts past the first checkpoint", run)
@@ -162,6 +175,7 @@ def test_actor_or_head_node_lost_requeues_and_resumes(minicluster, tmp_path, ind
     finally:
         if node is not None:
             minicluster.revive_node(node)
-    assert [r["rollout_id"] for r in rollouts(run)] == list(range(REQUEUE_ROLLOUT))  # each logged once
     assert node in job_log(run)  # named
     lost_work_within_bound(run, trained)
+    # each rollout logged once, and the resume (weights, optimizer, RNG) ends as the run nobody disturbed
+    same_results(run, requeue_baseline, REQUEUE_ROLLOUT)

@@ -10,9 +10,9 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 import torch
 
-from rlhpc.engine_server.cpu.sampling import sample
 from rlhpc.model import load_model, load_tokenizer
 from rlhpc.wire.client import EngineClient
 from rlhpc.wire.engine_key import new_key
@@ -95,12 +95,42 @@ def assert_engine_holds(client: EngineClient, model: torch.nn.Module) -> None:
         assert torch.equal(got, p.detach().cpu()), f"{client.base_url}: {name} differs"
 
 
+def transformers_greedy(
+    model: torch.nn.Module, ids: list[list[int]], max_new_tokens: int, eos_token_id: int | None
+) -> list[tuple[list[int], list[float]]]:
+    """The reference an engine's greedy answer must equal: transformers' own ``generate`` (no
+    sampling, one prompt at a time: no padding), and each new token's logprob the log-softmax of
+    a plain forward over prompt + answer. (output ids, their logprobs) per prompt. ``eos_token_id``
+    None: no stop token (an id past the vocabulary, which is never generated)."""
+    device = next(model.parameters()).device
+    stop = model.config.vocab_size if eos_token_id is None else eos_token_id
+    out = []
+    with torch.no_grad():
+        for prompt in ids:
+            x = torch.tensor([prompt], device=device)
+            seq = model.generate(
+                x,
+                attention_mask=torch.ones_like(x),
+                do_sample=False,
+                max_new_tokens=max_new_tokens,
+                eos_token_id=stop,
+                pad_token_id=stop,
+            )[0]
+            new = seq[len(prompt) :].tolist()
+            lp = torch.log_softmax(model(seq[None]).logits[0].float(), -1)
+            out.append((new, [lp[len(prompt) - 1 + i, t].item() for i, t in enumerate(new)]))
+    return out
+
+
 def assert_generation_matches(client: EngineClient, model: torch.nn.Module, model_path: str) -> None:
+    """The engine's greedy answers and their logprobs are transformers' with ``model``'s weights."""
     tok = load_tokenizer(model_path)
     ids = [[tok.bos_token_id, *tok(t, add_special_tokens=False).input_ids] for t in ("3+4=", "abc")]
-    outs = client.generate(input_ids=ids, sampling_params={"max_new_tokens": 8, "temperature": 0})
-    ref = sample(model, ids, [8, 8], [0.0, 0.0], [1.0, 1.0], [None, None], tok.eos_token_id, tok.pad_token_id)
-    assert [o["output_ids"] for o in outs] == [r.output_ids for r in ref]
+    outs = client.generate(input_ids=ids, sampling_params={"max_new_tokens": 8, "temperature": 0}, return_logprob=True)
+    for out, (want, logprobs) in zip(outs, transformers_greedy(model, ids, 8, tok.eos_token_id), strict=True):
+        assert out["output_ids"] == want
+        got = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
+        assert got == pytest.approx(logprobs, abs=1e-4)
 
 
 def in_process_send(engine, answered):

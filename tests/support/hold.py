@@ -7,11 +7,17 @@ trained or saved until the kill. Without the variable (the resumed run) it is it
 ``GuessEnv`` holds a multi-turn job the same way, between two turns of its episodes, and the
 tool ``now`` (a clock outside the job) in the middle of a turn's tool calls.
 
+``$RLHPC_TEST_GATE`` (``support.jobs.Gate``) holds a job where a test must act on it while it
+runs (stop a rank, send a signal): while the gate file exists and the condition it names holds
+(a path exists, or holds a text: a metrics line), each reward waits, and ``<gate>.held`` says
+that the job is held; the test removes the gate to let it go on.
+
 A job names one as ``data.reward: support.hold:NAME``, the environment as ``rollout.env:
 support.hold:GuessEnv``, the tool as ``rollout.tools: [support.hold:now]`` with ``rollout.tool_parser:
 support.hold:clock_calls`` (``tests/`` is on every test job's PYTHONPATH).
 """
 
+import json
 import os
 import re
 import time
@@ -25,18 +31,40 @@ from support.filters import length_parity as _length_parity
 from support.guess_envs import EngineKillingGuess
 
 HOLD_ENV = "RLHPC_TEST_HOLD_AT"
+GATE_ENV = "RLHPC_TEST_GATE"
 _DIGIT_SUM = TASKS["digit_sum"].reward
+
+
+def _gate_shut(gate: str) -> str | None:
+    """The gate's text while it holds, else None."""
+    try:
+        text = Path(gate).read_text()
+        when = json.loads(text)
+        path, contains = when["path"], when["contains"]
+        shut = os.path.exists(path) if contains is None else contains in Path(path).read_text()
+    except (OSError, ValueError):  # no gate (opened), or its condition's file not there yet
+        return None
+    return text if shut else None
 
 
 def _hold() -> None:
     at = os.environ.get(HOLD_ENV)
     while at and os.path.exists(at):
         time.sleep(0.05)
+    gate = os.environ.get(GATE_ENV)
+    while gate and (shut := _gate_shut(gate)) is not None:
+        Path(gate + ".held").write_text(shut)  # held by this very condition (a test may change it)
+        time.sleep(0.05)
 
 
 def digit_sum(prompt: str, response: str, answer: str) -> float:
     _hold()
     return _DIGIT_SUM(prompt, response, answer)
+
+
+def squares(prompt: str, response: str, answer: str) -> float:
+    _hold()
+    return TASKS["squares"].reward(prompt, response, answer)
 
 
 def length_parity(prompt: str, response: str, answer: str) -> float:

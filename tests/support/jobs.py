@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -11,7 +12,7 @@ from pathlib import Path
 
 from rlhpc.metrics import read_metrics
 from rlhpc.util.processes import kill_groups, process_groups
-from support.hold import HOLD_ENV
+from support.hold import GATE_ENV, HOLD_ENV
 
 REPO = Path(__file__).resolve().parents[2]  # the checkout
 SUBMIT = [sys.executable, str(REPO / "jobs" / "submit.py"), "--cluster", "local"]
@@ -46,8 +47,14 @@ def job_args(run_dir: Path, *overrides: str) -> list[str]:
     return args
 
 
-def submit(run_dir: Path, *overrides: str, timeout: float = 300, cwd: Path = REPO) -> subprocess.CompletedProcess:
-    return subprocess.run(job_args(run_dir, *overrides), capture_output=True, text=True, timeout=timeout, cwd=cwd)
+def submit(
+    run_dir: Path, *overrides: str, timeout: float = 300, cwd: Path = REPO, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """Run a fast local job to its end; ``env`` added to this process's environment."""
+    return subprocess.run(
+        job_args(run_dir, *overrides), capture_output=True, text=True, timeout=timeout, cwd=cwd,
+        env={**os.environ, **(env or {})},
+    )  # fmt: skip
 
 
 def submit_slurm(
@@ -75,6 +82,13 @@ def said(p: subprocess.CompletedProcess) -> str:
     """A command's stdout and stderr with every run of whitespace as one space: a log line off
     a terminal is wrapped at 120 columns, and where it wraps depends on the paths in it."""
     return " ".join(((p.stdout or "") + (p.stderr or "")).split())
+
+
+def routed(run_dir: Path, group: str = "") -> bool:
+    """Whether a run's engine group (``group``: "" the rollout engines, "reward", "teacher") had
+    the real sglang_router in front (``rollout.sglang.router``): its log holds its start."""
+    log = run_dir / "logs" / "engines" / group / "router.log"
+    return log.is_file() and "sglang router starting on port" in log.read_text()
 
 
 def rollouts(run_dir: Path) -> list[int]:
@@ -113,3 +127,43 @@ def kill_when(args: list[str], path: Path, timeout: float = 300, env: dict[str, 
                 raise AssertionError(f"no {path.name} within {timeout:.0f} s; the job {ended}:\n{out.read()[-4000:]}")
             time.sleep(0.2)
         kill_job(proc)
+
+
+class Gate:
+    """Holds a job (scoring with a reward of ``support.hold``, e.g. ``HELD``, and ``env`` in its
+    environment) at its first reward after a condition, until the test lets it go on: a stop
+    signal, a stopped rank or a killed engine then lands at a point the test chose, however fast
+    the job runs. ``shut`` names the condition, ``wait_held`` waits for the job to be held there,
+    ``open`` lets it go on."""
+
+    def __init__(self, path: Path):
+        self.path, self.held = path, path.with_name(path.name + ".held")
+        self.text = ""
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {GATE_ENV: str(self.path)}
+
+    def shut(self, when: Path, contains: str | None = None) -> None:
+        """Hold once ``when`` exists (``contains``: once it holds that text)."""
+        self.text = json.dumps({"path": str(when), "contains": contains})
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(self.text)
+        os.replace(tmp, self.path)  # a job held by the gate before goes on, unless this holds too
+
+    def wait_held(self, proc: subprocess.Popen, timeout: float = 600) -> None:
+        deadline = time.time() + timeout
+        while not (self.held.exists() and self.held.read_text() == self.text):
+            if proc.poll() is not None:
+                out = proc.stdout.read()[-4000:] if proc.stdout else ""
+                raise AssertionError(f"the job ended (exit {proc.returncode}) before it was held:\n{out}")
+            assert time.time() < deadline, f"the job was not held within {timeout:.0f} s"
+            time.sleep(0.05)
+
+    def open(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
+def rollout_logged(run_dir: Path, rollout_id: int) -> tuple[Path, str]:
+    """A gate's condition: rollout ``rollout_id``'s line is in the run's metrics (it is trained)."""
+    return run_dir / "metrics.jsonl", f'{{"kind": "rollout", "rollout_id": {rollout_id},'

@@ -64,3 +64,29 @@ def run_as_other_user_in_background(code: str) -> subprocess.Popen:
         assert time.monotonic() < deadline and proc.poll() is None, "the other user's process did not start"
         time.sleep(0.01)
     return proc
+
+
+READ_EACH = r"""
+import json, os, sys
+out = {}
+for path in sys.argv[1:]:
+    try:
+        if os.path.isdir(path):
+            os.listdir(path)
+        else:
+            with open(path, "rb") as f:
+                f.read()
+        out[path] = "read"
+    except OSError as e:
+        out[path] = type(e).__name__
+print(json.dumps(out))
+"""
+
+
+def what_the_other_user_reads(*paths: Path) -> dict[str, str]:
+    """The other user tries to read each path (a dir: to list it): "read" or the error it got."""
+    import json
+
+    out = run_as_other_user(READ_EACH, *map(str, paths))
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)

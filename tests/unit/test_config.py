@@ -523,29 +523,55 @@ def test_the_config_alone_checks_no_code_the_preflight_checks_it_all():
     assert "nowhere" in error(["data.reward=nowhere:fn"])
 
 
-def test_the_preflight_runs_every_step_of_the_configs_own_rules_in_their_order():
-    """A rule added to rlhpc.config.validate reaches every entry point only through the preflight."""
-    import ast
+def test_the_preflight_runs_every_step_of_the_configs_own_rules_in_their_order(monkeypatch):
+    """A rule added to rlhpc.config.validate reaches every entry point only through the preflight:
+    each of validate's steps is called by the preflight, in validate's order, and a step that
+    refuses the config stops the preflight with its own error (not one it ignored)."""
+    import functools
     import inspect
 
     from rlhpc import config, preflight
 
-    def calls(fn, owner=None):
-        tree = ast.parse(inspect.getsource(fn))
-        out = []
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Call):
-                f = node.func
-                if owner is None and isinstance(f, ast.Name):
-                    out.append((node.lineno, f.id))
-                elif owner and isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == owner:
-                    out.append((node.lineno, f.attr))
-                elif owner and isinstance(f, ast.Name) and f.id == "_check_data":
-                    out.append((node.lineno, [name for _, name in sorted(calls(preflight._check_data, owner))]))
-        return out
+    calls: list[str] = []
+    depth = [0]
 
-    own = [name for _, name in sorted(calls(config.validate))]
-    steps = []
-    for _, name in sorted(calls(preflight.check, "config")):
-        steps += name if isinstance(name, list) else [name]
-    assert [s for s in steps if s in own] == own
+    def spy(name, fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            if depth[0] == 0:  # a step the caller takes, not one of the step's own helpers
+                calls.append(name)
+            depth[0] += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+
+        return wrapper
+
+    own = {n: f for n, f in vars(config).items() if inspect.isfunction(f) and f.__module__ == config.__name__}
+    for name, fn in own.items():
+        monkeypatch.setattr(config, name, spy(name, fn))
+
+    def steps(check) -> list[str]:
+        cfg = config.load_config(None, TINY)  # the config's own loading, not spied
+        calls.clear()
+        check(cfg)
+        return list(calls)
+
+    validated = steps(config.validate)
+    assert validated[0] == "validate" and len(validated) == 1  # its steps ran beneath it
+    rules = steps(own["validate"])  # the unspied validate: its steps are the calls it makes
+    assert len(rules) >= 8, rules
+    taken = iter(steps(preflight.check))
+    assert all(rule in taken for rule in rules), (rules, steps(preflight.check))  # a subsequence: in order
+
+    for rule in dict.fromkeys(rules):
+        with monkeypatch.context() as m:
+
+            def refuse(*args, rule=rule, **kwargs):
+                raise ConfigError(f"refused by {rule}", "a test's")
+
+            cfg = config.load_config(None, TINY)
+            m.setattr(config, rule, refuse)
+            with pytest.raises(ConfigError, match=f"^refused by {rule}\\n"):
+                preflight.check(cfg)

@@ -16,14 +16,15 @@ from rlhpc.rollout.engines import EnginePool, EnginesDown, EngineSet, Health, No
 from rlhpc.rollout.engines import engine_set as engine_set_module
 from rlhpc.rollout.engines.health import NODE_CHECK_S
 from rlhpc.rollout.generation import MAX_SAMPLES_PER_REQUEST, rows_per_request
-from rlhpc.wire.client import EngineUnavailable
+from rlhpc.wire.client import EngineUnavailable, RequestRefused
 from rlhpc.wire.protocol import MEMORY_TAGS
 from rlhpc.wire.request import Request
 
 
 class FakeClient:
-    def __init__(self, name: str):
+    def __init__(self, name: str, router: bool = False):
         self.base_url, self.alive, self.served = f"http://{name}", True, []
+        self.router = router
         self.timeout_s = 600.0
         self.health_checks = 0
         self.powered = threading.Event()  # cleared: the node lost power, requests get no answer at all
@@ -65,12 +66,44 @@ class FakeClient:
 
 
 class FakeRouter:
+    """The router process: started over engine URLs, answered by a FakeClient (``with_router``)."""
+
     def __init__(self, log_path: Path):
-        self.log_path, self.starts = log_path, 0
+        self.log_path, self.starts, self.worker_urls = log_path, 0, []
 
     def start(self, urls: list[str]) -> str:
         self.starts += 1
+        self.worker_urls = list(urls)
         return f"http://router-{self.starts}"
+
+
+class FakeRouterClient(FakeClient):
+    """The router's client: each request goes on to its engines in turn (round robin), and
+    waits as long as that engine does."""
+
+    def __init__(self, name: str, pool: EnginePool, urls: list[str]):
+        super().__init__(name, router=True)
+        self.pool, self.urls, self.sent = pool, urls, 0
+
+    def generate(self, **kw) -> list[dict]:
+        if not self.alive:
+            raise EngineUnavailable(f"{self.base_url} refused", "is it up?")
+        url, self.sent = self.urls[self.sent % len(self.urls)], self.sent + 1
+        engine = next(c for c in self.pool.clients if c.base_url == url)
+        self.served.append(kw["input_ids"][0][0])
+        return engine.generate(**kw)
+
+
+def with_router(pool: EnginePool, log_path: Path, monkeypatch: pytest.MonkeyPatch) -> FakeRouter:
+    """A router in front of the pool's engines, as ``EngineSet.start`` puts it there."""
+    router = pool.engine_set.router = FakeRouter(log_path)
+    monkeypatch.setattr(
+        engine_set_module,
+        "EngineClient",
+        lambda url, **kw: FakeRouterClient(url.removeprefix("http://"), pool, router.worker_urls),
+    )
+    pool.engine_set.route_again(pool.engine_set.engine_urls)
+    return router
 
 
 def bare_pool(n: int, max_restarts: int = 2, frozen: bool = False) -> EnginePool:
@@ -145,19 +178,22 @@ def test_a_failure_on_a_healthy_engine_is_an_error_not_a_restart():
     assert pool.down == set()
 
 
-def test_router_restarts_are_bounded(tmp_path: Path):
+def test_router_restarts_are_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     pool = bare_pool(2, max_restarts=2)
     (tmp_path / "router.log").write_text("boom: router crashed\n")
-    pool.engine_set.router = FakeRouter(tmp_path / "router.log")
-    pool.engine_set.router_client = FakeClient("router-0")
-    pool.clients[1].alive = False  # an engine restart moves the router too, but is not the router's failure
+    router = with_router(pool, tmp_path / "router.log", monkeypatch)
+    # a restarted engine serves at a new URL, so an engine restart moves the router too, but is
+    # not the router's failure
+    pool.engine_set.restart = lambda e: pool.clients.__setitem__(e, FakeClient(f"e{e}-restarted"))
+    pool.clients[1].alive = False
     pool.health.restart_dead()
-    assert pool.engine_set.router_restarts == 0 and pool.engine_set.router.starts == 1
+    assert pool.engine_set.router_restarts == 0 and router.starts == 2
+    assert router.worker_urls == ["http://e0", "http://e1-restarted"]
     for n in (1, 2):
         pool.engine_set.router_client.alive = False
         pool.health.restart_dead()
         assert (
-            pool.engine_set.router_restarts == n and pool.engine_set.router_client.base_url == f"http://router-{n + 1}"
+            pool.engine_set.router_restarts == n and pool.engine_set.router_client.base_url == f"http://router-{n + 2}"
         )
     pool.engine_set.router_client.alive = False
     with pytest.raises(RlhpcError) as err:
@@ -167,10 +203,9 @@ def test_router_restarts_are_bounded(tmp_path: Path):
     assert "rollout.max_engine_restarts = 2" in msg and "fix:" in msg
 
 
-def test_deferred_restarts_bypass_a_dead_router():
+def test_deferred_restarts_bypass_a_dead_router(monkeypatch: pytest.MonkeyPatch):
     pool = bare_pool(2)
-    pool.engine_set.router = FakeRouter(Path("/nonexistent/router.log"))
-    pool.engine_set.router_client = FakeClient("router-0")
+    with_router(pool, Path("/nonexistent/router.log"), monkeypatch)
     pool.engine_set.router_client.alive = False
     with pool.restarts_deferred():
         pool.send(requests(2))
@@ -220,6 +255,44 @@ def test_an_engine_node_that_loses_power_mid_generation_leaves_the_run_to_the_ot
     source = FakeSource()
     pool.connect_weights(source)  # the weight-sync group is formed again without it
     assert source.connected == [["http://e0", "http://e2"]]
+
+
+def test_requests_in_flight_through_the_router_when_an_engine_node_is_lost_go_again_to_the_others(monkeypatch):
+    """Which engine serves a request is the router's secret: all it has in flight go again, to
+    the engines left (directly while restarts wait, the async pipeline), and the next repair
+    routes it over them."""
+    monkeypatch.setattr(health, "NODE_CHECK_S", 0.05)
+    pool = bare_pool(3)
+    router = with_router(pool, Path("/logs/router.log"), monkeypatch)
+    first = pool.engine_set.router_client
+    pool.clients[1].powered.clear()  # its requests hang: no refused connection, no answer
+    pool.dead_nodes = {"node-of-e1": "10.9.0.11"}
+    try:
+        with pool.restarts_deferred():
+            answers = pool.send(requests(6))
+    finally:
+        pool.clients[1].powered.set()
+    assert [a[0]["output_ids"] for a in answers] == [[c] for c in range(6)]
+    assert pool.lost == {1: "10.9.0.11"} and sorted(first.served) == list(range(6))
+    # the two the router had sent to engine 1 went again, to the engines left directly
+    assert sorted(pool.clients[0].served + pool.clients[2].served) == list(range(6))
+    assert pool.health.targets() == [pool.clients[0], pool.clients[2]]  # until the router is routed again
+    pool.health.restart_dead()  # the next repair
+    assert router.worker_urls == ["http://e0", "http://e2"] and pool.engine_set.router_restarts == 0
+    assert pool.health.targets() == [pool.engine_set.router_client] != [first]
+
+
+def test_a_refused_request_ends_the_send_at_once_without_restarts():
+    """A 4xx is a bad request: sent again it would be refused again, and no engine is at fault."""
+    pool = bare_pool(2)
+
+    def refuses(**kw):
+        raise RequestRefused("engine http://e1/generate refused prompt 0 of 1 with HTTP 400: too long", "fix it", 400)
+
+    pool.clients[1].generate = refuses
+    with pytest.raises(RequestRefused, match="too long"):
+        pool.generate(requests(4))
+    assert pool.restarted == [] and [c.health_checks for c in pool.clients] == [0, 0]
 
 
 def declared_dead_on_restart(pool: EnginePool, e: int, ip: str) -> None:
@@ -348,6 +421,28 @@ def test_an_engine_that_answers_nothing_is_named_long_before_the_read_timeout(mo
     assert "rollout.generate_timeout_s" in line and len(out) == 4
 
 
+def test_an_engine_behind_the_router_that_answers_nothing_is_named(monkeypatch, caplog):
+    monkeypatch.setattr(health, "SILENT_S", 0.5)
+    monkeypatch.setattr(health, "NODE_CHECK_S", 0.2)
+    pool = bare_pool(2)
+    with_router(pool, Path("/logs/router.log"), monkeypatch)
+    pool.engine_set.engine_logs = ["/logs/engine_0.log", "/logs/engine_1.log"]
+    pool.clients[1].powered.clear()  # the router's requests to it hang; the router's /health answers
+    out: list = []
+    sender = threading.Thread(target=lambda: out.extend(pool.send(requests(4))))
+    sender.start()
+    try:
+        deadline = time.monotonic() + 10
+        while "no answer for" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        pool.clients[1].powered.set()
+        sender.join(10)
+    line = next(r.getMessage() for r in caplog.records if "no answer for" in r.getMessage())
+    assert "http://e1 (behind the router, log /logs/engine_1.log)" in line and "http://e0" not in line
+    assert "router-1" not in line and len(out) == 4
+
+
 def test_a_frozen_pool_restarts_and_routes_but_has_no_weight_channel():
     """The reward model's and the teacher's engines: lifecycle, health and fan-out, no weights."""
     pool = bare_pool(2, frozen=True)
@@ -363,7 +458,7 @@ def test_a_frozen_pool_restarts_and_routes_but_has_no_weight_channel():
 def test_onload_resumes_only_what_offload_released(monkeypatch):
     """Issue 40: SGLang's server dies resuming memory it holds. Engines just started hold theirs
     (the first push resumes nothing), and so does one restarted while the others are offloaded."""
-    monkeypatch.setattr(engine_set_module, "EngineClient", lambda url, api_key: FakeClient(url))
+    monkeypatch.setattr(engine_set_module, "EngineClient", lambda url, **kw: FakeClient(url))
     pool = bare_pool(2)
     engines = pool.engine_set
     engines.engine_parts = [["part"], ["part"]]

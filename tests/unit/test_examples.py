@@ -1,7 +1,8 @@
 """The examples of the three ways into multi-turn rollouts (examples/*.yaml) load and validate:
 their environment, generate function or agent imports and has the right shape; and each one runs
 a rollout on an in-process CPU engine on a verl-layout Parquet file and on a plain prompt/answer
-file (the row contract: the file's row as it is, rlhpc's forms as attributes)."""
+file (the row contract: the file's row as it is, rlhpc's forms as attributes). (The agent and
+generate-function examples also run as whole jobs in tests/integration/test_ways_in.py.)"""
 
 import json
 import sys
@@ -21,8 +22,12 @@ WAYS_IN = {
 }
 
 
-# a whole job of a guide, its data made by a script
-GUIDES = {"verl_gsm8k.yaml": "docs/guides/coming-from-verl.md", "code_rl.yaml": "docs/guides/sandbox.md"}
+# a whole job of a guide, its data made by a script (or a task's own)
+GUIDES = {
+    "verl_gsm8k.yaml": "docs/guides/coming-from-verl.md",
+    "code_rl.yaml": "docs/guides/sandbox.md",
+    "squares_vlm.yaml": "docs/guides/multimodal.md",
+}
 
 
 def test_every_example_config_is_listed():

@@ -25,6 +25,11 @@ RECIPES = {
     "gsm8k_qwen3_8b_1x8.yaml": ("qwen3-8b", "node0: actor ranks 0-3 on gpu0-3; engines 0-3 on gpu4-7"),
     "gsm8k_qwen3_32b_4x8.yaml": ("qwen3-32b", "node2..node3 (2 nodes): engines 0-3 on gpu0-7"),
     "gsm8k_qwen3_30b_a3b_2x8.yaml": ("qwen3-30b-a3b", "node1: engines 0-3 on gpu0-7"),
+    # the published config.json shape of Qwen2.5-VL-7B-Instruct (a vision tower, image tokens)
+    "geo3k_qwen2.5_vl_7b_1x8.yaml": (
+        "qwen2.5-vl-7b-instruct",
+        "node0: actor ranks 0-3 on gpu0-3; engines 0-3 on gpu4-7",
+    ),
 }
 
 
@@ -46,10 +51,31 @@ def test_every_shipped_recipe_is_checked_here():
     assert with_model == set(RECIPES)
 
 
+def geo3k_parquet(path: Path) -> Path:
+    """verl's geometry3k layout: an images column of {"bytes", "path"}, <image> in the prompt messages."""
+    import io
+
+    from PIL import Image
+
+    def png() -> bytes:
+        buf = io.BytesIO()
+        Image.new("RGB", (64, 48), (20, 40, 60)).save(buf, format="PNG")
+        return buf.getvalue()
+
+    rows = [
+        {"data_source": "hiyouga/geometry3k", "prompt": [{"role": "user", "content": f"<image>Find x ({i})."}],
+         "images": [{"bytes": png(), "path": None}], "ability": "math",
+         "reward_model": {"style": "rule", "ground_truth": str(i)}}
+        for i in range(8)
+    ]  # fmt: skip
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
 def test_a_recipe_dry_runs_against_its_models_shape(recipe, tmp_path):
     model, layout = RECIPES[recipe]
-    data = gsm8k_parquet(tmp_path / "gsm8k.parquet")
+    data = (geo3k_parquet if recipe.startswith("geo3k") else gsm8k_parquet)(tmp_path / "data.parquet")
     sets = [f"model.path={MODELS / model}", f"data.train_file={data}", f"data.eval_file={data}"]
     p = subprocess.run(
         [sys.executable, str(REPO / "jobs" / "submit.py"), "--dry-run", "--config", str(REPO / "jobs" / "configs" / recipe),

@@ -14,6 +14,13 @@ from rlhpc.launch.run_owner import Owner
 from rlhpc.run_dir import RunDir
 
 
+def claim_and_check(run: RunDir, me: Owner) -> None:
+    """claim(), then the owner file names ``me``: a claim that returned without writing fails here."""
+    run_owner.claim(run, me)
+    assert run_owner.read(run).same_as(me)
+    assert not [p.name for p in run.path.iterdir() if p.name != "owner.json"]  # nothing left aside
+
+
 @pytest.fixture
 def sleeper():
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
@@ -25,9 +32,9 @@ def sleeper():
 def test_claim_refuse_while_alive_take_over_when_gone(tmp_path, sleeper, caplog):
     run = RunDir(tmp_path / "run")
     first = Owner.local_job(sleeper.pid)
-    run_owner.claim(run, first)
+    claim_and_check(run, first)
     assert json.loads(run.owner_file.read_text())["pid"] == sleeper.pid
-    run_owner.claim(run, first)  # the owner itself (a restart) is welcome
+    claim_and_check(run, first)  # the owner itself (a restart) is welcome
     with pytest.raises(RunDirError) as e:
         run_owner.claim(run, Owner.submitter())
     assert f"local job {sleeper.pid}" in e.value.problem and socket.gethostname() in e.value.problem
@@ -38,7 +45,7 @@ def test_claim_refuse_while_alive_take_over_when_gone(tmp_path, sleeper, caplog)
     sleeper.wait()
     me = Owner.submitter()
     run_owner.check_free(run)
-    run_owner.claim(run, me)
+    claim_and_check(run, me)
     assert "which is gone" in caplog.text and "taking it over" in caplog.text
     assert Owner.from_json(run.owner_file.read_text()).same_as(me)
     assert sorted(p.name for p in run.path.iterdir()) == ["owner.json"]  # nothing left aside
@@ -49,7 +56,7 @@ def test_a_reused_pid_is_not_the_owner(tmp_path):
     me = Owner.submitter()
     run.path.mkdir()
     run.owner_file.write_text(Owner("local", "1", me.host, me.pid, me.started - 1000).to_json())
-    run_owner.claim(run, me)  # same pid, another start time: stale
+    claim_and_check(run, me)  # same pid, another start time: stale
 
 
 def test_an_owner_on_another_host_is_named(tmp_path):
@@ -64,26 +71,26 @@ def test_an_owner_on_another_host_is_named(tmp_path):
 @pytest.mark.parametrize("state", ["PENDING", "RUNNING", "REQUEUED", "REQUEUE_HOLD", "SUSPENDED", "COMPLETING"])
 def test_a_live_slurm_job_owns_the_run_dir(tmp_path, monkeypatch, state):
     run = RunDir(tmp_path / "run")
-    run_owner.claim(run, Owner.slurm_job("4242"))
+    claim_and_check(run, Owner.slurm_job("4242"))
     monkeypatch.setattr(slurm, "job_state", lambda job_id: state)
     with pytest.raises(RunDirError) as e:
         run_owner.claim(run, Owner.submitter())
     assert "Slurm job 4242" in e.value.problem and state in e.value.problem and "scancel 4242" in e.value.fix
-    run_owner.claim(run, Owner.slurm_job("4242"))  # the job itself, starting (or restarting)
+    claim_and_check(run, Owner.slurm_job("4242"))  # the job itself, starting (or restarting)
 
 
 @pytest.mark.parametrize("state", ["COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", None])
 def test_an_ended_slurm_job_is_taken_over(tmp_path, monkeypatch, state):
     run = RunDir(tmp_path / "run")
-    run_owner.claim(run, Owner.slurm_job("4242"))
+    claim_and_check(run, Owner.slurm_job("4242"))
     monkeypatch.setattr(slurm, "job_state", lambda job_id: state)
-    run_owner.claim(run, Owner.slurm_job("4243"))
+    claim_and_check(run, Owner.slurm_job("4243"))
     assert run_owner.read(run) == Owner.slurm_job("4243")
 
 
 def test_a_slurm_job_whose_state_cannot_be_asked_is_not_taken_over(tmp_path, monkeypatch):
     run = RunDir(tmp_path / "run")
-    run_owner.claim(run, Owner.slurm_job("4242"))
+    claim_and_check(run, Owner.slurm_job("4242"))
 
     def unreachable(job_id):
         raise slurm.SlurmUnreachable(f"state of job {job_id} unknown: connect failure")
@@ -97,7 +104,7 @@ def test_a_slurm_job_whose_state_cannot_be_asked_is_not_taken_over(tmp_path, mon
 
 def test_release_only_by_the_owner(tmp_path):
     run = RunDir(tmp_path / "run")
-    run_owner.claim(run, Owner.slurm_job("1"))
+    claim_and_check(run, Owner.slurm_job("1"))
     run_owner.release(run, Owner.slurm_job("2"))
     assert run.owner_file.exists()
     run_owner.release(run, Owner.slurm_job("1"))
@@ -113,12 +120,12 @@ def test_an_owner_is_still_itself_after_the_wall_clock_moved(tmp_path, sleeper, 
 
     run = RunDir(tmp_path / "run")
     first = Owner.local_job(sleeper.pid)
-    run_owner.claim(run, first)
+    claim_and_check(run, first)
     later = psutil._pslinux.boot_time() + 1.0
     monkeypatch.setattr(psutil._pslinux, "boot_time", lambda: later)
     again = Owner.local_job(sleeper.pid)
     assert again.same_as(first)
-    run_owner.claim(run, again)  # the owner itself: welcome, not refused as another job
+    claim_and_check(run, again)  # the owner itself: welcome, not refused as another job
     assert run_owner.liveness(first).alive is True
 
 
@@ -140,7 +147,7 @@ def test_an_owner_file_we_did_not_write_is_stale_not_a_traceback(tmp_path, text)
     run.owner_file.write_text(text)
     assert run_owner.read(run).kind == "unreadable"
     run_owner.check_free(run)
-    run_owner.claim(run, Owner.submitter())
+    claim_and_check(run, Owner.submitter())
 
 
 def test_a_forged_owner_naming_init_does_not_lock_the_run_dir(tmp_path):
@@ -148,7 +155,7 @@ def test_a_forged_owner_naming_init_does_not_lock_the_run_dir(tmp_path):
     run.path.mkdir()
     init = Owner.process(1, "local", job_id="1")  # its true start time: only the pid is forged
     run.owner_file.write_text(init.to_json())
-    run_owner.claim(run, Owner.submitter())
+    claim_and_check(run, Owner.submitter())
 
 
 def test_another_users_process_is_not_the_owner(tmp_path):
@@ -158,7 +165,7 @@ def test_another_users_process_is_not_the_owner(tmp_path):
         run.path.mkdir()
         run.owner_file.write_text(Owner.local_job(other.pid).to_json())
         assert run_owner.liveness(run_owner.read(run)).alive is False
-        run_owner.claim(run, Owner.submitter())
+        claim_and_check(run, Owner.submitter())
     finally:
         other.kill()
         other.wait()

@@ -7,10 +7,12 @@ against the names in sglang_router's ``router_args.py``.
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import socket
 import sys
 import textwrap
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,7 @@ import ray
 from rlhpc.engine_server import sglang as sg
 from rlhpc.engine_server.sglang import SGLangSpec
 from rlhpc.errors import RlhpcError
+from rlhpc.wire import protocol as P
 
 
 def flags(cmd: list[str]) -> dict[str, str | None]:
@@ -73,11 +76,21 @@ def test_router_command_is_what_sglang_routers_own_parser_reads(tmp_path: Path) 
     assert (parsed.host, parsed.port, parsed.prometheus_host, parsed.prometheus_port) == (
         "10.0.0.5", 30500, "127.0.0.1", 30501,
     )  # fmt: skip
+    # the job alone judges its engines (tests/integration/test_router.py: what each flag stops)
+    assert parsed.disable_health_check and parsed.disable_circuit_breaker and parsed.disable_retries
+    assert parsed.log_level == "warn"
     keyed = sg.router_command("/py", ["http://10.0.0.5:1"], "127.0.0.1", 1, 2, tmp_path / "key")
     assert keyed[3:6] == [sg.ROUTER_MAIN, "--api-key-file", str(tmp_path / "key")]
     assert parse_router_args(keyed[6:]).worker_urls == ["http://10.0.0.5:1"]
     with pytest.raises(RlhpcError, match="at least one engine"):
         sg.router_command("/py", [], "h", 1, 2)
+
+
+def test_the_router_installed_and_required_is_the_one_its_behaviour_is_pinned_against() -> None:
+    """What rlhpc.wire.protocol says the router drops and refuses was read from this release."""
+    assert importlib.metadata.version("sglang-router") == P.ROUTER_VERSION
+    project = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"]
+    assert f"sglang-router=={P.ROUTER_VERSION}" in project["dependencies"]  # every run has a router
 
 
 def test_server_env_shows_only_the_engine_gpus() -> None:

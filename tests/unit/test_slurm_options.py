@@ -222,6 +222,22 @@ def test_the_dry_run_shows_each_engines_and_the_routers_command_and_environment_
     assert f" --api-key-file {run / 'engine_key'} " in cmd and " --api-key " not in cmd and changes == "none"
 
 
+@pytest.mark.parametrize("router", [True, False])
+def test_the_dry_run_shows_the_router_in_front_of_cpu_engines_as_the_job_starts_it(tmp_path, router):
+    """``rollout.sglang.router`` puts the real router in front of CPU engines too (issue 40)."""
+    from rlhpc.config import load_config
+    from rlhpc.launch.preview import engines_preview
+    from rlhpc.run_dir import RunDir
+
+    cfg = load_config(None, ["model.tiny={}", f"rollout.sglang.router={str(router).lower()}"])
+    assert cfg.rollout.backend == "cpu"
+    out = engines_preview(cfg, RunDir(tmp_path / "run"))
+    assert "python -P -m rlhpc.engine_server.cpu " in out
+    assert ("the router's launch line" in out) == router, out
+    if router:
+        assert " --disable-health-check --disable-circuit-breaker --disable-retries" in out
+
+
 def submit_refused(args: list[str], run: Path) -> str:
     p = subprocess.run(
         [sys.executable, str(REPO / "jobs" / "submit.py"), "--cluster", "local", "--run-dir", str(run), *args],

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from rlhpc.wire.protocol import MEMORY_TAGS, NO_EFFECT_VALUES, TOP_K_ALL, EngineError
@@ -38,6 +38,8 @@ MAX_STOP_COUNT = 32  # SGLang's limit on stop strings per request (sampling_para
 MAX_TOP_LOGPROBS = 20  # as OpenAI's top_logprobs: a typo must not ask for the whole vocabulary per token
 MAX_ROWS = 1 << 16  # rows of one /generate (a rollout: a few thousand): a typo in n must not eat the node
 _UNSUPPORTED_INPUTS = ("input_embeds", "image_data", "video_data", "audio_data", "lora_path")
+# /generate takes images (a vision-language model's); /classify does not
+_UNSUPPORTED_GENERATE = tuple(k for k in _UNSUPPORTED_INPUTS if k != "image_data")
 
 
 @dataclass
@@ -60,6 +62,7 @@ class Item:
     top_k: int = TOP_K_ALL
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    images: list[str] = field(default_factory=list)  # the row's image_data entries (SGLang's forms)
 
 
 @dataclass(frozen=True)
@@ -131,12 +134,13 @@ def normalize_generate(
 ) -> tuple[list[Item], bool]:
     """GenerateReqInput -> (rows, whether the answer is a single dict), following SGLang's
     batching and parallel-sampling rules."""
-    for unsupported in _UNSUPPORTED_INPUTS:
+    for unsupported in _UNSUPPORTED_GENERATE:
         if body.get(unsupported) is not None:
             raise EngineError(f"{unsupported} is not supported by the CPU engine")
     if body.get("stream"):
         raise EngineError("stream=true is not supported by the CPU engine")
     prompts, single = _inputs(body, limits, encode)
+    one_prompt = single  # before n > 1 makes the answer a list
 
     params = body.get("sampling_params")
     params = {} if params is None else params
@@ -181,10 +185,29 @@ def normalize_generate(
     starts = _per_item(
         -1 if body.get("logprob_start_len") is None else body["logprob_start_len"], batch_size, "logprob_start_len"
     )
+    for it, images in zip(items, image_rows(body.get("image_data"), batch_size, one_prompt) * n):
+        it.images = images
     for it, lp, k, start in zip(items, logprob_flags, tops * n, starts * n):
         it.top_logprobs_num = k if lp else 0  # SGLang reports top logprobs only with return_logprob
         it.logprob_start_len = _logprob_start(start, len(it.prompt)) if lp else -1
     return items, single
+
+
+def image_rows(image_data: Any, batch_size: int, single: bool) -> list[list[str]]:
+    """Each prompt's images, as SGLang's ``GenerateReqInput._normalize_image_data`` reads
+    ``image_data``: None or [] (none), one image (every prompt's), a list of one per prompt, or a
+    list of lists; with its message when the length is not the batch's."""
+    if image_data is None or image_data == []:
+        return [[] for _ in range(batch_size)]
+    if not isinstance(image_data, list):
+        return [[image_data] for _ in range(batch_size)]
+    if single and not isinstance(image_data[0], list):  # one prompt, its images listed
+        image_data = [image_data]
+    if len(image_data) != batch_size:  # SGLang's words
+        raise EngineError("The length of image_data should be equal to the batch size.")
+    if isinstance(image_data[0], list):
+        return [[] if row is None or row == [None] else list(row) for row in image_data]
+    return [[img] for img in image_data]
 
 
 def _logprob_start(start: Any, prompt_len: int) -> int:

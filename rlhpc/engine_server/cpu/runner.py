@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rlhpc.data.images import decode_uri, load_vision
 from rlhpc.engine_server.cpu.requests import (
     EngineError,
     Item,
@@ -33,8 +34,9 @@ from rlhpc.engine_server.cpu.requests import (
     normalize_classify,
     normalize_generate,
 )
-from rlhpc.engine_server.cpu.sampling import RECOMPUTE, sample
-from rlhpc.model import is_classifier, load_classifier, load_model, load_tokenizer
+from rlhpc.engine_server.cpu.sampling import RECOMPUTE, Multimodal, sample
+from rlhpc.errors import RlhpcError
+from rlhpc.model import is_classifier, load_classifier, load_model, load_tokenizer, mrope_positions, text_config
 from rlhpc.weights.expert_names import checkpoint_named
 from rlhpc.weights.tensor_transport import (
     FlatBucket,
@@ -107,7 +109,9 @@ class Engine:
             raise EngineError(f"{model_path}: a classifier without a linear `score` head (as Llama's and Qwen2's)")
         flatten_parameters(self.model)  # so that flattened buckets land in place
         self.tokenizer = load_tokenizer(model_path)
-        cfg = self.model.config
+        # a vision-language model's image processor: /generate takes image_data, as SGLang serves such a model
+        self.vision = None if self.classifier else load_vision(model_path)
+        cfg = text_config(self.model.config)
         self.vocab_size = int(cfg.vocab_size)
         self.context_len = int(getattr(cfg, "max_position_embeddings", 0) or 1 << 30)
         self.eos_ids = self._eos_ids()
@@ -262,6 +266,7 @@ class Engine:
         t0 = time.perf_counter()
         rids = [it.rid for it in items]
         steps = self.steps = []  # the weight version of each decoding step (server_info shows the count)
+        mm = self._multimodal(items)
         with self.model_lock:
             self.busy = True
             try:
@@ -281,6 +286,7 @@ class Engine:
                     min_p=[it.min_p for it in items],
                     repetition_penalty=[it.repetition_penalty for it in items],
                     step_hook=lambda: self._step_hook(seq, rids, steps),
+                    mm=mm,
                     original_logprobs=self.original_logprobs,
                 )
                 inputs = [self._input_logprobs(it) if it.logprob_start_len >= 0 else None for it in items]
@@ -299,6 +305,39 @@ class Engine:
                 out["meta_info"][MetaInfo.INPUT_TOKEN_LOGPROBS] = lps
         return outs
 
+    def _multimodal(self, items: list[Item]) -> Multimodal | None:
+        """The images of a batch's rows (each distinct one processed once: a prompt's n samples
+        share them) as the model's prompt inputs, each row's image tokens checked against them."""
+        if not any(it.images for it in items):
+            return None
+        if self.vision is None:
+            raise EngineError(f"image_data was sent, but {self.model_path} is not a vision-language model")
+        vision = self.vision
+        pixels: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for it in items:
+            for k, item in enumerate(it.images):
+                if item not in pixels:
+                    try:
+                        pixels[item] = vision.pixels([decode_uri(item, f"image_data[{k}] of request {it.rid}")])
+                    except RlhpcError as e:
+                        raise EngineError(str(e)) from e
+                    except Exception as e:  # PIL's: not an image
+                        raise EngineError(f"image_data[{k}] of request {it.rid} is not an image: {e}") from e
+            made = sum(int(pixels[i][1].prod()) // vision.merge**2 for i in it.images)
+            have = it.prompt.count(vision.image_token_id)
+            if made != have:
+                raise EngineError(
+                    f"request {it.rid}: its {len(it.images)} image(s) make {made} image tokens but its prompt "
+                    f"holds {have}: render the prompt with the model's processor (one pad per image token)"
+                )
+        rows = [pixels[i] for it in items for i in it.images]
+        grid = torch.cat([g for _, g in rows]).to(self.device)
+        return Multimodal(
+            torch.cat([p for p, _ in rows]).to(self.device),
+            grid,
+            lambda ids, attention: mrope_positions(self.model, ids, attention, grid),
+        )
+
     def _seed(self, it: Item) -> int | None:
         """The seed a row samples with: its own on a deterministic engine (42 without one, as
         SGLang's), None (at random) on any other, whatever it asked for."""
@@ -313,7 +352,9 @@ class Engine:
         None]``, the first entry's logprob None (SGLang shifts its values by one and pads with
         None, whatever the start). One forward of the prompt of its own: no padding to mask."""
         ids = torch.tensor([it.prompt], device=self.device)
-        logits = self.model(input_ids=ids).logits[0].float()
+        mm = self._multimodal([it])
+        extra = {} if mm is None else {**mm.prompt_inputs(), "position_ids": mm.positions(ids, torch.ones_like(ids))}
+        logits = self.model(input_ids=ids, **extra).logits[0].float()
         targets = ids[0, it.logprob_start_len + 1 :]
         lps = torch.log_softmax(logits[it.logprob_start_len : -1], -1).gather(-1, targets[:, None])[:, 0]
         first = [[None, it.prompt[it.logprob_start_len], None]]
@@ -693,7 +734,7 @@ class Engine:
             "is_generation": not self.classifier,
             "preferred_sampling_params": None,
             "weight_version": self.weight_version,
-            "has_image_understanding": False,
+            "has_image_understanding": self.vision is not None,
             "has_audio_understanding": False,
             "model_type": getattr(cfg, "model_type", None),
             "architectures": getattr(cfg, "architectures", None),
@@ -723,6 +764,7 @@ class Engine:
                     "released_tags": sorted(self.released),
                     "weights_bytes": self.weights_bytes(),
                     "weight_update_groups": sorted(self.groups),
+                    "weight_update_session": self.update_session is not None,
                     "receiving_weights": self.receiving,
                     **(
                         {"cuda_memory_reserved_bytes": torch.cuda.memory_reserved(self.device)}

@@ -24,6 +24,22 @@ RECOMPUTE = "recompute"  # a step hook's answer: the weights changed, rebuild th
 
 
 @dataclass
+class Multimodal:
+    """A vision-language batch's prompt inputs: its images' pixels, given to every forward that
+    runs the prompt (the first, and a recompute), and its 3-D rotary positions ``(ids, attention)
+    -> [3, N, L]`` (Qwen-VL's mrope; each generated token then advances all three by one)."""
+
+    pixel_values: torch.Tensor | None
+    image_grid_thw: torch.Tensor | None
+    positions: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+    def prompt_inputs(self) -> dict[str, torch.Tensor]:
+        if self.pixel_values is None:
+            return {}
+        return {"pixel_values": self.pixel_values, "image_grid_thw": self.image_grid_thw}
+
+
+@dataclass
 class Sample:
     output_ids: list[int]
     output_logprobs: list[float]
@@ -79,6 +95,7 @@ def sample(
     top_k: list[int] | None = None,
     min_p: list[float] | None = None,
     repetition_penalty: list[float] | None = None,
+    mm: Multimodal | None = None,
     original_logprobs: bool = False,
 ) -> list[Sample]:
     """Generate for a batch of prompts. Temperature 0 means greedy.
@@ -127,22 +144,25 @@ def sample(
     stops = [set(s) for s in stop_ids] if stop_ids is not None else [{eos_id}] * batch
     rows = _Rows(list(max_new_tokens), stops, stop_fns, list(top_logprobs) if top_logprobs is not None else [0] * batch)
     k_max = max(rows.tops_k, default=0)
-    position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
+    position_ids = mm.positions(input_ids, attn) if mm is not None else (attn.cumsum(-1) - 1).clamp(min=0)
     # transformers >= 5 names the KV cache argument ``cache``; older releases ``past_key_values``.
     cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     past = None
     step_ids, step_pos = input_ids, position_ids
-    fed_ids, fed_pos = input_ids[:, :0], position_ids[:, :0]  # what the cache holds
+    fed_ids, fed_pos = input_ids[:, :0], position_ids[..., :0]  # what the cache holds (positions: [N, L] or [3, N, L])
     for step in range(steps_max):
         verdict = step_hook() if step_hook is not None else False
         if verdict is True:
             rows.abort()
             break
         if verdict == RECOMPUTE:
-            step_ids, step_pos = torch.cat([fed_ids, step_ids], 1), torch.cat([fed_pos, step_pos], 1)
-            fed_ids, fed_pos, past = fed_ids[:, :0], fed_pos[:, :0], None
-        fed_ids, fed_pos = torch.cat([fed_ids, step_ids], 1), torch.cat([fed_pos, step_pos], 1)
-        out = model(input_ids=step_ids, attention_mask=attn, position_ids=step_pos, use_cache=True, **{cache_kw: past})
+            step_ids, step_pos = torch.cat([fed_ids, step_ids], 1), torch.cat([fed_pos, step_pos], -1)
+            fed_ids, fed_pos, past = fed_ids[:, :0], fed_pos[..., :0], None
+        images = mm.prompt_inputs() if mm is not None and not fed_ids.shape[1] else {}  # this step runs the prompt
+        fed_ids, fed_pos = torch.cat([fed_ids, step_ids], 1), torch.cat([fed_pos, step_pos], -1)
+        out = model(
+            input_ids=step_ids, attention_mask=attn, position_ids=step_pos, use_cache=True, **{cache_kw: past}, **images
+        )
         past = out[cache_kw]
         logits = out.logits[:, -1, :].float()
         shaped = logits
@@ -162,7 +182,7 @@ def sample(
         next_ids = torch.where(running, next_ids, torch.full_like(next_ids, pad_id))
         attn = torch.cat([attn, running.long()[:, None]], dim=1)
         step_ids = next_ids[:, None]
-        step_pos = step_pos[:, -1:] + 1
+        step_pos = step_pos[..., -1:] + 1
     return rows.samples()
 
 

@@ -32,8 +32,10 @@ runs beside training (``restarts_deferred``): an engine it finds dead is only ma
 requests go to the healthy engines (same weights, same tokens), and the restart waits for the
 next gap, where the thread that pushes weights calls ``sync_weights`` or ``ensure_engines``.
 With no healthy engine left such a generation raises ``EnginesDown`` for the schedule.
-The router (SGLang backend) is restarted when it dies, at most ``rollout.max_engine_restarts``
-times as well.
+The router (``rollout.sglang.router``, CPU engines too) is restarted when it dies, at most
+``rollout.max_engine_restarts`` times as well, and started again over the engines serving
+whenever they change (a restart's new URL, a node lost or back); until then the engines are
+sent to directly.
 
 Every engine route requires the job's engine key (``rlhpc.wire.engine_key``): a fresh one is
 written to ``key_file`` when the pool starts, the engines, the router and the weight source get

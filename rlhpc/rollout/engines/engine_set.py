@@ -87,14 +87,18 @@ class EngineSet:
         self.engine_world_sizes = [len(slots) for slots in self.slots()]
         self.engine_parts = [self.start_engine(e) for e in range(len(self.slots()))]
         urls = ray.get([parts[0].url.remote() for parts in self.engine_parts])
-        self.clients = [EngineClient(url, api_key=self.api_key) for url in urls]
+        self.clients = [self.client(url) for url in urls]
         self.engine_logs = ray.get([parts[0].log_file.remote() for parts in self.engine_parts])
         self.restarts = [0] * len(self.clients)
         log.info("%s engines up: %s", self.role, ", ".join(urls))
-        r = self.rollout_cfg
-        if r.backend == "sglang" and r.sglang.router:
+        if self.rollout_cfg.sglang.router:  # CPU engines too: the real router sits in every loop
             self.router = Router("127.0.0.1", self.log_dir / "router.log", 60.0, self.key_file)
-            self.router_client = EngineClient(self.router.start(urls), api_key=self.api_key)
+            self.route_again(urls)
+
+    def client(self, url: str) -> EngineClient:
+        """An engine's client. With the router, batches go to the engine one prompt per request
+        too (as the router takes them), so a sample is computed alike whichever way it goes."""
+        return EngineClient(url, api_key=self.api_key, per_prompt=self.rollout_cfg.sglang.router)
 
     @property
     def engines(self) -> list[ray.actor.ActorHandle]:
@@ -150,7 +154,7 @@ class EngineSet:
         self.released.discard(e)
         self.engine_parts[e] = parts
         self.clients[e].close()
-        self.clients[e] = EngineClient(url, api_key=self.api_key)
+        self.clients[e] = self.client(url)
 
     def restart(self, e: int) -> None:
         """Restart engine e's server in its actor(s), at most ``rollout.max_engine_restarts`` times."""
@@ -179,8 +183,8 @@ class EngineSet:
         self.replace(e, parts, url)
         log.warning("%s engine %d is back at %s", self.role, e, url)
 
-    def restart_router(self) -> None:
-        """Start the router again after it died, at most ``rollout.max_engine_restarts`` times."""
+    def restart_router(self, urls: list[str]) -> None:
+        """Start the router again after it died (over ``urls``), at most ``rollout.max_engine_restarts`` times."""
         limit, log_file = self.rollout_cfg.max_engine_restarts, self.router.log_path
         if self.router_restarts >= limit:
             raise RlhpcError(
@@ -194,16 +198,20 @@ class EngineSet:
         log.warning(
             "the sglang router is down; restart %d of at most %d (log %s)", self.router_restarts, limit, log_file
         )
-        self.router_client.close()
-        self.route_again()
+        self.route_again(urls)
 
-    def route_again(self) -> None:
-        """The router over the engines' URLs now (a restarted engine has a new one)."""
-        self.router_client = EngineClient(self.router.start(self.engine_urls), api_key=self.api_key)
+    def route_again(self, urls: list[str]) -> None:
+        """The router (started again) over the engines serving at ``urls`` now: a restarted engine
+        has a new URL, and one lost with its node must not be routed to."""
+        if self.router_client is not None:
+            self.router_client.close()
+        self.router_client = EngineClient(self.router.start(urls), api_key=self.api_key, router=True)
 
     def shutdown(self) -> None:
         if self.router is not None:
             self.router.stop()
+        if self.router_client is not None:
+            self.router_client.close()
         for engine in (a for parts in self.engine_parts for a in parts):
             try:
                 ray.get(engine.shutdown.remote(), timeout=30)

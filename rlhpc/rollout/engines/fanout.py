@@ -40,9 +40,10 @@ def generate(client: EngineClient, r: Any, rollout: RolloutConfig) -> Any:
     """The default request: a /generate of a ``rlhpc.wire.request.Request``, given as long as its
     longest sample may take (``rollout.generate_timeout_s``)."""
     longest = max((sp.get("max_new_tokens") or SGLANG_DEFAULT_MAX_NEW_TOKENS for sp in r.sampling_params), default=0)
+    images = {"image_data": r.image_data} if getattr(r, "image_data", None) else {}  # a vision-language model's
     return client.generate(
         input_ids=r.input_ids, sampling_params=r.sampling_params, return_logprob=r.return_logprob,
-        timeout_s=generate_timeout_s(rollout, longest),
+        timeout_s=generate_timeout_s(rollout, longest), **images,
     )  # fmt: skip
 
 
@@ -135,6 +136,10 @@ class FanOut:
                     sent.failed.append(c)
                     sent.error = e
                     continue
+                except BaseException:  # a bad request (RequestRefused: refused again if sent again) or a
+                    for f in waiting:  # bug: the send ends, and what has not gone out yet stays here
+                        f.cancel()
+                    raise
                 if done is not None:
                     done(c, answers[c])
             if not waiting or time.monotonic() - checked < _health.NODE_CHECK_S:
@@ -142,6 +147,8 @@ class FanOut:
             checked = time.monotonic()
             if self.health.check_nodes():  # their requests will never be answered
                 gone_clients = {id(self.engines.clients[e]) for e in self.health.lost}
+                # which engine serves a request is the router's secret: all it has in flight go again
+                gone_clients |= {id(c) for c in sent.targets if c.router}
                 gone = {f for f in waiting if id(target(futures[f])) in gone_clients}
                 sent.failed += [futures[f] for f in gone]
                 waiting -= gone

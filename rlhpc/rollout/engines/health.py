@@ -97,12 +97,33 @@ class Health:
         """Engines serving now (those lost with their node do not count)."""
         return len(self.engines.clients) - len(self.lost)
 
+    def serving(self) -> list[EngineClient]:
+        """The engines neither marked down nor lost with their node."""
+        return [c for e, c in enumerate(self.engines.clients) if e not in self.down and e not in self.lost]
+
     def targets(self) -> list[EngineClient]:
-        """Where requests go: the router, or the engines not marked down."""
-        s = self.engines
-        if s.router_client is not None and not self.down and not self.router_down:
+        """Where requests go: the router while it routes to exactly the engines serving, else those
+        engines (until the next ``restart_dead`` or ``rejoin`` routes it over them again)."""
+        s, serving = self.engines, self.serving()
+        routed = s.router is not None and s.router.worker_urls == [c.base_url for c in serving]
+        if s.router_client is not None and not self.router_down and routed:
             return [s.router_client]
-        return [c for e, c in enumerate(s.clients) if e not in self.down and e not in self.lost]
+        return serving
+
+    def reroute(self) -> None:
+        """The router over the engines serving now: started again if it died (bounded), or if an
+        engine was restarted (a new URL), lost or is back since it was started."""
+        s = self.engines
+        if s.router is None:
+            return
+        urls = [c.base_url for c in self.serving()]
+        if not urls:  # none to route to: generation raises EnginesDown
+            return
+        if not s.router_client.health():
+            s.restart_router(urls)
+        elif s.router.worker_urls != urls:
+            s.route_again(urls)
+        self.router_down = False
 
     def all_well(self) -> bool:
         """Nothing to restart, start again or reconnect."""
@@ -175,6 +196,7 @@ class Health:
             del self.lost[e]
             self.changed = True
             log.warning("rollout engine %d is back at %s: %d engine(s) serve", e, url, self.num_engines)
+        self.reroute()
 
     # ------------------------------------------------------------ dead engines
 
@@ -219,12 +241,7 @@ class Health:
             else:
                 self.changed = True  # the old weight-sync group is gone with the server
         self.down.clear()  # those that answered came back by themselves, the others were restarted
-        if s.router is not None:
-            if not s.router_client.health():
-                s.restart_router()
-            elif dead:  # the router knows engines by URL, and a restarted engine has a new one
-                s.route_again()
-            self.router_down = False
+        self.reroute()  # the router knows engines by URL, and a restarted engine has a new one
         return dead
 
     def name_the_silent(self, silent: Silence, waiting_on: list[EngineClient]) -> None:
@@ -232,13 +249,18 @@ class Health:
         ``SILENT_S``) nor its /health now, with their logs, long before the client's read timeout
         ends the wait. A long generation answers /health meanwhile: it is not named."""
         distinct = list({c.base_url: c for c in waiting_on}.values())
+        behind = [c for c in self.serving() if c.base_url not in {d.base_url for d in distinct}]
+        if any(c.router for c in distinct):  # the router answers for itself: ask its engines too
+            distinct += behind
         mute = {c.base_url for c, ok in zip(distinct, self.threads.map(lambda c: c.health(), distinct)) if not ok}
         if not mute:
             return
         counts = Counter(c.base_url for c in waiting_on if c.base_url in mute)
         logs = dict(zip(self.engines.engine_urls, self.engines.engine_logs))
         named = ", ".join(
-            f"{url} ({n} request(s){f', log {logs[url]}' if url in logs else ''})" for url, n in sorted(counts.items())
+            f"{url} ({f'{counts[url]} request(s)' if url in counts else 'behind the router'}"
+            f"{f', log {logs[url]}' if url in logs else ''})"
+            for url in sorted(mute)
         )
         log.warning(
             "no answer for %.0f s from %s: stopped (SIGSTOP), hung or out of memory? the wait ends at the "
