@@ -10,9 +10,9 @@ its own (``base_url`` ends in ``/v1``), serving
 
 Each episode has its own key (the ``api_key`` its agent gets, as ``Authorization: Bearer`` or
 Anthropic's ``x-api-key``); a request with no known key is answered 401 and its connection closed.
-Every connection is guarded (``rlhpc.wire.http_guard``): a deadline for each request's headers and
-body, caps on connections, header and body sizes, so other users of the node cannot exhaust the
-driver's descriptors.
+Every connection is guarded (``rlhpc.util.http_guard``, as the CPU engine's): a deadline for each
+request's headers and body, caps on connections, header and body sizes, so other users of the node
+cannot exhaust the driver's descriptors.
 
 The three chat APIs become one thing: chat messages (``openai_responses``, ``anthropic_messages``
 convert theirs as SGLang does), rendered with the run's chat template (``data.chat_template``, the
@@ -43,7 +43,6 @@ import asyncio
 import collections
 import json
 import logging
-import resource
 import secrets
 import socket
 import threading
@@ -62,9 +61,9 @@ from rlhpc.engine_server.cpu.requests import stop_strings
 from rlhpc.errors import RlhpcError
 from rlhpc.rollout.episodes import Conversation, TemplateBreaksPrefix
 from rlhpc.rollout.trajectories import EngineHandle, Generated
+from rlhpc.util.http_guard import GuardLimits, uvicorn_options
 from rlhpc.wire import anthropic_messages as anthropic
 from rlhpc.wire import openai_responses as responses
-from rlhpc.wire.http_guard import GuardLimits, guarded_protocol
 from rlhpc.wire.openai_messages import assistant_message, openai_error, sse_events, template_message
 from rlhpc.wire.openai_protocol import (
     ChatCompletionRequest,
@@ -86,10 +85,9 @@ Error = Callable[[str, int], JSONResponse]
 
 def limits_for(episodes: int) -> GuardLimits:
     """The guard's limits for a generation of ``episodes`` agents: room for a few connections each
-    (an agent's client keeps its own), within half the driver's descriptors."""
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    room = (1 << 16) if soft == resource.RLIM_INFINITY else max(16, soft // 2)
-    return GuardLimits(max_connections=min(max(256, 4 * episodes), room))
+    (an agent's client keeps its own; the guard keeps it within half the driver's descriptors),
+    accepted 128 at a time: what a burst of connections holds before the cap closes them."""
+    return GuardLimits(max_connections=max(256, 4 * episodes), backlog=128)
 
 
 class Refused(Exception):
@@ -171,11 +169,11 @@ class AgentEndpoint:
         self._sock.set_inheritable(False)
         port = self._sock.getsockname()[1]
         self.base_url = f"http://{host}:{port}/v1"
-        limits = limits or GuardLimits()
+        limits = limits or limits_for(1)
+        # log_config=None: uvicorn's own would configure the driver's logging (the httpx logger among it)
         config = uvicorn.Config(
-            self._app(), log_level="warning", access_log=False, lifespan="off",
-            http=guarded_protocol(limits, "the agent endpoint"), timeout_keep_alive=int(limits.idle_timeout_s),
-            backlog=limits.backlog,
+            self._app(), log_level="warning", access_log=False, lifespan="off", log_config=None,
+            **uvicorn_options(limits, "the agent endpoint"),
         )  # fmt: skip
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._serve, name="rlhpc-agent-endpoint", daemon=True)

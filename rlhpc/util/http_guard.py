@@ -1,143 +1,283 @@
-"""Bounded resources per peer for any uvicorn server the job runs (issue 32, item 4; issue 43, item 1).
+"""The one guard of every uvicorn server the job runs against peers that hold connections or send
+too much (issue 32, item 4; issue 43, items 1 and 2): the CPU engine server, and rlhpc's agent
+endpoint in the driver. Both listen where every user of the node reaches them, and the key is
+checked only once a request's headers are complete, so none of this needs it.
 
-uvicorn times a connection only while it sits idle between requests, and stops doing so at its
-first byte: a connection that never finishes its headers, or that sends half of a second
-request after a complete first one, is held forever, and nothing caps how many there are or how
-large their headers grow (held connections once exhausted an engine's file descriptors, and a
-header flood grew it by 600 MB). The key is checked only once headers are complete, so none of
-this needs it. The guard, as nginx's ``client_header_timeout`` and ``large_client_header_buffers``:
+uvicorn times a connection only while it sits idle between requests: one that trickles its
+headers or its body, or sends half of a second request after a complete first one, is held
+forever, and nothing caps how many there are or how large their headers grow (held connections
+once exhausted an engine's file descriptors and made the driver fail with "Too many open files",
+and a header flood grew an engine by 600 MB). The guard, as nginx's ``client_header_timeout``,
+``client_body_timeout``, ``large_client_header_buffers`` and ``client_max_body_size``
+(the limits in ``GuardLimits``):
 
 - every request on every connection, the first and each one after it on a kept-alive
-  connection, gets ``header_timeout_s`` from its first byte (or from the connection's start)
-  to complete its headers; so does whatever a client sends after its request was answered;
-- headers (request line included) larger than ``max_header_bytes`` are answered 431 and the
-  connection closed, so a connection holds at most that much of them;
-- at most ``max_connections`` connections are open at once: a new one past the cap closes the
-  connection that has been idle the longest (waiting for headers, or kept alive between
-  requests), never one whose request is being served; when every one is served, the new one is
-  closed. A client that sends its request at once is never the one closed: our clients
-  (urllib3's pools) notice a closed idle connection before reusing it and open another.
+  connection, gets ``header_timeout_s`` from its first byte (a new connection's: from its
+  opening) to complete its line and headers, and ``body_timeout_s`` from there for its body;
+- headers past ``max_header_bytes`` (counted as they arrive, before the parser holds them) are
+  answered 431 and a body past ``max_body_bytes`` 413, and the connection is closed;
+- an answer its client stops reading for ``write_stall_s`` closes the connection;
+- at most ``max_connections`` are open at once, and at most half the open-file limit
+  (``connection_cap``: the process needs descriptors of its own). A new connection past the cap
+  closes the least recently active one that is neither being answered nor holding unread bytes
+  (a request its client has just sent), those that carried fewer than two requests first (a
+  pool reuses its connections; a flood's carry one), else itself: a connection being answered
+  is never dropped for a newer one, a client that sends its request at once is never the one
+  closed, and a new connection goes last (closing the oldest never answered first would close a
+  client's new one before its request is read, while a flood's connections are answered at
+  once). Our clients, urllib3's and httpx's pools, notice a closed idle connection before
+  reusing it, all but the one they are about to reuse at that moment;
+- a burst of new connections is accepted ``backlog`` at a time (the listen backlog, and what
+  asyncio's loop accepts per turn), so a flood holds about ``max_connections`` + 2 x ``backlog``.
 
-Apply it to a server by its protocol class, one per server (the class holds that server's
-connections): ``uvicorn.Config(app, http=guarded_protocol(), ...)``. It is uvicorn's httptools
-protocol (what uvicorn picks where httptools is installed, as here), whatever the app.
+The server's own work on a request (a generation) has no deadline here: it is not the peer's to
+stretch. Apply it with ``uvicorn.Config(app, **uvicorn_options(limits, "the server"), ...)``: it
+is uvicorn's httptools protocol (what uvicorn picks where httptools is installed, as here).
 """
 
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import logging
 import resource
+import struct
+import termios
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 log = logging.getLogger(__name__)
 
-HEADER_TIMEOUT_S = 10.0
-MAX_HEADER_BYTES = 32 * 1024  # nginx's large_client_header_buffers: 4 x 8 KB
-MAX_CONNECTIONS = 512  # at most; and at most half the open-file limit (``connection_cap``)
 
-_TOO_LARGE = (
-    b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: text/plain; charset=utf-8\r\n"
-    b"content-length: 33\r\nconnection: close\r\n\r\nrequest header fields too large\r\n"
-)
+@dataclass(frozen=True)
+class GuardLimits:
+    header_timeout_s: float = 10.0  # a request's line and headers, from its first byte (a new connection: its opening)
+    body_timeout_s: float = 60.0  # its body, from the end of its headers
+    idle_timeout_s: float = 30.0  # a kept-alive connection between requests (uvicorn's timeout_keep_alive)
+    write_stall_s: float = 60.0  # an answer the client does not read
+    max_connections: int = 512  # and at most half the open-file limit (connection_cap)
+    # connections accepted at once (the listen backlog, and what asyncio accepts per turn of its
+    # loop): the descriptors a burst takes before the cap closes them. uvicorn's default: the
+    # engine's clients open hundreds at the start of a rollout, and a full queue drops a SYN for 1 s
+    backlog: int = 2048
+    max_header_bytes: int = 32 * 1024  # nginx's large_client_header_buffers: 4 x 8 KB
+    max_body_bytes: int = 64 * 1024 * 1024
 
 
-def connection_cap(wanted: int = MAX_CONNECTIONS) -> int:
+def connection_cap(wanted: int = GuardLimits.max_connections) -> int:
     """``wanted``, or half of this process's open-file limit where that is lower: the process
     needs descriptors of its own (model files, its clients), and a connection past the limit
     fails to be accepted at all."""
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    return wanted if soft == resource.RLIM_INFINITY else max(8, min(wanted, soft // 2))
+    return wanted if soft == resource.RLIM_INFINITY else min(wanted, max(8, soft // 2))
 
 
-def guarded_protocol(
-    header_timeout_s: float = HEADER_TIMEOUT_S,
-    max_connections: int | None = None,
-    max_header_bytes: int = MAX_HEADER_BYTES,
-) -> type:
-    """A protocol class for ``uvicorn.Config(http=...)``; one per server (its connections are shared).
-    ``max_connections``: None is ``connection_cap()``."""
-    cap = connection_cap() if max_connections is None else max_connections
-    # every open connection; the idle ones (not being served) in the order of their last activity
-    every: set[GuardedHttpTools] = set()
-    idle: OrderedDict[GuardedHttpTools, None] = OrderedDict()
-    closed = [0]
+def uvicorn_options(limits: GuardLimits, server: str) -> dict[str, Any]:
+    """What ``uvicorn.Config`` takes from the limits: the guarded protocol, keep-alive, backlog."""
+    return {
+        "http": guarded_protocol(limits, server),
+        "timeout_keep_alive": limits.idle_timeout_s,
+        "backlog": limits.backlog,
+    }
+
+
+def _answer(status: str) -> bytes:
+    text = status.split(" ", 1)[1].lower().encode()
+    return (
+        b"HTTP/1.1 " + status.encode() + b"\r\ncontent-type: text/plain; charset=utf-8\r\ncontent-length: "
+        + str(len(text)).encode() + b"\r\nconnection: close\r\n\r\n" + text
+    )  # fmt: skip
+
+
+_HEADERS_TOO_LARGE = _answer("431 Request Header Fields Too Large")
+_BODY_TOO_LARGE = _answer("413 Content Too Large")
+
+
+def guarded_protocol(limits: GuardLimits, server: str) -> type:
+    """A protocol class for ``uvicorn.Config(http=...)``, one per server (the class counts that
+    server's connections together); ``server`` names it in the log."""
+    cap = connection_cap(limits.max_connections)
+    count = [0, 0]  # open connections, connections closed by the guard
+    # the cap's victims, first to last: every connection not being answered, by its last
+    # activity (its opening, a byte of a request, its last answer)
+    quiet: OrderedDict[GuardedHttpTools, None] = OrderedDict()
 
     class GuardedHttpTools(HttpToolsProtocol):
-        _deadline: asyncio.TimerHandle | None = None
+        _deadline: asyncio.TimerHandle | None = None  # the request's headers or body, or the idle wait
+        _stall: asyncio.TimerHandle | None = None  # the answer's reading
+        _counted = False
+        _kept = False  # answered and kept alive, no next request begun: the idle timer runs
+        _answers = 0
         _head = True  # the bytes coming in are a request's line and headers
         _head_bytes = 0
+        _body_bytes = 0
+        _refusal: tuple[bytes | None, str] | None = None  # the answer (or none) and the reason, once refused
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
-            every.add(self)
-            self._idle()
-            self._arm("sent no complete headers in time")
-            if len(every) > cap:  # the longest idle goes; this one (the newest) only if all others are served
-                next(iter(idle))._drop(f"more than {cap} connections were open")
+            count[0] += 1
+            self._counted = True
+            quiet[self] = None
+            self._wait()
+            if count[0] > cap:  # itself only where every other one is being answered or about to be
+                others = [c for c in quiet if c is not self and not c._unread()]
+                # a connection that carried several requests is a pool's: one request and a wait
+                # is what a flood leaves, so those go first
+                victim = next((c for c in others if c._answers < 2), others[0] if others else self)
+                victim._drop(f"was the least recently active of more than {cap} connections")
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._forget()
+            super().connection_lost(exc)
 
         def data_received(self, data: bytes) -> None:
-            if not self._serving():
-                self._idle()  # the most recent activity: the last to be closed for the cap
-                if self._deadline is None:  # a new request's first bytes (or more after an answer)
-                    self._arm("sent no complete headers in time")
+            if self in quiet:  # its latest activity: the last of them the cap closes
+                quiet.move_to_end(self)
+            if self._kept:  # a kept-alive connection's next request: timed from its first byte
+                self._wait()
             super().data_received(data)
-            if self._head:  # counted while served too: a pipelined request's headers are held as well
+            # raw bytes of a request whose headers are not complete yet: httptools holds a header
+            # until its end (a pipelined request's first chunk may count a body's tail too)
+            if self._head and self._refusal is None:
                 self._head_bytes += len(data)
-                if self._head_bytes > max_header_bytes and not self.transport.is_closing():
-                    self.transport.write(_TOO_LARGE)
-                    self._drop(f"sent more than {max_header_bytes} bytes of headers")
+                if self._head_bytes > limits.max_header_bytes:
+                    self._refuse_headers()
+            if self._refusal is not None and not self.transport.is_closing():
+                self._refuse(*self._refusal)
 
+        # the request as the parser reads it; once refused, none of it reaches uvicorn or the app
         def on_message_begin(self) -> None:
-            self._head = True
-            self._head_bytes = 0
-            super().on_message_begin()
+            if self._refusal is None:
+                self._head, self._head_bytes, self._body_bytes = True, 0, 0
+                if self._kept:  # begun in the chunk that ended the one before
+                    self._wait()
+                super().on_message_begin()
+
+        def on_url(self, url: bytes) -> None:
+            if self._refusal is None:
+                super().on_url(url)
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            if self._refusal is None:
+                super().on_header(name, value)
 
         def on_headers_complete(self) -> None:
+            if self._refusal is not None:
+                return
             self._head = False
+            size = len(self.url) + sum(len(k) + len(v) + 4 for k, v in self.headers)
+            if size > limits.max_header_bytes:  # arrived whole, in one chunk
+                self._refuse_headers()
+                return
+            quiet.pop(self, None)  # being answered from here (or queued behind a pipelined one)
+            self._arm(limits.body_timeout_s, "sent no complete body in time")
             super().on_headers_complete()
-            if self._serving():  # its request runs: no deadline while the app has it
-                self._disarm()
-                idle.pop(self, None)
+
+        def on_body(self, body: bytes) -> None:
+            if self._refusal is None:
+                self._body_bytes += len(body)
+                if self._body_bytes > limits.max_body_bytes:
+                    # answered 413, unless its answer has begun (the client would read two)
+                    answer = None if self.cycle.response_started else _BODY_TOO_LARGE
+                    self._refusal = (answer, f"sent more than {limits.max_body_bytes} bytes of body")
+                else:
+                    super().on_body(body)
+
+        def on_message_complete(self) -> None:
+            if self._refusal is not None:
+                return
+            self._disarm()  # the request is in: what remains is the server's work
+            super().on_message_complete()
+            if self.cycle is not None and self.cycle.response_complete:  # answered before its body was in
+                self._settle()
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
-            if not self._serving() and not self.transport.is_closing():
-                self._idle()  # kept alive: uvicorn's keep-alive timeout applies until the next byte
+            if not self.transport.is_closing() and (self.cycle is None or self.cycle.response_complete):
+                self._settle()  # else closed, or a pipelined request is answered next
 
-        def connection_lost(self, exc: Exception | None) -> None:
+        # the answer as the client reads it
+        def pause_writing(self) -> None:
+            super().pause_writing()
+            self._cancel(self._stall)
+            self._stall = self.loop.call_later(limits.write_stall_s, self._drop, "stopped reading its answer")
+
+        def resume_writing(self) -> None:
+            super().resume_writing()
+            self._stall = self._cancel(self._stall)
+
+        # the guard's own
+        def _settle(self) -> None:
+            """Answered: a next request begun is timed; else the connection is kept alive, idle."""
+            self._answers += 1
+            quiet[self] = None
+            quiet.move_to_end(self)
+            if self._head and self._head_bytes:
+                self._wait()
+            else:
+                self._kept = True
+                # uvicorn's keep-alive timer, which a byte after the answer cancels for good
+                self._arm(limits.idle_timeout_s, None)
+
+        def _wait(self) -> None:
+            self._kept = False
+            self._arm(limits.header_timeout_s, "sent no complete request headers in time")
+
+        def _arm(self, seconds: float, why: str | None) -> None:
             self._disarm()
-            every.discard(self)
-            idle.pop(self, None)
-            super().connection_lost(exc)
-
-        def _serving(self) -> bool:
-            return self.cycle is not None and not self.cycle.response_complete
-
-        def _idle(self) -> None:
-            idle[self] = None
-            idle.move_to_end(self)
-
-        def _arm(self, why: str) -> None:
-            self._disarm()
-            self._deadline = self.loop.call_later(header_timeout_s, self._drop, why)
+            self._deadline = self.loop.call_later(seconds, self._drop, why)
 
         def _disarm(self) -> None:
-            if self._deadline is not None:
-                self._deadline.cancel()
-                self._deadline = None
+            self._deadline = self._cancel(self._deadline)
 
-        def _drop(self, why: str) -> None:
+        @staticmethod
+        def _cancel(timer: asyncio.TimerHandle | None) -> None:
+            if timer is not None:
+                timer.cancel()
+
+        def _unread(self) -> int:
+            """Bytes the kernel holds for it that the loop has not read yet: a request on its way
+            in (closing such a connection fails a request its client has just sent)."""
+            try:
+                fd = self.transport.get_extra_info("socket").fileno()
+                return struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0]
+            except (AttributeError, OSError, ValueError):  # closed meanwhile
+                return 0
+
+        def _forget(self) -> None:
             self._disarm()
-            every.discard(self)
-            idle.pop(self, None)
-            closed[0] += 1
-            if closed[0] in (1, 10, 100, 1000) or closed[0] % 10000 == 0:  # a flood: a few lines, not one each
-                log.warning("closed a connection from %s that %s (%d so far)", _peer(self.client), why, closed[0])
-            self.transport.close()
+            self._stall = self._cancel(self._stall)
+            quiet.pop(self, None)
+            if self._counted:
+                count[0] -= 1
+                self._counted = False
+
+        def _refuse_headers(self) -> None:
+            # answered 431, unless a pipelined request before it is being answered
+            answer = _HEADERS_TOO_LARGE if self.cycle is None or self.cycle.response_complete else None
+            self._refusal = (answer, f"sent more than {limits.max_header_bytes} bytes of headers")
+
+        def _refuse(self, answer: bytes | None, why: str) -> None:
+            if answer is not None:
+                self.transport.write(answer)
+            self._drop(why, flush=answer is not None)
+
+        def _drop(self, why: str | None, flush: bool = False) -> None:
+            """Closed; ``why`` None: an idle kept-alive connection's end, not worth a line."""
+            self._forget()
+            if why is not None:
+                count[1] += 1
+                if count[1] in (1, 10, 100, 1000) or count[1] % 10000 == 0:  # a flood: a few lines, not one each
+                    log.warning("%s closed a connection from %s that %s (%d so far)", server, _peer(self.client),
+                                why, count[1])  # fmt: skip
+            # close() sends what was written first; abort() does not wait for a client that reads nothing
+            if flush or why is None:
+                self.transport.close()
+            else:
+                self.transport.abort()
 
     return GuardedHttpTools
 

@@ -27,7 +27,7 @@ from rlhpc.rollout.agent_endpoint import AgentEndpoint
 from rlhpc.rollout.custom import make_custom
 from rlhpc.rollout.generation import Generation
 from rlhpc.rollout.trajectories import EngineCalls, EngineHandle
-from rlhpc.wire.http_guard import GuardLimits
+from rlhpc.util.http_guard import GuardLimits
 from rlhpc.wire.tool_calls import ParsedCall
 
 CALC = {
@@ -458,5 +458,5 @@ def test_the_endpoint_holds_few_connections_under_another_users_flood(engine_mod
     )  # and held at most its cap: the driver's descriptors stayed bounded
     assert seen["answered"] >= 3  # the agent was answered all along
     assert seen["half"] == (b"", True) and seen["body"][1] and not seen["body"][0].startswith(b"HTTP/1.1 200")
-    assert seen["big"][0].startswith(b"HTTP/1.1 400") and seen["big"][1]
+    assert seen["big"][0].startswith(b"HTTP/1.1 431") and seen["big"][1]
     assert seen["keyless"][0].startswith(b"HTTP/1.1 401") and seen["keyless"][1]

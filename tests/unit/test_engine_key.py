@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import yaml
+from support import sglang_wheel
 
 from rlhpc.engine_server import sglang as sglang_server
 from rlhpc.engine_server.sglang import SGLangSpec
@@ -27,6 +28,15 @@ def test_bearer_header_is_checked(tmp_path: Path) -> None:
     assert authorized(f"bearer {key}", key)
     for bad in (None, "", key, f"Bearer {key}x", f"Basic {key}", "Bearer "):
         assert not authorized(bad, key)
+
+
+def test_sglangs_401_keeps_the_connection_as_the_cpu_engines_does() -> None:
+    # SGLang's key middleware answers 401 with no connection header (uvicorn keeps the connection
+    # alive); the CPU engine's middleware does the same (its integration test reads a second 401
+    # on one connection). A pin: a new SGLang that closes shows here.
+    auth = sglang_wheel.source("sglang/srt/utils/auth.py")
+    refusal = auth[auth.index("if not decision.allowed:") :].split("await response(", 1)[0]
+    assert "ORJSONResponse(" in refusal and "headers" not in refusal and "close" not in refusal.lower(), refusal
 
 
 def test_sglang_gets_the_key_in_a_0600_config_file_not_on_its_command_line(tmp_path: Path) -> None:

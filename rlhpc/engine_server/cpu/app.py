@@ -81,9 +81,9 @@ class RequireKey:
         if scope["type"] == "http" and not (scope["path"] == Route.HEALTH and scope["method"] == "GET"):
             header = next((v for k, v in scope["headers"] if k.decode("latin-1").lower() == HEADER.lower()), None)
             if not authorized(header.decode("latin-1") if header is not None else None, self.api_key):
-                refusal = error_response("missing or wrong engine key", 401)
-                refusal.headers["connection"] = "close"  # a caller without the key keeps no connection open
-                await refusal(scope, receive, send)
+                # kept open after the 401, as SGLang's (sglang/srt/utils/auth.py): the HTTP guard
+                # bounds what a keyless caller holds, as it does for the open /health
+                await error_response("missing or wrong engine key", 401)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 

@@ -23,7 +23,7 @@ import uvloop
 from rlhpc.engine_server.cpu.app import build_app
 from rlhpc.engine_server.cpu.runner import Engine
 from rlhpc.util.files import write_atomic
-from rlhpc.util.http_guard import HEADER_TIMEOUT_S, connection_cap, guarded_protocol
+from rlhpc.util.http_guard import GuardLimits, connection_cap, uvicorn_options
 from rlhpc.wire import switches
 from rlhpc.wire.engine_key import read_key
 
@@ -84,13 +84,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )  # fmt: skip
     p.add_argument("--log-level", default="INFO")
     p.add_argument(
-        "--header-timeout-s", type=float, default=HEADER_TIMEOUT_S,
+        "--header-timeout-s", type=float, default=GuardLimits.header_timeout_s,
         help="a connection that has not sent a request's headers this long after its first byte (or the "
         "connection's start) is closed",
     )  # fmt: skip
     p.add_argument(
         "--max-connections", type=int, default=connection_cap(),
-        help="connections open at once; past it the longest idle one is closed (default: %(default)s)",
+        help="connections open at once, at most half the open-file limit; past it the oldest waiting for "
+        "its headers is closed, else the longest idle (default: %(default)s)",
     )  # fmt: skip
     p.add_argument(
         "--api-key-file",
@@ -129,11 +130,13 @@ def main(argv: list[str] | None = None) -> None:
     app = build_app(engine, address, read_key(args.api_key_file) if args.api_key_file is not None else None)
     # Keep idle connections well past uvicorn's 5 s: the pool's clients reuse theirs after a
     # training step, and a server closing one just as a request goes out resets that request.
-    # httptools and uvloop (below), as SGLang's server: a round trip ~0.15 ms (25%) shorter than
-    # with h11 and asyncio's own loop, and a push or a rollout is a few of them.
+    # httptools (the guard's protocol) and uvloop (below), as SGLang's server: a round trip
+    # ~0.15 ms (25%) shorter than with h11 and asyncio's own loop, and a push or a rollout is a few of them.
+    limits = GuardLimits(header_timeout_s=args.header_timeout_s, max_connections=args.max_connections,
+                         idle_timeout_s=300)  # fmt: skip
     config = uvicorn.Config(
         app, log_level="warning", access_log=False, timeout_graceful_shutdown=3, lifespan="off",
-        timeout_keep_alive=300, http=guarded_protocol(args.header_timeout_s, args.max_connections),
+        **uvicorn_options(limits, "the engine server"),
     )  # fmt: skip
     server = uvicorn.Server(config)
     if args.parent_pid:
