@@ -146,6 +146,7 @@ def router_command(
     port: int,
     metrics_port: int,
     key_file: Path | None = None,
+    parent_pid: str | None = None,
 ) -> list[str]:
     """sglang_router in front of the engines; with ``key_file``, through ``rlhpc.engine_server.router_main``,
     which hands it the key inside the process (sglang_router takes it only as ``--api-key KEY``).
@@ -159,11 +160,14 @@ def router_command(
     a paused one answers late: slime turns it off too), no circuit breaker (after 10 failures it
     refused every request for 60 s, healthy engines or not), no retries (a failed request comes
     back at once, and the pool checks the engines, restarts the dead one and sends it again).
-    Its log keeps warnings and errors: at ``info`` it writes two lines per request.
+    Its log keeps warnings and errors: at ``info`` it writes two lines per request. With
+    ``parent_pid`` (the driver's), it ends when that process is gone, SIGKILLed included.
     """
     if not worker_urls:
         raise RlhpcError("the router needs at least one engine URL", "start the engines before the router")
-    entry = [ROUTER_MAIN, "--api-key-file", str(key_file)] if key_file is not None else [ROUTER_MODULE]
+    wrapped = [*(("--api-key-file", str(key_file)) if key_file is not None else ())]
+    wrapped += ["--parent-pid", parent_pid] if parent_pid is not None else []
+    entry = [ROUTER_MAIN, *wrapped] if wrapped else [ROUTER_MODULE]
     return [
         *python_command("-m", *entry, python=python),
         "--worker-urls", *worker_urls,
@@ -439,7 +443,9 @@ class Router:
         self.worker_urls = list(worker_urls)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.proc, port = start_on_free_port(
-            lambda p: router_command(sys.executable, worker_urls, self.host, p, free_port(self.host), self.key_file),
+            lambda p: router_command(
+                sys.executable, worker_urls, self.host, p, free_port(self.host), self.key_file, str(os.getpid())
+            ),
             self.host,
             "sglang router",
             self.log_path,

@@ -102,6 +102,6 @@ def _group(name: str, backend: str, spec: Any, model: str, run: RunDir) -> str:
 def _router(run: RunDir) -> str:
     from rlhpc.engine_server.sglang import router_command
 
-    cmd = router_command("python", ["<engine 0 url>", "..."], "127.0.0.1", 0, 0, run.engine_key)
+    cmd = router_command("python", ["<engine 0 url>", "..."], "127.0.0.1", 0, 0, run.engine_key, "<driver pid>")
     cmd[cmd.index("--port") + 1] = cmd[cmd.index("--prometheus-port") + 1] = FREE_PORT
     return f"\n\nthe router's launch line (on the driver's node):\n  {_line(cmd)}\n  {ENV_NOTE}: none"

@@ -73,6 +73,35 @@ def test_the_router_serves_with_the_key_and_no_command_line_carries_it(pool) -> 
     assert key not in (work / "router.log").read_text()
 
 
+def test_the_router_ends_when_the_driver_that_started_it_is_killed(pool) -> None:
+    """The router runs in a session of its own, which a SIGKILL of the driver's group misses (one
+    was found serving, orphaned, after a killed local run): it watches the driver (--parent-pid)."""
+    router, _, urls, work = pool
+    assert router.proc.args[router.proc.args.index("--parent-pid") + 1] == str(os.getpid())
+    # a stand-in driver: starts a router as Router.start does, says its pid, and is SIGKILLed
+    code = (
+        "import os, subprocess, sys, time\n"
+        "from rlhpc.engine_server import sglang as sg\n"
+        f"cmd = sg.router_command(sys.executable, {urls!r}, '127.0.0.1', sg.free_port('127.0.0.1'), "
+        f"sg.free_port('127.0.0.1'), None, str(os.getpid()))\n"
+        "p = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"
+        "print(p.pid, flush=True)\ntime.sleep(600)\n"
+    )
+    driver = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    routed = psutil.Process(int(driver.stdout.readline()))
+    deadline = time.monotonic() + 60
+    while not routed.children() and time.monotonic() < deadline:  # until its watcher is forked
+        time.sleep(0.05)
+    group = [routed, *routed.children(recursive=True)]  # the router and its watcher
+    assert routed.is_running() and len(group) == 2
+    driver.kill()
+    driver.wait()
+    gone, alive = psutil.wait_procs(group, timeout=60)
+    for p in alive:
+        p.kill()
+    assert not alive, [p.cmdline() for p in alive]
+
+
 # What the router answers without the key (sglang_router 0.3.2 has no switch to put them behind
 # it or turn them off): its liveness and readiness, the engine count, the served model's name.
 # Nothing generates, nothing changes (its /health_generate asks no engine); its /engine_metrics
