@@ -351,8 +351,17 @@ def tiny_model(out: Path, tiny: TinyModelConfig, classifier: bool = False) -> No
             shutil.rmtree(built, ignore_errors=True)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(hit, tmp)
+    # Bytes only: copytree would carry the cache's modes, where the run's umask must decide.
+    shutil.copytree(hit, tmp, copy_function=shutil.copyfile)
+    for d in (tmp, *(p for p in tmp.rglob("*") if p.is_dir())):
+        os.chmod(d, 0o777 & ~_umask())
     tmp.rename(out)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def tiny_cache_dir() -> Path | None:

@@ -127,7 +127,10 @@ class ActorGroup:
         one_node = len({ip for ip, _ in (placement.location_of_slot[s] for s in self.slots)}) == 1
         rendezvous = self._get([self.workers[0].rendezvous.remote(one_node)], "rendezvous")[0]
         self._call("init_process_group", rendezvous)
-        log.info("actor group: %d rank(s) on slots %s, rendezvous %s", self.world_size, self.slots, rendezvous)
+        log.info(
+            "actor group: %d rank(s) on slots %s (%s), rendezvous %s",
+            self.world_size, self.slots, ", ".join(self.nodes), rendezvous,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ fan-out
 

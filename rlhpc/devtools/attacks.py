@@ -31,6 +31,7 @@ record = {"steps": {}, "received": []}
 def _stop(*_):
     raise SystemExit(0)
 signal.signal(signal.SIGTERM, _stop)
+print("attack running", flush=True)  # start() waits for this: a SIGTERM before it would print nothing
 def step(name, fn):
     try:
         out = fn()
@@ -416,21 +417,26 @@ class Attack:
         proc = subprocess.Popen(
             command(kind, *args), cwd="/", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         )
-        return cls(kind, proc)
+        attack = cls(kind, proc)
+        attack._read_until("attack running\n", 120, "start")
+        return attack
 
     def wait_for_first_steps(self, timeout: float = 120) -> None:
         """Until the attack says its first steps are taken (stage_plant: it tried the stage root
         and now waits for the name to be free), so the caller's next move meets the waiting part."""
-        deadline, said = time.monotonic() + timeout, b""
+        self._read_until("first steps taken\n", timeout, "take its first steps")
+
+    def _read_until(self, line: str, timeout: float, what: str) -> None:
+        deadline, said = time.monotonic() + timeout, self.early.encode()
         fd = self.proc.stdout.fileno()  # read raw: what finish()'s communicate() reads comes after
-        while b"first steps taken\n" not in said:
+        while line.encode() not in said:
             ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
             chunk = os.read(fd, 4096) if ready else b""
             if not chunk:  # past the deadline, or the script ended
                 self.early = said.decode(errors="replace")
-                raise AttackError(f"the {self.kind} attack did not take its first steps: {self.finish()}")
+                raise AttackError(f"the {self.kind} attack did not {what}: {self.finish()}")
             said += chunk
-        self.early = said.decode(errors="replace").split("first steps taken\n", 1)[1]
+        self.early = said.decode(errors="replace").split(line, 1)[1]
 
     def finish(self, timeout: float = 60) -> dict:
         """Stop the attack (if it still runs) and return its record."""

@@ -50,8 +50,14 @@ class LocalBackend:
 
     def job_alive(self, job_id: str) -> bool | None:
         """Whether job ``job_id`` still runs; None when that cannot be told."""
-        # Its controller's pid (its start time, which liveness compares, is not kept here).
-        return psutil.pid_exists(int(job_id)) if job_id.isdigit() else None
+        # Its controller's pid (its start time, which liveness compares, is not kept here); a
+        # zombie (killed, not yet reaped) has ended.
+        if not job_id.isdigit():
+            return None
+        try:
+            return psutil.Process(int(job_id)).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
 
     def ray_state(self, run: RunDir, job_id: str) -> JobRayState:
         return run.ray_state(job_id, 0)

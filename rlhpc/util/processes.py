@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import MutableMapping
 from typing import Any
 
@@ -113,7 +114,24 @@ def process_groups(pid: int) -> list[int]:
     return groups
 
 
-def kill_groups(groups: list[int]) -> None:
-    """SIGKILL every process of ``groups`` (from ``process_groups``)."""
+def kill_groups(groups: list[int], timeout: float = 60) -> None:
+    """SIGKILL every process of ``groups`` (from ``process_groups``) and wait until none runs: a
+    process in the middle of a disk write (an fsync on a loaded machine) dies only when it returns,
+    and what comes next (a resubmission) must meet the crash done, not one still under way."""
+    import psutil  # late: only the tests and the soak kill this way
+
     for group in groups:
         signal_group(group, signal.SIGKILL)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        left = []
+        for p in psutil.process_iter(["status"]):
+            try:
+                if os.getpgid(p.pid) in groups and p.info["status"] != psutil.STATUS_ZOMBIE:
+                    left.append(p.pid)
+            except (ProcessLookupError, psutil.Error):
+                continue
+        if not left:
+            return
+        time.sleep(0.05)
+    raise RuntimeError(f"processes {left} of groups {groups} still run {timeout:.0f} s after SIGKILL")

@@ -329,14 +329,21 @@ def test_begin_waits_for_the_requests_in_flight_unless_paused(client: EngineClie
 
 def test_a_pause_that_aborts_answers_once_nothing_is_in_flight(client: EngineClient) -> None:
     t, out = generate_in_background(client, "pause-drains")
-    client.pause_generation(mode="abort")
-    assert out and out[0]["meta_info"]["finish_reason"]["type"] == "abort"  # answered before the pause was
-    assert client.get_server_info()["internal_states"][0]["requests_in_flight"] == 0
-    client.continue_generation()
+    try:
+        client.pause_generation(mode="abort")
+        # answered before the pause was: nothing in flight when it returns (the client's thread
+        # may read that answer later, on a loaded machine)
+        assert client.get_server_info()["internal_states"][0]["requests_in_flight"] == 0
+        t.join(60)
+        assert out and out[0]["meta_info"]["finish_reason"]["type"] == "abort"
+    finally:
+        client.continue_generation()  # a failure here must not leave the module's engine paused
     t.join(60)
 
 
-def test_a_cache_flush_with_a_request_running_fails_as_sglangs(client: EngineClient, model_path: str) -> None:
+def test_a_cache_flush_with_a_request_running_fails_as_sglangs(
+    client: EngineClient, model_path: str, request: pytest.FixtureRequest
+) -> None:
     """An update asked to flush (the last bucket) while a request runs (pause in place) loads the
     weights but fails, recording no version; /flush_cache answers 400 until the engine is idle."""
     from rlhpc.weights.tensor_transport import serialize_named_tensors
@@ -346,6 +353,7 @@ def test_a_cache_flush_with_a_request_running_fails_as_sglangs(client: EngineCli
     version = client.get_weight_version()
     t, out = generate_in_background(client, "flush-busy")
     client.pause_generation(mode="in_place")
+    request.addfinalizer(client.continue_generation)  # never leave the module's engine paused
     with pytest.raises(RlhpcError, match="HTTP 400"):
         client.flush_cache()
     payload, keep = serialize_named_tensors([(name, before + 1)])

@@ -145,6 +145,7 @@ class Workers:
         self.prep = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prepare")
         self.ctl = ThreadPoolExecutor(max_workers=1, thread_name_prefix="control")
         self.ctl_queued = 0  # control calls handed to ctl and not yet back on the event loop
+        self.weight_calls_waiting = 0  # weight calls waiting for model_update behind another
         self.model_update = ModelUpdateLock()
         self.resumed = asyncio.Event()  # cleared while generation is paused
         self.resumed.set()
@@ -168,8 +169,16 @@ class Workers:
         once on a paused engine, else holding ``model_update`` alone (after the requests in flight)."""
         if not self.resumed.is_set():
             return await self.success_route(fn, *args, quick=quick)
-        async with self.model_update.writer():
-            return await self.success_route(fn, *args, quick=quick)
+        self.weight_calls_waiting += 1
+        waiting = True
+        try:
+            async with self.model_update.writer():
+                self.weight_calls_waiting -= 1
+                waiting = False
+                return await self.success_route(fn, *args, quick=quick)
+        finally:
+            if waiting:  # cancelled while waiting (the caller went away)
+                self.weight_calls_waiting -= 1
 
     async def prepare(self, fn: Any, *args: Any) -> Any:
         return await self.on(self.prep, fn, *args)
@@ -300,9 +309,10 @@ def _add_health_and_info(
     @app.get(Route.SERVER_INFO)
     async def get_server_info() -> dict[str, Any]:
         info = engine.server_info(address.get("host", ""), address.get("port", 0))
-        # control calls (weights, memory) handed to the control thread and not yet answered: a
-        # test holds an update and sees a later call queue behind it, not a timeout
-        info["internal_states"][0]["control_calls_queued"] = workers.ctl_queued
+        # control calls (weights, memory) handed to the control thread or waiting for the model
+        # behind an update, not yet answered: a test holds an update and sees a later call queue
+        # behind it, not a timeout
+        info["internal_states"][0]["control_calls_queued"] = workers.ctl_queued + workers.weight_calls_waiting
         return info
 
 
