@@ -6,13 +6,14 @@ ranks, or the head node: the job requeues itself, resumes from the newest checkp
 most checkpoint.save_interval rollouts.
 """
 
+import os
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
-from support.jobs import REPO, submit_slurm
-from support.slow_reward import SLOW_ENV
+from support.hold import HOLD_ENV
+from support.jobs import HELD, REPO, Gate, rollout_logged, submit_slurm
 
 from rlhpc.invariants import comparable, final_weights
 from rlhpc.launch import run_owner, slurm
@@ -21,12 +22,15 @@ from rlhpc.runtime.restarts import read_history
 
 pytestmark = pytest.mark.slurm
 
-# The engine-node test slows the run down (support/slow_reward.py: >= 5 s a rollout) from the
-# engine count's drop until the engine serves again (45-60 s from the kill here, more on a loaded
-# machine), so the run cannot end first; the rest goes at full speed.
-NUM_ROLLOUT = 60
-SAVE_INTERVAL = 10
-REQUEUE_ROLLOUT = 40  # the actor- and head-node tests: a checkpoint, a loss, a resume
+# The engine-node test holds the run (support/hold.py) from the engine count's drop until the
+# replacement node's Ray worker has joined, so the run cannot end first however long Slurm and Ray
+# take; after it, a rollout or two bring the engine back. The actor- and head-node tests hold it at
+# rollout KILL_AT's rewards for the kill, two checkpoints saved (after 3 and 6 rollouts): a resume
+# from any but the newest loses more than SAVE_INTERVAL.
+NUM_ROLLOUT = 10
+SAVE_INTERVAL = 3
+KILL_AT = 2 * SAVE_INTERVAL + 1
+REQUEUE_ROLLOUT = KILL_AT + 2  # the actor- and head-node tests: two checkpoints, a loss, a resume
 CONFIG = [
     "data.num_train=6400",  # no epoch end (which saves) within the run
     "rollout.rollout_batch_size=64",  # 64 prompts x 8 samples: 8 requests a rollout, over the engines
@@ -38,7 +42,7 @@ CONFIG = [
     f"checkpoint.save_interval={SAVE_INTERVAL}",
     "cluster.actor_num_gpus=1",
     "cluster.rollout_num_gpus=2",
-    "data.reward=support.slow_reward:while_asked",  # digit_sum's reward, slowed down while a test asks
+    HELD,  # digit_sum's reward, held while a test asks
 ]
 
 
@@ -47,7 +51,11 @@ def submit(
 ) -> subprocess.CompletedProcess:
     nodes_gpus = ("--nodes", str(nodes), "--gpus-per-node", str(gpus))
     overrides = [*CONFIG, f"rollout.num_rollout={num_rollout}"]
-    env = {"PYTHONPATH": str(REPO / "tests"), SLOW_ENV: str(run.parent / "slow")}
+    env = {
+        "PYTHONPATH": f"{REPO / 'tests'}:{os.environ.get('PYTHONPATH', '')}",
+        HOLD_ENV: str(run.parent / "hold"),
+        **Gate(run.parent / "gate").env,
+    }
     return submit_slurm(run, *nodes_gpus, *args, overrides=overrides, follow=follow, env=env, timeout=900)
 
 
@@ -114,21 +122,22 @@ def test_engine_node_lost_and_back(minicluster, baseline, tmp_path):
         ["sbatch", "--parsable", "--nodelist=node3", "--exclusive", "--output=/dev/null", "--wrap=sleep 900"],
         capture_output=True, text=True, check=True,
     ).stdout.strip()  # fmt: skip
-    run, slow = tmp_path / "run", tmp_path / "slow"
+    run, hold = tmp_path / "run", tmp_path / "hold"
     try:
         job = job_id_of(run, submit(run, 3, 1, "--sbatch", "nodelist=node[0-2]", follow=False))
-        wait(lambda: len(rollouts(run)) >= 5, 300, "5 rollouts", run)
-        minicluster.kill_node("node2")  # engine 1's node, mid-generation
+        wait(lambda: len(rollouts(run)) >= 3, 300, "3 rollouts", run)
+        minicluster.kill_node("node2")  # engine 1's node, mostly mid-generation
         wait(
             lambda: any(r.get("rollout/num_engines") == 1 for r in rollouts(run)), 180, "the engine count to drop", run
         )
-        slow.touch()
+        hold.touch()  # the next rollout's rewards wait until the replacement worker is in
         minicluster.revive_node("node2")
-        wait(lambda: serving_again(run), 400, "the engine to serve again", run)
-        slow.unlink()
+        wait(lambda: replacement_joined(run), 300, "the replacement Ray worker to join", run)
+        hold.unlink()
+        wait(lambda: serving_again(run), 300, "the engine to serve again", run)
         wait_finished(run, job)
     finally:
-        slow.unlink(missing_ok=True)
+        hold.unlink(missing_ok=True)
         minicluster.revive_node("node2")
         slurm.cancel(blocker)
     counts = [r["rollout/num_engines"] for r in rollouts(run)]
@@ -139,6 +148,13 @@ def test_engine_node_lost_and_back(minicluster, baseline, tmp_path):
     assert "node2" in job_log(run)  # the warning names the node
     assert len(read_history(run)) == 1  # never requeued
     same_results(run, baseline)
+
+
+def replacement_joined(run: Path) -> bool:
+    """The replacement job's Ray worker started on its node (the log of its first one says)."""
+    return any(
+        "replacement Ray worker starting" in log.read_text() for log in (run / "ray").glob("job_*/ray_node_1000.log")
+    )
 
 
 def serving_again(run: Path) -> bool:
@@ -159,20 +175,24 @@ def test_actor_or_head_node_lost_requeues_and_resumes(minicluster, requeue_basel
     # third. Not pinned: the requeued job takes any node but the lost one. The actor node stays down
     # until the job has requeued; the head comes back as soon as Slurm marked it DOWN (a quick
     # reboot: back before the worker tasks' Ray gives up on it, and no longer part of the job).
-    run = tmp_path / "run"
+    run, gate = tmp_path / "run", Gate(tmp_path / "gate")
+    gate.shut(*rollout_logged(run, KILL_AT - 1))  # held at rollout KILL_AT's rewards, for the kill
     job = job_id_of(run, submit(run, 3, 1, *REQUEUE_LAYOUT, follow=False, num_rollout=REQUEUE_ROLLOUT))
     node = None
     try:
-        wait(lambda: len(rollouts(run)) >= SAVE_INTERVAL + 5, 300, "rollouts past the first checkpoint", run)
+        wait(gate.is_held, 300, f"the run to hold at rollout {KILL_AT}", run)
         node = slurm.hostnames(slurm.show_job(job)["NodeList"])[index]
         trained = len(rollouts(run))
+        assert trained == KILL_AT, rollouts(run)
         minicluster.kill_node(node)
+        gate.open()  # the requeued job is not held
         if index == 0:
             minicluster.revive_node(node)
         wait(lambda: len(read_history(run)) >= 2, 300, "the requeued job to start", run)
         minicluster.revive_node(node)
         wait_finished(run, job)
     finally:
+        gate.open()
         if node is not None:
             minicluster.revive_node(node)
     assert node in job_log(run)  # named

@@ -151,9 +151,13 @@ class Gate:
         tmp.write_text(self.text)
         os.replace(tmp, self.path)  # a job held by the gate before goes on, unless this holds too
 
+    def is_held(self) -> bool:
+        """Whether the job is held by the condition shut last (a Slurm job's test polls this)."""
+        return self.held.exists() and self.held.read_text() == self.text
+
     def wait_held(self, proc: subprocess.Popen, timeout: float = 600) -> None:
         deadline = time.time() + timeout
-        while not (self.held.exists() and self.held.read_text() == self.text):
+        while not self.is_held():
             if proc.poll() is not None:
                 out = proc.stdout.read()[-4000:] if proc.stdout else ""
                 raise AssertionError(f"the job ended (exit {proc.returncode}) before it was held:\n{out}")

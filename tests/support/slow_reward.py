@@ -5,10 +5,8 @@ so that what a test waits for in a running Slurm job does not race the job's end
   only (the first ``$RLHPC_TEST_SLOW_ALLOCATIONS`` where that is set). A time limit is then sure
   to cut that allocation however fast the machine is, and the requeued ones (SLURM_RESTART_COUNT >= 1) run at the machine's own pace, so a slow
   machine still finishes in few allocations.
-- ``while_asked``: 10 ms a sample while the file named by ``$RLHPC_TEST_SLOW`` exists (about 5 s a
-  rollout of 512 samples): a test slows the run down while it changes the cluster under it.
 
-A job imports them as ``data.reward: support.slow_reward:reward`` with ``tests/`` on its PYTHONPATH
+A job imports it as ``data.reward: support.slow_reward:reward`` with ``tests/`` on its PYTHONPATH
 (``slow_allocations()``: the ``--set`` and the environment for ``reward``).
 """
 
@@ -19,7 +17,6 @@ from pathlib import Path
 from rlhpc.data.tasks import TASKS
 
 SECONDS_PER_SAMPLE = 0.1
-SLOW_ENV = "RLHPC_TEST_SLOW"
 ALLOCATIONS_ENV = "RLHPC_TEST_SLOW_ALLOCATIONS"
 SECONDS_ENV = "RLHPC_TEST_SLOW_SECONDS"  # a sample, instead of SECONDS_PER_SAMPLE
 DIGIT_SUM = TASKS["digit_sum"].reward
@@ -39,11 +36,4 @@ def slow_allocations(count: int = 1, seconds: float = SECONDS_PER_SAMPLE) -> tup
 def reward(prompt: str, response: str, answer: str) -> float:
     if int(os.environ.get("SLURM_RESTART_COUNT", "0")) < int(os.environ.get(ALLOCATIONS_ENV, "1")):
         time.sleep(float(os.environ.get(SECONDS_ENV, SECONDS_PER_SAMPLE)))
-    return DIGIT_SUM(prompt, response, answer)
-
-
-def while_asked(prompt: str, response: str, answer: str) -> float:
-    slow = os.environ.get(SLOW_ENV)
-    if slow and Path(slow).exists():
-        time.sleep(0.01)
     return DIGIT_SUM(prompt, response, answer)
