@@ -9,6 +9,7 @@ DDP's rebuilt buckets showed with four) on one node and across two, and megatron
 DP=2 and the distributed optimizer (its Adam step was restored as 1 after every load).
 """
 
+import os
 import re
 import subprocess
 import sys
@@ -16,8 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from support.jobs import REPO, deterministic_config, submit_slurm
-from support.slow_reward import slow_allocations
+from support.jobs import HELD, REPO, Gate, deterministic_config, rollout_logged, submit_slurm
 
 from rlhpc.checkpoint import CheckpointManager
 from rlhpc.invariants import comparable
@@ -26,7 +26,7 @@ from rlhpc.runtime.restarts import read_history
 
 pytestmark = pytest.mark.slurm
 
-NUM_ROLLOUT = 12
+NUM_ROLLOUT = 8
 # The embedded default's batch (32 prompts x 8 samples) and two optimizer steps a rollout. With
 # 8 x 4 samples most groups score all 0 (no advantage, a zero gradient), so rarely more than two
 # ranks add non-zero terms and a changed summation order cannot show: DDP passed here then.
@@ -35,7 +35,11 @@ CONFIG = [
     "rollout.rollout_batch_size=32",
     "rollout.n_samples_per_prompt=8",
     "actor.num_steps_per_rollout=2",
+    HELD,  # digit_sum's reward; the interrupted run's is held where each stop must land
 ]
+ENV = {"PYTHONPATH": f"{REPO / 'tests'}:{os.environ.get('PYTHONPATH', '')}"}  # support.hold
+PREEMPT_AT = 3  # the first allocation is held at this rollout's rewards for the preemption
+REQUEUE_AT = 6  # and the second at this one's for the requeue: 2 or 3 trained after its resume
 
 
 def split(actor: int, rollout: int) -> list[str]:
@@ -90,12 +94,10 @@ def job_log(run: Path) -> str:
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_a_preempted_and_requeued_multi_rank_actor_ends_like_the_uninterrupted_run(minicluster, tmp_path, layout):
     args, ranks, nodes, baseline_nodes = LAYOUTS[layout]
-    run, baseline = tmp_path / "run", tmp_path / "baseline"
-    # Both allocations of the interrupted run before its last one score 10 ms a sample (2.6 s a
-    # rollout), so each stop lands mid-run however fast the loop is; the results are digit_sum's.
-    slow, env = slow_allocations(2, seconds=0.01)
-    p = submit_slurm(baseline, *args, "--sbatch", f"nodelist={baseline_nodes}", overrides=CONFIG, follow=False)
+    run, baseline, gate = tmp_path / "run", tmp_path / "baseline", Gate(tmp_path / "gate")
+    p = submit_slurm(baseline, *args, "--sbatch", f"nodelist={baseline_nodes}", overrides=CONFIG, follow=False, env=ENV)
     assert p.returncode == 0, p.stderr
+    gate.shut(*rollout_logged(run, PREEMPT_AT - 1))  # so each stop lands mid-run however fast the loop is
     p = submit_slurm(
         run,
         *args,
@@ -103,26 +105,29 @@ def test_a_preempted_and_requeued_multi_rank_actor_ends_like_the_uninterrupted_r
         "low",
         "--sbatch",
         f"nodelist={nodes}",
-        *slow,
         overrides=CONFIG,
         follow=False,
-        env=env,
+        env={**ENV, **gate.env},
     )
     assert p.returncode == 0, p.stderr
     job_id = (run / "slurm_job_id").read_text().strip()
 
-    wait(lambda: len(trained(run)) >= 3, 300, "3 trained rollouts", run)
+    wait(gate.is_held, 300, f"the run to hold at rollout {PREEMPT_AT}", run)
     assert f"actor group: {ranks} rank(s)" in job_log(run)  # the layout asked for
     first_node = re.sub(r"\[(\d+).*", r"\1", nodes)  # node[0-1] -> node0
     # a job in the high partition that needs all of one of the run's nodes: Slurm preempts the run
     preempt = ["sbatch", "-p", "high", "-w", first_node, "--gpus-per-node=8", "-o", "/dev/null", "--wrap", "sleep 2"]
     subprocess.run(preempt, check=True, capture_output=True)
+    wait(lambda: "got SIGUSR2" in job_log(run), 120, "Slurm's signal", run)
+    gate.shut(*rollout_logged(run, REQUEUE_AT - 1))  # lets the first allocation go on to its stop
     wait(lambda: len(read_history(run)) >= 2, 300, "the preempted run to start again", run)
     stopped_before = read_history(run)[1]["next_rollout_id"]
     assert f"stopped before rollout {stopped_before}" in job_log(run)  # saved at the stop: nothing lost
+    assert stopped_before <= REQUEUE_AT - 2, stopped_before  # the requeue comes 2 rollouts after the resume or later
 
-    wait(lambda: len(trained(run)) >= stopped_before + 2, 300, "2 rollouts trained after the resume", run)
+    wait(gate.is_held, 300, f"the resumed run to hold at rollout {REQUEUE_AT}", run)
     subprocess.run(["scontrol", "requeue", job_id], check=True)  # SIGTERM to everything, back in the queue
+    gate.open()
     wait(lambda: (run / "FINISHED").is_file(), 420, "the requeued run to finish", run)
     wait(lambda: (baseline / "FINISHED").is_file(), 300, "the uninterrupted run to finish", baseline)
 

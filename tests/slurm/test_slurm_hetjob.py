@@ -4,14 +4,14 @@ the three components. Trained to the end, and preempted by a high-priority job o
 it saves, requeues and ends identical to the undisturbed run. Requests a component's partition
 cannot give are refused before anything is submitted."""
 
+import os
 import re
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
-from support.jobs import deterministic_config, submit_slurm
-from support.slow_reward import slow_allocations
+from support.jobs import HELD, REPO, Gate, deterministic_config, rollout_logged, submit_slurm
 
 from rlhpc.invariants import comparable, final_weights
 from rlhpc.metrics import read_metrics
@@ -19,7 +19,8 @@ from rlhpc.runtime.restarts import read_history
 
 pytestmark = pytest.mark.slurm
 
-NUM_ROLLOUT = 30
+NUM_ROLLOUT = 8
+PREEMPT_AT = 4  # the interrupted run is held at this rollout's rewards for the preemption
 # the reward model's score is half of each sample's reward (its scores are in the metrics compared)
 CONFIG = [*deterministic_config(NUM_ROLLOUT), "reward_model.tiny.seed=3", "reward_model.weight=0.5"]
 # 2 actor ranks on node0, one single-GPU engine on each of node1 and node2, one reward engine on node3
@@ -74,17 +75,20 @@ def test_each_group_on_its_partition_and_a_preemption_resumes_identically(minicl
     scored = [r["reward/reward_model"] for r in read_metrics(baseline) if r["kind"] == "rollout"]
     assert len(set(scored)) > 1  # the reward model scored every rollout
 
-    run = tmp_path / "run"
-    # The first allocation scores 0.1 s a sample, so the preemption lands mid-run however fast the
-    # loop is (a fast one trained all 30 rollouts before Slurm's signal came); the same scores.
-    slow, env = slow_allocations()
-    assert submit(run, *slow, follow=False, env=env).returncode == 0
-    wait(lambda: (run / "metrics.jsonl").is_file() and len(trained(run)) >= 4, 240, "4 trained rollouts", run)
+    run, gate = tmp_path / "run", Gate(tmp_path / "gate")
+    # Held at rollout PREEMPT_AT's rewards until Slurm's signal came, so the preemption lands mid-run
+    # however fast the loop is; the reward's scores are digit_sum's, as the baseline's.
+    gate.shut(*rollout_logged(run, PREEMPT_AT - 1))
+    env = {"PYTHONPATH": f"{REPO / 'tests'}:{os.environ.get('PYTHONPATH', '')}", **gate.env}
+    assert submit(run, "--set", HELD, follow=False, env=env).returncode == 0
+    wait(gate.is_held, 240, f"the run to hold at rollout {PREEMPT_AT}", run)
     # A high job that needs all of node1's GPUs: Slurm preempts the het job (every component).
     subprocess.run(
         ["sbatch", "-p", "high", "-w", "node1", "--gpus-per-node=8", "-o", "/dev/null", "--wrap", "sleep 2"],
         check=True, capture_output=True,
     )  # fmt: skip
+    wait(lambda: "got SIGUSR2" in job_log(run), 120, "Slurm's signal", run)
+    gate.open()
     wait(lambda: (run / "FINISHED").is_file(), 360, "the preempted run to finish", run)
     said = job_log(run)
     assert "got SIGUSR2: stopping at the next safe point" in said
