@@ -148,36 +148,44 @@ def test_a_stop_waits_for_the_background_save_to_commit(uninterrupted, stopped):
     assert comparable(run) == comparable(uninterrupted)
 
 
-# Long evaluations (8 requests of 64 prompts x 32 tokens after every rollout): a stop sent as one
-# begins lands inside it.
-# Evaluations long enough (2048 samples of 32 tokens in 32 requests) that a stop sent once rollout 2
-# is logged lands inside the one after it, however loaded the machine; few of them (after 2 and 5).
-EVALS = ("rollout.num_rollout=6", "checkpoint.save_interval=100", "eval.interval=3", "data.num_eval=512",
-         "eval.max_new_tokens=32", "eval.n_samples_per_prompt=4")  # fmt: skip
+# Evaluations of two small sets (after rollouts 2 and 5): a stop sent while the job is held at the
+# first set's reward lands inside the evaluation, in the second set's generation, however fast
+# the machine (the reward of a set is scored once all its answers are in).
+EVALS = ("rollout.num_rollout=6", "checkpoint.save_interval=100", "eval.interval=3", "data.num_eval=8",
+         "eval.sets.first.file=null", "eval.sets.second.file=null", HELD)  # fmt: skip
 
 
 def evaluated(run: Path) -> list[int]:
     return [r["rollout_id"] for r in read_metrics(run) if r["kind"] == "eval"]
 
 
+def task_said(run: Path) -> str:
+    """What the job's task wrote to its stderr so far (submitit's log of it)."""
+    return "".join(p.read_text() for p in (run / "logs" / "submitit").glob("*.err"))
+
+
 @pytest.fixture(scope="module")
 def uninterrupted_with_evals(tmp_path_factory) -> Path:
     run = tmp_path_factory.mktemp("uninterrupted-evals") / "run"
-    p = subprocess.run(command(run, *EVALS), cwd=REPO, capture_output=True, text=True, timeout=600)
+    p = subprocess.run(command(run, *EVALS), cwd=REPO, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return run
 
 
 def test_stop_signal_during_an_evaluation_is_a_safe_point(uninterrupted_with_evals, tmp_path):
-    run = tmp_path / "run"
-    proc = start(run, *EVALS)
-    wait_for(lambda: 0 in trained(run), proc)
-    pid = task_pid(run)  # found now: no time lost between rollout 2 and the signal
-    # Rollout 2 is logged right before its evaluation starts: stop once it is, and not yet its eval.
-    wait_for(lambda: 2 in trained(run), proc)
-    assert 2 not in evaluated(run)
-    os.kill(pid, signal.SIGUSR2)
-    out, _ = proc.communicate(timeout=600)
+    run, gate = tmp_path / "run", Gate(tmp_path / "gate")
+    gate.shut(*rollout_logged(run, 2))  # rollout 2 is logged right before its evaluation: held at its first set
+    proc = start(run, *EVALS, env=gate.env)
+    try:
+        gate.wait_held(proc)
+        assert 2 not in evaluated(run)
+        os.kill(task_pid(run), signal.SIGUSR2)
+        wait_for(lambda: "got SIGUSR2" in task_said(run), proc)  # recorded before the evaluation goes on
+        gate.open()
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            kill_job(proc)
     assert proc.returncode == 0, out[-4000:]
     said = " ".join(out.split())  # unwrap rich lines
     # The stop landed inside the evaluation (not at the next rollout): it was cut short, rollout 2
