@@ -43,12 +43,13 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from rlhpc.batch import RolloutBatch
 from rlhpc.errors import RlhpcError
 from rlhpc.wire.request import EnginesDown, GenerationAborted, StopCheck
+
+if TYPE_CHECKING:
+    from rlhpc.batch import RolloutBatch
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,8 @@ class Generated:
 
     @classmethod
     def from_state_dict(cls, d: dict) -> Generated:
+        from rlhpc.batch import RolloutBatch  # torch: not for a login node's dry run (its clock only)
+
         return cls(d["rollout_id"], RolloutBatch.from_state_dict(d), d["metrics"], d["texts"])
 
 
@@ -76,6 +79,8 @@ PENDING_FILE = "pending_rollouts.pt"  # in a checkpoint: generated, not yet trai
 def save_pending(checkpoint: Path, pending: dict[int, Generated]) -> None:
     """Write the generated, untrained rollouts (``pending``) into a checkpoint (nothing when none)."""
     if pending:
+        import torch
+
         torch.save([g.state_dict() for g in pending.values()], checkpoint / PENDING_FILE)
 
 
@@ -84,6 +89,8 @@ def load_pending(checkpoint: Path) -> dict[int, Generated]:
     path = checkpoint / PENDING_FILE
     if not path.is_file():
         return {}
+    import torch
+
     return {d["rollout_id"]: Generated.from_state_dict(d) for d in torch.load(path, weights_only=True)}
 
 

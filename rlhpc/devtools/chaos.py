@@ -535,14 +535,7 @@ def staged_with_links(c: Context) -> bool:
 
 def flood_connections(c: Context) -> bool:
     """The other user holds 400 half-sent requests open to an engine for 5 s (the start of the run)."""
-    _, _, url = engine(c)
-    host, port = url.removeprefix("http://").rsplit(":", 1)
-    note_key(c)
-    attack = attacks.Attack.start("conn_flood", host, port, "400")
-    c.cleanup.append(lambda: attack.proc.poll() is None and attack.proc.kill())
-    time.sleep(5.0)  # the job trains on meanwhile
-    record = attack.finish()
-    judge(c, "conn_flood", record)
+    record = _flood(c, "conn_flood", 400, 5.0)
     if record.get("opened", 0) < 400:
         c.problems.append(f"trial not carried out: the flood opened {record.get('opened')} connections, not 400")
     return False
@@ -552,17 +545,24 @@ def flood_kept_alive(c: Context) -> bool:
     """The other user holds 600 connections to an engine (past its cap of 512), each after one
     complete keyless GET /health, every other one with half of a second request, for 20 s (past
     the engine's 10 s deadline for a request's headers)."""
-    _, _, url = engine(c)
-    host, port = url.removeprefix("http://").rsplit(":", 1)
-    note_key(c)
-    attack = attacks.Attack.start("keepalive_flood", host, port, "600")
-    c.cleanup.append(lambda: attack.proc.poll() is None and attack.proc.kill())
-    time.sleep(20.0)  # the job trains on meanwhile
-    record = attack.finish()
-    judge(c, "keepalive_flood", record)
+    record = _flood(c, "keepalive_flood", 600, 20.0)
     if record.get("answered", 0) < 600:
         c.problems.append(f"trial not carried out: {record.get('answered')} first requests answered, not 600")
     return False
+
+
+def _flood(c: Context, kind: str, connections: int, hold_s: float) -> dict:
+    """Run the other user's ``kind`` attack on an engine with ``connections`` for ``hold_s``
+    while the job trains on; judged, and its record returned."""
+    _, _, url = engine(c)
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    note_key(c)
+    attack = attacks.Attack.start(kind, host, port, str(connections))
+    c.cleanup.append(lambda: attack.proc.poll() is None and attack.proc.kill())
+    time.sleep(hold_s)
+    record = attack.finish()
+    judge(c, kind, record)
+    return record
 
 
 def flood_headers(c: Context) -> bool:

@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING, Any
 
 from rlhpc.config import RewardModelConfig, RolloutConfig, SGLangConfig
 from rlhpc.data.prompts import encode_untrusted, render_chat
-from rlhpc.rollout.engines import EnginePool
 from rlhpc.rollout.scoring import Sample
 from rlhpc.schedule import BusyClock
 from rlhpc.wire.client import EngineClient
@@ -35,6 +34,7 @@ if TYPE_CHECKING:
     from rlhpc.cluster.layout import Layout
     from rlhpc.cluster.placement import Placement
     from rlhpc.config import ClusterConfig
+    from rlhpc.rollout.engines import EnginePool
     from rlhpc.wire.request import StopCheck
 
 log = logging.getLogger(__name__)
@@ -72,6 +72,8 @@ def start_reward_engines(
 ) -> EnginePool:
     """The reward engines on ``layout.reward_slots``, up and answering /health (``deterministic``:
     a judge's seeded samples are the same on rerun)."""
+    from rlhpc.rollout.engines import EnginePool  # Ray and torch: the job's, not a dry run's
+
     return EnginePool.start(
         reward_rollout_config(rollout, rm), cluster, seed, model_path, placement, layout, log_dir, stop, frozen=True,
         deterministic=deterministic,

@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any
 
 from rlhpc.config import RolloutConfig, SGLangConfig, TeacherConfig
 from rlhpc.errors import RlhpcError
-from rlhpc.rollout.engines import EnginePool
 from rlhpc.wire.client import EngineClient
 from rlhpc.wire.protocol import MetaInfo
 
@@ -25,6 +24,7 @@ if TYPE_CHECKING:
     from rlhpc.cluster.layout import Layout
     from rlhpc.cluster.placement import Placement
     from rlhpc.config import ClusterConfig
+    from rlhpc.rollout.engines import EnginePool
     from rlhpc.wire.request import StopCheck
 
 
@@ -51,6 +51,8 @@ def start_teacher_engines(
     deterministic: bool = False,
 ) -> EnginePool:
     """The teacher engines on ``layout.teacher_slots``, up and answering /health."""
+    from rlhpc.rollout.engines import EnginePool  # Ray and torch: the job's, not a dry run's
+
     return EnginePool.start(
         teacher_rollout_config(rollout, t), cluster, seed, model_path, placement, layout, log_dir, stop,
         frozen=True, role="teacher", deterministic=deterministic,

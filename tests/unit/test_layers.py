@@ -166,9 +166,17 @@ def test_the_login_node_imports_no_torch(tmp_path):
         "rlhpc.launch.sweep",
         "rlhpc.cli.status",
     ]
+    # and a whole dry run of a Slurm job (its preview of every engine pool's launch line)
+    submit = Path(rlhpc.__file__).resolve().parents[1] / "jobs" / "submit.py"
+    argv = [str(submit), "--dry-run", "--run-dir", str(tmp_path / "run"), "--gpus-per-node", "8"]
     code = (
-        "import importlib, sys\n"
+        "import contextlib, importlib, io, runpy, sys\n"
         f"for m in {login!r}:\n    importlib.import_module(m)\n"
+        f"sys.argv = {argv!r}\n"
+        "out = io.StringIO()\n"
+        "with contextlib.suppress(SystemExit), contextlib.redirect_stdout(out):\n"
+        "    runpy.run_path(sys.argv[0], run_name='__main__')\n"
+        "assert '#SBATCH' in out.getvalue(), out.getvalue()[-2000:]  # the dry run ran through\n"
         "heavy = [m for m in ('torch', 'transformers', 'ray') if m in sys.modules]\n"
         "assert not heavy, heavy\n"
     )
