@@ -39,10 +39,25 @@ def pytest_itemcollected(item: pytest.Item) -> None:
         item.add_marker(getattr(pytest.mark, kind))
 
 
+# The integration modules that take longest (CI's table of seconds per module), handed out
+# first: the worker that ends the Slurm tests then shares short ones, not one long module left last.
+LONGEST_FIRST = (
+    "test_megatron_actor.py", "test_preemption.py", "test_actor.py", "test_async.py", "test_chaos.py",
+    "test_engine_restart.py", "test_hang.py", "test_multiturn.py", "test_loop.py",
+)  # fmt: skip
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The Slurm tests first, so that one worker starts on them at once; then unit, integration."""
+    """The Slurm tests first, so that one worker starts on them at once; then unit, then
+    integration with its longest modules first."""
     order = {"slurm": 0, "unit": 1, "integration": 2}
-    items.sort(key=lambda i: order.get(_kind(i), 3))  # stable: the files' own order within each
+
+    def key(item: pytest.Item) -> tuple[int, int]:
+        name = Path(item.fspath).name
+        first = LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+        return order.get(_kind(item), 3), first if _kind(item) == "integration" else 0
+
+    items.sort(key=key)  # stable: the files' own order within each
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log):

@@ -6,6 +6,7 @@ import math
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -124,21 +125,52 @@ LOSS_SETTINGS = {
 }
 
 
+# The one-rank, one-micro-batch run each split is held against, by its algo settings: the
+# gradient and the token-budget tests share those with the same settings (a rank start costs
+# more CPU than its training).
+Whole = tuple[dict[str, torch.Tensor], dict[str, float], dict[str, torch.Tensor], dict[str, torch.Tensor]]
+
+
+@pytest.fixture(scope="module")
+def whole_runs(ray_cluster: None, model_path: str) -> Callable[[Config], Whole]:
+    """``whole(cfg)``: (start weights, metrics, gradients, weights) of one rank training
+    ``GRADIENT_BATCH`` in one micro-batch with ``cfg``'s algo settings, made once per settings."""
+    done: dict[str, Whole] = {}
+
+    def whole(cfg: Config) -> Whole:
+        key = repr(cfg.algo)
+        if key not in done:
+            with Group(cfg, model_path, 1) as g:
+                start = tensors(g)
+                metrics = g.train(0, make_batch(*GRADIENT_BATCH))
+                done[key] = start, metrics, tensors(g, grads=True), tensors(g)
+        return done[key]
+
+    return whole
+
+
+GRADIENT_BATCH = 9, 7  # samples, seed: shards of 4 and 5 on two ranks
+
+
+def whole_cfg(algo: dict[str, object]) -> Config:
+    cfg = make_cfg(micro_batch_size=64, grad_clip=1e9)
+    for k, v in algo.items():
+        setattr(cfg.algo, k, v)
+    return cfg
+
+
 @pytest.mark.parametrize("loss", list(LOSS_SETTINGS))
-def test_gradient_is_global_token_mean(ray_cluster: None, model_path: str, loss: str) -> None:
+def test_gradient_is_global_token_mean(ray_cluster: None, model_path: str, whole_runs, loss: str) -> None:
     """2 ranks x small micro-batches == 1 rank x one micro-batch: same gradient, same step."""
-    batch = make_batch(9, seed=7)  # 9 samples: shards of 4 and 5, micro-batches of 2 -> uneven
-    cfg_split = make_cfg(micro_batch_size=2, grad_clip=1e9)
-    cfg_whole = make_cfg(micro_batch_size=64, grad_clip=1e9)
-    for cfg in (cfg_split, cfg_whole):
-        for k, v in LOSS_SETTINGS[loss].items():
-            setattr(cfg.algo, k, v)
-    with Group(cfg_split, model_path, 2) as split, Group(cfg_whole, model_path, 1) as whole:
-        start = tensors(whole)
+    batch = make_batch(*GRADIENT_BATCH)  # shards of 4 and 5, micro-batches of 2 -> uneven
+    cfg_split, cfg_whole = make_cfg(micro_batch_size=2, grad_clip=1e9), whole_cfg(LOSS_SETTINGS[loss])
+    for k, v in LOSS_SETTINGS[loss].items():
+        setattr(cfg_split.algo, k, v)
+    start, m_whole, g_whole, w_whole = whole_runs(cfg_whole)
+    with Group(cfg_split, model_path, 2) as split:
         m_split = split.train(0, batch)
-        m_whole = whole.train(0, batch)
-        g_split, g_whole = tensors(split, grads=True), tensors(whole, grads=True)
-        w_split, w_whole = tensors(split, rank=1), tensors(whole)
+        g_split = tensors(split, grads=True)
+        w_split = tensors(split, rank=1)
     assert m_split["tokens"] == m_whole["tokens"]
     assert m_split["pg_loss"] == pytest.approx(m_whole["pg_loss"], rel=1e-5, abs=1e-7)
     assert m_split["grad_norm"] == pytest.approx(m_whole["grad_norm"], rel=1e-5)
@@ -186,25 +218,25 @@ TOKEN_BUDGET_SETTINGS = {
 
 
 @pytest.mark.parametrize("setting", list(TOKEN_BUDGET_SETTINGS))
-def test_token_budget_micro_batches_give_the_padded_gradient(ray_cluster: None, model_path: str, setting: str) -> None:
+def test_token_budget_micro_batches_give_the_padded_gradient(
+    ray_cluster: None, model_path: str, whole_runs, setting: str
+) -> None:
     """2 ranks x micro-batches of <= 20 tokens (packed or padded) == 1 rank x one padded
     micro-batch: the same loss, gradient and step. The two ranks form different numbers of
     micro-batches, and the first-fit puts samples out of their order."""
-    batch = make_batch(9, seed=7)  # shards of 4 and 5 samples
+    batch = make_batch(*GRADIENT_BATCH)  # shards of 4 and 5 samples
     knobs, packed = TOKEN_BUDGET_SETTINGS[setting]
     lengths = sample_lengths(batch)
     groups = [first_fit_decreasing(lengths[:4], 20, not packed), first_fit_decreasing(lengths[4:], 20, not packed)]
     assert [len(g) for g in groups] == [2, 3], groups
     assert any(g != list(range(g[0], g[-1] + 1)) for g in groups[1]), groups  # not a contiguous slice
     cfg_budget = make_cfg(max_tokens_per_micro_batch=20, sequence_packing=packed, grad_clip=1e9)
-    cfg_whole = make_cfg(micro_batch_size=64, grad_clip=1e9)
-    for cfg in (cfg_budget, cfg_whole):
-        for k, v in knobs.items():
-            setattr(cfg.algo, k, v)
-    with Group(cfg_budget, model_path, 2) as split, Group(cfg_whole, model_path, 1) as whole:
+    for k, v in knobs.items():
+        setattr(cfg_budget.algo, k, v)
+    _, m_whole, g_whole, _ = whole_runs(whole_cfg(knobs))
+    with Group(cfg_budget, model_path, 2) as split:
         m_split = split.train(0, batch)
-        m_whole = whole.train(0, batch)
-        g_split, g_whole = tensors(split, grads=True), tensors(whole, grads=True)
+        g_split = tensors(split, grads=True)
     assert m_split["tokens"] == m_whole["tokens"]
     for key in ("pg_loss", "kl", "entropy", "clipfrac", "rollout_logprob_abs_diff", "grad_norm"):
         assert m_split[key] == pytest.approx(m_whole[key], rel=1e-5, abs=1e-7), key
@@ -212,17 +244,32 @@ def test_token_budget_micro_batches_give_the_padded_gradient(ray_cluster: None, 
         torch.testing.assert_close(g_split[k], g_whole[k], rtol=1e-5, atol=1e-7)
 
 
-def test_packed_training_is_deterministic(ray_cluster: None, model_path: str) -> None:
-    """Packed micro-batches on two ranks, two steps a rollout: a rerun gives every metric and
-    weight bit for bit."""
-    cfg = make_cfg(max_tokens_per_micro_batch=24, num_steps_per_rollout=2)
-    runs = []
-    for _ in range(2):
-        with Group(cfg, model_path, 2) as g:
-            metrics = [g.train(r, make_batch(12, seed=r)) for r in range(2)]
-            runs.append((metrics, g.fingerprints()))
-    assert runs[0] == runs[1]
-    assert len(set(runs[0][1])) == 1 and runs[0][0][1]["optimizer_steps"] == 4
+KL_BATCH = 9, 5  # samples, seed
+
+
+def packed_run(model_path: str) -> tuple[list, list[str], dict[str, torch.Tensor]]:
+    """Two ranks in packed micro-batches of <= 20 tokens (the first-fit puts samples out of
+    order), two steps a rollout, algo.kl_in_reward: KL_BATCH's per-sample KL to the reference,
+    two rollouts, the KL again. Returns (the KLs and metrics, fingerprints, rank 0's weights)."""
+    cfg = make_cfg(max_tokens_per_micro_batch=20, num_steps_per_rollout=2)
+    cfg.algo.kl_coef, cfg.algo.kl_in_reward, cfg.algo.kl_estimator = 0.1, True, "k1"
+    with Group(cfg, model_path, 2) as g:
+        answers: list = [g.kl_to_reference(make_batch(*KL_BATCH)).tolist()]
+        answers += [g.train(r, make_batch(12, seed=r)) for r in range(2)]
+        answers.append(g.kl_to_reference(make_batch(*KL_BATCH)).tolist())
+        return answers, g.fingerprints(), tensors(g)
+
+
+@pytest.fixture(scope="module")
+def packed(ray_cluster: None, model_path: str) -> tuple[list, list[str], dict[str, torch.Tensor]]:
+    return packed_run(model_path)
+
+
+def test_packed_training_is_deterministic(packed, model_path: str) -> None:
+    """Packed micro-batches on two ranks, two steps a rollout: a rerun gives every metric,
+    measured KL and weight bit for bit."""
+    assert packed_run(model_path)[:2] == packed[:2]
+    assert len(set(packed[1])) == 1 and packed[0][2]["optimizer_steps"] == 4
 
 
 def test_the_entropy_bonus_keeps_entropy_higher(ray_cluster: None, model_path: str) -> None:
@@ -396,21 +443,16 @@ def test_the_reference_is_reset_every_interval_and_a_resume_restores_it(
         assert b.fingerprints() == uninterrupted == b.reference_fingerprints()
 
 
-def test_kl_in_reward_measures_each_samples_kl_as_transformers_does(ray_cluster: None, model_path: str) -> None:
+def test_kl_in_reward_measures_each_samples_kl_as_transformers_does(packed, model_path: str) -> None:
     """algo.kl_in_reward: two ranks in packed micro-batches of <= 20 tokens (the first-fit puts
     samples out of order) give every sample's sum_t KL_t in the batch's order, as a plain
     transformers forward of each sample does; the loss then has no KL term."""
-    cfg = make_cfg(max_tokens_per_micro_batch=20)
-    cfg.algo.kl_coef, cfg.algo.kl_in_reward, cfg.algo.kl_estimator = 0.1, True, "k1"
-    batch = make_batch(9, seed=5)
-    with Group(cfg, model_path, 2) as g:
-        assert g.kl_to_reference(batch).tolist() == [0.0] * 9  # the policy is the reference
-        m = g.train(0, make_batch(8, seed=0))
+    (before, *metrics, measured), _, weights = packed
+    assert before == [0.0] * KL_BATCH[0]  # the policy is the reference
+    for m in metrics:
         assert m["kl"] == 0.0 and m["loss"] == m["pg_loss"]
-        measured = g.kl_to_reference(batch)
-        weights = tensors(g)
-    expected = sequence_k1_by_transformers(model_path, weights, batch)
-    assert measured.tolist() == pytest.approx(expected, rel=1e-4, abs=1e-6)
+    expected = sequence_k1_by_transformers(model_path, weights, make_batch(*KL_BATCH))
+    assert measured == pytest.approx(expected, rel=1e-4, abs=1e-6)
     assert all(x != 0 for x in expected)
 
 

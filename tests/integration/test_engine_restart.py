@@ -215,30 +215,16 @@ class KillBeforePush:
         self.actor.update_weights(version)
 
 
-def test_engine_killed_during_a_weight_push(model_path: str, tmp_path: Path) -> None:
-    """Every rank finishes the failed push; the dead engine is restarted and the push repeated."""
-    with groups(restart_cfg(actor_gpus=2), model_path, tmp_path / "engines") as (actor, rollout):
-        engines = rollout.engines
-        source = KillBeforePush(actor, engines, 1)
-        engines.connect_weights(source)
-        engines.sync_weights(0)
-        batch = rollout.generate(0)
-        actor.train(0, batch)
-        source.armed = True
-        engines.sync_weights(1)
-        assert engines.restarts == [0, 1] and not source.armed
-        for e in (0, 1):
-            assert_engine_matches_actor(engines, e, actor, 1)
-        rollout.generate(1)  # and generation goes on
-
-
-def test_push_made_with_training(model_path: str, tmp_path: Path) -> None:
+def test_pushes_made_with_training_and_an_engine_killed_during_one(model_path: str, tmp_path: Path) -> None:
     """The synchronous loop's push in the training call (``train(push_version=...)``): the engines
     hold the trained weights after one update each, and the pool's push only takes its outcome.
-    An engine killed during that training fails the push, and the pool restarts it and pushes again."""
+    An engine killed during that training fails the push, and the pool restarts it and pushes again.
+    Then a pool's own push with an engine killed as it begins: every rank finishes the failed
+    push; the dead engine is restarted and the push repeated. (One Ray, actor and engines for both.)"""
     with groups(restart_cfg(actor_gpus=2), model_path, tmp_path / "engines") as (actor, rollout):
         engines = rollout.engines
-        engines.connect_weights(actor)
+        source = KillBeforePush(actor, engines, 1)  # the actor itself until armed
+        engines.connect_weights(source)
         engines.sync_weights(0)
         batch = rollout.generate(0)
         assert engines.push_ready()
@@ -256,7 +242,15 @@ def test_push_made_with_training(model_path: str, tmp_path: Path) -> None:
         assert engines.restarts == [1, 0]
         for e in (0, 1):
             assert_engine_matches_actor(engines, e, actor, 2)
-        rollout.generate(2)  # and generation goes on
+        batch = rollout.generate(2)  # and generation goes on
+
+        actor.train(2, batch)  # no push with it: the pool pushes, and engine 1 is killed as it begins
+        source.armed = True
+        engines.sync_weights(3)
+        assert engines.restarts == [1, 1] and not source.armed
+        for e in (0, 1):
+            assert_engine_matches_actor(engines, e, actor, 3)
+        rollout.generate(3)  # and generation goes on
 
 
 def test_train_survives_a_killed_engine(tmp_path: Path) -> None:

@@ -2,6 +2,7 @@
 training rank over torch.distributed. Each test is a real job started by jobs/submit.py."""
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -13,24 +14,32 @@ from support.rewards import SCORED_ENV, pass_at_k_by_hand, scored
 from rlhpc.checkpoint import CheckpointManager
 from rlhpc.metrics import read_metrics
 
+FINISHED_CONFIG = ("data.num_train=16", "rollout.num_rollout=7", "checkpoint.save_interval=3", "eval.interval=3")
 
-def test_embedded_loop_end_to_end(tmp_path):
-    run = tmp_path / "run"
-    p = submit(run, "rollout.num_rollout=5", "checkpoint.save_interval=2", "eval.interval=2")
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """One finished run read by the tests below: 7 rollouts of 8 of 16 prompts (an epoch ends every
+    2 rollouts), saved and evaluated every 3 rollouts and at the end."""
+    run = tmp_path_factory.mktemp("loop") / "run"
+    p = submit(run, *FINISHED_CONFIG)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    assert rollouts(run) == [0, 1, 2, 3, 4] and routed(run)  # generated through the real router
-    evals = [r["rollout_id"] for r in read_metrics(run) if r["kind"] == "eval"]
-    assert evals == [-1, 1, 3, 4]  # baseline, every 2, and the last
-    # keep_last=2 of the saves at rollouts 1, 3 and the final 4
-    assert sorted(p.name for p in (run / "checkpoints").glob("rollout_*")) == ["rollout_000003", "rollout_000004"]
+    return run
+
+
+def test_embedded_loop_end_to_end(finished):
+    run = finished
+    assert rollouts(run) == list(range(7)) and routed(run)  # generated through the real router
+    # keep_last=2 of the saves at rollouts 2, 5 and the final 6
+    assert sorted(p.name for p in (run / "checkpoints").glob("rollout_*")) == ["rollout_000005", "rollout_000006"]
     ck = CheckpointManager(run / "checkpoints", 2).latest()
-    assert ck.rollout_id == 4 and ck.state["weight_version"] == 5 and ck.state["data"]["next_rollout_id"] == 5
+    assert ck.rollout_id == 6 and ck.state["weight_version"] == 7 and ck.state["data"]["next_rollout_id"] == 7
     assert (ck.path / "actor" / "config.json").is_file()  # a plain HF model dir
-    with h5py.File(run / "rollouts" / "rollout_000004.h5") as f:
+    with h5py.File(run / "rollouts" / "rollout_000006.h5") as f:
         assert len(f["rewards"]) == 8 * 4 and f.attrs["group_size"] == 4
     assert (run / "FINISHED").is_file()
     # A finished run is never overwritten silently.
-    again = submit(run, "rollout.num_rollout=5", "checkpoint.save_interval=2", "eval.interval=2")
+    again = submit(run, *FINISHED_CONFIG)
     assert again.returncode == 2 and "holds a finished run" in said(again)
 
 
@@ -91,15 +100,15 @@ def test_a_users_own_files_train_on_a_bos_less_byte_level_tokenizer(tmp_path):
     assert sent == [tok.apply_chat_template(c, add_generation_prompt=True, return_dict=False) for c in chats]
 
 
-def test_a_run_counted_in_rollouts_keeps_to_its_intervals_at_epoch_ends(tmp_path):
+def test_a_run_counted_in_rollouts_keeps_to_its_intervals_at_epoch_ends(finished):
     """16 prompts, 8 a rollout: an epoch ends every 2 rollouts. Counted in rollouts
-    (rollout.num_rollout), the run saves and evaluates only every 3 and at the end, as the seed's
-    loop does (it adds epoch ends only to a run counted in epochs)."""
-    run = tmp_path / "run"
-    p = submit(run, "data.num_train=16", "rollout.num_rollout=5", "checkpoint.save_interval=3", "eval.interval=3")
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    assert [r["rollout_id"] for r in read_metrics(run) if r["kind"] == "eval"] == [-1, 2, 4]
-    assert sorted(p.name for p in (run / "checkpoints").glob("rollout_*")) == ["rollout_000002", "rollout_000004"]
+    (rollout.num_rollout), the run saves and evaluates only every 3 and at the end (not at the
+    epoch ends after rollouts 1 and 3), as the seed's loop does (it adds epoch ends only to a run
+    counted in epochs)."""
+    records = read_metrics(finished)
+    assert [r["rollout_id"] for r in records if r["kind"] == "eval"] == [-1, 2, 5, 6]  # baseline, every 3, last
+    saved = [r["rollout_id"] for r in records if r["kind"] == "rollout" and "time/save" in r]
+    assert saved == [2, 5, 6]
 
 
 def test_a_job_that_fails_says_why_in_status(tmp_path):
@@ -177,9 +186,9 @@ def test_unwritable_run_dir(tmp_path):
     assert p.returncode == 2 and "not writable" in said(p)
 
 
-def test_changed_config_is_refused_on_resume(tmp_path):
+def test_changed_config_is_refused_on_resume(finished, tmp_path):
     run = tmp_path / "run"
-    assert submit(run, "rollout.num_rollout=1").returncode == 0
+    shutil.copytree(finished, run, symlinks=True)
     (run / "FINISHED").unlink()  # pretend it was interrupted
-    p = submit(run, "rollout.num_rollout=1", "actor.lr=0.5")
-    assert p.returncode == 2 and "actor.lr" in said(p) and "--force" in said(p)
+    p = submit(run, *FINISHED_CONFIG, "actor.lr=0.5")
+    assert p.returncode == 2 and "different config (actor.lr)" in said(p) and "--force" in said(p), said(p)

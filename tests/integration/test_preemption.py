@@ -31,6 +31,14 @@ BASE = [
 ]
 
 
+# The runs compared with ``uninterrupted``: 12 rollouts, evaluated on two small sets after rollouts 5
+# and 11 (and before the first). Two sets: a stop sent while the job is held at the first set's
+# reward (scored once all its answers are in) lands inside the evaluation, in the second set's
+# generation, however fast the machine.
+TWELVE = ("rollout.num_rollout=12", "eval.interval=6", "data.num_eval=8", "eval.sets.first.file=null",
+          "eval.sets.second.file=null")  # fmt: skip
+
+
 def command(run: Path, *overrides: str) -> list[str]:
     cmd = [sys.executable, str(REPO / "jobs" / "submit.py"), "--cluster", "local", "--run-dir", str(run)]
     for o in (*BASE, *overrides):
@@ -69,7 +77,7 @@ def wait_for(cond, proc: subprocess.Popen, timeout: float = 240) -> None:
 def uninterrupted(tmp_path_factory) -> Path:
     run = tmp_path_factory.mktemp("uninterrupted") / "run"
     p = subprocess.run(
-        command(run, "rollout.num_rollout=12", "checkpoint.save_interval=100"),
+        command(run, *TWELVE, "checkpoint.save_interval=100"),
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -94,9 +102,7 @@ def stopped(uninterrupted, tmp_path_factory) -> tuple[Path, str, dict]:
     stop_at = Gate(run.parent / "gate")
     stop_at.shut(*rollout_logged(run, 2))  # held at rollout 3's reward, however fast the run goes
     env.update(stop_at.env)
-    proc = start(
-        run, "rollout.num_rollout=12", "checkpoint.save_interval=100", "logging.wandb_mode=offline", HELD, env=env
-    )
+    proc = start(run, *TWELVE, "checkpoint.save_interval=100", "logging.wandb_mode=offline", HELD, env=env)
     try:
         stop_at.wait_held(proc)
         os.kill(task_pid(run), signal.SIGUSR2)  # what Slurm sends before the time limit or on preemption
@@ -148,49 +154,42 @@ def test_a_stop_waits_for_the_background_save_to_commit(uninterrupted, stopped):
     assert comparable(run) == comparable(uninterrupted)
 
 
-# Long evaluations (8 requests of 64 prompts x 32 tokens after every rollout): a stop sent as one
-# begins lands inside it.
-# Evaluations long enough (2048 samples of 32 tokens in 32 requests) that a stop sent once rollout 2
-# is logged lands inside the one after it, however loaded the machine; few of them (after 2 and 5).
-EVALS = ("rollout.num_rollout=6", "checkpoint.save_interval=100", "eval.interval=3", "data.num_eval=512",
-         "eval.max_new_tokens=32", "eval.n_samples_per_prompt=4")  # fmt: skip
-
-
 def evaluated(run: Path) -> list[int]:
     return [r["rollout_id"] for r in read_metrics(run) if r["kind"] == "eval"]
 
 
-@pytest.fixture(scope="module")
-def uninterrupted_with_evals(tmp_path_factory) -> Path:
-    run = tmp_path_factory.mktemp("uninterrupted-evals") / "run"
-    p = subprocess.run(command(run, *EVALS), cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    return run
+def task_said(run: Path) -> str:
+    """What the job's task wrote to its stderr so far (submitit's log of it)."""
+    return "".join(p.read_text() for p in (run / "logs" / "submitit").glob("*.err"))
 
 
-def test_stop_signal_during_an_evaluation_is_a_safe_point(uninterrupted_with_evals, tmp_path):
-    run = tmp_path / "run"
-    proc = start(run, *EVALS)
-    wait_for(lambda: 0 in trained(run), proc)
-    pid = task_pid(run)  # found now: no time lost between rollout 2 and the signal
-    # Rollout 2 is logged right before its evaluation starts: stop once it is, and not yet its eval.
-    wait_for(lambda: 2 in trained(run), proc)
-    assert 2 not in evaluated(run)
-    os.kill(pid, signal.SIGUSR2)
-    out, _ = proc.communicate(timeout=600)
+def test_stop_signal_during_an_evaluation_is_a_safe_point(uninterrupted, tmp_path):
+    run, gate = tmp_path / "run", Gate(tmp_path / "gate")
+    gate.shut(*rollout_logged(run, 5))  # rollout 5 is logged right before its evaluation: held at its first set
+    proc = start(run, *TWELVE, "checkpoint.save_interval=100", HELD, env=gate.env)
+    try:
+        gate.wait_held(proc)
+        assert 5 not in evaluated(run)
+        os.kill(task_pid(run), signal.SIGUSR2)
+        wait_for(lambda: "got SIGUSR2" in task_said(run), proc)  # recorded before the evaluation goes on
+        gate.open()
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            kill_job(proc)
     assert proc.returncode == 0, out[-4000:]
     said = " ".join(out.split())  # unwrap rich lines
-    # The stop landed inside the evaluation (not at the next rollout): it was cut short, rollout 2
+    # The stop landed inside the evaluation (not at the next rollout): it was cut short, rollout 5
     # saved, and the job requeued, not failed.
-    assert "evaluation after rollout 2 cut short by a stop request" in said, out[-4000:]
-    assert "saving rollout 2 before stopping" in said
+    assert "evaluation after rollout 5 cut short by a stop request" in said, out[-4000:]
+    assert "saving rollout 5 before stopping" in said
     history = read_history(run)
-    assert len(history) == 2 and history[1]["next_rollout_id"] == 3
+    assert len(history) == 2 and history[1]["next_rollout_id"] == 6
     # At resume the cut evaluation ran once; every rollout and every eval logged exactly once.
-    assert trained(run) == list(range(6))
-    assert evaluated(run) == [-1, 2, 5]
-    assert final_weights(run) == final_weights(uninterrupted_with_evals)
-    assert comparable(run) == comparable(uninterrupted_with_evals)
+    assert trained(run) == list(range(12))
+    assert evaluated(run) == [-1, 5, 11]
+    assert final_weights(run) == final_weights(uninterrupted)
+    assert comparable(run) == comparable(uninterrupted)
 
 
 def test_killed_run_resumes_from_last_checkpoint_and_ends_like_an_uninterrupted_run(uninterrupted, tmp_path):
@@ -198,7 +197,7 @@ def test_killed_run_resumes_from_last_checkpoint_and_ends_like_an_uninterrupted_
     once, and the metrics and final weights of the run nobody killed (the optimizer's and the
     RNG's state came back with the weights)."""
     run = tmp_path / "run"
-    args = command(run, "rollout.num_rollout=12", "checkpoint.save_interval=2", HELD)
+    args = command(run, *TWELVE, "checkpoint.save_interval=2", HELD)
     kill_when(args, run / "checkpoints" / "rollout_000005")
     resumed_from = CheckpointManager(run / "checkpoints", 2).latest().rollout_id
     assert resumed_from >= 5 and not (run / "FINISHED").exists()
@@ -213,7 +212,7 @@ def test_killed_run_resumes_from_last_checkpoint_and_ends_like_an_uninterrupted_
 
 def test_sigkill_during_a_checkpoint_write_resumes_from_the_previous_one(uninterrupted, tmp_path):
     run = tmp_path / "run"
-    overrides = ("rollout.num_rollout=12", "checkpoint.save_interval=1", "checkpoint.keep_last=3")
+    overrides = (*TWELVE, "checkpoint.save_interval=1", "checkpoint.keep_last=3")
     caught = False
     for _attempt in range(3):  # a save takes milliseconds: catch one in the act
         proc = start(run, *overrides)
