@@ -192,12 +192,17 @@ def test_a_sandbox_killed_from_outside_is_infrastructure_and_retried_in_a_fresh_
 
 
 def test_a_time_out_the_node_caused_is_infrastructure():
-    """The code's process is starved on a CPU that three hogs of the host hold at a higher
+    """The code's process is starved on a CPU that five hogs of the host hold at a higher
     priority (it lowered its own to the floor): it spent the wall limit waiting to run, which
     the sandbox reads from the kernel's run delay, so the time-out is the node's."""
+    # Each hog in a session of its own, as other jobs' processes are: with the kernel's autogroups
+    # (sched_autogroup_enabled) a CPU is shared between sessions first, and the code, which runs
+    # in a session of its own, would get half of it against any number of hogs in one session.
     hogs = [
-        subprocess.Popen([sys.executable, "-c", "import os\nos.sched_setaffinity(0, {0})\nwhile True: pass"])
-        for _ in range(3)
+        subprocess.Popen(
+            [sys.executable, "-c", "import os\nos.sched_setaffinity(0, {0})\nwhile True: pass"], start_new_session=True
+        )
+        for _ in range(5)
     ]
     p = SandboxPool(SandboxConfig(pool_size=1, **{**LIMITS, "wall_s": 3.0, "cpu_s": 10.0}))
     try:
