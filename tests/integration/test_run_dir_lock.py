@@ -90,8 +90,10 @@ def test_a_local_job_stops_with_its_controller_and_kill_stops_it_for_good(tmp_pa
             out.seek(0)
             assert p.returncode == 0, out.read()[-3000:]
         controller = int(read(run).job_id)
-        task_logs = list((run / "logs" / "submitit").glob(f"{controller}_0_log.*"))
-        wait_until(lambda: any("local Ray up" in f.read_text() for f in task_logs), 240, "the job's Ray is not up")  # noqa: B023
+        # globbed at each look: a submission that returns at once may return before the task's log exists
+        logs = run / "logs" / "submitit"
+        ray_up = lambda: any("local Ray up" in f.read_text() for f in logs.glob(f"{controller}_0_log.*"))  # noqa: E731, B023
+        wait_until(ray_up, 240, "the job's Ray is not up")
         os.kill(controller, kill)
         if kill == signal.SIGTERM:
             hold.unlink()  # let it reach its next safe point, where it saves and stops
