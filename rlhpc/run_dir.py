@@ -353,8 +353,9 @@ def tiny_model(out: Path, tiny: TinyModelConfig, classifier: bool = False) -> No
     shutil.rmtree(tmp, ignore_errors=True)
     # Bytes only: copytree would carry the cache's modes, where the run's umask must decide.
     shutil.copytree(hit, tmp, copy_function=shutil.copyfile)
+    mode = 0o777 & ~_umask()
     for d in (tmp, *(p for p in tmp.rglob("*") if p.is_dir())):
-        os.chmod(d, 0o777 & ~_umask())
+        os.chmod(d, mode)
     tmp.rename(out)
 
 
