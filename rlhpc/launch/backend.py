@@ -14,7 +14,6 @@ import signal
 from contextlib import AbstractContextManager
 from typing import NoReturn
 
-import psutil
 import submitit
 
 from rlhpc.cluster.layout import plan_layout
@@ -27,7 +26,7 @@ from rlhpc.launch.requeue import hold_local, hold_slurm, requeue_local, requeue_
 from rlhpc.launch.run_owner import Owner
 from rlhpc.run_dir import JobRayState, RunDir
 from rlhpc.runtime.signals import StopRequest
-from rlhpc.util.processes import die_with_parent
+from rlhpc.util.processes import die_with_parent, running
 
 KINDS = ("local", "slurm")
 
@@ -50,14 +49,8 @@ class LocalBackend:
 
     def job_alive(self, job_id: str) -> bool | None:
         """Whether job ``job_id`` still runs; None when that cannot be told."""
-        # Its controller's pid (its start time, which liveness compares, is not kept here); a
-        # zombie (killed, not yet reaped) has ended.
-        if not job_id.isdigit():
-            return None
-        try:
-            return psutil.Process(int(job_id)).status() != psutil.STATUS_ZOMBIE
-        except psutil.NoSuchProcess:
-            return False
+        # Its controller's pid (its start time, which liveness compares, is not kept here).
+        return running(int(job_id)) if job_id.isdigit() else None
 
     def ray_state(self, run: RunDir, job_id: str) -> JobRayState:
         return run.ray_state(job_id, 0)

@@ -114,6 +114,16 @@ def process_groups(pid: int) -> list[int]:
     return groups
 
 
+def running(pid: int) -> bool:
+    """Whether process ``pid`` runs: a zombie (ended, not yet reaped) does not."""
+    import psutil  # late: the login node's status and submit never ask
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def kill_groups(groups: list[int], timeout: float = 60) -> None:
     """SIGKILL every process of ``groups`` (from ``process_groups``) and wait until none runs: a
     process in the middle of a disk write (an fsync on a loaded machine) dies only when it returns,
