@@ -12,7 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from support.jobs import HELD, Gate, kill_job, kill_when, rollout_logged
+from support.jobs import HELD, Gate, kill_job, rollout_logged
 
 from rlhpc.checkpoint import CheckpointManager
 from rlhpc.invariants import comparable, final_weights
@@ -192,51 +192,61 @@ def test_stop_signal_during_an_evaluation_is_a_safe_point(uninterrupted, tmp_pat
     assert comparable(run) == comparable(uninterrupted)
 
 
-def test_killed_run_resumes_from_last_checkpoint_and_ends_like_an_uninterrupted_run(uninterrupted, tmp_path):
-    """SIGKILLed once checkpoint 5 is written (held there: see kill_when), resumed: every rollout
-    once, and the metrics and final weights of the run nobody killed (the optimizer's and the
-    RNG's state came back with the weights)."""
-    run = tmp_path / "run"
-    args = command(run, *TWELVE, "checkpoint.save_interval=2", HELD)
-    kill_when(args, run / "checkpoints" / "rollout_000005")
-    resumed_from = CheckpointManager(run / "checkpoints", 2).latest().rollout_id
-    assert resumed_from >= 5 and not (run / "FINISHED").exists()
+@pytest.fixture(scope="module")
+def killed_mid_write(uninterrupted, tmp_path_factory) -> tuple[Path, dict, subprocess.CompletedProcess]:
+    """One run SIGKILLed while the checkpoint after rollout_000005 is being written (its write
+    held: see HOLD_WRITES; the job held by a Gate meanwhile, so that no save slips past), then submitted
+    again (the two tests below check different things of this one run): the run dir, what the
+    kill left, and the resubmission."""
+    run = tmp_path_factory.mktemp("killed") / "run"
+    overrides = (*TWELVE, "checkpoint.save_interval=2", "checkpoint.keep_last=3", HELD)
+    writes, gate = run.parent / "hold-writes", Gate(run.parent / "gate")
+    gate.shut(run / "checkpoints" / "rollout_000005")  # held at the next reward once checkpoint 5 is in
+    env = {
+        "PYTHONPATH": f"{HOLD_WRITES}:{os.environ.get('PYTHONPATH', '')}",
+        "RLHPC_TEST_HOLD_WRITES": str(writes),
+        **gate.env,
+    }
+    proc = start(run, *overrides, env=env)
+    try:
+        gate.wait_held(proc)
+        writes.write_text("")  # the next checkpoint's file writes are held ...
+        gate.open()
+        wait_for(lambda: Path(f"{writes}.held").exists(), proc)  # ... and one is: mid-save
+        groups = process_groups(proc.pid)
+        left = {
+            "latest": CheckpointManager(run / "checkpoints", 3).latest(),
+            "staging": sorted(p.name for p in (run / "checkpoints").glob(".staging-rollout_*")),
+            "finished": (run / "FINISHED").exists(),
+        }
+        kill_job(proc, groups)  # mid-write, no cleanup of any kind
+    finally:
+        if proc.poll() is None:
+            kill_job(proc)
+    resumed = subprocess.run(command(run, *overrides), cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    return run, left, resumed
 
-    p = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    assert f"resuming from rollout_{resumed_from:06d}" in p.stdout
+
+def test_killed_run_resumes_from_last_checkpoint_and_ends_like_an_uninterrupted_run(uninterrupted, killed_mid_write):
+    """SIGKILLed once checkpoint 5 is written, resumed: every rollout once, and the metrics and
+    final weights of the run nobody killed (the optimizer's and the RNG's state came back with
+    the weights)."""
+    run, left, resumed = killed_mid_write
+    assert left["latest"].rollout_id >= 5 and not left["finished"]
+    assert f"resuming from rollout_{left['latest'].rollout_id:06d}" in resumed.stdout
     assert trained(run) == list(range(12))  # every rollout exactly once, none lost, none doubled
     assert comparable(run) == comparable(uninterrupted)
     assert final_weights(run) == final_weights(uninterrupted)
 
 
-def test_sigkill_during_a_checkpoint_write_resumes_from_the_previous_one(uninterrupted, tmp_path):
-    run = tmp_path / "run"
-    overrides = (*TWELVE, "checkpoint.save_interval=1", "checkpoint.keep_last=3")
-    caught = False
-    for _attempt in range(3):  # a save takes milliseconds: catch one in the act
-        proc = start(run, *overrides)
-        deadline = time.time() + 240
-        groups = None  # the job's process groups, found once it runs: the kill must be instant
-        while time.time() < deadline and proc.poll() is None:
-            armed = (run / "checkpoints" / "latest").is_file()  # one complete checkpoint to fall back to
-            groups = groups or (process_groups(proc.pid) if armed else None)
-            staging = list((run / "checkpoints").glob(".staging-rollout_*")) if armed else []
-            if staging and any(staging[0].rglob("*")):
-                kill_job(proc, groups)  # mid-write, no cleanup of any kind
-                caught = True
-                break
-            time.sleep(0.001)
-        if not caught:
-            kill_job(proc)
-        if caught:
-            break
-    assert caught, "never caught a checkpoint being written"
-    ck = CheckpointManager(run / "checkpoints", 3).latest()  # never the half-written one
+def test_sigkill_during_a_checkpoint_write_resumes_from_the_previous_one(uninterrupted, killed_mid_write):
+    run, left, resumed = killed_mid_write
+    ck = left["latest"]  # never the half-written one
     assert ck is not None and ".staging" not in str(ck.path)
-    p = subprocess.run(command(run, *overrides), cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    assert f"resuming from {ck.path.name}" in p.stdout
+    # The kill landed inside the next save (save_interval=2): staged, not committed.
+    assert left["staging"] == [f".staging-rollout_{ck.rollout_id + 2:06d}"]
+    assert f"resuming from {ck.path.name}" in resumed.stdout
     assert trained(run) == list(range(12))
     assert not list((run / "checkpoints").glob(".staging-*"))
     assert comparable(run) == comparable(uninterrupted)  # the config of the run nobody killed
