@@ -70,9 +70,14 @@ CONFIG = (
     "deterministic=true",
     "checkpoint.save_interval=3",  # a kill loses up to 2 rollouts, recomputed at resume
     f"eval.interval={EVAL_INTERVAL}",
-    "data.num_eval=256",  # evaluations long enough for a stop to land inside one
     "eval.max_new_tokens=16",
 )
+# Evaluation rows (data.num_eval), per kind (Kind.num_eval): long evaluations, for a stop to land
+# inside one and for the faults that take seconds to act (an attack, a second submission, Slurm's
+# preemption) to find the job still running; a few rows where a kill acts at once (an evaluation
+# and the start-up are most of such a run's CPU, and a few rows still show each logged once and equal).
+LONG_EVAL = 256
+SHORT_EVAL = 16
 SLURM_NODES = ("node0", "node1", "node2", "node3")
 # node_kill: the head (driver, actor rank 0) on node1; where the rest lies is the layout's.
 NODE_KILL_NODES = "node[1-3]"
@@ -123,9 +128,11 @@ class TrialError(Exception):
 # ---------------------------------------------------------------------------- jobs
 
 
-def submit_command(run: Path, cluster: str, layout: str, *extra: str, node_kill: bool = False) -> list[str]:
+def submit_command(
+    run: Path, cluster: str, layout: str, *extra: str, num_eval: int = LONG_EVAL, node_kill: bool = False
+) -> list[str]:
     cmd = [sys.executable, str(REPO / "jobs" / "submit.py"), "--cluster", cluster, "--run-dir", str(run)]
-    for o in CONFIG:
+    for o in (*CONFIG, f"data.num_eval={num_eval}"):
         cmd += ["--set", o]
     lay = LAYOUTS[layout]  # after CONFIG: its --set values win
     if cluster == "slurm":
@@ -295,15 +302,15 @@ class Context:
     step_s: float = 0.5  # seconds per rollout of the undisturbed run
 
     def command(self) -> list[str]:
-        layout = self.trial.layout
+        layout, rows = self.trial.layout, KINDS[self.trial.kind].num_eval
         if self.cluster == "local":
             extra = ("--set", f"cluster.stage_dir={self.stage_dir}") if self.stage_dir else ()
-            return submit_command(self.run, self.cluster, layout, *extra)
+            return submit_command(self.run, self.cluster, layout, *extra, num_eval=rows)
         if self.trial.kind == "node_kill":
             extra = ("--partition", "low", "--sbatch", f"nodelist={NODE_KILL_NODES}")
-            return submit_command(self.run, self.cluster, layout, *extra, node_kill=True)
+            return submit_command(self.run, self.cluster, layout, *extra, num_eval=rows, node_kill=True)
         extra = ("--partition", "low", "--sbatch", f"nodelist={self.trial.node}")
-        return submit_command(self.run, self.cluster, layout, *extra)
+        return submit_command(self.run, self.cluster, layout, *extra, num_eval=rows)
 
 
 # Each fault acts once the moment has come. It returns True when it ends the job for good
@@ -713,15 +720,20 @@ class Kind:
     attacker: bool = False  # needs the second user (root, setpriv); acts once an engine is up
     needs_stage_dir: bool = False
     before_start: Callable[[Context], None] | None = None  # acts before the job is submitted
+    instant: bool = False  # a kill: it acts the moment it is injected
+
+    @property
+    def num_eval(self) -> int:
+        return SHORT_EVAL if self.instant else LONG_EVAL
 
 
 KINDS: dict[str, Kind] = {
-    "engine_kill": Kind(kill_engine, "local", True),
-    "rank_kill": Kind(kill_rank, "local", True),
-    "driver_kill": Kind(kill_driver, "local", False),
+    "engine_kill": Kind(kill_engine, "local", True, instant=True),
+    "rank_kill": Kind(kill_rank, "local", True, instant=True),
+    "driver_kill": Kind(kill_driver, "local", False, instant=True),
     "eval_stop": Kind(stop_in_eval, "local", True, needs_eval_moment=True),
     "full_disk": Kind(fill_disk, "local", False, needs_tmpfs=True),
-    "torn_metrics": Kind(tear_metrics, "local", False),
+    "torn_metrics": Kind(tear_metrics, "local", False, instant=True),
     "second_submission": Kind(second_submission, "local", True),
     "ready_swap": Kind(swap_ready_file, "local", True, attacker=True),
     "stage_plant": Kind(plant_stage, "local", False, attacker=True, needs_stage_dir=True),
@@ -857,15 +869,16 @@ def run_trial(trial: Trial, workdir: Path, reference: Path, keep: bool = False) 
     return Outcome(trial, c.problems, time.monotonic() - started, c.notes)
 
 
-def make_reference(workdir: Path, cluster: str, layout: str = "1rank") -> Path:
-    """The undisturbed run of the config on ``layout``, made once per config and workdir."""
-    run = workdir / f"reference-{cluster}-{layout}" / "run"
+def make_reference(workdir: Path, cluster: str, layout: str = "1rank", num_eval: int = LONG_EVAL) -> Path:
+    """The undisturbed run of the config on ``layout`` with ``num_eval`` evaluation rows, made
+    once per config and workdir."""
+    run = workdir / f"reference-{cluster}-{layout}-eval{num_eval}" / "run"
     if RunDir(run).is_finished():
         return run
     shutil.rmtree(run.parent, ignore_errors=True)
     run.parent.mkdir(parents=True)
     extra = ("--sbatch", "nodelist=node0") if cluster == "slurm" else ()
-    proc = start(submit_command(run, cluster, layout, *extra), run.parent / "job.log")
+    proc = start(submit_command(run, cluster, layout, *extra, num_eval=num_eval), run.parent / "job.log")
     c = Context(plan(0, LOCAL_KINDS[0], 0, layout), run, cluster, run.parent / "job.log", proc)
     wait_finished(c, JOB_TIMEOUT_S)
     if not RunDir(run).is_finished():
@@ -894,11 +907,14 @@ def soak(
     by_layout = {name: {"tried": 0, "survived": 0} for name in layouts}
     for i in range(trials):
         trial = plan(i, kinds[i % len(kinds)], seed + i, layouts[(i // len(kinds)) % len(layouts)])
-        where = (KINDS[trial.kind].cluster, trial.layout)
+        where = (KINDS[trial.kind].cluster, trial.layout, KINDS[trial.kind].num_eval)
         if where not in references:
             t0 = time.monotonic()
             references[where] = make_reference(workdir, *where)
-            echo(f"undisturbed {where[0]} run on {where[1]}: {references[where]} ({time.monotonic() - t0:.0f} s)")
+            echo(
+                f"undisturbed {where[0]} run on {where[1]}, {where[2]} eval rows: {references[where]}"
+                f" ({time.monotonic() - t0:.0f} s)"
+            )
         out = run_trial(trial, workdir, references[where], keep)
         for counts in (by_kind[trial.kind], by_layout[trial.layout]):
             counts["tried"] += 1

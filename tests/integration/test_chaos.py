@@ -29,11 +29,15 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 # The module's runs train four data-parallel ranks (the soak's second layout): the one-rank
 # layout is what every other local fault test runs (test_preemption, test_hang, ...).
 LAYOUT = "dp4"
+# Two kinds: one the job survives by itself (a requeue), one that needs the run submitted again.
+# Both are kills, run with the soak's short evaluations (the undisturbed run below is theirs).
+KINDS = ["rank_kill", "driver_kill"]
 
 
 @pytest.fixture(scope="module")
 def reference(chaos: ModuleType, workdir: Path) -> Path:
-    return chaos.make_reference(workdir, "local", LAYOUT)
+    (rows,) = {chaos.KINDS[k].num_eval for k in KINDS}
+    return chaos.make_reference(workdir, "local", LAYOUT, rows)
 
 
 def test_the_invariants_name_each_kind_of_damage(reference: Path, tmp_path: Path) -> None:
@@ -74,12 +78,12 @@ def test_the_invariants_name_each_kind_of_damage(reference: Path, tmp_path: Path
 
 
 def test_a_small_soak_of_local_faults_survives(chaos: ModuleType, reference: Path, workdir: Path) -> None:
-    # Two kinds: one the job survives by itself (a requeue), one that needs the run submitted again.
-    kinds = ["rank_kill", "driver_kill"]
     said: list[str] = []
-    summary = chaos.soak(2, kinds, 7, workdir, echo=said.append, layouts=[LAYOUT])
+    summary = chaos.soak(2, KINDS, 7, workdir, echo=said.append, layouts=[LAYOUT])
     assert summary["tried"] == 2
     assert summary["survived"] == 2, "\n".join(said)
-    assert summary["by_kind"] == {k: {"tried": 1, "survived": 1} for k in kinds}
+    assert summary["by_kind"] == {k: {"tried": 1, "survived": 1} for k in KINDS}
     assert summary["by_layout"] == {LAYOUT: {"tried": 2, "survived": 2}}
+    undisturbed = [line for line in said if line.startswith("undisturbed")]
+    assert len(undisturbed) == 1 and f": {reference} (" in undisturbed[0]  # the module's: no second one made
     assert all(f"layout={LAYOUT}" in line for line in said if line.startswith("trial "))
