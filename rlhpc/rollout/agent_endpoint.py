@@ -61,7 +61,7 @@ from rlhpc.engine_server.cpu.requests import stop_strings
 from rlhpc.errors import RlhpcError
 from rlhpc.rollout.episodes import Conversation, TemplateBreaksPrefix
 from rlhpc.rollout.trajectories import EngineHandle, Generated
-from rlhpc.util.http_guard import GuardLimits, uvicorn_options
+from rlhpc.util.http_guard import GuardLimits, trust, uvicorn_options
 from rlhpc.wire import anthropic_messages as anthropic
 from rlhpc.wire import openai_responses as responses
 from rlhpc.wire.openai_messages import assistant_message, openai_error, sse_events, template_message
@@ -226,6 +226,7 @@ class AgentEndpoint:
                 refusal = error("missing or unknown episode key", 401)
                 refusal.headers["connection"] = "close"  # a caller without a key keeps no connection open
                 return refusal
+            trust(request.scope)  # an agent's connection: the guard never sheds it for a newer one
             try:
                 return await handler(ep, await request.body())
             except Refused as e:

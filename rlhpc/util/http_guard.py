@@ -21,10 +21,11 @@ and a header flood grew an engine by 600 MB). The guard, as nginx's ``client_hea
   (``connection_cap``: the process needs descriptors of its own). A new connection past the cap
   closes, least recently active first, one holding part of a request's head (read, or still in
   the kernel: a burst of connections is accepted before any of their bytes are read, so the
-  bytes are peeked), else an idle or silent one that carried fewer than two requests, else
-  itself. Never closed for a newer one: a connection being answered, one whose kernel holds a
-  whole request head (its client has just sent it), and a pool's idle connection (two requests
-  or more; a flood's connections carry one or none). Closing an idle kept-alive connection
+  bytes are peeked), else an idle or silent one that never carried a request with the key,
+  else itself. Never closed for a newer one: a connection being answered, one whose kernel holds
+  a whole request head (its client has just sent it), and a key holder's idle connection (the
+  app's key check marks it: ``trust``; another user's, which can only reach the open /health
+  and 401s, goes however many requests it carried). Closing an idle kept-alive connection
   races its client, which may be writing its next request on it at that moment and then reads
   a reset (RFC 9112, 9.3.1; a client with no retries, as an agent's may be, fails that request):
   only the idle deadline ends a pool's connection (httpx's pools drop theirs after 5 s idle,
@@ -115,6 +116,7 @@ def guarded_protocol(limits: GuardLimits, server: str) -> type:
         _counted = False
         _kept = False  # answered and kept alive, no next request begun: the idle timer runs
         _answers = 0
+        _trusted = False  # carried a request the app's key check let through (``trust``)
         _head = True  # the bytes coming in are a request's line and headers
         _head_bytes = 0
         _body_bytes = 0
@@ -155,6 +157,7 @@ def guarded_protocol(limits: GuardLimits, server: str) -> type:
                 if self._kept:  # begun in the chunk that ended the one before
                     self._wait()
                 super().on_message_begin()
+                self.scope[_CONNECTION] = self  # for ``trust``: the app's key check marks its connection
 
         def on_url(self, url: bytes) -> None:
             if self._refusal is None:
@@ -249,16 +252,17 @@ def guarded_protocol(limits: GuardLimits, server: str) -> type:
                 if c._head and c._head_bytes:  # part of a request head read: trickled
                     slow = c
                     break
-                if c._answers >= 2:
+                if c._trusted:
                     continue  # a pool's (below)
                 if pending is False:  # part of a head only, not read yet: a burst's half-sent requests
                     slow = c
                     break
                 if stranger is None and c is not self:  # idle, or opened and silent
                     stranger = c
-            # an idle connection that carried two requests or more is a pool's: its client may be
+            # an idle connection that carried a request with the key is a pool's: its client may be
             # writing its next request on it at this moment, and would read a reset. Never closed
-            # here (its idle deadline ends it, past the client's own): this new one goes instead
+            # here (its idle deadline ends it, past the client's own): this new one goes instead.
+            # One that carried only keyless requests (an open /health, 401s) goes like any other
             victim = slow or stranger or self
             victim._drop(f"was opened past the cap of {cap} connections, every other one busy or a pool's" if victim is self
                          else f"was the least recently active half-sent or idle one past the cap of {cap} connections")  # fmt: skip
@@ -313,6 +317,18 @@ def guarded_protocol(limits: GuardLimits, server: str) -> type:
                 self.transport.abort()
 
     return GuardedHttpTools
+
+
+_CONNECTION = "rlhpc.guarded_connection"  # the scope key of a request's guarded connection
+
+
+def trust(scope: dict) -> None:
+    """The app's key check let this request through: its connection is a client's, never closed
+    for a newer one past the cap (only its idle deadline ends it). A scope of an unguarded server
+    is left as it is."""
+    connection = scope.get(_CONNECTION)
+    if connection is not None:
+        connection._trusted = True
 
 
 def _peer(client: Any) -> str:

@@ -15,15 +15,18 @@ from contextlib import contextmanager
 
 import uvicorn
 
-from rlhpc.util.http_guard import GuardLimits, connection_cap, uvicorn_options
+from rlhpc.util.http_guard import GuardLimits, connection_cap, trust, uvicorn_options
 
 BIG = 8 * 1024 * 1024  # an answer larger than the socket buffers on both sides
 FAST = b"GET /fast HTTP/1.1\r\nHost: x\r\n\r\n"
+KEYED = b"GET /fast HTTP/1.1\r\nHost: x\r\nX-Key: k\r\n\r\n"  # past the app's key check (``trust``)
 SLOW = b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n"
 
 
 class App:
-    """/fast answers at once, /slow once ``release`` is set, /big with BIG bytes."""
+    """/fast answers at once, /slow once ``release`` is set, /big with BIG bytes; a request with
+    the key (``X-Key: k``) marks its connection a client's, as the engine's and the agent
+    endpoint's key checks do."""
 
     def __init__(self) -> None:
         self.release = threading.Event()
@@ -31,6 +34,8 @@ class App:
         self.loop: asyncio.AbstractEventLoop | None = None  # the server's
 
     async def __call__(self, scope: dict, receive, send) -> None:
+        if (b"x-key", b"k") in scope["headers"]:
+            trust(scope)
         body = b"ok"
         if scope["path"] == "/slow":
             self.slow_in += 1
@@ -138,7 +143,7 @@ def test_every_request_has_deadlines_and_size_caps() -> None:
         assert got < BIG, got
 
 
-def test_past_the_cap_the_least_recently_active_goes_a_pools_last_never_one_being_answered() -> None:
+def test_past_the_cap_the_least_recently_active_goes_never_a_key_holders_nor_one_being_answered() -> None:
     limits = GuardLimits(header_timeout_s=30, max_connections=3, backlog=16)
     with serving(limits) as (address, app):
 
@@ -148,8 +153,8 @@ def test_past_the_cap_the_least_recently_active_goes_a_pools_last_never_one_bein
                 time.sleep(0.01)
             return s
 
-        def served(s: socket.socket) -> socket.socket:
-            s.sendall(FAST)
+        def served(s: socket.socket, request: bytes = FAST) -> socket.socket:
+            s.sendall(request)
             assert answer(s).startswith(b"HTTP/1.1 200")
             return s
 
@@ -161,12 +166,12 @@ def test_past_the_cap_the_least_recently_active_goes_a_pools_last_never_one_bein
         b, c = served(connect(address)), connect(address)  # answered and kept alive; nothing sent yet
         d = connect(address)
         assert is_closed(b) and not is_closed(c)  # the least recently active, answered or not
-        served(served(c))
+        served(c, KEYED)
         e = connect(address)
         assert is_closed(d) and not is_closed(c)  # d opened before c's latest request
-        served(e)
-        f = connect(address)  # c carried two requests (a pool's), e one: e goes, though more recent
-        assert is_closed(e) and not is_closed(c)
+        served(served(e))
+        f = connect(address)  # c carried the key (a client's pool), e only keyless requests: e goes,
+        assert is_closed(e) and not is_closed(c)  # though more recent and answered twice
         answering(c, 2)
         answering(f, 3)
         g = connect(address)  # every other one is being answered: this one goes
@@ -183,10 +188,8 @@ def test_a_burst_past_the_cap_closes_half_sent_ones_never_a_pools_idle_one() -> 
     # at that moment (the agent's failed under another user's flood, with the loop busy)
     limits = GuardLimits(header_timeout_s=30, max_connections=3, backlog=16)
     with serving(limits) as (address, app):
-        pool = connect(address)
-        for _ in range(2):
-            pool.sendall(FAST)
-            assert answer(pool).startswith(b"HTTP/1.1 200")
+        pool = connect(address, KEYED)
+        assert answer(pool).startswith(b"HTTP/1.1 200")
         stalled, resume = threading.Event(), threading.Event()
         app.loop.call_soon_threadsafe(lambda: (stalled.set(), resume.wait(10)))  # the loop busy, as under load
         assert stalled.wait(10)
@@ -200,7 +203,7 @@ def test_a_burst_past_the_cap_closes_half_sent_ones_never_a_pools_idle_one() -> 
         pool.settimeout(0.5)
         assert not closed(pool)
         pool.settimeout(10)
-        pool.sendall(FAST)
+        pool.sendall(KEYED)
         assert answer(pool).startswith(b"HTTP/1.1 200")
 
 

@@ -41,6 +41,7 @@ from rlhpc.engine_server.cpu.batching import Batcher
 from rlhpc.engine_server.cpu.openai_routes import add_openai_routes
 from rlhpc.engine_server.cpu.requests import Item
 from rlhpc.engine_server.cpu.runner import Engine, SchedulerDied
+from rlhpc.util.http_guard import trust
 from rlhpc.wire import protocol as P
 from rlhpc.wire import switches
 from rlhpc.wire.engine_key import HEADER, authorized
@@ -82,9 +83,11 @@ class RequireKey:
         self.api_key = api_key
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and not (scope["path"] == Route.HEALTH and scope["method"] == "GET"):
+        if scope["type"] == "http":
             header = next((v for k, v in scope["headers"] if k.decode("latin-1").lower() == HEADER.lower()), None)
-            if not authorized(header.decode("latin-1") if header is not None else None, self.api_key):
+            if authorized(header.decode("latin-1") if header is not None else None, self.api_key):
+                trust(scope)  # a key holder's connection: the guard never sheds it for a newer one
+            elif not (scope["path"] == Route.HEALTH and scope["method"] == "GET"):
                 # kept open after the 401, as SGLang's (sglang/srt/utils/auth.py): the HTTP guard
                 # bounds what a keyless caller holds, as it does for the open /health
                 await JSONResponse(UNAUTHORIZED, status_code=401)(scope, receive, send)
