@@ -434,6 +434,30 @@ def _add_weights_and_memory(app: FastAPI, engine: Engine, workers: Workers) -> N
             die(str(e))
         return None
 
+    async def lora(fn: Any, req: Any) -> JSONResponse:
+        """An adapter call, in order with the other control calls, answered as SGLang's
+        LoRAUpdateOutput: 200, or 400 with ``success`` false and the reason."""
+        try:
+            loaded = await workers.control(fn, req)
+        except EngineError as e:
+            log.warning("%s refused: %s", fn.__name__, e)
+            listing = engine.adapters.listing() if engine.adapters.enabled else None
+            out = P.LoRAUpdateOutput(success=False, error_message=str(e), loaded_adapters=listing)
+            return JSONResponse(P.body(out), status_code=400)
+        return JSONResponse(P.body(P.LoRAUpdateOutput(success=True, error_message="", loaded_adapters=loaded)))
+
+    @app.post(Route.LOAD_LORA_ADAPTER)
+    async def load_lora_adapter(req: P.LoadLoRAAdapterReqInput) -> JSONResponse:
+        return await lora(engine.load_lora_adapter, req)
+
+    @app.post(Route.LOAD_LORA_ADAPTER_FROM_TENSORS)
+    async def load_lora_adapter_from_tensors(req: P.LoadLoRAAdapterFromTensorsReqInput) -> JSONResponse:
+        return await lora(engine.load_lora_adapter_from_tensors, req)
+
+    @app.post(Route.UNLOAD_LORA_ADAPTER)
+    async def unload_lora_adapter(req: P.UnloadLoRAAdapterReqInput) -> JSONResponse:
+        return await lora(engine.unload_lora_adapter, req)
+
     @app.api_route(Route.RELEASE_MEMORY_OCCUPATION, methods=["GET", "POST"])
     async def release_memory_occupation(req: P.ReleaseMemoryOccupationReqInput) -> Any:
         return await memory(engine.release, req.tags)
