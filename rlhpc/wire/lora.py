@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from rlhpc.errors import RlhpcError
 
@@ -99,6 +100,20 @@ def fits(rank: int, adapter_targets: str | Iterable[str], serving: LoraServing) 
         return False
     theirs = normalized_targets(adapter_targets)
     return ALL in theirs or ALL in serving.target_modules or theirs <= normalized_targets(serving.target_modules)
+
+
+def openai_adapter(model: str | None, served_model_name: str, lora_path: Any) -> Any:
+    """The adapter an OpenAI-compatible request names, as SGLang's serving_base resolves it: an
+    adapter in ``model`` ("BASE:ADAPTER"; the served name itself may hold colons) wins over the
+    request's ``lora_path``."""
+    if model and ":" in model and model != served_model_name:
+        if model.startswith(f"{served_model_name}:"):
+            adapter = model[len(served_model_name) + 1 :]
+        else:
+            adapter = model.split(":", 1)[1]
+        if adapter.strip():
+            return adapter.strip()
+    return lora_path
 
 
 # ------------------------------------------------------------------ SGLang's words

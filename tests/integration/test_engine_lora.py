@@ -174,3 +174,22 @@ def test_adapters_the_engine_cannot_hold_are_refused_in_sglangs_words(
     with pytest.raises(RequestRefused, match="lora_A .* needs"):
         client.load_lora_adapter_from_tensors(bad)
     assert "bad" not in client.unload_lora_adapter("twice")
+
+
+def test_openai_routes_list_adapters_and_take_base_colon_adapter(
+    client: EngineClient, model_path: str, adapters
+) -> None:
+    """/v1/models lists each adapter with the base as its parent; ``model: "BASE:NAME"`` generates
+    with the adapter, as the native route's ``lora_path`` does."""
+    push(client, "oa", adapters["attn"][1])
+    cards = {c["id"]: c for c in client._json("GET", "/v1/models")["data"]}
+    assert cards["oa"]["parent"] == model_path and cards["oa"]["root"] == L.TENSOR_LORA_PATH
+    ids = prompts(model_path)[1]
+    native = client.generate(input_ids=ids, sampling_params=GREEDY, lora_path="oa")["output_ids"]
+    base = client.generate(input_ids=ids, sampling_params=GREEDY)["output_ids"]
+    body = {"prompt": ids, "max_tokens": GREEDY["max_new_tokens"], "temperature": 0, "return_token_ids": True}
+    for model, want in ((f"{model_path}:oa", native), (model_path, base), ("whatever:oa", native)):
+        got = client._json("POST", "/v1/completions", {**body, "model": model})["choices"][0]["token_ids"]
+        assert got == want, model
+    assert native != base
+    client.unload_lora_adapter("oa")

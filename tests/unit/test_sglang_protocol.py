@@ -469,3 +469,14 @@ def test_lora_refusals_are_in_sglangs_words() -> None:
     resolve = sgl.function_code(sgl.TOKENIZER_MANAGER, "_resolve_lora_path")
     assert "new_lora_ref = self.lora_ref_cache[lora_path]" in resolve and "LoadLoRAAdapterReqInput(" in resolve
     assert "scaling: float = self.config.lora_alpha / self.config.r" in sgl.source("sglang/srt/lora/lora.py")
+
+
+def test_openai_requests_name_their_adapter_as_sglangs() -> None:
+    parse = sgl.function_code("sglang/srt/entrypoints/openai/serving_base.py", "_parse_model_parameter")
+    assert "if model.startswith(f'{served_model_name}:'):" in parse and "model.split(':', 1)" in parse
+    resolve = sgl.function_code("sglang/srt/entrypoints/openai/serving_base.py", "_resolve_lora_path")
+    assert "if adapter_from_model is not None:" in resolve  # the model's adapter wins over lora_path
+    assert L.openai_adapter("s3://m:a", "s3://m", None) == "a" and L.openai_adapter("m", "m", "b") == "b"
+    assert L.openai_adapter("x:a", "m", "b") == "a" and L.openai_adapter("m:", "m", "b") == "b"
+    listing = sgl.function_code(sgl.HTTP_SERVER, "available_models")
+    assert "id=lora_ref.lora_name" in listing and "root=lora_ref.lora_path" in listing and "parent=" in listing
