@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import subprocess
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -193,3 +195,34 @@ def test_openai_routes_list_adapters_and_take_base_colon_adapter(
         assert got == want, model
     assert native != base
     client.unload_lora_adapter("oa")
+
+
+def test_an_adapter_replaced_during_a_pause_serves_the_requests_that_waited(
+    client: EngineClient, model_path: str, adapters
+) -> None:
+    """A push of a new adapter version under the name in use: pause, unload, load, continue. A
+    request arriving meanwhile waits for the pause to end and then generates with the new one
+    (SGLang resolves a request's adapter after the pause)."""
+    ids = prompts(model_path)[2]
+    want = transformers_greedy(
+        adapters["mlp"][0], [ids], GREEDY["max_new_tokens"], load_tokenizer(model_path).eos_token_id
+    )
+    push(client, "run", adapters["attn"][1])
+    client.pause_generation("retract")
+    try:
+        client.unload_lora_adapter("run")
+        out: list = []
+        waiting = threading.Thread(
+            target=lambda: out.append(
+                client.generate(input_ids=ids, sampling_params=GREEDY, return_logprob=True, lora_path="run")
+            )
+        )
+        waiting.start()
+        time.sleep(1.0)  # it arrives while paused (were it refused, the thread would have ended)
+        assert waiting.is_alive() and not out
+        push(client, "run", adapters["mlp"][1])
+    finally:
+        client.continue_generation()
+    waiting.join(60)
+    check(out[0], want[0])
+    client.unload_lora_adapter("run")

@@ -184,6 +184,11 @@ class Workers:
             if waiting:  # cancelled while waiting (the caller went away)
                 self.weight_calls_waiting -= 1
 
+    async def resolve_adapters(self, items: list[Item]) -> None:
+        """The rows' LoRA adapters, as SGLang's tokenizer manager resolves them: once the pause is over."""
+        await self.resumed.wait()
+        self.engine.resolve_adapters(items)
+
     async def prepare(self, fn: Any, *args: Any) -> Any:
         return await self.on(self.prep, fn, *args)
 
@@ -259,6 +264,7 @@ def build_app(
     _add_weights_and_memory(app, engine, workers)
 
     async def generate_items(items: list[Item], seq: int) -> list[dict[str, Any]]:
+        await workers.resolve_adapters(items)
         return await workers.generate(engine.generate, items, seq)
 
     add_openai_routes(
@@ -327,6 +333,7 @@ def _add_generation(app: FastAPI, engine: Engine, workers: Workers) -> None:
 
         async def run(body: dict) -> tuple[list[dict], bool]:
             items, single = engine.normalize(body)
+            await workers.resolve_adapters(items)
             return await request.app.state.batcher.generate(items, seq), single
 
         return await workers.batch_route(request, "generate", run)

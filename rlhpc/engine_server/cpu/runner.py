@@ -180,10 +180,13 @@ class Engine:
         """GenerateReqInput -> rows (see ``requests.normalize_generate``)."""
         if self.classifier:
             raise EngineError(f"{self.model_path} is a classifier: it serves /classify, not /generate")
-        items, single = normalize_generate(body, self.limits, self.tokenizer.encode)
+        return normalize_generate(body, self.limits, self.tokenizer.encode)
+
+    def resolve_adapters(self, items: list[Item]) -> None:
+        """Each row's LoRA adapter by its name, as SGLang resolves them: after the pause (a request
+        held by one names the adapters loaded when it ends), refused before the batch is merged."""
         for it, adapter in zip(items, self.adapters.resolve([it.lora_path for it in items])):
             it.adapter = adapter
-        return items, single
 
     def normalize_classify(self, body: dict[str, Any]) -> tuple[list[list[int]], bool]:
         """EmbeddingReqInput -> the token ids of each input (see ``requests.normalize_classify``)."""
