@@ -135,7 +135,9 @@ def _parse(model: type[BaseModel], body: bytes) -> Any:
 def _engine_fields(req: ChatCompletionRequest | CompletionRequest) -> list[str]:
     """SGLang's sampling extensions the CPU engine's routes take, at values the run's sampling does not."""
     fields = (("stop_token_ids", req.stop_token_ids, (None, [])), ("ignore_eos", req.ignore_eos, (False,)),
-              ("no_stop_trim", req.no_stop_trim, (False,)), ("skip_special_tokens", req.skip_special_tokens, (True,)))  # fmt: skip
+              ("no_stop_trim", req.no_stop_trim, (False,)), ("skip_special_tokens", req.skip_special_tokens, (True,)),
+              ("lora_path", req.lora_path, (None,)))  # fmt: skip
+    # lora_path: the run chooses the adapter its agents generate with, not the agents
     return [f"{k}={v!r}" for k, v, ok in fields if v not in ok] + ([f"n={req.n}"] if req.n != 1 else [])
 
 
