@@ -114,4 +114,3 @@ def test_a_layout_that_fits_only_with_lora_is_planned_so():
         cfg(*tiny)
     assert "actor.lora" in e.value.fix
     assert cfg(*tiny, "actor.lora.rank=16").actor.lora.rank == 16
-
