@@ -127,7 +127,11 @@ class TrainWorker(RankBase):
             log.info("rank %d: the vision tower is frozen (actor.freeze_vision_tower)", self.rank)
         params = list(self.module.parameters())
         if a.lora is not None:  # the base frozen; gradients, Adam state and the optimizer for the adapters only
-            self.peft = lora.wrap(self.module, a.lora)
+            # peft draws A at random: from the run's seed, the same on every rank (each rank's own
+            # RNG, seeded per rank, is left as it was)
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(self.spec.seed)
+                self.peft = lora.wrap(self.module, a.lora)
             params = [p for p in self.module.parameters() if p.requires_grad]
             self._lora_dropouts = [m for n, m in self.module.named_modules() if isinstance(m, torch.nn.Dropout)
                                    and ".lora_dropout." in f"{n}."]  # fmt: skip
