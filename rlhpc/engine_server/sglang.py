@@ -177,6 +177,10 @@ def router_command(
         "--prometheus-host", "127.0.0.1",
         "--prometheus-port", str(metrics_port),
         "--log-level", "warn",
+        # ends at SIGTERM, not after waiting up to 180 s for its requests in flight: the job stops
+        # it to route again after an engine is lost (one held by a silent node never ends) or at
+        # the end, and the pool sends an unanswered request again itself
+        "--shutdown-grace-period-secs", "0",
         *ROUTER_JUDGEMENT_OFF,
     ]  # fmt: skip
 

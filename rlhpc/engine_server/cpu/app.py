@@ -70,6 +70,10 @@ def error_response(message: str, status: int = 400) -> JSONResponse:
     return JSONResponse({"error": {"message": message}}, status_code=status)
 
 
+# SGLang's key middleware answers a refused request with this body (sglang/srt/utils/auth.py)
+UNAUTHORIZED = {"error": "Unauthorized"}
+
+
 class RequireKey:
     """ASGI middleware: a request without the engine key never reaches a route (401)."""
 
@@ -83,7 +87,7 @@ class RequireKey:
             if not authorized(header.decode("latin-1") if header is not None else None, self.api_key):
                 # kept open after the 401, as SGLang's (sglang/srt/utils/auth.py): the HTTP guard
                 # bounds what a keyless caller holds, as it does for the open /health
-                await error_response("missing or wrong engine key", 401)(scope, receive, send)
+                await JSONResponse(UNAUTHORIZED, status_code=401)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
