@@ -11,7 +11,6 @@ model with its adapters off, and the merge of a saved adapter into a plain HF di
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,8 +20,6 @@ import torch
 from rlhpc.actor.checkpoint_dir import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from rlhpc.config import LoraConfig
 from rlhpc.errors import RlhpcError
-
-log = logging.getLogger(__name__)
 
 # peft is imported where it is used: it takes seconds, which a run without LoRA should not pay.
 ADAPTER = "default"  # peft's name of a model's one adapter
@@ -122,7 +119,6 @@ def merge_to_hf(adapter_dir: Path, base: Path, out: Path) -> None:
     merged.save_pretrained(str(out))
     tokenizer_dir = adapter_dir if (adapter_dir / "tokenizer_config.json").is_file() else base
     AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(str(out))
-    log.info("merged the adapter of %s into %s: %s", adapter_dir, base, out)
 
 
 class AdaptersOff:
