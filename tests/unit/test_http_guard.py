@@ -28,6 +28,7 @@ class App:
     def __init__(self) -> None:
         self.release = threading.Event()
         self.slow_in = 0  # /slow requests the app has
+        self.loop: asyncio.AbstractEventLoop | None = None  # the server's
 
     async def __call__(self, scope: dict, receive, send) -> None:
         body = b"ok"
@@ -51,7 +52,12 @@ def serving(limits: GuardLimits) -> Iterator[tuple[tuple[str, int], App]]:
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", log_config=None,
                                            **uvicorn_options(limits, "the test server")))  # fmt: skip
-    thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])), daemon=True)
+
+    async def serve() -> None:
+        app.loop = asyncio.get_running_loop()
+        await server.serve(sockets=[sock])
+
+    thread = threading.Thread(target=lambda: asyncio.run(serve()), daemon=True)
     thread.start()
     while not server.started:
         time.sleep(0.01)
@@ -169,6 +175,33 @@ def test_past_the_cap_the_least_recently_active_goes_a_pools_last_never_one_bein
         for s in (a, c, f):
             s.settimeout(10)
             assert answer(s).startswith(b"HTTP/1.1 200")
+
+
+def test_a_burst_past_the_cap_closes_half_sent_ones_never_a_pools_idle_one() -> None:
+    # Under load the server's loop accepts a burst of connections before reading any of their
+    # bytes: the half-sent ones must go, not a pool's idle connection its client may be reusing
+    # at that moment (the agent's failed under another user's flood, with the loop busy)
+    limits = GuardLimits(header_timeout_s=30, max_connections=3, backlog=16)
+    with serving(limits) as (address, app):
+        pool = connect(address)
+        for _ in range(2):
+            pool.sendall(FAST)
+            assert answer(pool).startswith(b"HTTP/1.1 200")
+        stalled, resume = threading.Event(), threading.Event()
+        app.loop.call_soon_threadsafe(lambda: (stalled.set(), resume.wait(10)))  # the loop busy, as under load
+        assert stalled.wait(10)
+        half = [connect(address, b"GET /fast HTTP/1.1\r\nHost: x\r\n") for _ in range(4)]
+        sent = connect(address, FAST)  # in the same burst, a request sent whole: answered
+        resume.set()
+        assert answer(sent).startswith(b"HTTP/1.1 200")
+        for s in half[:3]:  # the three over the cap, oldest first
+            s.settimeout(5)
+            assert closed(s)
+        pool.settimeout(0.5)
+        assert not closed(pool)
+        pool.settimeout(10)
+        pool.sendall(FAST)
+        assert answer(pool).startswith(b"HTTP/1.1 200")
 
 
 def test_the_cap_is_at_most_half_the_open_file_limit() -> None:

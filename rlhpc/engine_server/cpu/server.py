@@ -91,7 +91,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--max-connections", type=int, default=connection_cap(),
         help="connections open at once, at most half the open-file limit; past it the oldest waiting for "
-        "its headers is closed, else the longest idle (default: %(default)s)",
+        "its headers is closed, else the longest idle that carried fewer than two requests, else the "
+        "new one; a pool's idle connection never is (default: %(default)s)",
     )  # fmt: skip
     p.add_argument(
         "--api-key-file",
