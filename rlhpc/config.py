@@ -991,6 +991,11 @@ class LoraConfig(Section):
     # the output layer), or a list of module names matched at the end of the module path (e.g.
     # [q_proj, v_proj]); checked at submit against the model's weights.
     target_modules: str | list[str] = "all-linear"
+    # How a push reaches the engines: "adapter", the adapter alone (its PEFT files, written under
+    # the run dir and loaded by every engine, which serve it by name: megabytes, not the model),
+    # or "merged", the merged full weights under the base model's names, for engines that cannot
+    # serve adapters
+    push: Literal["adapter", "merged"] = "adapter"
 
     def check(self) -> None:
         self._at_least(1, "rank", fix="give the adapters a positive rank, e.g. actor.lora.rank: 16")

@@ -29,6 +29,7 @@ from rlhpc.errors import ConfigError
 from rlhpc.rollout.episodes import check_env
 from rlhpc.rollout.scoring import check_reward
 from rlhpc.rollout.trajectories import check_custom
+from rlhpc.wire.lora import SUPPORTED_TARGET_MODULES
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
@@ -135,8 +136,16 @@ def check_lora(cfg: Config) -> None:
             "the base model with the adapters off, which cannot be reset to the policy",
             "set algo.ref_update_interval: 0 (the reference stays the base model), or unset actor.lora",
         )
-    if lora.target_modules == "all-linear":
-        return
+    if lora.target_modules != "all-linear":
+        _check_targets(cfg)
+    if lora.push == "adapter":
+        _check_adapter_push(cfg)
+
+
+def _check_targets(cfg: Config) -> None:
+    """Every module named in ``actor.lora.target_modules`` is one the model has."""
+    lora, tiny = cfg.actor.lora, cfg.model.tiny
+    model = f"model.tiny.architecture = {tiny.architecture}" if tiny is not None else f"model.path {cfg.model.path}"
     if tiny is not None:
         modules = [f"model.layers.{i}.{m}" for i in range(tiny.num_hidden_layers) for m in TINY_LINEAR]
         modules += ["model.embed_tokens", "lm_head"]
@@ -151,6 +160,27 @@ def check_lora(cfg: Config) -> None:
             f"actor.lora.target_modules names {', '.join(missing)}, which {model} does not have",
             f"name its linear layers as peft does ({', '.join(leaves)}), or write actor.lora.target_modules: all-linear",
         )
+
+
+def _check_adapter_push(cfg: Config) -> None:
+    """The engines can serve the adapter a push loads: modules SGLang adapts, and no request
+    retracted across a push (it would come back to an adapter unloaded under it)."""
+    lora = cfg.actor.lora
+    if cfg.rollout.partial_rollout:
+        raise ConfigError(
+            "actor.lora.push = adapter with rollout.partial_rollout = true: a push unloads the adapter the "
+            "requests retracted across it still name",
+            "set actor.lora.push: merged (full weights, as without LoRA), or rollout.partial_rollout: false",
+        )
+    if isinstance(lora.target_modules, list):
+        unserved = [m for m in lora.target_modules if m not in SUPPORTED_TARGET_MODULES]
+        if unserved:
+            raise ConfigError(
+                f"actor.lora.target_modules names {', '.join(unserved)}, which SGLang does not serve adapters "
+                "on, and actor.lora.push = adapter has the engines serve the adapter",
+                f"set actor.lora.push: merged (full weights), or adapt only modules SGLang serves "
+                f"({', '.join(SUPPORTED_TARGET_MODULES)})",
+            )
 
 
 def _hf_config(path: Path) -> dict:

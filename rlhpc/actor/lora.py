@@ -93,6 +93,21 @@ def write_adapter_config(config: dict[str, Any], directory: Path) -> Path:
     return path
 
 
+def write_adapter(model: Any, directory: Path) -> Path:
+    """The adapter as ``save_pretrained`` leaves it (``adapter_config.json`` and
+    ``adapter_model.safetensors``) in ``directory``, written whole before it is named there (a
+    reader never sees half a file)."""
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {n: t.detach().contiguous().cpu() for n, t in adapter_tensors(model).items()}
+    part = directory / f".{ADAPTER_WEIGHTS}.part"
+    save_file(tensors, str(part), metadata={"format": "pt"})
+    part.replace(directory / ADAPTER_WEIGHTS)
+    write_adapter_config(adapter_config(model), directory)
+    return directory
+
+
 def is_adapter_dir(directory: Path) -> bool:
     return (directory / ADAPTER_CONFIG).is_file() and (directory / ADAPTER_WEIGHTS).is_file()
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -405,6 +406,17 @@ class TrainWorker(RankBase):
             return
         for name, p in self.module.named_parameters():
             yield name, (p.grad if grads else p.detach())
+
+    def _write_push_adapter(self, version: int) -> str:
+        """This push's adapter under ``spec.lora_push_dir`` (``v<version>``); the older pushes'
+        directories go (each was loaded when it was pushed; an engine restarted later gets the
+        current version pushed again)."""
+        root = Path(self.spec.lora_push_dir)
+        d = lora.write_adapter(self.peft, root / f"v{version:06d}")
+        for old in root.glob("v*"):
+            if old != d:
+                shutil.rmtree(old, ignore_errors=True)
+        return str(d)
 
     def lora_adapter(self) -> tuple[dict, dict[str, torch.Tensor]]:
         """The adapter alone in PEFT's format: its config as ``adapter_config.json`` holds it, and

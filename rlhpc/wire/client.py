@@ -101,8 +101,11 @@ class EngineClient:
         api_key: str | None = None,
         router: bool = False,
         per_prompt: bool | None = None,
+        adapter: str | None = None,
     ):
         """``api_key``: the job's engine key (``rlhpc.wire.engine_key``), sent on every request.
+        ``adapter``: the LoRA adapter a generation names where it names none (the trained engines'
+        ``POLICY_ADAPTER`` with actor.lora.push: adapter).
         ``router``: the URL is sglang_router's. ``per_prompt`` (default: ``router``): a batch goes
         as one request per prompt, all at once, as the router takes it; an engine of a routed pool
         gets them so too, so a request's tokens and logprobs are the same whichever way it went
@@ -110,6 +113,7 @@ class EngineClient:
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
         self.router = router
+        self.adapter = adapter
         self.per_prompt = router if per_prompt is None else per_prompt
         self.what = "sglang router" if router else "engine"  # who answered, in errors
         self._http = engine_connections(api_key, ROUTER_IN_FLIGHT if self.per_prompt else POOL_SIZE)
@@ -273,7 +277,7 @@ class EngineClient:
             logprob_start_len=logprob_start_len,
             rid=rid,
             image_data=image_data,
-            lora_path=lora_path,
+            lora_path=lora_path if lora_path is not None else self.adapter,
         )
         if not self.per_prompt:
             return self._generate(req, timeout_s, _describe(req))

@@ -42,6 +42,10 @@ _FUSED = {
     "wq_b": "indexer.wq_b", "wk": "indexer.wk", "weights_proj": "indexer.weights_proj",
 }  # fmt: skip
 
+# The name the trained engines serve a run's adapter under (actor.lora.push: adapter): every push
+# loads it again under this name, and every request of the policy names it
+POLICY_ADAPTER = "policy"
+
 # What an adapter pushed from tensors is recorded as loaded from (SGLang's LoRARef.lora_path)
 TENSOR_LORA_PATH = "__tensor__"
 
@@ -73,6 +77,12 @@ class LoraServing:
             )
         if self.max_loras_per_batch < 1:
             raise RlhpcError(f"max_loras_per_batch {self.max_loras_per_batch}", "give at least 1 (SGLang's default: 8)")
+
+    @classmethod
+    def for_adapter(cls, rank: int, target_modules: str | Iterable[str]) -> LoraServing:
+        """Room for one adapter of ``rank`` on ``target_modules`` (peft's: "all-linear" or names)."""
+        targets = (ALL,) if isinstance(target_modules, str) else tuple(target_modules)
+        return cls(max_lora_rank=rank, target_modules=targets)
 
     def flags(self) -> list[str]:
         """SGLang's launch flags for this (the CPU engine takes the same ones)."""
@@ -165,4 +175,9 @@ def does_not_fit(name: str, rank: int) -> str:
 
 def does_not_exist(name: str, loaded: Iterable[str]) -> str:
     """An unload of a name not loaded."""
-    return f"LoRA with name {name} does not exist. Loaded LoRAs: {_keys(loaded)}"
+    return f"{not_loaded(name)}. Loaded LoRAs: {_keys(loaded)}"
+
+
+def not_loaded(name: str) -> str:
+    """What an engine's refusal to unload ``name`` says: it holds no adapter of that name."""
+    return f"LoRA with name {name} does not exist"

@@ -43,6 +43,16 @@ def test_lora_is_off_by_default_and_takes_peft_names():
         ),
         (["model.tiny.architecture=qwen3_moe", "actor.lora.rank=8"], "mixture-of-experts", "dense text model"),
         (["algo.kl_coef=0.1", "algo.ref_update_interval=2", "actor.lora.rank=8"], "cannot be reset", "interval: 0"),
+        (
+            [
+                "rollout.partial_rollout=true",
+                "rollout.max_staleness=1",
+                "cluster.actor_num_gpus=1",
+                "actor.lora.rank=8",
+            ],
+            "requests retracted across it",
+            "actor.lora.push: merged",
+        ),
     ],
 )
 def test_combinations_that_cannot_work_are_refused_with_the_fix(overrides, problem, fix):
@@ -69,8 +79,12 @@ def test_target_modules_are_checked_against_an_hf_models_weights(tmp_path: Path)
         model / "model.safetensors",
         {"model.layers.0.attn.wqkv.weight": [24, 8], "model.layers.0.norm.weight": [8], "lm_head.weight": [32, 8]},
     )
-    base = ["model.tiny=null", f"model.path={model}"]
+    base = ["model.tiny=null", f"model.path={model}", "actor.lora.push=merged"]
     assert cfg(*base, "actor.lora.target_modules=[wqkv]").actor.lora.target_modules == ["wqkv"]
+    # pushed as an adapter, the engines serve it: SGLang adapts none of such a model's modules
+    with pytest.raises(ConfigError, match="names wqkv, which SGLang does not serve adapters on") as e:
+        cfg(*base[:-1], "actor.lora.target_modules=[wqkv]")
+    assert "actor.lora.push: merged" in e.value.fix
     assert cfg(*base, "actor.lora.target_modules=[attn.wqkv]").actor.lora is not None  # a longer suffix
     with pytest.raises(ConfigError, match=r"names q_proj, which model.path .* does not have") as e:
         cfg(*base, "actor.lora.target_modules=[q_proj, wqkv]")
