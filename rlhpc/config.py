@@ -132,6 +132,11 @@ class ClusterConfig(Section):
     # Set: the dry run and submission refuse a layout whose estimate (rlhpc/cluster/memory.py,
     # docs/guides/scale.md "Will it fit?") exceeds it. None: unknown, the plan is shown only.
     gpu_memory_gb: float | None = None
+    # The GPU kind, for the dry run's step-time estimate and the fastest layout it suggests
+    # (rlhpc/cluster/timing.py, docs/guides/scale.md "How long will a step take?"); there its
+    # memory stands in for gpu_memory_gb where that is unset (only gpu_memory_gb makes a
+    # submission refuse a layout). None: no time estimate.
+    gpu_kind: Literal["A100", "H100", "H200", "B200"] | None = None
 
     @property
     def heterogeneous(self) -> bool:

@@ -252,10 +252,13 @@ class EngineClient:
         timeout_s: float | None = None,
         logprob_start_len: int | list[int] | None = None,
         image_data: list[list[str]] | None = None,
+        lora_path: str | list[str | None] | None = None,
     ) -> dict[str, Any] | list[dict[str, Any]]:
         """One dict for a single prompt, a list for a batch (as SGLang answers). ``logprob_start_len``
         (with ``return_logprob``): the prompt tokens' logprobs from there too. ``image_data``: a
         vision-language model's images, a list per prompt (``rlhpc.wire.protocol.GenerateReqInput``).
+        ``lora_path``: the loaded LoRA adapter to generate with, by name (None: the base model),
+        one for every prompt or one per prompt.
 
         ``per_prompt`` (through the router): a batch goes as one request per prompt, all at once
         (sglang_router refuses a batch with per-prompt sampling params, and they carry each
@@ -270,6 +273,7 @@ class EngineClient:
             logprob_start_len=logprob_start_len,
             rid=rid,
             image_data=image_data,
+            lora_path=lora_path,
         )
         if not self.per_prompt:
             return self._generate(req, timeout_s, _describe(req))
@@ -372,6 +376,35 @@ class EngineClient:
     def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
         req = P.ResumeMemoryOccupationReqInput(tags=tags)
         self._json("POST", Route.RESUME_MEMORY_OCCUPATION, P.body(req))
+
+    # -------------------------------------------------------------- LoRA adapters
+
+    def _lora(self, route: str, body: dict[str, Any], timeout_s: float | None = None) -> dict[str, str]:
+        """POST to an adapter route; the adapters loaded after it (name -> path). SGLang answers a
+        refusal with HTTP 400 and ``{"success": false, "error_message"}``: raised as RequestRefused."""
+        out = self._json("POST", route, body, timeout_s, about=f"adapter {body.get('lora_name')!r}")
+        if not isinstance(out, dict) or not out.get("success", False):
+            raise RlhpcError(f"engine {self.base_url}{route} failed: {out}", "see the message above and the engine log")
+        return dict(out.get("loaded_adapters") or {})
+
+    def load_lora_adapter(self, req: P.LoadLoRAAdapterReqInput, timeout_s: float | None = None) -> dict[str, str]:
+        """An adapter from a PEFT directory the engine reads (on a shared file system for engines
+        on other nodes), held under ``req.lora_name``; refused if that name is loaded."""
+        return self._lora(Route.LOAD_LORA_ADAPTER, P.body(req), timeout_s)
+
+    def load_lora_adapter_from_tensors(
+        self, req: P.LoadLoRAAdapterFromTensorsReqInput, timeout_s: float | None = None
+    ) -> dict[str, str]:
+        """A pushed adapter: its PEFT config and tensors ({PEFT name: tensor}, serialized by
+        ``rlhpc.weights.tensor_transport.serialize_tensor_dict`` for an engine on this node, one
+        payload per TP rank), held under ``req.lora_name``; refused if that name is loaded."""
+        return self._lora(Route.LOAD_LORA_ADAPTER_FROM_TENSORS, P.body(req), timeout_s)
+
+    def unload_lora_adapter(self, lora_name: str, timeout_s: float | None = None) -> dict[str, str]:
+        """Drop an adapter (after the requests using it finished); refused for a name not loaded."""
+        return self._lora(
+            Route.UNLOAD_LORA_ADAPTER, P.body(P.UnloadLoRAAdapterReqInput(lora_name=lora_name)), timeout_s
+        )
 
     def close(self) -> None:
         if self._prompts is not None:  # prompts queued still go, and find the server gone (EngineUnavailable)
