@@ -7,7 +7,7 @@ import subprocess
 import time
 
 from support.hold import HOLD_ENV
-from support.jobs import HELD, REPO, Gate, job_args, kill_job, rollout_logged, rollouts, said, submit
+from support.jobs import HELD, REPO, job_args, kill_job, rollouts, said, submit
 from support.other_user import require_second_user, shared_tmp_dir, what_the_other_user_reads
 
 from rlhpc.invariants import processes_using
@@ -34,20 +34,19 @@ def test_second_submission_is_refused_while_the_first_job_lives(tmp_path):
 
 
 def second_submission_and_the_other_user(run):
-    # Held after its first rollout (trained: the job owns the run) until killed: alive, and idle
-    # while the checks run, not training on beside them.
-    gate = Gate(run.parent / "gate")
-    gate.shut(*rollout_logged(run, 0))
     first = subprocess.Popen(
-        job_args(run, HELD, "rollout.num_rollout=3"), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        start_new_session=True, env={**os.environ, **gate.env},
+        job_args(run, "rollout.num_rollout=200"), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True,
     )  # fmt: skip
     try:
-        gate.wait_held(first, timeout=240)
+        deadline = time.time() + 240
+        while not ((run / "metrics.jsonl").exists() and rollouts(run)):  # training: the job owns the run
+            assert time.time() < deadline and first.poll() is None
+            time.sleep(0.2)
         owner = read(run)
         assert owner.kind == "local"
         before = snapshot(run)
-        p = submit(run, HELD, "rollout.num_rollout=3")
+        p = submit(run, "rollout.num_rollout=200")
         out = " ".join((p.stdout + p.stderr).split())
         assert p.returncode == 2 and f"in use by local job {owner.job_id}" in out and "fix:" in out, out[-2000:]
         assert snapshot(run) == before  # nothing written, nothing submitted
@@ -64,7 +63,7 @@ def second_submission_and_the_other_user(run):
         assert tried.pop(str(run)) == "read" and set(tried.values()) == {"PermissionError"}, tried
     finally:
         kill_job(first)  # no chance to release: a stale owner is left
-    p = submit(run, HELD, "rollout.num_rollout=2")  # the same config (the reward unheld without the gate)
+    p = submit(run, "rollout.num_rollout=2")
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "which is gone" in said(p)
     assert not (run / "owner.json").exists()  # released when the run finished
