@@ -285,6 +285,11 @@ class ActorGroup:
         """Per rank, the reference model's fingerprint (torch actor only; None: no reference)."""
         return self._call("reference_fingerprint")
 
+    def lora_adapter(self) -> tuple[dict, dict[str, torch.Tensor]]:
+        """The LoRA adapter in PEFT's format, as rank 0 holds it (torch actor with actor.lora):
+        its ``adapter_config.json`` as a dict and its tensors under PEFT's names (CPU copies)."""
+        return self._get([self.workers[0].lora_adapter.remote()], "lora_adapter")[0]
+
     def shutdown(self) -> None:
         """Close process groups where ranks still answer, then kill every actor."""
         refs = [w.shutdown.remote() for w in self.workers]
