@@ -100,13 +100,14 @@ def check_requeued_and_finished(run: Path, proc: subprocess.Popen, out: str, *hu
 @pytest.fixture(scope="module")
 def three_faults(tmp_path_factory) -> tuple[str, str]:
     """One job for three faults (each requeues it): its rank SIGKILLed in the first start, the new
-    rank SIGSTOPped in the second (a hang, found by actor.call_timeout_s = 30), and in the third
+    rank SIGSTOPped in the second (a hang, found by actor.call_timeout_s = 60: a rank's start counts
+    against it too, and a start takes tens of seconds on a loaded machine), and in the third
     the rank SIGSTOPped and a stop request sent (the stop shortens the wait to actor.stop_wait_s,
     set short here so that the test waits out 5 s, not the default 60). The fourth start
     finishes. What the job printed, unwrapped, and its tail as printed."""
     tmp = tmp_path_factory.mktemp("hang")
     run, gate = tmp / "run", Gate(tmp / "gate")
-    proc = start(run, gate, "actor.call_timeout_s=30", f"actor.stop_wait_s={STOP_WAIT_S}")
+    proc = start(run, gate, "actor.call_timeout_s=60", f"actor.stop_wait_s={STOP_WAIT_S}")
     killed = hung = stopped = None
     try:
         # killed while held at rollout 3 (checkpoint 1 saved); the job goes on (the gate now
@@ -128,7 +129,7 @@ def test_a_hung_rank_fails_the_call_naming_it_and_the_job_requeues(three_faults)
     said, tail = three_faults
     # Which call hangs depends on when the signal landed (train, save, weight push); it is named.
     assert re.search(
-        r"actor call \w+ got no answer from rank 0 on [\d.]+ \(GPU \d+\) within 3\d s \(actor\.call_timeout_s = 30\)",
+        r"actor call \w+ got no answer from rank 0 on [\d.]+ \(GPU \d+\) within 6\d s \(actor\.call_timeout_s = 60\)",
         said,
     ), tail
 
