@@ -261,7 +261,7 @@ def test_what_an_engine_receives_through_the_router_is_what_was_sent(recorded, t
     client_key = (tmp_path / "engine_key").read_text().strip()
     assert set(SENT) == P.SAMPLING_PARAMS
     req = P.GenerateReqInput(input_ids=[5, 6, 7], sampling_params=SENT, return_logprob=True, logprob_start_len=1,
-                             rid="abc")  # fmt: skip
+                             rid="abc", lora_path="run-3")  # fmt: skip
     sent = P.generate_body(req)  # as generate sends it, without its refusal of what is dropped
     headers = {"Authorization": f"Bearer {client_key}"}
     assert urllib3.request("POST", client.base_url + Route.GENERATE, json=sent, headers=headers).status == 200
