@@ -132,6 +132,11 @@ class ClusterConfig(Section):
     # Set: the dry run and submission refuse a layout whose estimate (rlhpc/cluster/memory.py,
     # docs/guides/scale.md "Will it fit?") exceeds it. None: unknown, the plan is shown only.
     gpu_memory_gb: float | None = None
+    # The GPU kind, for the dry run's step-time estimate and the fastest layout it suggests
+    # (rlhpc/cluster/timing.py, docs/guides/scale.md "How long will a step take?"); there its
+    # memory stands in for gpu_memory_gb where that is unset (only gpu_memory_gb makes a
+    # submission refuse a layout). None: no time estimate.
+    gpu_kind: Literal["A100", "H100", "H200", "B200"] | None = None
 
     @property
     def heterogeneous(self) -> bool:
@@ -970,6 +975,53 @@ class MegatronConfig(Section):
 
 
 @dataclass
+class LoraConfig(Section):
+    """LoRA on the torch actor (docs/guides/lora.md): the model's weights stay frozen, low-rank
+    adapters (``peft``'s) are trained beside them; the reference model is the same model with its
+    adapters off. Unset (null, the default): full fine-tuning."""
+
+    SECTION: ClassVar[str] = "actor.lora"
+
+    rank: int = 16  # r: the adapters' rank (peft's r)
+    alpha: float = 32.0  # the adapters' output is scaled by alpha / rank (peft's lora_alpha)
+    # Dropout on the adapters' input in training forwards only (the no-grad and reference passes
+    # run without it); 0 keeps the PPO ratio exactly 1 before the first step, as without LoRA.
+    dropout: float = 0.0
+    # Which linear layers get adapters, as peft names them: "all-linear" (every linear layer but
+    # the output layer), or a list of module names matched at the end of the module path (e.g.
+    # [q_proj, v_proj]); checked at submit against the model's weights.
+    target_modules: str | list[str] = "all-linear"
+    # How a push reaches the engines: "adapter", the adapter alone (its PEFT files, written under
+    # the run dir and loaded by every engine, which serve it by name: megabytes, not the model),
+    # or "merged", the merged full weights under the base model's names, for engines that cannot
+    # serve adapters
+    push: Literal["adapter", "merged"] = "adapter"
+
+    def check(self) -> None:
+        self._at_least(1, "rank", fix="give the adapters a positive rank, e.g. actor.lora.rank: 16")
+        self._above(0, "alpha", fix="set actor.lora.alpha, e.g. twice the rank")
+        if not 0 <= self.dropout < 1:
+            self._refuse("dropout", "must be in [0, 1)", "set actor.lora.dropout: 0.0 (or e.g. 0.05)")
+        if isinstance(self.target_modules, str) and self.target_modules != "all-linear":
+            self._refuse(
+                "target_modules",
+                'is neither "all-linear" nor a list of module names',
+                f"write actor.lora.target_modules: all-linear, or a list: [{self.target_modules}]",
+            )
+        if isinstance(self.target_modules, list) and not self.target_modules:
+            self._refuse("target_modules", "names no module", "write all-linear, or e.g. [q_proj, v_proj]")
+
+    def peft_kwargs(self) -> dict[str, Any]:
+        """``peft.LoraConfig``'s arguments: the one place these keys become peft's."""
+        return {
+            "r": self.rank,
+            "lora_alpha": self.alpha,
+            "lora_dropout": self.dropout,
+            "target_modules": self.target_modules,
+        }
+
+
+@dataclass
 class ActorConfig(Section):
     SECTION: ClassVar[str] = "actor"
 
@@ -1001,10 +1053,16 @@ class ActorConfig(Section):
     # rank silent for this long is taken as hung, the call fails naming it and the job requeues
     # (checkpoint.requeue_on_failure). Generous: a whole train step or checkpoint save must fit.
     call_timeout_s: float = 3600.0
+    # After a stop request (preemption warning, time limit, Ctrl-C) a call gets at most this much
+    # longer: a healthy train step and its save fit in it, and a hung rank still leaves time to
+    # requeue within Slurm's default warning (--signal-grace 120). Below call_timeout_s to matter.
+    stop_wait_s: float = 60.0
     # A vision-language model's vision tower (docs/guides/multimodal.md): false trains it with the
     # language model (verl's default); true keeps it as loaded (no gradients, no optimizer state).
     freeze_vision_tower: bool = False
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    # LoRA adapters instead of full fine-tuning (the torch actor; docs/guides/lora.md). null: off.
+    lora: LoraConfig | None = None
 
     def check(self) -> None:
         # lr = 0 is allowed: a frozen policy is a baseline run (rollouts, rewards, evals unchanged).
@@ -1031,6 +1089,13 @@ class ActorConfig(Section):
                 "set actor.lr_decay_steps above actor.lr_warmup_steps, or null for the run's last step",
             )
         self._above(0, "call_timeout_s", fix="give actor.call_timeout_s seconds, e.g. 3600")
+        self._above(0, "stop_wait_s", fix="give actor.stop_wait_s seconds, e.g. 60")
+        if self.lora is not None and self.backend == "megatron":
+            raise ConfigError(
+                "actor.lora is set with actor.backend = megatron: the megatron actor has no LoRA yet "
+                "(its layers are megatron-core's, which peft's adapters do not wrap)",
+                "use actor.backend: torch for a LoRA run, or unset actor.lora (actor.lora: null) for megatron",
+            )
 
 
 @dataclass

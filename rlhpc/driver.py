@@ -46,6 +46,7 @@ from rlhpc.runtime.signals import Stopped, StopRequest
 from rlhpc.runtime.staging import NOT_STAGED, Staged
 from rlhpc.runtime.startup import StartupClock
 from rlhpc.schedule import AsyncRollouts, BusyClock, Generated, SyncRollouts, load_pending, save_pending
+from rlhpc.wire.lora import LoraServing
 from rlhpc.wire.request import GenerationAborted
 
 log = logging.getLogger(__name__)
@@ -148,10 +149,13 @@ class TrainLoop:
         self.schedule = self._make_schedule()
         pool_stop = self.schedule.abort  # the engines drop generation in flight when the schedule says so
 
+        lora = cfg.actor.lora  # with push: adapter, the trained engines serve the run's adapter by name
+        serving = LoraServing.for_adapter(lora.rank, lora.target_modules) if lora and lora.push == "adapter" else None
+
         def start_engines() -> EnginePool:
             return EnginePool.start(
                 cfg.rollout, cfg.cluster, cfg.seed, model_path, self.placement, layout, run.engine_logs, pool_stop,
-                run.engine_key, deterministic=cfg.deterministic,
+                run.engine_key, deterministic=cfg.deterministic, lora=serving,
             )  # fmt: skip
 
         # The engines start in a thread while the actor ranks start and load here: neither needs the
@@ -161,7 +165,7 @@ class TrainLoop:
         reward_up, teacher_up = self._start_frozen_groups(layout, pool_stop)
         with startup.phase("actor_up"):
             self.actor = ActorGroup(
-                ActorSpec.from_config(cfg, self.num_rollout),
+                ActorSpec.from_config(cfg, self.num_rollout, str(run.lora_push)),
                 model_path,
                 self.placement,
                 layout.actor_slots,

@@ -12,6 +12,8 @@ Every entry point (submit, dry run, sweeps, the job's start, evaluation) loads a
 
 from __future__ import annotations
 
+import json
+import struct
 from pathlib import Path
 
 from rlhpc import config
@@ -27,6 +29,7 @@ from rlhpc.errors import ConfigError
 from rlhpc.rollout.episodes import check_env
 from rlhpc.rollout.scoring import check_reward
 from rlhpc.rollout.trajectories import check_custom
+from rlhpc.wire.lora import SUPPORTED_TARGET_MODULES
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
@@ -58,6 +61,7 @@ def check(cfg: Config) -> None:
     config.check_model(cfg)
     check_vision(cfg)
     check_megatron_model(cfg)
+    check_lora(cfg)
     _check_data(cfg)
     r, env = cfg.rollout, task_env(cfg.data, cfg.rollout)
     if r.generate_fn is not None or r.agent is not None:
@@ -96,6 +100,114 @@ def check_vision(cfg: Config) -> None:
             "generate function, an agent) cannot take yet",
             "run it single-turn (unset rollout.env, rollout.tools, rollout.generate_fn, rollout.agent)",
         )
+
+
+# The linear layers of a tiny dense model's decoder layer (rlhpc.model builds them as transformers names them).
+TINY_LINEAR = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+               "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")  # fmt: skip
+
+
+def check_lora(cfg: Config) -> None:
+    """``actor.lora`` fits the run: a dense text model (peft wraps a MoE's fused experts and a
+    vision tower in ways the weight push does not follow yet), no reference resets (the
+    reference is the base model with the adapters off), and every module named in
+    ``target_modules`` is one the model has (read from its weights' names, without torch)."""
+    lora = cfg.actor.lora
+    if lora is None:
+        return
+    tiny = cfg.model.tiny
+    model = f"model.tiny.architecture = {tiny.architecture}" if tiny is not None else f"model.path {cfg.model.path}"
+    hf = {} if tiny is not None else _hf_config(Path(cfg.model.path))
+    moe = (
+        tiny.architecture == "qwen3_moe"
+        if tiny is not None
+        else bool(hf.get("num_experts") or hf.get("n_routed_experts"))
+    )
+    vlm = tiny.architecture == "qwen2_5_vl" if tiny is not None else is_vision_model(cfg.model.path)
+    if moe or vlm:
+        raise ConfigError(
+            f"actor.lora is set, but {model} is a {'mixture-of-experts' if moe else 'vision-language'} model, "
+            "which rlhpc's LoRA does not train yet (dense text models only)",
+            "unset actor.lora (full fine-tuning), or train a dense text model (llama, qwen2, qwen3) with LoRA",
+        )
+    if cfg.algo.ref_update_interval:
+        raise ConfigError(
+            f"algo.ref_update_interval = {cfg.algo.ref_update_interval} with actor.lora: the reference model is "
+            "the base model with the adapters off, which cannot be reset to the policy",
+            "set algo.ref_update_interval: 0 (the reference stays the base model), or unset actor.lora",
+        )
+    if lora.target_modules != "all-linear":
+        _check_targets(cfg)
+    if lora.push == "adapter":
+        _check_adapter_push(cfg)
+
+
+def _check_targets(cfg: Config) -> None:
+    """Every module named in ``actor.lora.target_modules`` is one the model has."""
+    lora, tiny = cfg.actor.lora, cfg.model.tiny
+    model = f"model.tiny.architecture = {tiny.architecture}" if tiny is not None else f"model.path {cfg.model.path}"
+    if tiny is not None:
+        modules = [f"model.layers.{i}.{m}" for i in range(tiny.num_hidden_layers) for m in TINY_LINEAR]
+        modules += ["model.embed_tokens", "lm_head"]
+    else:
+        modules = _weight_modules(Path(cfg.model.path))
+        if modules is None:
+            return  # no safetensors to read here: the rank's peft refuses an unknown name at start
+    missing = [t for t in lora.target_modules if not any(m == t or m.endswith("." + t) for m in modules)]
+    if missing:
+        leaves = sorted({m.rsplit(".", 1)[-1] for m in modules if ".layers." in m})
+        raise ConfigError(
+            f"actor.lora.target_modules names {', '.join(missing)}, which {model} does not have",
+            f"name its linear layers as peft does ({', '.join(leaves)}), or write actor.lora.target_modules: all-linear",
+        )
+
+
+def _check_adapter_push(cfg: Config) -> None:
+    """The engines can serve the adapter a push loads: modules SGLang adapts, and no request
+    retracted across a push (it would come back to an adapter unloaded under it)."""
+    lora = cfg.actor.lora
+    if cfg.rollout.partial_rollout:
+        raise ConfigError(
+            "actor.lora.push = adapter with rollout.partial_rollout = true: a push unloads the adapter the "
+            "requests retracted across it still name",
+            "set actor.lora.push: merged (full weights, as without LoRA), or rollout.partial_rollout: false",
+        )
+    if isinstance(lora.target_modules, list):
+        unserved = [m for m in lora.target_modules if m not in SUPPORTED_TARGET_MODULES]
+        if unserved:
+            raise ConfigError(
+                f"actor.lora.target_modules names {', '.join(unserved)}, which SGLang does not serve adapters "
+                "on, and actor.lora.push = adapter has the engines serve the adapter",
+                f"set actor.lora.push: merged (full weights), or adapt only modules SGLang serves "
+                f"({', '.join(SUPPORTED_TARGET_MODULES)})",
+            )
+
+
+def _hf_config(path: Path) -> dict:
+    try:
+        return json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _weight_modules(path: Path) -> list[str] | None:
+    """The modules of an HF directory's matrices (2-D weights), from its safetensors headers;
+    None where it has no safetensors."""
+    index = path / "model.safetensors.index.json"
+    try:
+        if index.is_file():  # sharded: the index names every tensor (no shapes)
+            names = json.loads(index.read_text())["weight_map"]
+            return [n.removesuffix(".weight") for n in names if n.endswith(".weight")]
+        with open(path / "model.safetensors", "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(size))
+    except (OSError, ValueError, KeyError):
+        return None
+    return [
+        n.removesuffix(".weight")
+        for n, e in header.items()
+        if n.endswith(".weight") and isinstance(e, dict) and len(e.get("shape", ())) == 2
+    ]
 
 
 def _check_data(cfg: Config) -> None:

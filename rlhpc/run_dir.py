@@ -122,6 +122,7 @@ class RunDir:
         self.config_file = self.path / "config.yaml"
         self.layout_file = self.path / "layout.txt"
         self.checkpoints = self.path / "checkpoints"
+        self.lora_push = self.path / "lora_push"  # actor.lora.push: adapter: each push's PEFT files, the engines read
         self.logs = self.path / "logs"
         self.base_model = self.path / "base_model"
         self.reward_model = self.path / "reward_model"  # the tiny classifier of reward_model.tiny

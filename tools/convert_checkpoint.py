@@ -17,7 +17,14 @@
       torch_dist checkpoints are resharded on load, so it is written once at TP=1 and loads at
       any TP; --tp N only checks that the model splits N ways (heads, kv heads, ffn size).
 
-One process: a torch.distributed world of size 1 (gloo on CPU, nccl on a GPU) on a loopback
+  python tools/convert_checkpoint.py merge-lora CKPT_DIR OUT_DIR [--base HF_DIR]
+      CKPT_DIR: a checkpoint of a run with actor.lora (the torch actor), or its actor/ directory,
+      which holds the adapter in PEFT's format (adapter_config.json, adapter_model.safetensors).
+      OUT_DIR: the base model with the adapter merged in, a plain HF model directory. --base:
+      the run's base model (default: the adapter's base_model_name_or_path; for a tiny model,
+      RUN_DIR/base_model).
+
+to-hf and from-hf: one process: a torch.distributed world of size 1 (gloo on CPU, nccl on a GPU) on a loopback
 port, megatron's parallel state at TP=1, the model built from the HF config. OUT_DIR is written
 to a temporary directory next to it and renamed into place, so it is complete or absent; an
 existing non-empty OUT_DIR is refused.
@@ -230,6 +237,31 @@ def from_hf(hf_dir: Path, out: Path, tp: int, dtype: torch.dtype) -> None:
     log.info("wrote megatron torch_dist weights (%s) from %s to %s", str(dtype).removeprefix("torch."), hf_dir, out)
 
 
+def merge_lora(ckpt: Path, out: Path, base: Path | None) -> None:
+    """A LoRA checkpoint's adapter merged into its base model, written to ``out`` atomically."""
+    import json
+
+    from rlhpc.actor import lora
+
+    d = ckpt / ACTOR_SUBDIR if (ckpt / ACTOR_SUBDIR).is_dir() else ckpt
+    if not lora.is_adapter_dir(d):
+        raise RlhpcError(
+            f"{ckpt} holds no LoRA adapter ({lora.ADAPTER_CONFIG} and {lora.ADAPTER_WEIGHTS})",
+            "pass a checkpoint of a run with actor.lora (RUN_DIR/checkpoints/rollout_N), or its actor/ directory",
+        )
+    if base is None:
+        base = Path(json.loads((d / lora.ADAPTER_CONFIG).read_text()).get("base_model_name_or_path") or "")
+        if not (base / "config.json").is_file():
+            raise RlhpcError(
+                f"the adapter's base model ({base}) is not there (a node-local copy, or moved)",
+                "pass the run's base model with --base (its model.path, or RUN_DIR/base_model for a tiny model)",
+            )
+    check_out_dir(out)
+    with atomic_dir(out) as tmp:
+        lora.merge_to_hf(d, base, tmp)
+    log.info("merged the LoRA adapter of %s into %s: %s", d, base, out)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
@@ -241,11 +273,17 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("out_dir", type=Path)
     b.add_argument("--tp", type=int, default=1, help="check that the model splits this many ways (default 1)")
     b.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="parameter dtype (default float32)")
+    c = sub.add_parser("merge-lora", help="LoRA checkpoint (torch actor) -> HF model directory, adapter merged")
+    c.add_argument("ckpt_dir", type=Path)
+    c.add_argument("out_dir", type=Path)
+    c.add_argument("--base", type=Path, default=None, help="the base model (default: the adapter's own record)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
     try:
         if args.command == "to-hf":
             to_hf(args.ckpt_dir, args.out_dir)
+        elif args.command == "merge-lora":
+            merge_lora(args.ckpt_dir, args.out_dir, args.base)
         else:
             if args.tp < 1:
                 raise RlhpcError(f"--tp {args.tp}", "pass a positive TP size")

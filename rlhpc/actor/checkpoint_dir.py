@@ -5,6 +5,8 @@ Both backends write ``actor_meta.json`` (world size, optimizer steps, initial mo
 backend's own keys) and one RNG file per rank; the rest is the backend's: an HF model
 directory plus ``optim.safetensors`` (torch; ``optim.pt`` before 2026-12) and, once reset,
 the reference model's ``reference.safetensors``, or a torch_dist checkpoint under ``dist/`` (megatron).
+With LoRA (torch, ``actor.lora``) the adapter in PEFT's format replaces the model's weights:
+``adapter_config.json`` and ``adapter_model.safetensors`` beside the base model's config.json.
 """
 
 from __future__ import annotations
@@ -17,6 +19,9 @@ ACTOR_SUBDIR = "actor"
 META_FILE = "actor_meta.json"
 DIST_SUBDIR = "dist"  # megatron: torch_dist checkpoint of model + optimizer
 MEGATRON_BACKEND = "megatron"  # meta["backend"] of a megatron checkpoint (absent: torch)
+# peft's file names (peft.utils.constants: CONFIG_NAME, SAFETENSORS_WEIGHTS_NAME; a test pins them)
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 
 RNG_PREFIX = "rng_rank"

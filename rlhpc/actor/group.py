@@ -8,8 +8,8 @@ config sections the ranks read), re-exported here.
 Every method waits for all ranks. If a rank fails, the first failure is raised at once as
 ``ActorRankError`` naming the rank (the surviving ranks may be stuck in a collective; the
 driver is expected to ``shutdown()`` the group). No call waits forever: a rank silent for
-``actor.call_timeout_s`` is taken as hung, and so is one still silent ``STOP_WAIT_S`` after a
-stop request (the job must requeue before Slurm's time limit ends it); the group's ranks are
+``actor.call_timeout_s`` is taken as hung, and so is one still silent ``actor.stop_wait_s`` after
+a stop request (the job must requeue before Slurm's time limit ends it); the group's ranks are
 then killed and ``ActorCallTimeout`` names the call, the ranks and their nodes.
 """
 
@@ -42,9 +42,6 @@ WORKER_NUM_CPUS = 0.4
 CHECKPOINT_THREAD = "checkpoint"
 # Calls wait in slices this long, so a stop request is seen while a call runs.
 WAIT_SLICE_S = 1.0
-# After a stop request a call gets this much longer: a healthy train step and its save fit in it,
-# and a hung rank still leaves time to requeue within Slurm's default warning (--signal-grace 120).
-STOP_WAIT_S = 60.0
 # A rank that raised waits this long for a peer's death to show (see ``ActorGroup._root_cause``).
 PEER_DEATH_GRACE_S = 10.0
 
@@ -106,6 +103,7 @@ class ActorGroup:
         self.slots = tuple(slots)
         self.world_size = len(self.slots)
         self.call_timeout_s = spec.actor.call_timeout_s
+        self.stop_wait_s = spec.actor.stop_wait_s
         self.stop = stop  # seen between wait slices: a stop shortens the wait for a hung rank
         self.nodes = [f"{ip} (GPU {gpu})" for ip, gpu in (placement.location_of_slot[s] for s in self.slots)]
         # Ranks of one tensor-parallel group see the same data: megatron orders ranks TP-fastest,
@@ -138,7 +136,7 @@ class ActorGroup:
         """Results in rank order; the first rank to fail raises at once (no waiting on the rest).
 
         Raises ``ActorCallTimeout`` when ranks stay silent past ``call_timeout_s``, or past
-        ``STOP_WAIT_S`` after a stop request (counted from the later of the request and the call)."""
+        ``actor.stop_wait_s`` after a stop request (counted from the later of the request and the call)."""
         rank_of = {ref: rank for rank, ref in enumerate(refs)}
         results: dict[int, Any] = {}
         pending = list(refs)
@@ -147,9 +145,12 @@ class ActorGroup:
             now = time.monotonic()
             limit, why = started + self.call_timeout_s, f"actor.call_timeout_s = {self.call_timeout_s:g}"
             if self.stop is not None and self.stop.requested:
-                after_stop = max(self.stop.at or started, started) + STOP_WAIT_S
+                after_stop = max(self.stop.at or started, started) + self.stop_wait_s
                 if after_stop < limit:
-                    limit, why = after_stop, f"{self.stop.name} asked the job to stop; waited {STOP_WAIT_S:g} s more"
+                    limit, why = (
+                        after_stop,
+                        f"{self.stop.name} asked the job to stop; waited {self.stop_wait_s:g} s more",
+                    )
             if now >= limit:
                 self._hung(method, sorted(rank_of[r] for r in pending), now - started, why)
             ready, pending = ray.wait(pending, num_returns=1, timeout=min(WAIT_SLICE_S, limit - now))
@@ -283,6 +284,11 @@ class ActorGroup:
     def reference_fingerprints(self) -> list[str | None]:
         """Per rank, the reference model's fingerprint (torch actor only; None: no reference)."""
         return self._call("reference_fingerprint")
+
+    def lora_adapter(self) -> tuple[dict, dict[str, torch.Tensor]]:
+        """The LoRA adapter in PEFT's format, as rank 0 holds it (torch actor with actor.lora):
+        its ``adapter_config.json`` as a dict and its tensors under PEFT's names (CPU copies)."""
+        return self._get([self.workers[0].lora_adapter.remote()], "lora_adapter")[0]
 
     def shutdown(self) -> None:
         """Close process groups where ranks still answer, then kill every actor."""

@@ -52,6 +52,7 @@ from rlhpc.errors import RlhpcError
 from rlhpc.model import load_tokenizer
 from rlhpc.util.files import node_tmp_dir
 from rlhpc.weights.expert_names import checkpoint_named
+from rlhpc.wire.lora import POLICY_ADAPTER
 
 log = logging.getLogger(__name__)
 
@@ -672,6 +673,10 @@ class RankBase:
         and rank 0 hands them to the sender, which buckets them."""
         if self.dp_rank != 0:
             return  # the other replicas hold the same weights
+        if self.spec.lora_push_dir is not None:  # actor.lora.push: adapter: the adapter's files alone
+            if self.rank == 0:
+                self.sender.send_adapter(POLICY_ADAPTER, self._write_push_adapter(version), version)
+            return
         # gloo sends from host memory; nccl/CUDA IPC from the GPU. Offloaded weights travel to
         # the GPU one tensor at a time, so the peak is one bucket, not the model.
         device = torch.device("cpu") if self.backend == "gloo" else self.device
@@ -683,6 +688,11 @@ class RankBase:
         finally:
             for _ in named:  # take part in the TP gathers (rank 0 too, after a failed send)
                 pass
+
+    def _write_push_adapter(self, version: int) -> str:
+        """The adapter alone, as PEFT files under ``spec.lora_push_dir``, for the engines to load
+        (the torch actor's; other actors refuse LoRA at submit)."""
+        raise RlhpcError(f"{type(self).__name__} pushes no LoRA adapter", "use actor.backend: torch with actor.lora")
 
     def _close_sender(self) -> None:
         try:

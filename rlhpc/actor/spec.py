@@ -23,11 +23,15 @@ class ActorSpec:
     max_response_len: int = 1
     # actor.lr_decay_steps, or the run's optimizer steps (0: unknown; only a constant schedule runs then)
     lr_decay_steps: int = 0
+    # actor.lora.push = adapter: where rank 0 writes each push's adapter (RunDir.lora_push; on the
+    # run dir's shared file system, so engines on every node read it). None: full weights pushed
+    lora_push_dir: str | None = None
 
     @classmethod
-    def from_config(cls, cfg: Config, num_rollout: int | None = None) -> ActorSpec:
+    def from_config(cls, cfg: Config, num_rollout: int | None = None, lora_push_dir: str | None = None) -> ActorSpec:
         """``num_rollout``: the run's rollouts (the driver's count, derived from the data when
-        rollout.num_rollout is null): where a decaying learning rate ends by default."""
+        rollout.num_rollout is null): where a decaying learning rate ends by default.
+        ``lora_push_dir``: the run's ``RunDir.lora_push``, used when actor.lora pushes adapters."""
         rollouts = num_rollout or cfg.rollout.num_rollout or 0
         return cls(
             actor=cfg.actor,
@@ -39,6 +43,7 @@ class ActorSpec:
             weight_pause_mode="retract" if cfg.rollout.partial_rollout else "abort",
             max_response_len=cfg.rollout.max_new_tokens,
             lr_decay_steps=cfg.actor.lr_decay_steps or rollouts * cfg.actor.num_steps_per_rollout,
+            lora_push_dir=lora_push_dir if cfg.actor.lora is not None and cfg.actor.lora.push == "adapter" else None,
         )
 
     @property

@@ -13,11 +13,13 @@ from __future__ import annotations
 import json
 import logging
 import math
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
+from rlhpc.actor import lora
 from rlhpc.actor.checkpoint_dir import ACTOR_SUBDIR, RNG_PREFIX, read_meta, rng_file, write_meta
 from rlhpc.actor.flat_grads import FlatGrads
 from rlhpc.actor.rank import MicroBatch, RankBase, Rendezvous, fingerprint
@@ -103,6 +105,8 @@ class TrainWorker(RankBase):
         self.module: torch.nn.Module | None = None  # the unwrapped HF model
         self.grads: FlatGrads | None = None  # None while offloaded
         self.vision: Vision | None = None  # a vision-language model's image processor
+        self.peft = None  # actor.lora: the PeftModel around ``module`` (whose layers it wrapped in place)
+        self._lora_dropouts: list[torch.nn.Module] = []  # on in training forwards only
         # the checkpoint snapshot: host buffers kept between saves, and what the next write needs
         self._model_snap = FlatTensors(pin=self.device.type == "cuda")
         self._optim_snap = FlatTensors(pin=self.device.type == "cuda")
@@ -122,12 +126,27 @@ class TrainWorker(RankBase):
         if self.vision is not None and a.freeze_vision_tower:
             self.module.model.visual.requires_grad_(False)  # before FlatGrads: no gradient buffer for it
             log.info("rank %d: the vision tower is frozen (actor.freeze_vision_tower)", self.rank)
+        params = list(self.module.parameters())
+        if a.lora is not None:  # the base frozen; gradients, Adam state and the optimizer for the adapters only
+            # peft draws A at random: from the run's seed, the same on every rank (each rank's own
+            # RNG, seeded per rank, is left as it was)
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(self.spec.seed)
+                self.peft = lora.wrap(self.module, a.lora)
+            params = [p for p in self.module.parameters() if p.requires_grad]
+            self._lora_dropouts = [m for n, m in self.module.named_modules() if isinstance(m, torch.nn.Dropout)
+                                   and ".lora_dropout." in f"{n}."]  # fmt: skip
         self.grads = FlatGrads(self.module)
         self.optimizer = torch.optim.AdamW(
-            self.module.parameters(), lr=a.lr, betas=tuple(a.adam_betas), eps=a.adam_eps, weight_decay=a.weight_decay
+            params, lr=a.lr, betas=tuple(a.adam_betas), eps=a.adam_eps, weight_decay=a.weight_decay
         )
         if self.spec.needs_reference:
-            self.ref = load_model(self.model_path, self.device).eval().requires_grad_(False)
+            # LoRA: the reference is the same model with its adapters off (no second copy)
+            self.ref = (
+                lora.AdaptersOff(self.peft)
+                if self.peft is not None
+                else load_model(self.model_path, self.device).eval().requires_grad_(False)
+            )
         log.info(
             "rank %d/%d: %s on %s, %d params%s",
             self.rank,
@@ -137,6 +156,11 @@ class TrainWorker(RankBase):
             sum(p.numel() for p in self.module.parameters()),
             ", with reference model" if self.ref is not None else "",
         )
+        if self.peft is not None:
+            log.info(
+                "rank %d: LoRA rank %d on %s: %d trained parameters",
+                self.rank, a.lora.rank, a.lora.target_modules, sum(p.numel() for p in params),
+            )  # fmt: skip
 
     # ------------------------------------------------------------------ checkpoint
 
@@ -153,7 +177,18 @@ class TrainWorker(RankBase):
         d = Path(ckpt_dir) / ACTOR_SUBDIR
         if not (d / "config.json").is_file() or not any((d / f).is_file() for f in (OPTIM_FILE, OLD_OPTIM_FILE)):
             raise FileNotFoundError(f"checkpoint {d} has no config.json or optimizer state: not an actor checkpoint")
-        self._load_weights(d)
+        if lora.is_adapter_dir(d) != (self.peft is not None):
+            saved = "LoRA adapters" if lora.is_adapter_dir(d) else "full weights"
+            raise RlhpcError(
+                f"checkpoint {d} holds {saved}, but this run has actor.lora "
+                f"{'set' if self.peft is not None else 'unset'}",
+                "resume with the actor.lora the run was started with (or start a new run from a merged "
+                "model: tools/convert_checkpoint.py merge-lora)",
+            )
+        if self.peft is not None:
+            self._load_adapter(d)
+        else:
+            self._load_weights(d)
         self.optimizer.load_state_dict(read_optimizer(d, self.optimizer.state_dict()))
         meta = read_meta(d)
         self.optimizer_steps = int(meta.get("optimizer_steps", 0))
@@ -198,12 +233,26 @@ class TrainWorker(RankBase):
             )
         read_safetensors_into(d / MODEL_FILE, targets)  # straight into the parameters
 
+    def _load_adapter(self, d: Path) -> None:
+        """Read ``d``'s adapter (PEFT's file) into the adapter parameters, after checking it fits."""
+        targets = lora.adapter_tensors(self.peft)
+        saved, _ = safetensors_header(d / lora.ADAPTER_WEIGHTS)
+        if not fits(saved, targets):
+            theirs = json.loads((d / lora.ADAPTER_CONFIG).read_text())
+            raise RlhpcError(
+                f"the adapter in {d} (rank {theirs.get('r')}, {len(saved)} tensors) does not fit this run's "
+                f"actor.lora (rank {self.spec.actor.lora.rank}, {len(targets)} tensors)",
+                "resume with the actor.lora (rank, target_modules) and model the run was started with",
+            )
+        read_safetensors_into(d / lora.ADAPTER_WEIGHTS, targets)  # straight into the parameters
+
     def snapshot(self, ckpt_dir: str) -> None:
         """Host copies of the weights, optimizer state (rank 0) and this rank's RNG."""
         d = Path(ckpt_dir) / ACTOR_SUBDIR
         d.mkdir(parents=True, exist_ok=True)
         if self.rank == 0:
-            self._model_snap.fill(_untied(self.module), {"format": "pt"})
+            weights = _untied(self.module) if self.peft is None else lora.adapter_tensors(self.peft)
+            self._model_snap.fill(weights, {"format": "pt"})
             if self.ref is not None and self.ref_reset_at:
                 self._ref_snap.fill(_untied(self.ref), {"format": "pt"})
             tensors, rest = flatten_optimizer(self.optimizer.state_dict())
@@ -218,11 +267,14 @@ class TrainWorker(RankBase):
                 "optimizer_steps": self.optimizer_steps,
                 "initial_model": self.model_path,
                 "ref_reset_at": self.ref_reset_at,
+                "lora": self.peft is not None,
             },
         }
 
     def write_snapshot(self) -> dict[str, tuple[int, int]]:
         """``actor/``: HF model + tokenizer, optimizer (rank 0), RNG (every rank); each file fsynced.
+        With LoRA the adapter in PEFT's format (``adapter_config.json``, ``adapter_model.safetensors``)
+        instead of the model's weights (the base model's config.json stays, for the merge).
         Returns the size and CRC-32 of the large files, for the manifest."""
         snap, self._snapshot = self._snapshot, None
         if snap is None:
@@ -230,12 +282,15 @@ class TrainWorker(RankBase):
         d = snap["dir"]
         sums, small = {}, []
         if self.rank == 0:
-            files = [(MODEL_FILE, self._model_snap), (OPTIM_FILE, self._optim_snap)]
+            weights = MODEL_FILE if self.peft is None else lora.ADAPTER_WEIGHTS
+            files = [(weights, self._model_snap), (OPTIM_FILE, self._optim_snap)]
             if snap["meta"]["ref_reset_at"] and self.ref is not None:
                 files.append((REF_FILE, self._ref_snap))
             for name, flat in files:
                 sums[f"{ACTOR_SUBDIR}/{name}"] = flat.write(d / name)
             self.module.config.save_pretrained(d)
+            if self.peft is not None:
+                lora.write_adapter_config(lora.adapter_config(self.peft), d)
             if self.module.can_generate():
                 self.module.generation_config.save_pretrained(d)
             self.tokenizer.save_pretrained(d)
@@ -250,6 +305,8 @@ class TrainWorker(RankBase):
     # ------------------------------------------------------------------ train-step hooks (RankBase.train)
 
     def _policy(self, train: bool) -> torch.nn.Module:
+        for dropout in self._lora_dropouts:  # actor.lora.dropout: in training forwards only
+            dropout.train(train)
         return self.module
 
     def _logits(self, model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
@@ -315,7 +372,9 @@ class TrainWorker(RankBase):
 
     def reference_fingerprint(self) -> str | None:
         """SHA-256 of the reference model's weights, named as ``state_fingerprint``'s (None: no reference)."""
-        return None if self.ref is None else fingerprint(self.ref.named_parameters())
+        if self.ref is None:
+            return None
+        return fingerprint(lora.base_named(self.module) if self.peft is not None else self.ref.named_parameters())
 
     def _finish_grad_sync(self, empty: bool) -> None:
         # the micro-batches' backwards only accumulated; a rank with no sample adds its zeros
@@ -337,8 +396,35 @@ class TrainWorker(RankBase):
             share_memory_by_name(self.module)
 
     def _hf_named(self, grads: bool) -> Iterator[tuple[str, torch.Tensor | None]]:
+        if self.peft is not None:  # LoRA: the merged weights under the base's names; the adapters' gradients
+            if not grads:
+                yield from lora.merged_named(self.module)
+                return
+            for name, p in self.module.named_parameters():
+                if p.requires_grad:
+                    yield name, p.grad
+            return
         for name, p in self.module.named_parameters():
             yield name, (p.grad if grads else p.detach())
+
+    def _write_push_adapter(self, version: int) -> str:
+        """This push's adapter under ``spec.lora_push_dir`` (``v<version>``); the older pushes'
+        directories go (each was loaded when it was pushed; an engine restarted later gets the
+        current version pushed again)."""
+        root = Path(self.spec.lora_push_dir)
+        d = lora.write_adapter(self.peft, root / f"v{version:06d}")
+        for old in root.glob("v*"):
+            if old != d:
+                shutil.rmtree(old, ignore_errors=True)
+        return str(d)
+
+    def lora_adapter(self) -> tuple[dict, dict[str, torch.Tensor]]:
+        """The adapter alone in PEFT's format: its config as ``adapter_config.json`` holds it, and
+        CPU copies of its tensors under PEFT's names (an adapter-only push; tests)."""
+        if self.peft is None:
+            raise RlhpcError("the adapter was asked for, but this actor trains no LoRA", "set actor.lora")
+        tensors = {n: t.detach().cpu().clone() for n, t in lora.adapter_tensors(self.peft).items()}
+        return lora.adapter_config(self.peft), tensors
 
     # ------------------------------------------------------------------ memory
 
@@ -367,7 +453,7 @@ class TrainWorker(RankBase):
 
     def _move(self, device: torch.device) -> None:
         self.module.to(device)
-        if self.ref is not None:
+        if self.ref is not None and self.peft is None:  # LoRA's reference is the module itself
             self.ref.to(device)
         for state in self.optimizer.state.values():
             for key, value in state.items():

@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 
 from rlhpc import config
-from rlhpc.actor.checkpoint_dir import ACTOR_SUBDIR
+from rlhpc.actor.checkpoint_dir import ACTOR_SUBDIR, ADAPTER_CONFIG
 from rlhpc.checkpoint import PREFIX, STATE, CheckpointManager, checkpoint_name, validate
 from rlhpc.config import DEFAULT_EVAL_SET, Config
 from rlhpc.errors import RlhpcError
@@ -89,6 +89,11 @@ def model_dir(ckpt: Path) -> Path:
         raise RlhpcError(
             f"{actor} holds no HF model (a megatron checkpoint keeps its weights sharded under dist/)",
             "convert it with tools/convert_checkpoint.py and evaluate the HF directory it writes",
+        )
+    if (actor / ADAPTER_CONFIG).is_file():
+        raise RlhpcError(
+            f"{actor} holds a LoRA adapter, not a whole model (a run with actor.lora)",
+            f"merge it first: python tools/convert_checkpoint.py merge-lora {ckpt} OUT, and evaluate OUT",
         )
     return actor
 

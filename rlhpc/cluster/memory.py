@@ -12,6 +12,9 @@ the output layer and the logits), each stage holding layers / p of the layers:
 - Adam: fp32 master (bf16 only) + 2 fp32 moments = 12 bytes (8 in fp32), divided over d (dense)
   and d / e (experts) with ``use_distributed_optimizer``;
 - the reference model's weights again when the KL penalty needs it;
+- with LoRA (``actor.lora``, the torch actor): the frozen weights and the adapters' (fp32), but
+  gradients and Adam state for the adapters alone, and no reference copy (the reference is the
+  same model with its adapters off);
 - activations of one micro-batch (bf16, no sequence parallelism, unfused attention of the
   local spec), or with ``recompute`` each layer's input plus one layer's; megatron's 1F1B
   schedule keeps p - s micro-batches' in flight on stage s, so the first stage's are those of
@@ -118,6 +121,24 @@ class ModelShape:
             return split, replicated + h * self.experts, self.experts * 3 * h * self.moe_ffn  # router, experts
         return split + 3 * h * self.ffn, replicated, 0
 
+    def lora_params(self, rank: int, targets: str | list[str]) -> int:
+        """The adapters' parameters at ``rank`` on ``targets`` (peft's names: "all-linear", or
+        module names matched by their last part): rank x (in + out) per adapted matrix."""
+        h, ffn = self.hidden, self.ffn
+        per_layer = {
+            "q_proj": h + self.q_dim,
+            "k_proj": h + self.kv_dim,
+            "v_proj": h + self.kv_dim,
+            "o_proj": self.q_dim + h,
+            "gate_proj": h + ffn,
+            "up_proj": h + ffn,
+            "down_proj": ffn + h,
+        }
+        whole = {"lm_head": h + self.vocab, "embed_tokens": self.vocab + h}
+        names = list(per_layer) if targets == "all-linear" else [t.rsplit(".", 1)[-1] for t in targets]
+        sizes = sum(self.layers * per_layer[n] for n in names if n in per_layer)
+        return rank * (sizes + sum(whole[n] for n in names if n in whole))
+
     def params(self) -> int:
         """All parameters (embedding and, untied, output layer; unpadded vocab), as the HF checkpoint has."""
         split, replicated, expert = self.layer_params()
@@ -202,9 +223,15 @@ def stage_estimate(cfg: Config, shape: ModelShape, first: bool, last: bool) -> E
     weight_bytes = 2 if bf16 else 4
     adam_bytes = 12 if bf16 else 8  # fp32 master (bf16 only) + exp_avg + exp_avg_sq
     adam = adam_bytes * (dense / dp + experts / max(1, dp // ep) if distributed else params)
-    terms = [("weights", weight_bytes * params), ("gradients", 4.0 * params), ("optimizer", adam)]
-    if cfg.algo.needs_reference:
-        terms.append(("reference weights", weight_bytes * params))
+    lora = None if megatron else cfg.actor.lora
+    if lora is not None:  # frozen weights; gradients and Adam for the adapters only; no reference copy
+        adapters = shape.lora_params(lora.rank, lora.target_modules)
+        terms = [("weights", 4.0 * params), ("LoRA adapters", 4.0 * adapters)]
+        terms += [("gradients", 4.0 * adapters), ("optimizer", 8.0 * adapters)]
+    else:
+        terms = [("weights", weight_bytes * params), ("gradients", 4.0 * params), ("optimizer", adam)]
+        if cfg.algo.needs_reference:
+            terms.append(("reference weights", weight_bytes * params))
     tokens, row, where = micro_batch_tokens(cfg)
     act = 2 if bf16 else 4
     layer = layer_activation_bytes(shape, tokens, row, tp, ep, act)
@@ -225,6 +252,14 @@ def stage_estimate(cfg: Config, shape: ModelShape, first: bool, last: bool) -> E
         else f", the {'first' if first else 'last'} of {pp} pipeline stages ({layers} of {shape.layers} layers)"
     )
     notes = (
+        *(
+            (
+                f"LoRA rank {lora.rank} on {lora.target_modules}: {adapters / 1e6:.2f}M trained parameters; "
+                "the reference is the model with its adapters off",
+            )
+            if lora is not None
+            else ()
+        ),  # fmt: skip
         f"{tokens} tokens per micro-batch ({where})",
         f"TP {tp} {f'PP {pp} ' if pp > 1 else ''}{f'VP {vp} ' if vp > 1 else ''}EP {ep} DP {dp}, {'bf16' if bf16 else 'fp32'}"
         f"{', distributed optimizer' if distributed else ''}, {params / 1e9:.2f}B parameters on the rank{stage}",
@@ -352,6 +387,9 @@ def _actor_fix(cfg: Config, term: str, moe: bool) -> str:
     }.get(term.split(" (")[0], ["" if m.recompute else "set actor.megatron.recompute: true", tokens, tp])
     if cfg.actor.backend != "megatron":
         knobs = ["use actor.backend: megatron (bf16, TP, distributed optimizer)", tokens]
+        if cfg.actor.lora is None and term.split(" (")[0] in ("gradients", "optimizer", "reference weights"):
+            # LoRA keeps gradients and Adam state for the adapters alone, and no reference copy
+            knobs.insert(0, "train LoRA adapters instead of every weight (actor.lora, docs/guides/lora.md)")
     if cfg.cluster.colocate and not cfg.cluster.offload:
         knobs.append("set cluster.offload: true (engine and actor take turns on the GPU)")
     return "; ".join(k for k in knobs if k)

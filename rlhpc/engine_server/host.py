@@ -38,6 +38,7 @@ from rlhpc.util.net import http_url, url_host
 from rlhpc.util.processes import die_with_parent, stop_group
 from rlhpc.wire.client import EngineClient
 from rlhpc.wire.engine_key import read_key
+from rlhpc.wire.lora import LoraServing
 
 log = logging.getLogger(__name__)
 
@@ -58,10 +59,12 @@ class EngineActor:
         key_file: str | None = None,
         host: str | None = None,
         deterministic: bool = False,
+        lora: LoraServing | None = None,
     ):
         self.model_path = model_path
-        # the CPU engine's --enable-deterministic-inference (SGLang's comes in ``sglang``)
+        # the CPU engine's --enable-deterministic-inference and LoRA flags (SGLang's come in ``sglang``)
         self.deterministic = deterministic
+        self.lora = lora
         self.engine_id = engine_id
         self.startup_timeout_s = startup_timeout_s
         self.extra_env = dict(env or {})
@@ -89,7 +92,7 @@ class EngineActor:
     def _command(self) -> list[str]:
         return cpu_server_command(
             sys.executable, self.model_path, self.host, str(self.ready_file), str(os.getpid()),
-            self.extra_env.get("OMP_NUM_THREADS", "1"), self.key_file, self.deterministic,
+            self.extra_env.get("OMP_NUM_THREADS", "1"), self.key_file, self.deterministic, self.lora,
         )  # fmt: skip
 
     def _env(self) -> dict[str, str]:

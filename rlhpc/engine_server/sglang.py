@@ -44,6 +44,7 @@ from rlhpc.util.secrets import write_secret
 from rlhpc.wire import switches
 from rlhpc.wire.client import EngineClient
 from rlhpc.wire.engine_key import read_key
+from rlhpc.wire.lora import LoraServing
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +75,7 @@ class SGLangSpec:
     node_rank: int = 0  # only node rank 0 serves HTTP
     deterministic: bool = False  # `deterministic: true`: --enable-deterministic-inference (seeds honoured)
     colocated: bool = False  # its GPUs are shared with actor ranks (cluster.colocate)
+    lora: LoraServing | None = None  # serve LoRA adapters (the CPU engine takes the same flags)
 
     @property
     def serves_http(self) -> bool:
@@ -121,6 +123,8 @@ def launch_server_command(
         # SGLang ignores every request's sampling_seed without it (seeded reruns, requests sent
         # again after an engine restart); its cost: docs/architecture/engines.md
         cmd.append("--enable-deterministic-inference")
+    if spec.lora is not None:
+        cmd += spec.lora.flags()
     if config_file is not None:
         cmd += ["--config", str(config_file)]
     if spec.nnodes > 1:
@@ -177,6 +181,10 @@ def router_command(
         "--prometheus-host", "127.0.0.1",
         "--prometheus-port", str(metrics_port),
         "--log-level", "warn",
+        # ends at SIGTERM, not after waiting up to 180 s for its requests in flight: the job stops
+        # it to route again after an engine is lost (one held by a silent node never ends) or at
+        # the end, and the pool sends an unanswered request again itself
+        "--shutdown-grace-period-secs", "0",
         *ROUTER_JUDGEMENT_OFF,
     ]  # fmt: skip
 
@@ -385,6 +393,7 @@ def engine_parts(
     extra_args: Sequence[str] = (),
     deterministic: bool = False,
     colocated: bool = False,
+    lora: LoraServing | None = None,
 ) -> list[tuple[int, SGLangSpec]]:
     """One engine's server processes: ``(first slot on that node, spec)`` per node it spans, in node
     rank order (the node of the engine's first slot is rank 0 and serves HTTP)."""
@@ -411,6 +420,7 @@ def engine_parts(
                 node_rank=rank,
                 deterministic=deterministic,
                 colocated=colocated,
+                lora=lora,
             ),
         )
         for rank, slots in enumerate(nodes.values())

@@ -8,7 +8,7 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from rlhpc.cluster import memory
+from rlhpc.cluster import memory, timing
 from rlhpc.cluster.layout import idle_note, plan_layout, summarize_layout
 from rlhpc.config import Config, dump_config
 from rlhpc.launch.slurm import SlurmOptions, sbatch_script, slurm_executor
@@ -30,7 +30,7 @@ def dry_run(
     where = "each task's layout.txt" if array else RunDir(run_dir).layout_file
     engines = engines_preview(cfg, RunDir(run_dir))
     return (
-        f"{script}\n\n{layout}\n  full map: {where} (written at submission){notes}\n\n{memory.summarize(cfg)}{engines}\n\n"
+        f"{script}\n\n{layout}\n  full map: {where} (written at submission){notes}\n\n{memory.summarize(cfg)}\n\n{timing.summarize(cfg)}{engines}\n\n"
         f"# the resolved config the job runs (written to {RunDir(run_dir).path / 'config.yaml'}):\n{dump_config(cfg)}"
     )
 

@@ -61,7 +61,7 @@ from rlhpc.engine_server.cpu.requests import stop_strings
 from rlhpc.errors import RlhpcError
 from rlhpc.rollout.episodes import Conversation, TemplateBreaksPrefix
 from rlhpc.rollout.trajectories import EngineHandle, Generated
-from rlhpc.util.http_guard import GuardLimits, uvicorn_options
+from rlhpc.util.http_guard import GuardLimits, trust, uvicorn_options
 from rlhpc.wire import anthropic_messages as anthropic
 from rlhpc.wire import openai_responses as responses
 from rlhpc.wire.openai_messages import assistant_message, openai_error, sse_events, template_message
@@ -135,7 +135,9 @@ def _parse(model: type[BaseModel], body: bytes) -> Any:
 def _engine_fields(req: ChatCompletionRequest | CompletionRequest) -> list[str]:
     """SGLang's sampling extensions the CPU engine's routes take, at values the run's sampling does not."""
     fields = (("stop_token_ids", req.stop_token_ids, (None, [])), ("ignore_eos", req.ignore_eos, (False,)),
-              ("no_stop_trim", req.no_stop_trim, (False,)), ("skip_special_tokens", req.skip_special_tokens, (True,)))  # fmt: skip
+              ("no_stop_trim", req.no_stop_trim, (False,)), ("skip_special_tokens", req.skip_special_tokens, (True,)),
+              ("lora_path", req.lora_path, (None,)))  # fmt: skip
+    # lora_path: the run chooses the adapter its agents generate with, not the agents
     return [f"{k}={v!r}" for k, v, ok in fields if v not in ok] + ([f"n={req.n}"] if req.n != 1 else [])
 
 
@@ -226,6 +228,7 @@ class AgentEndpoint:
                 refusal = error("missing or unknown episode key", 401)
                 refusal.headers["connection"] = "close"  # a caller without a key keeps no connection open
                 return refusal
+            trust(request.scope)  # an agent's connection: the guard never sheds it for a newer one
             try:
                 return await handler(ep, await request.body())
             except Refused as e:

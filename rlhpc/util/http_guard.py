@@ -19,14 +19,18 @@ and a header flood grew an engine by 600 MB). The guard, as nginx's ``client_hea
 - an answer its client stops reading for ``write_stall_s`` closes the connection;
 - at most ``max_connections`` are open at once, and at most half the open-file limit
   (``connection_cap``: the process needs descriptors of its own). A new connection past the cap
-  closes the least recently active one that is neither being answered nor holding unread bytes
-  (a request its client has just sent), those that carried fewer than two requests first (a
-  pool reuses its connections; a flood's carry one), else itself: a connection being answered
-  is never dropped for a newer one, a client that sends its request at once is never the one
-  closed, and a new connection goes last (closing the oldest never answered first would close a
-  client's new one before its request is read, while a flood's connections are answered at
-  once). Our clients, urllib3's and httpx's pools, notice a closed idle connection before
-  reusing it, all but the one they are about to reuse at that moment;
+  closes, least recently active first, one holding part of a request's head (read, or still in
+  the kernel: a burst of connections is accepted before any of their bytes are read, so the
+  bytes are peeked), else an idle or silent one that never carried a request with the key,
+  else itself. Never closed for a newer one: a connection being answered, one whose kernel holds
+  a whole request head (its client has just sent it), and a key holder's idle connection (the
+  app's key check marks it: ``trust``; another user's, which can only reach the open /health
+  and 401s, goes however many requests it carried). Closing an idle kept-alive connection
+  races its client, which may be writing its next request on it at that moment and then reads
+  a reset (RFC 9112, 9.3.1; a client with no retries, as an agent's may be, fails that request):
+  only the idle deadline ends a pool's connection (httpx's pools drop theirs after 5 s idle,
+  before it). Where all the others are busy or pools, the new connection goes, as one past a
+  full listen queue would;
 - a burst of new connections is accepted ``backlog`` at a time (the listen backlog, and what
   asyncio's loop accepts per turn), so a flood holds about ``max_connections`` + 2 x ``backlog``.
 
@@ -41,6 +45,7 @@ import asyncio
 import fcntl
 import logging
 import resource
+import socket
 import struct
 import termios
 from collections import OrderedDict
@@ -111,6 +116,7 @@ def guarded_protocol(limits: GuardLimits, server: str) -> type:
         _counted = False
         _kept = False  # answered and kept alive, no next request begun: the idle timer runs
         _answers = 0
+        _trusted = False  # carried a request the app's key check let through (``trust``)
         _head = True  # the bytes coming in are a request's line and headers
         _head_bytes = 0
         _body_bytes = 0
@@ -122,12 +128,8 @@ def guarded_protocol(limits: GuardLimits, server: str) -> type:
             self._counted = True
             quiet[self] = None
             self._wait()
-            if count[0] > cap:  # itself only where every other one is being answered or about to be
-                others = [c for c in quiet if c is not self and not c._unread()]
-                # a connection that carried several requests is a pool's: one request and a wait
-                # is what a flood leaves, so those go first
-                victim = next((c for c in others if c._answers < 2), others[0] if others else self)
-                victim._drop(f"was the least recently active of more than {cap} connections")
+            if count[0] > cap:
+                self._shed()
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._forget()
@@ -155,6 +157,7 @@ def guarded_protocol(limits: GuardLimits, server: str) -> type:
                 if self._kept:  # begun in the chunk that ended the one before
                     self._wait()
                 super().on_message_begin()
+                self.scope[_CONNECTION] = self  # for ``trust``: the app's key check marks its connection
 
         def on_url(self, url: bytes) -> None:
             if self._refusal is None:
@@ -238,14 +241,48 @@ def guarded_protocol(limits: GuardLimits, server: str) -> type:
             if timer is not None:
                 timer.cancel()
 
-        def _unread(self) -> int:
-            """Bytes the kernel holds for it that the loop has not read yet: a request on its way
-            in (closing such a connection fails a request its client has just sent)."""
+        def _shed(self) -> None:
+            """Past the cap (a new connection, this one, is in): close one whose client cannot be
+            in the middle of sending a request it expects answered, else this new one."""
+            slow, stranger = None, None
+            for c in quiet:  # least recently active first
+                pending = c._pending()
+                if pending is True:
+                    continue  # a whole request head waits in the kernel: its client has just sent it
+                if c._head and c._head_bytes:  # part of a request head read: trickled
+                    slow = c
+                    break
+                if c._trusted:
+                    continue  # a pool's (below)
+                if pending is False:  # part of a head only, not read yet: a burst's half-sent requests
+                    slow = c
+                    break
+                if stranger is None and c is not self:  # idle, or opened and silent
+                    stranger = c
+            # an idle connection that carried a request with the key is a pool's: its client may be
+            # writing its next request on it at this moment, and would read a reset. Never closed
+            # here (its idle deadline ends it, past the client's own): this new one goes instead.
+            # One that carried only keyless requests (an open /health, 401s) goes like any other
+            victim = slow or stranger or self
+            victim._drop(f"was opened past the cap of {cap} connections, every other one busy or a pool's" if victim is self
+                         else f"was the least recently active half-sent or idle one past the cap of {cap} connections")  # fmt: skip
+
+        def _pending(self) -> bool | None:
+            """What the kernel holds for it that the loop has not read yet: None nothing, True a
+            request head's end among it, False part of a head only. Peeked, not read: a burst of
+            new connections is accepted before any of their bytes are."""
+            sock = None
             try:
                 fd = self.transport.get_extra_info("socket").fileno()
-                return struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0]
+                if not struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0]:
+                    return None
+                sock = socket.socket(fileno=fd)  # the transport's own descriptor, detached below
+                return b"\r\n\r\n" in sock.recv(limits.max_header_bytes + 4, socket.MSG_PEEK | socket.MSG_DONTWAIT)
             except (AttributeError, OSError, ValueError):  # closed meanwhile
-                return 0
+                return None
+            finally:
+                if sock is not None:
+                    sock.detach()
 
         def _forget(self) -> None:
             self._disarm()
@@ -280,6 +317,18 @@ def guarded_protocol(limits: GuardLimits, server: str) -> type:
                 self.transport.abort()
 
     return GuardedHttpTools
+
+
+_CONNECTION = "rlhpc.guarded_connection"  # the scope key of a request's guarded connection
+
+
+def trust(scope: dict) -> None:
+    """The app's key check let this request through: its connection is a client's, never closed
+    for a newer one past the cap (only its idle deadline ends it). A scope of an unguarded server
+    is left as it is."""
+    connection = scope.get(_CONNECTION)
+    if connection is not None:
+        connection._trusted = True
 
 
 def _peer(client: Any) -> str:

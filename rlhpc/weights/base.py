@@ -32,6 +32,7 @@ from rlhpc.weights.tensor_transport import (
 )
 from rlhpc.wire import protocol as P
 from rlhpc.wire.client import EngineClient, EngineUnavailable
+from rlhpc.wire.lora import not_loaded
 from rlhpc.wire.protocol import weight_version_note
 
 log = logging.getLogger(__name__)
@@ -193,6 +194,30 @@ class SenderBase:
             raise
         self._on_all(lambda c: c.continue_generation())
         log.debug("weights version %s sent to %d engine(s) in %d bucket(s)", v, len(self.clients), n)
+
+    def send_adapter(self, name: str, directory: str, version: int) -> None:
+        """Push a LoRA adapter (its PEFT files in ``directory``, on a file system every engine
+        reads) as ``version``: each engine, paused as for a full push, drops the adapter it serves
+        under ``name`` and loads this one under it, and records the version. No bucket, no
+        weight-update session: the base weights do not change. After a failure the engines are
+        left paused, to be restarted, as after a failed full push."""
+        v = str(version)
+
+        def swap(c: EngineClient) -> None:
+            c.pause_generation(self.pause_mode)
+            try:
+                c.unload_lora_adapter(name)
+            except RlhpcError as e:  # none yet: the first push, or an engine started again since
+                if not_loaded(name) not in e.problem:
+                    raise
+            c.load_lora_adapter(P.LoadLoRAAdapterReqInput(lora_name=name, lora_path=directory))
+            c.update_weight_version(v)
+
+        self._last_answers = []  # no bucket answers: each engine is asked its version
+        self._on_all(swap)
+        self._check_versions(v)
+        self._on_all(lambda c: c.continue_generation())
+        log.debug("LoRA adapter version %s sent to %d engine(s)", v, len(self.clients))
 
     def _checked(self, flat: torch.Tensor, names: list[str], tensors: list[torch.Tensor]) -> None:
         """Raise, before the bucket leaves, if it holds NaN or an infinity: a diverged trainer's

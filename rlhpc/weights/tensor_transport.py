@@ -220,6 +220,13 @@ def serialize_named_tensors(
     return _dump([(name, t) for (name, _), t in zip(named_tensors, keep)]), keep
 
 
+def serialize_tensor_dict(named_tensors: dict[str, torch.Tensor]) -> tuple[str, list[torch.Tensor]]:
+    """A LoRA adapter's payload for ``/load_lora_adapter_from_tensors`` (SGLang reads it as
+    {name: tensor}), for one receiving process, as ``serialize_named_tensors`` (cloned)."""
+    keep = {n: t.detach().clone(memory_format=torch.contiguous_format) for n, t in named_tensors.items()}
+    return _dump(keep), list(keep.values())
+
+
 def serialize_flat_bucket(
     flat: torch.Tensor, names: list[str], tensors: list[torch.Tensor], ranks: int = 1
 ) -> list[str]:
@@ -532,6 +539,16 @@ def deserialize_named_tensors(payload: str, allow_cuda: bool = False) -> list[tu
         isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str) and isinstance(x[1], torch.Tensor) for x in named
     ):
         raise TensorPayloadError("serialized_named_tensors must hold a list of (name, tensor) pairs")
+    return named
+
+
+def deserialize_tensor_dict(payload: str, allow_cuda: bool = False) -> dict[str, torch.Tensor]:
+    """Unpickle {name: tensor} (``serialize_tensor_dict``), with the same checks as a weight push."""
+    named = _load(payload, allow_cuda)
+    if not isinstance(named, dict) or not all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in named.items()
+    ):
+        raise TensorPayloadError("serialized_named_tensors must hold a dict of {name: tensor}")
     return named
 
 

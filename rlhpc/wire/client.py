@@ -101,8 +101,11 @@ class EngineClient:
         api_key: str | None = None,
         router: bool = False,
         per_prompt: bool | None = None,
+        adapter: str | None = None,
     ):
         """``api_key``: the job's engine key (``rlhpc.wire.engine_key``), sent on every request.
+        ``adapter``: the LoRA adapter a generation names where it names none (the trained engines'
+        ``POLICY_ADAPTER`` with actor.lora.push: adapter).
         ``router``: the URL is sglang_router's. ``per_prompt`` (default: ``router``): a batch goes
         as one request per prompt, all at once, as the router takes it; an engine of a routed pool
         gets them so too, so a request's tokens and logprobs are the same whichever way it went
@@ -110,6 +113,7 @@ class EngineClient:
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
         self.router = router
+        self.adapter = adapter
         self.per_prompt = router if per_prompt is None else per_prompt
         self.what = "sglang router" if router else "engine"  # who answered, in errors
         self._http = engine_connections(api_key, ROUTER_IN_FLIGHT if self.per_prompt else POOL_SIZE)
@@ -252,10 +256,13 @@ class EngineClient:
         timeout_s: float | None = None,
         logprob_start_len: int | list[int] | None = None,
         image_data: list[list[str]] | None = None,
+        lora_path: str | list[str | None] | None = None,
     ) -> dict[str, Any] | list[dict[str, Any]]:
         """One dict for a single prompt, a list for a batch (as SGLang answers). ``logprob_start_len``
         (with ``return_logprob``): the prompt tokens' logprobs from there too. ``image_data``: a
         vision-language model's images, a list per prompt (``rlhpc.wire.protocol.GenerateReqInput``).
+        ``lora_path``: the loaded LoRA adapter to generate with, by name (None: the base model),
+        one for every prompt or one per prompt.
 
         ``per_prompt`` (through the router): a batch goes as one request per prompt, all at once
         (sglang_router refuses a batch with per-prompt sampling params, and they carry each
@@ -270,6 +277,7 @@ class EngineClient:
             logprob_start_len=logprob_start_len,
             rid=rid,
             image_data=image_data,
+            lora_path=lora_path if lora_path is not None else self.adapter,
         )
         if not self.per_prompt:
             return self._generate(req, timeout_s, _describe(req))
@@ -372,6 +380,35 @@ class EngineClient:
     def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
         req = P.ResumeMemoryOccupationReqInput(tags=tags)
         self._json("POST", Route.RESUME_MEMORY_OCCUPATION, P.body(req))
+
+    # -------------------------------------------------------------- LoRA adapters
+
+    def _lora(self, route: str, body: dict[str, Any], timeout_s: float | None = None) -> dict[str, str]:
+        """POST to an adapter route; the adapters loaded after it (name -> path). SGLang answers a
+        refusal with HTTP 400 and ``{"success": false, "error_message"}``: raised as RequestRefused."""
+        out = self._json("POST", route, body, timeout_s, about=f"adapter {body.get('lora_name')!r}")
+        if not isinstance(out, dict) or not out.get("success", False):
+            raise RlhpcError(f"engine {self.base_url}{route} failed: {out}", "see the message above and the engine log")
+        return dict(out.get("loaded_adapters") or {})
+
+    def load_lora_adapter(self, req: P.LoadLoRAAdapterReqInput, timeout_s: float | None = None) -> dict[str, str]:
+        """An adapter from a PEFT directory the engine reads (on a shared file system for engines
+        on other nodes), held under ``req.lora_name``; refused if that name is loaded."""
+        return self._lora(Route.LOAD_LORA_ADAPTER, P.body(req), timeout_s)
+
+    def load_lora_adapter_from_tensors(
+        self, req: P.LoadLoRAAdapterFromTensorsReqInput, timeout_s: float | None = None
+    ) -> dict[str, str]:
+        """A pushed adapter: its PEFT config and tensors ({PEFT name: tensor}, serialized by
+        ``rlhpc.weights.tensor_transport.serialize_tensor_dict`` for an engine on this node, one
+        payload per TP rank), held under ``req.lora_name``; refused if that name is loaded."""
+        return self._lora(Route.LOAD_LORA_ADAPTER_FROM_TENSORS, P.body(req), timeout_s)
+
+    def unload_lora_adapter(self, lora_name: str, timeout_s: float | None = None) -> dict[str, str]:
+        """Drop an adapter (after the requests using it finished); refused for a name not loaded."""
+        return self._lora(
+            Route.UNLOAD_LORA_ADAPTER, P.body(P.UnloadLoRAAdapterReqInput(lora_name=lora_name)), timeout_s
+        )
 
     def close(self) -> None:
         if self._prompts is not None:  # prompts queued still go, and find the server gone (EngineUnavailable)

@@ -56,6 +56,8 @@ class _Request(BaseModel):
     # SGLang's extension: the sampled token ids (and the prompt's) in each choice, for token-level training
     return_token_ids: bool = False
     user: str | None = None  # ignored, as SGLang does
+    # the LoRA adapter to generate with, by name (``model: "BASE:ADAPTER"`` names it too, and wins)
+    lora_path: str | list[str | None] | None = None
 
 
 class CompletionRequest(_Request):

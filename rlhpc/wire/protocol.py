@@ -57,6 +57,10 @@ class Route:
     GET_WEIGHTS_BY_NAME = "/get_weights_by_name"
     RELEASE_MEMORY_OCCUPATION = "/release_memory_occupation"
     RESUME_MEMORY_OCCUPATION = "/resume_memory_occupation"
+    # LoRA adapters, held by name (an engine started with --enable-lora; see rlhpc.wire.lora)
+    LOAD_LORA_ADAPTER = "/load_lora_adapter"  # from a PEFT directory the engine reads
+    LOAD_LORA_ADAPTER_FROM_TENSORS = "/load_lora_adapter_from_tensors"  # pushed, as weights are
+    UNLOAD_LORA_ADAPTER = "/unload_lora_adapter"
 
     @classmethod
     def all(cls) -> dict[str, str]:
@@ -85,6 +89,9 @@ class GenerateReqInput:
     # The prompt holds the model's image tokens already (the driver rendered them); SGLang
     # processes the images again and checks they fill those tokens.
     image_data: list[list[str]] | list[str] | str | None = None
+    # The LoRA adapter each prompt generates with, by the name it was loaded under (None: the
+    # base model); one name for every prompt, or one per prompt
+    lora_path: list[str | None] | str | None = None
 
 
 @dataclass
@@ -189,6 +196,45 @@ class ResumeMemoryOccupationReqInput:
     tags: list[str] | None = None  # None: all of MEMORY_TAGS
 
 
+@dataclass
+class LoadLoRAAdapterReqInput:
+    """An adapter from ``lora_path``, a PEFT directory (adapter_config.json and the adapter's
+    safetensors) on the engine's node, held as ``lora_name``."""
+
+    lora_name: str
+    lora_path: str
+    pinned: bool = False
+
+
+@dataclass
+class LoadLoRAAdapterFromTensorsReqInput:
+    """An adapter pushed: its PEFT config (``config_dict``, adapter_config.json's content) and its
+    tensors, one base64 payload per TP rank serialized as a weight push's
+    (``rlhpc.weights.tensor_transport.serialize_tensor_dict``: {PEFT name: tensor}, or with
+    ``load_format=FLATTENED_BUCKET`` a flattened bucket)."""
+
+    lora_name: str
+    config_dict: dict[str, Any]
+    serialized_named_tensors: list[str]
+    pinned: bool = False
+    load_format: str | None = None
+
+
+@dataclass
+class UnloadLoRAAdapterReqInput:
+    lora_name: str
+
+
+@dataclass
+class LoRAUpdateOutput:
+    """The answer of the three adapter routes (HTTP 200 when ``success``, else 400): the adapters
+    loaded after the call, name -> the path each was loaded from (``TENSOR_LORA_PATH`` if pushed)."""
+
+    success: bool
+    error_message: str | None = None
+    loaded_adapters: dict[str, str] | None = None
+
+
 # Which body each route takes (routes absent here take none, or a body of their own shape).
 ROUTE_BODIES: dict[str, type] = {
     Route.GENERATE: GenerateReqInput,
@@ -206,6 +252,9 @@ ROUTE_BODIES: dict[str, type] = {
     Route.GET_WEIGHTS_BY_NAME: GetWeightsByNameReqInput,
     Route.RELEASE_MEMORY_OCCUPATION: ReleaseMemoryOccupationReqInput,
     Route.RESUME_MEMORY_OCCUPATION: ResumeMemoryOccupationReqInput,
+    Route.LOAD_LORA_ADAPTER: LoadLoRAAdapterReqInput,
+    Route.LOAD_LORA_ADAPTER_FROM_TENSORS: LoadLoRAAdapterFromTensorsReqInput,
+    Route.UNLOAD_LORA_ADAPTER: UnloadLoRAAdapterReqInput,
 }
 
 
@@ -253,7 +302,7 @@ def per_prompt(req: GenerateReqInput) -> list[GenerateReqInput]:
     def pick(value: Any, i: int) -> Any:
         return value[i] if isinstance(value, list) else value
 
-    for name in ("sampling_params", "return_logprob", "logprob_start_len", "rid", "image_data"):
+    for name in ("sampling_params", "return_logprob", "logprob_start_len", "rid", "image_data", "lora_path"):
         value = getattr(req, name)
         if isinstance(value, list) and len(value) != n:
             raise RlhpcError(
@@ -268,6 +317,7 @@ def per_prompt(req: GenerateReqInput) -> list[GenerateReqInput]:
             logprob_start_len=pick(req.logprob_start_len, i),
             rid=f"{req.rid}_{i}" if isinstance(req.rid, str) else pick(req.rid, i),
             image_data=req.image_data[i] if req.image_data is not None else None,  # a batch's: one entry a prompt
+            lora_path=pick(req.lora_path, i),
         )
         for i in range(n)
     ]
@@ -322,7 +372,7 @@ def body(req: Any, drop_none: tuple[str, ...] = ()) -> dict[str, Any]:
 def generate_body(req: GenerateReqInput) -> dict[str, Any]:
     """A /generate request's body: the prompt field not given, and an unset rid or
     logprob_start_len, are left out (SGLang's own defaults apply)."""
-    return body(req, drop_none=("text", "input_ids", "rid", "logprob_start_len", "image_data"))
+    return body(req, drop_none=("text", "input_ids", "rid", "logprob_start_len", "image_data", "lora_path"))
 
 
 # ------------------------------------------------------------------ sampling params and outputs

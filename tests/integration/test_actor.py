@@ -24,6 +24,8 @@ from rlhpc.errors import RlhpcError
 
 pytestmark = pytest.mark.ray
 
+TOOLS = Path(__file__).resolve().parents[2] / "tools"
+
 
 def make_cfg(**actor: object) -> Config:
     cfg = Config(deterministic=True)
@@ -435,7 +437,7 @@ def test_the_reference_is_reset_every_interval_and_a_resume_restores_it(
         uninterrupted_metrics = a.train(3, make_batch(6, seed=3))
         uninterrupted = a.fingerprints()
         assert a.reference_fingerprints() == uninterrupted  # the second reset
-    assert uninterrupted_metrics["kl"] > 0
+    assert uninterrupted_metrics["kl"] != 0  # k1: a sum of log ratios, of either sign
     with Group(cfg, model_path, 1) as b:
         b.load(str(ckpt))
         assert b.reference_fingerprints() == [reset]
@@ -502,3 +504,108 @@ def test_the_weights_a_push_sends_lie_back_to_back(ray_cluster: None, model_path
         g.load(str(tmp_path / "ckpt"))
         g.train(1, make_batch(8, seed=1))
         assert ray.get(worker.__ray_call__.remote(sent_as_one_view))
+
+
+# ------------------------------------------------------------------ LoRA (actor.lora, issue 45)
+
+
+def response_logprobs(model: torch.nn.Module, batch) -> list[list[float]]:
+    """Each sample's response-token logprobs by a plain forward of that sample alone."""
+    out = []
+    with torch.no_grad():
+        for prompt, response in zip(batch.prompt_ids, batch.response_ids):
+            lp = torch.log_softmax(model(input_ids=torch.tensor([prompt + response])).logits[0].float(), -1)
+            out.append([float(lp[len(prompt) - 1 + t, tok]) for t, tok in enumerate(response)])
+    return out
+
+
+def test_lora_trains_the_adapters_alone_saves_them_as_peft_does_and_resumes_identical(
+    ray_cluster: None, model_path: str, tmp_path: Path
+) -> None:
+    """Two data-parallel ranks with LoRA on three of the llama's linear layers and the KL penalty:
+    only the adapted weights move (the push sends base + scale B A under the base's names), the
+    optimizer holds the adapters alone, the reference stays the base (adapters off: no copy),
+    the checkpoint is PEFT's and peft loads it onto the base with the trainer's logprobs, the KL
+    equals the one to a separate frozen base, the merge command's model generates as the
+    adapter-on model, and a resumed group trains the next rollout bit for bit."""
+    import importlib.util
+    import json
+
+    from peft import PeftModel
+    from peft.utils.constants import CONFIG_NAME, SAFETENSORS_WEIGHTS_NAME
+    from transformers import AutoModelForCausalLM
+
+    from rlhpc.actor.checkpoint_dir import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+    from rlhpc.config import LoraConfig
+
+    assert (ADAPTER_CONFIG, ADAPTER_WEIGHTS) == (CONFIG_NAME, SAFETENSORS_WEIGHTS_NAME)
+
+    def policy_logprobs(worker, batch):  # runs in the rank (nested: pickled by value)
+        with torch.no_grad():
+            mb = worker._on_device(batch)
+            lp = mb.per_sample(worker._token_logprobs(worker._logits(worker._policy(train=False), mb), mb.ids))
+            return [lp[i][mb.mask[i].bool()].tolist() for i in range(len(batch))]
+
+    cfg = make_cfg(micro_batch_size=3, num_steps_per_rollout=2)
+    cfg.actor.lora = LoraConfig(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj", "down_proj"])
+    cfg.algo.kl_coef, cfg.algo.kl_estimator = 0.1, "k1"
+    ckpt, actor, probe = tmp_path / "ckpt", tmp_path / "ckpt" / "actor", make_batch(*KL_BATCH)
+    base = load_file(Path(model_path) / "model.safetensors")
+    with Group(cfg, model_path, 2) as a:
+        start = a.fingerprints()
+        assert a.reference_fingerprints() == start  # B = 0: the policy starts as the base
+        adapters = [ray.get(w.lora_adapter.remote())[1] for w in a.workers]
+        assert all(torch.equal(adapters[0][n], adapters[1][n]) for n in adapters[0])  # every rank's A alike
+        first = a.train(0, make_batch(10, seed=0))
+        assert first["grad_norm"] > 0
+        a.save(str(ckpt))
+        saved_fp = a.fingerprints()
+        assert saved_fp[0] == saved_fp[1] != start[0]
+        merged = tensors(a)  # what a push sends: the base's names, adapted weights merged
+        kl = a.kl_to_reference(probe)
+        trainer = ray.get(a.workers[0].__ray_call__.remote(policy_logprobs, probe))
+        adapter_config, adapter = a.lora_adapter()
+        uninterrupted_metrics = a.train(1, make_batch(10, seed=1))
+        uninterrupted = a.fingerprints()
+        assert a.reference_fingerprints() == start  # the reference never moves
+    assert uninterrupted_metrics["kl"] != 0  # k1: a sum of log ratios, of either sign
+
+    assert merged.keys() == base.keys()
+    moved = {n for n in base if not torch.equal(merged[n], base[n])}
+    assert moved == {f"model.layers.{i}.{m}.weight" for i in range(2) for m in ("self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj")}  # fmt: skip
+    names = {p.name for p in actor.iterdir()}
+    assert {ADAPTER_CONFIG, ADAPTER_WEIGHTS, "optim.safetensors", "config.json"} <= names
+    assert "model.safetensors" not in names  # megabytes, not the model
+    optim = read_optimizer(actor)["state"]
+    assert sum(s["exp_avg"].numel() for s in optim.values()) == sum(t.numel() for t in adapter.values())
+    assert adapter_config == json.loads((actor / ADAPTER_CONFIG).read_text()) and adapter_config["r"] == 4
+    on_disk = load_file(actor / ADAPTER_WEIGHTS)
+    assert on_disk.keys() == adapter.keys() and all(torch.equal(on_disk[n], t) for n, t in adapter.items())
+
+    # peft loads the checkpoint onto the base: the trainer's logprobs, and its KL to a separate frozen base
+    with_adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_path), str(actor)).eval()
+    frozen = AutoModelForCausalLM.from_pretrained(model_path).eval()
+    expected = response_logprobs(with_adapter, probe)
+    for got, want in zip(trainer, expected):
+        assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
+    k1 = [sum(p) - sum(r) for p, r in zip(expected, response_logprobs(frozen, probe))]
+    assert kl.tolist() == pytest.approx(k1, rel=1e-4, abs=1e-6) and all(x != 0 for x in k1)
+
+    # the merge command: a plain HF model with the pushed weights, generating as the adapter-on model
+    spec = importlib.util.spec_from_file_location("convert_checkpoint", TOOLS / "convert_checkpoint.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    assert tool.main(["merge-lora", str(ckpt), str(tmp_path / "merged"), "--base", model_path]) == 0
+    assert tool.main(["merge-lora", str(ckpt), str(tmp_path / "merged"), "--base", model_path]) == 2  # not over it
+    plain = load_file(tmp_path / "merged" / "model.safetensors")
+    assert plain.keys() == merged.keys() and all(torch.equal(plain[n], merged[n]) for n in merged)
+    merged_model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged")).eval()
+    prompt = torch.tensor([probe.prompt_ids[0]])
+    greedy = {"max_new_tokens": 12, "do_sample": False, "pad_token_id": 0}
+    assert torch.equal(merged_model.generate(prompt, **greedy), with_adapter.generate(input_ids=prompt, **greedy))
+
+    with Group(cfg, model_path, 2) as b:
+        b.load(str(ckpt))
+        assert b.fingerprints() == saved_fp
+        assert b.train(1, make_batch(10, seed=1)) == uninterrupted_metrics  # every float, exactly
+        assert b.fingerprints() == uninterrupted

@@ -16,6 +16,7 @@ import urllib3
 from support.engines import engine_client, key_file, start_server, stop_server
 from support.jobs import REPO, job_args, submit
 
+from rlhpc.engine_server.cpu.app import UNAUTHORIZED
 from rlhpc.engine_server.cpu.server import parse_args
 from rlhpc.wire.protocol import Route
 
@@ -40,7 +41,7 @@ def test_every_route_refuses_a_request_without_the_key(server: tuple[str, Path],
             # rlhpc starts run nothing for it either: SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false)
             assert resp.status == 200 and resp.data == b"", resp.data[:200]
         else:
-            assert resp.status == 401, (method, route, resp.status, resp.data[:200])
+            assert resp.status == 401 and resp.json() == UNAUTHORIZED, (method, route, resp.status, resp.data[:200])
 
 
 def test_the_client_with_the_key_is_served(server: tuple[str, Path]) -> None:

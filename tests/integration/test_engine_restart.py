@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -100,29 +100,67 @@ class Rollout:
 
 @contextmanager
 def groups(cfg: Config, model_path: str, log_dir: Path) -> Iterator[tuple[ActorGroup, Rollout]]:
-    """A local Ray with the layout's GPUs declared, the actor group and the rollout side; all torn down after."""
-    ray.init(num_cpus=4, num_gpus=cfg.cluster.gpus_per_node, include_dashboard=False, log_to_driver=False)
+    """In the module's one local Ray (``ray_cluster``: 4 GPUs declared, the most a layout here
+    takes), the actor group and the rollout side; all torn down after, Ray kept for the next test."""
     layout = plan_layout(cfg.cluster)
-    placement = create_placement(layout.num_slots)
-    actor = ActorGroup(ActorSpec.from_config(cfg), model_path, placement, layout.actor_slots, cfg.cluster.colocate)
-    engines = EnginePool.start(
-        cfg.rollout, cfg.cluster, cfg.seed, model_path, placement, layout, log_dir, deterministic=cfg.deterministic
-    )
-    generation = Generation(
-        load_tokenizer(model_path), task_reward(cfg.data), cfg.rollout, cfg.eval, cfg.algo, cfg.seed,
-        send=engines.generate, num_engines=len(layout.engine_slots),
+    with ExitStack() as undo:  # in reverse, also when a start fails: the next test gets a clean Ray
+        placement = create_placement(layout.num_slots)
+        undo.callback(placement.remove)
+        actor = ActorGroup(ActorSpec.from_config(cfg), model_path, placement, layout.actor_slots, cfg.cluster.colocate)
+        undo.callback(actor.shutdown)
+        engines = EnginePool.start(
+            cfg.rollout, cfg.cluster, cfg.seed, model_path, placement, layout, log_dir, deterministic=cfg.deterministic
+        )
+        undo.callback(engines.shutdown)
+        generation = Generation(
+            load_tokenizer(model_path), task_reward(cfg.data), cfg.rollout, cfg.eval, cfg.algo, cfg.seed,
+            send=engines.generate, num_engines=len(layout.engine_slots),
+        )  # fmt: skip
+        yield actor, Rollout(engines, generation, *load_data(cfg.data, cfg.rollout.rollout_batch_size, cfg.seed))
+
+
+# First in the module: its job has a Ray of its own, and the module's (ray_cluster) starts with the next test.
+def test_train_survives_a_killed_engine(tmp_path: Path) -> None:
+    """Through jobs/submit.py and rlhpc.driver.train: an engine killed mid-run costs nothing."""
+    run = tmp_path / "run"
+    args = [sys.executable, str(REPO / "jobs" / "submit.py"), "--cluster", "local", "--run-dir", str(run)]
+    for o in (
+        "data.num_train=64",
+        "rollout.rollout_batch_size=8",
+        "rollout.n_samples_per_prompt=4",
+        "logging.wandb_mode=disabled",
+        "rollout.num_rollout=12",
+        "checkpoint.save_interval=null",
+        "cluster.gpus_per_node=3",
+        "cluster.rollout_num_gpus=2",
+        "eval.interval=4",
+        HELD,
+    ):
+        args += ["--set", o]
+    gate = Gate(tmp_path / "gate")
+    gate.shut(*rollout_logged(run, 2))  # held at rollout 3, however fast the run goes
+    proc = subprocess.Popen(
+        args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, start_new_session=True,
+        env={**os.environ, **gate.env},
     )  # fmt: skip
-    rollout = Rollout(engines, generation, *load_data(cfg.data, cfg.rollout.rollout_batch_size, cfg.seed))
     try:
-        yield actor, rollout
+        engine_log = run / "logs" / "engines" / "engine_1.log"
+        gate.wait_held(proc)
+        pid = int(re.findall(r"cpu_server\[(\d+)\]", engine_log.read_text())[-1])
+        os.kill(pid, signal.SIGKILL)
+        gate.open()
+        out, _ = proc.communicate(timeout=300)
     finally:
-        engines.shutdown()
-        actor.shutdown()
-        placement.remove()
-        ray.shutdown()
+        if proc.poll() is None:
+            kill_job(proc)  # the job's own session too (its controller leads one): nothing orphaned
+    assert proc.returncode == 0, out[-4000:]
+    assert [r["rollout_id"] for r in _metrics(run) if r["kind"] == "rollout"] == list(range(12))
+    assert engine_log.read_text().count("starting at") == 2
+    assert "rollout engine 1" in out and "restart 1 of at most 3" in out
+    assert (run / "FINISHED").is_file()
 
 
-def test_dead_engines_are_restarted_resynced_and_limited(model_path: str, tmp_path: Path) -> None:
+def test_dead_engines_are_restarted_resynced_and_limited(ray_cluster: None, model_path: str, tmp_path: Path) -> None:
     cfg = restart_cfg(actor_gpus=1)
     cfg.rollout.max_engine_restarts = 1
     with groups(cfg, model_path, tmp_path / "engines") as (actor, rollout):
@@ -161,7 +199,7 @@ def test_dead_engines_are_restarted_resynced_and_limited(model_path: str, tmp_pa
         assert "rollout.max_engine_restarts = 1" in msg and "fix:" in msg
 
 
-def test_async_generation_leaves_dead_engines_to_the_gap(model_path: str, tmp_path: Path) -> None:
+def test_async_generation_leaves_dead_engines_to_the_gap(ray_cluster: None, model_path: str, tmp_path: Path) -> None:
     """As the async pipeline's generation thread (beside training): a dead engine is not restarted
     there (its re-sync would queue behind the actor's training and label trained weights with the
     old version); its requests go to the other engine, and the restart waits for the next push."""
@@ -215,7 +253,9 @@ class KillBeforePush:
         self.actor.update_weights(version)
 
 
-def test_pushes_made_with_training_and_an_engine_killed_during_one(model_path: str, tmp_path: Path) -> None:
+def test_pushes_made_with_training_and_an_engine_killed_during_one(
+    ray_cluster: None, model_path: str, tmp_path: Path
+) -> None:
     """The synchronous loop's push in the training call (``train(push_version=...)``): the engines
     hold the trained weights after one update each, and the pool's push only takes its outcome.
     An engine killed during that training fails the push, and the pool restarts it and pushes again.
@@ -253,55 +293,8 @@ def test_pushes_made_with_training_and_an_engine_killed_during_one(model_path: s
         rollout.generate(3)  # and generation goes on
 
 
-def test_train_survives_a_killed_engine(tmp_path: Path) -> None:
-    """Through jobs/submit.py and rlhpc.driver.train: an engine killed mid-run costs nothing."""
-    run = tmp_path / "run"
-    args = [sys.executable, str(REPO / "jobs" / "submit.py"), "--cluster", "local", "--run-dir", str(run)]
-    for o in (
-        "data.num_train=64",
-        "rollout.rollout_batch_size=8",
-        "rollout.n_samples_per_prompt=4",
-        "logging.wandb_mode=disabled",
-        "rollout.num_rollout=12",
-        "checkpoint.save_interval=null",
-        "cluster.gpus_per_node=3",
-        "cluster.rollout_num_gpus=2",
-        "eval.interval=4",
-        HELD,
-    ):
-        args += ["--set", o]
-    gate = Gate(tmp_path / "gate")
-    gate.shut(*rollout_logged(run, 2))  # held at rollout 3, however fast the run goes
-    proc = subprocess.Popen(
-        args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, start_new_session=True,
-        env={**os.environ, **gate.env},
-    )  # fmt: skip
-    try:
-        engine_log = run / "logs" / "engines" / "engine_1.log"
-        gate.wait_held(proc)
-        pid = int(re.findall(r"cpu_server\[(\d+)\]", engine_log.read_text())[-1])
-        os.kill(pid, signal.SIGKILL)
-        gate.open()
-        out, _ = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            kill_job(proc)  # the job's own session too (its controller leads one): nothing orphaned
-    assert proc.returncode == 0, out[-4000:]
-    assert [r["rollout_id"] for r in _metrics(run) if r["kind"] == "rollout"] == list(range(12))
-    assert engine_log.read_text().count("starting at") == 2
-    assert "rollout engine 1" in out and "restart 1 of at most 3" in out
-    assert (run / "FINISHED").is_file()
-
-
 def _metrics(run: Path) -> list[dict]:
     try:
         return read_metrics(run)
     except (FileNotFoundError, ValueError):  # not written yet, or a line half-written
         return []
-
-
-@pytest.fixture(autouse=True)
-def _no_ray_left() -> Iterator[None]:
-    yield
-    if ray.is_initialized():
-        ray.shutdown()

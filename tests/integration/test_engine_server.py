@@ -24,8 +24,9 @@ from support.engines import KEYS, engine_client, generate_in_background, start_s
 from rlhpc.engine_server.cpu.server import parse_args
 from rlhpc.errors import RlhpcError
 from rlhpc.model import load_model, load_tokenizer
+from rlhpc.wire import lora
 from rlhpc.wire import protocol as P
-from rlhpc.wire.client import EngineClient
+from rlhpc.wire.client import EngineClient, RequestRefused
 from rlhpc.wire.protocol import MetaInfo, Route
 
 # ------------------------------------------------------------------ fixtures
@@ -192,6 +193,20 @@ def test_bad_requests_fail_clearly(client: EngineClient) -> None:
         client.get_weights_by_name("no.such.weight")
     with pytest.raises(RlhpcError, match="unreachable"):
         EngineClient("http://127.0.0.1:9", timeout_s=2).get_weight_version()
+
+
+def test_lora_on_an_engine_without_it_is_refused_in_sglangs_words(client: EngineClient) -> None:
+    """Without --enable-lora (tests/integration/test_engine_lora.py has an engine with it)."""
+    with pytest.raises(RequestRefused, match=re.escape(lora.requested_not_enabled("a"))):
+        client.generate(input_ids=[1, 5], sampling_params={"max_new_tokens": 1}, lora_path="a")
+    for call in (
+        lambda: client.unload_lora_adapter("a"),
+        lambda: client.load_lora_adapter(P.LoadLoRAAdapterReqInput("a", "/nowhere")),
+        lambda: client.load_lora_adapter_from_tensors(P.LoadLoRAAdapterFromTensorsReqInput("a", {}, ["x"])),
+    ):
+        with pytest.raises(RequestRefused, match=re.escape(lora.NOT_ENABLED)) as refused:
+            call()
+        assert refused.value.status == 400
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,7 @@
 """A training rank that hangs (its process SIGSTOPped, for real) in a local job: the call waiting on
 it fails within actor.call_timeout_s, or soon after a stop request, naming the call, the rank and
 its node; the rank is killed and the job requeues and finishes with every rollout logged once.
-A rank that dies (SIGKILL) requeues the job the same way."""
+A rank that dies (SIGKILL) requeues the job the same way. One job holds all three faults (a start each)."""
 
 import os
 import re
@@ -18,6 +18,7 @@ from rlhpc.runtime.restarts import read_history
 # so a fast run cannot outrun it.
 NUM_ROLLOUT = 12
 OVERRIDES = (f"rollout.num_rollout={NUM_ROLLOUT}", "checkpoint.save_interval=2", "eval.interval=null", HELD)
+STOP_WAIT_S = 5  # actor.stop_wait_s: the default 60 s would be waited out in full
 
 
 def start(run: Path, gate: Gate, *overrides: str) -> subprocess.Popen:
@@ -97,58 +98,54 @@ def check_requeued_and_finished(run: Path, proc: subprocess.Popen, out: str, *hu
 
 
 @pytest.fixture(scope="module")
-def killed_then_hung(tmp_path_factory) -> tuple[str, str]:
-    """One job for two faults (each requeues it): its rank SIGKILLed in the first start, the new
-    rank SIGSTOPped in the second (a hang, found by actor.call_timeout_s = 30). The third start
+def three_faults(tmp_path_factory) -> tuple[str, str]:
+    """One job for three faults (each requeues it): its rank SIGKILLed in the first start, the new
+    rank SIGSTOPped in the second (a hang, found by actor.call_timeout_s = 60: a rank's start counts
+    against it too, and a start takes tens of seconds on a loaded machine), and in the third
+    the rank SIGSTOPped and a stop request sent (the stop shortens the wait to actor.stop_wait_s,
+    set short here so that the test waits out 5 s, not the default 60). The fourth start
     finishes. What the job printed, unwrapped, and its tail as printed."""
     tmp = tmp_path_factory.mktemp("hang")
     run, gate = tmp / "run", Gate(tmp / "gate")
-    proc = start(run, gate, "actor.call_timeout_s=30")
-    killed = hung = None
+    proc = start(run, gate, "actor.call_timeout_s=60", f"actor.stop_wait_s={STOP_WAIT_S}")
+    killed = hung = stopped = None
     try:
         # killed while held at rollout 3 (checkpoint 1 saved); the job goes on (the gate now
         # waits for rollout 6, which only the next start reaches), fails and resumes at rollout 2
         killed = hang_a_rank(run, proc, gate, trained=2, sig=signal.SIGKILL)
         hung = hang_a_rank(run, proc, gate, trained=6)  # in the second start, checkpoint 5 saved
+        # in the third start, held at rollout 9 with rollout 8 trained and not saved (checkpoint
+        # 7): the stop must save it, or train rollout 9 first, either way asking the stopped rank
+        stopped = hang_a_rank(run, proc, gate, trained=8)
+        os.kill(task_pid(run), signal.SIGUSR2)  # a preemption warning, the rank hung
         gate.open()
     finally:
-        out = finish(proc, killed, hung)
-    said = check_requeued_and_finished(run, proc, out, killed, hung, requeues=2)
+        out = finish(proc, killed, hung, stopped)
+    said = check_requeued_and_finished(run, proc, out, killed, hung, stopped, requeues=3)
     return said, out[-4000:]
 
 
-def test_a_hung_rank_fails_the_call_naming_it_and_the_job_requeues(killed_then_hung):
-    said, tail = killed_then_hung
+def test_a_hung_rank_fails_the_call_naming_it_and_the_job_requeues(three_faults):
+    said, tail = three_faults
     # Which call hangs depends on when the signal landed (train, save, weight push); it is named.
     assert re.search(
-        r"actor call \w+ got no answer from rank 0 on [\d.]+ \(GPU \d+\) within 3\d s \(actor\.call_timeout_s = 30\)",
+        r"actor call \w+ got no answer from rank 0 on [\d.]+ \(GPU \d+\) within 6\d s \(actor\.call_timeout_s = 60\)",
         said,
     ), tail
 
 
-def test_a_stop_request_is_honoured_while_a_rank_hangs(tmp_path):
+def test_a_stop_request_is_honoured_while_a_rank_hangs(three_faults):
     """The default call_timeout_s (an hour) would outlast Slurm's warning: the stop shortens the wait."""
-    run, gate = tmp_path / "run", Gate(tmp_path / "gate")
-    proc = start(run, gate)
-    hung = None
-    try:
-        # held at rollout 5 with rollout 4 trained and not saved (checkpoint 3): the stop must save
-        # it, or train rollout 5 first, either way asking the stopped rank
-        hung = hang_a_rank(run, proc, gate, trained=4)
-        os.kill(task_pid(run), signal.SIGUSR2)  # a preemption warning, the rank hung
-        gate.open()
-    finally:
-        out = finish(proc, hung)
-    said = check_requeued_and_finished(run, proc, out, hung)
+    said, tail = three_faults
     assert "got SIGUSR2: stopping at the next safe point" in said
     assert re.search(
         r"actor call \w+ got no answer from rank 0 on [\d.]+ \(GPU \d+\) within \d+ s "
-        r"\(SIGUSR2 asked the job to stop; waited 60 s more\)",
+        rf"\(SIGUSR2 asked the job to stop; waited {STOP_WAIT_S} s more\)",
         said,
-    ), out[-4000:]
+    ), tail
 
 
-def test_a_killed_rank_requeues_the_job_which_resumes(killed_then_hung):
+def test_a_killed_rank_requeues_the_job_which_resumes(three_faults):
     """A dead rank process is gone at the next start, like a dead engine: not a reason to fail the job."""
-    said, tail = killed_then_hung
+    said, tail = three_faults
     assert re.search(r"actor rank 0 died during \w+", said), tail

@@ -8,6 +8,8 @@ import sys
 
 import h5py
 import pytest
+import torch
+from safetensors.torch import load_file
 from support.jobs import REPO, rollouts, routed, said, submit
 from support.rewards import SCORED_ENV, pass_at_k_by_hand, scored
 
@@ -143,14 +145,24 @@ COLOCATE_OFFLOAD = [
 ]
 
 
+# LoRA, each push the adapter alone (its files under the run dir, loaded by both engines behind the
+# router, every request naming it); a rate that moves the adapters far within a rollout, so an
+# engine generating without the adapter would be far from the trainer
+LORA_ADAPTER_PUSH = [
+    "actor.lora.rank=8", "actor.lr=0.01", "cluster.gpus_per_node=3", "cluster.actor_num_gpus=1",
+    "cluster.rollout_num_gpus=2", "checkpoint.save_interval=3",
+]  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "layout",
     [
         COLOCATE_OFFLOAD,
         # with the KL in the reward, measured by both ranks, and the reference reset after rollout 1
         ["cluster.gpus_per_node=4", "cluster.actor_num_gpus=2", "cluster.rollout_num_gpus=2", *KL_IN_REWARD],
+        LORA_ADAPTER_PUSH,
     ],
-    ids=["colocate-offload", "2-actor-ranks-2-engines"],
+    ids=["colocate-offload", "2-actor-ranks-2-engines", "lora-adapter-push"],
 )
 def test_other_layouts_train(tmp_path, layout):
     run = tmp_path / "run"
@@ -161,9 +173,16 @@ def test_other_layouts_train(tmp_path, layout):
     # no engine died and was restarted: as SGLang's, the CPU engine dies resuming memory it holds
     assert "is down; restart" not in p.stdout + p.stderr
     assert not [f for f in (run / "logs" / "engines").rglob("*.log") if "Scheduler hit" in f.read_text()]
-    if layout == COLOCATE_OFFLOAD:
+    if layout in (COLOCATE_OFFLOAD, LORA_ADAPTER_PUSH):
         diffs = [r["rollout_logprob_abs_diff"] for r in read_metrics(run) if r["kind"] == "rollout"]
         assert max(diffs) < 1e-4, diffs
+    if layout == LORA_ADAPTER_PUSH:  # the last push's adapter is the trained one, and only it is left
+        [pushed] = (run / "lora_push").iterdir()
+        assert pushed.name == "v000003" and (pushed / "adapter_config.json").is_file()
+        [saved] = (run / "checkpoints").glob("rollout_*")  # after the last rollout's training, as that push
+        trained = load_file(saved / "actor" / "adapter_model.safetensors")
+        assert load_file(pushed / "adapter_model.safetensors").keys() == trained.keys()
+        assert all(torch.equal(load_file(pushed / "adapter_model.safetensors")[k], t) for k, t in trained.items())
     if KL_IN_REWARD[0] in layout:
         # k3 is 0 exactly where the policy is the reference: at the start, and right after the reset
         penalty = [r["kl/reward_penalty"] for r in read_metrics(run) if r["kind"] == "rollout"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -183,13 +184,15 @@ def test_a_request_an_engine_refuses_through_the_router_is_one_error_naming_it(p
 
 class Recorder(ThreadingHTTPServer):
     """An engine as the router sees it: /health, /server_info and /model_info answered, every other
-    request recorded (path and JSON body) and answered with the next of ``statuses`` (then 200)."""
+    request recorded (path and JSON body) and answered with the next of ``statuses`` (then 200);
+    while ``silent`` is set, a POST is recorded and never answered (an engine on a lost node)."""
 
     daemon_threads = True
 
     def __init__(self) -> None:
         self.seen: list[tuple[str, str, dict | None]] = []
         self.statuses: list[int] = []
+        self.silent = threading.Event()
         recorder = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -209,6 +212,8 @@ class Recorder(ThreadingHTTPServer):
             def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 recorder.seen.append(("POST", self.path, json.loads(body) if body else None))
+                while recorder.silent.is_set():
+                    time.sleep(0.05)
                 status = recorder.statuses.pop(0) if recorder.statuses else 200
                 self.answer(status, {"text": "", "output_ids": [], "meta_info": {"id": "x"}, "error": "boom"})
 
@@ -256,7 +261,7 @@ def test_what_an_engine_receives_through_the_router_is_what_was_sent(recorded, t
     client_key = (tmp_path / "engine_key").read_text().strip()
     assert set(SENT) == P.SAMPLING_PARAMS
     req = P.GenerateReqInput(input_ids=[5, 6, 7], sampling_params=SENT, return_logprob=True, logprob_start_len=1,
-                             rid="abc")  # fmt: skip
+                             rid="abc", lora_path="run-3")  # fmt: skip
     sent = P.generate_body(req)  # as generate sends it, without its refusal of what is dropped
     headers = {"Authorization": f"Bearer {client_key}"}
     assert urllib3.request("POST", client.base_url + Route.GENERATE, json=sent, headers=headers).status == 200
@@ -303,10 +308,45 @@ def test_the_router_leaves_every_judgement_of_the_engines_to_the_job(recorded, t
             cmd = [a for a in cmd if a not in sg.ROUTER_JUDGEMENT_OFF]
         proc = subprocess.Popen([*cmd, "--health-check-interval-secs", "1"], stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL)  # fmt: skip
-        try:
+        try:  # its check at start-up, then 4 s of what follows (a loaded machine starts it late)
+            deadline = time.monotonic() + 60
+            while not any(seen[:2] == ("GET", "/health") for seen in recorder.seen) and time.monotonic() < deadline:
+                time.sleep(0.05)
             time.sleep(4)
         finally:
             proc.terminate()
             proc.wait(15)
         checks = sum(1 for method, path, _ in recorder.seen if (method, path) == ("GET", "/health"))
         assert checks >= 3 if judged else checks == 1, (judged, checks)  # 1: its check at start-up
+
+
+def test_the_router_stops_at_once_with_a_request_held_by_a_silent_engine(tmp_path: Path) -> None:
+    # sglang_router waits up to --shutdown-grace-period-secs (180 s by default) for its requests
+    # in flight before it ends; one held by an engine on a lost node made every re-route and every
+    # stop wait out stop()'s whole grace and end in a SIGKILL
+    recorder = Recorder()
+    recorder.silent.set()
+    new_key(tmp_path / "engine_key")
+    router = Router("127.0.0.1", tmp_path / "router.log", 60.0, tmp_path / "engine_key")
+    try:
+        client = EngineClient(router.start([recorder.url]), timeout_s=60, api_key=router.api_key, router=True)
+        held = threading.Thread(target=_ignore_errors, args=(client.generate,), kwargs={"input_ids": [1]})
+        held.start()
+        deadline = time.monotonic() + 30
+        while not recorder.posts() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert recorder.posts(), "the request never reached the engine"
+        proc = router.proc
+        router.stop()
+        assert proc.returncode in (0, -signal.SIGTERM), proc.returncode  # ended on SIGTERM, not killed
+    finally:
+        router.stop()
+        recorder.silent.clear()
+        recorder.shutdown()
+
+
+def _ignore_errors(fn, *args, **kwargs) -> None:
+    try:
+        fn(*args, **kwargs)
+    except Exception:  # the router went away under it: what is asserted is how the router ended
+        pass

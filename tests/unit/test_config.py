@@ -274,6 +274,7 @@ REFUSED = [
     ("actor.call_timeout_s=0", "actor.call_timeout_s = 0.0 must be > 0"),
     ("actor.call_timeout_s=-1", "actor.call_timeout_s = -1.0 must be > 0"),
     ("actor.call_timeout_s=.inf", "actor.call_timeout_s = inf is not a finite number"),
+    ("actor.stop_wait_s=0", "actor.stop_wait_s = 0.0 must be > 0"),
     ("actor.adam_betas=[0.9, 1.0]", "actor.adam_betas[1] = 1.0 must be in [0, 1)"),
     ("actor.adam_betas=[-0.1, 0.9]", "actor.adam_betas[0] = -0.1 must be in [0, 1)"),
     ("data.num_train=0", "data.num_train = 0 must be >= 1"),

@@ -10,6 +10,7 @@ import yaml
 from support import sglang_wheel
 
 from rlhpc.engine_server import sglang as sglang_server
+from rlhpc.engine_server.cpu.app import UNAUTHORIZED
 from rlhpc.engine_server.sglang import SGLangSpec
 from rlhpc.wire.engine_key import auth_headers, authorized, new_key
 
@@ -37,6 +38,14 @@ def test_sglangs_401_keeps_the_connection_as_the_cpu_engines_does() -> None:
     auth = sglang_wheel.source("sglang/srt/utils/auth.py")
     refusal = auth[auth.index("if not decision.allowed:") :].split("await response(", 1)[0]
     assert "ORJSONResponse(" in refusal and "headers" not in refusal and "close" not in refusal.lower(), refusal
+
+
+def test_the_cpu_engines_401_body_is_sglangs() -> None:
+    # SGLang's body for a missing or wrong key is {"error": "Unauthorized"} (its 403 says
+    # "Forbidden"); the CPU engine's middleware answers with the same
+    refusal = sglang_wheel.function_code("sglang/srt/utils/auth.py", "__call__")
+    assert "content={'error': 'Unauthorized' if decision.error_status_code == 401 else 'Forbidden'}" in refusal, refusal
+    assert UNAUTHORIZED == {"error": "Unauthorized"}
 
 
 def test_sglang_gets_the_key_in_a_0600_config_file_not_on_its_command_line(tmp_path: Path) -> None:

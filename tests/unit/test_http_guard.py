@@ -15,21 +15,27 @@ from contextlib import contextmanager
 
 import uvicorn
 
-from rlhpc.util.http_guard import GuardLimits, connection_cap, uvicorn_options
+from rlhpc.util.http_guard import GuardLimits, connection_cap, trust, uvicorn_options
 
 BIG = 8 * 1024 * 1024  # an answer larger than the socket buffers on both sides
 FAST = b"GET /fast HTTP/1.1\r\nHost: x\r\n\r\n"
+KEYED = b"GET /fast HTTP/1.1\r\nHost: x\r\nX-Key: k\r\n\r\n"  # past the app's key check (``trust``)
 SLOW = b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n"
 
 
 class App:
-    """/fast answers at once, /slow once ``release`` is set, /big with BIG bytes."""
+    """/fast answers at once, /slow once ``release`` is set, /big with BIG bytes; a request with
+    the key (``X-Key: k``) marks its connection a client's, as the engine's and the agent
+    endpoint's key checks do."""
 
     def __init__(self) -> None:
         self.release = threading.Event()
         self.slow_in = 0  # /slow requests the app has
+        self.loop: asyncio.AbstractEventLoop | None = None  # the server's
 
     async def __call__(self, scope: dict, receive, send) -> None:
+        if (b"x-key", b"k") in scope["headers"]:
+            trust(scope)
         body = b"ok"
         if scope["path"] == "/slow":
             self.slow_in += 1
@@ -51,7 +57,12 @@ def serving(limits: GuardLimits) -> Iterator[tuple[tuple[str, int], App]]:
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", log_config=None,
                                            **uvicorn_options(limits, "the test server")))  # fmt: skip
-    thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])), daemon=True)
+
+    async def serve() -> None:
+        app.loop = asyncio.get_running_loop()
+        await server.serve(sockets=[sock])
+
+    thread = threading.Thread(target=lambda: asyncio.run(serve()), daemon=True)
     thread.start()
     while not server.started:
         time.sleep(0.01)
@@ -132,7 +143,7 @@ def test_every_request_has_deadlines_and_size_caps() -> None:
         assert got < BIG, got
 
 
-def test_past_the_cap_the_least_recently_active_goes_a_pools_last_never_one_being_answered() -> None:
+def test_past_the_cap_the_least_recently_active_goes_never_a_key_holders_nor_one_being_answered() -> None:
     limits = GuardLimits(header_timeout_s=30, max_connections=3, backlog=16)
     with serving(limits) as (address, app):
 
@@ -142,8 +153,8 @@ def test_past_the_cap_the_least_recently_active_goes_a_pools_last_never_one_bein
                 time.sleep(0.01)
             return s
 
-        def served(s: socket.socket) -> socket.socket:
-            s.sendall(FAST)
+        def served(s: socket.socket, request: bytes = FAST) -> socket.socket:
+            s.sendall(request)
             assert answer(s).startswith(b"HTTP/1.1 200")
             return s
 
@@ -155,12 +166,12 @@ def test_past_the_cap_the_least_recently_active_goes_a_pools_last_never_one_bein
         b, c = served(connect(address)), connect(address)  # answered and kept alive; nothing sent yet
         d = connect(address)
         assert is_closed(b) and not is_closed(c)  # the least recently active, answered or not
-        served(served(c))
+        served(c, KEYED)
         e = connect(address)
         assert is_closed(d) and not is_closed(c)  # d opened before c's latest request
-        served(e)
-        f = connect(address)  # c carried two requests (a pool's), e one: e goes, though more recent
-        assert is_closed(e) and not is_closed(c)
+        served(served(e))
+        f = connect(address)  # c carried the key (a client's pool), e only keyless requests: e goes,
+        assert is_closed(e) and not is_closed(c)  # though more recent and answered twice
         answering(c, 2)
         answering(f, 3)
         g = connect(address)  # every other one is being answered: this one goes
@@ -169,6 +180,31 @@ def test_past_the_cap_the_least_recently_active_goes_a_pools_last_never_one_bein
         for s in (a, c, f):
             s.settimeout(10)
             assert answer(s).startswith(b"HTTP/1.1 200")
+
+
+def test_a_burst_past_the_cap_closes_half_sent_ones_never_a_pools_idle_one() -> None:
+    # Under load the server's loop accepts a burst of connections before reading any of their
+    # bytes: the half-sent ones must go, not a pool's idle connection its client may be reusing
+    # at that moment (the agent's failed under another user's flood, with the loop busy)
+    limits = GuardLimits(header_timeout_s=30, max_connections=3, backlog=16)
+    with serving(limits) as (address, app):
+        pool = connect(address, KEYED)
+        assert answer(pool).startswith(b"HTTP/1.1 200")
+        stalled, resume = threading.Event(), threading.Event()
+        app.loop.call_soon_threadsafe(lambda: (stalled.set(), resume.wait(10)))  # the loop busy, as under load
+        assert stalled.wait(10)
+        half = [connect(address, b"GET /fast HTTP/1.1\r\nHost: x\r\n") for _ in range(4)]
+        sent = connect(address, FAST)  # in the same burst, a request sent whole: answered
+        resume.set()
+        assert answer(sent).startswith(b"HTTP/1.1 200")
+        for s in half[:3]:  # the three over the cap, oldest first
+            s.settimeout(5)
+            assert closed(s)
+        pool.settimeout(0.5)
+        assert not closed(pool)
+        pool.settimeout(10)
+        pool.sendall(KEYED)
+        assert answer(pool).startswith(b"HTTP/1.1 200")
 
 
 def test_the_cap_is_at_most_half_the_open_file_limit() -> None:

@@ -76,7 +76,12 @@ def geo3k_parquet(path: Path) -> Path:
 def test_a_recipe_dry_runs_against_its_models_shape(recipe, tmp_path):
     model, layout = RECIPES[recipe]
     data = (geo3k_parquet if recipe.startswith("geo3k") else gsm8k_parquet)(tmp_path / "data.parquet")
-    sets = [f"model.path={MODELS / model}", f"data.train_file={data}", f"data.eval_file={data}"]
+    sets = [
+        f"model.path={MODELS / model}",
+        f"data.train_file={data}",
+        f"data.eval_file={data}",
+        "cluster.gpu_kind=H100",
+    ]
     p = subprocess.run(
         [sys.executable, str(REPO / "jobs" / "submit.py"), "--dry-run", "--config", str(REPO / "jobs" / "configs" / recipe),
          "--run-dir", str(tmp_path / "run"), "--partition", "gpu", *[a for s in sets for a in ("--set", s)]],
@@ -85,6 +90,8 @@ def test_a_recipe_dry_runs_against_its_models_shape(recipe, tmp_path):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     cfg = load_config(REPO / "jobs" / "configs" / recipe, sets)
     assert f"#SBATCH --nodes={cfg.cluster.num_nodes}" in p.stdout and layout in p.stdout
+    assert "Step time estimate on H100 (cluster.gpu_kind)" in p.stdout  # and the layouts compared
+    assert "fastest layout of these" in p.stdout or "no layout of these" in p.stdout
     # the engine launch line and the resolved config it will run
     tp = cfg.cluster.rollout_gpus_per_engine
     assert f"python -P -m sglang.launch_server --model-path {MODELS / model} " in p.stdout

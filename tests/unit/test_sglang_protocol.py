@@ -6,6 +6,7 @@ wheel's sources. A renamed or removed field, route, sampling param or flag in SG
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 from pathlib import Path
 from types import SimpleNamespace
@@ -17,6 +18,7 @@ from rlhpc.engine_server import sglang as sglang_server
 from rlhpc.engine_server.cpu import requests as cpu_requests
 from rlhpc.engine_server.sglang import SGLangSpec
 from rlhpc.wire import anthropic_messages as AM
+from rlhpc.wire import lora as L
 from rlhpc.wire import openai_protocol as OP
 from rlhpc.wire import protocol as P
 from rlhpc.wire.openai_protocol import OpenAIRoute
@@ -355,3 +357,126 @@ def test_each_tp_rank_reads_its_own_payload() -> None:
     assert sgl.request_structs()["UpdateWeightsFromTensorReqInput"]["serialized_named_tensors"].required
     patch = sgl.source("sglang/srt/utils/patch_torch.py")
     assert "_REDUCE_TENSOR_ARG_DEVICE_INDEX = 6" in patch and "get_device_properties(device).uuid" in patch
+
+
+# ------------------------------------------------------------------ LoRA adapters (issue 45)
+
+LORA_FIELDS = "sglang/srt/arg_groups/fields/lora.py"
+LORA_HOOK = "sglang/srt/arg_groups/lora_hook.py"
+LORA_MANAGER = "sglang/srt/lora/lora_manager.py"
+LORA_REGISTRY = "sglang/srt/lora/lora_registry.py"
+LORA_UTILS = "sglang/srt/lora/utils.py"
+LORA_MEM_POOL = "sglang/srt/lora/mem_pool.py"
+
+
+def _texts(path: str, function: str) -> set[str]:
+    """The strings ``function`` builds: its literals, and each f-string with ``{}`` for what it formats."""
+    out = set()
+    for n in ast.walk(ast.parse(sgl.function_code(path, function))):
+        if isinstance(n, ast.JoinedStr):
+            out.add("".join(v.value if isinstance(v, ast.Constant) else "{}" for v in n.values))
+        elif isinstance(n, ast.Constant) and isinstance(n.value, str):
+            out.add(n.value)
+    return out
+
+
+def test_lora_routes_answer_sglangs_lora_update_output() -> None:
+    """The three adapter routes (and their bodies, checked above with every route) answer
+    LoRAUpdateOutput, 200 on success and 400 otherwise; a tensor push is recorded as "__tensor__"."""
+    theirs = sgl.request_structs()["LoRAUpdateOutput"]
+    ours = {f.name: f for f in dataclasses.fields(P.LoRAUpdateOutput)}
+    assert set(ours) <= set(theirs) and _required(P.LoRAUpdateOutput) == {n for n, f in theirs.items() if f.required}
+    for route in (Route.LOAD_LORA_ADAPTER, Route.LOAD_LORA_ADAPTER_FROM_TENSORS, Route.UNLOAD_LORA_ADAPTER):
+        code = sgl.function_code(sgl.HTTP_SERVER, route.lstrip("/"))
+        assert "HTTPStatus.OK if result.success else HTTPStatus.BAD_REQUEST" in code, route
+    to_ref = next(
+        f
+        for f in sgl._classes(sgl.IO_STRUCT)["LoadLoRAAdapterFromTensorsReqInput"].body
+        if getattr(f, "name", "") == "to_ref"
+    )
+    assert f"lora_path='{L.TENSOR_LORA_PATH}'" in ast.unparse(to_ref)
+    assert "lora_path" in sgl.request_structs()["GenerateReqInput"]  # a request names its adapter so
+
+
+def test_lora_launch_flags_are_sglangs_and_both_engines_take_them() -> None:
+    from rlhpc.engine_server.cpu.command import server_command
+    from rlhpc.engine_server.cpu.server import parse_args
+
+    serving = L.LoraServing(16, ("q_proj", "v_proj"), max_loras_per_batch=4, paths=("a=/x",))
+    flags = sgl.server_flags()
+    assert {f for f in serving.flags() if f.startswith("--")} <= flags
+    assert sgl.module_constant("sglang/srt/utils/common.py", "SUPPORTED_LORA_TARGET_MODULES") == list(
+        L.SUPPORTED_TARGET_MODULES
+    )
+    assert sgl.module_constant("sglang/srt/utils/common.py", "LORA_TARGET_ALL_MODULES") == L.ALL
+    default = next(
+        s.value.value
+        for s in sgl._classes(LORA_FIELDS)["Lora"].body
+        if isinstance(s, ast.AnnAssign) and getattr(s.target, "id", "") == "max_loras_per_batch"
+    )
+    assert default == L.DEFAULT_MAX_LORAS_PER_BATCH
+    spec = SGLangSpec(tp_size=1, mem_fraction_static=0.5, memory_saver=False, seed=1, lora=serving)
+    sglang_cmd = sglang_server.launch_server_command("/py", "/m", "h", 1, 2, spec)
+    cpu_cmd = server_command("/py", "/m", "127.0.0.1", "/r", "1", "1", lora=serving)
+    assert serving.flags() == sglang_cmd[-len(serving.flags()) :] == cpu_cmd[-len(serving.flags()) :]
+    assert parse_args(["--model-path", "/m", *serving.flags()]).lora == serving  # the CPU engine reads them back
+    # --enable-lora without --lora-paths needs the rank and the targets, in SGLang's words
+    assert L.NEEDS_RANK_AND_TARGETS in _texts(LORA_HOOK, "check_lora_server_args")
+    with pytest.raises(SystemExit):
+        parse_args(["--model-path", "/m", L.ENABLE_LORA, L.MAX_LORA_RANK, "8"])
+
+
+def test_lora_fit_rules_are_sglangs() -> None:
+    """An adapter fits when its rank is within --max-lora-rank and its targets, as the fused
+    modules serving them, within --lora-target-modules ("all" on either side fits)."""
+    can_support = sgl.function_code(LORA_MEM_POOL, "can_support")
+    for line in (
+        "if config.r > self.max_lora_rank:",
+        "target_module_names = get_normalized_target_modules(config.target_modules)",
+        "if 'all' in target_module_names:",
+        "return target_module_names.issubset(self.target_modules)",
+    ):
+        assert line in can_support, line
+    fn = next(
+        n
+        for n in ast.walk(ast.parse(sgl.function_code(LORA_UTILS, "get_normalized_target_modules")))
+        if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "params_mapping"
+    )
+    theirs = {k: v for k, v in ast.literal_eval(fn.value).items() if k != v}
+    assert theirs == {k: v for k, v in L._FUSED.items() if k != v}
+    assert L.NOT_ALL_STRING in _texts(LORA_UTILS, "get_normalized_target_modules")
+    serving = L.LoraServing(8, ("q_proj", "down_proj"))
+    assert L.fits(8, ["k_proj"], serving) and L.fits(4, "all-linear", serving)
+    assert not L.fits(9, ["q_proj"], serving) and not L.fits(4, ["gate_proj"], serving)
+
+
+def test_lora_refusals_are_in_sglangs_words() -> None:
+    cases = [
+        (LORA_MANAGER, "validate_new_adapter", L.already_loaded("{}")),
+        (LORA_MANAGER, "validate_new_adapter", L.does_not_fit("{}", "{}")),  # type: ignore[arg-type]
+        (LORA_REGISTRY, "unregister", L.does_not_exist("{}", []).replace("dict_keys([])", "{}")),
+        (sgl.TOKENIZER_MANAGER, "_validate_and_resolve_lora", L.requested_not_enabled("{}")),
+        (sgl.TOKENIZER_MANAGER, "_resolve_lora_path", L.never_loaded("{}", []).replace("dict_keys([])", "{}")),
+        (sgl.TOKENIZER_MANAGER, "_resolve_lora_path", L.reload_failed("{}", "{}")),
+        (sgl.TOKENIZER_CONTROL, "load_lora_adapter", L.NOT_ENABLED),
+        (sgl.TOKENIZER_CONTROL, "load_lora_adapter_from_tensors", L.NOT_ENABLED),
+        (sgl.TOKENIZER_CONTROL, "unload_lora_adapter", L.NOT_ENABLED),
+        (sgl.IO_STRUCT, "_normalize_lora_paths", "lora_path should be a list or a string."),
+    ]
+    for path, function, ours in cases:
+        assert ours in _texts(path, function), (function, ours)
+    # an unloaded adapter is loaded again from its path when a request names it (the CPU engine too)
+    resolve = sgl.function_code(sgl.TOKENIZER_MANAGER, "_resolve_lora_path")
+    assert "new_lora_ref = self.lora_ref_cache[lora_path]" in resolve and "LoadLoRAAdapterReqInput(" in resolve
+    assert "scaling: float = self.config.lora_alpha / self.config.r" in sgl.source("sglang/srt/lora/lora.py")
+
+
+def test_openai_requests_name_their_adapter_as_sglangs() -> None:
+    parse = sgl.function_code("sglang/srt/entrypoints/openai/serving_base.py", "_parse_model_parameter")
+    assert "if model.startswith(f'{served_model_name}:'):" in parse and "model.split(':', 1)" in parse
+    resolve = sgl.function_code("sglang/srt/entrypoints/openai/serving_base.py", "_resolve_lora_path")
+    assert "if adapter_from_model is not None:" in resolve  # the model's adapter wins over lora_path
+    assert L.openai_adapter("s3://m:a", "s3://m", None) == "a" and L.openai_adapter("m", "m", "b") == "b"
+    assert L.openai_adapter("x:a", "m", "b") == "a" and L.openai_adapter("m:", "m", "b") == "b"
+    listing = sgl.function_code(sgl.HTTP_SERVER, "available_models")
+    assert "id=lora_ref.lora_name" in listing and "root=lora_ref.lora_path" in listing and "parent=" in listing

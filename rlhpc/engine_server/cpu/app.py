@@ -41,6 +41,7 @@ from rlhpc.engine_server.cpu.batching import Batcher
 from rlhpc.engine_server.cpu.openai_routes import add_openai_routes
 from rlhpc.engine_server.cpu.requests import Item
 from rlhpc.engine_server.cpu.runner import Engine, SchedulerDied
+from rlhpc.util.http_guard import trust
 from rlhpc.wire import protocol as P
 from rlhpc.wire import switches
 from rlhpc.wire.engine_key import HEADER, authorized
@@ -70,6 +71,10 @@ def error_response(message: str, status: int = 400) -> JSONResponse:
     return JSONResponse({"error": {"message": message}}, status_code=status)
 
 
+# SGLang's key middleware answers a refused request with this body (sglang/srt/utils/auth.py)
+UNAUTHORIZED = {"error": "Unauthorized"}
+
+
 class RequireKey:
     """ASGI middleware: a request without the engine key never reaches a route (401)."""
 
@@ -78,12 +83,14 @@ class RequireKey:
         self.api_key = api_key
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and not (scope["path"] == Route.HEALTH and scope["method"] == "GET"):
+        if scope["type"] == "http":
             header = next((v for k, v in scope["headers"] if k.decode("latin-1").lower() == HEADER.lower()), None)
-            if not authorized(header.decode("latin-1") if header is not None else None, self.api_key):
+            if authorized(header.decode("latin-1") if header is not None else None, self.api_key):
+                trust(scope)  # a key holder's connection: the guard never sheds it for a newer one
+            elif not (scope["path"] == Route.HEALTH and scope["method"] == "GET"):
                 # kept open after the 401, as SGLang's (sglang/srt/utils/auth.py): the HTTP guard
                 # bounds what a keyless caller holds, as it does for the open /health
-                await error_response("missing or wrong engine key", 401)(scope, receive, send)
+                await JSONResponse(UNAUTHORIZED, status_code=401)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -180,6 +187,11 @@ class Workers:
             if waiting:  # cancelled while waiting (the caller went away)
                 self.weight_calls_waiting -= 1
 
+    async def resolve_adapters(self, items: list[Item]) -> None:
+        """The rows' LoRA adapters, as SGLang's tokenizer manager resolves them: once the pause is over."""
+        await self.resumed.wait()
+        self.engine.resolve_adapters(items)
+
     async def prepare(self, fn: Any, *args: Any) -> Any:
         return await self.on(self.prep, fn, *args)
 
@@ -255,6 +267,7 @@ def build_app(
     _add_weights_and_memory(app, engine, workers)
 
     async def generate_items(items: list[Item], seq: int) -> list[dict[str, Any]]:
+        await workers.resolve_adapters(items)
         return await workers.generate(engine.generate, items, seq)
 
     add_openai_routes(
@@ -323,6 +336,7 @@ def _add_generation(app: FastAPI, engine: Engine, workers: Workers) -> None:
 
         async def run(body: dict) -> tuple[list[dict], bool]:
             items, single = engine.normalize(body)
+            await workers.resolve_adapters(items)
             return await request.app.state.batcher.generate(items, seq), single
 
         return await workers.batch_route(request, "generate", run)
@@ -433,6 +447,30 @@ def _add_weights_and_memory(app: FastAPI, engine: Engine, workers: Workers) -> N
         except SchedulerDied as e:
             die(str(e))
         return None
+
+    async def lora(fn: Any, req: Any) -> JSONResponse:
+        """An adapter call, in order with the other control calls, answered as SGLang's
+        LoRAUpdateOutput: 200, or 400 with ``success`` false and the reason."""
+        try:
+            loaded = await workers.control(fn, req)
+        except EngineError as e:
+            log.warning("%s refused: %s", fn.__name__, e)
+            listing = engine.adapters.listing() if engine.adapters.enabled else None
+            out = P.LoRAUpdateOutput(success=False, error_message=str(e), loaded_adapters=listing)
+            return JSONResponse(P.body(out), status_code=400)
+        return JSONResponse(P.body(P.LoRAUpdateOutput(success=True, error_message="", loaded_adapters=loaded)))
+
+    @app.post(Route.LOAD_LORA_ADAPTER)
+    async def load_lora_adapter(req: P.LoadLoRAAdapterReqInput) -> JSONResponse:
+        return await lora(engine.load_lora_adapter, req)
+
+    @app.post(Route.LOAD_LORA_ADAPTER_FROM_TENSORS)
+    async def load_lora_adapter_from_tensors(req: P.LoadLoRAAdapterFromTensorsReqInput) -> JSONResponse:
+        return await lora(engine.load_lora_adapter_from_tensors, req)
+
+    @app.post(Route.UNLOAD_LORA_ADAPTER)
+    async def unload_lora_adapter(req: P.UnloadLoRAAdapterReqInput) -> JSONResponse:
+        return await lora(engine.unload_lora_adapter, req)
 
     @app.api_route(Route.RELEASE_MEMORY_OCCUPATION, methods=["GET", "POST"])
     async def release_memory_occupation(req: P.ReleaseMemoryOccupationReqInput) -> Any:

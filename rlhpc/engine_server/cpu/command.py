@@ -4,6 +4,7 @@ runs, and what a dry run shows."""
 from __future__ import annotations
 
 from rlhpc.util.processes import python_command
+from rlhpc.wire.lora import LoraServing
 
 MODULE = "rlhpc.engine_server.cpu"
 THREAD_DEFAULTS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}  # unless the job says: CI machines have two cores
@@ -18,9 +19,11 @@ def server_command(
     threads: str,
     key_file: str | None = None,
     deterministic: bool = False,
+    lora: LoraServing | None = None,
 ) -> list[str]:
     """``python -m rlhpc.engine_server.cpu ...`` on a port it picks (written to ``ready_file``).
-    ``deterministic``: SGLang's ``--enable-deterministic-inference`` (seeds honoured)."""
+    ``deterministic``: SGLang's ``--enable-deterministic-inference`` (seeds honoured). ``lora``:
+    serve LoRA adapters, with SGLang's flags (as ``rlhpc.engine_server.sglang`` passes them)."""
     cmd = [
         *python_command("-m", MODULE, python=python),
         "--model-path", model_path,
@@ -34,4 +37,6 @@ def server_command(
         cmd += ["--api-key-file", key_file]
     if deterministic:
         cmd.append("--enable-deterministic-inference")
+    if lora is not None:
+        cmd += lora.flags()
     return cmd

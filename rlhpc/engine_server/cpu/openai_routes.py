@@ -25,8 +25,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
-from rlhpc.engine_server.cpu.requests import MAX_TOP_LOGPROBS, Item, check_rows
+from rlhpc.engine_server.cpu.requests import MAX_TOP_LOGPROBS, Item, check_rows, lora_rows
 from rlhpc.engine_server.cpu.runner import Engine
+from rlhpc.wire import lora
 from rlhpc.wire.openai_messages import assistant_message, openai_error, sse_events, template_message
 from rlhpc.wire.openai_protocol import (
     REQUEST_TEMPLATE_REFUSED,
@@ -58,7 +59,12 @@ def add_openai_routes(app: FastAPI, engine: Engine, generate: Generate, prepare:
             "root": engine.model_path,
             "max_model_len": engine.context_len,
         }
-        return {"object": "list", "data": [card]}
+        # the adapters loaded, each a model of its own (SGLang lists them so, the base as their parent)
+        adapters = [
+            {**card, "id": name, "root": path, "parent": engine.model_path, "max_model_len": None}
+            for name, path in engine.adapters.listing().items()
+        ]
+        return {"object": "list", "data": [card, *adapters]}
 
     async def serve(request: Request, model: type[BaseModel], build: Callable[[Any], Any]) -> Response:
         seq = engine.next_seq()
@@ -121,8 +127,10 @@ def _rows(
         raise EngineError(f"n must be at least 1, got {req.n}")
     check_rows(len(prompts) * req.n)  # before a row is built: n = 2,000,000 built them all first
     rows = [(p, k) for p in prompts for k in range(req.n)]
+    adapters = lora_rows(lora.openai_adapter(req.model, engine.model_path, req.lora_path), len(prompts))
     body = {
         "input_ids": [p for p, _ in rows],
+        "lora_path": [name for name in adapters for _ in range(req.n)],  # rows are prompt-major
         "sampling_params": [{**params, "sampling_seed": None if req.seed is None else req.seed + k} for _, k in rows],
         "return_logprob": [top_logprobs is not None] * len(rows),
         "top_logprobs_num": [top_logprobs or 0] * len(rows),

@@ -38,8 +38,8 @@ MAX_STOP_COUNT = 32  # SGLang's limit on stop strings per request (sampling_para
 MAX_TOP_LOGPROBS = 20  # as OpenAI's top_logprobs: a typo must not ask for the whole vocabulary per token
 MAX_ROWS = 1 << 16  # rows of one /generate (a rollout: a few thousand): a typo in n must not eat the node
 _UNSUPPORTED_INPUTS = ("input_embeds", "image_data", "video_data", "audio_data", "lora_path")
-# /generate takes images (a vision-language model's); /classify does not
-_UNSUPPORTED_GENERATE = tuple(k for k in _UNSUPPORTED_INPUTS if k != "image_data")
+# /generate takes images (a vision-language model's) and LoRA adapters; /classify does not
+_UNSUPPORTED_GENERATE = tuple(k for k in _UNSUPPORTED_INPUTS if k not in ("image_data", "lora_path"))
 
 
 @dataclass
@@ -63,6 +63,8 @@ class Item:
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     images: list[str] = field(default_factory=list)  # the row's image_data entries (SGLang's forms)
+    lora_path: str | None = None  # the LoRA adapter it generates with, by name (None: the base model)
+    adapter: Any = None  # ... as the engine resolved it (rlhpc.engine_server.cpu.lora.Adapter)
 
 
 @dataclass(frozen=True)
@@ -187,6 +189,8 @@ def normalize_generate(
     )
     for it, images in zip(items, image_rows(body.get("image_data"), batch_size, one_prompt) * n):
         it.images = images
+    for it, name in zip(items, lora_rows(body.get("lora_path"), batch_size) * n):
+        it.lora_path = name
     for it, lp, k, start in zip(items, logprob_flags, tops * n, starts * n):
         it.top_logprobs_num = k if lp else 0  # SGLang reports top logprobs only with return_logprob
         it.logprob_start_len = _logprob_start(start, len(it.prompt)) if lp else -1
@@ -208,6 +212,16 @@ def image_rows(image_data: Any, batch_size: int, single: bool) -> list[list[str]
     if isinstance(image_data[0], list):
         return [[] if row is None or row == [None] else list(row) for row in image_data]
     return [[img] for img in image_data]
+
+
+def lora_rows(lora_path: Any, batch_size: int) -> list[str | None]:
+    """Each prompt's adapter name, as SGLang's ``GenerateReqInput._normalize_lora_paths`` reads
+    ``lora_path``: one name for every prompt, or a list of one per prompt (None: the base model)."""
+    if lora_path is None or isinstance(lora_path, str):
+        return [lora_path or None] * batch_size
+    if not isinstance(lora_path, list) or not all(p is None or isinstance(p, str) for p in lora_path):
+        raise EngineError("lora_path should be a list or a string.")  # SGLang's words
+    return [p or None for p in _per_item(lora_path, batch_size, "lora_path")]
 
 
 def _logprob_start(start: Any, prompt_len: int) -> int:

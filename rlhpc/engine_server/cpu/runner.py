@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from rlhpc.data.images import decode_uri, load_vision
+from rlhpc.engine_server.cpu.lora import Adapters
 from rlhpc.engine_server.cpu.requests import (
     EngineError,
     Item,
@@ -45,12 +46,14 @@ from rlhpc.weights.tensor_transport import (
     copy_bytes,
     deserialize_flat_bucket,
     deserialize_named_tensors,
+    deserialize_tensor_dict,
     flat_layout,
     flatten_parameters,
     unflatten,
 )
 from rlhpc.weights.update_group import init_custom_process_group
 from rlhpc.wire import protocol as P
+from rlhpc.wire.lora import TENSOR_LORA_PATH, LoraServing
 from rlhpc.wire.protocol import MetaInfo
 
 log = logging.getLogger("rlhpc.cpu_server")
@@ -91,7 +94,9 @@ class Engine:
         device: str = "cpu",
         deterministic: bool = False,
         original_logprobs: bool = False,
+        lora: LoraServing | None = None,
     ):
+        """``lora``: serve LoRA adapters (SGLang's --enable-lora and its settings)."""
         self.model_path = model_path
         self.deterministic = deterministic  # --enable-deterministic-inference: sampling_seed is honoured
         self.original_logprobs = original_logprobs  # SGLANG_RETURN_ORIGINAL_LOGPROB: logprobs before temperature
@@ -119,6 +124,8 @@ class Engine:
         pad = self.tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else min(self.eos_ids, default=0)  # padded rows are masked anyway
         self.weight_version = weight_version
+        # LoRA adapters by name, applied per row (never merged into the weights a push updates)
+        self.adapters = Adapters(self.model, lora if not self.classifier else None)
 
         self.model_lock = threading.Lock()  # held while a batch computes or weights change
         self.running = threading.Event()  # cleared while paused
@@ -174,6 +181,12 @@ class Engine:
         if self.classifier:
             raise EngineError(f"{self.model_path} is a classifier: it serves /classify, not /generate")
         return normalize_generate(body, self.limits, self.tokenizer.encode)
+
+    def resolve_adapters(self, items: list[Item]) -> None:
+        """Each row's LoRA adapter by its name, as SGLang resolves them: after the pause (a request
+        held by one names the adapters loaded when it ends), refused before the batch is merged."""
+        for it, adapter in zip(items, self.adapters.resolve([it.lora_path for it in items])):
+            it.adapter = adapter
 
     def normalize_classify(self, body: dict[str, Any]) -> tuple[list[list[int]], bool]:
         """EmbeddingReqInput -> the token ids of each input (see ``requests.normalize_classify``)."""
@@ -262,33 +275,29 @@ class Engine:
         return RECOMPUTE if recompute and len(steps) > 1 else False
 
     def generate(self, items: list[Item], seq: int) -> list[dict[str, Any]]:
-        """Run one batch (called on the single generation thread)."""
+        """Run one batch (called on the single generation thread): as SGLang's scheduler, rows of
+        more adapters (the base model counts as one) than --max-loras-per-batch run in turn."""
+        serving = self.adapters.serving
+        names = list(dict.fromkeys(it.lora_path for it in items))
+        if serving is None or len(names) <= serving.max_loras_per_batch:
+            return self._generate(items, seq)
+        outs: list[dict[str, Any]] = [{} for _ in items]
+        for k in range(0, len(names), serving.max_loras_per_batch):
+            part = set(names[k : k + serving.max_loras_per_batch])
+            rows = [i for i, it in enumerate(items) if it.lora_path in part]
+            for i, out in zip(rows, self._generate([items[i] for i in rows], seq)):
+                outs[i] = out
+        return outs
+
+    def _generate(self, items: list[Item], seq: int) -> list[dict[str, Any]]:
         t0 = time.perf_counter()
-        rids = [it.rid for it in items]
         steps = self.steps = []  # the weight version of each decoding step (server_info shows the count)
         mm = self._multimodal(items)
         with self.model_lock:
             self.busy = True
             try:
-                samples = sample(
-                    self.model,
-                    [it.prompt for it in items],
-                    [it.max_new_tokens for it in items],
-                    [it.temperature for it in items],
-                    [it.top_p for it in items],
-                    [self._seed(it) for it in items],
-                    eos_id=min(self.eos_ids, default=-1),  # unused: stop_ids decides per row
-                    pad_id=self.pad_id,
-                    stop_ids=[it.stop_ids for it in items],
-                    stop_fns=[self._stop_matcher(it.stop_strs) for it in items],
-                    top_logprobs=[it.top_logprobs_num for it in items],
-                    top_k=[it.top_k for it in items],
-                    min_p=[it.min_p for it in items],
-                    repetition_penalty=[it.repetition_penalty for it in items],
-                    step_hook=lambda: self._step_hook(seq, rids, steps),
-                    mm=mm,
-                    original_logprobs=self.original_logprobs,
-                )
+                with self.adapters.applied([it.adapter for it in items]):
+                    samples = self._sample(items, seq, steps, mm)
                 inputs = [self._input_logprobs(it) if it.logprob_start_len >= 0 else None for it in items]
             finally:
                 self.busy = False
@@ -304,6 +313,28 @@ class Engine:
             if lps is not None:
                 out["meta_info"][MetaInfo.INPUT_TOKEN_LOGPROBS] = lps
         return outs
+
+    def _sample(self, items: list[Item], seq: int, steps: list[str], mm: Multimodal | None) -> list[Any]:
+        rids = [it.rid for it in items]
+        return sample(
+            self.model,
+            [it.prompt for it in items],
+            [it.max_new_tokens for it in items],
+            [it.temperature for it in items],
+            [it.top_p for it in items],
+            [self._seed(it) for it in items],
+            eos_id=min(self.eos_ids, default=-1),  # unused: stop_ids decides per row
+            pad_id=self.pad_id,
+            stop_ids=[it.stop_ids for it in items],
+            stop_fns=[self._stop_matcher(it.stop_strs) for it in items],
+            top_logprobs=[it.top_logprobs_num for it in items],
+            top_k=[it.top_k for it in items],
+            min_p=[it.min_p for it in items],
+            repetition_penalty=[it.repetition_penalty for it in items],
+            step_hook=lambda: self._step_hook(seq, rids, steps),
+            mm=mm,
+            original_logprobs=self.original_logprobs,
+        )
 
     def _multimodal(self, items: list[Item]) -> Multimodal | None:
         """The images of a batch's rows (each distinct one processed once: a prompt's n samples
@@ -354,7 +385,8 @@ class Engine:
         ids = torch.tensor([it.prompt], device=self.device)
         mm = self._multimodal([it])
         extra = {} if mm is None else {**mm.prompt_inputs(), "position_ids": mm.positions(ids, torch.ones_like(ids))}
-        logits = self.model(input_ids=ids, **extra).logits[0].float()
+        with self.adapters.applied([it.adapter]):
+            logits = self.model(input_ids=ids, **extra).logits[0].float()
         targets = ids[0, it.logprob_start_len + 1 :]
         lps = torch.log_softmax(logits[it.logprob_start_len : -1], -1).gather(-1, targets[:, None])[:, 0]
         first = [[None, it.prompt[it.logprob_start_len], None]]
@@ -664,6 +696,32 @@ class Engine:
             if p is None:
                 raise EngineError(f"unknown parameter {name!r}")
             return p.detach()[:truncate_size].tolist()
+
+    # -------------------------------------------------------------- LoRA adapters
+
+    def load_lora_adapter(self, req: P.LoadLoRAAdapterReqInput) -> dict[str, str]:
+        return self.adapters.load_path(req.lora_name, req.lora_path)
+
+    def load_lora_adapter_from_tensors(self, req: P.LoadLoRAAdapterFromTensorsReqInput) -> dict[str, str]:
+        """As a weight push's tensors: one payload per TP rank (this engine reads rank 0's), read by
+        the same unpickler; {name: tensor}, or a flattened bucket."""
+        self.adapters.require_enabled()  # before the payload is read, as SGLang's tokenizer manager refuses
+        if req.load_format not in (None, P.FLATTENED_BUCKET):
+            raise EngineError(f"load_format {req.load_format!r} is not supported by the CPU engine")
+        if not req.serialized_named_tensors:
+            raise EngineError("serialized_named_tensors is empty")
+        allow_cuda = self.device.type == "cuda"
+        try:
+            if req.load_format == P.FLATTENED_BUCKET:
+                tensors = dict(deserialize_flat_bucket(req.serialized_named_tensors[0], allow_cuda).tensors())
+            else:
+                tensors = deserialize_tensor_dict(req.serialized_named_tensors[0], allow_cuda)
+        except TensorPayloadError as e:
+            raise EngineError(str(e)) from e
+        return self.adapters.load(req.lora_name, req.config_dict, tensors, TENSOR_LORA_PATH)
+
+    def unload_lora_adapter(self, req: P.UnloadLoRAAdapterReqInput) -> dict[str, str]:
+        return self.adapters.unload(req.lora_name)
 
     # -------------------------------------------------------------- memory
 

@@ -22,8 +22,10 @@ import uvloop
 
 from rlhpc.engine_server.cpu.app import build_app
 from rlhpc.engine_server.cpu.runner import Engine
+from rlhpc.errors import RlhpcError
 from rlhpc.util.files import write_atomic
 from rlhpc.util.http_guard import GuardLimits, connection_cap, uvicorn_options
+from rlhpc.wire import lora as L
 from rlhpc.wire import switches
 from rlhpc.wire.engine_key import read_key
 
@@ -82,6 +84,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="honour each request's sampling_seed (42 without one), as SGLang's flag of this name; "
         "without it every request samples at random",
     )  # fmt: skip
+    lora = p.add_argument_group("LoRA adapters (SGLang's flags and rules)")
+    lora.add_argument(L.ENABLE_LORA, action="store_true", help="serve LoRA adapters, loaded by name")
+    lora.add_argument(L.MAX_LORA_RANK, type=int, help="the largest adapter rank served")
+    lora.add_argument(
+        L.LORA_TARGET_MODULES, nargs="*", choices=[*L.SUPPORTED_TARGET_MODULES, L.ALL],
+        help="the modules adapters may adapt ('all': every one)",
+    )  # fmt: skip
+    lora.add_argument(
+        L.MAX_LORAS_PER_BATCH, type=int, default=L.DEFAULT_MAX_LORAS_PER_BATCH,
+        help="adapters a batch mixes, the base model counting as one; rows of more run in turn",
+    )  # fmt: skip
+    lora.add_argument(L.LORA_PATHS, nargs="*", help="adapters loaded at start: NAME=PATH or PATH (a PEFT directory)")
     p.add_argument("--log-level", default="INFO")
     p.add_argument(
         "--header-timeout-s", type=float, default=GuardLimits.header_timeout_s,
@@ -91,7 +105,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--max-connections", type=int, default=connection_cap(),
         help="connections open at once, at most half the open-file limit; past it the oldest waiting for "
-        "its headers is closed, else the longest idle (default: %(default)s)",
+        "its headers is closed, else the longest idle that carried fewer than two requests, else the "
+        "new one; a pool's idle connection never is (default: %(default)s)",
     )  # fmt: skip
     p.add_argument(
         "--api-key-file",
@@ -106,7 +121,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--api-key-file {args.api_key_file} does not exist")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda but torch sees no CUDA device (a CPU build of torch, or no GPU visible)")
+    args.lora = _lora_serving(p, args)
     return args
+
+
+def _lora_serving(p: argparse.ArgumentParser, args: argparse.Namespace) -> L.LoraServing | None:
+    """The LoRA flags as SGLang reads them: --lora-paths alone enables LoRA; the CPU engine needs
+    the rank and targets given (SGLang infers them from --lora-paths' adapters when absent)."""
+    if not (args.enable_lora or args.lora_paths):
+        return None
+    if not (args.max_lora_rank and args.lora_target_modules):
+        p.error(L.NEEDS_RANK_AND_TARGETS if not args.lora_paths else f"the CPU engine: {L.NEEDS_RANK_AND_TARGETS}")
+    try:
+        return L.LoraServing(
+            args.max_lora_rank, tuple(args.lora_target_modules), args.max_loras_per_batch, tuple(args.lora_paths or ())
+        )
+    except RlhpcError as e:
+        p.error(str(e))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -123,7 +154,9 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, lambda *_: stop_requested.set())
 
     original = switches.bool_env_var(os.environ, switches.RETURN_ORIGINAL_LOGPROB)
-    engine = Engine(args.model_path, args.weight_version, args.device, args.enable_deterministic_inference, original)
+    engine = Engine(
+        args.model_path, args.weight_version, args.device, args.enable_deterministic_inference, original, args.lora
+    )
     sock = _bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
     address = {"host": args.host, "port": port}

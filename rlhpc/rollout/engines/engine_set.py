@@ -20,6 +20,7 @@ from rlhpc.model import weight_bytes
 from rlhpc.util.files import tail
 from rlhpc.wire.client import EngineClient
 from rlhpc.wire.engine_key import new_key
+from rlhpc.wire.lora import POLICY_ADAPTER, LoraServing
 
 if TYPE_CHECKING:
     from rlhpc.cluster.layout import Layout
@@ -55,8 +56,11 @@ class EngineSet:
         frozen: bool = False,
         role: str = "reward",
         deterministic: bool = False,
+        lora: LoraServing | None = None,
     ):
         self.frozen, self.deterministic = frozen, deterministic
+        # the trained engines serving the run's adapter (actor.lora.push: adapter): every request names it
+        self.lora = lora
         self.role = role if frozen else "rollout"
         self.rollout_cfg, self.cluster_cfg, self.seed = rollout, cluster, seed
         self.model_path, self.placement, self.layout, self.log_dir = model_path, placement, layout, log_dir
@@ -98,7 +102,11 @@ class EngineSet:
     def client(self, url: str) -> EngineClient:
         """An engine's client. With the router, batches go to the engine one prompt per request
         too (as the router takes them), so a sample is computed alike whichever way it goes."""
-        return EngineClient(url, api_key=self.api_key, per_prompt=self.rollout_cfg.sglang.router)
+        return EngineClient(url, api_key=self.api_key, per_prompt=self.rollout_cfg.sglang.router, adapter=self.adapter)
+
+    @property
+    def adapter(self) -> str | None:
+        return POLICY_ADAPTER if self.lora is not None else None
 
     @property
     def engines(self) -> list[ray.actor.ActorHandle]:
@@ -125,7 +133,7 @@ class EngineSet:
             memory_saver = not self.frozen and (self.cluster_cfg.colocate or self.cluster_cfg.offload)
             parts = engine_parts(
                 slots, self.placement.location_of_slot, r.sglang.mem_fraction_static, memory_saver, self.seed,
-                r.sglang.extra_args, self.deterministic, self.layout.colocate and not self.frozen,
+                r.sglang.extra_args, self.deterministic, self.layout.colocate and not self.frozen, self.lora,
             )  # fmt: skip
         multi = len(parts) > 1
         strategy = self.placement.strategy
@@ -141,6 +149,7 @@ class EngineSet:
                 key_file=str(self.key_file),
                 host=self.engine_host,
                 deterministic=self.deterministic,
+                lora=self.lora if r.backend == "cpu" else None,  # SGLang's comes in its spec
             )  # fmt: skip
             for slot, spec in parts
         ]
@@ -205,7 +214,9 @@ class EngineSet:
         has a new URL, and one lost with its node must not be routed to."""
         if self.router_client is not None:
             self.router_client.close()
-        self.router_client = EngineClient(self.router.start(urls), api_key=self.api_key, router=True)
+        self.router_client = EngineClient(
+            self.router.start(urls), api_key=self.api_key, router=True, adapter=self.adapter
+        )
 
     def shutdown(self) -> None:
         if self.router is not None:

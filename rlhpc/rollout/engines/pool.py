@@ -12,6 +12,7 @@ from rlhpc.rollout.engines.fanout import Call, FanOut
 from rlhpc.rollout.engines.health import Health
 from rlhpc.rollout.engines.weight_channel import WeightChannel
 from rlhpc.wire.client import EngineClient, EngineUnavailable
+from rlhpc.wire.lora import LoraServing
 from rlhpc.wire.request import EnginesDown, Request, StopCheck
 
 if TYPE_CHECKING:
@@ -44,11 +45,12 @@ class EnginePool:
         frozen: bool = False,
         role: str = "reward",
         deterministic: bool = False,
+        lora: LoraServing | None = None,
     ) -> EnginePool:
         """Start the engines (``EngineSet``'s arguments) and watch them; ``stop``: generation in
         flight is aborted when it is set (the job's stop request, or the schedule's ``abort``)."""
         engine_set = EngineSet(
-            rollout, cluster, seed, model_path, placement, layout, log_dir, key_file, frozen, role, deterministic
+            rollout, cluster, seed, model_path, placement, layout, log_dir, key_file, frozen, role, deterministic, lora
         )
         engine_set.start()
         health = Health(engine_set)
