@@ -2,8 +2,9 @@
 Slurm of the minicluster ends exactly like the uninterrupted async run: same final weights (bit
 for bit), same per-rollout metrics, every rollout trained once with weight version r - 1. Kept
 short (the suite runs on 2 cores in CI): one job pair of small batches, a fraction of a second
-per rollout."""
+per rollout, the preempted one held (support.jobs.Gate) where the preemption must land."""
 
+import os
 import re
 import subprocess
 import time
@@ -11,8 +12,7 @@ from pathlib import Path
 
 import h5py
 import pytest
-from support.jobs import submit_slurm
-from support.slow_reward import slow_allocations
+from support.jobs import HELD, REPO, Gate, rollout_logged, submit_slurm
 
 from rlhpc.invariants import comparable, final_weights
 from rlhpc.launch import slurm
@@ -22,7 +22,8 @@ from rlhpc.runtime.restarts import read_history
 pytestmark = pytest.mark.slurm
 
 K = 1
-NUM_ROLLOUT = 100
+NUM_ROLLOUT = 10
+PREEMPT_AFTER = 3  # the preempted run is held at its first reward after this rollout was trained
 CONFIG = [
     "data.num_train=64",
     "rollout.rollout_batch_size=8",
@@ -82,19 +83,23 @@ def finished(run: Path) -> Path:
 
 
 def test_async_preempted_by_a_high_priority_job(baseline, minicluster, tmp_path):
-    run = tmp_path / "run"
-    # The first allocation scores 0.1 s a sample (3.2 s a rollout): the preemption lands mid-run
-    # however fast the loop is.
-    slow, env = slow_allocations()
-    assert submit(run, "--partition", "low", "--sbatch", "nodelist=node0", *slow, follow=False, env=env).returncode == 0
-    wait(lambda: len(trained(run)) >= 3, 240, "3 trained rollouts")
-    # A job in the high partition that needs all of node0's GPUs: Slurm preempts ours while the
-    # next rollout is generated beside the training of this one.
+    run, gate = tmp_path / "run", Gate(tmp_path / "gate")
+    # Held at its first reward after rollout PREEMPT_AFTER was trained (the next rollout is generated
+    # beside the training of this one) until Slurm's signal came: the preemption lands mid-run however
+    # fast the loop is. The reward's scores are digit_sum's, as the baseline's.
+    gate.shut(*rollout_logged(run, PREEMPT_AFTER))
+    env = {"PYTHONPATH": f"{REPO / 'tests'}:{os.environ.get('PYTHONPATH', '')}", **gate.env}
+    held = ["--set", HELD]
+    assert submit(run, "--partition", "low", "--sbatch", "nodelist=node0", *held, follow=False, env=env).returncode == 0
+    wait(gate.is_held, 240, f"the run to hold after rollout {PREEMPT_AFTER}")
+    # A job in the high partition that needs all of node0's GPUs: Slurm preempts ours.
     subprocess.run(
         ["sbatch", "-p", "high", "-w", "node0", "--gpus-per-node=8", "-o", "/dev/null", "--wrap", "sleep 2"],
         check=True,
         capture_output=True,
     )
+    wait(lambda: "got SIGUSR2" in job_log(run), 120, "Slurm's signal")
+    gate.open()
     wait(lambda: (run / "FINISHED").is_file(), 360, "the preempted run to finish")
     log = job_log(run)
     assert "got SIGUSR2: stopping at the next safe point" in log

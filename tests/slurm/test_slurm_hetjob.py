@@ -63,9 +63,16 @@ def placed(run: Path) -> tuple[set[str], set[str], set[str]]:
 
 def test_each_group_on_its_partition_and_a_preemption_resumes_identically(minicluster, tmp_path):
     ip = minicluster.node_ips
-    baseline = tmp_path / "baseline"
-    p = submit(baseline, follow=True)
-    assert p.returncode == 0 and (baseline / "FINISHED").is_file(), p.stdout[-3000:] + p.stderr[-3000:]
+    baseline, run, gate = tmp_path / "baseline", tmp_path / "run", Gate(tmp_path / "gate")
+    # The undisturbed run beside the interrupted one, on the same nodes: it must have ended before
+    # the preemption, which would stop it too (it has a GPU of node1).
+    assert submit(baseline, follow=False).returncode == 0
+    # Held at rollout PREEMPT_AT's rewards until Slurm's signal came, so the preemption lands mid-run
+    # however fast the loop is; the reward's scores are digit_sum's, as the baseline's.
+    gate.shut(*rollout_logged(run, PREEMPT_AT - 1))
+    env = {"PYTHONPATH": f"{REPO / 'tests'}:{os.environ.get('PYTHONPATH', '')}", **gate.env}
+    assert submit(run, "--set", HELD, follow=False, env=env).returncode == 0
+    wait(lambda: (baseline / "FINISHED").is_file(), 420, "the undisturbed run to finish", baseline)
     said = job_log(baseline)
     assert "Ray cluster ready: 4 nodes, 5 GPUs" in said
     actor, engines, reward = placed(baseline)
@@ -75,12 +82,6 @@ def test_each_group_on_its_partition_and_a_preemption_resumes_identically(minicl
     scored = [r["reward/reward_model"] for r in read_metrics(baseline) if r["kind"] == "rollout"]
     assert len(set(scored)) > 1  # the reward model scored every rollout
 
-    run, gate = tmp_path / "run", Gate(tmp_path / "gate")
-    # Held at rollout PREEMPT_AT's rewards until Slurm's signal came, so the preemption lands mid-run
-    # however fast the loop is; the reward's scores are digit_sum's, as the baseline's.
-    gate.shut(*rollout_logged(run, PREEMPT_AT - 1))
-    env = {"PYTHONPATH": f"{REPO / 'tests'}:{os.environ.get('PYTHONPATH', '')}", **gate.env}
-    assert submit(run, "--set", HELD, follow=False, env=env).returncode == 0
     wait(gate.is_held, 240, f"the run to hold at rollout {PREEMPT_AT}", run)
     # A high job that needs all of node1's GPUs: Slurm preempts the het job (every component).
     subprocess.run(

@@ -2,13 +2,16 @@
 
 An engine node: the run goes on with the other engine, a replacement Ray worker rejoins once the
 node is back, and the results equal an undisturbed run's (deterministic). A node with actor
-ranks, or the head node: the job requeues itself, resumes from the newest checkpoint and loses at
-most checkpoint.save_interval rollouts.
+ranks, then, in the requeued job, the head node: each time the job requeues itself, resumes from
+the newest checkpoint and loses at most checkpoint.save_interval rollouts, and it ends as the
+undisturbed run ends. Each test's undisturbed run is submitted as the test starts and runs beside
+it, where no node is killed.
 """
 
 import os
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,13 +27,14 @@ pytestmark = pytest.mark.slurm
 
 # The engine-node test holds the run (support/hold.py) from the engine count's drop until the
 # replacement node's Ray worker has joined, so the run cannot end first however long Slurm and Ray
-# take; after it, a rollout or two bring the engine back. The actor- and head-node tests hold it at
-# rollout KILL_AT's rewards for the kill, two checkpoints saved (after 3 and 6 rollouts): a resume
-# from any but the newest loses more than SAVE_INTERVAL.
+# take; after it, a rollout or two bring the engine back. The actor-then-head test holds its run at
+# rollout KILLS[0]'s rewards for the actor node's loss, two checkpoints saved (after 3 and 6
+# rollouts), and the requeued job at rollout KILLS[1]'s for the head node's, two more saved (after 6
+# and 9): a resume from any but the newest loses more than SAVE_INTERVAL.
 NUM_ROLLOUT = 10
 SAVE_INTERVAL = 3
-KILL_AT = 2 * SAVE_INTERVAL + 1
-REQUEUE_ROLLOUT = KILL_AT + 2  # the actor- and head-node tests: two checkpoints, a loss, a resume
+KILLS = (2 * SAVE_INTERVAL + 1, 3 * SAVE_INTERVAL + 1)  # rollouts trained when each node dies
+REQUEUE_ROLLOUT = KILLS[1] + 2  # the actor-then-head test: after the second resume, two more
 CONFIG = [
     "data.num_train=6400",  # no epoch end (which saves) within the run
     "rollout.rollout_batch_size=64",  # 64 prompts x 8 samples: 8 requests a rollout, over the engines
@@ -92,31 +96,92 @@ def same_results(run: Path, baseline: Path, num_rollout: int = NUM_ROLLOUT) -> N
     assert comparable(run) == comparable(baseline)  # the engine count is left out there
 
 
-@pytest.fixture(scope="module")
-def baseline(minicluster, tmp_path_factory) -> Path:
-    """The same run on one node, never disturbed."""
-    run = tmp_path_factory.mktemp("baseline") / "run"
-    p = submit(run, 1, 3, "--sbatch", "nodelist=node3", follow=True)
-    assert p.returncode == 0 and (run / "FINISHED").is_file(), p.stdout[-3000:] + p.stderr[-3000:]
-    return run
-
-
-# The actor- and head-node tests' layout: two data-parallel actor ranks and one engine.
+# The actor-then-head test's layout: two data-parallel actor ranks and one engine.
 REQUEUE_LAYOUT = ["--set", "cluster.actor_num_gpus=2", "--set", "cluster.rollout_num_gpus=1"]
 
 
-@pytest.fixture(scope="module")
-def requeue_baseline(minicluster, tmp_path_factory) -> Path:
-    """The actor- and head-node tests' run on one node, never disturbed (gloo's two-rank
-    all-reduce gives the same sums on one node as across two)."""
-    run = tmp_path_factory.mktemp("requeue-baseline") / "run"
-    p = submit(run, 1, 3, *REQUEUE_LAYOUT, "--sbatch", "nodelist=node3", follow=True, num_rollout=REQUEUE_ROLLOUT)
-    assert p.returncode == 0 and (run / "FINISHED").is_file(), p.stdout[-3000:] + p.stderr[-3000:]
+def undisturbed(run: Path, node: str, *args: str, num_rollout: int = NUM_ROLLOUT) -> Iterator[Path]:
+    """The same run on one node (``node``), never disturbed, submitted beside a test's; ``finished``
+    waits for it. Cancelled at the end if it is still there (a failed test)."""
+    p = submit(run, 1, 3, *args, "--sbatch", f"nodelist={node}", follow=False, num_rollout=num_rollout)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    yield run
+    job = run / "slurm_job_id"
+    if job.is_file() and not (run / "FINISHED").is_file():
+        slurm.cancel(job.read_text().strip())
+
+
+def finished(run: Path) -> Path:
+    """An undisturbed run, once it ended."""
+    wait_finished(run, run_owner.read(run).job_id)
     return run
 
 
+@pytest.fixture
+def requeue_baseline(minicluster, tmp_path_factory) -> Iterator[Path]:
+    """The actor-then-head test's undisturbed run, on node3 (gloo's two-rank all-reduce gives the same
+    sums on one node as across two). That test's run may share node3: it waits for this one to end
+    before it kills a node."""
+    run = tmp_path_factory.mktemp("requeue-baseline") / "run"
+    yield from undisturbed(run, "node3", *REQUEUE_LAYOUT, num_rollout=REQUEUE_ROLLOUT)
+
+
+@pytest.fixture
+def engine_baseline(minicluster, tmp_path_factory) -> Iterator[Path]:
+    """The engine-node test's undisturbed run, on node0, which that test's run shares and never loses
+    (a replacement worker goes to a node the job does not hold)."""
+    yield from undisturbed(tmp_path_factory.mktemp("engine-baseline") / "run", "node0")
+
+
+def lost_work_within_bound(run: Path, trained_before_kills: list[int]) -> None:
+    history = read_history(run)
+    assert len(history) == 1 + len(trained_before_kills), history  # requeued once a kill, counted against the caps
+    for start, trained in zip(history[1:], trained_before_kills):
+        assert start["next_rollout_id"] >= trained - SAVE_INTERVAL, history
+
+
+@pytest.mark.timeout(1500)
+def test_actor_node_then_head_node_lost_requeues_and_resumes(minicluster, requeue_baseline, tmp_path):
+    # Actor ranks on the first node (the head, with the driver) and the second; the engine on the
+    # third. Not pinned: a requeued job takes any node but a lost one. The actor node stays down
+    # until the job has requeued; the head comes back as soon as Slurm marked it DOWN (a quick
+    # reboot: back before the worker tasks' Ray gives up on it, and no longer part of the job).
+    # The first allocation loses its second node (actor ranks), the requeued one its first (head).
+    run, gate = tmp_path / "run", Gate(tmp_path / "gate")
+    gate.shut(*rollout_logged(run, KILLS[0] - 1))  # held at rollout KILLS[0]'s rewards, for the kill
+    job = job_id_of(run, submit(run, 3, 1, *REQUEUE_LAYOUT, follow=False, num_rollout=REQUEUE_ROLLOUT))
+    killed, trained = [], []
+    try:
+        for index, kill_at in zip((1, 0), KILLS):
+            wait(gate.is_held, 300, f"the run to hold at rollout {kill_at}", run)
+            if index == 1:  # the undisturbed run ended: on a node of this run's it would die with it
+                baseline = finished(requeue_baseline)
+            node = slurm.hostnames(slurm.show_job(job)["NodeList"])[index]
+            trained.append(len(rollouts(run)))
+            assert trained[-1] == kill_at, rollouts(run)
+            minicluster.kill_node(node)
+            killed.append(node)
+            if index == 1:
+                gate.shut(*rollout_logged(run, KILLS[1] - 1))  # the next start is held for the next kill
+            else:
+                gate.open()  # the last start is not held
+                minicluster.revive_node(node)
+            wait(lambda: len(read_history(run)) > len(killed), 300, "the requeued job to start", run)
+            minicluster.revive_node(node)
+        wait_finished(run, job)
+    finally:
+        gate.open()
+        for node in killed:
+            minicluster.revive_node(node)
+    log = job_log(run)
+    assert all(node in log for node in killed), killed  # named
+    lost_work_within_bound(run, trained)
+    # each rollout logged once, and both resumes (weights, optimizer, RNG) end as the run nobody disturbed
+    same_results(run, baseline, REQUEUE_ROLLOUT)
+
+
 @pytest.mark.timeout(1200)
-def test_engine_node_lost_and_back(minicluster, baseline, tmp_path):
+def test_engine_node_lost_and_back(minicluster, engine_baseline, tmp_path):
     # node3 is busy, so the replacement for the lost node can only start on it once it is back.
     blocker = subprocess.run(
         ["sbatch", "--parsable", "--nodelist=node3", "--exclusive", "--output=/dev/null", "--wrap=sleep 900"],
@@ -147,7 +212,7 @@ def test_engine_node_lost_and_back(minicluster, baseline, tmp_path):
     assert counts[:dropped] == [2] * dropped and 2 in counts[dropped:], f"engines per rollout {counts}\n{events}"
     assert "node2" in job_log(run)  # the warning names the node
     assert len(read_history(run)) == 1  # never requeued
-    same_results(run, baseline)
+    same_results(run, finished(engine_baseline))
 
 
 def replacement_joined(run: Path) -> bool:
@@ -160,42 +225,3 @@ def replacement_joined(run: Path) -> bool:
 def serving_again(run: Path) -> bool:
     """Both engines served the newest rollout (or the run is over: the test then says how it went)."""
     return rollouts(run)[-1]["rollout/num_engines"] == 2 or (run / "FINISHED").is_file()
-
-
-def lost_work_within_bound(run: Path, trained_before_kill: int) -> None:
-    history = read_history(run)
-    assert len(history) == 2, history  # requeued once, counted against the caps
-    assert history[1]["next_rollout_id"] >= trained_before_kill - SAVE_INTERVAL, history
-
-
-@pytest.mark.timeout(1200)
-@pytest.mark.parametrize("index", [1, 0], ids=["actor_node", "head_node"])
-def test_actor_or_head_node_lost_requeues_and_resumes(minicluster, requeue_baseline, tmp_path, index):
-    # Actor ranks on the first node (the head, with the driver) and the second; the engine on the
-    # third. Not pinned: the requeued job takes any node but the lost one. The actor node stays down
-    # until the job has requeued; the head comes back as soon as Slurm marked it DOWN (a quick
-    # reboot: back before the worker tasks' Ray gives up on it, and no longer part of the job).
-    run, gate = tmp_path / "run", Gate(tmp_path / "gate")
-    gate.shut(*rollout_logged(run, KILL_AT - 1))  # held at rollout KILL_AT's rewards, for the kill
-    job = job_id_of(run, submit(run, 3, 1, *REQUEUE_LAYOUT, follow=False, num_rollout=REQUEUE_ROLLOUT))
-    node = None
-    try:
-        wait(gate.is_held, 300, f"the run to hold at rollout {KILL_AT}", run)
-        node = slurm.hostnames(slurm.show_job(job)["NodeList"])[index]
-        trained = len(rollouts(run))
-        assert trained == KILL_AT, rollouts(run)
-        minicluster.kill_node(node)
-        gate.open()  # the requeued job is not held
-        if index == 0:
-            minicluster.revive_node(node)
-        wait(lambda: len(read_history(run)) >= 2, 300, "the requeued job to start", run)
-        minicluster.revive_node(node)
-        wait_finished(run, job)
-    finally:
-        gate.open()
-        if node is not None:
-            minicluster.revive_node(node)
-    assert node in job_log(run)  # named
-    lost_work_within_bound(run, trained)
-    # each rollout logged once, and the resume (weights, optimizer, RNG) ends as the run nobody disturbed
-    same_results(run, requeue_baseline, REQUEUE_ROLLOUT)

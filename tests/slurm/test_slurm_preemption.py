@@ -4,6 +4,7 @@ Each interrupted run must end exactly where an uninterrupted run of the same con
 same final weights (bit for bit, deterministic CPU run) and the same per-rollout metrics.
 """
 
+import os
 import re
 import subprocess
 import time
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from support.guess_envs import HOLD_FOR_STOP_ENV
-from support.jobs import deterministic_config, submit_slurm
+from support.jobs import HELD, REPO, Gate, deterministic_config, rollout_logged, submit_slurm
 from support.slow_reward import slow_allocations
 
 from rlhpc.invariants import comparable, final_weights
@@ -22,7 +23,7 @@ from rlhpc.runtime.restarts import read_history
 
 pytestmark = pytest.mark.slurm
 
-NUM_ROLLOUT = 30  # where a stop must land mid-run, the first allocation is slowed (slow_allocations)
+NUM_ROLLOUT = 30  # a time-limited first allocation (slowed, slow_allocations) is cut mid-run
 CONFIG = deterministic_config(NUM_ROLLOUT)
 
 
@@ -60,26 +61,48 @@ def baseline(minicluster, tmp_path_factory) -> Path:
     return run
 
 
-def test_preempted_by_a_high_priority_job(baseline, minicluster, tmp_path):
-    run = tmp_path / "run"
-    # The first allocation scores 0.1 s a sample (3.2 s a rollout), so the preemption lands mid-run
-    # however fast the loop is: at 0.04 s a rollout all 30 were trained before Slurm's signal came.
-    slow, env = slow_allocations()
-    assert submit(run, "--partition", "low", "--sbatch", "nodelist=node0", *slow, follow=False, env=env).returncode == 0
-    wait(lambda: len(trained(run)) >= 4, 240, "4 trained rollouts")
+PREEMPT_AT = 4  # the preempted run is held at this rollout's rewards until Slurm's signal came
+
+
+def test_preempted_by_a_high_priority_job_then_requeued_at_an_arbitrary_moment(baseline, minicluster, tmp_path):
+    """Preempted in its first allocation, where it saves at the next safe point (no work lost);
+    requeued with ``scontrol requeue`` at an arbitrary moment of its second, where SIGTERM reaches
+    Ray and the engines too. With a staged start: each start resumes from its node-local copy."""
+    run, stage, gate = tmp_path / "run", tmp_path / "node-local", Gate(tmp_path / "gate")
+    # Held at rollout PREEMPT_AT's rewards until the signal came, so the preemption lands mid-run
+    # however fast the loop is (the reward's scores are digit_sum's, as the baseline's).
+    gate.shut(*rollout_logged(run, PREEMPT_AT - 1))
+    env = {"PYTHONPATH": f"{REPO / 'tests'}:{os.environ.get('PYTHONPATH', '')}", **gate.env}
+    staged = ["--set", f"cluster.stage_dir={stage}", "--set", HELD]
+    p = submit(run, "--partition", "low", "--sbatch", "nodelist=node0", *staged, follow=False, env=env)
+    assert p.returncode == 0, p.stderr
+    job_id = (run / "slurm_job_id").read_text().strip()
+    wait(gate.is_held, 240, f"the run to hold at rollout {PREEMPT_AT}")
     # A job in the high partition that needs all of node0's GPUs: Slurm preempts ours.
     subprocess.run(
         ["sbatch", "-p", "high", "-w", "node0", "--gpus-per-node=8", "-o", "/dev/null", "--wrap", "sleep 2"],
         check=True,
         capture_output=True,
     )
-    wait(lambda: (run / "FINISHED").is_file(), 360, "the preempted run to finish")
+    wait(lambda: "got SIGUSR2" in job_log(run), 120, "Slurm's signal")
+    gate.open()
+    wait(lambda: len(read_history(run)) >= 2, 300, "the preempted run to start again")
     log = job_log(run)
     assert "got SIGUSR2: stopping at the next safe point" in log
     stopped_before = int(re.search(r"stopped before rollout (\d+)", log).group(1))
+    assert read_history(run)[1]["next_rollout_id"] == stopped_before  # lost work: 0 rollouts
+
+    wait(lambda: len(trained(run)) >= stopped_before + 2, 240, "2 rollouts trained after the resume")
+    done_before = len(trained(run))
+    subprocess.run(["scontrol", "requeue", job_id], check=True)  # SIGTERM to everything, then back in the queue
+    wait(lambda: (run / "FINISHED").is_file(), 360, "the requeued run to finish")
     history = read_history(run)
-    assert len(history) == 2 and history[1]["next_rollout_id"] == stopped_before  # lost work: 0 rollouts
+    assert len(history) >= 3 and history[1]["next_rollout_id"] == stopped_before
+    # SIGTERM reaches Ray and the engines too: if they die before the emergency save, the run
+    # falls back to the last periodic checkpoint, recomputing at most checkpoint.save_interval.
+    assert history[2]["next_rollout_id"] >= done_before - 3
     check_same_as(run, baseline)
+    assert f"staged base_model, rollout_{history[-1]['next_rollout_id'] - 1:06d} in" in job_log(run)
 
 
 # The guess task as tests/integration/test_multiturn.py runs it, three rollouts; a synchronous save,
@@ -125,27 +148,6 @@ def test_preempted_between_two_turns_of_episodes(minicluster, tmp_path):
     assert all(m["episode/turns"] > 1 for m in episodes)  # episodes went on past their first turn
     assert final_weights(run) == final_weights(baseline)
     assert comparable(run) == comparable(baseline)
-
-
-def test_scontrol_requeue_at_an_arbitrary_moment(baseline, minicluster, tmp_path):
-    # with a staged start: the requeued job resumes from its node-local copy of the checkpoint
-    run, stage = tmp_path / "run", tmp_path / "node-local"
-    assert (
-        submit(run, "--sbatch", "nodelist=node2", "--set", f"cluster.stage_dir={stage}", follow=False).returncode == 0
-    )
-    job_id = (run / "slurm_job_id").read_text().strip()
-    wait(lambda: len(trained(run)) >= 5, 240, "5 trained rollouts")
-    done_before = len(trained(run))
-    subprocess.run(["scontrol", "requeue", job_id], check=True)  # SIGTERM to everything, then back in the queue
-    wait(lambda: (run / "FINISHED").is_file(), 360, "the requeued run to finish")
-    history = read_history(run)
-    assert len(history) >= 2
-    # SIGTERM reaches Ray and the engines too: if they die before the emergency save, the run
-    # falls back to the last periodic checkpoint, recomputing at most checkpoint.save_interval.
-    assert history[1]["next_rollout_id"] >= done_before - 3
-    check_same_as(run, baseline)
-    if history[-1]["next_rollout_id"] > 0:
-        assert f"staged base_model, rollout_{history[-1]['next_rollout_id'] - 1:06d} in" in job_log(run)
 
 
 @pytest.fixture(scope="module", autouse=True)

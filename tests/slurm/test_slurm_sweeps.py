@@ -123,20 +123,21 @@ def test_bad_sweeps_are_refused_before_submission(minicluster, tmp_path, args, m
 def test_then_runs_after_success_and_not_after_a_failure(minicluster, tmp_path):
     then = 'echo "ran in $RLHPC_RUN_DIR" > "$RLHPC_RUN_DIR/then.txt"'
     good, bad = tmp_path / "good", tmp_path / "bad"
+    # A training job that fails (a crashing reward, no requeue on failure): its follow-up never
+    # runs. Submitted first, it runs beside the one that succeeds.
+    crash = tmp_path / "crash-now"
+    crash.write_text("")
+    env = {**os.environ, "PYTHONPATH": f"{REPO / 'tests'}:{os.environ.get('PYTHONPATH', '')}",
+           "RLHPC_TEST_CRASH_FILE": str(crash)}  # fmt: skip
+    failing = submit(bad, "--set", "data.reward=support.crashy_reward:reward",
+                     "--set", "checkpoint.requeue_on_failure=false", "--then", then, "--no-follow", env=env)  # fmt: skip
+    assert failing.returncode == 0, failing.stderr[-3000:]
     p = submit(good, "--set", "rollout.num_rollout=1", "--then", then, "--follow")
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     followup = re.search(r"follow-up job (\d+) runs after job", p.stdout + p.stderr).group(1)
     assert wait_gone(followup, timeout=180) == "COMPLETED"
     assert (good / "then.txt").read_text() == f"ran in {good}\n"
-    # A training job that fails (a crashing reward, no requeue on failure): its follow-up never runs.
-    crash = tmp_path / "crash-now"
-    crash.write_text("")
-    env = {**os.environ, "PYTHONPATH": f"{REPO / 'tests'}:{os.environ.get('PYTHONPATH', '')}",
-           "RLHPC_TEST_CRASH_FILE": str(crash)}  # fmt: skip
-    p = submit(bad, "--set", "data.reward=support.crashy_reward:reward", "--set", "checkpoint.requeue_on_failure=false",
-               "--then", then, "--no-follow", env=env)  # fmt: skip
-    assert p.returncode == 0, p.stderr[-3000:]
-    followup = re.search(r"follow-up job (\d+) runs after job", p.stdout + p.stderr).group(1)
+    followup = re.search(r"follow-up job (\d+) runs after job", failing.stdout + failing.stderr).group(1)
     assert wait_gone((bad / "slurm_job_id").read_text().strip()) == "FAILED"
     assert wait_gone(followup, timeout=120) == "CANCELLED"  # --kill-on-invalid-dep: not left pending forever
     assert not (bad / "then.txt").exists()
