@@ -107,9 +107,11 @@ def test_a_local_job_stops_with_its_controller_and_kill_stops_it_for_good(tmp_pa
     # the job) stops the job at its next safe point and says how to resume.
     hold.touch()
     follow = [a for a in args if a != "--no-follow"]
+    # SIGINT as a terminal leaves it: a shell's background job (a CI runner's) starts with it ignored
     proc = subprocess.Popen(
-        follow, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
+        follow, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # fmt: skip
     try:
         started = lambda: (o := read(run)) is not None and o.kind == "local" and o.job_id != str(controller)  # noqa: E731
         wait_until(started, 240, "the job did not start")  # its own controller, not the last one's record

@@ -21,6 +21,7 @@ from support.jobs import HELD, REPO, Gate, rollout_logged, submit_slurm
 from rlhpc.invariants import comparable, final_weights
 from rlhpc.launch import run_owner, slurm
 from rlhpc.metrics import read_metrics
+from rlhpc.run_dir import RunDir
 from rlhpc.runtime.restarts import read_history
 
 pytestmark = pytest.mark.slurm
@@ -112,8 +113,9 @@ def undisturbed(run: Path, node: str, *args: str, num_rollout: int = NUM_ROLLOUT
 
 
 def finished(run: Path) -> Path:
-    """An undisturbed run, once it ended."""
-    wait_finished(run, run_owner.read(run).job_id)
+    """An undisturbed run, once it ended (beside the test, it may have ended, and left no run
+    owner record, before this is asked: the job id written at submission names it)."""
+    wait_finished(run, RunDir(run).read_job_id())
     return run
 
 
