@@ -184,23 +184,13 @@ def candidates(cfg: Config) -> list[Config]:
     for change in layouts:
         try:
             candidate = dataclasses.replace(cfg, cluster=dataclasses.replace(c, gpu_memory_gb=memory, **change))
-            if _actor_layout_divides(candidate):
-                check_run(candidate)
-                check_parallelism(candidate)
-                check_fits(candidate)
-                fitting.append(candidate)
+            check_run(candidate)
+            check_parallelism(candidate)  # the megatron actor's TP, PP and EP divide its GPUs
+            check_fits(candidate)
+            fitting.append(candidate)
         except ConfigError:  # a layout the config's rules or the memory plan refuse (as a submission would)
             continue
     return fitting
-
-
-def _actor_layout_divides(cfg: Config) -> bool:
-    """The megatron actor's TP x PP (x EP over DP) must divide its GPUs."""
-    if cfg.actor.backend != "megatron":
-        return True
-    m, gpus = cfg.actor.megatron, cfg.cluster.actor_num_gpus or 0
-    model = m.tensor_model_parallel_size * m.pipeline_model_parallel_size
-    return gpus >= model and gpus % model == 0 and (gpus // model) % m.expert_model_parallel_size == 0
 
 
 def describe(c: Config) -> str:
