@@ -110,6 +110,11 @@ class ModelShape:
     def kv_dim(self) -> int:
         return self.kv_heads * self.head_dim
 
+    def kv_bytes_per_token(self, tp: int) -> float:
+        """An engine GPU's KV cache per token at TP ``tp``: k and v of every layer in bf16, the
+        kv heads split over TP (replicated where TP exceeds them)."""
+        return 2 * self.layers * 2 * self.kv_dim / min(tp, self.kv_heads)
+
     def layer_params(self) -> tuple[int, int, int]:
         """(TP-split, replicated, expert) parameters of one decoder layer."""
         h = self.hidden
@@ -291,7 +296,7 @@ def engine_estimate(cfg: Config, shape: ModelShape) -> Estimate:
     """One SGLang engine GPU: its weights shard (bf16) and the KV cache the fraction leaves."""
     tp, frac = cfg.cluster.rollout_gpus_per_engine, cfg.rollout.sglang.mem_fraction_static
     weights = 2.0 * shape.params() / tp
-    kv_per_token = 2 * shape.layers * 2 * shape.kv_dim / min(tp, shape.kv_heads)  # k and v, bf16
+    kv_per_token = shape.kv_bytes_per_token(tp)
     gpu = cfg.cluster.gpu_memory_gb
     if gpu is None:
         return Estimate(

@@ -100,7 +100,7 @@ def estimate(cfg: Config, gpu: GPU, shape: ModelShape, a: Assumptions = Assumpti
 
     # generation: each engine's share, in waves of what its KV cache holds
     memory = (c.gpu_memory_gb or gpu.memory_gib) * GIB
-    kv_per_token = 2 * shape.layers * 2 * shape.kv_dim / min(tp, shape.kv_heads)  # k and v, bf16, per GPU
+    kv_per_token = shape.kv_bytes_per_token(tp)
     kv_tokens = max(0.0, r.sglang.mem_fraction_static * memory - 2 * total / tp) / kv_per_token
     share = math.ceil(samples / engines)
     running = max(1, min(share, a.max_running, int(kv_tokens // (prompt + new))))
