@@ -149,7 +149,9 @@ def test_freshest_weights_stay_within_the_staleness_bound_and_tis_weighs_the_los
     )  # fmt: skip
     for r in range(6):
         assert all(0 <= r - v <= 2 for v in versions(run, r)), (r, versions(run, r))
-    assert set(versions(run, 5)) == {3}  # two versions behind the weights that train it
+    # Behind the weights that train it (5) by one or two: how far ahead generation ran is timing
+    # (CI saw 4 where this machine sees 3); TIS below is worked from the dump's own logprobs.
+    assert len(set(versions(run, 5))) == 1 and set(versions(run, 5)) <= {3, 4}, versions(run, 5)
     record = next(m for m in read_metrics(run) if m["kind"] == "rollout" and m["rollout_id"] == 5)
     expected = tis_by_hand(
         run / "rollouts" / "rollout_000005.h5", run / "checkpoints" / "rollout_000004" / "actor", 1.0
