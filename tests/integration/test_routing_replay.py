@@ -4,7 +4,8 @@ model would) answers each token's experts; the rollout carries them (checkpoint 
 both actors replay them, and their logprobs become those of the trainer's weights under the
 engine's routing, computed here by hand with transformers (routers forced).
 
-Cost: one engine server and one actor group per backend (one rank), four tiny trainings each."""
+Cost: one engine server, a torch actor of one rank and a megatron actor of two (EP=2), four
+tiny trainings each."""
 
 from __future__ import annotations
 
@@ -149,16 +150,17 @@ def mean_abs_diff(a: list[list[float]], b: list[list[float]]) -> float:
     return sum(abs(x - y) for x, y in pairs) / len(pairs)
 
 
-@pytest.mark.parametrize("backend", ["torch", "megatron"])
+@pytest.mark.parametrize(("backend", "ranks"), [("torch", 1), ("megatron", 2)], ids=["torch", "megatron-ep2"])
 def test_replay_makes_the_trainers_logprobs_those_of_the_engines_routing(
-    ray_cluster: None, models: tuple[str, str], rollout: RolloutBatch, backend: str
+    ray_cluster: None, models: tuple[str, str], rollout: RolloutBatch, backend: str, ranks: int
 ) -> None:
     """The actor's old-policy logprobs (``rollout_logprob_abs_diff`` = their mean distance to the
     rollout's logprobs, over the first step's training forward and the second's no-grad pass;
     lr 0, so every training sees the same weights) with and without the routing: against the
     engine's logprobs the mismatch falls with replay, to what transformers computes under the
     engine's routing; against those hand-computed logprobs it is 0 with replay (every token's
-    logprob equal) and not without."""
+    logprob equal) and not without. The megatron actor at EP=2 over two data-parallel ranks:
+    each rank's micro-batch padded to the EP group's shape, its routers fed in that shape."""
     if backend == "megatron":
         pytest.importorskip("megatron.core")
     forced = logprobs_by_hand(models[0], rollout, forced=True)
@@ -170,11 +172,12 @@ def test_replay_makes_the_trainers_logprobs_those_of_the_engines_routing(
     cfg.actor.micro_batch_size = 3
     cfg.actor.num_steps_per_rollout = 2
     cfg.algo.routing_replay = True
+    cfg.actor.megatron.expert_model_parallel_size = ranks
 
     def without_routing(batch: RolloutBatch) -> RolloutBatch:
         return RolloutBatch(**{**batch.state_dict(), "routed_experts": [], "images": []})
 
-    with Group(cfg, models[0], 1) as g:
+    with Group(cfg, models[0], ranks) as g:
         diff = [
             g.train(k, b)["rollout_logprob_abs_diff"]
             for k, b in enumerate([rollout, without_routing(rollout), by_hand, without_routing(by_hand)])
