@@ -7,14 +7,20 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
+
+import torch
 
 from rlhpc.config import context_len
 from rlhpc.data.prompts import conversation_template
 from rlhpc.data.rows import Row, describe
 from rlhpc.errors import RlhpcError, user_code_error
+from rlhpc.rollout.sampler import Sampling
+from rlhpc.rollout.samples import Samples
+from rlhpc.rollout.scoring import Sample
 from rlhpc.rollout.tools import resolve_parser
 from rlhpc.rollout.trajectories import (
     EngineCalls,
@@ -25,7 +31,7 @@ from rlhpc.rollout.trajectories import (
     resolve_agent,
     resolve_generate_fn,
 )
-from rlhpc.wire.request import GenerationAborted, Send
+from rlhpc.wire.request import GenerationAborted, Send, sample_seed
 
 
 @dataclass(frozen=True)
@@ -155,3 +161,75 @@ def run_custom(
             return list(await asyncio.gather(*(agent(k, endpoint) for k in range(len(rows)))))
 
     return calls.run(main)
+
+
+@dataclass
+class CustomSampler:
+    """Every sample from the run's generate function or agent: ``n`` episodes per row, all at
+    once; episode k's calls go to engine k mod the engine count, call t of it with the seed of turn
+    t of an episode (``rlhpc.rollout.sampler``)."""
+
+    run: Sampling
+    custom: CustomRollout
+
+    def sample(
+        self,
+        rows: list[Row],
+        n: int,
+        temperature: float,
+        max_new_tokens: int,
+        seed_tag: object,
+        desc: str,
+        params: dict[str, Any],
+        journal_scope: str | None = None,
+    ) -> Samples:
+        run, custom, total = self.run, self.custom, len(rows) * n
+        base = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": run.top_p, **params}
+        with run.bar(desc, total) as advance:
+            results = run_custom(
+                custom, run.tokenizer, run.send, run.num_engines, [rows[k // n] for k in range(total)], base,
+                lambda k, t: sample_seed(run.seed, seed_tag, k // n, k % n, *((t,) if t else ())),
+                lambda k: sample_seed(run.seed, seed_tag, k // n, k % n, "env"),
+                lambda: advance(1),
+            )  # fmt: skip
+        rewards = [r.reward for r in results]
+        unscored = [k for k, r in enumerate(rewards) if r is None]
+        parts: dict[str, list[float]] = {}
+        if unscored:  # data.reward scores the final reply (an agent's: with the whole transcript)
+            decode = run.tokenizer.decode
+            scored, parts = run.reward_fn(
+                [
+                    Sample(
+                        prompt=decode(results[k].segments[0].prompt_ids), response=results[k].reply,
+                        label=rows[k // n].label, response_ids=results[k].segments[-1].response_ids,
+                        messages=results[k].messages, row=rows[k // n],
+                        finish_reason=results[k].finish,
+                    )
+                    for k in unscored
+                ]
+            )  # fmt: skip
+            for k, reward in zip(unscored, scored):
+                rewards[k] = float(reward)
+            parts = {key: [dict(zip(unscored, v)).get(k, math.nan) for k in range(total)] for key, v in parts.items()}
+        samples = [(k, seg) for k, r in enumerate(results) for seg in r.segments]
+        several = any(len(r.segments) > 1 for r in results)
+        decode = run.tokenizer.decode
+        texts = {
+            "prompt": [decode(seg.prompt_ids) for _, seg in samples],
+            "response": [decode(seg.response_ids) for _, seg in samples],  # the transcript, template tokens and all
+            "answer": [rows[k // n].label for k, _ in samples],
+        }
+        return Samples(
+            [seg.prompt_ids for _, seg in samples], [seg.response_ids for _, seg in samples],
+            [seg.logprobs for _, seg in samples], torch.tensor([rewards[k] for k, _ in samples], dtype=torch.float32),
+            texts, [min(seg.versions) if seg.versions else 0 for _, seg in samples], [seg.versions for _, seg in samples],
+            {key: [v[k] for k, _ in samples] for key, v in parts.items()}, [seg.loss_mask for _, seg in samples],
+            [seg.turns for _, seg in samples],
+            {
+                "turns": [float(seg.turn + 1) for _, seg in samples],
+                # cut: the episode's last reply stopped at its token limit (rollout.overlong_filter masks it)
+                "truncated": [float(results[k].finish == "length") for k, _ in samples],
+                "observation_tokens": [float(len(seg.loss_mask) - sum(seg.loss_mask)) for _, seg in samples],
+            },
+            episode_of=[k for k, _ in samples] if several else [],
+        )  # fmt: skip

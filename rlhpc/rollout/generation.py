@@ -2,19 +2,15 @@
 
 The requests go out through a ``Send``: the engine pool (``rlhpc.rollout.engines``, which
 spreads them over the engines and restarts dead ones), or ``one_batch(client)`` for a single
-engine server (``tools/gpu_check.py``). A request's rows depend only on the row index and every
-sample has its own seed, so a rerun, or a request sent again after an engine restart, gets the
-same tokens.
+engine server (``tools/gpu_check.py``). The samplers (``rlhpc.rollout.sampler``: plain,
+environment, custom) make the samples; ``Generation`` turns them into a rollout or an evaluation.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -23,15 +19,16 @@ from rlhpc.algo.grpo import ADVANTAGE_ESTIMATORS, overlong_penalty
 from rlhpc.algo.pass_at_k import pass_metrics
 from rlhpc.batch import RolloutBatch
 from rlhpc.data.dynamic_sampling import Group, GroupFilter, resolve_filter
-from rlhpc.data.prompts import encode_rows
 from rlhpc.data.rows import Row, as_rows
 from rlhpc.data.tasks import TASKS, RewardFn, resolve_reward
 from rlhpc.errors import RlhpcError, user_code_error
-from rlhpc.rollout.custom import CustomRollout, run_custom
+from rlhpc.rollout.custom import CustomRollout, CustomSampler
 from rlhpc.rollout.journal import ToolJournal, scope_name
-from rlhpc.rollout.scoring import MixedScorer, PooledReward, RemoteReward, Sample, Scorer, is_remote
-from rlhpc.wire.protocol import finish_reason, routed_experts, token_versions, weight_version
-from rlhpc.wire.request import Request, Send, knob_params, sample_seed
+from rlhpc.rollout.plain import PlainSampler
+from rlhpc.rollout.sampler import Sampler, Sampling
+from rlhpc.rollout.samples import Samples
+from rlhpc.rollout.scoring import MixedScorer, PooledReward, RemoteReward, Scorer, is_remote
+from rlhpc.wire.request import Request, Send, knob_params
 
 if TYPE_CHECKING:
     from rich.progress import Progress
@@ -44,18 +41,6 @@ log = logging.getLogger(__name__)
 MoreRows = Callable[[int, int], list[dict]]  # (round, count) -> prompts to over-sample
 # (prompt ids, response ids) per sample -> each response token's logprob under the teacher
 TeacherLogprobs = Callable[[list[list[int]], list[list[int]]], list[list[float]]]
-
-# At most this many samples per /generate request: a request is one engine batch on the CPU
-# engine (SGLang batches across requests anyway), and a bar step.
-MAX_SAMPLES_PER_REQUEST = 256
-
-
-def rows_per_request(num_rows: int, n: int, num_engines: int) -> int:
-    """Rows per /generate request: the batch spread evenly over the engines, in requests of at
-    most MAX_SAMPLES_PER_REQUEST samples (at least one row). ``num_engines`` is the configured
-    count, not the live one, so a run sends the same requests whatever engines it loses."""
-    per_engine = -(-num_rows // max(1, num_engines))
-    return max(1, min(per_engine, MAX_SAMPLES_PER_REQUEST // n))
 
 
 def task_reward(data: DataConfig) -> Scorer:
@@ -99,159 +84,6 @@ def one_batch(client: Generates) -> Send:
         return answers
 
     return send
-
-
-def image_uris(rows: list[Row]) -> list[list[str]]:
-    """Each row's images as SGLang's ``image_data`` takes them (data URIs, encoded once per row,
-    not per sample); empty when no row has any."""
-    if not any(r.images for r in rows):
-        return []
-    return [[ref.uri() for ref in r.images] for r in rows]
-
-
-def _samples(rows: list[Row], n: int, row_of: Sequence[int], outputs: Sequence[dict]) -> list[Sample]:
-    """What the reward reads of each output: ``outputs[k]`` answers row ``row_of[k]``."""
-    return [
-        Sample(
-            prompt=rows[i].prompt_text, response=out["text"], label=rows[i].label,
-            response_ids=list(out["output_ids"]), messages=rows[i].messages if rows[i].is_chat else None,
-            row=rows[i], finish_reason=finish_reason(out["meta_info"]),
-        )
-        for i, out in zip(row_of, outputs)
-    ]  # fmt: skip
-
-
-@dataclass
-class Samples:
-    """``n`` samples per row, row-major (a row's samples adjacent), scored."""
-
-    prompt_ids: list[list[int]]
-    response_ids: list[list[int]]
-    logprobs: list[list[float]]
-    rewards: torch.Tensor
-    texts: dict[str, list[str]]  # "prompt", "response", "answer" per sample
-    weight_versions: list[int]  # the weights each sample was generated with (its oldest token's)
-    token_versions: list[list[int]]  # per response token
-    parts: dict[str, list[float]] = field(default_factory=dict)  # a dict reward's other parts, per sample
-    # Multi-turn episodes only (empty for single-turn samples, whose response is all generated):
-    loss_masks: list[list[int]] = field(default_factory=list)  # per response token: 1 generated, 0 observation
-    turns: list[list[int]] = field(default_factory=list)  # per response token: its turn
-    episode: dict[str, list[float]] = field(default_factory=dict)  # per sample: turns, truncated, ...
-    finish_reasons: list[str | None] = field(default_factory=list)  # single-turn: the engine's, per sample
-    # An agent's episode may give several samples (``trajectories.assemble``): per sample, its
-    # episode's index (row-major, a row's n episodes adjacent). Empty: sample k is episode k.
-    episode_of: list[int] = field(default_factory=list)
-    # A vision-language model's: per sample, its prompt's images (``ImageRef``); empty: none has any.
-    images: list[list] = field(default_factory=list)
-    # algo.routing_replay: per sample, the experts the engine routed its tokens to (RolloutBatch's)
-    routed_experts: list[torch.Tensor] = field(default_factory=list)
-
-    def num_episodes(self) -> int:
-        return self.episode_of[-1] + 1 if self.episode_of else len(self.response_ids)
-
-    def episode_rewards(self, rewards: torch.Tensor) -> torch.Tensor:
-        """``rewards`` (per sample) per episode: the mean of its samples' (all the episode's reward)."""
-        if not self.episode_of:
-            return rewards
-        index = torch.tensor(self.episode_of)
-        sums = torch.zeros(self.num_episodes()).index_add_(0, index, rewards.float())
-        return sums / torch.bincount(index, minlength=self.num_episodes()).float()
-
-    def last_per_episode(self) -> Samples:
-        """Each episode's last sample (its final reply): one per episode, as evaluation and
-        sampling filters count them."""
-        if not self.episode_of:
-            return self
-        last = {e: k for k, e in enumerate(self.episode_of)}
-        return self._select([last[e] for e in range(self.num_episodes())], [])
-
-    def episode_metrics(self) -> dict[str, float]:
-        """``episode/<stat>``: each episode statistic's mean over the samples."""
-        return {f"episode/{key}": sum(v) / max(len(v), 1) for key, v in self.episode.items()}
-
-    def part_metrics(self) -> dict[str, float]:
-        """``reward/<part>``: each part's mean over the samples that have it (``errors``: the count)."""
-        out = {}
-        for key, values in self.parts.items():
-            have = [v for v in values if not math.isnan(v)]
-            out[f"reward/{key}"] = sum(have) if key == "errors" else sum(have) / max(len(have), 1)
-        return out
-
-    def group(self, g: int, n: int) -> Group:
-        """Group ``g`` (a prompt's n samples), as a dynamic-sampling filter sees it."""
-        if self.episode_of:
-            return self.last_per_episode().group(g, n)
-        t, span = self.texts, slice(g * n, (g + 1) * n)
-        return Group(t["prompt"][g * n], t["answer"][g * n], t["response"][span], self.rewards[span].tolist())
-
-    def groups(self, n: int, keep: Sequence[int]) -> Samples:
-        """Groups ``keep`` (a prompt's n samples each, in this order) as Samples of their own."""
-        if self.episode_of:  # the samples of the groups' episodes, renumbered
-            where = {g: i for i, g in enumerate(keep)}
-            idx = [k for g in keep for k, e in enumerate(self.episode_of) if e // n == g]
-            return self._select(idx, [where[self.episode_of[k] // n] * n + self.episode_of[k] % n for k in idx])
-        return self._select([g * n + j for g in keep for j in range(n)], [])
-
-    def _select(self, idx: list[int], episode_of: list[int]) -> Samples:
-        return Samples(
-            [self.prompt_ids[k] for k in idx],
-            [self.response_ids[k] for k in idx],
-            [self.logprobs[k] for k in idx],
-            self.rewards[idx] if idx else self.rewards[:0],
-            {key: [v[k] for k in idx] for key, v in self.texts.items()},
-            [self.weight_versions[k] for k in idx],
-            [self.token_versions[k] for k in idx],
-            {key: [v[k] for k in idx] for key, v in self.parts.items()},
-            [self.loss_masks[k] for k in idx] if self.loss_masks else [],
-            [self.turns[k] for k in idx] if self.turns else [],
-            {key: [v[k] for k in idx] for key, v in self.episode.items()},
-            [self.finish_reasons[k] for k in idx] if self.finish_reasons else [],
-            episode_of,
-            [self.images[k] for k in idx] if self.images else [],
-            [self.routed_experts[k] for k in idx] if self.routed_experts else [],
-        )
-
-    @staticmethod
-    def concat(parts: Sequence[Samples]) -> Samples:
-        return Samples(
-            [x for p in parts for x in p.prompt_ids],
-            [x for p in parts for x in p.response_ids],
-            [x for p in parts for x in p.logprobs],
-            torch.cat([p.rewards for p in parts]),
-            {key: [x for p in parts for x in p.texts[key]] for key in parts[0].texts},
-            [x for p in parts for x in p.weight_versions],
-            [x for p in parts for x in p.token_versions],
-            {
-                key: [x for p in parts for x in p.parts.get(key, [math.nan] * len(p.rewards))]
-                for key in dict.fromkeys(k for p in parts for k in p.parts)
-            },
-            [x for p in parts for x in p.loss_masks],
-            [x for p in parts for x in p.turns],
-            {key: [x for p in parts for x in p.episode.get(key, [])] for key in parts[0].episode},
-            [x for p in parts for x in p.finish_reasons],
-            Samples._concat_episodes(parts),
-            [x for p in parts for x in (p.images or [[]] * len(p.response_ids))]
-            if any(p.images for p in parts)
-            else [],
-            [x for p in parts for x in p.routed_experts],
-        )
-
-    @staticmethod
-    def _concat_episodes(parts: Sequence[Samples]) -> list[int]:
-        if not any(p.episode_of for p in parts):
-            return []
-        out, start = [], 0
-        for p in parts:
-            out += [start + e for e in (p.episode_of or range(len(p.response_ids)))]
-            start += p.num_episodes()
-        return out
-
-    def cut(self) -> list[bool]:
-        """Per sample, whether it was cut short: a single-turn sample at max_new_tokens (finish
-        reason "length"), an episode by max_turns or max_episode_tokens."""
-        if self.loss_masks:
-            return [bool(t) for t in self.episode.get("truncated", [0.0] * len(self.response_ids))]
-        return [r == "length" for r in self.finish_reasons]
 
 
 class Generation:
@@ -318,315 +150,31 @@ class Generation:
         A request's rows depend only on the row index, and every sample has its own seed, so a
         rerun sends exactly the same batches and gets the same tokens.
         """
-        params = params or {}
-        rows = as_rows(rows)
+        return self.sampler().sample(
+            as_rows(rows), n, temperature, max_new_tokens, seed_tag, desc, params or {}, journal_scope
+        )
+
+    def sampler(self) -> Sampler:
+        """The run's sampler: its generate function's or agent's, its environment's, or the plain
+        one; made per call, from what this generation holds now."""
+        run = Sampling(
+            self.tokenizer,
+            self.reward_fn,
+            self.seed,
+            self.send,
+            self.num_engines,
+            self.rollout_cfg.top_p,
+            self.progress,
+        )
         if self.custom is not None:
-            return self._sample_custom(rows, n, temperature, max_new_tokens, seed_tag, desc, params)
+            return CustomSampler(run, self.custom)
         if self.episodes is not None:
-            return self._sample_episodes(rows, n, temperature, max_new_tokens, seed_tag, desc, params, journal_scope)
-        top_p = self.rollout_cfg.top_p
-        per_request = rows_per_request(len(rows), n, self.num_engines)
-        chunks = [range(i, min(i + per_request, len(rows))) for i in range(0, len(rows), per_request)]
-        prompts = encode_rows(self.tokenizer, rows)
-        uris = image_uris(rows)
+            from rlhpc.rollout.environment import EnvironmentSampler
+
+            return EnvironmentSampler(run, self.episodes, self.journal)
         # (an evaluation alone, rlhpc-evaluate, trains nothing: given no shape, it asks for none)
         replay = self.algo_cfg.routing_replay and self.routing_shape is not None
-        requests = [
-            Request(
-                return_routed_experts=replay,
-                input_ids=[prompts[i] for i in chunk for _ in range(n)],
-                image_data=[uris[i] for i in chunk for _ in range(n)] if uris else None,
-                sampling_params=[
-                    {
-                        "max_new_tokens": max_new_tokens,
-                        "temperature": temperature,
-                        "top_p": top_p,
-                        "sampling_seed": sample_seed(self.seed, seed_tag, i, j),
-                        **params,
-                    }
-                    for i in chunk
-                    for j in range(n)
-                ],
-            )
-            for chunk in chunks
-        ]
-
-        progress = self.progress
-        bar = progress.add_task(desc, total=len(rows)) if progress is not None else None
-        # model components (the reward model) score each request's samples as it is answered
-        ahead = self.reward_fn.start() if isinstance(self.reward_fn, MixedScorer) else {}
-
-        def done(c: int, answer: list[dict]) -> None:
-            if bar is not None:
-                progress.advance(bar, len(chunks[c]))
-            if ahead:
-                group = _samples(rows, n, [i for i in chunks[c] for _ in range(n)], answer)
-                for scores in ahead.values():
-                    scores.add(c, group)
-
-        try:
-            answers = self.send(requests, done)
-        except BaseException:
-            for scores in ahead.values():
-                scores.close()
-            raise
-        finally:
-            if bar is not None:
-                progress.remove_task(bar)
-
-        outputs = [out for answer in answers for out in answer]  # row-major: a row's n samples adjacent
-        response_ids = [list(out["output_ids"]) for out in outputs]
-        logprobs = [[lp for lp, _tok, _ in out["meta_info"].get("output_token_logprobs", [])] for out in outputs]
-        samples = _samples(rows, n, [k // n for k in range(len(outputs))], outputs)
-        texts = {
-            "prompt": [s.prompt for s in samples],
-            # the engine's own detokenization (SGLang's: stop token trimmed, special tokens
-            # skipped), not a second one here on the loop's critical path
-            "response": [s.response for s in samples],
-            "answer": [s.label for s in samples],
-        }
-        if ahead:
-            ready = {name: scores.scores(range(len(requests))) for name, scores in ahead.items()}
-            rewards, parts = self.reward_fn(samples, ready)
-        else:
-            rewards, parts = self.reward_fn(samples)
-        prompt_ids = [prompts[k // n] for k in range(len(outputs))]
-        per_token = [token_versions(out["meta_info"], len(ids)) for out, ids in zip(outputs, response_ids)]
-        versions = [min(v) if v else weight_version(out["meta_info"]) for v, out in zip(per_token, outputs)]
-        return Samples(
-            prompt_ids, response_ids, logprobs, torch.tensor(rewards, dtype=torch.float32), texts, versions, per_token,
-            parts, finish_reasons=[finish_reason(out["meta_info"]) for out in outputs],
-            images=[rows[k // n].images for k in range(len(outputs))] if uris else [],
-            routed_experts=self._routed_experts(prompt_ids, response_ids, outputs) if replay else [],
-        )  # fmt: skip
-
-    def _routed_experts(
-        self, prompt_ids: list[list[int]], response_ids: list[list[int]], outputs: list[dict]
-    ) -> list[torch.Tensor]:
-        """Each sample's ``meta_info["routed_experts"]`` as [tokens - 1, layers, top-k], kept in the
-        smallest integer type its expert ids fit (a rollout holds one per token, layer and k)."""
-        assert self.routing_shape is not None
-        layers, top_k, experts = self.routing_shape
-        dtype = torch.uint8 if experts <= 256 else torch.int16
-        return [
-            torch.from_numpy(routed_experts(out["meta_info"], len(p) + len(r) - 1, layers, top_k).copy()).to(dtype)
-            for p, r, out in zip(prompt_ids, response_ids, outputs)
-        ]
-
-    def _sample_episodes(
-        self,
-        rows: list[Row],
-        n: int,
-        temperature: float,
-        max_new_tokens: int,
-        seed_tag: object,
-        desc: str,
-        params: dict[str, Any],
-        journal_scope: str | None = None,
-    ) -> Samples:
-        """``n`` episodes per row, run turn by turn in lockstep: each turn sends every running
-        episode's tokens so far (prompt, then the engine's own tokens and the observations'), and
-        steps each environment with the engine's text. A turn's requests and seeds depend only on
-        the episodes' indices, so a rerun replays every episode exactly."""
-        from rlhpc.rollout.episodes import extend_all
-
-        ep = self.episodes
-        assert ep is not None
-        top_p, total = self.rollout_cfg.top_p, len(rows) * n
-        per_request = rows_per_request(len(rows), n, self.num_engines) * n
-        progress = self.progress
-        bar = progress.add_task(desc, total=total) if progress is not None else None
-        loop = asyncio.new_event_loop()  # one per call: async environments keep theirs across turns
-        use_journal = self.journal is not None and ep.tools is not None and journal_scope is not None
-        journal = self.journal.scope(journal_scope) if use_journal else None
-        try:
-            seeds = [sample_seed(self.seed, seed_tag, k // n, k % n, "env") for k in range(total)]
-            episodes = ep.start_all(self.tokenizer, [(rows[k // n], seeds[k]) for k in range(total)], loop)
-            for turn in range(ep.max_turns):
-                active = [k for k, e in enumerate(episodes) if not e.done]
-                if not active:
-                    break
-                # an episode's home: the request its turn 0 was in, so its turns go to one engine
-                homes = dict.fromkeys(k // per_request for k in active)
-                chunks = [[k for k in active if k // per_request == h] for h in homes]
-                requests = [
-                    Request(
-                        input_ids=[episodes[k].input_ids for k in chunk],
-                        sampling_params=[
-                            {
-                                "max_new_tokens": min(
-                                    max_new_tokens, ep.max_episode_tokens - len(episodes[k].response_ids)
-                                ),
-                                "temperature": temperature,
-                                "top_p": top_p,
-                                # turn 0 with a single-turn sample's seed; later turns their own
-                                "sampling_seed": sample_seed(
-                                    self.seed, seed_tag, k // n, k % n, *((turn,) if turn else ())
-                                ),
-                                **params,
-                            }
-                            for k in chunk
-                        ],
-                        affinity=home,
-                    )
-                    for home, chunk in zip(homes, chunks)
-                ]
-                outputs = [out for answer in self.send(requests, lambda c, answer: None) for out in answer]
-                for k, out in zip(active, outputs):
-                    ids = list(out["output_ids"])
-                    lps = [lp for lp, _tok, _ in out["meta_info"].get("output_token_logprobs", [])]
-                    episodes[k].turn = turn
-                    episodes[k].add(ids, lps, token_versions(out["meta_info"], len(ids)), generated=True)
-                steps = ep.step([episodes[k] for k in active], [out["text"] for out in outputs], loop, journal)
-                going, ended = [], []
-                for k, out, (observation, reward, done) in zip(active, outputs, steps):
-                    episodes[k].reward += reward
-                    if done:
-                        ended.append(episodes[k])
-                    else:
-                        going.append((episodes[k], out, observation))
-                # the observations' tokens of all the turn's episodes at once (their renders and tails batched)
-                extras = extend_all(
-                    [e.conversation for e, _, _ in going], [out["output_ids"] for _, out, _ in going],
-                    [out["text"] for _, out, _ in going], [observation for _, _, observation in going],
-                )  # fmt: skip
-                for (e, _, _), extra in zip(going, extras):
-                    # no room for the observation and a token more: the episode is cut here
-                    if turn + 1 == ep.max_turns or len(e.response_ids) + len(extra) >= ep.max_episode_tokens:
-                        e.truncated = True
-                        ended.append(e)
-                    else:
-                        e.add(extra, [], [e.versions[-1] if e.versions else 0] * len(extra), generated=False)
-                for e in ended:
-                    e.done = True
-                    if bar is not None:
-                        progress.advance(bar, 1)
-        finally:
-            loop.close()
-            if journal is not None:
-                journal.close()
-            if bar is not None:
-                progress.remove_task(bar)
-        decode = self.tokenizer.decode
-        texts = {
-            "prompt": [decode(e.conversation.prompt_ids) for e in episodes],
-            "response": [decode(e.response_ids) for e in episodes],  # the transcript, template tokens and all
-            "answer": [rows[k // n].label for k in range(total)],
-        }
-        parts: dict[str, list[float]] = {}
-        if ep.score_replies:  # tools without an environment: data.reward scores the last reply
-            # the whole chat: a cut episode's already ends with its last reply and the tools' answers
-            chats = [
-                e.conversation.messages + ([] if e.truncated else [{"role": "assistant", "content": e.texts[-1]}])
-                for e in episodes
-            ]
-            rewards, parts = self.reward_fn(
-                [
-                    Sample(
-                        prompt=texts["prompt"][k], response=e.texts[-1], label=texts["answer"][k],
-                        response_ids=e.response_ids, messages=chats[k], row=rows[k // n],
-                        finish_reason="length" if e.truncated else "stop",
-                    )
-                    for k, e in enumerate(episodes)
-                ]
-            )  # fmt: skip
-            for e, reward in zip(episodes, rewards):
-                e.reward = float(reward)
-        for e in episodes:
-            if e.infra_failed:  # a tool could not run: no reward, masked in training
-                e.reward = math.nan
-        versions = [min(v) if v else 0 for v in (e.versions for e in episodes)]
-        tool_stats = (
-            {
-                "tool_calls": [float(e.tool_calls) for e in episodes],
-                "tool_errors": [float(e.tool_errors) for e in episodes],
-                "tool_timeouts": [float(e.tool_timeouts) for e in episodes],
-            }
-            if ep.tools is not None
-            else {}
-        )
-        return Samples(
-            [e.conversation.prompt_ids for e in episodes], [e.response_ids for e in episodes],
-            [e.logprobs for e in episodes], torch.tensor([e.reward for e in episodes], dtype=torch.float32), texts,
-            versions, [e.versions for e in episodes], parts, [e.loss_mask for e in episodes],
-            [e.turns for e in episodes],
-            {
-                "turns": [float(e.turn + 1) for e in episodes],
-                "truncated": [float(e.truncated) for e in episodes],
-                "observation_tokens": [float(len(e.loss_mask) - sum(e.loss_mask)) for e in episodes],
-                **tool_stats,
-            },
-        )  # fmt: skip
-
-    def _sample_custom(
-        self,
-        rows: list[Row],
-        n: int,
-        temperature: float,
-        max_new_tokens: int,
-        seed_tag: object,
-        desc: str,
-        params: dict[str, Any],
-    ) -> Samples:
-        """``n`` episodes per row of the generate function or agent, all at once; episode k's calls
-        go to engine k mod the engine count, call t of it with the seed of turn t of an episode."""
-        custom = self.custom
-        assert custom is not None
-        total = len(rows) * n
-        progress = self.progress
-        bar = progress.add_task(desc, total=total) if progress is not None else None
-        base = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": self.rollout_cfg.top_p, **params}
-        try:
-            results = run_custom(
-                custom, self.tokenizer, self.send, self.num_engines, [rows[k // n] for k in range(total)], base,
-                lambda k, t: sample_seed(self.seed, seed_tag, k // n, k % n, *((t,) if t else ())),
-                lambda k: sample_seed(self.seed, seed_tag, k // n, k % n, "env"),
-                (lambda: progress.advance(bar, 1)) if bar is not None else (lambda: None),
-            )  # fmt: skip
-        finally:
-            if bar is not None:
-                progress.remove_task(bar)
-        rewards = [r.reward for r in results]
-        unscored = [k for k, r in enumerate(rewards) if r is None]
-        parts: dict[str, list[float]] = {}
-        if unscored:  # data.reward scores the final reply (an agent's: with the whole transcript)
-            decode = self.tokenizer.decode
-            scored, parts = self.reward_fn(
-                [
-                    Sample(
-                        prompt=decode(results[k].segments[0].prompt_ids), response=results[k].reply,
-                        label=rows[k // n].label, response_ids=results[k].segments[-1].response_ids,
-                        messages=results[k].messages, row=rows[k // n],
-                        finish_reason=results[k].finish,
-                    )
-                    for k in unscored
-                ]
-            )  # fmt: skip
-            for k, reward in zip(unscored, scored):
-                rewards[k] = float(reward)
-            parts = {key: [dict(zip(unscored, v)).get(k, math.nan) for k in range(total)] for key, v in parts.items()}
-        samples = [(k, seg) for k, r in enumerate(results) for seg in r.segments]
-        several = any(len(r.segments) > 1 for r in results)
-        decode = self.tokenizer.decode
-        texts = {
-            "prompt": [decode(seg.prompt_ids) for _, seg in samples],
-            "response": [decode(seg.response_ids) for _, seg in samples],  # the transcript, template tokens and all
-            "answer": [rows[k // n].label for k, _ in samples],
-        }
-        return Samples(
-            [seg.prompt_ids for _, seg in samples], [seg.response_ids for _, seg in samples],
-            [seg.logprobs for _, seg in samples], torch.tensor([rewards[k] for k, _ in samples], dtype=torch.float32),
-            texts, [min(seg.versions) if seg.versions else 0 for _, seg in samples], [seg.versions for _, seg in samples],
-            {key: [v[k] for k, _ in samples] for key, v in parts.items()}, [seg.loss_mask for _, seg in samples],
-            [seg.turns for _, seg in samples],
-            {
-                "turns": [float(seg.turn + 1) for _, seg in samples],
-                # cut: the episode's last reply stopped at its token limit (rollout.overlong_filter masks it)
-                "truncated": [float(results[k].finish == "length") for k, _ in samples],
-                "observation_tokens": [float(len(seg.loss_mask) - sum(seg.loss_mask)) for _, seg in samples],
-            },
-            episode_of=[k for k, _ in samples] if several else [],
-        )  # fmt: skip
+        return PlainSampler(run, self.routing_shape if replay else None)
 
     def rollout(
         self, rollout_id: int, rows: list[dict], more_rows: MoreRows | None = None

@@ -71,7 +71,7 @@ POOL_SIZE = 16
 # Prompts a client sends at once, one request each (``EngineClient.generate`` with
 # ``per_prompt``), each on a thread of its own waiting for its answer, with its connection: the
 # engines behind the router batch what arrives together, so this bounds their batches, as
-# rlhpc.rollout.generation.MAX_SAMPLES_PER_REQUEST bounds a request without the router. Well
+# rlhpc.rollout.sampler.MAX_SAMPLES_PER_REQUEST bounds a request without the router. Well
 # under the 1024 open files a node often allows a process, and under the connections a CPU
 # engine keeps that have not sent their headers yet (guard.MAX_PENDING).
 ROUTER_IN_FLIGHT = 256

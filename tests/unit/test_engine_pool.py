@@ -15,7 +15,7 @@ from rlhpc.errors import RlhpcError, WeightPushFailed
 from rlhpc.rollout.engines import EnginePool, EnginesDown, EngineSet, Health, NodeLost, health
 from rlhpc.rollout.engines import engine_set as engine_set_module
 from rlhpc.rollout.engines.health import NODE_CHECK_S
-from rlhpc.rollout.generation import MAX_SAMPLES_PER_REQUEST, rows_per_request
+from rlhpc.rollout.sampler import MAX_SAMPLES_PER_REQUEST, rows_per_request
 from rlhpc.wire.client import EngineUnavailable, RequestRefused
 from rlhpc.wire.protocol import MEMORY_TAGS
 from rlhpc.wire.request import Request

@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 def _groups(samples, rows: list[dict], args: argparse.Namespace) -> list[list]:
     """The rollout's samples grouped as its requests were (what both modes send), for scoring alone."""
-    from rlhpc.rollout.generation import rows_per_request
+    from rlhpc.rollout.sampler import rows_per_request
     from rlhpc.rollout.scoring import Sample
 
     per = rows_per_request(len(rows), args.samples, args.requests) * args.samples

@@ -22,7 +22,7 @@ from typing import Any
 from rlhpc.engine_server.cpu.requests import Item
 
 # Rows of one merged batch: what rlhpc sends one engine in one request without the router
-# (rlhpc.rollout.generation.MAX_SAMPLES_PER_REQUEST)
+# (rlhpc.rollout.sampler.MAX_SAMPLES_PER_REQUEST)
 MAX_MERGED_ROWS = 256
 # How long a batch waits for the requests arriving with its first one (a rollout's prompts come
 # one request each, through the router, within milliseconds): a batch of one, then one of the
