@@ -30,16 +30,14 @@ from rlhpc.data.prompts import PromptPrep, prepare_prompts
 from rlhpc.data.tasks import TASKS
 from rlhpc.metric_names import eval_name
 from rlhpc.metrics import MetricsLogger, read_metrics
-from rlhpc.model import context_length, load_tokenizer, routing_shape
-from rlhpc.rollout.custom import make_custom
+from rlhpc.model import context_length, load_tokenizer
+from rlhpc.rollout.build import Frozen, build_generation
 from rlhpc.rollout.engines import EnginePool
-from rlhpc.rollout.episodes import make_episodes
-from rlhpc.rollout.generation import Generation, task_reward
+from rlhpc.rollout.generation import Generation
 from rlhpc.rollout.journal import ToolJournal
-from rlhpc.rollout.judge import Judge
-from rlhpc.rollout.reward_model import RewardModel, start_reward_engines
+from rlhpc.rollout.reward_model import start_reward_engines
 from rlhpc.rollout.scoring import MixedScorer
-from rlhpc.rollout.teacher import Teacher, check_same_vocabulary, start_teacher_engines
+from rlhpc.rollout.teacher import start_teacher_engines
 from rlhpc.run_dir import RunDir
 from rlhpc.runtime.restarts import read_history
 from rlhpc.runtime.signals import Stopped, StopRequest
@@ -186,12 +184,16 @@ class TrainLoop:
         if sandbox.used(cfg):
             with startup.phase("sandbox_up"):
                 sandbox.pool()  # warm now: a node that cannot run the sandbox fails here, named
-        self.generation = Generation(
-            tokenizer, self._scorer(), cfg.rollout, cfg.eval, cfg.algo, cfg.seed,
-            send=self.engines.generate, progress=progress, num_engines=len(layout.engine_slots),
-            episodes=make_episodes(cfg, tokenizer), custom=make_custom(cfg, tokenizer), teacher=self._teacher(tokenizer),
-            journal=self.journal, routing_shape=routing_shape(model_path) if cfg.algo.routing_replay else None,
+        rm_path, teacher_path = run.reward_model_path(cfg), run.teacher_path(cfg)
+        self.generation = build_generation(
+            cfg, tokenizer, self.engines.generate, len(layout.engine_slots),
+            reward_model=Frozen(self.reward_engines, rm_path) if self.reward_engines is not None else None,
+            teacher=Frozen(self.teacher_engines, teacher_path) if self.teacher_engines is not None else None,
+            model_path=model_path, progress=progress, journal=self.journal,
         )  # fmt: skip
+        reward_fn = self.generation.reward_fn
+        # when the reward group worked (time/reward_idle); a judge's and a rule's are not timed
+        self.reward_clock = reward_fn.clock if isinstance(reward_fn, MixedScorer) else None
         with startup.phase("weight_channel"):
             self.engines.connect_weights(self.actor)  # the engines' one weight source, restarted engines included
         with startup.phase("first_push"):
@@ -279,32 +281,6 @@ class TrainLoop:
         self.metrics.rewind(self.start)
         if resume is not None:
             self.metrics.restore(resume.rollout_id, resume.state["metrics"])
-
-    def _scorer(self) -> Any:
-        """The run's reward: the task's or ``data.reward``, mixed with the reward model's or the judge's."""
-        cfg = self.cfg
-        reward = task_reward(cfg.data)
-        self.reward_clock: BusyClock | None = None  # when the reward group worked (time/reward_idle)
-        if self.reward_engines is None:
-            return reward
-        rm_cfg, rm_path = cfg.reward_model, self.rundir.reward_model_path(cfg)
-        if rm_cfg.kind == "judge":  # scored once generation is done (a judge's answers are generations too)
-            judge = Judge(self.reward_engines, load_tokenizer(rm_path), rm_cfg, cfg.seed, context_length(rm_path))
-            return MixedScorer(reward, cfg.data.reward_weight, {"reward_model": (rm_cfg.weight, judge.score)})
-        rm = RewardModel(self.reward_engines, load_tokenizer(rm_path), rm_cfg.batch_size, context_length(rm_path))
-        self.reward_clock = rm.clock
-        return MixedScorer(
-            reward, cfg.data.reward_weight, {"reward_model": (rm_cfg.weight, rm.score)},
-            groups={"reward_model": rm.score_groups}, overlap=rm_cfg.overlap,
-        )  # fmt: skip
-
-    def _teacher(self, tokenizer: Any) -> Callable | None:
-        """The teacher's logprobs of the trained tokens, once its vocabulary is the policy's."""
-        if self.teacher_engines is None:
-            return None
-        teacher_path = self.rundir.teacher_path(self.cfg)
-        check_same_vocabulary(tokenizer, load_tokenizer(teacher_path), teacher_path)
-        return Teacher(self.teacher_engines, self.cfg.teacher.batch_size).logprobs
 
     # ---- the loop -------------------------------------------------------------------------
 

@@ -42,7 +42,8 @@ from rlhpc.cluster.memory import ModelShape, actor_estimate
 from rlhpc.config import Config
 from rlhpc.data.tasks import TASKS
 from rlhpc.model import TinyModelConfig, build_tiny_model, load_tokenizer
-from rlhpc.rollout.generation import Generation, one_batch
+from rlhpc.rollout.build import build_generation
+from rlhpc.rollout.generation import one_batch
 from rlhpc.util.net import http_url
 from rlhpc.wire.client import EngineClient
 
@@ -166,9 +167,7 @@ def run(
     task = TASKS["digit_sum"]
     rows = task.make(args.prompts * args.rollouts, random.Random(0))
     # The driver's generation step (requests, seeds, rewards, advantages), all in one /generate batch.
-    generation = Generation(
-        load_tokenizer(model_path), task.reward, cfg.rollout, cfg.eval, cfg.algo, cfg.seed, send=one_batch(engine)
-    )
+    generation = build_generation(cfg, load_tokenizer(model_path), one_batch(engine), reward=task.reward)
     figures = []
     longest_prompt = 0
     for rollout_id in range(args.rollouts):

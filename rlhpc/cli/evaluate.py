@@ -104,17 +104,16 @@ def evaluate_checkpoint(cfg: Config, run: RunDir, ckpt: Path, rollout_id: int) -
     from rlhpc.launch.local_ray import local_ray
     from rlhpc.runtime.signals import StopRequest
 
-    layout = plan_layout(cfg.cluster)
+    layout = plan_layout(cfg.cluster, cfg.reward_model, cfg.teacher)  # the run's: its engines, its reward model's
     with local_ray(cfg.cluster, layout.num_slots, StopRequest()):
         from rlhpc.cluster.placement import create_placement
         from rlhpc.data.buffer import load_eval_sets
         from rlhpc.data.images import load_vision
         from rlhpc.driver import evaluate_sets, prompt_prep
         from rlhpc.model import context_length, load_tokenizer
-        from rlhpc.rollout.custom import make_custom
+        from rlhpc.rollout.build import Frozen, build_generation
         from rlhpc.rollout.engines import EnginePool
-        from rlhpc.rollout.episodes import make_episodes
-        from rlhpc.rollout.generation import Generation, task_reward
+        from rlhpc.rollout.reward_model import start_reward_engines
 
         weights = str(model_dir(ckpt))
         tokenizer = load_tokenizer(run.model_path(cfg))  # the run's, as its driver encodes prompts with
@@ -122,21 +121,29 @@ def evaluate_checkpoint(cfg: Config, run: RunDir, ckpt: Path, rollout_id: int) -
         vision = load_vision(run.model_path(cfg))
         rows = load_eval_sets(cfg.data, sets, prompt_prep(cfg, tokenizer, context_length(weights), vision))
         placement = create_placement(layout.num_slots, layout.slot_groups if layout.heterogeneous else None)
+        pools = []
         try:
             logs = Path(tempfile.mkdtemp(prefix="rlhpc-eval-logs-"))
             engines = EnginePool.start(
                 cfg.rollout, cfg.cluster, cfg.seed, weights, placement, layout, logs, deterministic=cfg.deterministic
             )
-            try:
-                generation = Generation(
-                    tokenizer, task_reward(cfg.data), cfg.rollout, cfg.eval, cfg.algo, cfg.seed,
-                    send=engines.generate, num_engines=len(layout.engine_slots),
-                    episodes=make_episodes(cfg, tokenizer), custom=make_custom(cfg, tokenizer),
+            pools.append(engines)
+            reward_model = None
+            if cfg.reward_model is not None:  # the run's reward model or judge scores as it did in the run
+                rm_path = run.reward_model_path(cfg)
+                rm_engines = start_reward_engines(
+                    cfg.reward_model, cfg.rollout, cfg.cluster, cfg.seed, rm_path, placement, layout, logs / "reward",
+                    deterministic=cfg.deterministic,
                 )  # fmt: skip
-                return evaluate_sets(generation, rollout_id, sets, rows)
-            finally:
-                engines.shutdown()
+                pools.append(rm_engines)
+                reward_model = Frozen(rm_engines, rm_path)
+            generation = build_generation(
+                cfg, tokenizer, engines.generate, len(layout.engine_slots), reward_model=reward_model
+            )
+            return evaluate_sets(generation, rollout_id, sets, rows)
         finally:
+            for pool in reversed(pools):
+                pool.shutdown()
             placement.remove()
 
 

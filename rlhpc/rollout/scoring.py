@@ -39,6 +39,7 @@ from rlhpc.errors import ConfigError, InfrastructureFailure, RlhpcError, user_co
 
 if TYPE_CHECKING:
     from rlhpc.config import DataConfig
+    from rlhpc.schedule import BusyClock
 
 SIGNATURES = (
     "reward(sample), reward(prompt, response, answer), or verl's compute_score(data_source, solution_str, "
@@ -432,7 +433,8 @@ class MixedScorer:
 
     ``groups``: the components that also score group by group (``score_groups``), so that a
     generation call can score each request's samples as it is answered (``start``) and pass the
-    scores in (``ready``); ``overlap``: while generation goes on, else once it is done."""
+    scores in (``ready``); ``overlap``: while generation goes on, else once it is done.
+    ``clock``: when the reward model's engines worked (``time/reward_idle``; None: not timed)."""
 
     def __init__(
         self,
@@ -441,9 +443,10 @@ class MixedScorer:
         components: dict[str, tuple[float, Callable]],
         groups: dict[str, ScoreGroups] | None = None,
         overlap: bool = True,
+        clock: BusyClock | None = None,
     ):
         self.rule, self.rule_weight, self.components = rule, rule_weight, components
-        self.groups, self.overlap = groups or {}, overlap
+        self.groups, self.overlap, self.clock = groups or {}, overlap, clock
 
     def start(self) -> dict[str, GroupScores]:
         """One generation call's group scorers, one per component that scores groups."""

@@ -221,3 +221,29 @@ def test_the_dry_run_shows_the_third_group_and_the_reward_engines_launch_line(tm
     line = p.stdout.split("reward engine 0's launch line (each reward engine's alike):\n", 1)[1].splitlines()[0]
     assert "--model-path <run dir>/reward_model" in line and line.endswith(EMBEDDING_FLAG)
     assert not run.exists()  # a dry run writes nothing
+
+
+# ------------------------------------------------------------------ every entry point scores alike
+
+
+def test_a_generation_for_a_run_with_a_reward_model_needs_its_engines():
+    """rlhpc-eval once built its Generation by hand and scored without the run's reward model:
+    the builder refuses a reward_model section it is given no engines for."""
+    from rlhpc.errors import RlhpcError
+    from rlhpc.rollout.build import build_generation
+
+    cfg = _cfg(cluster={"gpus_per_node": 4}, reward_model={"tiny": {}, "num_gpus": 1})
+    with pytest.raises(RlhpcError, match="no reward model engines were given"):
+        build_generation(cfg, build_char_tokenizer(), lambda requests, done: [])
+
+
+def test_every_entry_point_builds_its_generation_with_the_builder():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    by_hand = []
+    for path in [*(root / "rlhpc").rglob("*.py"), *(root / "tools").rglob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Generation":
+                by_hand.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert [p.split(":")[0] for p in by_hand] == ["rlhpc/rollout/build.py"], by_hand

@@ -56,8 +56,8 @@ from rlhpc.data.tasks import TASKS, load_split
 from rlhpc.logs import setup_logging
 from rlhpc.model import build_tiny_model, load_tokenizer
 from rlhpc.preflight import load_config
-from rlhpc.rollout.episodes import make_episodes
-from rlhpc.rollout.generation import Generation, one_batch, task_reward
+from rlhpc.rollout.build import build_generation
+from rlhpc.rollout.generation import Generation, one_batch
 from rlhpc.wire.client import EngineClient
 from rlhpc.wire.request import sample_seed
 
@@ -214,10 +214,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         proc, url = start_engine(model_path, work)
         try:
             client = BusyClient(EngineClient(url, 600.0))
-            gen = Generation(
-                tok, task_reward(cfg.data), r, cfg.eval, cfg.algo, cfg.seed, one_batch(client), None, 1,
-                make_episodes(cfg, tok),
-            )  # fmt: skip
+            gen = build_generation(cfg, tok, one_batch(client))
             print(
                 f"setup: tiny model (BPE, ChatML), one CPU engine server (1 torch thread), guess task, "
                 f"{n} episodes per prompt, max_turns {r.max_turns}, max_new_tokens {r.max_new_tokens}, "

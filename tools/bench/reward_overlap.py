@@ -66,8 +66,17 @@ def main(argv: list[str] | None = None) -> dict:
 
     from rlhpc.cluster.layout import plan_layout
     from rlhpc.cluster.placement import create_placement
-    from rlhpc.config import AlgoConfig, ClusterConfig, EvalConfig, RewardModelConfig, RolloutConfig, TinyModelConfig
+    from rlhpc.config import (
+        AlgoConfig,
+        ClusterConfig,
+        Config,
+        EvalConfig,
+        RewardModelConfig,
+        RolloutConfig,
+        TinyModelConfig,
+    )
     from rlhpc.model import build_tiny_model, load_tokenizer
+    from rlhpc.rollout.build import build_generation
     from rlhpc.rollout.engines import EnginePool
     from rlhpc.rollout.generation import Generation
     from rlhpc.rollout.reward_model import RewardModel, start_reward_engines
@@ -112,8 +121,12 @@ def main(argv: list[str] | None = None) -> dict:
                         rule, 0.0, {"reward_model": (1.0, rm.score)},
                         groups={"reward_model": rm.score_groups}, overlap=overlap,
                     )  # fmt: skip
-                return Generation(
-                    tok, scorer, rollout, EvalConfig(), AlgoConfig(), 7, gen_engines.generate, num_engines=args.requests
+                return build_generation(
+                    Config(rollout=rollout, eval=EvalConfig(), algo=AlgoConfig(), seed=7),
+                    tok,
+                    gen_engines.generate,
+                    args.requests,
+                    reward=scorer,
                 )
 
             def timed(gen: Generation, turn: int):
