@@ -220,12 +220,14 @@ class CustomSampler:
             "answer": [rows[k // n].label for k, _ in samples],
         }
         return Samples(
-            [seg.prompt_ids for _, seg in samples], [seg.response_ids for _, seg in samples],
-            [seg.logprobs for _, seg in samples], torch.tensor([rewards[k] for k, _ in samples], dtype=torch.float32),
-            texts, [min(seg.versions) if seg.versions else 0 for _, seg in samples], [seg.versions for _, seg in samples],
-            {key: [v[k] for k, _ in samples] for key, v in parts.items()}, [seg.loss_mask for _, seg in samples],
-            [seg.turns for _, seg in samples],
-            {
+            prompt_ids=[seg.prompt_ids for _, seg in samples], response_ids=[seg.response_ids for _, seg in samples],
+            logprobs=[seg.logprobs for _, seg in samples],
+            rewards=torch.tensor([rewards[k] for k, _ in samples], dtype=torch.float32), texts=texts,
+            weight_versions=[min(seg.versions) if seg.versions else 0 for _, seg in samples],
+            token_versions=[seg.versions for _, seg in samples],
+            parts={key: [v[k] for k, _ in samples] for key, v in parts.items()},
+            loss_masks=[seg.loss_mask for _, seg in samples], turns=[seg.turns for _, seg in samples],
+            episode={
                 "turns": [float(seg.turn + 1) for _, seg in samples],
                 # cut: the episode's last reply stopped at its token limit (rollout.overlong_filter masks it)
                 "truncated": [float(results[k].finish == "length") for k, _ in samples],

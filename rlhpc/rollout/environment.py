@@ -178,11 +178,12 @@ class EnvironmentSampler:
             else {}
         )
         return Samples(
-            [e.conversation.prompt_ids for e in episodes], [e.response_ids for e in episodes],
-            [e.logprobs for e in episodes], torch.tensor([e.reward for e in episodes], dtype=torch.float32), texts,
-            versions, [e.versions for e in episodes], parts, [e.loss_mask for e in episodes],
-            [e.turns for e in episodes],
-            {
+            prompt_ids=[e.conversation.prompt_ids for e in episodes], response_ids=[e.response_ids for e in episodes],
+            logprobs=[e.logprobs for e in episodes],
+            rewards=torch.tensor([e.reward for e in episodes], dtype=torch.float32), texts=texts,
+            weight_versions=versions, token_versions=[e.versions for e in episodes], parts=parts,
+            loss_masks=[e.loss_mask for e in episodes], turns=[e.turns for e in episodes],
+            episode={
                 "turns": [float(e.turn + 1) for e in episodes],
                 "truncated": [float(e.truncated) for e in episodes],
                 "observation_tokens": [float(len(e.loss_mask) - sum(e.loss_mask)) for e in episodes],

@@ -64,6 +64,7 @@ from rlhpc.data.rows import Row, describe
 from rlhpc.errors import ConfigError, RlhpcError, UserCodeError, user_code_error
 from rlhpc.rollout.journal import ScopeJournal
 from rlhpc.rollout.tools import CallSite, Tools, resolve_parser, resolve_tools, warn_special_tags
+from rlhpc.rollout.trajectories import Growing
 from rlhpc.util.imports import import_function
 from rlhpc.wire.tool_calls import markup_text
 
@@ -287,7 +288,7 @@ def extend_all(
 
 
 @dataclass
-class Episode:
+class Episode(Growing):
     """One sample's episode as it runs: the response grows by generated and observation tokens."""
 
     env: Any
@@ -316,13 +317,6 @@ class Episode:
     def reply_ids(self) -> list[int]:
         """The engine's tokens of the current turn's reply."""
         return [t for t, m, u in zip(self.response_ids, self.loss_mask, self.turns) if m and u == self.turn]
-
-    def add(self, ids: Sequence[int], logprobs: Sequence[float], versions: Sequence[int], generated: bool) -> None:
-        self.response_ids += ids
-        self.logprobs += logprobs if generated else [0.0] * len(ids)
-        self.loss_mask += [int(generated)] * len(ids)
-        self.turns += [self.turn] * len(ids)
-        self.versions += versions
 
 
 Failed = Callable[[int, Exception], UserCodeError]  # (index of the call, what it raised) -> the error

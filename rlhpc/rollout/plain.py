@@ -121,8 +121,9 @@ class PlainSampler:
         per_token = [token_versions(out["meta_info"], len(ids)) for out, ids in zip(outputs, response_ids)]
         versions = [min(v) if v else weight_version(out["meta_info"]) for v, out in zip(per_token, outputs)]
         return Samples(
-            prompt_ids, response_ids, logprobs, torch.tensor(rewards, dtype=torch.float32), texts, versions, per_token,
-            parts, finish_reasons=[finish_reason(out["meta_info"]) for out in outputs],
+            prompt_ids=prompt_ids, response_ids=response_ids, logprobs=logprobs,
+            rewards=torch.tensor(rewards, dtype=torch.float32), texts=texts, weight_versions=versions,
+            token_versions=per_token, parts=parts, finish_reasons=[finish_reason(out["meta_info"]) for out in outputs],
             images=[rows[k // n].images for k in range(len(outputs))] if uris else [],
             routed_experts=self._routed_experts(prompt_ids, response_ids, outputs) if replay else [],
         )  # fmt: skip

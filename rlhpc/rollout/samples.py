@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import Field, dataclass, field, fields
+from typing import Any
 
 import torch
 
@@ -23,7 +24,8 @@ class Samples:
     texts: dict[str, list[str]]  # "prompt", "response", "answer" per sample
     weight_versions: list[int]  # the weights each sample was generated with (its oldest token's)
     token_versions: list[list[int]]  # per response token
-    parts: dict[str, list[float]] = field(default_factory=dict)  # a dict reward's other parts, per sample
+    # a dict reward's other parts, per sample (NaN where a sample has no such part)
+    parts: dict[str, list[float]] = field(default_factory=dict, metadata={"missing": math.nan})
     # Multi-turn episodes only (empty for single-turn samples, whose response is all generated):
     loss_masks: list[list[int]] = field(default_factory=list)  # per response token: 1 generated, 0 observation
     turns: list[list[int]] = field(default_factory=list)  # per response token: its turn
@@ -33,7 +35,7 @@ class Samples:
     # episode's index (row-major, a row's n episodes adjacent). Empty: sample k is episode k.
     episode_of: list[int] = field(default_factory=list)
     # A vision-language model's: per sample, its prompt's images (``ImageRef``); empty: none has any.
-    images: list[list] = field(default_factory=list)
+    images: list[list] = field(default_factory=list, metadata={"pad": True})
     # algo.routing_replay: per sample, the experts the engine routed its tokens to (RolloutBatch's)
     routed_experts: list[torch.Tensor] = field(default_factory=list)
 
@@ -84,48 +86,45 @@ class Samples:
         return self._select([g * n + j for g in keep for j in range(n)], [])
 
     def _select(self, idx: list[int], episode_of: list[int]) -> Samples:
-        return Samples(
-            [self.prompt_ids[k] for k in idx],
-            [self.response_ids[k] for k in idx],
-            [self.logprobs[k] for k in idx],
-            self.rewards[idx] if idx else self.rewards[:0],
-            {key: [v[k] for k in idx] for key, v in self.texts.items()},
-            [self.weight_versions[k] for k in idx],
-            [self.token_versions[k] for k in idx],
-            {key: [v[k] for k in idx] for key, v in self.parts.items()},
-            [self.loss_masks[k] for k in idx] if self.loss_masks else [],
-            [self.turns[k] for k in idx] if self.turns else [],
-            {key: [v[k] for k in idx] for key, v in self.episode.items()},
-            [self.finish_reasons[k] for k in idx] if self.finish_reasons else [],
-            episode_of,
-            [self.images[k] for k in idx] if self.images else [],
-            [self.routed_experts[k] for k in idx] if self.routed_experts else [],
-        )
+        """Samples ``idx`` of every per-sample field (an empty optional one stays empty)."""
+
+        def pick(value: Any) -> Any:
+            if isinstance(value, torch.Tensor):
+                return value[idx] if idx else value[:0]
+            if isinstance(value, dict):
+                return {key: [v[k] for k in idx] for key, v in value.items()}
+            return [value[k] for k in idx] if value else []
+
+        picked = {f.name: pick(getattr(self, f.name)) for f in fields(self) if f.name != "episode_of"}
+        return Samples(**picked, episode_of=episode_of)
 
     @staticmethod
     def concat(parts: Sequence[Samples]) -> Samples:
-        return Samples(
-            [x for p in parts for x in p.prompt_ids],
-            [x for p in parts for x in p.response_ids],
-            [x for p in parts for x in p.logprobs],
-            torch.cat([p.rewards for p in parts]),
-            {key: [x for p in parts for x in p.texts[key]] for key in parts[0].texts},
-            [x for p in parts for x in p.weight_versions],
-            [x for p in parts for x in p.token_versions],
-            {
-                key: [x for p in parts for x in p.parts.get(key, [math.nan] * len(p.rewards))]
-                for key in dict.fromkeys(k for p in parts for k in p.parts)
-            },
-            [x for p in parts for x in p.loss_masks],
-            [x for p in parts for x in p.turns],
-            {key: [x for p in parts for x in p.episode.get(key, [])] for key in parts[0].episode},
-            [x for p in parts for x in p.finish_reasons],
-            Samples._concat_episodes(parts),
-            [x for p in parts for x in (p.images or [[]] * len(p.response_ids))]
-            if any(p.images for p in parts)
-            else [],
-            [x for p in parts for x in p.routed_experts],
-        )
+        """``parts`` one after the other, field by field (``missing``: a dict field's filler for a
+        part without one of its keys; ``pad``: an optional field kept aligned where some parts
+        have it and others not)."""
+
+        def join(f: Field) -> Any:
+            values = [getattr(p, f.name) for p in parts]
+            if isinstance(values[0], torch.Tensor):
+                return torch.cat(values)
+            if isinstance(values[0], dict):
+                if "missing" in f.metadata:  # every part's keys; a part without one: the filler per sample
+                    fill = f.metadata["missing"]
+                    keys = dict.fromkeys(key for v in values for key in v)
+                    return {
+                        key: [x for p, v in zip(parts, values) for x in v.get(key, [fill] * len(p.rewards))]
+                        for key in keys
+                    }
+                return {key: [x for v in values for x in v.get(key, [])] for key in values[0]}
+            if f.metadata.get("pad"):
+                return (
+                    [x for p, v in zip(parts, values) for x in (v or [[]] * len(p.response_ids))] if any(values) else []
+                )
+            return [x for v in values for x in v]
+
+        joined = {f.name: join(f) for f in fields(Samples) if f.name != "episode_of"}
+        return Samples(**joined, episode_of=Samples._concat_episodes(parts))
 
     @staticmethod
     def _concat_episodes(parts: Sequence[Samples]) -> list[int]:

@@ -81,8 +81,28 @@ class Call:
     output: Generated
 
 
+class Growing:
+    """A response that grows by generated tokens (trained, with their logprobs) and observation
+    tokens (masked out): an environment's episode (``rlhpc.rollout.episodes.Episode``) and an
+    assembled sample (``Segment``) alike. The dataclass that takes it on holds the fields."""
+
+    response_ids: list[int]
+    logprobs: list[float]
+    loss_mask: list[int]
+    turns: list[int]
+    versions: list[int]
+    turn: int
+
+    def add(self, ids: Sequence[int], logprobs: Sequence[float], versions: Sequence[int], generated: bool) -> None:
+        self.response_ids += ids
+        self.logprobs += logprobs if generated else [0.0] * len(ids)
+        self.loss_mask += [int(generated)] * len(ids)
+        self.turns += [max(self.turn, 0)] * len(ids)  # a segment's tokens before its first call's are turn 0
+        self.versions += versions
+
+
 @dataclass
-class Segment:
+class Segment(Growing):
     """One trained sample assembled from calls: the first call's prompt, then the response."""
 
     prompt_ids: list[int]
@@ -96,13 +116,6 @@ class Segment:
     @property
     def ids(self) -> list[int]:
         return self.prompt_ids + self.response_ids
-
-    def add(self, ids: Sequence[int], logprobs: Sequence[float], versions: Sequence[int], generated: bool) -> None:
-        self.response_ids += ids
-        self.logprobs += logprobs if generated else [0.0] * len(ids)
-        self.loss_mask += [int(generated)] * len(ids)
-        self.versions += versions
-        self.turns += [max(self.turn, 0)] * len(ids)  # tokens before the first call's are turn 0
 
 
 def assemble(calls: Sequence[Call]) -> list[Segment]:
