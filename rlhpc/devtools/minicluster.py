@@ -29,6 +29,8 @@ What a job sees (and how it differs from a real cluster):
 - GPUs: CUDA_VISIBLE_DEVICES, SLURM_JOB_GPUS (batch) and SLURM_STEP_GPUS (steps) carry the
   node's absolute GPU indices (a second job on a node may get "2,3"): there is no device
   cgroup to renumber them. There are no real GPUs behind them.
+- Jobs share a node only with jobs of the same partition: a `low` job waits (Resources)
+  for a node that a `train`, `gen` or `score` job holds, whatever GPUs it leaves free.
 - proctrack/linuxproc: a process that daemonizes or is orphaned escapes job cleanup and
   keeps running on its node until `down`. Jobs must stop their own children.
 - Preemption: when a `high` job needs a `low` job's resources, the low job's steps get
