@@ -16,6 +16,7 @@ from rlhpc.rollout.engines import EnginePool, EnginesDown, EngineSet, Health, No
 from rlhpc.rollout.engines import engine_set as engine_set_module
 from rlhpc.rollout.engines.health import NODE_CHECK_S
 from rlhpc.rollout.generation import MAX_SAMPLES_PER_REQUEST, rows_per_request
+from rlhpc.rollout.weight_sync import WeightSync
 from rlhpc.wire.client import EngineUnavailable, RequestRefused
 from rlhpc.wire.protocol import MEMORY_TAGS
 from rlhpc.wire.request import Request
@@ -112,7 +113,7 @@ def bare_pool(n: int, max_restarts: int = 2, frozen: bool = False) -> EnginePool
         RolloutConfig(max_engine_restarts=max_restarts), ClusterConfig(), 0, "model", None, None, Path("/logs"),
         key_file=Path("key"), frozen=frozen,
     )  # fmt: skip
-    engines.api_key, engines.weight_version = "k", 3
+    engines.api_key = "k"
     engines.clients = [FakeClient(f"e{e}") for e in range(n)]
     engines.restarts, engines.engine_world_sizes = [0] * n, [1] * n
     health = Health(engines)
@@ -141,7 +142,7 @@ def test_deferred_restarts_send_a_dead_engines_requests_to_the_healthy_ones():
     with pool.restarts_deferred():
         pool.ensure_engines()  # the check before the next rollout: still down, still not restarted
     assert pool.restarted == []
-    pool.health.restart_dead()  # the gap (sync_weights on the main thread)
+    pool.health.restart_dead()  # the gap (the push on the main thread)
     assert pool.restarted == [1] and pool.down == set()
 
 
@@ -163,7 +164,7 @@ def test_deferred_restarts_with_no_engine_left_raise_engines_down():
         c.alive = False
     with pool.restarts_deferred(), pytest.raises(EnginesDown) as err:
         pool.send(requests(2))
-    assert err.value.dead == [0, 1] and err.value.version == 3 and pool.restarted == []
+    assert err.value.dead == [0, 1] and pool.restarted == []  # (the version: the weight owner's, WeightSync.generate)
 
 
 def test_a_failure_on_a_healthy_engine_is_an_error_not_a_restart():
@@ -253,7 +254,7 @@ def test_an_engine_node_that_loses_power_mid_generation_leaves_the_run_to_the_ot
     assert sorted(pool.clients[0].served + pool.clients[2].served) == list(range(6))  # requests 1, 4 sent again
     assert pool.restarted == []  # a lost node's engine is not restarted in place
     source = FakeSource()
-    pool.connect_weights(source)  # the weight-sync group is formed again without it
+    WeightSync(source, pool, 0).connect()  # the weight-sync group is formed again without it
     assert source.connected == [["http://e0", "http://e2"]]
 
 
@@ -326,10 +327,13 @@ def test_a_push_that_failed_on_a_node_declared_dead_meanwhile_is_repeated_withou
             if len(pushes) == 1:
                 raise WeightPushFailed(version, "engine http://e1 unreachable on /pause_generation")
 
-    pool.channel.source = Source()
-    pool.channel.push(4)
-    assert pushes == [4, 4] and pool.lost == {1: "10.9.0.12"}
-    assert pool.channel.source.connected == [["http://e0"]]  # the group formed again without the lost engine
+    source = Source()
+    sync = WeightSync(source, pool, 3)
+    sync.connect()
+    source.connected.clear()
+    sync.push(4)
+    assert pushes == [4, 4] and pool.lost == {1: "10.9.0.12"} and sync.version == 4
+    assert source.connected == [["http://e0"]]  # the group formed again without the lost engine
 
 
 def test_a_lost_node_with_actor_ranks_stops_the_run():
@@ -446,9 +450,9 @@ def test_an_engine_behind_the_router_that_answers_nothing_is_named(monkeypatch, 
 def test_a_frozen_pool_restarts_and_routes_but_has_no_weight_channel():
     """The reward model's and the teacher's engines: lifecycle, health and fan-out, no weights."""
     pool = bare_pool(2, frozen=True)
-    assert pool.channel is None and pool.fanout.channel is None and not pool.push_ready()
+    assert pool.fanout.restarted is None
     with pytest.raises(RlhpcError, match="frozen"):
-        pool.connect_weights(FakeSource())
+        WeightSync(FakeSource(), pool, 0)
     pool.clients[1].alive = False
     answers = pool.generate(requests(2))
     assert [a[0]["output_ids"] for a in answers] == [[0], [1]] and pool.restarted == [1]
