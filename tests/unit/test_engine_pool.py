@@ -336,6 +336,57 @@ def test_a_push_that_failed_on_a_node_declared_dead_meanwhile_is_repeated_withou
     assert source.connected == [["http://e0"]]  # the group formed again without the lost engine
 
 
+class RecordingActor(FakeSource):
+    """The actor group's push calls, recorded: a push whose version is in ``fail`` fails once."""
+
+    def __init__(self, fail: set[int] = frozenset()):
+        super().__init__()
+        self.fail, self.pushes, self.trained = set(fail), [], []
+
+    def train(self, rollout_id, batch) -> dict:
+        self.trained.append(rollout_id)
+        return {"loss": 0.0}
+
+    def train_and_push(self, rollout_id, batch, version):
+        self.trained.append(rollout_id)
+        self.pushes.append(version)
+        error = "engine http://e1 unreachable" if version in self.fail else None
+        self.fail.discard(version)
+        return {"loss": 0.0}, error, 0.5
+
+    def update_weights(self, version: int) -> None:
+        self.pushes.append(version)
+        if version in self.fail:
+            self.fail.discard(version)
+            raise WeightPushFailed(version, "engine http://e1 unreachable")
+
+
+def test_the_weight_owner_pushes_with_training_and_resyncs_what_the_pool_restarted():
+    """One owner: a push made with training is not made again, a failed one is made again before
+    ``train`` returns (the dead engine restarted), and an engine the pool restarts mid-generation
+    gets the version the others hold before its requests go again."""
+    pool = bare_pool(2)
+    actor = RecordingActor(fail={2})
+    sync = WeightSync(actor, pool, 0, fuse=True)
+    sync.connect()
+    sync.push(sync.trained)  # the first push: the checkpoint's version
+    assert actor.pushes == [0] and sync.version == 0
+    metrics = sync.train(0, None)
+    sync.push(sync.trained)  # made with training: nothing left to do
+    assert actor.pushes == [0, 1] and sync.version == sync.trained == 1 and metrics["time/update_weights"] == 0.5
+    pool.clients[1].alive = False
+    sync.train(1, None)  # the push with it fails on engine 1: restarted, connected, pushed again
+    assert actor.pushes == [0, 1, 2, 2] and pool.restarted == [1] and sync.version == 2
+    pool.clients[1].alive = False
+    sync.generate(requests(2))  # its request fails: restarted, re-synced to 2, sent again
+    assert pool.restarted == [1, 1] and actor.pushes[-1] == 2 and len(actor.connected) == 3
+    sync.fuse = False
+    sync.train(2, None)  # not fused: the push waits for the schedule
+    assert sync.trained == 3 and sync.version == 2 and actor.pushes[-1] == 2
+    sync.push(3)
+    assert actor.pushes[-1] == 3 and sync.version == 3
+
+
 def test_a_lost_node_with_actor_ranks_stops_the_run():
     pool = bare_pool(2)
     pool.dead_nodes = {"node-of-actor": "10.9.0.10"}
