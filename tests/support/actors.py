@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import random
 import tempfile
 from collections.abc import Iterator
@@ -16,6 +17,8 @@ from rlhpc.actor.group import ActorGroup, ActorSpec
 from rlhpc.batch import RolloutBatch
 from rlhpc.cluster.placement import Placement, create_placement
 from rlhpc.config import Config
+
+log = logging.getLogger(__name__)
 
 
 def make_batch(n: int, seed: int) -> RolloutBatch:
@@ -109,7 +112,7 @@ class Pool:
     def __init__(self) -> None:
         # start key -> (group, its start checkpoint, its reference model's fingerprints there)
         self.held: dict[str, tuple[Group, str, list[str | None]]] = {}
-        self.starts = 0  # groups started (what the pool saves is the uses beyond these)
+        self.starts = self.uses = 0  # groups started, and given out (what the pool saves: the difference)
         self._dir = tempfile.TemporaryDirectory(prefix="rlhpc-pool-")
         Pool._idle.append(self)
 
@@ -132,6 +135,7 @@ class Pool:
             self.starts += 1
             g.group.save(start)
             held = g, start, g.group.reference_fingerprints()
+        self.uses += 1
         self.held[key] = held  # the last used last: the first let go
         yield held[0].group
 
@@ -150,6 +154,7 @@ class Pool:
             pool._make_room(ranks)
 
     def close(self) -> None:
+        log.info("rank group pool: %d groups started for %d uses", self.starts, self.uses)
         self.release()
         Pool._idle.remove(self)
         self._dir.cleanup()
