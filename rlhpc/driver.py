@@ -30,7 +30,7 @@ from rlhpc.data.prompts import PromptPrep, prepare_prompts
 from rlhpc.data.tasks import TASKS
 from rlhpc.metric_names import eval_name
 from rlhpc.metrics import MetricsLogger, read_metrics
-from rlhpc.model import context_length, load_tokenizer
+from rlhpc.model import context_length, load_tokenizer, routing_shape
 from rlhpc.rollout.custom import make_custom
 from rlhpc.rollout.engines import EnginePool
 from rlhpc.rollout.episodes import make_episodes
@@ -156,6 +156,7 @@ class TrainLoop:
             return EnginePool.start(
                 cfg.rollout, cfg.cluster, cfg.seed, model_path, self.placement, layout, run.engine_logs, pool_stop,
                 run.engine_key, deterministic=cfg.deterministic, lora=serving,
+                routed_experts=cfg.algo.routing_replay,
             )  # fmt: skip
 
         # The engines start in a thread while the actor ranks start and load here: neither needs the
@@ -189,7 +190,7 @@ class TrainLoop:
             tokenizer, self._scorer(), cfg.rollout, cfg.eval, cfg.algo, cfg.seed,
             send=self.engines.generate, progress=progress, num_engines=len(layout.engine_slots),
             episodes=make_episodes(cfg, tokenizer), custom=make_custom(cfg, tokenizer), teacher=self._teacher(tokenizer),
-            journal=self.journal,
+            journal=self.journal, routing_shape=routing_shape(model_path) if cfg.algo.routing_replay else None,
         )  # fmt: skip
         with startup.phase("weight_channel"):
             self.engines.connect_weights(self.actor)  # the engines' one weight source, restarted engines included

@@ -25,6 +25,8 @@ class Request:
     # A vision-language model's images, a list per prompt (data URIs; an empty list: a prompt
     # without images); None: no prompt has any.
     image_data: list[list[str]] | None = None
+    # A MoE model's routing of every token (R3, algo.routing_replay): meta_info["routed_experts"]
+    return_routed_experts: bool = False
 
 
 class GenerationAborted(Exception):

@@ -40,7 +40,9 @@ class EngineSet:
     ``layout.teacher_slots``), on GPUs of their own, never given weights: a restarted one serves
     the model on disk, as the others do. ``key_file``: where the engine key is written
     (``RunDir.engine_key``); None: a private temp dir. ``deterministic`` (the run's): every engine
-    honours its requests' seeds (SGLang's --enable-deterministic-inference). Nothing starts before ``start``.
+    honours its requests' seeds (SGLang's --enable-deterministic-inference). ``routed_experts``
+    (algo.routing_replay): every engine answers each token's experts (--enable-return-routed-experts).
+    Nothing starts before ``start``.
     """
 
     def __init__(
@@ -57,8 +59,10 @@ class EngineSet:
         role: str = "reward",
         deterministic: bool = False,
         lora: LoraServing | None = None,
+        routed_experts: bool = False,
     ):
         self.frozen, self.deterministic = frozen, deterministic
+        self.routed_experts = routed_experts
         # the trained engines serving the run's adapter (actor.lora.push: adapter): every request names it
         self.lora = lora
         self.role = role if frozen else "rollout"
@@ -134,6 +138,7 @@ class EngineSet:
             parts = engine_parts(
                 slots, self.placement.location_of_slot, r.sglang.mem_fraction_static, memory_saver, self.seed,
                 r.sglang.extra_args, self.deterministic, self.layout.colocate and not self.frozen, self.lora,
+                self.routed_experts,
             )  # fmt: skip
         multi = len(parts) > 1
         strategy = self.placement.strategy
@@ -150,6 +155,7 @@ class EngineSet:
                 host=self.engine_host,
                 deterministic=self.deterministic,
                 lora=self.lora if r.backend == "cpu" else None,  # SGLang's comes in its spec
+                routed_experts=self.routed_experts,
             )  # fmt: skip
             for slot, spec in parts
         ]

@@ -40,10 +40,12 @@ def generate(client: EngineClient, r: Any, rollout: RolloutConfig) -> Any:
     """The default request: a /generate of a ``rlhpc.wire.request.Request``, given as long as its
     longest sample may take (``rollout.generate_timeout_s``)."""
     longest = max((sp.get("max_new_tokens") or SGLANG_DEFAULT_MAX_NEW_TOKENS for sp in r.sampling_params), default=0)
-    images = {"image_data": r.image_data} if getattr(r, "image_data", None) else {}  # a vision-language model's
+    extra = {"image_data": r.image_data} if getattr(r, "image_data", None) else {}  # a vision-language model's
+    if getattr(r, "return_routed_experts", False):
+        extra["return_routed_experts"] = True
     return client.generate(
         input_ids=r.input_ids, sampling_params=r.sampling_params, return_logprob=r.return_logprob,
-        timeout_s=generate_timeout_s(rollout, longest), **images,
+        timeout_s=generate_timeout_s(rollout, longest), **extra,
     )  # fmt: skip
 
 

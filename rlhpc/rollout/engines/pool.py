@@ -46,12 +46,14 @@ class EnginePool:
         role: str = "reward",
         deterministic: bool = False,
         lora: LoraServing | None = None,
+        routed_experts: bool = False,
     ) -> EnginePool:
         """Start the engines (``EngineSet``'s arguments) and watch them; ``stop``: generation in
         flight is aborted when it is set (the job's stop request, or the schedule's ``abort``)."""
         engine_set = EngineSet(
-            rollout, cluster, seed, model_path, placement, layout, log_dir, key_file, frozen, role, deterministic, lora
-        )
+            rollout, cluster, seed, model_path, placement, layout, log_dir, key_file, frozen, role, deterministic, lora,
+            routed_experts,
+        )  # fmt: skip
         engine_set.start()
         health = Health(engine_set)
         health.locate()
