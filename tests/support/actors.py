@@ -137,7 +137,12 @@ class Pool:
             held = g, start, g.group.reference_fingerprints()
         self.uses += 1
         self.held[key] = held  # the last used last: the first let go
-        yield held[0].group
+        try:
+            yield held[0].group
+        except BaseException:  # a failed test's group may be mid-collective: not given out again
+            self.held.pop(key, None)
+            held[0].__exit__()
+            raise
 
     def _make_room(self, ranks: int) -> None:
         while self.held and sum(len(g.group.workers) for g, _, _ in self.held.values()) + ranks > self.GPUS:
