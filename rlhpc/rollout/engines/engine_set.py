@@ -1,6 +1,6 @@
 """The engine set's lifecycle: the engines' Ray actors and servers, their clients, the router,
 and the bounded restarts of each. No health policy and no weights: ``Health`` decides when an
-engine is restarted, ``WeightChannel`` what it holds afterwards."""
+engine is restarted, ``rlhpc.rollout.weight_sync`` what it holds afterwards."""
 
 from __future__ import annotations
 
@@ -82,7 +82,6 @@ class EngineSet:
         self.router: Router | None = None
         self.router_client: EngineClient | None = None  # generation goes through it when set
         self.router_restarts = 0  # after it died, bounded by rollout.max_engine_restarts
-        self.weight_version: int | None = None  # what the engines hold (None: the weights on disk)
         self.released: set[int] = set()  # engines whose memory is released (offloaded), until resumed
 
     def start(self) -> None:
