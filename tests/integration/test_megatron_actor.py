@@ -1,8 +1,9 @@
 """The megatron-core actor behind ActorGroup on a local Ray (gloo, CPU shim): same answers as the
 PyTorch actor, TP=2 / DP=2 the same as TP=1, torch_dist checkpoints that reshard, weight sync.
 
-Each rank a group starts is a process that imports torch and megatron-core (about 5 CPU seconds,
-far more than its training here): a run several tests read is made once, in a module fixture
+A rank process imports torch and megatron-core (about 5 CPU seconds, far more than its training
+here): the module's groups take turns on four live processes (``HOSTS``, fresh rank objects
+each time, support/rank_hosts.py), a run several tests read is made once, in a module fixture
 (``Run``: two rollouts with a checkpoint after the first), and a test adds only the groups its
 own promise needs (a resume, a refusal, another layout)."""
 
