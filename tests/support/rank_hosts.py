@@ -53,9 +53,16 @@ class RankHost:
         assert not dist.is_initialized(), "the rank's shutdown left torch.distributed initialized"
         try:
             from megatron.core import parallel_state as mpu
+            from megatron.core.transformer.moe import moe_utils
         except ImportError:
             return
         assert not mpu.model_parallel_is_initialized(), "the rank's shutdown left megatron's parallel state"
+        # megatron-core's class- and module-level MoE state, which no rank owns (a process ends
+        # with its rank): back to what a fresh process has. The aux loss's scale, once set, is
+        # copied into in place, so a 0-dim one from an unpipelined MoE group fails a pipeline's
+        # [1]-shaped copy in the next group (seen: the PP=2 x EP=2 test after the EP ones).
+        moe_utils.MoEAuxLossAutoScaler.main_loss_backward_scale = None
+        moe_utils.get_moe_layer_wise_logging_tracker().clear()
 
 
 class _Method:
