@@ -111,16 +111,7 @@ class ActorGroup:
         self.tp_size = spec.tp_size
         self.dp_size = self.world_size // (self.tp_size * spec.pp_size)
         num_gpus = COLOCATE_GPU_FRACTION if colocate else 1
-        # Each rank gets a second thread, alive as long as it: checkpoint writes run there beside training.
-        remote_cls = ray.remote(concurrency_groups={CHECKPOINT_THREAD: 1})(rank_class(spec.actor.backend))
-        self.workers = [
-            remote_cls.options(
-                num_gpus=num_gpus,
-                num_cpus=WORKER_NUM_CPUS,
-                scheduling_strategy=placement.strategy(slot),
-            ).remote(spec, model_path, rank, self.world_size)
-            for rank, slot in enumerate(self.slots)
-        ]
+        self.workers = self._start_ranks(spec, model_path, placement, num_gpus)
         one_node = len({ip for ip, _ in (placement.location_of_slot[s] for s in self.slots)}) == 1
         rendezvous = self._get([self.workers[0].rendezvous.remote(one_node)], "rendezvous")[0]
         self._call("init_process_group", rendezvous)
@@ -128,6 +119,20 @@ class ActorGroup:
             "actor group: %d rank(s) on slots %s (%s), rendezvous %s",
             self.world_size, self.slots, ", ".join(self.nodes), rendezvous,
         )  # fmt: skip
+
+    def _start_ranks(self, spec: ActorSpec, model_path: str, placement: Placement, num_gpus: float) -> list[Any]:
+        """One Ray actor (a process) per rank, on its slot's bundle. (Tests that start many
+        groups override this to reuse live processes: tests/support/rank_hosts.py.)"""
+        # Each rank gets a second thread, alive as long as it: checkpoint writes run there beside training.
+        remote_cls = ray.remote(concurrency_groups={CHECKPOINT_THREAD: 1})(rank_class(spec.actor.backend))
+        return [
+            remote_cls.options(
+                num_gpus=num_gpus,
+                num_cpus=WORKER_NUM_CPUS,
+                scheduling_strategy=placement.strategy(slot),
+            ).remote(spec, model_path, rank, self.world_size)
+            for rank, slot in enumerate(self.slots)
+        ]
 
     # ------------------------------------------------------------------ fan-out
 

@@ -1,8 +1,9 @@
 """The megatron-core actor behind ActorGroup on a local Ray (gloo, CPU shim): same answers as the
 PyTorch actor, TP=2 / DP=2 the same as TP=1, torch_dist checkpoints that reshard, weight sync.
 
-Each rank a group starts is a process that imports torch and megatron-core (about 5 CPU seconds,
-far more than its training here): a run several tests read is made once, in a module fixture
+A rank process imports torch and megatron-core (about 5 CPU seconds, far more than its training
+here): the module's groups take turns on four live processes (``HOSTS``, fresh rank objects
+each time, support/rank_hosts.py), a run several tests read is made once, in a module fixture
 (``Run``: two rollouts with a checkpoint after the first), and a test adds only the groups its
 own promise needs (a resume, a refusal, another layout)."""
 
@@ -24,7 +25,8 @@ from safetensors.torch import load_file, save_file
 
 pytest.importorskip("megatron.core")
 
-from support.actors import Group, engine_weights, make_batch, sequence_k1_by_transformers  # noqa: E402
+from support.actors import engine_weights, make_batch, sequence_k1_by_transformers  # noqa: E402
+from support.rank_hosts import HostedGroup, RankHosts  # noqa: E402
 from support.tiny_variants import TIED_LLAMA3, build_variant  # noqa: E402
 
 from rlhpc.actor.group import ActorGroup  # noqa: E402
@@ -44,6 +46,21 @@ pytestmark = pytest.mark.ray
 ADAM_EPS = 1e-6
 WEIGHT_ATOL = 5e-5
 METRIC_RTOL = 1e-5
+
+
+# The module's groups take turns on these rank processes (support/rank_hosts.py): one start
+# of torch + megatron-core per process for the module, not one per rank of every group.
+HOSTS = RankHosts()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def rank_hosts(ray_cluster: None) -> Iterator[RankHosts]:
+    yield HOSTS
+    HOSTS.close()
+
+
+def Group(cfg: Config, model_path: str, ranks: int) -> HostedGroup:  # noqa: N802 (support.actors.Group's stand-in)
+    return HostedGroup(HOSTS, cfg, model_path, ranks)
 
 
 @pytest.fixture(scope="module")

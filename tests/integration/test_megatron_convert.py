@@ -300,33 +300,49 @@ def test_megatron_logits_match_hf(tiny_models, megatron_tp1, arch):
         torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5)
 
 
-def _tp2_worker(rank: int, init_method: str, model_dir: str, out_dir: str, tp_size: int, ep_size: int) -> None:
+# (arch, TP, EP) of the two-rank checks: TP=2 for every dense family (and tied embeddings), EP=2 for the MoE
+TWO_RANK_CASES = [(a, 2, 1) for a in [*ARCHS, "llama_tied_llama3"]] + [("qwen3_moe", 1, 2)]
+
+
+def _case_id(case: tuple[str, int, int]) -> str:
+    return f"{case[0]}-tp{case[1]}-ep{case[2]}"
+
+
+def _two_rank_worker(rank: int, rendezvous_dir: str, out_dir: str, cases: list[tuple[str, str, int, int]]) -> None:
+    """Every case in turn on the same two processes (a process start, torch and megatron-core's
+    import, costs far more than a tiny model's forward): a gloo group and megatron's parallel
+    state of its own per case, torn down before the next."""
     torch.set_num_threads(1)
-    _init_megatron(rank, 2, tp_size, init_method, ep_size=ep_size)
-    try:
-        # megatron's rank order: TP fastest, then EP (TP x EP = 2 here, so no DP)
-        tp_rank, ep_rank = rank % tp_size, rank // tp_size % ep_size
-        logits = _megatron_logits(Path(model_dir), tp_size, tp_rank, ep_size=ep_size, ep_rank=ep_rank)
-        torch.save(logits, os.path.join(out_dir, f"logits_rank{rank}.pt"))
-    finally:
-        _teardown_megatron()
+    for i, (key, model_dir, tp_size, ep_size) in enumerate(cases):
+        _init_megatron(rank, 2, tp_size, _rendezvous(Path(rendezvous_dir) / str(i)), ep_size=ep_size)
+        try:
+            # megatron's rank order: TP fastest, then EP (TP x EP = 2 here, so no DP)
+            tp_rank, ep_rank = rank % tp_size, rank // tp_size % ep_size
+            logits = _megatron_logits(Path(model_dir), tp_size, tp_rank, ep_size=ep_size, ep_rank=ep_rank)
+            torch.save(logits, os.path.join(out_dir, f"{key}_rank{rank}.pt"))
+        finally:
+            _teardown_megatron()
 
 
-@pytest.mark.parametrize(
-    ("arch", "tp_size", "ep_size"),
-    [(a, 2, 1) for a in [*ARCHS, "llama_tied_llama3"]] + [("qwen3_moe", 1, 2)],
-    ids=lambda v: str(v),
-)
-def test_tp2_logits_match_tp1(tiny_models, megatron_tp1, tmp_path, arch, tp_size, ep_size):
-    """Two gloo ranks (TP=2, or EP=2 for the MoE) give the TP=1 and the HF logits."""
+@pytest.fixture(scope="module")
+def two_rank_logits(tiny_models, tmp_path_factory) -> Path:
+    """The logits each of two gloo ranks computes for every ``TWO_RANK_CASES`` case, as files."""
     import torch.multiprocessing as mp
 
-    args = (_rendezvous(tmp_path / "rdzv"), str(tiny_models[arch]), str(tmp_path), tp_size, ep_size)
-    mp.spawn(_tp2_worker, args=args, nprocs=2, join=True)
+    root = tmp_path_factory.mktemp("two_rank")
+    cases = [(_case_id(c), str(tiny_models[c[0]]), c[1], c[2]) for c in TWO_RANK_CASES]
+    mp.spawn(_two_rank_worker, args=(str(root / "rdzv"), str(root), cases), nprocs=2, join=True)
+    return root
+
+
+@pytest.mark.parametrize("case", TWO_RANK_CASES, ids=_case_id)
+def test_tp2_logits_match_tp1(tiny_models, megatron_tp1, two_rank_logits, case):
+    """Two gloo ranks (TP=2, or EP=2 for the MoE) give the TP=1 and the HF logits."""
+    arch = case[0]
     tp1 = _megatron_logits(tiny_models[arch], tp_size=1, tp_rank=0)
     ref = _hf_logits(tiny_models[arch])
     for rank in range(2):
-        tp2 = torch.load(tmp_path / f"logits_rank{rank}.pt")
-        for a, b, r in zip(tp2, tp1, ref):
+        tp2 = torch.load(two_rank_logits / f"{_case_id(case)}_rank{rank}.pt")
+        for a, b, r in zip(tp2, tp1, ref, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-5)

@@ -175,7 +175,10 @@ def test_megatron_adam_steps_match_hf_adamw(tiny_llama, tiny_qwen3, megatron_tp1
         torch.testing.assert_close(mg_weights[name], ref, rtol=0, atol=WEIGHT_ATOL, msg=name)
 
 
-def _tp2_worker(rank: int, init_method: str, model_dir: str, out_dir: str, ep_size: int = 1) -> None:
+def _two_rank_worker(rank: int, rendezvous_dir: str, out_dir: str, runs: list[tuple[str, str, int]]) -> None:
+    """Each run (name, model, EP size; TP = 2 / EP) in turn on the same two processes (their start,
+    torch and megatron-core's import, costs more than the training): a gloo group and megatron's
+    parallel state of its own per run, torn down before the next."""
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -183,31 +186,42 @@ def _tp2_worker(rank: int, init_method: str, model_dir: str, out_dir: str, ep_si
     from rlhpc.actor.megatron.cpu_shim import apply_cpu_shim, remove_cpu_shim
 
     torch.set_num_threads(1)
-    apply_cpu_shim()
-    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=2)
-    try:
-        tp_size = 2 // ep_size
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp_size, expert_model_parallel_size=ep_size)
-        model_parallel_cuda_manual_seed(1234)
-        ids = _batch(load_model(model_dir).config.vocab_size)
-        moe = {"moe_aux_loss_coeff": AUX_COEFF} if ep_size > 1 else {}
-        result = _train_megatron(Path(model_dir), ids, tp_size, rank % tp_size, ep_size, rank // tp_size, **moe)
-        torch.save(result, os.path.join(out_dir, f"tp2_rank{rank}.pt"))
-    finally:
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
-        remove_cpu_shim()
+    for name, model_dir, ep_size in runs:
+        apply_cpu_shim()
+        dist.init_process_group("gloo", init_method=_rendezvous(Path(rendezvous_dir) / name), rank=rank, world_size=2)
+        try:
+            tp_size = 2 // ep_size
+            parallel_state.initialize_model_parallel(
+                tensor_model_parallel_size=tp_size, expert_model_parallel_size=ep_size
+            )
+            model_parallel_cuda_manual_seed(1234)
+            ids = _batch(load_model(model_dir).config.vocab_size)
+            moe = {"moe_aux_loss_coeff": AUX_COEFF} if ep_size > 1 else {}
+            result = _train_megatron(Path(model_dir), ids, tp_size, rank % tp_size, ep_size, rank // tp_size, **moe)
+            torch.save(result, os.path.join(out_dir, f"{name}_rank{rank}.pt"))
+        finally:
+            parallel_state.destroy_model_parallel()
+            dist.destroy_process_group()
+            remove_cpu_shim()
 
 
-def test_tp2_steps_match_tp1(tiny_llama, megatron_tp1, tmp_path):
+@pytest.fixture(scope="module")
+def two_rank_runs(tiny_llama, tiny_qwen3, tmp_path_factory) -> Path:
+    """Two gloo ranks' training, as files: the llama at TP=2 (``tp2``), the MoE at EP=2 (``ep2``)."""
     import torch.multiprocessing as mp
 
-    mp.spawn(_tp2_worker, args=(_rendezvous(tmp_path / "rdzv"), str(tiny_llama), str(tmp_path)), nprocs=2, join=True)
+    root = tmp_path_factory.mktemp("two_rank")
+    runs = [("tp2", str(tiny_llama), 1), ("ep2", str(tiny_qwen3["qwen3_moe"]), 2)]
+    mp.spawn(_two_rank_worker, args=(str(root / "rdzv"), str(root), runs), nprocs=2, join=True)
+    return root
+
+
+def test_tp2_steps_match_tp1(tiny_llama, megatron_tp1, two_rank_runs):
     config = load_model(tiny_llama).config
     ids = _batch(config.vocab_size)
     tp1_losses, tp1_grad_norms, tp1_state = _train_megatron(tiny_llama, ids)
     tp1 = megatron_to_hf([tp1_state], config)
-    ranks = [torch.load(tmp_path / f"tp2_rank{r}.pt") for r in range(2)]
+    ranks = [torch.load(two_rank_runs / f"tp2_rank{r}.pt") for r in range(2)]
     for losses, grad_norms, _ in ranks:
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(tp1_losses), rtol=1e-5, atol=1e-5)
         # The grad norm is reduced over the TP group (replicated norms counted once): the full model's.
@@ -222,14 +236,11 @@ def test_tp2_steps_match_tp1(tiny_llama, megatron_tp1, tmp_path):
 AUX_COEFF = 1e-2  # large enough to move the router measurably in three steps
 
 
-def test_ep2_steps_match_ep1(tiny_qwen3, megatron_tp1, tmp_path):
+def test_ep2_steps_match_ep1(tiny_qwen3, megatron_tp1, two_rank_runs):
     """Qwen3-MoE with its experts split over two ranks (EP=2 over gloo, the allgather dispatcher;
     both ranks see the same batch, DP=2 for the dense weights) trains as one rank holding all
     four, the router's load-balancing loss included."""
-    import torch.multiprocessing as mp
-
     model_dir = tiny_qwen3["qwen3_moe"]
-    mp.spawn(_tp2_worker, args=(_rendezvous(tmp_path / "rdzv"), str(model_dir), str(tmp_path), 2), nprocs=2, join=True)
     config = load_model(model_dir).config
     ids = _batch(config.vocab_size)
     ep1_losses, ep1_grad_norms, ep1_state = _train_megatron(model_dir, ids, moe_aux_loss_coeff=AUX_COEFF)
@@ -238,7 +249,7 @@ def test_ep2_steps_match_ep1(tiny_qwen3, megatron_tp1, tmp_path):
     without_aux = megatron_to_hf([_train_megatron(model_dir, ids, moe_aux_loss_coeff=0.0)[2]], config)
     router = "model.layers.0.mlp.gate.weight"
     assert (without_aux[router] - ep1[router]).abs().max() > 20 * WEIGHT_ATOL
-    ranks = [torch.load(tmp_path / f"tp2_rank{r}.pt") for r in range(2)]
+    ranks = [torch.load(two_rank_runs / f"ep2_rank{r}.pt") for r in range(2)]
     for losses, grad_norms, _ in ranks:
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ep1_losses), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(torch.tensor(grad_norms), torch.tensor(ep1_grad_norms), rtol=1e-5, atol=1e-5)

@@ -531,7 +531,10 @@ class MegatronTrainWorker(RankBase):
         if self.moe and micro_batches:
             from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-            MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(self.dp_size / micro_batches, device=self.device))
+            # shape [1], as megatron's pipeline schedule sets it: the scaler copies into the first
+            # tensor it was given, and a 0-dim one refuses the schedule's [1] (PP > 1, one step)
+            scale = torch.full((1,), self.dp_size / micro_batches, device=self.device)
+            MoEAuxLossAutoScaler.set_loss_scale(scale)
             self._moe_forwards += micro_batches
 
     def train(self, rollout_id: int, batch: Any) -> dict[str, float]:
