@@ -54,6 +54,11 @@ class RolloutBatch:
     # each distinct image once (its source; its bytes only where no file has them) and each
     # sample's indices into that table (``rlhpc.metrics``), never a copy per sample.
     images: list[list[Any]] = _dumped("image_index", "int32", optional=True)
+    # Rollout routing replay (algo.routing_replay): per sample, the experts the engine routed
+    # each of its tokens to, [prompt + response tokens - 1, layers, top-k] (SGLang's
+    # meta_info["routed_experts"]; the last token never went through the model), in the
+    # smallest integer type that holds the expert ids. Empty without routing replay.
+    routed_experts: list[torch.Tensor] = _dumped("routed_experts", "int32", optional=True)
 
     def __len__(self) -> int:
         return len(self.prompt_ids)

@@ -1138,6 +1138,12 @@ class AlgoConfig(Section):
     # Reported: tis_clipfrac (share of tokens truncated) and tis_weight (mean weight).
     tis: bool = False
     tis_clip: float = 2.0  # the truncation of the importance weight
+    # Rollout routing replay ("R3", MoE models): the engines answer which experts each token
+    # went to in every layer (SGLang's --enable-return-routed-experts), the rollout carries them,
+    # and the actor's forwards (old-policy logprobs and training) route every token to the
+    # engine's experts instead of choosing again: the trainer's logprobs are then those of the
+    # engine's routing decisions (docs/guides/moe.md).
+    routing_replay: bool = False
     # DAPO's soft overlong punishment: a response longer than rollout.max_new_tokens -
     # overlong_buffer tokens gets up to -overlong_penalty added to its reward, linearly over the
     # buffer, before advantages. 0: off.

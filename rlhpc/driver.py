@@ -30,7 +30,7 @@ from rlhpc.data.prompts import PromptPrep, prepare_prompts
 from rlhpc.data.tasks import TASKS
 from rlhpc.metric_names import eval_name
 from rlhpc.metrics import MetricsLogger, read_metrics
-from rlhpc.model import context_length, load_tokenizer
+from rlhpc.model import context_length, load_tokenizer, routing_shape
 from rlhpc.rollout.custom import make_custom
 from rlhpc.rollout.engines import EnginePool
 from rlhpc.rollout.episodes import make_episodes
@@ -40,12 +40,13 @@ from rlhpc.rollout.judge import Judge
 from rlhpc.rollout.reward_model import RewardModel, start_reward_engines
 from rlhpc.rollout.scoring import MixedScorer
 from rlhpc.rollout.teacher import Teacher, check_same_vocabulary, start_teacher_engines
+from rlhpc.rollout.weight_sync import WeightSync
 from rlhpc.run_dir import RunDir
 from rlhpc.runtime.restarts import read_history
 from rlhpc.runtime.signals import Stopped, StopRequest
 from rlhpc.runtime.staging import NOT_STAGED, Staged
 from rlhpc.runtime.startup import StartupClock
-from rlhpc.schedule import AsyncRollouts, BusyClock, Generated, SyncRollouts, load_pending, save_pending
+from rlhpc.schedule import AbortWhen, AsyncRollouts, BusyClock, Generated, SyncRollouts, load_pending, save_pending
 from rlhpc.wire.lora import LoraServing
 from rlhpc.wire.request import GenerationAborted
 
@@ -146,8 +147,8 @@ class TrainLoop:
         model_path = staged.get(run.model_path(cfg))
         tokenizer = load_tokenizer(model_path)
         self._load_data(tokenizer, context_length(model_path), load_vision(model_path))
-        self.schedule = self._make_schedule()
-        pool_stop = self.schedule.abort  # the engines drop generation in flight when the schedule says so
+        # the engines drop generation in flight when the schedule says so (it is built once they are up)
+        pool_stop = AbortWhen(stop)
 
         lora = cfg.actor.lora  # with push: adapter, the trained engines serve the run's adapter by name
         serving = LoraServing.for_adapter(lora.rank, lora.target_modules) if lora and lora.push == "adapter" else None
@@ -156,6 +157,7 @@ class TrainLoop:
             return EnginePool.start(
                 cfg.rollout, cfg.cluster, cfg.seed, model_path, self.placement, layout, run.engine_logs, pool_stop,
                 run.engine_key, deterministic=cfg.deterministic, lora=serving,
+                routed_experts=cfg.algo.routing_replay,
             )  # fmt: skip
 
         # The engines start in a thread while the actor ranks start and load here: neither needs the
@@ -181,21 +183,25 @@ class TrainLoop:
             self.engines = engines_up.result()
         self.reward_engines = reward_up.result() if reward_up is not None else None
         self.teacher_engines = teacher_up.result() if teacher_up is not None else None
+        # the one owner of the trained engines' weights: every push and re-sync goes through it
+        fuse = cfg.rollout.max_staleness == 0 and not cfg.cluster.offload  # the engines wait idle for the push
+        self.weights = WeightSync(self.actor, self.engines, self.resumed_version, fuse)
+        self.schedule = self._make_schedule(pool_stop)
         sandbox.configure(cfg.sandbox)  # the code reward, the python/bash tools and your code use these settings
         if sandbox.used(cfg):
             with startup.phase("sandbox_up"):
                 sandbox.pool()  # warm now: a node that cannot run the sandbox fails here, named
         self.generation = Generation(
             tokenizer, self._scorer(), cfg.rollout, cfg.eval, cfg.algo, cfg.seed,
-            send=self.engines.generate, progress=progress, num_engines=len(layout.engine_slots),
+            send=self.weights.generate, progress=progress, num_engines=len(layout.engine_slots),
             episodes=make_episodes(cfg, tokenizer), custom=make_custom(cfg, tokenizer), teacher=self._teacher(tokenizer),
-            journal=self.journal,
+            journal=self.journal, routing_shape=routing_shape(model_path) if cfg.algo.routing_replay else None,
         )  # fmt: skip
         with startup.phase("weight_channel"):
-            self.engines.connect_weights(self.actor)  # the engines' one weight source, restarted engines included
+            self.weights.connect()
         with startup.phase("first_push"):
             # engines just started hold their memory: nothing to resume (SGLang dies resuming memory it holds)
-            self.engines.sync_weights(version=self.start)  # engines always start from the trained weights
+            self.weights.push(self.weights.trained)  # engines always start from the trained weights
 
         self.record: dict = {}  # metrics of the newest trained rollout
         # when the loop began (``begin``): the start-up phase ``first_rollout`` counts from there
@@ -211,17 +217,19 @@ class TrainLoop:
         self.eval_rows = load_eval_sets(cfg.data, self.eval_sets, prepare)
         self.num_rollout = cfg.rollout.num_rollout or self.buffer.num_rollout_per_epoch * cfg.rollout.num_epoch
 
-    def _make_schedule(self) -> SyncRollouts | AsyncRollouts:
-        """When each rollout is generated (rlhpc/schedule.py): inline, or ahead of training in a thread."""
+    def _make_schedule(self, abort: AbortWhen) -> SyncRollouts | AsyncRollouts:
+        """When each rollout is generated (rlhpc/schedule.py): inline, or ahead of training in a
+        thread. It pushes through the weight owner and (async) restarts dead engines in a gap
+        through the pool, which reports them to the owner."""
         cfg, stop = self.cfg, self.stop
         self.clock = BusyClock()
         self.staleness = cfg.rollout.max_staleness
         if self.staleness == 0:
-            return SyncRollouts(self._generate, self._push, self.clock, stop)
+            return SyncRollouts(self._generate, self.weights.push, self.clock, stop)
         requested = (lambda: stop.requested) if stop is not None else (lambda: False)
         return AsyncRollouts(
-            self._generate, self._push, self.clock, self.staleness, self.num_rollout, cfg.deterministic,
-            requested, repair=self._repair, partial=cfg.rollout.partial_rollout,
+            self._generate, self.weights.push, self.clock, self.staleness, self.num_rollout, cfg.deterministic,
+            requested, repair=self.engines.ensure_engines, partial=cfg.rollout.partial_rollout, abort=abort,
         )  # fmt: skip
 
     def _start_frozen_groups(self, layout: Any, pool_stop: Any) -> tuple[Any, Any]:
@@ -268,6 +276,8 @@ class TrainLoop:
             )
         self.resumed_from = resume.rollout_id if resume else None
         self.start = resume.next_rollout_id if resume else 0
+        # the weights' version the checkpoint holds (one per rollout trained); older checkpoints lack it
+        self.resumed_version = resume.state.get("weight_version", self.start) if resume else 0
         self.saved = self.resumed_from if resume else -1  # newest rollout whose training is on disk
         with self.startup.phase("actor_load"):
             self.actor.load(staged.get(resume.path) if resume else None)  # the staged copy, if this one was staged
@@ -352,7 +362,7 @@ class TrainLoop:
                 kl_metrics: dict[str, float] = {}
                 if cfg.algo.kl_in_reward:  # with the weights about to be trained: the same when resumed
                     generated, kl_metrics = self._kl_in_reward(generated)
-                train_metrics = self.actor.train(rollout_id, generated.batch, self._push_with_training(rollout_id))
+                train_metrics = self.weights.train(rollout_id, generated.batch)  # (the push with it, when fused)
                 train_metrics.update(kl_metrics)
             if (pushed_s := train_metrics.pop("time/update_weights", None)) is not None:
                 timer["time/train"] -= pushed_s  # the push made in the same call counts as the push
@@ -366,8 +376,8 @@ class TrainLoop:
             if cfg.cluster.offload:
                 self.actor.offload()
                 self.engines.onload()
-            with timer("update_weights"):  # after a push made with training: only its outcome's check
-                self.schedule.push(rollout_id + 1)
+            with timer("update_weights"):  # after a push made with training: nothing left to do
+                self.schedule.push(self.weights.trained)
         if (write_s := self.checkpoints.collect()) is not None:  # a save's background write + commit
             timer["time/save_write"] = write_s
         step = timer["time/step"]
@@ -419,23 +429,6 @@ class TrainLoop:
         batch = dataclasses.replace(b, rewards=rewards, advantages=advantages)
         return dataclasses.replace(generated, batch=batch), {"kl/reward_penalty": penalty.mean().item()}
 
-    def _push_with_training(self, rollout_id: int) -> int | None:
-        """The version the ranks push right after training, in the same call (one trip to them
-        fewer), or None. Only in the synchronous loop, where the engines wait idle for the
-        push: not when the actor is offloaded for it, nor when an engine must be restarted or
-        reconnected first (``schedule.push`` then does it all, as always). A save due now
-        comes after the push: the weights are the same either way."""
-        if self.staleness > 0 or self.cfg.cluster.offload or not self.engines.push_ready():
-            return None
-        return rollout_id + 1
-
-    def _push(self, version: int) -> None:
-        self.engines.sync_weights(version=version)
-
-    def _repair(self) -> None:
-        """Restart dead engines on the version they hold (the async schedule, in a gap)."""
-        self.engines.ensure_engines()
-
     def _get(self, rollout_id: int) -> Generated:
         try:
             return self.schedule.get(rollout_id)
@@ -447,7 +440,7 @@ class TrainLoop:
         generated = self.schedule.pending(rollout_id)  # deterministic async: waits for what needs older weights
         state = {
             "data": self.buffer.state_dict(rollout_id + 1),
-            "weight_version": rollout_id + 1,
+            "weight_version": self.weights.trained,  # the actor's, saved here; resumed from here
             "pending_rollouts": sorted(generated),
             "wandb_id": self.metrics.wandb_id,
             "metrics": self.record,  # restored if the job dies before the record reaches metrics.jsonl

@@ -256,6 +256,9 @@ def _dump_bytes(rollout_id: int, batch: RolloutBatch, texts: dict[str, list[str]
                 f.attrs[name] = value  # group_size
             elif fld.type == "torch.Tensor":  # by its annotation: status reads dumps without torch
                 f.create_dataset(name, data=value.numpy())
+            elif fld.type == "list[torch.Tensor]":  # per token, per layer, top-k: flattened per sample
+                _ragged(f, name, [t.reshape(-1).numpy() for t in value], np.dtype(dtype))
+                f.attrs[f"{name}_shape"] = list(value[0].shape[1:])  # [layers, top-k]
             elif fld.type.startswith("list[list["):  # per token
                 _ragged(f, name, value, np.dtype(dtype))
             else:  # per sample

@@ -295,6 +295,13 @@ def context_length(path: str | Path) -> int | None:
     return int(n) if n else None
 
 
+def routing_shape(path: str | Path) -> tuple[int, int, int]:
+    """A MoE model's (layers, experts per token, experts) from its config.json: the shape of
+    each token's routing (``RolloutBatch.routed_experts``)."""
+    cfg = text_config(AutoConfig.from_pretrained(str(path)))
+    return int(cfg.num_hidden_layers), int(cfg.num_experts_per_tok), int(cfg.num_experts)
+
+
 WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth")
 
 

@@ -30,6 +30,7 @@ from rlhpc.rollout.episodes import check_env
 from rlhpc.rollout.scoring import check_reward
 from rlhpc.rollout.trajectories import check_custom
 from rlhpc.wire.lora import SUPPORTED_TARGET_MODULES
+from rlhpc.wire.protocol import ROUTER_VERSION
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
@@ -62,6 +63,7 @@ def check(cfg: Config) -> None:
     check_vision(cfg)
     check_megatron_model(cfg)
     check_lora(cfg)
+    check_routing_replay(cfg)
     _check_data(cfg)
     r, env = cfg.rollout, task_env(cfg.data, cfg.rollout)
     if r.generate_fn is not None or r.agent is not None:
@@ -99,6 +101,51 @@ def check_vision(cfg: Config) -> None:
             f"data.task = {cfg.data.task} has images, which multi-turn rollouts (rollout.env, tools, a "
             "generate function, an agent) cannot take yet",
             "run it single-turn (unset rollout.env, rollout.tools, rollout.generate_fn, rollout.agent)",
+        )
+
+
+def check_routing_replay(cfg: Config) -> None:
+    """``algo.routing_replay`` fits the run: a Qwen3-MoE model (the routers both actors replay),
+    single-turn generation straight to the engines (sglang_router 0.3.2 drops the request's
+    return_routed_experts; an episode's observation tokens and a partial rollout's earlier
+    weights have no engine routing to replay yet)."""
+    if not cfg.algo.routing_replay:
+        return
+    tiny = cfg.model.tiny
+    model = f"model.tiny.architecture = {tiny.architecture}" if tiny is not None else f"model.path {cfg.model.path}"
+    kind = tiny.architecture if tiny is not None else _hf_config(Path(cfg.model.path)).get("model_type")
+    if kind != "qwen3_moe":
+        raise ConfigError(
+            f"algo.routing_replay is true, but {model} is not a mixture-of-experts model the actor can replay "
+            f"(model type {kind!r}; routing replay replays Qwen3-MoE's routers)",
+            "set algo.routing_replay: false (a dense model has no routing to replay), or train a Qwen3-MoE model",
+        )
+    r, task = cfg.rollout, TASKS[cfg.data.task]
+    if r.sglang.router:  # the CPU engines sit behind it too
+        raise ConfigError(
+            f"algo.routing_replay is true with rollout.sglang.router: true, and sglang_router {ROUTER_VERSION} "
+            "does not pass the request's return_routed_experts on to the engines",
+            "set rollout.sglang.router: false (requests go to the engines directly)",
+        )
+    if r.env or r.tools or r.generate_fn or r.agent or task.env:
+        raise ConfigError(
+            "algo.routing_replay is true with a multi-turn rollout (rollout.env, tools, a generate function or "
+            "an agent), whose observation tokens no engine routed",
+            "run single-turn (unset those), or set algo.routing_replay: false",
+        )
+    m = cfg.actor.megatron
+    if cfg.actor.backend == "megatron" and m.recompute and m.pipeline_model_parallel_size > 1:
+        raise ConfigError(
+            "algo.routing_replay is true with actor.megatron.recompute: true and pipeline stages: the pipeline "
+            "schedule runs later micro-batches' forwards (which set the routers' experts) before a backward "
+            "recomputes an earlier one's layers",
+            "set actor.megatron.recompute: false or pipeline_model_parallel_size: 1, or algo.routing_replay: false",
+        )
+    if r.partial_rollout:
+        raise ConfigError(
+            "algo.routing_replay is true with rollout.partial_rollout: true (a sample's tokens from two weight "
+            "versions, routed by both)",
+            "set rollout.partial_rollout: false (the fixed-lag async pipeline replays), or algo.routing_replay: false",
         )
 
 

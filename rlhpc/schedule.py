@@ -145,15 +145,20 @@ class RolloutWeightsLost(RlhpcError):
         )
 
 
-class _AbortWhen:
-    """An async schedule's ``abort_requested`` as the ``StopCheck`` the engine pool polls."""
+class AbortWhen:
+    """The ``StopCheck`` the engine pools poll: drop the generation in flight? The job's stop
+    request (``stop``), or, once an async schedule is built over it, that schedule's
+    ``abort_requested``. Made before the schedule, which is built once the engines are up."""
 
-    def __init__(self, schedule: AsyncRollouts):
-        self._schedule = schedule
+    def __init__(self, stop: StopCheck | None = None):
+        self.stop = stop
+        self.schedule: AsyncRollouts | None = None
 
     @property
     def requested(self) -> bool:
-        return self._schedule.abort_requested()
+        if self.schedule is not None:
+            return self.schedule.abort_requested()
+        return self.stop is not None and self.stop.requested
 
 
 class SyncRollouts:
@@ -214,9 +219,11 @@ class AsyncRollouts:
         stop_requested: Callable[[], bool] = lambda: False,
         repair: Callable[[], None] = lambda: None,
         partial: bool = False,
+        abort: AbortWhen | None = None,
     ):
         """``repair``: restart dead engines and re-sync them to the version they held (the main
         thread calls it in a gap, with the actor on that version: the engine pool's ``ensure_engines``).
+        ``abort``: what the engine pools were given to poll (this schedule answers it from now on).
         ``partial`` (``rollout.partial_rollout``, never deterministic): a push does not wait for
         the rollout in flight; the push pauses its requests on the engines, changes the weights
         and lets them go on, and the engines tag each token with its version."""
@@ -243,7 +250,8 @@ class AsyncRollouts:
         self._error: BaseException | None = None
         self._closed = False
         self._thread: threading.Thread | None = None
-        self.abort: StopCheck = _AbortWhen(self)  # for the engine pool: drop the generation in flight?
+        self.abort = abort if abort is not None else AbortWhen()  # for the engine pools: drop the generation in flight?
+        self.abort.schedule = self
 
     # ------------------------------------------------------------ the generation thread
 

@@ -121,7 +121,6 @@ class ActorGroup:
             ).remote(spec, model_path, rank, self.world_size)
             for rank, slot in enumerate(self.slots)
         ]
-        self._pushed: tuple[int, str | None] | None = None  # a push made with training: (version, error)
         one_node = len({ip for ip, _ in (placement.location_of_slot[s] for s in self.slots)}) == 1
         rendezvous = self._get([self.workers[0].rendezvous.remote(one_node)], "rendezvous")[0]
         self._call("init_process_group", rendezvous)
@@ -208,27 +207,30 @@ class ActorGroup:
     def load(self, ckpt_dir: str | None) -> None:
         self._call("load", ckpt_dir)
 
-    def train(self, rollout_id: int, batch: RolloutBatch, push_version: int | None = None) -> dict[str, float]:
-        """One rollout's training; metrics are global (every rank returns the same, rank 0's is used).
-
-        ``push_version``: the ranks push the trained weights as that version in the same call
-        (``train_and_push``: one trip to them fewer); the next ``update_weights(push_version)``
-        reports its outcome instead of pushing again, and the metrics carry its seconds as
-        ``time/update_weights``."""
+    def _shards(self, rollout_id: int, batch: RolloutBatch) -> list[RolloutBatch]:
+        """Each rank's part of ``batch``: the ranks of one tensor-parallel group get the same."""
         if len(batch) < self.dp_size:
             raise RlhpcError(
                 f"rollout {rollout_id} has {len(batch)} samples for {self.dp_size} data-parallel actor ranks",
                 "raise rollout.rollout_batch_size or lower cluster.actor_num_gpus",
             )
-        self._pushed = None
-        shards = [batch.shard(r // self.tp_size % self.dp_size, self.dp_size) for r in range(self.world_size)]
-        if push_version is None:
-            refs = [w.train.remote(rollout_id, shard) for w, shard in zip(self.workers, shards)]
-            return self._get(refs, "train")[0]
-        refs = [w.train_and_push.remote(rollout_id, shard, push_version) for w, shard in zip(self.workers, shards)]
-        metrics, error, push_s = self._get(refs, "train_and_push")[0]
-        self._pushed = (push_version, error)
-        return {**metrics, "time/update_weights": push_s}
+        return [batch.shard(r // self.tp_size % self.dp_size, self.dp_size) for r in range(self.world_size)]
+
+    def train(self, rollout_id: int, batch: RolloutBatch) -> dict[str, float]:
+        """One rollout's training; metrics are global (every rank returns the same, rank 0's is used)."""
+        shards = self._shards(rollout_id, batch)
+        refs = [w.train.remote(rollout_id, shard) for w, shard in zip(self.workers, shards)]
+        return self._get(refs, "train")[0]
+
+    def train_and_push(
+        self, rollout_id: int, batch: RolloutBatch, version: int
+    ) -> tuple[dict[str, float], str | None, float]:
+        """``train``, then the trained weights pushed as ``version`` in the same call (one trip to
+        the ranks fewer). Returns the metrics, why the push failed on the engines' side (None:
+        it did not) and the push's seconds; the ranks stay usable either way."""
+        shards = self._shards(rollout_id, batch)
+        refs = [w.train_and_push.remote(rollout_id, shard, version) for w, shard in zip(self.workers, shards)]
+        return self._get(refs, "train_and_push")[0]
 
     def kl_to_reference(self, batch: RolloutBatch) -> torch.Tensor:
         """Per sample of ``batch`` [N]: sum_t KL_t of the current policy to the reference over its
@@ -261,14 +263,11 @@ class ActorGroup:
     def connect_rollout(
         self, engine_urls: list[str], engine_world_sizes: list[int], colocate: bool, key_file: str | None = None
     ) -> None:
-        self._pushed = None  # made over the channel this replaces
         self._call("connect_rollout", engine_urls, engine_world_sizes, colocate, key_file)
 
     def update_weights(self, version: int) -> None:
-        """Raises ``WeightPushFailed`` when the engines' side failed; the ranks stay usable.
-        A push of ``version`` made with training (``train``) is not made again: its outcome counts."""
-        pushed, self._pushed = self._pushed, None
-        error = pushed[1] if pushed is not None and pushed[0] == version else self._call("update_weights", version)[0]
+        """Raises ``WeightPushFailed`` when the engines' side failed; the ranks stay usable."""
+        error = self._call("update_weights", version)[0]
         if error is not None:
             raise WeightPushFailed(version, error)
 

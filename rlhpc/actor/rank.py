@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from rlhpc import moe_routing
 from rlhpc.actor.checkpoint_dir import rng_file
 from rlhpc.actor.lr_schedule import lr_at
 from rlhpc.actor.packing import first_fit_decreasing, micro_batch_groups, pack_rows, sample_lengths, select
@@ -87,6 +88,16 @@ def _rollout_logprob_tensor(
     return torch.tensor(rows, dtype=torch.float32)
 
 
+def _routing_tensor(routed: list[torch.Tensor], width: int) -> torch.Tensor:
+    """Each sample's engine routing [its tokens - 1, layers, top-k] as the right-padded rows
+    [N, width, layers, top-k] of the micro-batch's ids; ``UNKNOWN`` where none was given."""
+    layers, top_k = routed[0].shape[1:]
+    out = torch.full((len(routed), width, layers, top_k), moe_routing.UNKNOWN, dtype=torch.long)
+    for i, r in enumerate(routed):
+        out[i, : r.shape[0]] = r.long()
+    return out
+
+
 def fingerprint(named: Iterable[tuple[str, torch.Tensor]]) -> str:
     """SHA-256 of named tensors: names, shapes, dtypes and bytes."""
     h = hashlib.sha256()
@@ -129,6 +140,9 @@ class MicroBatch:
     # A vision-language model's further forward inputs: its images' pixels and grid sizes (and
     # padded, its 3-D positions); packed, ``positions`` holds the text and 3-D ones [4, 1, T].
     vision: dict[str, torch.Tensor] | None = None
+    # algo.routing_replay: the experts the engine routed each token to, [N, L, layers, top-k]
+    # (packed: [1, T, ...]); ``moe_routing.UNKNOWN`` where no engine routed it (pads, the last token)
+    routed_experts: torch.Tensor | None = None
 
     def per_sample(self, x: torch.Tensor) -> torch.Tensor:
         """A per-position result of the forward ([rows, width-1]) as the padded [N, L-1]."""
@@ -438,8 +452,12 @@ class RankBase:
         """A micro-batch's samples padded (or packed) on the device, with the engines' logprobs."""
         ids, attention, mask = (t.to(self.device) for t in rmb.to_padded(self.pad_id))
         mb = MicroBatch(ids, attention, mask, rmb.advantages.to(self.device))
+        if rmb.routed_experts:
+            mb.routed_experts = _routing_tensor(rmb.routed_experts, ids.shape[1]).to(self.device)
         if self.packs:  # the loss still sees padded rows (``MicroBatch.per_sample``)
             mb.ids, mb.positions, mb.unpack_index = pack_rows(ids, attention)
+            if mb.routed_experts is not None:  # laid out as pack_rows lays out the ids
+                mb.routed_experts = mb.routed_experts[attention.bool()][None]
             mb.attention = None
         mb.rollout_logprobs = _rollout_logprob_tensor(rmb, mask.shape).to(self.device)
         if any(rmb.images):

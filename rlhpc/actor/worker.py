@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from rlhpc import moe_routing
 from rlhpc.actor import lora
 from rlhpc.actor.checkpoint_dir import ACTOR_SUBDIR, RNG_PREFIX, read_meta, rng_file, write_meta
 from rlhpc.actor.flat_grads import FlatGrads
@@ -317,11 +318,15 @@ class TrainWorker(RankBase):
                 model, mb.ids, positions, mb.attention, v["pixel_values"], v["image_grid_thw"], v["images"]
             )
             return logits[:, :-1].float()
-        if mb.positions is not None:
-            # Packed: with no attention mask, transformers makes the attention block-diagonal
-            # where the position ids restart, but only without a KV cache (with one it ignores them).
-            return model(input_ids=mb.ids, position_ids=mb.positions, use_cache=False).logits[:, :-1].float()
-        return model(input_ids=mb.ids, attention_mask=mb.attention).logits[:, :-1].float()
+        # algo.routing_replay: every token goes to the experts the engine chose (the router sees
+        # the tokens flattened batch-major, as the micro-batch's routing is laid out)
+        routing = mb.routed_experts.flatten(0, 1) if mb.routed_experts is not None else None
+        with moe_routing.replayed(model, routing):
+            if mb.positions is not None:
+                # Packed: with no attention mask, transformers makes the attention block-diagonal
+                # where the position ids restart, but only without a KV cache (with one it ignores them).
+                return model(input_ids=mb.ids, position_ids=mb.positions, use_cache=False).logits[:, :-1].float()
+            return model(input_ids=mb.ids, attention_mask=mb.attention).logits[:, :-1].float()
 
     def _with_images(self, mb: MicroBatch, rmb: RolloutBatch, ids: torch.Tensor, attention: torch.Tensor) -> None:
         """The micro-batch's images, each distinct one processed once (a group's samples share it),

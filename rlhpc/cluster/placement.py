@@ -46,8 +46,10 @@ def sort_key(location: tuple[str, int]) -> tuple[int, int]:
 
 
 # A task, not an actor: an actor is a Python process of its own, started and killed for one
-# answer; tasks share the workers Ray keeps.
-@ray.remote(num_cpus=0.01, num_gpus=0.01)
+# answer. max_calls=0: Ray ends a task's worker after one call where the task asks for a GPU
+# (its default, for GPU memory this task never touches), so each probe would start a Python
+# worker (~1 CPU s) that answers once and exits; kept, one worker answers a node's probes.
+@ray.remote(num_cpus=0.01, num_gpus=0.01, max_calls=0)
 def _where() -> tuple[str, int]:
     gpu_ids = ray.get_gpu_ids()
     return ray.util.get_node_ip_address(), int(gpu_ids[0]) if gpu_ids else -1
@@ -68,15 +70,33 @@ def create_placement(num_slots: int, groups: Sequence[int] | None = None, timeou
             f"Ray could not reserve {num_slots} GPUs within {timeout_s:.0f}s (cluster has {have})",
             "check that every node joined Ray with its GPUs, or shrink the layout",
         )
-    locations = ray.get(
-        [
-            _where.options(
-                scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i)
-            ).remote()
-            for i in range(num_slots)
-        ]
-    )
+    locations = _probe(pg, num_slots)
     order = sorted(range(num_slots), key=lambda i: (groups[i], *sort_key(locations[i])))
     placement = Placement(pg, order, [locations[i] for i in order])
     log.info("placement: %s", ", ".join(f"slot{k}={ip}:gpu{g}" for k, (ip, g) in enumerate(placement.location_of_slot)))
     return placement
+
+
+def _probe(pg: PlacementGroup, num_slots: int) -> list[tuple[str, int]]:
+    """Each bundle's (node IP, GPU id): the nodes in parallel, a node's bundles one after another,
+    so that one worker per node answers them all (probes sent at once would each start one)."""
+    node_of = ray.util.placement_group_table(pg)["bundles_to_node_id"]
+    by_node: dict[str, list[int]] = {}
+    for i in range(num_slots):
+        by_node.setdefault(node_of[i], []).append(i)
+    locations: list[tuple[str, int]] = [("", -1)] * num_slots
+    for turn in range(max(len(b) for b in by_node.values())):
+        batch = [b[turn] for b in by_node.values() if turn < len(b)]
+        answers = ray.get(
+            [
+                _where.options(
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        placement_group=pg, placement_group_bundle_index=i
+                    )
+                ).remote()
+                for i in batch
+            ]
+        )
+        for i, answer in zip(batch, answers, strict=True):
+            locations[i] = answer
+    return locations

@@ -60,11 +60,13 @@ class EngineActor:
         host: str | None = None,
         deterministic: bool = False,
         lora: LoraServing | None = None,
+        routed_experts: bool = False,
     ):
         self.model_path = model_path
         # the CPU engine's --enable-deterministic-inference and LoRA flags (SGLang's come in ``sglang``)
         self.deterministic = deterministic
         self.lora = lora
+        self.routed_experts = routed_experts  # the CPU engine's --enable-return-routed-experts
         self.engine_id = engine_id
         self.startup_timeout_s = startup_timeout_s
         self.extra_env = dict(env or {})
@@ -93,6 +95,7 @@ class EngineActor:
         return cpu_server_command(
             sys.executable, self.model_path, self.host, str(self.ready_file), str(os.getpid()),
             self.extra_env.get("OMP_NUM_THREADS", "1"), self.key_file, self.deterministic, self.lora,
+            self.routed_experts,
         )  # fmt: skip
 
     def _env(self) -> dict[str, str]:

@@ -45,6 +45,7 @@ from rlhpc.wire import switches
 from rlhpc.wire.client import EngineClient
 from rlhpc.wire.engine_key import read_key
 from rlhpc.wire.lora import LoraServing
+from rlhpc.wire.protocol import ROUTED_EXPERTS_FLAG
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,7 @@ class SGLangSpec:
     deterministic: bool = False  # `deterministic: true`: --enable-deterministic-inference (seeds honoured)
     colocated: bool = False  # its GPUs are shared with actor ranks (cluster.colocate)
     lora: LoraServing | None = None  # serve LoRA adapters (the CPU engine takes the same flags)
+    routed_experts: bool = False  # algo.routing_replay: --enable-return-routed-experts
 
     @property
     def serves_http(self) -> bool:
@@ -125,6 +127,8 @@ def launch_server_command(
         cmd.append("--enable-deterministic-inference")
     if spec.lora is not None:
         cmd += spec.lora.flags()
+    if spec.routed_experts:
+        cmd.append(ROUTED_EXPERTS_FLAG)
     if config_file is not None:
         cmd += ["--config", str(config_file)]
     if spec.nnodes > 1:
@@ -394,6 +398,7 @@ def engine_parts(
     deterministic: bool = False,
     colocated: bool = False,
     lora: LoraServing | None = None,
+    routed_experts: bool = False,
 ) -> list[tuple[int, SGLangSpec]]:
     """One engine's server processes: ``(first slot on that node, spec)`` per node it spans, in node
     rank order (the node of the engine's first slot is rank 0 and serves HTTP)."""
@@ -421,6 +426,7 @@ def engine_parts(
                 deterministic=deterministic,
                 colocated=colocated,
                 lora=lora,
+                routed_experts=routed_experts,
             ),
         )
         for rank, slots in enumerate(nodes.values())

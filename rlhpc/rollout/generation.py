@@ -30,7 +30,7 @@ from rlhpc.errors import RlhpcError, user_code_error
 from rlhpc.rollout.custom import CustomRollout, run_custom
 from rlhpc.rollout.journal import ToolJournal, scope_name
 from rlhpc.rollout.scoring import MixedScorer, PooledReward, RemoteReward, Sample, Scorer, is_remote
-from rlhpc.wire.protocol import finish_reason, token_versions, weight_version
+from rlhpc.wire.protocol import finish_reason, routed_experts, token_versions, weight_version
 from rlhpc.wire.request import Request, Send, knob_params, sample_seed
 
 if TYPE_CHECKING:
@@ -89,6 +89,7 @@ def one_batch(client: Generates) -> Send:
             sampling_params=[p for r in requests for p in r.sampling_params],
             return_logprob=any(r.return_logprob for r in requests),
             **({"image_data": images} if any(images) else {}),
+            **({"return_routed_experts": True} if any(r.return_routed_experts for r in requests) else {}),
         )
         answers, start = [], 0
         for c, r in enumerate(requests):
@@ -142,6 +143,8 @@ class Samples:
     episode_of: list[int] = field(default_factory=list)
     # A vision-language model's: per sample, its prompt's images (``ImageRef``); empty: none has any.
     images: list[list] = field(default_factory=list)
+    # algo.routing_replay: per sample, the experts the engine routed its tokens to (RolloutBatch's)
+    routed_experts: list[torch.Tensor] = field(default_factory=list)
 
     def num_episodes(self) -> int:
         return self.episode_of[-1] + 1 if self.episode_of else len(self.response_ids)
@@ -205,6 +208,7 @@ class Samples:
             [self.finish_reasons[k] for k in idx] if self.finish_reasons else [],
             episode_of,
             [self.images[k] for k in idx] if self.images else [],
+            [self.routed_experts[k] for k in idx] if self.routed_experts else [],
         )
 
     @staticmethod
@@ -229,6 +233,7 @@ class Samples:
             [x for p in parts for x in (p.images or [[]] * len(p.response_ids))]
             if any(p.images for p in parts)
             else [],
+            [x for p in parts for x in p.routed_experts],
         )
 
     @staticmethod
@@ -271,8 +276,12 @@ class Generation:
         custom: CustomRollout | None = None,
         teacher: TeacherLogprobs | None = None,
         journal: ToolJournal | None = None,
+        routing_shape: tuple[int, int, int] | None = None,
     ):
+        """``routing_shape``: with algo.routing_replay, the MoE model's (layers, experts per
+        token, experts) (``rlhpc.model.routing_shape``)."""
         self.tokenizer = tokenizer
+        self.routing_shape = routing_shape
         self.teacher = teacher  # each trained token's logprob under the teacher (issue 30), or None
         self.journal = journal  # episodes' tool answers, recorded and replayed (rlhpc.rollout.journal)
         self.reward_fn = (
@@ -320,8 +329,11 @@ class Generation:
         chunks = [range(i, min(i + per_request, len(rows))) for i in range(0, len(rows), per_request)]
         prompts = encode_rows(self.tokenizer, rows)
         uris = image_uris(rows)
+        # (an evaluation alone, rlhpc-evaluate, trains nothing: given no shape, it asks for none)
+        replay = self.algo_cfg.routing_replay and self.routing_shape is not None
         requests = [
             Request(
+                return_routed_experts=replay,
                 input_ids=[prompts[i] for i in chunk for _ in range(n)],
                 image_data=[uris[i] for i in chunk for _ in range(n)] if uris else None,
                 sampling_params=[
@@ -385,7 +397,21 @@ class Generation:
             prompt_ids, response_ids, logprobs, torch.tensor(rewards, dtype=torch.float32), texts, versions, per_token,
             parts, finish_reasons=[finish_reason(out["meta_info"]) for out in outputs],
             images=[rows[k // n].images for k in range(len(outputs))] if uris else [],
+            routed_experts=self._routed_experts(prompt_ids, response_ids, outputs) if replay else [],
         )  # fmt: skip
+
+    def _routed_experts(
+        self, prompt_ids: list[list[int]], response_ids: list[list[int]], outputs: list[dict]
+    ) -> list[torch.Tensor]:
+        """Each sample's ``meta_info["routed_experts"]`` as [tokens - 1, layers, top-k], kept in the
+        smallest integer type its expert ids fit (a rollout holds one per token, layer and k)."""
+        assert self.routing_shape is not None
+        layers, top_k, experts = self.routing_shape
+        dtype = torch.uint8 if experts <= 256 else torch.int16
+        return [
+            torch.from_numpy(routed_experts(out["meta_info"], len(p) + len(r) - 1, layers, top_k).copy()).to(dtype)
+            for p, r, out in zip(prompt_ids, response_ids, outputs)
+        ]
 
     def _sample_episodes(
         self,
@@ -635,6 +661,7 @@ class Generation:
         batch = RolloutBatch(
             s.prompt_ids, s.response_ids, s.logprobs, rewards, advantages, n, s.weight_versions, s.token_versions,
             loss_masks, s.turns, s.cut() if s.loss_masks or r.overlong_filter else [], images=s.images,
+            routed_experts=s.routed_experts,
         )  # fmt: skip
         if algo.overlong_buffer:
             overlong_metrics["overlong/penalty"] = penalty.mean().item()

@@ -257,12 +257,14 @@ class EngineClient:
         logprob_start_len: int | list[int] | None = None,
         image_data: list[list[str]] | None = None,
         lora_path: str | list[str | None] | None = None,
+        return_routed_experts: bool = False,
     ) -> dict[str, Any] | list[dict[str, Any]]:
         """One dict for a single prompt, a list for a batch (as SGLang answers). ``logprob_start_len``
         (with ``return_logprob``): the prompt tokens' logprobs from there too. ``image_data``: a
         vision-language model's images, a list per prompt (``rlhpc.wire.protocol.GenerateReqInput``).
         ``lora_path``: the loaded LoRA adapter to generate with, by name (None: the base model),
-        one for every prompt or one per prompt.
+        one for every prompt or one per prompt. ``return_routed_experts``: each token's experts
+        (a MoE model; ``rlhpc.wire.protocol.routed_experts`` reads them).
 
         ``per_prompt`` (through the router): a batch goes as one request per prompt, all at once
         (sglang_router refuses a batch with per-prompt sampling params, and they carry each
@@ -278,6 +280,7 @@ class EngineClient:
             rid=rid,
             image_data=image_data,
             lora_path=lora_path if lora_path is not None else self.adapter,
+            return_routed_experts=return_routed_experts,
         )
         if not self.per_prompt:
             return self._generate(req, timeout_s, _describe(req))

@@ -10,6 +10,7 @@ checks every name here against the sources of the SGLang wheel we support.
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +28,9 @@ TOP_K_ALL = 1 << 30  # SGLang's "no top-k"
 # load_format of /update_weights_from_distributed: ONE broadcast per bucket, the tensors' bytes
 # back to back (SGLang's FlattenedTensorBucket layout; see rlhpc.weights.tensor_transport)
 FLATTENED_BUCKET = "flattened_bucket"
+# Rollout routing replay (R3): the launch flag without which SGLang answers no routed experts
+# (it ignores the request's return_routed_experts then, without an error)
+ROUTED_EXPERTS_FLAG = "--enable-return-routed-experts"
 
 
 class Route:
@@ -92,6 +96,10 @@ class GenerateReqInput:
     # The LoRA adapter each prompt generates with, by the name it was loaded under (None: the
     # base model); one name for every prompt, or one per prompt
     lora_path: list[str | None] | str | None = None
+    # A MoE model's routing (R3): answer each token's top-k experts per layer in
+    # meta_info["routed_experts"] (``routed_experts``); only on an engine started with
+    # ROUTED_EXPERTS_FLAG. One value for every prompt of a batch.
+    return_routed_experts: bool = False
 
 
 @dataclass
@@ -318,6 +326,7 @@ def per_prompt(req: GenerateReqInput) -> list[GenerateReqInput]:
             rid=f"{req.rid}_{i}" if isinstance(req.rid, str) else pick(req.rid, i),
             image_data=req.image_data[i] if req.image_data is not None else None,  # a batch's: one entry a prompt
             lora_path=pick(req.lora_path, i),
+            return_routed_experts=req.return_routed_experts,
         )
         for i in range(n)
     ]
@@ -370,9 +379,12 @@ def body(req: Any, drop_none: tuple[str, ...] = ()) -> dict[str, Any]:
 
 
 def generate_body(req: GenerateReqInput) -> dict[str, Any]:
-    """A /generate request's body: the prompt field not given, and an unset rid or
-    logprob_start_len, are left out (SGLang's own defaults apply)."""
-    return body(req, drop_none=("text", "input_ids", "rid", "logprob_start_len", "image_data", "lora_path"))
+    """A /generate request's body: the prompt field not given, an unset rid or logprob_start_len,
+    and return_routed_experts unless asked, are left out (SGLang's own defaults apply)."""
+    out = body(req, drop_none=("text", "input_ids", "rid", "logprob_start_len", "image_data", "lora_path"))
+    if not req.return_routed_experts:  # SGLang's default: bodies stay as they were before R3
+        del out["return_routed_experts"]
+    return out
 
 
 # ------------------------------------------------------------------ sampling params and outputs
@@ -442,6 +454,9 @@ class MetaInfo:
     # the first entry's logprob is None
     INPUT_TOKEN_LOGPROBS = "input_token_logprobs"
     OUTPUT_TOP_LOGPROBS = "output_top_logprobs"  # per output token: its top_logprobs_num [[logprob, id, text], ...]
+    # with return_routed_experts: base64 of the int32 array [prompt + output tokens - 1, layers,
+    # experts per token] (C order), each position's top-k expert ids (``routed_experts``)
+    ROUTED_EXPERTS = "routed_experts"
 
     @classmethod
     def all(cls) -> frozenset[str]:
@@ -489,3 +504,37 @@ def token_versions(meta_info: dict, num_tokens: int) -> list[int]:
 def finish_reason(meta_info: dict) -> str | None:
     reason = meta_info.get(MetaInfo.FINISH_REASON)
     return reason.get("type") if isinstance(reason, dict) else reason
+
+
+# ------------------------------------------------------------------ routed experts (R3)
+
+
+def encode_routed_experts(experts: Any) -> str:
+    """An int array [positions, layers, top-k] as SGLang answers it: base64 of its int32 bytes."""
+    import numpy as np
+
+    return base64.b64encode(np.ascontiguousarray(experts, dtype="<i4").tobytes()).decode("ascii")
+
+
+def routed_experts(meta_info: dict, positions: int, layers: int, top_k: int) -> Any:
+    """A sample's ``meta_info["routed_experts"]`` as an int array [positions, layers, top_k]:
+    position t's top-k expert ids in each layer, for the ``positions`` = prompt + output tokens
+    - 1 that went through the model (the last token never did). Raises ``RlhpcError`` when it is
+    missing or of another size (an engine started without ROUTED_EXPERTS_FLAG answers none)."""
+    import numpy as np
+
+    raw = meta_info.get(MetaInfo.ROUTED_EXPERTS)
+    if not isinstance(raw, str):
+        raise RlhpcError(
+            f"an engine answered no meta_info[{MetaInfo.ROUTED_EXPERTS!r}] for a request with return_routed_experts",
+            f"start the engines with {ROUTED_EXPERTS_FLAG} (algo.routing_replay does) and send the requests "
+            "to them directly (rollout.sglang.router: false)",
+        )
+    flat = np.frombuffer(base64.b64decode(raw), dtype="<i4")
+    if flat.size != positions * layers * top_k:
+        raise RlhpcError(
+            f"meta_info[{MetaInfo.ROUTED_EXPERTS!r}] holds {flat.size} expert ids, not {positions} positions x "
+            f"{layers} layers x {top_k} experts per token",
+            "serve the same model the actor trains (its num_hidden_layers and num_experts_per_tok)",
+        )
+    return flat.reshape(positions, layers, top_k)

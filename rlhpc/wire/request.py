@@ -25,6 +25,8 @@ class Request:
     # A vision-language model's images, a list per prompt (data URIs; an empty list: a prompt
     # without images); None: no prompt has any.
     image_data: list[list[str]] | None = None
+    # A MoE model's routing of every token (R3, algo.routing_replay): meta_info["routed_experts"]
+    return_routed_experts: bool = False
 
 
 class GenerationAborted(Exception):
@@ -73,9 +75,10 @@ class EnginesDown(RlhpcError):
 
     transient = True  # if it ends the job, a resume from the last checkpoint loses nothing
 
-    def __init__(self, dead: list[int], version: int | None):
+    def __init__(self, dead: list[int], version: int | None = None):
+        with_version = f" with weight version {version}" if version is not None else ""
         super().__init__(
-            f"rollout engine(s) {dead} died while a rollout was generated with weight version {version}, "
+            f"rollout engine(s) {dead} died while a rollout was generated{with_version}, "
             "and no engine is left to finish it",
             "nothing to do: they are restarted between rollouts (rollout.max_engine_restarts bounds it)",
         )

@@ -29,6 +29,7 @@ from rlhpc.errors import RlhpcError
 from rlhpc.model import load_tokenizer
 from rlhpc.rollout.engines import EnginePool, EnginesDown
 from rlhpc.rollout.generation import Generation, task_reward
+from rlhpc.rollout.weight_sync import WeightSync
 
 pytestmark = pytest.mark.ray
 
@@ -75,9 +76,15 @@ class Rollout:
     """The driver's rollout side: the engine pool, the generation step through it, the data."""
 
     engines: EnginePool
-    generation: Generation  # through engines.generate, as in the driver: engines marked down are restarted first
+    generation: Generation  # through engines.generate: engines marked down are restarted first
     buffer: DataBuffer
     eval_rows: list[dict]
+
+    def weights(self, actor: object) -> WeightSync:
+        """As the driver wires it: the engines' weight owner over ``actor``, generation through it."""
+        sync = WeightSync(actor, self.engines, 0)
+        self.generation.send = sync.generate
+        return sync
 
     def generate(self, rollout_id: int) -> RolloutBatch:
         return self.generation.rollout(rollout_id, self.buffer.batch(rollout_id))[0]
@@ -118,11 +125,11 @@ def test_dead_engines_are_restarted_resynced_and_limited(ray_cluster: None, mode
     cfg.rollout.max_engine_restarts = 1
     with groups(cfg, model_path, tmp_path / "engines") as (actor, rollout):
         engines = rollout.engines
-        engines.connect_weights(actor)
-        engines.sync_weights(0)
+        sync = rollout.weights(actor)
+        sync.push(0)
         batch = rollout.generate(0)
         actor.train(0, batch)
-        engines.sync_weights(1)
+        sync.push(1)
         rows = rollout.eval_rows[:32]  # 4 samples each: two requests of 16 rows, one per engine
         before = rollout.sample_unchecked(rows)
 
@@ -142,11 +149,11 @@ def test_dead_engines_are_restarted_resynced_and_limited(ray_cluster: None, mode
         assert engines.restarts == [1, 1]
         assert_engine_matches_actor(engines, 0, actor, 1)
 
-        # Engine 1's second death, found by sync_weights: past max_engine_restarts = 1.
+        # Engine 1's second death, found by the push: past max_engine_restarts = 1.
         actor.train(1, batch)
         kill_engine(engines, 1)
         with pytest.raises(RlhpcError) as err:
-            engines.sync_weights(2)
+            sync.push(2)
         msg = str(err.value)
         assert "rollout engine 1" in msg and engines.engine_logs[1] in msg
         assert "rollout.max_engine_restarts = 1" in msg and "fix:" in msg
@@ -158,8 +165,8 @@ def test_async_generation_leaves_dead_engines_to_the_gap(ray_cluster: None, mode
     old version); its requests go to the other engine, and the restart waits for the next push."""
     with groups(restart_cfg(actor_gpus=1), model_path, tmp_path / "engines") as (actor, rollout):
         engines = rollout.engines
-        engines.connect_weights(actor)
-        engines.sync_weights(0)
+        sync = rollout.weights(actor)
+        sync.push(0)
         batch = rollout.generate(0)
         rows = rollout.eval_rows[:32]  # two requests of 16 rows, one per engine
         before = rollout.sample_unchecked(rows)
@@ -171,7 +178,7 @@ def test_async_generation_leaves_dead_engines_to_the_gap(ray_cluster: None, mode
         assert engines.restarts == [0, 0] and engines.down == {1}
 
         actor.train(0, batch)
-        engines.sync_weights(1)  # the gap: restarted, and given version 1 under its own label
+        sync.push(1)  # the gap: restarted, and given version 1 under its own label
         assert engines.restarts == [0, 1] and engines.down == set()
         for e in (0, 1):
             assert_engine_matches_actor(engines, e, actor, 1)
@@ -199,6 +206,12 @@ class KillBeforePush:
     def connect_rollout(self, *args: object) -> None:
         self.actor.connect_rollout(*args)
 
+    def train(self, *args: object) -> dict:
+        return self.actor.train(*args)
+
+    def train_and_push(self, *args: object) -> tuple:
+        return self.actor.train_and_push(*args)
+
     def update_weights(self, version: int) -> None:
         if self.armed:
             self.armed = False
@@ -209,37 +222,38 @@ class KillBeforePush:
 def test_pushes_made_with_training_and_an_engine_killed_during_one(
     ray_cluster: None, model_path: str, tmp_path: Path
 ) -> None:
-    """The synchronous loop's push in the training call (``train(push_version=...)``): the engines
-    hold the trained weights after one update each, and the pool's push only takes its outcome.
-    An engine killed during that training fails the push, and the pool restarts it and pushes again.
-    Then a pool's own push with an engine killed as it begins: every rank finishes the failed
-    push; the dead engine is restarted and the push repeated. (One Ray, actor and engines for both.)"""
+    """The synchronous loop's push in the training call (``WeightSync(fuse=True).train``): the
+    engines hold the trained weights after one update each, and the push after it has nothing
+    left to do. An engine killed during that training fails the push, and the owner restarts it
+    and pushes again. Then a push of its own with an engine killed as it begins: every rank
+    finishes the failed push; the dead engine is restarted and the push repeated. (One Ray,
+    actor and engines for both.)"""
     with groups(restart_cfg(actor_gpus=2), model_path, tmp_path / "engines") as (actor, rollout):
         engines = rollout.engines
         source = KillBeforePush(actor, engines, 1)  # the actor itself until armed
-        engines.connect_weights(source)
-        engines.sync_weights(0)
+        sync = rollout.weights(source)
+        sync.fuse = True
+        sync.push(0)
         batch = rollout.generate(0)
-        assert engines.push_ready()
-        metrics = actor.train(0, batch, push_version=1)
-        assert metrics["time/update_weights"] > 0
-        engines.sync_weights(1)
+        metrics = sync.train(0, batch)
+        assert metrics["time/update_weights"] > 0 and sync.version == sync.trained == 1
+        sync.push(1)
         for e in (0, 1):
             assert_engine_matches_actor(engines, e, actor, 1)
             assert Path(engines.engine_logs[e]).read_text().count("weight_version 1") == 1  # not pushed twice
 
         batch = rollout.generate(1)
         kill_engine(engines, 0)  # while the actor trains, unseen by the pool
-        actor.train(1, batch, push_version=2)
-        engines.sync_weights(2)
+        sync.train(1, batch)
+        sync.push(2)
         assert engines.restarts == [1, 0]
         for e in (0, 1):
             assert_engine_matches_actor(engines, e, actor, 2)
         batch = rollout.generate(2)  # and generation goes on
 
-        actor.train(2, batch)  # no push with it: the pool pushes, and engine 1 is killed as it begins
+        actor.train(2, batch)  # no push with it: the owner pushes, and engine 1 is killed as it begins
         source.armed = True
-        engines.sync_weights(3)
+        sync.push(3)
         assert engines.restarts == [1, 1] and not source.armed
         for e in (0, 1):
             assert_engine_matches_actor(engines, e, actor, 3)

@@ -88,8 +88,10 @@ def test_generate_returns_sglang_shapes(client: EngineClient, model_path: str) -
     for out, p, want_max in zip(outs, ids, (6, 3)):
         assert set(out) == {"text", "output_ids", "meta_info"}
         meta = out["meta_info"]
-        # with return_logprob: every key but top-k and the prompt tokens' (those with logprob_start_len)
-        assert MetaInfo.all() - {MetaInfo.OUTPUT_TOP_LOGPROBS, MetaInfo.INPUT_TOKEN_LOGPROBS} <= set(meta)
+        # with return_logprob: every key but top-k, the prompt tokens' (those with logprob_start_len)
+        # and the routed experts (return_routed_experts, on a MoE engine started for it)
+        asked_for_apart = {MetaInfo.OUTPUT_TOP_LOGPROBS, MetaInfo.INPUT_TOKEN_LOGPROBS, MetaInfo.ROUTED_EXPERTS}
+        assert MetaInfo.all() - asked_for_apart <= set(meta)
         assert meta["prompt_tokens"] == len(p) and meta["completion_tokens"] == len(out["output_ids"]) <= want_max
         assert meta["finish_reason"]["type"] in ("stop", "length")
         if meta["finish_reason"]["type"] == "length":

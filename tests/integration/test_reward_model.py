@@ -22,6 +22,7 @@ from rlhpc.model import build_tiny_model
 from rlhpc.rollout.judge import render as judge_render
 from rlhpc.rollout.judge import score_prompt
 from rlhpc.rollout.scoring import Sample
+from rlhpc.rollout.weight_sync import WeightSync
 
 RM = TinyModelConfig(architecture="qwen2", tokenizer="bpe", seed=3)  # a ChatML template: rendered with it
 
@@ -200,7 +201,7 @@ def test_reward_engines_score_overlapped_and_a_killed_one_is_restarted(tmp_path,
             assert "reward engine 1 (" in caplog.text and "reward engine 1 is back" in caplog.text
             assert (tmp_path / "logs" / "engine_1.log").read_text().count("starting at") == 2
             with pytest.raises(RlhpcError, match="frozen"):
-                engines.connect_weights(None)
+                WeightSync(None, engines, 0)  # no weight owner over frozen engines
 
             policy = build_tiny_model(tmp_path / "policy", TinyModelConfig())
             engine = Engine(str(policy), "default", deterministic=True)  # seeded: each run samples alike

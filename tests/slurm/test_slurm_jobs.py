@@ -6,10 +6,11 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from support.jobs import said, submit_slurm
+from support.jobs import Beside, said, submit_slurm
 
 from rlhpc.launch import slurm
 from rlhpc.launch.ray_cluster import RayPorts, block_index
@@ -58,7 +59,34 @@ def queued_ids() -> set[str]:
     return set(subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout.split())
 
 
-def test_four_nodes_actor_and_rollout_on_different_nodes(minicluster, tmp_path):
+@pytest.fixture(scope="module")
+def beside(minicluster, tmp_path_factory) -> Iterator[dict[str, tuple[Path, Beside]]]:
+    """Jobs submitted as the four-node test starts, each run beside it and checked by a test of its
+    own (they fit beside it: 2 GPUs a node each): the three-node job and the job whose reward
+    raises. Their submissions and jobs are stopped at the end if still there (a test run with -k)."""
+    three = tmp_path_factory.mktemp("three-nodes") / "run dir;$(touch pwned)'\""
+    crash_dir = tmp_path_factory.mktemp("crash")
+    crash, crash_run = crash_dir / "crash-now", crash_dir / "run"
+    crash.write_text("")
+    env = {"PYTHONPATH": f"{REPO / 'tests'}:{os.environ.get('PYTHONPATH', '')}", "RLHPC_TEST_CRASH_FILE": str(crash)}
+    started = {
+        # 3 x 2 GPUs: actor ranks on slots 0-2 (node A both GPUs + node B), engines on slots 3-4.
+        "three_nodes": (three, Beside(three, "--time", "15", *SMALL, "--nodes", "3", "--gpus-per-node", "2",
+                                      "--set", "cluster.actor_num_gpus=3", "--set", "cluster.rollout_num_gpus=2",
+                                      "--follow")),
+        "crash": (crash_run, Beside(crash_run, "--time", "15", *SMALL, "--nodes", "1", "--gpus-per-node", "2",
+                                    "--set", "data.reward=support.crashy_reward:reward", "--follow", env=env)),
+    }  # fmt: skip
+    yield started
+    for run, submission in started.values():
+        submission.stop()
+        job = run / "slurm_job_id"
+        if job.is_file() and slurm.job_state(job.read_text().strip()) not in (None, "COMPLETED", "FAILED"):
+            subprocess.run(["scancel", job.read_text().strip()])
+
+
+def test_four_nodes_actor_and_rollout_on_different_nodes(minicluster, beside, tmp_path):
+    # beside: the module's other whole jobs are submitted first, to run beside this one
     run, stage = tmp_path / "run", tmp_path / "node-local"  # one disk here, as if on each node
     p = submit(
         run,
@@ -101,26 +129,17 @@ def test_four_nodes_actor_and_rollout_on_different_nodes(minicluster, tmp_path):
     assert list(stage.iterdir()) == []  # every task removed its copy
 
 
-def test_three_nodes_uneven_layout_in_a_run_dir_with_any_characters(minicluster, tmp_path):
-    # 3 x 2 GPUs: actor ranks on slots 0-2 (node A both GPUs + node B), engines on slots 3-4.
-    # The run dir's name has a space, quotes and a command (issue 32, item 8): one word everywhere.
-    run = tmp_path / "run dir;$(touch pwned)'\""
-    p = submit(
-        run,
-        "--nodes",
-        "3",
-        "--gpus-per-node",
-        "2",
-        "--set",
-        "cluster.actor_num_gpus=3",
-        "--set",
-        "cluster.rollout_num_gpus=2",
-    )
-    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+def test_three_nodes_uneven_layout_in_a_run_dir_with_any_characters(minicluster, beside):
+    # Submitted beside the four-node test (``beside``); 3 x 2 GPUs: actor ranks on slots 0-2 (node A
+    # both GPUs + node B), engines on slots 3-4. The run dir's name has a space, quotes and a command
+    # (issue 32, item 8): one word everywhere.
+    run, submission = beside["three_nodes"]
+    p = submission.result()
+    assert p.returncode == 0, p.stdout[-8000:]
     log = job_log(run)
     assert "actor group: 3 rank(s)" in log and "Ray cluster ready: 3 nodes, 6 GPUs" in log
     assert (run / "FINISHED").is_file()
-    assert not (REPO / "pwned").exists() and not list(tmp_path.rglob("pwned"))  # the job's cwd is REPO
+    assert not (REPO / "pwned").exists() and not list(run.parent.rglob("pwned"))  # the job's cwd is REPO
 
 
 def test_two_jobs_share_a_node(minicluster, tmp_path):
@@ -188,16 +207,12 @@ def test_node_whose_ray_cannot_start_fails_clearly(minicluster, tmp_path):
     assert no_ray_left(job_id)
 
 
-def test_a_reward_that_raises_fails_the_job_at_once_without_a_requeue(minicluster, tmp_path):
+def test_a_reward_that_raises_fails_the_job_at_once_without_a_requeue(minicluster, beside):
     """The user's own reward raising (issue 42): the job ends FAILED at its first start, with the
-    default checkpoint.requeue_on_failure, never requeued or held; --follow and the status say why."""
-    run, crash = tmp_path / "run", tmp_path / "crash-now"
-    crash.write_text("")
-    env = {"PYTHONPATH": f"{REPO / 'tests'}:{os.environ.get('PYTHONPATH', '')}", "RLHPC_TEST_CRASH_FILE": str(crash)}
-    p = submit_slurm(
-        run, "--time", "15", *SMALL, "--nodes", "1", "--gpus-per-node", "2",
-        "--set", "data.reward=support.crashy_reward:reward", "--follow", env=env, timeout=400,
-    )  # fmt: skip
+    default checkpoint.requeue_on_failure, never requeued or held; --follow and the status say why.
+    Submitted beside the four-node test (``beside``)."""
+    run, submission = beside["crash"]
+    p = submission.result()
     error = "the reward support.crashy_reward:reward raised RuntimeError: simulated crash after resume on the sample"
     assert p.returncode == 2 and error in said(p), said(p)[-3000:]
     job_id = (run / "slurm_job_id").read_text().strip()

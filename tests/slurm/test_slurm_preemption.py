@@ -49,16 +49,31 @@ def job_log(run: Path) -> str:
 def check_same_as(run: Path, baseline: Path) -> None:
     assert (run / "FINISHED").is_file(), job_log(run)[-3000:]
     assert trained(run) == list(range(NUM_ROLLOUT))  # each rollout logged exactly once
+    finished(baseline)
     assert final_weights(run) == final_weights(baseline)
     assert comparable(run) == comparable(baseline)
 
 
+def finished(run: Path) -> None:
+    """Wait for a run submitted beside a test to end; it must have finished."""
+    job = (run / "slurm_job_id").read_text().strip()
+    ended = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", None)
+    wait(lambda: (run / "FINISHED").is_file() or slurm.job_state(job) in ended, 360, f"job {job} to end")
+    assert (run / "FINISHED").is_file(), job_log(run)[-3000:]
+
+
 @pytest.fixture(scope="module")
-def baseline(minicluster, tmp_path_factory) -> Path:
+def baseline(minicluster, tmp_path_factory) -> Iterator[Path]:
+    """The undisturbed run, not followed: it runs on node1 (which no preemption here touches) beside
+    the module's first test; ``check_same_as`` waits for it. Cancelled at the end of the module if
+    it is still there (a failed test)."""
     run = tmp_path_factory.mktemp("baseline") / "run"
-    p = submit(run, "--sbatch", "nodelist=node1", follow=True)
+    p = submit(run, "--sbatch", "nodelist=node1", follow=False)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    return run
+    yield run
+    job = run / "slurm_job_id"
+    if job.is_file() and not (run / "FINISHED").is_file():
+        slurm.cancel(job.read_text().strip())
 
 
 PREEMPT_AT = 4  # the preempted run is held at this rollout's rewards until Slurm's signal came

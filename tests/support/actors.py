@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import random
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
+import ray
 import torch
 
 from rlhpc.actor.group import ActorGroup, ActorSpec
 from rlhpc.batch import RolloutBatch
 from rlhpc.cluster.placement import Placement, create_placement
 from rlhpc.config import Config
+
+log = logging.getLogger(__name__)
 
 
 def make_batch(n: int, seed: int) -> RolloutBatch:
@@ -27,7 +35,9 @@ def make_batch(n: int, seed: int) -> RolloutBatch:
 class Group:
     """An ActorGroup on its own placement group, both released on exit."""
 
-    def __init__(self, cfg: Config, model_path: str, ranks: int):
+    def __init__(self, cfg: Config, model_path: str, ranks: int, pooled: bool = False):
+        if not pooled:
+            Pool.make_room_for(ranks)  # a group of a test's own may need the GPUs idle pooled groups hold
         self.placement: Placement = create_placement(ranks)
         self.group = ActorGroup(
             ActorSpec.from_config(cfg), model_path, self.placement, tuple(range(ranks)), cfg.cluster.colocate
@@ -67,3 +77,93 @@ def sequence_k1_by_transformers(model_path: str, weights: dict[str, torch.Tensor
 
             out.append(float((logprobs(policy) - logprobs(ref)).sum()))
     return out
+
+
+# What a rank reads from its spec only while it trains (RankBase.train and its hooks); every other
+# field (the optimizer's settings, LoRA, the reference model, the seed) shapes the rank at start.
+TRAIN_TIME_ACTOR = (
+    "micro_batch_size",
+    "max_tokens_per_micro_batch",
+    "sequence_packing",
+    "num_steps_per_rollout",
+    "grad_clip",
+)
+
+
+def _start_key(spec: ActorSpec, model_path: str, ranks: int) -> str:
+    """What a started group is fixed to: its spec but for what is read only while training."""
+    actor = {
+        f.name: getattr(spec.actor, f.name) for f in dataclasses.fields(spec.actor) if f.name not in TRAIN_TIME_ACTOR
+    }
+    rest = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec) if f.name not in ("actor", "algo")}
+    return repr((model_path, ranks, spec.needs_reference, actor, rest))
+
+
+class Pool:
+    """Rank groups kept across a module's tests (a rank start costs more CPU than its training):
+    ``with pool.group(cfg, model_path, ranks) as g`` gives a group in the state a fresh one with
+    ``cfg`` starts in: its ranks take ``cfg``'s spec and load the checkpoint written right after
+    their start (weights, an empty optimizer, each rank's RNG, step counts). Only groups whose
+    start ``cfg`` does not change are reused; idle ones are let go when the GPUs are needed."""
+
+    _idle: list[Pool] = []  # the open pools (one module's, at a time)
+    GPUS = 4  # the ray_cluster fixture's
+
+    def __init__(self) -> None:
+        # start key -> (group, its start checkpoint, its reference model's fingerprints there)
+        self.held: dict[str, tuple[Group, str, list[str | None]]] = {}
+        self.starts = self.uses = 0  # groups started, and given out (what the pool saves: the difference)
+        self._dir = tempfile.TemporaryDirectory(prefix="rlhpc-pool-")
+        Pool._idle.append(self)
+
+    @contextmanager
+    def group(self, cfg: Config, model_path: str, ranks: int) -> Iterator[ActorGroup]:
+        """Not nested: a group started meanwhile may let the one in use go."""
+        spec = ActorSpec.from_config(cfg)
+        key = _start_key(spec, model_path, ranks)
+        held = self.held.pop(key, None)
+        if held is not None:
+            g, start, reference = held
+            ray.get([w.__ray_call__.remote(_set_spec, spec) for w in g.group.workers])
+            g.group.load(start)
+            if g.group.reference_fingerprints() != reference:  # reset to the policy in its last use: a load keeps that
+                g.__exit__()
+                held = None
+        if held is None:
+            self._make_room(ranks)
+            g, start = Group(cfg, model_path, ranks, pooled=True), f"{self._dir.name}/{self.starts}"
+            self.starts += 1
+            g.group.save(start)
+            held = g, start, g.group.reference_fingerprints()
+        self.uses += 1
+        self.held[key] = held  # the last used last: the first let go
+        try:
+            yield held[0].group
+        except BaseException:  # a failed test's group may be mid-collective: not given out again
+            self.held.pop(key, None)
+            held[0].__exit__()
+            raise
+
+    def _make_room(self, ranks: int) -> None:
+        while self.held and sum(len(g.group.workers) for g, _, _ in self.held.values()) + ranks > self.GPUS:
+            key = next(iter(self.held))
+            self.held.pop(key)[0].__exit__()
+
+    def release(self) -> None:
+        while self.held:
+            self.held.popitem()[1][0].__exit__()
+
+    @classmethod
+    def make_room_for(cls, ranks: int) -> None:
+        for pool in cls._idle:
+            pool._make_room(ranks)
+
+    def close(self) -> None:
+        log.info("rank group pool: %d groups started for %d uses", self.starts, self.uses)
+        self.release()
+        Pool._idle.remove(self)
+        self._dir.cleanup()
+
+
+def _set_spec(worker: Any, spec: ActorSpec) -> None:  # runs in the rank
+    worker.spec = spec

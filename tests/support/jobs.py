@@ -57,6 +57,21 @@ def submit(
     )  # fmt: skip
 
 
+def slurm_args(
+    run_dir: Path, *args: str, overrides: list[str] | tuple[str, ...] = (), follow: bool | None = None
+) -> list[str]:
+    """``jobs/submit.py --cluster slurm --run-dir RUN_DIR``, each override as ``--set``, then ARGS
+    (a ``--set`` among them wins over an override of the same key), then ``--follow`` or
+    ``--no-follow`` when ``follow`` is given."""
+    cmd = [sys.executable, str(REPO / "jobs" / "submit.py"), "--cluster", "slurm", "--run-dir", str(run_dir)]
+    for o in overrides:
+        cmd += ["--set", o]
+    cmd += args
+    if follow is not None:
+        cmd.append("--follow" if follow else "--no-follow")
+    return cmd
+
+
 def submit_slurm(
     run_dir: Path,
     *args: str,
@@ -65,17 +80,38 @@ def submit_slurm(
     env: dict[str, str] | None = None,
     timeout: float = 400,
 ) -> subprocess.CompletedProcess:
-    """``jobs/submit.py --cluster slurm --run-dir RUN_DIR``, each override as ``--set``, then ARGS
-    (a ``--set`` among them wins over an override of the same key), then ``--follow`` or
-    ``--no-follow`` when ``follow`` is given; ``env`` added to this process's."""
-    cmd = [sys.executable, str(REPO / "jobs" / "submit.py"), "--cluster", "slurm", "--run-dir", str(run_dir)]
-    for o in overrides:
-        cmd += ["--set", o]
-    cmd += args
-    if follow is not None:
-        cmd.append("--follow" if follow else "--no-follow")
+    """Run ``slurm_args(...)`` to its end; ``env`` added to this process's."""
+    cmd = slurm_args(run_dir, *args, overrides=overrides, follow=follow)
     env = {**os.environ, **(env or {})}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
+
+
+class Beside:
+    """``slurm_args(...)`` started in the background, so that its job runs beside a test's;
+    ``result`` waits for it as ``submit_slurm`` would have (a ``--follow`` included)."""
+
+    def __init__(self, run_dir: Path, *args: str, env: dict[str, str] | None = None, **kwargs) -> None:
+        self.out = tempfile.TemporaryFile("w+")  # not a pipe: a full pipe would stall --follow
+        cmd = slurm_args(run_dir, *args, **kwargs)
+        self.args = cmd
+        self.proc = subprocess.Popen(
+            cmd, stdout=self.out, stderr=subprocess.STDOUT, text=True, cwd=REPO, env={**os.environ, **(env or {})}
+        )
+
+    def result(self, timeout: float = 400) -> subprocess.CompletedProcess:
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise
+        self.out.seek(0)
+        return subprocess.CompletedProcess(self.args, code, self.out.read(), "")
+
+    def stop(self) -> None:
+        """Stop the submission (not its job) if it still runs."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
 
 
 def said(p: subprocess.CompletedProcess) -> str:

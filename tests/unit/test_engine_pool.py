@@ -16,6 +16,7 @@ from rlhpc.rollout.engines import EnginePool, EnginesDown, EngineSet, Health, No
 from rlhpc.rollout.engines import engine_set as engine_set_module
 from rlhpc.rollout.engines.health import NODE_CHECK_S
 from rlhpc.rollout.generation import MAX_SAMPLES_PER_REQUEST, rows_per_request
+from rlhpc.rollout.weight_sync import WeightSync
 from rlhpc.wire.client import EngineUnavailable, RequestRefused
 from rlhpc.wire.protocol import MEMORY_TAGS
 from rlhpc.wire.request import Request
@@ -112,7 +113,7 @@ def bare_pool(n: int, max_restarts: int = 2, frozen: bool = False) -> EnginePool
         RolloutConfig(max_engine_restarts=max_restarts), ClusterConfig(), 0, "model", None, None, Path("/logs"),
         key_file=Path("key"), frozen=frozen,
     )  # fmt: skip
-    engines.api_key, engines.weight_version = "k", 3
+    engines.api_key = "k"
     engines.clients = [FakeClient(f"e{e}") for e in range(n)]
     engines.restarts, engines.engine_world_sizes = [0] * n, [1] * n
     health = Health(engines)
@@ -141,7 +142,7 @@ def test_deferred_restarts_send_a_dead_engines_requests_to_the_healthy_ones():
     with pool.restarts_deferred():
         pool.ensure_engines()  # the check before the next rollout: still down, still not restarted
     assert pool.restarted == []
-    pool.health.restart_dead()  # the gap (sync_weights on the main thread)
+    pool.health.restart_dead()  # the gap (the push on the main thread)
     assert pool.restarted == [1] and pool.down == set()
 
 
@@ -163,7 +164,7 @@ def test_deferred_restarts_with_no_engine_left_raise_engines_down():
         c.alive = False
     with pool.restarts_deferred(), pytest.raises(EnginesDown) as err:
         pool.send(requests(2))
-    assert err.value.dead == [0, 1] and err.value.version == 3 and pool.restarted == []
+    assert err.value.dead == [0, 1] and pool.restarted == []  # (the version: the weight owner's, WeightSync.generate)
 
 
 def test_a_failure_on_a_healthy_engine_is_an_error_not_a_restart():
@@ -253,7 +254,7 @@ def test_an_engine_node_that_loses_power_mid_generation_leaves_the_run_to_the_ot
     assert sorted(pool.clients[0].served + pool.clients[2].served) == list(range(6))  # requests 1, 4 sent again
     assert pool.restarted == []  # a lost node's engine is not restarted in place
     source = FakeSource()
-    pool.connect_weights(source)  # the weight-sync group is formed again without it
+    WeightSync(source, pool, 0).connect()  # the weight-sync group is formed again without it
     assert source.connected == [["http://e0", "http://e2"]]
 
 
@@ -326,10 +327,64 @@ def test_a_push_that_failed_on_a_node_declared_dead_meanwhile_is_repeated_withou
             if len(pushes) == 1:
                 raise WeightPushFailed(version, "engine http://e1 unreachable on /pause_generation")
 
-    pool.channel.source = Source()
-    pool.channel.push(4)
-    assert pushes == [4, 4] and pool.lost == {1: "10.9.0.12"}
-    assert pool.channel.source.connected == [["http://e0"]]  # the group formed again without the lost engine
+    source = Source()
+    sync = WeightSync(source, pool, 3)
+    sync.connect()
+    source.connected.clear()
+    sync.push(4)
+    assert pushes == [4, 4] and pool.lost == {1: "10.9.0.12"} and sync.version == 4
+    assert source.connected == [["http://e0"]]  # the group formed again without the lost engine
+
+
+class RecordingActor(FakeSource):
+    """The actor group's push calls, recorded: a push whose version is in ``fail`` fails once."""
+
+    def __init__(self, fail: set[int] = frozenset()):
+        super().__init__()
+        self.fail, self.pushes, self.trained = set(fail), [], []
+
+    def train(self, rollout_id, batch) -> dict:
+        self.trained.append(rollout_id)
+        return {"loss": 0.0}
+
+    def train_and_push(self, rollout_id, batch, version):
+        self.trained.append(rollout_id)
+        self.pushes.append(version)
+        error = "engine http://e1 unreachable" if version in self.fail else None
+        self.fail.discard(version)
+        return {"loss": 0.0}, error, 0.5
+
+    def update_weights(self, version: int) -> None:
+        self.pushes.append(version)
+        if version in self.fail:
+            self.fail.discard(version)
+            raise WeightPushFailed(version, "engine http://e1 unreachable")
+
+
+def test_the_weight_owner_pushes_with_training_and_resyncs_what_the_pool_restarted():
+    """One owner: a push made with training is not made again, a failed one is made again before
+    ``train`` returns (the dead engine restarted), and an engine the pool restarts mid-generation
+    gets the version the others hold before its requests go again."""
+    pool = bare_pool(2)
+    actor = RecordingActor(fail={2})
+    sync = WeightSync(actor, pool, 0, fuse=True)
+    sync.connect()
+    sync.push(sync.trained)  # the first push: the checkpoint's version
+    assert actor.pushes == [0] and sync.version == 0
+    metrics = sync.train(0, None)
+    sync.push(sync.trained)  # made with training: nothing left to do
+    assert actor.pushes == [0, 1] and sync.version == sync.trained == 1 and metrics["time/update_weights"] == 0.5
+    pool.clients[1].alive = False
+    sync.train(1, None)  # the push with it fails on engine 1: restarted, connected, pushed again
+    assert actor.pushes == [0, 1, 2, 2] and pool.restarted == [1] and sync.version == 2
+    pool.clients[1].alive = False
+    sync.generate(requests(2))  # its request fails: restarted, re-synced to 2, sent again
+    assert pool.restarted == [1, 1] and actor.pushes[-1] == 2 and len(actor.connected) == 3
+    sync.fuse = False
+    sync.train(2, None)  # not fused: the push waits for the schedule
+    assert sync.trained == 3 and sync.version == 2 and actor.pushes[-1] == 2
+    sync.push(3)
+    assert actor.pushes[-1] == 3 and sync.version == 3
 
 
 def test_a_lost_node_with_actor_ranks_stops_the_run():
@@ -446,9 +501,9 @@ def test_an_engine_behind_the_router_that_answers_nothing_is_named(monkeypatch, 
 def test_a_frozen_pool_restarts_and_routes_but_has_no_weight_channel():
     """The reward model's and the teacher's engines: lifecycle, health and fan-out, no weights."""
     pool = bare_pool(2, frozen=True)
-    assert pool.channel is None and pool.fanout.channel is None and not pool.push_ready()
+    assert pool.fanout.restarted is None
     with pytest.raises(RlhpcError, match="frozen"):
-        pool.connect_weights(FakeSource())
+        WeightSync(FakeSource(), pool, 0)
     pool.clients[1].alive = False
     answers = pool.generate(requests(2))
     assert [a[0]["output_ids"] for a in answers] == [[0], [1]] and pool.restarted == [1]

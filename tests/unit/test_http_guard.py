@@ -62,6 +62,7 @@ def serving(limits: GuardLimits) -> Iterator[tuple[tuple[str, int], App]]:
         app.loop = asyncio.get_running_loop()
         await server.serve(sockets=[sock])
 
+    app.server = server  # its connections, for a test that waits for the guard to close one
     thread = threading.Thread(target=lambda: asyncio.run(serve()), daemon=True)
     thread.start()
     while not server.started:
@@ -114,7 +115,7 @@ SHORT = GuardLimits(header_timeout_s=0.3, body_timeout_s=0.3, write_stall_s=0.3,
 
 
 def test_every_request_has_deadlines_and_size_caps() -> None:
-    with serving(SHORT) as (address, _):
+    with serving(SHORT) as (address, app):
         half = connect(address, b"GET /fast HTTP/1.1\r\nHost: x\r\n")  # never the blank line
         kept = connect(address, FAST)
         assert answer(kept).startswith(b"HTTP/1.1 200")
@@ -131,8 +132,16 @@ def test_every_request_has_deadlines_and_size_caps() -> None:
         heavy = connect(address, b"POST /fast HTTP/1.1\r\nHost: x\r\nContent-Length: 5000\r\n\r\n" + b"a" * 5000)
         assert answer(heavy).startswith(b"HTTP/1.1 413") and closed(heavy)
         # an answer its client does not read: closed, so less than all of it ever arrives
+        connections = app.server.server_state.connections
+        before = set(connections)
         stalled = connect(address, b"GET /big HTTP/1.1\r\nHost: x\r\n\r\n")
-        time.sleep(1.5)
+        # wait for the guard to drop this connection rather than a fixed time (under load a sleep
+        # can end before the guard acts; unguarded, it waits out the deadline and reads it all)
+        deadline = time.monotonic() + 20
+        while not set(connections) - before and time.monotonic() < deadline:
+            time.sleep(0.01)
+        while set(connections) - before and time.monotonic() < deadline:
+            time.sleep(0.05)
         stalled.settimeout(3)
         got = 0
         try:

@@ -20,6 +20,7 @@ FLOORS: list[set[str]] = [
     {"rlhpc.config"},
     {
         "rlhpc.model",
+        "rlhpc.moe_routing",
         "rlhpc.weights",
         "rlhpc.data",
         "rlhpc.cluster",

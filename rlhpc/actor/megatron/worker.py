@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig
 
+from rlhpc import moe_routing
 from rlhpc.actor.checkpoint_dir import ACTOR_SUBDIR, DIST_SUBDIR, MEGATRON_BACKEND, read_meta, write_meta
 from rlhpc.actor.megatron import torch_dist_load
 from rlhpc.actor.megatron.async_save import TorchDistSave
@@ -273,6 +274,8 @@ class MegatronTrainWorker(RankBase):
             )
             if self.mcfg.moe_aux_loss_coeff is not None:
                 moe["moe_aux_loss_coeff"] = self.mcfg.moe_aux_loss_coeff
+            if self.spec.algo.routing_replay:
+                moe["moe_enable_routing_replay"] = True  # each router gets a RouterReplay (_replay)
         full = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
         gpt = build_gpt_model(
             self.hf_config,
@@ -283,6 +286,13 @@ class MegatronTrainWorker(RankBase):
             **moe,
             **(full if self.mcfg.recompute else {}),
         )
+        if self.moe and self.spec.algo.routing_replay:
+            from megatron.core.transformer.moe.router_replay import RouterReplay
+
+            # megatron keeps every RouterReplay ever made in a class-wide list (for its static
+            # setters, which would mix the policy's, the reference's and each chunk's): each
+            # forward sets its own model's (_replay), so the list only leaks
+            RouterReplay.global_router_replay_instances.clear()
         if self.pp_size > 1:
             # activations reach the last stage's loss scaled by this: the DP size, as the
             # single-stage backward scales its loss (MoE's aux loss takes it from here too)
@@ -585,7 +595,40 @@ class MegatronTrainWorker(RankBase):
             dist.all_reduce(shape, dist.ReduceOp.MAX, group=self.ep_group)
             ids = torch.nn.functional.pad(ids, (0, int(shape[1]) - cols, 0, int(shape[0]) - rows), value=self.pad_id)
         pos = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
+        if self.moe and self.spec.algo.routing_replay:
+            self._replay(model, mb, ids.shape)
         return model(ids, pos, attention_mask=None)
+
+    def _replay(self, model: torch.nn.Module, mb: MicroBatch, shape: torch.Size) -> None:
+        """algo.routing_replay: the routers of ``model`` (this stage's layers) take the engine's
+        experts for this forward (megatron-core's RouterReplay, REPLAY_FORWARD: its own top-k
+        replaced, the weights gathered from its scores); a micro-batch without them routes as
+        usual. Each layer's ids go in the router's token order, sequence-major ([s, b] flattened);
+        pad rows and columns (and the last token, which no engine ran) get experts 0..k-1: no
+        logprob reads them, as a real token never attends to a later one."""
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+        from megatron.core.transformer.transformer_layer import TransformerLayer
+
+        layers = [
+            (m.layer_number - 1, m.mlp.router.router_replay)  # megatron's layer_number: global, from 1
+            for m in model.modules()
+            if isinstance(m, TransformerLayer) and getattr(getattr(m.mlp, "router", None), "router_replay", None)
+        ]
+        routed = mb.routed_experts
+        for _, replay in layers:
+            replay.clear_indices()
+            replay.clear_router_replay_action()
+        if routed is None:
+            return
+        rows, cols = routed.shape[:2]
+        routed = torch.nn.functional.pad(
+            routed, (0, 0, 0, 0, 0, shape[1] - cols, 0, shape[0] - rows), value=moe_routing.UNKNOWN
+        )
+        top_k = routed.shape[-1]
+        routed = torch.where(routed == moe_routing.UNKNOWN, torch.arange(top_k, device=routed.device), routed)
+        for layer, replay in layers:
+            replay.set_target_indices(routed[:, :, layer].transpose(0, 1).reshape(-1, top_k))
+            replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
 
     def _vocab_logits(self, output: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
         """The last stage's output -> ``_logits``'s answer (padding rows, columns and vocab cut or masked)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from rlhpc.util.processes import python_command
 from rlhpc.wire.lora import LoraServing
+from rlhpc.wire.protocol import ROUTED_EXPERTS_FLAG
 
 MODULE = "rlhpc.engine_server.cpu"
 THREAD_DEFAULTS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}  # unless the job says: CI machines have two cores
@@ -20,10 +21,12 @@ def server_command(
     key_file: str | None = None,
     deterministic: bool = False,
     lora: LoraServing | None = None,
+    routed_experts: bool = False,
 ) -> list[str]:
     """``python -m rlhpc.engine_server.cpu ...`` on a port it picks (written to ``ready_file``).
     ``deterministic``: SGLang's ``--enable-deterministic-inference`` (seeds honoured). ``lora``:
-    serve LoRA adapters, with SGLang's flags (as ``rlhpc.engine_server.sglang`` passes them)."""
+    serve LoRA adapters, with SGLang's flags (as ``rlhpc.engine_server.sglang`` passes them).
+    ``routed_experts``: answer each token's experts (SGLang's ``--enable-return-routed-experts``)."""
     cmd = [
         *python_command("-m", MODULE, python=python),
         "--model-path", model_path,
@@ -39,4 +42,6 @@ def server_command(
         cmd.append("--enable-deterministic-inference")
     if lora is not None:
         cmd += lora.flags()
+    if routed_experts:
+        cmd.append(ROUTED_EXPERTS_FLAG)
     return cmd

@@ -65,6 +65,8 @@ class Item:
     images: list[str] = field(default_factory=list)  # the row's image_data entries (SGLang's forms)
     lora_path: str | None = None  # the LoRA adapter it generates with, by name (None: the base model)
     adapter: Any = None  # ... as the engine resolved it (rlhpc.engine_server.cpu.lora.Adapter)
+    # return_routed_experts: the positions from routed_experts_start_len on; None: not asked
+    routed_experts_start: int | None = None
 
 
 @dataclass(frozen=True)
@@ -191,6 +193,10 @@ def normalize_generate(
         it.images = images
     for it, name in zip(items, lora_rows(body.get("lora_path"), batch_size) * n):
         it.lora_path = name
+    if body.get("return_routed_experts"):  # one value for the whole batch, as SGLang's
+        start = body.get("routed_experts_start_len", 0)
+        for it in items:
+            it.routed_experts_start = _routed_experts_start(start, len(it.prompt))
     for it, lp, k, start in zip(items, logprob_flags, tops * n, starts * n):
         it.top_logprobs_num = k if lp else 0  # SGLang reports top logprobs only with return_logprob
         it.logprob_start_len = _logprob_start(start, len(it.prompt)) if lp else -1
@@ -231,6 +237,23 @@ def _logprob_start(start: Any, prompt_len: int) -> int:
         raise EngineError(
             f"req.logprob_start_len={start} is higher than the number of input tokens "
             f"len(req.origin_input_ids)={prompt_len}. Please use a smaller logprob_start_len."
+        )
+    return start
+
+
+def _routed_experts_start(start: Any, prompt_len: int) -> int:
+    """SGLang's check of ``routed_experts_start_len`` (its Scheduler aborts such a request)."""
+    if not isinstance(start, int) or isinstance(start, bool):
+        raise EngineError(f"routed_experts_start_len must be an integer, got {start!r}")
+    if start < 0:  # SGLang's words
+        raise EngineError(
+            f"recv_req.routed_experts_start_len={start} is lower than 0. "
+            "Please use a non-negative routed_experts_start_len."
+        )
+    if start > prompt_len:
+        raise EngineError(
+            f"recv_req.routed_experts_start_len={start} is higher than the number of input tokens "
+            f"len(req.origin_input_ids)={prompt_len}. Please use a smaller routed_experts_start_len."
         )
     return start
 

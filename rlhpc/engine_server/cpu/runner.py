@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rlhpc import moe_routing
 from rlhpc.data.images import decode_uri, load_vision
 from rlhpc.engine_server.cpu.lora import Adapters
 from rlhpc.engine_server.cpu.requests import (
@@ -95,11 +96,15 @@ class Engine:
         deterministic: bool = False,
         original_logprobs: bool = False,
         lora: LoraServing | None = None,
+        routed_experts: bool = False,
     ):
-        """``lora``: serve LoRA adapters (SGLang's --enable-lora and its settings)."""
+        """``lora``: serve LoRA adapters (SGLang's --enable-lora and its settings). ``routed_experts``:
+        SGLang's --enable-return-routed-experts (without it, a request's return_routed_experts is
+        ignored, as SGLang ignores it)."""
         self.model_path = model_path
         self.deterministic = deterministic  # --enable-deterministic-inference: sampling_seed is honoured
         self.original_logprobs = original_logprobs  # SGLANG_RETURN_ORIGINAL_LOGPROB: logprobs before temperature
+        self.routed_experts = routed_experts
         self.device = torch.device(device)
         if self.device.type == "cuda":
             if self.device.index is None:
@@ -315,6 +320,16 @@ class Engine:
         return outs
 
     def _sample(self, items: list[Item], seq: int, steps: list[str], mm: Multimodal | None) -> list[Any]:
+        if self.routed_experts and any(it.routed_experts_start is not None for it in items):
+            with moe_routing.recorded(self.model) as routes:
+                if not moe_routing.routers(self.model):
+                    raise EngineError(f"return_routed_experts was sent, but {self.model_path} is not a MoE model")
+                return self._sample_routed(items, seq, steps, mm, routes)
+        return self._sample_routed(items, seq, steps, mm, None)
+
+    def _sample_routed(
+        self, items: list[Item], seq: int, steps: list[str], mm: Multimodal | None, routes: list | None
+    ) -> list[Any]:
         rids = [it.rid for it in items]
         return sample(
             self.model,
@@ -334,6 +349,7 @@ class Engine:
             step_hook=lambda: self._step_hook(seq, rids, steps),
             mm=mm,
             original_logprobs=self.original_logprobs,
+            routes=routes,
         )
 
     def _multimodal(self, items: list[Item]) -> Multimodal | None:
@@ -440,6 +456,8 @@ class Engine:
         }
         if it.return_logprob:
             meta[MetaInfo.OUTPUT_TOKEN_LOGPROBS] = [[lp, tok, None] for lp, tok in zip(s.output_logprobs, s.output_ids)]
+        if it.routed_experts_start is not None and s.routed_experts is not None:
+            meta[MetaInfo.ROUTED_EXPERTS] = P.encode_routed_experts(s.routed_experts[it.routed_experts_start :].numpy())
         if it.top_logprobs_num:
             meta[MetaInfo.OUTPUT_TOP_LOGPROBS] = [
                 [[lp, tok, None] for lp, tok in step] for step in s.output_top_logprobs

@@ -47,6 +47,8 @@ class Sample:
     matched: int | str | None = None  # what stopped it: the stop token (the last output id) or stop string
     # per output token, when asked: its top-k [(logprob, token id), ...], most likely first
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    # with ``routes``: [prompt + output tokens - 1, layers, top-k] the experts each fed token went to
+    routed_experts: torch.Tensor | None = None
 
 
 def _top_k_filter(probs: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
@@ -97,6 +99,7 @@ def sample(
     repetition_penalty: list[float] | None = None,
     mm: Multimodal | None = None,
     original_logprobs: bool = False,
+    routes: list[torch.Tensor] | None = None,
 ) -> list[Sample]:
     """Generate for a batch of prompts. Temperature 0 means greedy.
 
@@ -116,6 +119,10 @@ def sample(
     block (an engine pausing mid-batch) and returning True ends all unfinished rows as "abort";
     returning ``RECOMPUTE`` drops the KV cache and runs the next step over every token so far (the
     prompts and the tokens sampled up to now), so the cache holds the weights loaded meanwhile.
+    ``routes``: the list ``rlhpc.moe_routing.recorded`` fills for this model; each sample then
+    gets the experts of every token this batch's forwards ran (SGLang's routed experts: the
+    prompt's and the output's but the last, which no forward ran; a recompute's replace the
+    earlier ones, as SGLang's retract does).
     """
     device = next(model.parameters()).device
     batch = len(prompts)
@@ -150,6 +157,7 @@ def sample(
     past = None
     step_ids, step_pos = input_ids, position_ids
     fed_ids, fed_pos = input_ids[:, :0], position_ids[..., :0]  # what the cache holds (positions: [N, L] or [3, N, L])
+    fed_routes: torch.Tensor | None = None  # with routes: [N, fed tokens, layers, top-k]
     for step in range(steps_max):
         verdict = step_hook() if step_hook is not None else False
         if verdict is True:
@@ -158,12 +166,17 @@ def sample(
         if verdict == RECOMPUTE:
             step_ids, step_pos = torch.cat([fed_ids, step_ids], 1), torch.cat([fed_pos, step_pos], -1)
             fed_ids, fed_pos, past = fed_ids[:, :0], fed_pos[..., :0], None
+            fed_routes = None
         images = mm.prompt_inputs() if mm is not None and not fed_ids.shape[1] else {}  # this step runs the prompt
         fed_ids, fed_pos = torch.cat([fed_ids, step_ids], 1), torch.cat([fed_pos, step_pos], -1)
         out = model(
             input_ids=step_ids, attention_mask=attn, position_ids=step_pos, use_cache=True, **{cache_kw: past}, **images
         )
         past = out[cache_kw]
+        if routes is not None:
+            last = routes.pop()  # this forward's (only the newest is kept)
+            step_routes = last.reshape(batch, step_ids.shape[1], *last.shape[1:])
+            fed_routes = step_routes if fed_routes is None else torch.cat([fed_routes, step_routes], 1)
         logits = out.logits[:, -1, :].float()
         shaped = logits
         if pens_t is not None:
@@ -183,7 +196,12 @@ def sample(
         attn = torch.cat([attn, running.long()[:, None]], dim=1)
         step_ids = next_ids[:, None]
         step_pos = step_pos[..., -1:] + 1
-    return rows.samples()
+    samples = rows.samples()
+    if fed_routes is not None:
+        real = attn[:, : fed_routes.shape[1]].bool().cpu()  # left pads and finished rows' pads ran too
+        for i, s in enumerate(samples):
+            s.routed_experts = fed_routes[i][real[i]][: len(prompts[i]) + len(s.output_ids) - 1].cpu()
+    return samples
 
 
 def _row_uniforms(seeds: list[int | None], steps: int) -> torch.Tensor:

@@ -26,6 +26,7 @@ from rlhpc.errors import RlhpcError
 from rlhpc.util.files import write_atomic
 from rlhpc.util.http_guard import GuardLimits, connection_cap, uvicorn_options
 from rlhpc.wire import lora as L
+from rlhpc.wire import protocol as P
 from rlhpc.wire import switches
 from rlhpc.wire.engine_key import read_key
 
@@ -83,6 +84,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--enable-deterministic-inference", action="store_true",
         help="honour each request's sampling_seed (42 without one), as SGLang's flag of this name; "
         "without it every request samples at random",
+    )  # fmt: skip
+    p.add_argument(
+        P.ROUTED_EXPERTS_FLAG, action="store_true",
+        help="a MoE model: answer each token's experts to requests with return_routed_experts (SGLang's flag)",
     )  # fmt: skip
     lora = p.add_argument_group("LoRA adapters (SGLang's flags and rules)")
     lora.add_argument(L.ENABLE_LORA, action="store_true", help="serve LoRA adapters, loaded by name")
@@ -155,7 +160,13 @@ def main(argv: list[str] | None = None) -> None:
 
     original = switches.bool_env_var(os.environ, switches.RETURN_ORIGINAL_LOGPROB)
     engine = Engine(
-        args.model_path, args.weight_version, args.device, args.enable_deterministic_inference, original, args.lora
+        args.model_path,
+        args.weight_version,
+        args.device,
+        args.enable_deterministic_inference,
+        original,
+        args.lora,
+        args.enable_return_routed_experts,
     )
     sock = _bind(args.host, args.port)
     host, port = sock.getsockname()[:2]

@@ -7,15 +7,16 @@ prompts, rewards or tokenizers.
 
 Its parts, each readable alone: ``engine_set`` (the engines' processes, clients, router and
 bounded restarts), ``health`` (the four states of an engine: serving, down, restarted, lost with
-its node; silence), ``fanout`` (``send``, abort, affinity, sending again) and ``weight_channel``
-(connect, push, re-sync), which only the trained pool has: the reward model's and the teacher's
-engines (``frozen``) have the other three. ``EnginePool`` (``pool``) puts them together;
-``EnginePool.start`` starts the processes, its constructor only composes parts.
+its node; silence) and ``fanout`` (``send``, abort, affinity, sending again). ``EnginePool``
+(``pool``) puts them together; ``EnginePool.start`` starts the processes, its constructor only
+composes parts. The pool holds no weights: the trained engines' are kept by their one owner,
+``rlhpc.rollout.weight_sync``, which the driver builds; the reward model's and the teacher's
+engines (``frozen``) serve the model on disk.
 
 An engine whose server dies or stops answering /health is restarted (at most
-``rollout.max_engine_restarts`` times) and brought back to the current weights through the
-weight source it was connected to (``connect_weights``, the actor; ``weight_channel``): the weight-sync channel is
-opened again over all engines, since they share one group, and the current version is pushed.
+``rollout.max_engine_restarts`` times) and reported (``report_restarts``) to the weight owner,
+which brings it back to the current weights: the weight-sync channel is opened again over all
+engines, since they share one group, and the current version is pushed.
 Generation requests that failed on it are sent again; every sample has its own seed, so in a
 ``deterministic: true`` run (engines started with --enable-deterministic-inference, which SGLang
 needs to honour a seed) they give the same tokens.
@@ -30,7 +31,7 @@ Restarts wait for a safe moment. A restarted engine must get the weights the oth
 only the actor has them, and only while it is not training. Generation in the async pipeline
 runs beside training (``restarts_deferred``): an engine it finds dead is only marked down, its
 requests go to the healthy engines (same weights, same tokens), and the restart waits for the
-next gap, where the thread that pushes weights calls ``sync_weights`` or ``ensure_engines``.
+next gap, where the thread that pushes weights pushes (``WeightSync.push``) or calls ``ensure_engines``.
 With no healthy engine left such a generation raises ``EnginesDown`` for the schedule.
 The router (``rollout.sglang.router``, CPU engines too) is restarted when it dies, at most
 ``rollout.max_engine_restarts`` times as well, and started again over the engines serving

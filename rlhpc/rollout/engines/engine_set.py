@@ -1,6 +1,6 @@
 """The engine set's lifecycle: the engines' Ray actors and servers, their clients, the router,
 and the bounded restarts of each. No health policy and no weights: ``Health`` decides when an
-engine is restarted, ``WeightChannel`` what it holds afterwards."""
+engine is restarted, ``rlhpc.rollout.weight_sync`` what it holds afterwards."""
 
 from __future__ import annotations
 
@@ -40,7 +40,9 @@ class EngineSet:
     ``layout.teacher_slots``), on GPUs of their own, never given weights: a restarted one serves
     the model on disk, as the others do. ``key_file``: where the engine key is written
     (``RunDir.engine_key``); None: a private temp dir. ``deterministic`` (the run's): every engine
-    honours its requests' seeds (SGLang's --enable-deterministic-inference). Nothing starts before ``start``.
+    honours its requests' seeds (SGLang's --enable-deterministic-inference). ``routed_experts``
+    (algo.routing_replay): every engine answers each token's experts (--enable-return-routed-experts).
+    Nothing starts before ``start``.
     """
 
     def __init__(
@@ -57,8 +59,10 @@ class EngineSet:
         role: str = "reward",
         deterministic: bool = False,
         lora: LoraServing | None = None,
+        routed_experts: bool = False,
     ):
         self.frozen, self.deterministic = frozen, deterministic
+        self.routed_experts = routed_experts
         # the trained engines serving the run's adapter (actor.lora.push: adapter): every request names it
         self.lora = lora
         self.role = role if frozen else "rollout"
@@ -78,7 +82,6 @@ class EngineSet:
         self.router: Router | None = None
         self.router_client: EngineClient | None = None  # generation goes through it when set
         self.router_restarts = 0  # after it died, bounded by rollout.max_engine_restarts
-        self.weight_version: int | None = None  # what the engines hold (None: the weights on disk)
         self.released: set[int] = set()  # engines whose memory is released (offloaded), until resumed
 
     def start(self) -> None:
@@ -134,6 +137,7 @@ class EngineSet:
             parts = engine_parts(
                 slots, self.placement.location_of_slot, r.sglang.mem_fraction_static, memory_saver, self.seed,
                 r.sglang.extra_args, self.deterministic, self.layout.colocate and not self.frozen, self.lora,
+                self.routed_experts,
             )  # fmt: skip
         multi = len(parts) > 1
         strategy = self.placement.strategy
@@ -150,6 +154,7 @@ class EngineSet:
                 host=self.engine_host,
                 deterministic=self.deterministic,
                 lora=self.lora if r.backend == "cpu" else None,  # SGLang's comes in its spec
+                routed_experts=self.routed_experts,
             )  # fmt: skip
             for slot, spec in parts
         ]

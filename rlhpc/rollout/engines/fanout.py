@@ -3,7 +3,8 @@ again what failed on an engine found dead or lost, once it is restarted or to th
 
 Restarts wait for a safe moment (see ``rlhpc.rollout.engines``): in a thread inside
 ``restarts_deferred`` an engine found dead is only marked down and its requests go to the
-healthy engines; elsewhere it is restarted (and re-synced, with a weight channel) and they go to it.
+healthy engines; elsewhere it is restarted (and reported, ``restarted``, to whoever keeps the
+weights: the trained pool's engines are re-synced there before they serve again) and they go to it.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ if TYPE_CHECKING:
     from rlhpc.config import RolloutConfig
     from rlhpc.rollout.engines.engine_set import EngineSet
     from rlhpc.rollout.engines.health import Health
-    from rlhpc.rollout.engines.weight_channel import WeightChannel
 
 log = logging.getLogger(__name__)
 
@@ -40,10 +40,12 @@ def generate(client: EngineClient, r: Any, rollout: RolloutConfig) -> Any:
     """The default request: a /generate of a ``rlhpc.wire.request.Request``, given as long as its
     longest sample may take (``rollout.generate_timeout_s``)."""
     longest = max((sp.get("max_new_tokens") or SGLANG_DEFAULT_MAX_NEW_TOKENS for sp in r.sampling_params), default=0)
-    images = {"image_data": r.image_data} if getattr(r, "image_data", None) else {}  # a vision-language model's
+    extra = {"image_data": r.image_data} if getattr(r, "image_data", None) else {}  # a vision-language model's
+    if getattr(r, "return_routed_experts", False):
+        extra["return_routed_experts"] = True
     return client.generate(
         input_ids=r.input_ids, sampling_params=r.sampling_params, return_logprob=r.return_logprob,
-        timeout_s=generate_timeout_s(rollout, longest), **images,
+        timeout_s=generate_timeout_s(rollout, longest), **extra,
     )  # fmt: skip
 
 
@@ -59,12 +61,13 @@ class _Round:
 
 class FanOut:
     """Send requests over ``health``'s targets; ``stop`` (polled as answers come in) aborts them.
-    ``channel``: the weight channel a restarted engine is re-synced through (None: frozen engines)."""
+    ``restarted``: told when engines were restarted (or came back, or were lost), before they
+    serve again: the trained pool's weight owner re-syncs them (None: frozen engines serve the
+    model on disk)."""
 
-    def __init__(
-        self, engines: EngineSet, health: Health, stop: StopCheck | None = None, channel: WeightChannel | None = None
-    ):
-        self.engines, self.health, self.stop, self.channel = engines, health, stop, channel
+    def __init__(self, engines: EngineSet, health: Health, stop: StopCheck | None = None):
+        self.engines, self.health, self.stop = engines, health, stop
+        self.restarted: Callable[[], None] | None = None
         self.threads = ThreadPoolExecutor(max_workers=max(4, 2 * len(engines.clients)))
         self._deferred = threading.local()
 
@@ -83,8 +86,8 @@ class FanOut:
     def repair(self) -> list[int]:
         """Restart the dead engines (and the router) and bring them to the current weights."""
         dead = self.health.restart_dead()
-        if (dead or self.health.changed) and self.channel is not None:
-            self.channel.resync()
+        if (dead or self.health.changed) and self.restarted is not None:
+            self.restarted()
         return dead
 
     def send(self, requests: Sequence[Any], done: Callable[[int, Any], None] | None = None,
@@ -172,8 +175,8 @@ class FanOut:
             dead = h.restart_dead()  # may find more engines gone with their node
             if not dead and len(h.lost) == sent.lost_before and self.engines.router_client is router:
                 raise sent.error  # nothing was down: a real error
-            if dead and self.channel is not None:
-                self.channel.resync()
+            if dead and self.restarted is not None:
+                self.restarted()
             where = "the restarted engine(s)" if dead else "the remaining engine(s)"
         log.warning("sending %d generation request(s) again to %s", len(sent.failed), where)
 

@@ -4,8 +4,8 @@ An engine is in one of four states: serving; down (found dead by a generation th
 restart it, ``restarts_deferred``: served by none until the next restart point); restarted (by
 ``restart_dead``, on the same node); or lost (its node was declared dead by Ray: left out, also
 of the weight-sync group, until its bundles are placed on a live node again, ``rejoin``). The
-router can be down too. ``changed`` says an engine came back or was lost since the weight
-channel was opened (it must be opened again).
+router can be down too. ``changed`` says an engine came back, was restarted or was lost since
+the weight channel was opened (``rlhpc.rollout.weight_sync`` opens it again).
 
 /health is asked only after a failure, never before every generation (SGLang's /health is
 itself a generation that waits at least a second, unless switched off as rlhpc switches it off
@@ -171,7 +171,7 @@ class Health:
                     node_name(ip), gone, self.num_engines,
                 )  # fmt: skip
             if not self.num_engines:
-                raise EnginesDown(sorted(self.lost), self.engines.weight_version)
+                raise EnginesDown(sorted(self.lost))
         return new
 
     def rejoin(self) -> None:
@@ -222,7 +222,7 @@ class Health:
             log.warning("the router is down during generation: restarted between rollouts, engines used directly")
             self.router_down = True
         if len(self.down) + len(self.lost) == len(s.clients):
-            raise EnginesDown(sorted(self.down | self.lost.keys()), s.weight_version)
+            raise EnginesDown(sorted(self.down | self.lost.keys()))
         return bool(new) or router_died
 
     def restart_dead(self) -> list[int]:

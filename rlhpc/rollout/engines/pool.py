@@ -10,7 +10,6 @@ from rlhpc.errors import RlhpcError
 from rlhpc.rollout.engines.engine_set import EngineSet
 from rlhpc.rollout.engines.fanout import Call, FanOut
 from rlhpc.rollout.engines.health import Health
-from rlhpc.rollout.engines.weight_channel import WeightChannel
 from rlhpc.wire.client import EngineClient, EngineUnavailable
 from rlhpc.wire.lora import LoraServing
 from rlhpc.wire.request import EnginesDown, Request, StopCheck
@@ -19,16 +18,16 @@ if TYPE_CHECKING:
     from rlhpc.cluster.layout import Layout
     from rlhpc.cluster.placement import Placement
     from rlhpc.config import ClusterConfig, RolloutConfig
-    from rlhpc.weights.source import WeightSource
 
 
 class EnginePool:
     """Start, watch, restart, feed and stop a group of engines: its lifecycle (``engine_set``),
-    health (``health``), request fan-out (``fanout``) and, trained engines only, weight channel
-    (``channel``; None when ``frozen``). ``start`` starts one; ``__init__`` only puts parts together."""
+    health (``health``) and request fan-out (``fanout``). No weights: the trained pool's are kept
+    by ``rlhpc.rollout.weight_sync``, which it tells of the engines it restarts
+    (``report_restarts``). ``start`` starts one; ``__init__`` only puts parts together."""
 
-    def __init__(self, engine_set: EngineSet, health: Health, fanout: FanOut, channel: WeightChannel | None):
-        self.engine_set, self.health, self.fanout, self.channel = engine_set, health, fanout, channel
+    def __init__(self, engine_set: EngineSet, health: Health, fanout: FanOut):
+        self.engine_set, self.health, self.fanout = engine_set, health, fanout
 
     @classmethod
     def start(
@@ -46,12 +45,14 @@ class EnginePool:
         role: str = "reward",
         deterministic: bool = False,
         lora: LoraServing | None = None,
+        routed_experts: bool = False,
     ) -> EnginePool:
         """Start the engines (``EngineSet``'s arguments) and watch them; ``stop``: generation in
         flight is aborted when it is set (the job's stop request, or the schedule's ``abort``)."""
         engine_set = EngineSet(
-            rollout, cluster, seed, model_path, placement, layout, log_dir, key_file, frozen, role, deterministic, lora
-        )
+            rollout, cluster, seed, model_path, placement, layout, log_dir, key_file, frozen, role, deterministic, lora,
+            routed_experts,
+        )  # fmt: skip
         engine_set.start()
         health = Health(engine_set)
         health.locate()
@@ -59,9 +60,8 @@ class EnginePool:
 
     @classmethod
     def of(cls, engine_set: EngineSet, health: Health, stop: StopCheck | None = None) -> EnginePool:
-        """The pool over engines already up: a weight channel unless they are frozen."""
-        channel = None if engine_set.frozen else WeightChannel(engine_set, health)
-        return cls(engine_set, health, FanOut(engine_set, health, stop, channel), channel)
+        """The pool over engines already up."""
+        return cls(engine_set, health, FanOut(engine_set, health, stop))
 
     # ------------------------------------------------------------ what callers read
 
@@ -93,10 +93,6 @@ class EnginePool:
     @property
     def restarts(self) -> list[int]:
         return self.engine_set.restarts
-
-    @property
-    def weight_version(self) -> int | None:
-        return self.engine_set.weight_version
 
     @property
     def down(self) -> set[int]:
@@ -138,28 +134,18 @@ class EnginePool:
         h.check_nodes_due()
         if self.fanout.deferring():
             if len(h.down) == len(self.clients):
-                raise EnginesDown(sorted(h.down), self.weight_version)
+                raise EnginesDown(sorted(h.down))
         elif h.down or h.router_down or h.changed:
             self.fanout.repair()
 
-    # ------------------------------------------------------------ weights
+    # ------------------------------------------------------------ restarts, reported
 
-    def _channel(self, what: str) -> WeightChannel:
-        if self.channel is None:
-            raise RlhpcError(f"{what} on the {self.role} engines", "the model is frozen: push nothing to it")
-        return self.channel
-
-    def connect_weights(self, source: WeightSource) -> None:
-        """``WeightChannel.connect``: the trained engines only."""
-        self._channel("connect_weights").connect(source)
-
-    def push_ready(self) -> bool:
-        """``WeightChannel.push_ready`` (frozen engines: never)."""
-        return self.channel is not None and self.channel.push_ready()
-
-    def sync_weights(self, version: int) -> None:
-        """``WeightChannel.sync``."""
-        self._channel("sync_weights").sync(version)
+    def report_restarts(self, restarted: Callable[[], None]) -> None:
+        """Tell ``restarted`` of engines restarted (or back, or lost) before they serve again: the
+        weight owner of the trained engines (``rlhpc.rollout.weight_sync``) re-syncs them."""
+        if self.frozen:
+            raise RlhpcError(f"weights kept on the {self.role} engines", "the model is frozen: push nothing to it")
+        self.fanout.restarted = restarted
 
     # ------------------------------------------------------------ memory and lifecycle
 
@@ -167,7 +153,7 @@ class EnginePool:
         self, fn: Callable[[EngineClient], Any], again_on_restarted: bool, only: set[int] | None = None
     ) -> None:
         """Run fn on every engine (``only``: on those); restart engines that turn out dead
-        (``again_on_restarted``: run fn on them too). Their weights are brought back by the next sync_weights."""
+        (``again_on_restarted``: run fn on them too). Their weights are brought back by the next push."""
         clients, lost = self.clients, self.health.lost
         futures = {
             e: self.fanout.threads.submit(fn, c)
