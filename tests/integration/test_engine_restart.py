@@ -1,16 +1,14 @@
 """A rollout engine whose server dies is restarted and re-synced to the current weights.
 
 Real local Ray, real CPU engine servers, a real training rank; the engine's server is killed
-with SIGKILL, as the kernel's OOM killer or a crash would end it.
+with SIGKILL, as the kernel's OOM killer or a crash would end it. (A whole job through
+jobs/submit.py that loses an engine: tests/integration/test_hang.py, in its last start.)
 """
 
 from __future__ import annotations
 
 import os
-import re
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -20,7 +18,6 @@ from pathlib import Path
 import pytest
 import ray
 import torch
-from support.jobs import HELD, Gate, kill_job, rollout_logged
 
 from rlhpc.actor.group import ActorGroup, ActorSpec
 from rlhpc.batch import RolloutBatch
@@ -29,15 +26,12 @@ from rlhpc.cluster.placement import create_placement
 from rlhpc.config import Config
 from rlhpc.data.buffer import DataBuffer, load_data
 from rlhpc.errors import RlhpcError
-from rlhpc.metrics import read_metrics
 from rlhpc.model import load_tokenizer
 from rlhpc.rollout.engines import EnginePool, EnginesDown
 from rlhpc.rollout.generation import Generation, task_reward
 from rlhpc.rollout.weight_sync import WeightSync
 
 pytestmark = pytest.mark.ray
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def _wait_gone(pid: int, timeout_s: float = 15) -> None:
@@ -124,47 +118,6 @@ def groups(cfg: Config, model_path: str, log_dir: Path) -> Iterator[tuple[ActorG
             send=engines.generate, num_engines=len(layout.engine_slots),
         )  # fmt: skip
         yield actor, Rollout(engines, generation, *load_data(cfg.data, cfg.rollout.rollout_batch_size, cfg.seed))
-
-
-# First in the module: its job has a Ray of its own, and the module's (ray_cluster) starts with the next test.
-def test_train_survives_a_killed_engine(tmp_path: Path) -> None:
-    """Through jobs/submit.py and rlhpc.driver.train: an engine killed mid-run costs nothing."""
-    run = tmp_path / "run"
-    args = [sys.executable, str(REPO / "jobs" / "submit.py"), "--cluster", "local", "--run-dir", str(run)]
-    for o in (
-        "data.num_train=64",
-        "rollout.rollout_batch_size=8",
-        "rollout.n_samples_per_prompt=4",
-        "logging.wandb_mode=disabled",
-        "rollout.num_rollout=12",
-        "checkpoint.save_interval=null",
-        "cluster.gpus_per_node=3",
-        "cluster.rollout_num_gpus=2",
-        "eval.interval=4",
-        HELD,
-    ):
-        args += ["--set", o]
-    gate = Gate(tmp_path / "gate")
-    gate.shut(*rollout_logged(run, 2))  # held at rollout 3, however fast the run goes
-    proc = subprocess.Popen(
-        args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, start_new_session=True,
-        env={**os.environ, **gate.env},
-    )  # fmt: skip
-    try:
-        engine_log = run / "logs" / "engines" / "engine_1.log"
-        gate.wait_held(proc)
-        pid = int(re.findall(r"cpu_server\[(\d+)\]", engine_log.read_text())[-1])
-        os.kill(pid, signal.SIGKILL)
-        gate.open()
-        out, _ = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            kill_job(proc)  # the job's own session too (its controller leads one): nothing orphaned
-    assert proc.returncode == 0, out[-4000:]
-    assert [r["rollout_id"] for r in _metrics(run) if r["kind"] == "rollout"] == list(range(12))
-    assert engine_log.read_text().count("starting at") == 2
-    assert "rollout engine 1" in out and "restart 1 of at most 3" in out
-    assert (run / "FINISHED").is_file()
 
 
 def test_dead_engines_are_restarted_resynced_and_limited(ray_cluster: None, model_path: str, tmp_path: Path) -> None:
@@ -305,10 +258,3 @@ def test_pushes_made_with_training_and_an_engine_killed_during_one(
         for e in (0, 1):
             assert_engine_matches_actor(engines, e, actor, 3)
         rollout.generate(3)  # and generation goes on
-
-
-def _metrics(run: Path) -> list[dict]:
-    try:
-        return read_metrics(run)
-    except (FileNotFoundError, ValueError):  # not written yet, or a line half-written
-        return []

@@ -1,7 +1,9 @@
 """A training rank that hangs (its process SIGSTOPped, for real) in a local job: the call waiting on
 it fails within actor.call_timeout_s, or soon after a stop request, naming the call, the rank and
 its node; the rank is killed and the job requeues and finishes with every rollout logged once.
-A rank that dies (SIGKILL) requeues the job the same way. One job holds all three faults (a start each)."""
+A rank that dies (SIGKILL) requeues the job the same way, and a rollout engine that dies (SIGKILL)
+costs nothing: it is restarted within the start. One job holds all four faults (one a start each for
+the ranks'; the engine's in the last start)."""
 
 import os
 import re
@@ -17,7 +19,10 @@ from rlhpc.runtime.restarts import read_history
 # Rollouts take ~0.1 s here: each fault is dealt while the job is held at a gate (support.jobs),
 # so a fast run cannot outrun it.
 NUM_ROLLOUT = 12
-OVERRIDES = (f"rollout.num_rollout={NUM_ROLLOUT}", "checkpoint.save_interval=2", "eval.interval=null", HELD)
+OVERRIDES = (
+    f"rollout.num_rollout={NUM_ROLLOUT}", "checkpoint.save_interval=2", "eval.interval=null", HELD,
+    "cluster.gpus_per_node=3", "cluster.rollout_num_gpus=2",  # two engines: one is killed, the other serves on
+)  # fmt: skip
 STOP_WAIT_S = 5  # actor.stop_wait_s: the default 60 s would be waited out in full
 
 
@@ -98,13 +103,14 @@ def check_requeued_and_finished(run: Path, proc: subprocess.Popen, out: str, *hu
 
 
 @pytest.fixture(scope="module")
-def three_faults(tmp_path_factory) -> tuple[str, str]:
-    """One job for three faults (each requeues it): its rank SIGKILLed in the first start, the new
+def faults(tmp_path_factory) -> tuple[Path, str, str]:
+    """One job for four faults, three of which requeue it: its rank SIGKILLed in the first start, the new
     rank SIGSTOPped in the second (a hang, found by actor.call_timeout_s = 60: a rank's start counts
     against it too, and a start takes tens of seconds on a loaded machine), and in the third
     the rank SIGSTOPped and a stop request sent (the stop shortens the wait to actor.stop_wait_s,
-    set short here so that the test waits out 5 s, not the default 60). The fourth start
-    finishes. What the job printed, unwrapped, and its tail as printed."""
+    set short here so that the test waits out 5 s, not the default 60). In the fourth start an
+    engine's server is SIGKILLed, and that start finishes. The run dir, what the job printed,
+    unwrapped, and its tail as printed."""
     tmp = tmp_path_factory.mktemp("hang")
     run, gate = tmp / "run", Gate(tmp / "gate")
     proc = start(run, gate, "actor.call_timeout_s=60", f"actor.stop_wait_s={STOP_WAIT_S}")
@@ -118,15 +124,25 @@ def three_faults(tmp_path_factory) -> tuple[str, str]:
         # 7): the stop must save it, or train rollout 9 first, either way asking the stopped rank
         stopped = hang_a_rank(run, proc, gate, trained=8)
         os.kill(task_pid(run), signal.SIGUSR2)  # a preemption warning, the rank hung
+        # the fourth start resumes at rollout 8 (checkpoint 7): held at rollout 10, engine 1's
+        # server is killed; rollout 10's push and rollout 11 meet it dead
+        gate.shut(*rollout_logged(run, 9))
+        gate.wait_held(proc)
+        assert len(read_history(run)) == 4
+        os.kill(int(re.findall(r"cpu_server\[(\d+)\]", engine_log(run).read_text())[-1]), signal.SIGKILL)
         gate.open()
     finally:
         out = finish(proc, killed, hung, stopped)
     said = check_requeued_and_finished(run, proc, out, killed, hung, stopped, requeues=3)
-    return said, out[-4000:]
+    return run, said, out[-4000:]
 
 
-def test_a_hung_rank_fails_the_call_naming_it_and_the_job_requeues(three_faults):
-    said, tail = three_faults
+def engine_log(run: Path) -> Path:
+    return run / "logs" / "engines" / "engine_1.log"
+
+
+def test_a_hung_rank_fails_the_call_naming_it_and_the_job_requeues(faults):
+    _, said, tail = faults
     # Which call hangs depends on when the signal landed (train, save, weight push); it is named.
     assert re.search(
         r"actor call \w+ got no answer from rank 0 on [\d.]+ \(GPU \d+\) within 6\d s \(actor\.call_timeout_s = 60\)",
@@ -134,9 +150,9 @@ def test_a_hung_rank_fails_the_call_naming_it_and_the_job_requeues(three_faults)
     ), tail
 
 
-def test_a_stop_request_is_honoured_while_a_rank_hangs(three_faults):
+def test_a_stop_request_is_honoured_while_a_rank_hangs(faults):
     """The default call_timeout_s (an hour) would outlast Slurm's warning: the stop shortens the wait."""
-    said, tail = three_faults
+    _, said, tail = faults
     assert "got SIGUSR2: stopping at the next safe point" in said
     assert re.search(
         r"actor call \w+ got no answer from rank 0 on [\d.]+ \(GPU \d+\) within \d+ s "
@@ -145,7 +161,15 @@ def test_a_stop_request_is_honoured_while_a_rank_hangs(three_faults):
     ), tail
 
 
-def test_a_killed_rank_requeues_the_job_which_resumes(three_faults):
+def test_a_killed_rank_requeues_the_job_which_resumes(faults):
     """A dead rank process is gone at the next start, like a dead engine: not a reason to fail the job."""
-    said, tail = three_faults
+    _, said, tail = faults
     assert re.search(r"actor rank 0 died during \w+", said), tail
+
+
+def test_a_killed_engine_is_restarted_within_the_start(faults):
+    """Through jobs/submit.py and rlhpc.driver.train: an engine killed mid-run costs nothing: no
+    requeue for it (the fixture checks three, the ranks'), every rollout logged once."""
+    run, said, tail = faults
+    assert engine_log(run).read_text().count("starting at") == 5  # a start in each of 4 job starts, and its restart
+    assert "rollout engine 1" in said and "restart 1 of at most 3" in said, tail

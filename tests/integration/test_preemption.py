@@ -20,6 +20,9 @@ from rlhpc.metrics import read_metrics
 from rlhpc.runtime.restarts import read_history
 from rlhpc.util.processes import process_groups
 
+# The first test's setup makes the module's two runs (five job starts): over the default 600 s on a busy machine.
+pytestmark = pytest.mark.timeout(1200)
+
 REPO = Path(__file__).resolve().parents[2]
 BASE = [
     "data.num_train=64",
@@ -46,9 +49,10 @@ def command(run: Path, *overrides: str) -> list[str]:
     return cmd
 
 
-def start(run: Path, *overrides: str, env: dict | None = None) -> subprocess.Popen:
+def start(run: Path, *overrides: str, env: dict | None = None, out=subprocess.PIPE) -> subprocess.Popen:
+    """``out``: where its output goes (a file for a job that is killed: what a pipe held would be lost)."""
     return subprocess.Popen(
-        command(run, *overrides), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        command(run, *overrides), cwd=REPO, stdout=out, stderr=subprocess.STDOUT, text=True,
         start_new_session=True, env={**os.environ, **(env or {})},
     )  # fmt: skip
 
@@ -68,7 +72,7 @@ def trained(run: Path) -> list[int]:
 def wait_for(cond, proc: subprocess.Popen, timeout: float = 240) -> None:
     deadline = time.time() + timeout
     while not cond():
-        assert proc.poll() is None, proc.stdout.read()[-4000:]
+        assert proc.poll() is None, proc.stdout.read()[-4000:] if proc.stdout else f"ended with {proc.returncode}"
         assert time.time() < deadline, "timed out"
         time.sleep(0.05)
 
@@ -87,73 +91,6 @@ def uninterrupted(tmp_path_factory) -> Path:
     return run
 
 
-HOLD_WRITES = REPO / "tests" / "support" / "hold_writes"  # a sitecustomize that holds the ranks' checkpoint writes
-
-
-@pytest.fixture(scope="module")
-def stopped(uninterrupted, tmp_path_factory) -> tuple[Path, str, dict]:
-    """One run of the uninterrupted config stopped by SIGUSR2 after rollout 2, its stop's checkpoint
-    write held until looked at (the two tests below check different things of this one run):
-    the run dir, what the job printed, and what was seen while the write was held."""
-    run = tmp_path_factory.mktemp("stopped") / "run"
-    gate = run.parent / "hold-writes"
-    gate.write_text("")  # no save before the stop (save_interval=100): the first write held is the stop's
-    env = {"PYTHONPATH": f"{HOLD_WRITES}:{os.environ.get('PYTHONPATH', '')}", "RLHPC_TEST_HOLD_WRITES": str(gate)}
-    stop_at = Gate(run.parent / "gate")
-    stop_at.shut(*rollout_logged(run, 2))  # held at rollout 3's reward, however fast the run goes
-    env.update(stop_at.env)
-    proc = start(run, *TWELVE, "checkpoint.save_interval=100", "logging.wandb_mode=offline", HELD, env=env)
-    try:
-        stop_at.wait_held(proc)
-        os.kill(task_pid(run), signal.SIGUSR2)  # what Slurm sends before the time limit or on preemption
-        stop_at.open()
-        wait_for(lambda: Path(f"{gate}.held").exists(), proc)  # the stop's snapshot is taken, its write held
-        held = {
-            "latest": CheckpointManager(run / "checkpoints", 2).latest(),
-            "starts": len(read_history(run)),
-            "running": proc.poll() is None,
-        }
-        gate.unlink()
-        out, _ = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            kill_job(proc)
-    assert proc.returncode == 0, out[-4000:]
-    return run, out, held
-
-
-def test_stop_signal_saves_requeues_and_ends_like_an_uninterrupted_run(uninterrupted, stopped):
-    run, out, _ = stopped
-    assert "got SIGUSR2: stopping at the next safe point" in out
-
-    history = read_history(run)
-    assert len(history) == 2 and history[1]["restart_count"] == 1
-    stopped_at = history[1]["next_rollout_id"]
-    assert stopped_at >= 3
-    # No work lost: the emergency save held every rollout logged before the stop.
-    assert trained(run) == list(range(12))
-    # Bit-identical to the run nobody interrupted.
-    assert final_weights(run) == final_weights(uninterrupted)
-    assert comparable(run) == comparable(uninterrupted)
-    # The resumed job continued the same wandb run rather than starting a new one.
-    runs = {p.name.rsplit("-", 1)[1] for p in (run / "wandb").glob("offline-run-*")}
-    assert len(runs) == 1 and len(list((run / "wandb").glob("offline-run-*"))) == 2
-
-
-def test_a_stop_waits_for_the_background_save_to_commit(uninterrupted, stopped):
-    run, out, held = stopped
-    # While the write was held nothing was committed and the job had not requeued.
-    assert held == {"latest": None, "starts": 1, "running": True}
-    history = read_history(run)
-    assert len(history) == 2
-    stopped_at = history[1]["next_rollout_id"]
-    # The requeued job resumed from the checkpoint the stop had in flight: no rollout recomputed.
-    assert f"resuming from rollout_{stopped_at - 1:06d}" in " ".join(out.split()), out[-4000:]
-    assert trained(run) == list(range(12))
-    assert final_weights(run) == final_weights(uninterrupted)
-    assert comparable(run) == comparable(uninterrupted)
-
-
 def evaluated(run: Path) -> list[int]:
     return [r["rollout_id"] for r in read_metrics(run) if r["kind"] == "eval"]
 
@@ -163,28 +100,117 @@ def task_said(run: Path) -> str:
     return "".join(p.read_text() for p in (run / "logs" / "submitit").glob("*.err"))
 
 
-def test_stop_signal_during_an_evaluation_is_a_safe_point(uninterrupted, tmp_path):
-    run, gate = tmp_path / "run", Gate(tmp_path / "gate")
-    gate.shut(*rollout_logged(run, 5))  # rollout 5 is logged right before its evaluation: held at its first set
-    proc = start(run, *TWELVE, "checkpoint.save_interval=100", HELD, env=gate.env)
+HOLD_WRITES = REPO / "tests" / "support" / "hold_writes"  # a sitecustomize that holds the ranks' checkpoint writes
+
+
+@pytest.fixture(scope="module")
+def interrupted(uninterrupted, tmp_path_factory) -> tuple[Path, str, dict, subprocess.CompletedProcess]:
+    """One run of the uninterrupted config, interrupted three times (the five tests below check
+    different things of it; each fault is dealt while the job is held at a Gate, so a fast run
+    cannot outrun it):
+    - its first start stopped by SIGUSR2 after rollout 2, that stop's checkpoint write held
+      until looked at (save_interval=100: the first write held is the stop's);
+    - its second start stopped inside the evaluation after rollout 5 (held at the first of its
+      two sets' reward: the stop lands in the second set's generation however fast the machine);
+    - its third start stopped after rollout 8 and SIGKILLed while that stop's checkpoint write is
+      held: mid-save, no cleanup of any kind; then submitted again, which finishes the run.
+    The run dir, what the requeued job printed, what was seen at each fault, and the resubmission."""
+    run = tmp_path_factory.mktemp("interrupted") / "run"
+    writes = run.parent / "hold-writes"
+    writes.write_text("")
+    overrides = (*TWELVE, "checkpoint.save_interval=100", "logging.wandb_mode=offline", HELD)
+    env = {"PYTHONPATH": f"{HOLD_WRITES}:{os.environ.get('PYTHONPATH', '')}", "RLHPC_TEST_HOLD_WRITES": str(writes)}
+    gate = Gate(run.parent / "gate")
+    gate.shut(*rollout_logged(run, 2))  # held at rollout 3's reward, however fast the run goes
+    env.update(gate.env)
+    log = run.parent / "submission.log"
+    with log.open("w") as out:
+        proc = start(run, *overrides, env=env, out=out)
+    write_held = Path(f"{writes}.held")
     try:
         gate.wait_held(proc)
-        assert 5 not in evaluated(run)
-        os.kill(task_pid(run), signal.SIGUSR2)
-        wait_for(lambda: "got SIGUSR2" in task_said(run), proc)  # recorded before the evaluation goes on
+        os.kill(task_pid(run), signal.SIGUSR2)  # what Slurm sends before the time limit or on preemption
         gate.open()
-        out, _ = proc.communicate(timeout=300)
+        wait_for(write_held.exists, proc)  # the stop's snapshot is taken, its write held
+        seen = {
+            "latest": CheckpointManager(run / "checkpoints", 2).latest(),
+            "starts": len(read_history(run)),
+            "running": proc.poll() is None,
+        }
+        # rollout 5 is logged right before its evaluation: the second start is held at its first set
+        gate.shut(*rollout_logged(run, 5))
+        write_held.unlink()
+        writes.unlink()
+        gate.wait_held(proc)
+        seen["evaluated_when_held"] = evaluated(run)
+        seen["starts_when_held"] = len(read_history(run))
+        os.kill(task_pid(run), signal.SIGUSR2)
+        wait_for(lambda: task_said(run).count("got SIGUSR2") == 2, proc)  # recorded before the evaluation goes on
+        gate.shut(*rollout_logged(run, 8))  # the evaluation goes on, cut short; the third start is held at rollout 9
+        gate.wait_held(proc)
+        writes.write_text("")  # the stop's file writes are held ...
+        os.kill(task_pid(run), signal.SIGUSR2)
+        wait_for(lambda: task_said(run).count("got SIGUSR2") == 3, proc)
+        gate.open()
+        wait_for(write_held.exists, proc)  # ... and one is: mid-save
+        groups = process_groups(proc.pid)
+        seen["killed"] = {
+            "latest": CheckpointManager(run / "checkpoints", 2).latest(),
+            "staging": sorted(p.name for p in (run / "checkpoints").glob(".staging-rollout_*")),
+            "finished": (run / "FINISHED").exists(),
+        }
+        seen["wandb"] = sorted(p.name for p in (run / "wandb").glob("offline-run-*"))  # the requeued starts'
+        kill_job(proc, groups)  # mid-write, no cleanup of any kind
     finally:
         if proc.poll() is None:
             kill_job(proc)
-    assert proc.returncode == 0, out[-4000:]
+    writes.unlink(missing_ok=True)
+    out = log.read_text()
+    resumed = subprocess.run(command(run, *overrides), cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    return run, out, seen, resumed
+
+
+def test_stop_signal_saves_requeues_and_ends_like_an_uninterrupted_run(uninterrupted, interrupted):
+    run, out, seen, _ = interrupted
+    assert "got SIGUSR2: stopping at the next safe point" in out
+
+    history = read_history(run)
+    assert [h["restart_count"] for h in history[:3]] == [0, 1, 2]
+    stopped_at = history[1]["next_rollout_id"]
+    assert 3 <= stopped_at <= 5  # the first stop, before the second start's rollout 5
+    # No work lost: the emergency saves held every rollout logged before each stop.
+    assert trained(run) == list(range(12))
+    # Bit-identical to the run nobody interrupted.
+    assert final_weights(run) == final_weights(uninterrupted)
+    assert comparable(run) == comparable(uninterrupted)
+    # Each requeued start continued the same wandb run rather than starting a new one.
+    runs = {name.rsplit("-", 1)[1] for name in seen["wandb"]}
+    assert len(runs) == 1 and len(seen["wandb"]) == 3
+
+
+def test_a_stop_waits_for_the_background_save_to_commit(uninterrupted, interrupted):
+    run, out, seen, _ = interrupted
+    # While the write was held nothing was committed and the job had not requeued.
+    assert {k: seen[k] for k in ("latest", "starts", "running")} == {"latest": None, "starts": 1, "running": True}
+    history = read_history(run)
+    stopped_at = history[1]["next_rollout_id"]
+    # The requeued job resumed from the checkpoint the stop had in flight: no rollout recomputed.
+    assert f"resuming from rollout_{stopped_at - 1:06d}" in " ".join(out.split()), out[-4000:]
+    assert trained(run) == list(range(12))
+    assert final_weights(run) == final_weights(uninterrupted)
+    assert comparable(run) == comparable(uninterrupted)
+
+
+def test_stop_signal_during_an_evaluation_is_a_safe_point(uninterrupted, interrupted):
+    run, out, seen, _ = interrupted
+    assert seen["starts_when_held"] == 2 and 5 not in seen["evaluated_when_held"]
     said = " ".join(out.split())  # unwrap rich lines
-    # The stop landed inside the evaluation (not at the next rollout): it was cut short, rollout 5
-    # saved, and the job requeued, not failed.
+    # The second stop landed inside the evaluation (not at the next rollout): it was cut short,
+    # rollout 5 saved, and the job requeued, not failed.
     assert "evaluation after rollout 5 cut short by a stop request" in said, out[-4000:]
     assert "saving rollout 5 before stopping" in said
-    history = read_history(run)
-    assert len(history) == 2 and history[1]["next_rollout_id"] == 6
+    assert read_history(run)[2]["next_rollout_id"] == 6
     # At resume the cut evaluation ran once; every rollout and every eval logged exactly once.
     assert trained(run) == list(range(12))
     assert evaluated(run) == [-1, 5, 11]
@@ -192,47 +218,12 @@ def test_stop_signal_during_an_evaluation_is_a_safe_point(uninterrupted, tmp_pat
     assert comparable(run) == comparable(uninterrupted)
 
 
-@pytest.fixture(scope="module")
-def killed_mid_write(uninterrupted, tmp_path_factory) -> tuple[Path, dict, subprocess.CompletedProcess]:
-    """One run SIGKILLed while the checkpoint after rollout_000005 is being written (its write
-    held: see HOLD_WRITES; the job held by a Gate meanwhile, so that no save slips past), then submitted
-    again (the two tests below check different things of this one run): the run dir, what the
-    kill left, and the resubmission."""
-    run = tmp_path_factory.mktemp("killed") / "run"
-    overrides = (*TWELVE, "checkpoint.save_interval=2", "checkpoint.keep_last=3", HELD)
-    writes, gate = run.parent / "hold-writes", Gate(run.parent / "gate")
-    gate.shut(run / "checkpoints" / "rollout_000005")  # held at the next reward once checkpoint 5 is in
-    env = {
-        "PYTHONPATH": f"{HOLD_WRITES}:{os.environ.get('PYTHONPATH', '')}",
-        "RLHPC_TEST_HOLD_WRITES": str(writes),
-        **gate.env,
-    }
-    proc = start(run, *overrides, env=env)
-    try:
-        gate.wait_held(proc)
-        writes.write_text("")  # the next checkpoint's file writes are held ...
-        gate.open()
-        wait_for(lambda: Path(f"{writes}.held").exists(), proc)  # ... and one is: mid-save
-        groups = process_groups(proc.pid)
-        left = {
-            "latest": CheckpointManager(run / "checkpoints", 3).latest(),
-            "staging": sorted(p.name for p in (run / "checkpoints").glob(".staging-rollout_*")),
-            "finished": (run / "FINISHED").exists(),
-        }
-        kill_job(proc, groups)  # mid-write, no cleanup of any kind
-    finally:
-        if proc.poll() is None:
-            kill_job(proc)
-    resumed = subprocess.run(command(run, *overrides), cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    return run, left, resumed
-
-
-def test_killed_run_resumes_from_last_checkpoint_and_ends_like_an_uninterrupted_run(uninterrupted, killed_mid_write):
+def test_killed_run_resumes_from_last_checkpoint_and_ends_like_an_uninterrupted_run(uninterrupted, interrupted):
     """SIGKILLed once checkpoint 5 is written, resumed: every rollout once, and the metrics and
     final weights of the run nobody killed (the optimizer's and the RNG's state came back with
     the weights)."""
-    run, left, resumed = killed_mid_write
+    run, _, seen, resumed = interrupted
+    left = seen["killed"]
     assert left["latest"].rollout_id >= 5 and not left["finished"]
     assert f"resuming from rollout_{left['latest'].rollout_id:06d}" in resumed.stdout
     assert trained(run) == list(range(12))  # every rollout exactly once, none lost, none doubled
@@ -240,16 +231,18 @@ def test_killed_run_resumes_from_last_checkpoint_and_ends_like_an_uninterrupted_
     assert final_weights(run) == final_weights(uninterrupted)
 
 
-def test_sigkill_during_a_checkpoint_write_resumes_from_the_previous_one(uninterrupted, killed_mid_write):
-    run, left, resumed = killed_mid_write
+def test_sigkill_during_a_checkpoint_write_resumes_from_the_previous_one(uninterrupted, interrupted):
+    run, _, seen, resumed = interrupted
+    left = seen["killed"]
     ck = left["latest"]  # never the half-written one
     assert ck is not None and ".staging" not in str(ck.path)
-    # The kill landed inside the next save (save_interval=2): staged, not committed.
-    assert left["staging"] == [f".staging-rollout_{ck.rollout_id + 2:06d}"]
+    # The kill landed inside the third stop's save (held at rollout 9's reward: it saves rollout 8,
+    # or trains 9 first and saves that): staged, not committed.
+    assert ck.rollout_id == 5 and left["staging"] in ([".staging-rollout_000008"], [".staging-rollout_000009"])
     assert f"resuming from {ck.path.name}" in resumed.stdout
     assert trained(run) == list(range(12))
     assert not list((run / "checkpoints").glob(".staging-*"))
-    assert comparable(run) == comparable(uninterrupted)  # the config of the run nobody killed
+    assert comparable(run) == comparable(uninterrupted)
     assert final_weights(run) == final_weights(uninterrupted)
 
 
