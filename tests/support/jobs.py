@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -97,6 +98,27 @@ class Beside:
         self.proc = subprocess.Popen(
             cmd, stdout=self.out, stderr=subprocess.STDOUT, text=True, cwd=REPO, env={**os.environ, **(env or {})}
         )
+        # Slurm forgets an ended job after MinJobAge (30 s on the minicluster), and a job run
+        # beside a longer test ends long before its own test asks: its last state is read here,
+        # as its --follow returns
+        self.final_state: str | None = None
+        self._job_id = run_dir / "slurm_job_id"
+        self._watch = threading.Thread(target=self._watch_state, daemon=True)
+        self._watch.start()
+
+    def _watch_state(self) -> None:
+        from rlhpc.launch import slurm
+
+        self.proc.wait()
+        if not self._job_id.is_file():
+            return
+        job_id = self._job_id.read_text().strip()
+        for _ in range(600):
+            state = slurm.job_state(job_id)
+            if state not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED"):
+                self.final_state = state
+                return
+            time.sleep(0.2)
 
     def result(self, timeout: float = 400) -> subprocess.CompletedProcess:
         try:
@@ -104,6 +126,7 @@ class Beside:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             raise
+        self._watch.join(timeout)
         self.out.seek(0)
         return subprocess.CompletedProcess(self.args, code, self.out.read(), "")
 
