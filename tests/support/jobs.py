@@ -114,7 +114,10 @@ class Beside:
             return
         job_id = self._job_id.read_text().strip()
         for _ in range(600):
-            state = slurm.job_state(job_id)
+            try:
+                state = slurm.job_state(job_id)
+            except Exception:  # the minicluster going down as the module ends: no state to read
+                return
             if state not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED"):
                 self.final_state = state
                 return
