@@ -18,7 +18,7 @@ from rlhpc.config import context_len
 from rlhpc.data.prompts import conversation_template
 from rlhpc.data.rows import Row, describe
 from rlhpc.errors import RlhpcError, user_code_error
-from rlhpc.rollout.sampler import Sampling
+from rlhpc.rollout.sampler import Draw, Sampling
 from rlhpc.rollout.samples import Samples
 from rlhpc.rollout.scoring import Sample
 from rlhpc.rollout.tools import resolve_parser
@@ -172,24 +172,16 @@ class CustomSampler:
     run: Sampling
     custom: CustomRollout
 
-    def sample(
-        self,
-        rows: list[Row],
-        n: int,
-        temperature: float,
-        max_new_tokens: int,
-        seed_tag: object,
-        desc: str,
-        params: dict[str, Any],
-        journal_scope: str | None = None,
-    ) -> Samples:
-        run, custom, total = self.run, self.custom, len(rows) * n
-        base = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": run.top_p, **params}
-        with run.bar(desc, total) as advance:
+    def sample(self, draw: Draw) -> Samples:
+        run, custom, rows, n, tag = self.run, self.custom, draw.rows, draw.n, draw.seed_tag
+        total = len(rows) * n
+        base = {"max_new_tokens": draw.max_new_tokens, "temperature": draw.temperature, "top_p": run.top_p}
+        base.update(draw.params)
+        with run.bar(draw.desc, total) as advance:
             results = run_custom(
                 custom, run.tokenizer, run.send, run.num_engines, [rows[k // n] for k in range(total)], base,
-                lambda k, t: sample_seed(run.seed, seed_tag, k // n, k % n, *((t,) if t else ())),
-                lambda k: sample_seed(run.seed, seed_tag, k // n, k % n, "env"),
+                lambda k, t: sample_seed(run.seed, tag, k // n, k % n, *((t,) if t else ())),
+                lambda k: sample_seed(run.seed, tag, k // n, k % n, "env"),
                 lambda: advance(1),
             )  # fmt: skip
         rewards = [r.reward for r in results]

@@ -7,14 +7,14 @@ import asyncio
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from rlhpc.data.rows import Row
 from rlhpc.rollout.episodes import EpisodeConfig, extend_all
 from rlhpc.rollout.journal import ToolJournal
-from rlhpc.rollout.sampler import Sampling, rows_per_request
+from rlhpc.rollout.sampler import Draw, Sampling, rows_per_request
 from rlhpc.rollout.samples import Samples
 from rlhpc.rollout.scoring import Sample
 from rlhpc.wire.protocol import token_versions
@@ -33,44 +33,24 @@ class EnvironmentSampler:
     episodes: EpisodeConfig
     journal: ToolJournal | None = None
 
-    def sample(
-        self,
-        rows: list[Row],
-        n: int,
-        temperature: float,
-        max_new_tokens: int,
-        seed_tag: object,
-        desc: str,
-        params: dict[str, Any],
-        journal_scope: str | None = None,
-    ) -> Samples:
-        with self.run.bar(desc, len(rows) * n) as advance:
-            episodes = self._run(rows, n, temperature, max_new_tokens, seed_tag, params, journal_scope, advance)
-        return self._samples(rows, n, episodes)
+    def sample(self, draw: Draw) -> Samples:
+        with self.run.bar(draw.desc, len(draw.rows) * draw.n) as advance:
+            episodes = self._run(draw, advance)
+        return self._samples(draw.rows, draw.n, episodes)
 
-    def _run(
-        self,
-        rows: list[Row],
-        n: int,
-        temperature: float,
-        max_new_tokens: int,
-        seed_tag: object,
-        params: dict[str, Any],
-        journal_scope: str | None,
-        advance: Callable[[int], None],
-    ) -> list[Episode]:
+    def _run(self, draw: Draw, advance: Callable[[int], None]) -> list[Episode]:
         """The episodes, run turn by turn in lockstep: each turn sends every running episode's
         tokens so far (prompt, then the engine's own tokens and the observations'), and steps each
         environment with the engine's text. A turn's requests and seeds depend only on the
         episodes' indices, so a rerun replays every episode exactly."""
-        run, ep = self.run, self.episodes
+        run, ep, rows, n = self.run, self.episodes, draw.rows, draw.n
         total = len(rows) * n
         per_request = rows_per_request(len(rows), n, run.num_engines) * n
         loop = asyncio.new_event_loop()  # one per call: async environments keep theirs across turns
-        use_journal = self.journal is not None and ep.tools is not None and journal_scope is not None
-        journal = self.journal.scope(journal_scope) if use_journal else None
+        use_journal = self.journal is not None and ep.tools is not None and draw.journal_scope is not None
+        journal = self.journal.scope(draw.journal_scope) if use_journal else None
         try:
-            seeds = [sample_seed(run.seed, seed_tag, k // n, k % n, "env") for k in range(total)]
+            seeds = [sample_seed(run.seed, draw.seed_tag, k // n, k % n, "env") for k in range(total)]
             episodes = ep.start_all(run.tokenizer, [(rows[k // n], seeds[k]) for k in range(total)], loop)
             for turn in range(ep.max_turns):
                 active = [k for k, e in enumerate(episodes) if not e.done]
@@ -85,15 +65,15 @@ class EnvironmentSampler:
                         sampling_params=[
                             {
                                 "max_new_tokens": min(
-                                    max_new_tokens, ep.max_episode_tokens - len(episodes[k].response_ids)
+                                    draw.max_new_tokens, ep.max_episode_tokens - len(episodes[k].response_ids)
                                 ),
-                                "temperature": temperature,
+                                "temperature": draw.temperature,
                                 "top_p": run.top_p,
                                 # turn 0 with a single-turn sample's seed; later turns their own
                                 "sampling_seed": sample_seed(
-                                    run.seed, seed_tag, k // n, k % n, *((turn,) if turn else ())
+                                    run.seed, draw.seed_tag, k // n, k % n, *((turn,) if turn else ())
                                 ),
-                                **params,
+                                **draw.params,
                             }
                             for k in chunk
                         ],

@@ -25,7 +25,7 @@ from rlhpc.errors import RlhpcError, user_code_error
 from rlhpc.rollout.custom import CustomRollout, CustomSampler
 from rlhpc.rollout.journal import ToolJournal, scope_name
 from rlhpc.rollout.plain import PlainSampler
-from rlhpc.rollout.sampler import Sampler, Sampling
+from rlhpc.rollout.sampler import Draw, Sampler, Sampling
 from rlhpc.rollout.samples import Samples
 from rlhpc.rollout.scoring import MixedScorer, PooledReward, RemoteReward, Scorer, is_remote
 from rlhpc.wire.request import Request, Send, knob_params
@@ -150,9 +150,8 @@ class Generation:
         A request's rows depend only on the row index, and every sample has its own seed, so a
         rerun sends exactly the same batches and gets the same tokens.
         """
-        return self.sampler().sample(
-            as_rows(rows), n, temperature, max_new_tokens, seed_tag, desc, params or {}, journal_scope
-        )
+        draw = Draw(as_rows(rows), n, temperature, max_new_tokens, seed_tag, desc, params or {}, journal_scope)
+        return self.sampler().sample(draw)
 
     def sampler(self) -> Sampler:
         """The run's sampler: its generate function's or agent's, its environment's, or the plain

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from rlhpc.data.prompts import encode_rows
 from rlhpc.data.rows import Row
-from rlhpc.rollout.sampler import Sampling, rows_per_request
+from rlhpc.rollout.sampler import Draw, Sampling, rows_per_request
 from rlhpc.rollout.samples import Samples
 from rlhpc.rollout.scoring import MixedScorer, Sample
 from rlhpc.wire.protocol import finish_reason, routed_experts, token_versions, weight_version
@@ -46,18 +45,8 @@ class PlainSampler:
     run: Sampling
     routing_shape: tuple[int, int, int] | None = None
 
-    def sample(
-        self,
-        rows: list[Row],
-        n: int,
-        temperature: float,
-        max_new_tokens: int,
-        seed_tag: object,
-        desc: str,
-        params: dict[str, Any],
-        journal_scope: str | None = None,
-    ) -> Samples:
-        run = self.run
+    def sample(self, draw: Draw) -> Samples:
+        run, rows, n = self.run, draw.rows, draw.n
         per_request = rows_per_request(len(rows), n, run.num_engines)
         chunks = [range(i, min(i + per_request, len(rows))) for i in range(0, len(rows), per_request)]
         prompts = encode_rows(run.tokenizer, rows)
@@ -70,11 +59,11 @@ class PlainSampler:
                 image_data=[uris[i] for i in chunk for _ in range(n)] if uris else None,
                 sampling_params=[
                     {
-                        "max_new_tokens": max_new_tokens,
-                        "temperature": temperature,
+                        "max_new_tokens": draw.max_new_tokens,
+                        "temperature": draw.temperature,
                         "top_p": run.top_p,
-                        "sampling_seed": sample_seed(run.seed, seed_tag, i, j),
-                        **params,
+                        "sampling_seed": sample_seed(run.seed, draw.seed_tag, i, j),
+                        **draw.params,
                     }
                     for i in chunk
                     for j in range(n)
@@ -85,7 +74,7 @@ class PlainSampler:
 
         # model components (the reward model) score each request's samples as it is answered
         ahead = run.reward_fn.start() if isinstance(run.reward_fn, MixedScorer) else {}
-        with run.bar(desc, len(rows)) as advance:
+        with run.bar(draw.desc, len(rows)) as advance:
 
             def done(c: int, answer: list[dict]) -> None:
                 advance(len(chunks[c]))

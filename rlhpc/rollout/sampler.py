@@ -64,19 +64,24 @@ class Sampling:
             progress.remove_task(task)
 
 
-class Sampler(Protocol):
-    """Samples ``n`` responses per row and scores them. ``params``: further sampling params of
-    every request (``knob_params``); ``journal_scope``: the tool journal's file of this generation
-    (``rlhpc.rollout.journal.scope_name``); ``seed_tag``: the tag of every sample's seed."""
+@dataclass(frozen=True)
+class Draw:
+    """What one sampler call is asked: ``n`` responses per row. ``params``: further sampling
+    params of every request (``knob_params``); ``journal_scope``: the tool journal's file of this
+    generation (``rlhpc.rollout.journal.scope_name``); ``seed_tag``: the tag of every sample's
+    seed; ``desc``: the progress bar's label."""
 
-    def sample(
-        self,
-        rows: list[Row],
-        n: int,
-        temperature: float,
-        max_new_tokens: int,
-        seed_tag: object,
-        desc: str,
-        params: dict[str, Any],
-        journal_scope: str | None,
-    ) -> Samples: ...
+    rows: list[Row]
+    n: int
+    temperature: float
+    max_new_tokens: int
+    seed_tag: object
+    desc: str
+    params: dict[str, Any]
+    journal_scope: str | None = None
+
+
+class Sampler(Protocol):
+    """Samples the draw's responses and scores them."""
+
+    def sample(self, draw: Draw) -> Samples: ...
