@@ -288,6 +288,11 @@ def test_what_an_engine_receives_through_the_router_is_what_was_sent(recorded, t
     client.generate(input_ids=[5], sampling_params={"logit_bias": {}, "stream_interval": 2})  # harmless
     assert len(recorder.posts()) == 2
 
+    # return_routed_experts is not passed on (algo.routing_replay refuses the router for it)
+    routed = P.generate_body(P.GenerateReqInput(input_ids=[5], sampling_params={}, return_routed_experts=True))
+    assert urllib3.request("POST", client.base_url + Route.GENERATE, json=routed, headers=headers).status == 200
+    assert routed["return_routed_experts"] is True and "return_routed_experts" not in recorder.posts()[-1]
+
 
 def test_the_router_leaves_every_judgement_of_the_engines_to_the_job(recorded, tmp_path: Path) -> None:
     recorder, client = recorded
