@@ -122,7 +122,6 @@ def interleaved(cfg: Config, run: RunDir, rollouts: int, block: int) -> tuple[li
     """Per rollout, both sides: plain's ``step`` parts; rlhpc's wall seconds of one turn of the
     real loop (``step``) with its record's parts. Blocks of ``block`` rollouts, plain first."""
     from rlhpc.cluster.layout import plan_layout
-    from rlhpc.driver import TrainLoop
     from rlhpc.launch.local_ray import local_ray
     from rlhpc.runtime.signals import StopRequest
     from rlhpc.runtime.staging import NOT_STAGED
@@ -133,6 +132,8 @@ def interleaved(cfg: Config, run: RunDir, rollouts: int, block: int) -> tuple[li
     plain: list[dict] = []
     ours: list[dict] = []
     with local_ray(cfg.cluster, plan_layout(cfg.cluster, cfg.reward_model).num_slots, StopRequest()):
+        from rlhpc.driver import TrainLoop  # imports ray: after local_ray set its token (read at import)
+
         loop = TrainLoop(cfg, run, None, None, StartupClock(run), NOT_STAGED)
         try:
             loop.begin()
