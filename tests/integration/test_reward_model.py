@@ -4,13 +4,16 @@ transformers' own forward (or greedy decoding) of the model."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
 
 import h5py
 import pytest
 import torch
 from support.engines import engine_client, in_process_send, start_server, stop_server
-from support.jobs import routed, said, submit
+from support.jobs import REPO, routed, said, submit
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from rlhpc.config import TinyModelConfig
@@ -63,7 +66,8 @@ def test_cpu_server_classifies_as_transformers_scores(tmp_path):
 
 
 RUN = (
-    "rollout.num_rollout=2", "eval.interval=null", "cluster.gpus_per_node=3", "data.reward_weight=0",
+    "rollout.num_rollout=2", "eval.interval=1", "data.num_eval=8", "checkpoint.save_interval=1",
+    "cluster.gpus_per_node=3", "data.reward_weight=0",
     "reward_model.tiny.architecture=qwen2", "reward_model.tiny.tokenizer=bpe", "reward_model.tiny.seed=3",
     "reward_model.batch_size=5", "deterministic=true",
 )  # fmt: skip
@@ -103,6 +107,14 @@ def test_a_local_run_trains_on_the_reward_models_score(tmp_path):
     p = submit(after, *RUN, "reward_model.overlap=false")
     assert p.returncode == 0, said(p)[-4000:]
     assert comparable(after) == comparable(run) and final_weights(after) == final_weights(run)
+
+    # rlhpc-eval of a checkpoint scores as the run did: with its reward model (the rule's weight is 0)
+    p = subprocess.run([sys.executable, "-m", "rlhpc.cli.evaluate", str(run), "--checkpoint", "rollout_0"],
+                       capture_output=True, text=True, timeout=300, cwd=REPO)  # fmt: skip
+    assert p.returncode == 0, said(p)[-4000:]
+    written = json.loads((run / "evals" / "rollout_000000.json").read_text())
+    logged = next(r for r in read_metrics(run) if r["kind"] == "eval" and r["rollout_id"] == 0)
+    assert written["metrics"] == {k: v for k, v in logged.items() if k not in ("kind", "rollout_id")}
 
 
 def judge_answers(path, prompts: list[list[int]], max_new_tokens: int) -> list[str]:
