@@ -608,6 +608,16 @@ def test_qwen3_moe_pipeline_with_expert_parallelism(
     assert_same_training(moe_ep1_run.training, got.training, rtol=1e-4)
 
 
+def test_qwen3_moe_pipeline_with_expert_parallelism_trains_one_step_per_rollout(moe_paths: tuple[str, str]) -> None:
+    """PP=2 x EP=2 with one optimizer step per rollout: its first train call is the pipeline
+    schedule's first forward, which sets the MoE aux-loss scale into the one the step set (a
+    0-dim scale there refused the schedule's [1] one and the first rollout crashed)."""
+    cfg = moe_cfg(2, pp=2)
+    cfg.actor.num_steps_per_rollout = 1
+    with Group(cfg, moe_paths[0], 4) as g:
+        assert math.isfinite(g.train(0, make_batch(12, seed=0))["pg_loss"])
+
+
 def test_virtual_pipeline_stages_train_as_one_stage(tmp_path: Path, ray_cluster: None) -> None:
     """PP=2 with two virtual stages (megatron-core's interleaved 1F1B: rank 0 holds layers 0
     and 2, rank 1 layers 1 and 3) trains a 4-layer model as PP=1 on the same batches: metrics,
