@@ -1,7 +1,7 @@
 """The asynchronous pipeline (rollout.max_staleness >= 1) as whole local jobs: staleness bounded
-(read from the versions each sample recorded, never from timings), the fixed-lag schedule
-reproducible bit for bit, and a stop signal, a SIGKILL or a killed engine at any moment ending
-exactly like the uninterrupted run."""
+(read from the versions each sample recorded, never from timings), the fixed-lag schedule with
+dynamic sampling reproducible bit for bit, and a stop signal, a SIGKILL or a killed engine at any
+moment ending exactly like the uninterrupted run."""
 
 import os
 import re
@@ -13,7 +13,7 @@ from pathlib import Path
 import h5py
 import pytest
 from support.hold import HOLD_ENV
-from support.jobs import HELD, REPO, Gate, job_args, kill_job, kill_when, rollout_logged, rollouts, routed
+from support.jobs import REPO, Gate, job_args, kill_job, rollout_logged, rollouts, routed
 
 from rlhpc.checkpoint import CheckpointManager
 from rlhpc.invariants import comparable, final_weights
@@ -22,10 +22,16 @@ from rlhpc.runtime.restarts import read_history
 
 K = 1
 N = 8
+# The module's runs over-sample (dynamic sampling): a resume must then also draw the same extra
+# prompts, a pure function of the rollout. One config for the fixed lag, the filter's counts and
+# every disturbed run: each of those checks reads the uninterrupted run, made once.
 ASYNC = (
     f"rollout.max_staleness={K}", f"rollout.num_rollout={N}", "deterministic=true", "checkpoint.save_interval=2",
-    "eval.interval=4", "data.num_eval=16",
+    "eval.interval=4", "data.num_eval=16", "rollout.dynamic_sampling.filter=nonzero_std",
+    "rollout.dynamic_sampling.over_sampling_batch_size=12", "rollout.dynamic_sampling.max_rounds=2",
 )  # fmt: skip
+REWARD = "data.reward=support.filters:length_parity"  # some groups of a prompt differ, some do not
+HELD = "data.reward=support.hold:length_parity"  # the same reward, held where a test acts (support.hold)
 
 
 def run_job(run: Path, *overrides: str) -> subprocess.CompletedProcess:
@@ -50,7 +56,7 @@ def task_pid(run: Path) -> int:
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> Path:
     run = tmp_path_factory.mktemp("async") / "run"
-    run_job(run, *ASYNC)
+    run_job(run, *ASYNC, REWARD)
     assert routed(run)  # generated through the real router
     return run
 
@@ -67,13 +73,25 @@ def test_fixed_lag_generates_rollout_r_with_version_r_minus_k(uninterrupted):
     assert evals == [-1, 3, 7]
 
 
+def test_dynamic_sampling_counts(uninterrupted):
+    """Each round over-samples 12 prompts; the batch is 8 groups, kept or filled up with dropped
+    ones; the filter did drop some. (That the extra prompts are a pure function of the rollout:
+    the resumes below, which end like this run.)"""
+    records = [m for m in read_metrics(uninterrupted) if m["kind"] == "rollout"]
+    for m in records:
+        assert m["dynamic_sampling/kept"] + m["dynamic_sampling/dropped"] == 12 * m["dynamic_sampling/rounds"]
+        assert m["samples"] == 8 * 4  # rollout_batch_size x n_samples_per_prompt, kept or filled up
+    assert sum(m["dynamic_sampling/dropped"] for m in records) > 0  # the filter did drop groups
+
+
 def test_a_stop_signal_then_a_sigkill_end_like_the_uninterrupted_async_run(uninterrupted, tmp_path):
     """One run disturbed twice, each a resume that must end bit for bit like the uninterrupted
     run (no second undisturbed run is made: this run's first start is the config again, the same
     reward held, so this is also the fixed lag's reproduction). A stop signal mid-run: the job
     saves and requeues itself. Then, in that second start, a SIGKILL once the checkpoint of
     rollout 5 is written (its rollout 6 generated with version 5): the next submission resumes
-    from it with that rollout pending. One run for both: a job start fewer than one run each."""
+    from it with that rollout pending, its over-sampled prompts drawn again. One run for both: a
+    job start fewer than one run each (and the dynamic-sampling resume, once a run of its own)."""
     run, gate, log = tmp_path / "run", Gate(tmp_path / "gate"), tmp_path / "first.log"
     args, kill_at = job_args(run, *ASYNC, HELD), run / "checkpoints" / "rollout_000005"
     gate.shut(*rollout_logged(run, 2))  # mid-run: held while a later rollout is generated
@@ -201,30 +219,3 @@ def tis_by_hand(dump: Path, policy: Path, clip: float) -> dict[str, float]:
         "pg_loss": sum(pg) / n,
         "pg_loss_unweighted": sum(plain) / n,
     }
-
-
-DYNAMIC = (  # no evaluations: nothing here reads them
-    *ASYNC, "eval.interval=null", "rollout.dynamic_sampling.filter=nonzero_std",
-    "rollout.dynamic_sampling.over_sampling_batch_size=12", "rollout.dynamic_sampling.max_rounds=2",
-    "data.reward=support.filters:length_parity",
-)  # fmt: skip
-
-
-def test_dynamic_sampling_counts_and_an_exact_resume(tmp_path):
-    """Deterministic async with dynamic sampling: the over-sampled prompts are a pure function of
-    the rollout, so a run SIGKILLed mid-way and resumed ends like the uninterrupted one."""
-    whole = tmp_path / "whole"
-    run_job(whole, *DYNAMIC)
-    records = [m for m in read_metrics(whole) if m["kind"] == "rollout"]
-    for m in records:
-        assert m["dynamic_sampling/kept"] + m["dynamic_sampling/dropped"] == 12 * m["dynamic_sampling/rounds"]
-        assert m["samples"] == 8 * 4  # rollout_batch_size x n_samples_per_prompt, kept or filled up
-    assert sum(m["dynamic_sampling/dropped"] for m in records) > 0  # the filter did drop groups
-    killed = tmp_path / "killed"
-    args = job_args(killed, *DYNAMIC, "data.reward=support.hold:length_parity")  # the same reward, held
-    kill_when(args, killed / "checkpoints" / "rollout_000003")
-    p = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    assert "resuming from" in p.stdout
-    assert comparable(killed) == comparable(whole)
-    assert final_weights(killed) == final_weights(whole)
