@@ -1,5 +1,6 @@
 """Two jobs never share a run dir: a second jobs/submit.py on a run with a live local job is
-refused, naming the job, and changes nothing; once that job is gone the run dir is taken over."""
+refused, naming the job, and changes nothing; once that job is gone the run dir is taken over.
+A local job stops with its controller, and a kill stops it for good."""
 
 import os
 import signal
@@ -7,7 +8,7 @@ import subprocess
 import time
 
 from support.hold import HOLD_ENV
-from support.jobs import HELD, REPO, job_args, kill_job, rollouts, said, submit
+from support.jobs import HELD, REPO, job_args, kill_job, rollouts, submit
 from support.other_user import require_second_user, shared_tmp_dir, what_the_other_user_reads
 
 from rlhpc.invariants import processes_using
@@ -24,49 +25,7 @@ def snapshot(run) -> dict:
     }
 
 
-def test_second_submission_is_refused_while_the_first_job_lives(tmp_path):
-    """... and another user of the machine, with the run dir where anyone can reach it (under a
-    1777 dir, as /tmp), tries to read the live run's engine key and Ray token, and gets neither,
-    also once the run dir itself is opened to all (the key's own 0600)."""
-    require_second_user()
-    with shared_tmp_dir() as shared:
-        second_submission_and_the_other_user(shared / "run")
-
-
-def second_submission_and_the_other_user(run):
-    first = subprocess.Popen(
-        job_args(run, "rollout.num_rollout=200"), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )  # fmt: skip
-    try:
-        deadline = time.time() + 240
-        while not ((run / "metrics.jsonl").exists() and rollouts(run)):  # training: the job owns the run
-            assert time.time() < deadline and first.poll() is None
-            time.sleep(0.2)
-        owner = read(run)
-        assert owner.kind == "local"
-        before = snapshot(run)
-        p = submit(run, "rollout.num_rollout=200")
-        out = " ".join((p.stdout + p.stderr).split())
-        assert p.returncode == 2 and f"in use by local job {owner.job_id}" in out and "fix:" in out, out[-2000:]
-        assert snapshot(run) == before  # nothing written, nothing submitted
-        assert read(run) == owner
-        secrets = [run / "engine_key", *(run / "ray").glob("*/auth_token")]
-        assert len(secrets) == 2 and all(p.is_file() for p in secrets)  # the live job's
-        tried = what_the_other_user_reads(run, *secrets)
-        assert set(tried.values()) == {"PermissionError"}, tried
-        run.chmod(0o755)  # opened by hand: each file still refuses
-        try:
-            tried = what_the_other_user_reads(run, *secrets)
-        finally:
-            run.chmod(0o700)
-        assert tried.pop(str(run)) == "read" and set(tried.values()) == {"PermissionError"}, tried
-    finally:
-        kill_job(first)  # no chance to release: a stale owner is left
-    p = submit(run, "rollout.num_rollout=2")
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    assert "which is gone" in said(p)
-    assert not (run / "owner.json").exists()  # released when the run finished
+CONFIG = (HELD, "rollout.num_rollout=3", "checkpoint.save_interval=1")
 
 
 def wait_until(what, timeout: float, why: str) -> None:
@@ -76,13 +35,49 @@ def wait_until(what, timeout: float, why: str) -> None:
         time.sleep(0.2)
 
 
-def test_a_local_job_stops_with_its_controller_and_kill_stops_it_for_good(tmp_path):
+def second_submission_and_the_other_user(run) -> None:
+    """While a local job lives (held at its first reward): a second submission on its run dir is
+    refused, naming the job, and writes nothing; another user of the machine, with the run dir
+    where anyone can reach it (under a 1777 dir, as /tmp), tries to read the live run's engine
+    key and Ray token, and gets neither, also once the run dir itself is opened to all (the
+    key's own 0600)."""
+    secrets = lambda: [run / "engine_key", *(run / "ray").glob("*/auth_token")]  # noqa: E731
+    wait_until(lambda: all(p.is_file() for p in secrets()) and len(secrets()) == 2, 240, "no engine key and Ray token")
+    owner = read(run)
+    assert owner.kind == "local"
+    before = snapshot(run)
+    p = submit(run, *CONFIG)
+    out = " ".join((p.stdout + p.stderr).split())
+    assert p.returncode == 2 and f"in use by local job {owner.job_id}" in out and "fix:" in out, out[-2000:]
+    assert snapshot(run) == before  # nothing written, nothing submitted
+    assert read(run) == owner
+    tried = what_the_other_user_reads(run, *secrets())
+    assert set(tried.values()) == {"PermissionError"}, tried
+    run.chmod(0o755)  # opened by hand: each file still refuses
+    try:
+        tried = what_the_other_user_reads(run, *secrets())
+    finally:
+        run.chmod(0o700)
+    assert tried.pop(str(run)) == "read" and set(tried.values()) == {"PermissionError"}, tried
+
+
+def test_one_job_per_run_dir_and_a_local_job_stops_with_its_controller(tmp_path):
+    """Two jobs never share a run dir: while the first start lives, a second submission is refused
+    (and the other user reads none of its secrets: ``second_submission_and_the_other_user``);
+    once that job is gone (its controller SIGKILLed) the next submission takes the run dir over.
+    One run for all (the refusal's own job and its takeover run were two job starts more)."""
+    require_second_user()
+    with shared_tmp_dir() as shared:
+        stops_with_its_controller(shared / "run", tmp_path)
+
+
+def stops_with_its_controller(run, tmp_path) -> None:
     # Issue 32, item 7: `kill PID` (what a refused submission says) restarted the job, and
     # `kill -9 PID` left its task training as an orphan in a run dir that looked free.
-    run, hold = tmp_path / "run", tmp_path / "hold"
+    hold = tmp_path / "hold"
     hold.touch()  # the job waits at its first reward while this exists
     env = {**os.environ, HOLD_ENV: str(hold)}
-    args = [*job_args(run, HELD, "rollout.num_rollout=3", "checkpoint.save_interval=1"), "--no-follow"]
+    args = [*job_args(run, *CONFIG), "--no-follow"]
     for kill in (signal.SIGKILL, signal.SIGTERM):
         # Output to a file: the controller left running holds it open (a pipe would never end).
         with open(tmp_path / f"submit-{kill.name}.log", "w+") as out:
@@ -94,6 +89,10 @@ def test_a_local_job_stops_with_its_controller_and_kill_stops_it_for_good(tmp_pa
         logs = run / "logs" / "submitit"
         ray_up = lambda: any("local Ray up" in f.read_text() for f in logs.glob(f"{controller}_0_log.*"))  # noqa: E731, B023
         wait_until(ray_up, 240, "the job's Ray is not up")
+        if kill == signal.SIGKILL:
+            second_submission_and_the_other_user(run)
+        else:  # the SIGKILLed start left its owner record: this submission took the run dir over
+            assert "which is gone" in " ".join((tmp_path / "submit-SIGTERM.log").read_text().split())
         os.kill(controller, kill)
         if kill == signal.SIGTERM:
             hold.unlink()  # let it reach its next safe point, where it saves and stops
@@ -132,3 +131,4 @@ def test_a_local_job_stops_with_its_controller_and_kill_stops_it_for_good(tmp_pa
     p = subprocess.run(follow, cwd=REPO, capture_output=True, text=True, timeout=300)  # and the same command resumes
     assert p.returncode == 0 and (run / "FINISHED").exists(), p.stdout[-3000:] + p.stderr[-3000:]
     assert sorted(rollouts(run)) == [0, 1, 2]  # each rollout logged once
+    assert not (run / "owner.json").exists()  # released when the run finished
