@@ -1053,6 +1053,10 @@ class ActorConfig(Section):
     # rank silent for this long is taken as hung, the call fails naming it and the job requeues
     # (checkpoint.requeue_on_failure). Generous: a whole train step or checkpoint save must fit.
     call_timeout_s: float = 3600.0
+    # The same limit for the calls of a start (the ranks' processes up and the model built, their
+    # process group, the checkpoint loaded, the weight channel opened): reading a model or a
+    # checkpoint from a shared disk can outlast any training call, so it has a limit of its own.
+    start_timeout_s: float = 3600.0
     # After a stop request (preemption warning, time limit, Ctrl-C) a call gets at most this much
     # longer: a healthy train step and its save fit in it, and a hung rank still leaves time to
     # requeue within Slurm's default warning (--signal-grace 120). Below call_timeout_s to matter.
@@ -1089,6 +1093,7 @@ class ActorConfig(Section):
                 "set actor.lr_decay_steps above actor.lr_warmup_steps, or null for the run's last step",
             )
         self._above(0, "call_timeout_s", fix="give actor.call_timeout_s seconds, e.g. 3600")
+        self._above(0, "start_timeout_s", fix="give actor.start_timeout_s seconds, e.g. 3600")
         self._above(0, "stop_wait_s", fix="give actor.stop_wait_s seconds, e.g. 60")
         if self.lora is not None and self.backend == "megatron":
             raise ConfigError(

@@ -8,7 +8,8 @@ config sections the ranks read), re-exported here.
 Every method waits for all ranks. If a rank fails, the first failure is raised at once as
 ``ActorRankError`` naming the rank (the surviving ranks may be stuck in a collective; the
 driver is expected to ``shutdown()`` the group). No call waits forever: a rank silent for
-``actor.call_timeout_s`` is taken as hung, and so is one still silent ``actor.stop_wait_s`` after
+``actor.call_timeout_s`` (``actor.start_timeout_s`` in a call of its start, ``START_CALLS``) is
+taken as hung, and so is one still silent ``actor.stop_wait_s`` after
 a stop request (the job must requeue before Slurm's time limit ends it); the group's ranks are
 then killed and ``ActorCallTimeout`` names the call, the ranks and their nodes.
 """
@@ -44,6 +45,10 @@ CHECKPOINT_THREAD = "checkpoint"
 WAIT_SLICE_S = 1.0
 # A rank that raised waits this long for a peer's death to show (see ``ActorGroup._root_cause``).
 PEER_DEATH_GRACE_S = 10.0
+# The calls of a start, bounded by actor.start_timeout_s: the first waits for the ranks' processes
+# and their model; then the process group, the checkpoint (or initial state) loaded, the weight
+# channel. Every other call is bounded by actor.call_timeout_s.
+START_CALLS = frozenset({"rendezvous", "init_process_group", "load", "connect_rollout"})
 
 
 class ActorRankError(RlhpcError):
@@ -73,7 +78,7 @@ class ActorCallTimeout(RlhpcError):
         super().__init__(
             f"actor call {method} got no answer from {ranks} within {waited_s:.0f} s ({why})",
             "see those ranks' logs (a stuck collective, a dead peer or network, a stopped process); the job "
-            "requeues and resumes from the last checkpoint; raise actor.call_timeout_s if the call is just slow",
+            "requeues and resumes from the last checkpoint; raise the limit named if the call is just slow",
         )
         self.method = method
         self.ranks = sorted(silent)
@@ -103,6 +108,7 @@ class ActorGroup:
         self.slots = tuple(slots)
         self.world_size = len(self.slots)
         self.call_timeout_s = spec.actor.call_timeout_s
+        self.start_timeout_s = spec.actor.start_timeout_s
         self.stop_wait_s = spec.actor.stop_wait_s
         self.stop = stop  # seen between wait slices: a stop shortens the wait for a hung rank
         self.nodes = [f"{ip} (GPU {gpu})" for ip, gpu in (placement.location_of_slot[s] for s in self.slots)]
@@ -139,15 +145,17 @@ class ActorGroup:
     def _get(self, refs: list[ray.ObjectRef], method: str) -> list[Any]:
         """Results in rank order; the first rank to fail raises at once (no waiting on the rest).
 
-        Raises ``ActorCallTimeout`` when ranks stay silent past ``call_timeout_s``, or past
-        ``actor.stop_wait_s`` after a stop request (counted from the later of the request and the call)."""
+        Raises ``ActorCallTimeout`` when ranks stay silent past ``call_timeout_s`` (``start_timeout_s``
+        in ``START_CALLS``), or past ``actor.stop_wait_s`` after a stop request (counted from the
+        later of the request and the call)."""
         rank_of = {ref: rank for rank, ref in enumerate(refs)}
         results: dict[int, Any] = {}
         pending = list(refs)
         started = time.monotonic()
+        limit_s, knob = self.limit_of(method)
         while pending:
             now = time.monotonic()
-            limit, why = started + self.call_timeout_s, f"actor.call_timeout_s = {self.call_timeout_s:g}"
+            limit, why = started + limit_s, f"{knob} = {limit_s:g}"
             if self.stop is not None and self.stop.requested:
                 after_stop = max(self.stop.at or started, started) + self.stop_wait_s
                 if after_stop < limit:
@@ -168,6 +176,12 @@ class ActorGroup:
             except ray.exceptions.RayTaskError as e:
                 raise self._root_cause(rank, method, e, pending, rank_of) from e
         return [results[r] for r in range(len(refs))]
+
+    def limit_of(self, method: str) -> tuple[float, str]:
+        """How long a call of ``method`` may stay unanswered, and the key that says so."""
+        if method in START_CALLS:
+            return self.start_timeout_s, "actor.start_timeout_s"
+        return self.call_timeout_s, "actor.call_timeout_s"
 
     @staticmethod
     def _root_cause(

@@ -24,6 +24,9 @@ OVERRIDES = (
     "cluster.gpus_per_node=3", "cluster.rollout_num_gpus=2",  # two engines: one is killed, the other serves on
 )  # fmt: skip
 STOP_WAIT_S = 5  # actor.stop_wait_s: the default 60 s would be waited out in full
+# actor.call_timeout_s, waited out once (the hang): a rank's start, tens of seconds on a loaded
+# machine, has actor.start_timeout_s (the default) instead; a train step or save here takes < 1 s.
+CALL_TIMEOUT_S = 15
 
 
 def start(run: Path, gate: Gate, *overrides: str) -> subprocess.Popen:
@@ -105,15 +108,15 @@ def check_requeued_and_finished(run: Path, proc: subprocess.Popen, out: str, *hu
 @pytest.fixture(scope="module")
 def faults(tmp_path_factory) -> tuple[Path, str, str]:
     """One job for four faults, three of which requeue it: its rank SIGKILLed in the first start, the new
-    rank SIGSTOPped in the second (a hang, found by actor.call_timeout_s = 60: a rank's start counts
-    against it too, and a start takes tens of seconds on a loaded machine), and in the third
+    rank SIGSTOPped in the second (a hang, found by actor.call_timeout_s = CALL_TIMEOUT_S: a
+    rank's start, tens of seconds on a loaded machine, counts against actor.start_timeout_s), and in the third
     the rank SIGSTOPped and a stop request sent (the stop shortens the wait to actor.stop_wait_s,
     set short here so that the test waits out 5 s, not the default 60). In the fourth start an
     engine's server is SIGKILLed, and that start finishes. The run dir, what the job printed,
     unwrapped, and its tail as printed."""
     tmp = tmp_path_factory.mktemp("hang")
     run, gate = tmp / "run", Gate(tmp / "gate")
-    proc = start(run, gate, "actor.call_timeout_s=60", f"actor.stop_wait_s={STOP_WAIT_S}")
+    proc = start(run, gate, f"actor.call_timeout_s={CALL_TIMEOUT_S}", f"actor.stop_wait_s={STOP_WAIT_S}")
     killed = hung = stopped = None
     try:
         # killed while held at rollout 3 (checkpoint 1 saved); the job goes on (the gate now
@@ -145,7 +148,8 @@ def test_a_hung_rank_fails_the_call_naming_it_and_the_job_requeues(faults):
     _, said, tail = faults
     # Which call hangs depends on when the signal landed (train, save, weight push); it is named.
     assert re.search(
-        r"actor call \w+ got no answer from rank 0 on [\d.]+ \(GPU \d+\) within 6\d s \(actor\.call_timeout_s = 60\)",
+        r"actor call \w+ got no answer from rank 0 on [\d.]+ \(GPU \d+\) within (1[5-9]|2\d) s "
+        rf"\(actor\.call_timeout_s = {CALL_TIMEOUT_S}\)",
         said,
     ), tail
 

@@ -275,6 +275,7 @@ REFUSED = [
     ("actor.call_timeout_s=-1", "actor.call_timeout_s = -1.0 must be > 0"),
     ("actor.call_timeout_s=.inf", "actor.call_timeout_s = inf is not a finite number"),
     ("actor.stop_wait_s=0", "actor.stop_wait_s = 0.0 must be > 0"),
+    ("actor.start_timeout_s=0", "actor.start_timeout_s = 0.0 must be > 0"),
     ("actor.adam_betas=[0.9, 1.0]", "actor.adam_betas[1] = 1.0 must be in [0, 1)"),
     ("actor.adam_betas=[-0.1, 0.9]", "actor.adam_betas[0] = -0.1 must be in [0, 1)"),
     ("data.num_train=0", "data.num_train = 0 must be >= 1"),
@@ -458,6 +459,23 @@ def test_actor_call_timeout_key():
     assert cfg.actor.call_timeout_s == 90.0 and isinstance(cfg.actor.call_timeout_s, float)
     with pytest.raises(ConfigError, match=r"actor\.call_timeout_s = 0 must be > 0"):
         ActorConfig(call_timeout_s=0)
+
+
+def test_a_start_has_its_own_limit():
+    """The calls of a start (the ranks up, the checkpoint read, the weight channel) wait up to
+    actor.start_timeout_s; every other call up to actor.call_timeout_s. (test_hang: a rank
+    SIGSTOPped mid-run is cut at a call_timeout_s its starts could not keep to.)"""
+    from rlhpc.actor.group import START_CALLS, ActorGroup
+
+    cfg = load_config(None, TINY + ["actor.call_timeout_s=15", "actor.start_timeout_s=900"])
+    group = ActorGroup.__new__(ActorGroup)  # the limits alone: no ranks started
+    group.call_timeout_s, group.start_timeout_s = cfg.actor.call_timeout_s, cfg.actor.start_timeout_s
+    assert START_CALLS == {"rendezvous", "init_process_group", "load", "connect_rollout"}
+    for method in START_CALLS:
+        assert group.limit_of(method) == (900.0, "actor.start_timeout_s")
+    for method in ("train", "train_and_push", "save", "snapshot", "update_weights", "offload", "onload"):
+        assert group.limit_of(method) == (15.0, "actor.call_timeout_s")
+    assert load_config(None, TINY).actor.start_timeout_s == 3600.0
 
 
 def test_partial_rollouts_need_the_async_pipeline_and_no_determinism():
