@@ -14,6 +14,7 @@ from support.other_user import require_second_user, shared_tmp_dir, what_the_oth
 from rlhpc.invariants import processes_using
 from rlhpc.launch.run_owner import liveness, read
 from rlhpc.runtime.restarts import read_history
+from rlhpc.util.processes import kill_groups, process_groups
 
 
 def snapshot(run) -> dict:
@@ -88,11 +89,15 @@ def stops_with_its_controller(run, tmp_path) -> None:
         # globbed at each look: a submission that returns at once may return before the task's log exists
         logs = run / "logs" / "submitit"
         ray_up = lambda: any("local Ray up" in f.read_text() for f in logs.glob(f"{controller}_0_log.*"))  # noqa: E731, B023
-        wait_until(ray_up, 240, "the job's Ray is not up")
-        if kill == signal.SIGKILL:
-            second_submission_and_the_other_user(run)
-        else:  # the SIGKILLed start left its owner record: this submission took the run dir over
-            assert "which is gone" in " ".join((tmp_path / "submit-SIGTERM.log").read_text().split())
+        try:
+            wait_until(ray_up, 240, "the job's Ray is not up")
+            if kill == signal.SIGKILL:
+                second_submission_and_the_other_user(run)
+            else:  # the SIGKILLed start left its owner record: this submission took the run dir over
+                assert "which is gone" in " ".join((tmp_path / "submit-SIGTERM.log").read_text().split())
+        except BaseException:
+            kill_groups(process_groups(controller))  # a failed check leaves no job held at its reward
+            raise
         os.kill(controller, kill)
         if kill == signal.SIGTERM:
             hold.unlink()  # let it reach its next safe point, where it saves and stops
