@@ -45,6 +45,8 @@ from rlhpc.runtime.signals import Stopped, StopRequest
 from rlhpc.runtime.staging import NOT_STAGED, Staged
 from rlhpc.runtime.startup import StartupClock
 from rlhpc.schedule import AbortWhen, AsyncRollouts, BusyClock, Generated, SyncRollouts, load_pending, save_pending
+from rlhpc.weights.fp8 import is_fp8_checkpoint
+from rlhpc.weights.fp8 import write_checkpoint as write_fp8_checkpoint
 from rlhpc.wire.lora import LoraServing
 from rlhpc.wire.request import GenerationAborted
 
@@ -151,9 +153,16 @@ class TrainLoop:
         lora = cfg.actor.lora  # with push: adapter, the trained engines serve the run's adapter by name
         serving = LoraServing.for_adapter(lora.rank, lora.target_modules) if lora and lora.push == "adapter" else None
 
+        engine_model = model_path
+        if cfg.rollout.quantization == "fp8":  # the engines start from the model in block FP8
+            engine_model = str(run.fp8_model)
+            if not is_fp8_checkpoint(engine_model):
+                with startup.phase("quantize"):
+                    write_fp8_checkpoint(model_path, run.fp8_model)
+
         def start_engines() -> EnginePool:
             return EnginePool.start(
-                cfg.rollout, cfg.cluster, cfg.seed, model_path, self.placement, layout, run.engine_logs, pool_stop,
+                cfg.rollout, cfg.cluster, cfg.seed, engine_model, self.placement, layout, run.engine_logs, pool_stop,
                 run.engine_key, deterministic=cfg.deterministic, lora=serving,
                 routed_experts=cfg.algo.routing_replay,
             )  # fmt: skip

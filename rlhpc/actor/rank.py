@@ -53,6 +53,7 @@ from rlhpc.errors import RlhpcError
 from rlhpc.model import load_tokenizer
 from rlhpc.util.files import node_tmp_dir
 from rlhpc.weights.expert_names import checkpoint_named
+from rlhpc.weights.fp8 import quantized_named
 from rlhpc.wire.lora import POLICY_ADAPTER
 
 log = logging.getLogger(__name__)
@@ -700,9 +701,11 @@ class RankBase:
         device = torch.device("cpu") if self.backend == "gloo" else self.device
         # experts in the checkpoint's per-expert names: SGLang ignores HF's fused in-memory ones
         named = ((n, t.to(device).contiguous()) for n, t in checkpoint_named(self._hf_named(grads=False)))
+        # rollout.quantization: fp8: quantized here, one tensor at a time, as the engines hold it
+        sent = quantized_named(named) if self.spec.push_quantization == "fp8" else named
         try:
             if self.rank == 0:
-                self.sender.send(named, version)
+                self.sender.send(sent, version)
         finally:
             for _ in named:  # take part in the TP gathers (rank 0 too, after a failed send)
                 pass

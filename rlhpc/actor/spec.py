@@ -26,6 +26,9 @@ class ActorSpec:
     # actor.lora.push = adapter: where rank 0 writes each push's adapter (RunDir.lora_push; on the
     # run dir's shared file system, so engines on every node read it). None: full weights pushed
     lora_push_dir: str | None = None
+    # rollout.quantization: "fp8": each push sends the weights quantized to block FP8, as the
+    # engines hold them (rlhpc.weights.fp8); None: in the trainer's dtype
+    push_quantization: str | None = None
 
     @classmethod
     def from_config(cls, cfg: Config, num_rollout: int | None = None, lora_push_dir: str | None = None) -> ActorSpec:
@@ -43,6 +46,7 @@ class ActorSpec:
             weight_pause_mode="retract" if cfg.rollout.partial_rollout else "abort",
             max_response_len=cfg.rollout.max_new_tokens,
             lr_decay_steps=cfg.actor.lr_decay_steps or rollouts * cfg.actor.num_steps_per_rollout,
+            push_quantization=cfg.rollout.quantization,
             lora_push_dir=lora_push_dir if cfg.actor.lora is not None and cfg.actor.lora.push == "adapter" else None,
         )
 
