@@ -178,8 +178,10 @@ def tiny_shapes(tiny: Any) -> dict[str, tuple[int, ...]]:
 
 
 def quantization_config(path: str | Path) -> dict[str, Any] | None:
-    """config.json's ``quantization_config`` (None when the checkpoint is not quantized)."""
-    return json.loads((Path(path) / "config.json").read_text()).get("quantization_config")
+    """config.json's ``quantization_config`` (None when the checkpoint is not quantized, or not
+    there yet: the engines' copy before the first start writes it)."""
+    config = Path(path) / "config.json"
+    return json.loads(config.read_text()).get("quantization_config") if config.is_file() else None
 
 
 def is_fp8_checkpoint(path: str | Path) -> bool:

@@ -7,12 +7,17 @@ every projection fits SGLang's 128 x 128 blocks (the default tiny model's k/v do
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from support.engines import assert_generation_matches, engine_client, named, start_server, stop_server, trainer_model
+from support.jobs import submit
 
+from rlhpc.metrics import read_metrics
 from rlhpc.weights import fp8
 from rlhpc.weights.expert_names import checkpoint_named
 from rlhpc.weights.sender import make_weight_sender
@@ -106,3 +111,21 @@ def test_a_full_precision_push_to_an_fp8_weight_is_cast_as_sglang_s_loader_casts
     finally:
         sender.close()
     assert torch.equal(engine_bytes(engine, name, w.to(fp8.FP8)), w.to(fp8.FP8).view(torch.uint8))
+
+
+def test_a_run_with_fp8_rollout_trains_and_logs_the_mismatch(tmp_path: Path) -> None:
+    """The one local job of FP8 rollout (~25 s): the first start quantizes the model for the
+    engines, every push lands, TIS is on by default and the engines' distance from the trainer
+    is logged (non-zero: they sample from FP8 weights, the trainer holds float32)."""
+    run = tmp_path / "run"
+    wide = [f"model.tiny.{k}={v}" for k, v in WIDE.items()]
+    p = submit(run, "rollout.num_rollout=2", "checkpoint.save_interval=null", "eval.interval=null",
+               "rollout.quantization=fp8", *wide)  # fmt: skip
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert fp8.is_fp8_checkpoint(run / "engine_model_fp8")
+    assert yaml.safe_load((run / "config.yaml").read_text())["algo"]["tis"] is True
+    metrics = [m for m in read_metrics(run) if "rollout_logprob_abs_diff" in m]
+    assert len(metrics) == 2
+    for m in metrics:
+        assert m["rollout_logprob_abs_diff"] > 1e-5 and "tis_weight" in m and "tis_clipfrac" in m
+    assert "quantize" in {json.loads(line)["phase"] for line in (run / "startup.jsonl").read_text().splitlines()}

@@ -111,6 +111,7 @@ def test_sglang_is_launched_with_fp8_on_the_quantized_copy(tmp_path) -> None:
     spec = SGLangSpec(tp_size=1, mem_fraction_static=0.8, memory_saver=False, seed=0)
     cmd = launch_server_command("python", str(tmp_path), "h", 1, 2, spec)
     assert cmd[cmd.index(QUANTIZATION_FLAG) + 1] == "fp8"
+    assert not fp8.is_fp8_checkpoint(tmp_path / "not yet written")
     (tmp_path / "config.json").write_text("{}")
     assert QUANTIZATION_FLAG not in launch_server_command("python", str(tmp_path), "h", 1, 2, spec)
 
