@@ -82,6 +82,13 @@ def test_the_engine_starts_on_the_quantized_copy(fp8_path: str, model_path: str,
 def test_a_push_lands_byte_for_byte_as_the_trainer_quantized_it(
     colocate: bool, model_path: str, engine: EngineClient
 ) -> None:
+    """Colocated, the engine's memory is released first and taken back (cluster.offload), as
+    the loop does around training: the FP8 weights and scales are re-allocated and re-sent."""
+    if colocate:
+        bytes_before = engine.get_server_info()["internal_states"][0]["weights_bytes"]
+        engine.release_memory_occupation()
+        engine.resume_memory_occupation()
+        assert engine.get_server_info()["internal_states"][0]["weights_bytes"] == bytes_before
     model = trainer_model(model_path, seed=3 if colocate else 4)
     sender = make_weight_sender(
         [engine], [1], colocate=colocate, master_address="127.0.0.1", backend="gloo", bucket_bytes=64 << 10
