@@ -740,6 +740,11 @@ class RolloutConfig(Section):
     # Each token records the weight version it was sampled with. Not with `deterministic: true`:
     # where a push lands in a generation depends on timing.
     partial_rollout: bool = False
+    # A shared engine fleet to attach to instead of starting engines (docs/guides/lora.md, "Many
+    # runs, one fleet"): the fleet file (SWEEP_DIR/fleet.json) a `--shared-fleet` sweep writes and
+    # sets for each of its tasks. The run serves its adapter under its run dir's name there
+    # (needs actor.lora.push: adapter). None: the run starts its own engines.
+    fleet: str | None = None
     # Multi-turn episodes (docs/guides/multi-turn.md): "module:Class", an environment with
     # reset(row) -> messages and step(reply) -> (messages, reward, done); None: single-turn (or
     # the data.task's own environment, for a multi-turn task such as guess).

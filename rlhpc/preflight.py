@@ -64,6 +64,7 @@ def check(cfg: Config) -> None:
     check_vision(cfg)
     check_megatron_model(cfg)
     check_lora(cfg)
+    check_fleet(cfg)
     check_routing_replay(cfg)
     check_fp8(cfg)
     _check_data(cfg)
@@ -224,6 +225,27 @@ def check_lora(cfg: Config) -> None:
         _check_targets(cfg)
     if lora.push == "adapter":
         _check_adapter_push(cfg)
+
+
+def check_fleet(cfg: Config) -> None:
+    """``rollout.fleet``: a run on a shared fleet pushes its adapter alone, under its own name (a
+    merged push would change every run's base weights), in the synchronous loop (a push unloads
+    the adapter that generation ahead of training would still name)."""
+    if cfg.rollout.fleet is None:
+        return
+    lora = cfg.actor.lora
+    if lora is None or lora.push != "adapter":
+        raise ConfigError(
+            f"rollout.fleet is set, but the run {'trains no LoRA adapter' if lora is None else 'pushes merged weights'}"
+            ": the engines of a shared fleet serve each run's adapter beside the others', on one base model",
+            "set actor.lora (with actor.lora.push: adapter), or unset rollout.fleet to start the run's own engines",
+        )
+    if cfg.rollout.max_staleness:
+        raise ConfigError(
+            f"rollout.fleet with rollout.max_staleness = {cfg.rollout.max_staleness}: a push unloads the "
+            "adapter that generation running ahead of training still names",
+            "set rollout.max_staleness: 0 (the synchronous loop), or unset rollout.fleet",
+        )
 
 
 def _check_targets(cfg: Config) -> None:

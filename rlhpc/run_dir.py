@@ -306,6 +306,11 @@ class SweepDir:
         self.logs = self.path / "logs"
         self.submitit_dir = self.logs / "submitit"
         self.metrics_plot = self.path / "metrics.png"
+        # --shared-fleet: the engines the tasks share (rlhpc.launch.fleet), while the sweep runs
+        self.fleet_file = self.path / "fleet.json"  # what each task's rollout.fleet names
+        self.fleet_key = self.path / "fleet_engine_key"
+        self.fleet_logs = self.logs / "fleet"
+        self.fleet_model = self.path / "base_model"  # a tiny model's copy the fleet serves
 
     @staticmethod
     def is_sweep(path: str | Path) -> bool:

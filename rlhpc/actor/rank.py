@@ -54,7 +54,6 @@ from rlhpc.model import load_tokenizer
 from rlhpc.util.files import node_tmp_dir
 from rlhpc.weights.expert_names import checkpoint_named
 from rlhpc.weights.fp8 import quantized_named
-from rlhpc.wire.lora import POLICY_ADAPTER
 
 log = logging.getLogger(__name__)
 
@@ -649,7 +648,8 @@ class RankBase:
         self.sender = make_weight_sender(
             clients,
             engine_world_sizes,
-            colocate=colocate,
+            # a shared fleet takes adapters alone, by name: no broadcast group (each run would open one)
+            colocate=colocate or self.spec.shared_engines,
             master_address=self.node_ip(),
             backend=self.backend,
             bucket_bytes=self.spec.weight_bucket_mb * 2**20,
@@ -694,7 +694,9 @@ class RankBase:
             return  # the other replicas hold the same weights
         if self.spec.lora_push_dir is not None:  # actor.lora.push: adapter: the adapter's files alone
             if self.rank == 0:
-                self.sender.send_adapter(POLICY_ADAPTER, self._write_push_adapter(version), version)
+                self.sender.send_adapter(
+                    self.spec.lora_adapter, self._write_push_adapter(version), version, self.spec.shared_engines
+                )
             return
         # gloo sends from host memory; nccl/CUDA IPC from the GPU. Offloaded weights travel to
         # the GPU one tensor at a time, so the peak is one bucket, not the model.
