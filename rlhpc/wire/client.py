@@ -132,6 +132,7 @@ class PromptSender:
         return aiohttp.ClientSession(
             connector=connector,
             headers={**auth_headers(api_key), "Content-Type": "application/json"},
+            cookie_jar=aiohttp.DummyCookieJar(),  # engines and the router set none: not looked up per request
         )
 
     def run(self, coro: Coroutine) -> Any:
@@ -146,9 +147,13 @@ class PromptSender:
         except concurrent.futures.CancelledError as e:  # close() cancelled it
             raise SenderClosed("closed while sending") from e
 
-    async def post(self, url: str, body: bytes, read_timeout_s: float) -> tuple[int, bytes]:
+    @staticmethod
+    def timeout(read_timeout_s: float) -> aiohttp.ClientTimeout:
+        """A request's: no total (a prompt waits its turn for a connection), the connect and read timeouts."""
+        return aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S, sock_read=read_timeout_s)
+
+    async def post(self, url: str, body: bytes, timeout: aiohttp.ClientTimeout) -> tuple[int, bytes]:
         """One request: its status and body."""
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S, sock_read=read_timeout_s)
         async with self.session.post(url, data=body, timeout=timeout) as r:
             return r.status, await r.read()
 
@@ -407,10 +412,11 @@ class EngineClient:
         """Every prompt's answer, in order (on the sender's loop). The first to fail ends the send:
         the prompts not answered yet are not waited for (nor sent, if still waiting for a connection)."""
         sender, url = self._sender, f"{self.base_url}{Route.GENERATE}"
+        timeout = sender.timeout(timeout_s)
 
         async def one(body: bytes, what: str) -> Any:
             try:
-                status, data = await sender.post(url, body, timeout_s)
+                status, data = await sender.post(url, body, timeout)
             except (aiohttp.ClientError, TimeoutError) as e:
                 raise self._unreachable(Route.GENERATE, e) from e
             self._check_status(Route.GENERATE, status, data, what)
