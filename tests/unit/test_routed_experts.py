@@ -118,3 +118,24 @@ def test_preflight_refuses_what_cannot_replay() -> None:
     recompute.actor.megatron.pipeline_model_parallel_size = 2
     with pytest.raises(ConfigError, match="recompute"):
         preflight.check_routing_replay(recompute)
+
+
+def test_routing_for_another_model_is_refused_with_the_fix(tmp_path) -> None:
+    """Routing the engines returned for a model other than the actor's (more MoE layers, or
+    another top-k) is one named error, not a shape error deep in the forward."""
+    import torch
+
+    from rlhpc import moe_routing
+    from rlhpc.model import build_tiny_model, load_model, routing_shape
+
+    path = build_tiny_model(tmp_path / "moe", TinyModelConfig(architecture="qwen3_moe", seed=3))
+    model = load_model(str(path))
+    layers, top_k, _ = routing_shape(str(path))
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with pytest.raises(RlhpcError, match="MoE layers") as raised:
+        with moe_routing.replayed(model, torch.zeros(4, layers + 1, top_k, dtype=torch.int32)):
+            model(ids)
+    assert "serve the actor's model" in raised.value.fix
+    with pytest.raises(RlhpcError, match="routing of shape"):
+        with moe_routing.replayed(model, torch.zeros(4, layers, top_k + 1, dtype=torch.int32)):
+            model(ids)
