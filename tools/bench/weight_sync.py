@@ -102,12 +102,17 @@ def tiny_config(model_mb: float) -> TinyModelConfig:
 # ---------------------------------------------------------------- engines
 
 
-def start_engine(model_path: str, work: Path, name: str, timeout_s: float = 300) -> tuple[subprocess.Popen, str]:
+def start_engine(
+    model_path: str, work: Path, name: str, timeout_s: float = 300, extra_args: list[str] | None = None
+) -> tuple[subprocess.Popen, str]:
+    """A CPU engine server on ``model_path`` (its log in ``work``), with ``extra_args`` (server
+    flags); (process, url) once it serves."""
     ready = work / f"{name}.ready.json"
     logf = open(work / f"{name}.log", "wb")  # noqa: SIM115 - lives as long as the server
     proc = subprocess.Popen(
         [sys.executable, "-m", "rlhpc.engine_server.cpu", "--model-path", model_path, "--port", "0"]
-        + ["--ready-file", str(ready), "--parent-pid", str(os.getpid()), "--log-level", "WARNING"],
+        + ["--ready-file", str(ready), "--parent-pid", str(os.getpid()), "--log-level", "WARNING"]
+        + (extra_args or []),
         stdout=logf,
         stderr=subprocess.STDOUT,
         cwd=REPO,
