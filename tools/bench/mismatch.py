@@ -3,7 +3,7 @@
 without FP8 rollout + TIS, side by side on the same prompts.
 
 Each case samples one rollout from a real CPU engine server through the loop's generation step
-(``rlhpc.rollout.generation.Generation``, seeded, so every run samples the same tokens), then
+(``rlhpc.rollout.build.build_generation``, seeded, so every run samples the same tokens), then
 computes the trainer's logprob of every response token as the torch actor does (transformers'
 forward of the trained weights in float32; with R3 inside ``rlhpc.moe_routing.replayed``, the
 actor's replay; ``tests/integration/test_routing_replay.py`` checks both actors equal it).
@@ -49,10 +49,11 @@ from weight_sync import start_engine, stop_engine  # noqa: E402 (the sibling ben
 
 from rlhpc.algo.grpo import truncated_is_weights  # noqa: E402
 from rlhpc.batch import RolloutBatch  # noqa: E402
-from rlhpc.config import AlgoConfig, EvalConfig, RolloutConfig, TinyModelConfig  # noqa: E402
-from rlhpc.model import build_tiny_model, load_model, load_tokenizer, routing_shape  # noqa: E402
+from rlhpc.config import AlgoConfig, Config, TinyModelConfig  # noqa: E402
+from rlhpc.model import build_tiny_model, load_model, load_tokenizer  # noqa: E402
 from rlhpc.moe_routing import UNKNOWN, recorded, replayed  # noqa: E402
-from rlhpc.rollout.generation import Generation, one_batch  # noqa: E402
+from rlhpc.rollout.build import build_generation  # noqa: E402
+from rlhpc.rollout.generation import one_batch  # noqa: E402
 from rlhpc.weights import fp8  # noqa: E402
 from rlhpc.wire import protocol as P  # noqa: E402
 from rlhpc.wire.client import EngineClient  # noqa: E402
@@ -79,12 +80,12 @@ def sample(served: Path, work: Path, name: str, rows: list[dict], args: argparse
     flags = ["--enable-deterministic-inference"] + ([P.ROUTED_EXPERTS_FLAG] if moe else [])
     proc, url = start_engine(str(served), work, name, extra_args=flags)
     try:
-        cfg = RolloutConfig(
-            rollout_batch_size=len(rows), n_samples_per_prompt=args.samples, max_new_tokens=args.max_new_tokens
-        )
-        gen = Generation(
-            load_tokenizer(served), lambda p, r, a: 0.0, cfg, EvalConfig(), AlgoConfig(routing_replay=moe), 7,
-            one_batch(EngineClient(url, 600)), routing_shape=routing_shape(served) if moe else None,
+        cfg = Config(seed=7, deterministic=True)
+        cfg.rollout.rollout_batch_size, cfg.rollout.n_samples_per_prompt = len(rows), args.samples
+        cfg.rollout.max_new_tokens, cfg.algo.routing_replay = args.max_new_tokens, moe
+        gen = build_generation(
+            cfg, load_tokenizer(served), one_batch(EngineClient(url, 600)), reward=lambda p, r, a: 0.0,
+            model_path=str(served) if moe else None,
         )  # fmt: skip
         batch, _, _ = gen.rollout(0, rows)
         return batch
