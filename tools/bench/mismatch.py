@@ -78,7 +78,7 @@ def sample(served: Path, work: Path, name: str, rows: list[dict], args: argparse
     experts for a MoE model)."""
     moe = (served / "config.json").read_text().count('"qwen3_moe"') > 0
     flags = ["--enable-deterministic-inference"] + ([P.ROUTED_EXPERTS_FLAG] if moe else [])
-    proc, url = start_engine(str(served), work, name, extra_args=flags)
+    proc, url = start_engine(str(served), work, name, flags=flags)
     try:
         cfg = Config(seed=7, deterministic=True)
         cfg.rollout.rollout_batch_size, cfg.rollout.n_samples_per_prompt = len(rows), args.samples

@@ -103,16 +103,15 @@ def tiny_config(model_mb: float) -> TinyModelConfig:
 
 
 def start_engine(
-    model_path: str, work: Path, name: str, timeout_s: float = 300, extra_args: list[str] | None = None
+    model_path: str, work: Path, name: str, timeout_s: float = 300, flags: list[str] | None = None
 ) -> tuple[subprocess.Popen, str]:
-    """A CPU engine server on ``model_path`` (its log in ``work``), with ``extra_args`` (server
-    flags); (process, url) once it serves."""
+    """A CPU engine server as the loop starts one; ``flags``: more of its (SGLang's) flags."""
     ready = work / f"{name}.ready.json"
     logf = open(work / f"{name}.log", "wb")  # noqa: SIM115 - lives as long as the server
     proc = subprocess.Popen(
         [sys.executable, "-m", "rlhpc.engine_server.cpu", "--model-path", model_path, "--port", "0"]
         + ["--ready-file", str(ready), "--parent-pid", str(os.getpid()), "--log-level", "WARNING"]
-        + (extra_args or []),
+        + (flags or []),
         stdout=logf,
         stderr=subprocess.STDOUT,
         cwd=REPO,
