@@ -372,7 +372,9 @@ class EngineClient:
 
         ``per_prompt`` (through the router): a batch goes as one request per prompt, all at once
         (sglang_router refuses a batch with per-prompt sampling params, and they carry each
-        sample's seed; see ``rlhpc.wire.protocol.per_prompt``); the answers come back in prompt order."""
+        sample's seed; see ``rlhpc.wire.protocol.per_prompt``), or, where the engines ignore the
+        seeds and nothing else differs, as ``spread`` batched requests
+        (``rlhpc.wire.protocol.shared_batches``); the answers come back in prompt order."""
         if (input_ids is None) == (text is None):
             raise RlhpcError("generate needs exactly one of input_ids and text", "pass token ids or a prompt string")
         req = P.GenerateReqInput(
