@@ -85,6 +85,7 @@ def check_fp8(cfg: Config) -> None:
     and with the CPU engine no fused MoE experts (not built in FP8 there)."""
     if cfg.rollout.quantization is None:
         return
+    from rlhpc.model import weight_bytes  # late, as fp8
     from rlhpc.weights import fp8  # late: it imports torch
 
     tiny, tp = cfg.model.tiny, cfg.cluster.rollout_gpus_per_engine
@@ -94,7 +95,12 @@ def check_fp8(cfg: Config) -> None:
             f"rollout.quantization: fp8 with {where}, a vision-language model: rlhpc quantizes language models only",
             "drop rollout.quantization for vision-language models",
         )
-    shapes = fp8.tiny_shapes(tiny) if tiny is not None else fp8.checkpoint_shapes(cfg.model.path)
+    if tiny is not None:
+        shapes = fp8.tiny_shapes(tiny)
+    else:
+        shapes = fp8.checkpoint_shapes(cfg.model.path)
+        if not shapes and not weight_bytes(cfg.model.path):  # a config.json alone (a dry run before the download)
+            shapes = fp8.config_shapes(cfg.model.path)
     problems = fp8.block_problems(shapes, tp if cfg.rollout.backend == "sglang" else 1)
     if not any(fp8.quantizes(n, s) for n, s in shapes.items()):
         problems = ["none of its weights is a layer projection SGLang quantizes"]

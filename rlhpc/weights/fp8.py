@@ -155,8 +155,29 @@ def checkpoint_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
 def tiny_shapes(tiny: Any) -> dict[str, tuple[int, ...]]:
     """The projections' shapes of a ``model.tiny`` (``rlhpc.config.TinyModelConfig``), one
     layer's: what ``rlhpc.model.build_tiny_model`` builds (head_dim = hidden / heads)."""
-    h, heads, kv = tiny.hidden_size, tiny.num_attention_heads, tiny.num_key_value_heads
-    d = h // heads
+    h, heads = tiny.hidden_size, tiny.num_attention_heads
+    moe = tiny.moe_intermediate_size if tiny.architecture == "qwen3_moe" else None
+    return layer_shapes(h, heads, tiny.num_key_value_heads, h // heads, tiny.intermediate_size, moe)
+
+
+def config_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
+    """One layer's projections from the config.json at ``path``: what a dry run checks when the
+    model directory holds only its config (the weights not downloaded yet); the checkpoint's own
+    shapes (``checkpoint_shapes``) once they are there."""
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    cfg = cfg.get("text_config", cfg)
+    h, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+    moe = cfg.get("moe_intermediate_size") if cfg.get("num_experts") or cfg.get("n_routed_experts") else None
+    return layer_shapes(
+        h, heads, int(cfg.get("num_key_value_heads") or heads), int(cfg.get("head_dim") or h // heads),
+        int(cfg["intermediate_size"]), moe,
+    )  # fmt: skip
+
+
+def layer_shapes(
+    h: int, heads: int, kv: int, d: int, intermediate: int, moe_intermediate: int | None
+) -> dict[str, tuple[int, ...]]:
+    """One layer's attention and MLP projections (an expert's, with ``moe_intermediate``), HF-named."""
     p = "model.layers.0."
     shapes = {
         f"{p}self_attn.q_proj.weight": (heads * d, h),
@@ -164,11 +185,11 @@ def tiny_shapes(tiny: Any) -> dict[str, tuple[int, ...]]:
         f"{p}self_attn.v_proj.weight": (kv * d, h),
         f"{p}self_attn.o_proj.weight": (h, heads * d),
     }
-    if tiny.architecture == "qwen3_moe":
-        i = tiny.moe_intermediate_size
+    if moe_intermediate is not None:
+        i = moe_intermediate
         mlp = {"mlp.experts.0.gate_proj": (i, h), "mlp.experts.0.up_proj": (i, h), "mlp.experts.0.down_proj": (h, i)}
     else:
-        i = tiny.intermediate_size
+        i = intermediate
         mlp = {"mlp.gate_proj": (i, h), "mlp.up_proj": (i, h), "mlp.down_proj": (h, i)}
     shapes.update({f"{p}{m}.weight": s for m, s in mlp.items()})
     return shapes

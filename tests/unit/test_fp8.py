@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -157,3 +158,15 @@ def test_the_memory_plan_and_the_time_planner_count_fp8_engines() -> None:
     # the checkpoint's bytes, counted by name as a push sends them
     shapes = {"model.layers.0.self_attn.q_proj.weight": (256, 256), "model.embed_tokens.weight": (100, 256)}
     assert fp8.push_bytes(shapes, 2) == 256 * 256 + 4 * 4 + 2 * 100 * 256
+
+
+def test_a_dry_run_against_a_config_json_alone_reads_the_shapes_from_it() -> None:
+    """Qwen3-30B-A3B's published config.json (no weights): its projections' shapes, and the
+    128-row blocks fit at TP 2 (each rank 384 of an expert's 768 rows) but not at TP 8 (96)."""
+    path = Path(__file__).resolve().parents[1] / "support" / "models" / "qwen3-30b-a3b"
+    shapes = fp8.config_shapes(path)
+    assert shapes["model.layers.0.self_attn.q_proj.weight"] == (32 * 128, 2048)  # head_dim 128, not 2048 / 32
+    assert shapes["model.layers.0.self_attn.k_proj.weight"] == (4 * 128, 2048)
+    assert shapes["model.layers.0.mlp.experts.0.down_proj.weight"] == (2048, 768)
+    assert not fp8.block_problems(shapes, 2)
+    assert any("experts" in p for p in fp8.block_problems(shapes, 8))
