@@ -525,6 +525,7 @@ def test_a_batchs_rids_and_shared_params_are_what_sglang_gives_each_prompt() -> 
     req = P.GenerateReqInput(input_ids=[[i, 2] for i in range(5)], sampling_params=seeded, return_logprob=True,
                              logprob_start_len=[1] * 5, rid="job", lora_path="a")  # fmt: skip
     [chunk] = P.shared_batches(req, 3, P.SEED_PARAMS)  # a string rid: one request, as SGLang numbers it
+    assert "sampling_seed" not in chunk.sampling_params
     normalized = SimpleNamespace(rid=chunk.rid, batch_size=5)
     scope["G"]._normalize_rid(normalized, 5)
     alone = P.per_prompt(req)
