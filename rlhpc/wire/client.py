@@ -193,6 +193,8 @@ class EngineClient:
         router: bool = False,
         per_prompt: bool | None = None,
         adapter: str | None = None,
+        seeds_used: bool = True,
+        spread: int = 1,
     ):
         """``api_key``: the job's engine key (``rlhpc.wire.engine_key``), sent on every request.
         ``adapter``: the LoRA adapter a generation names where it names none (the trained engines'
@@ -200,12 +202,19 @@ class EngineClient:
         ``router``: the URL is sglang_router's. ``per_prompt`` (default: ``router``): a batch goes
         as one request per prompt, all at once, as the router takes it; an engine of a routed pool
         gets them so too, so a request's tokens and logprobs are the same whichever way it went
-        (the CPU engine computes a request as one batch)."""
+        (the CPU engine computes a request as one batch).
+        ``seeds_used``: the engines honour ``sampling_seed`` (a ``deterministic: true`` run; SGLang's
+        --enable-deterministic-inference). When they do not, a batch whose prompts differ in nothing
+        else goes per ``per_prompt`` as ``spread`` batched requests instead (the router's engines:
+        its round robin gives each a share), one sampling-params dict each
+        (``rlhpc.wire.protocol.shared_batches``)."""
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
         self.router = router
         self.adapter = adapter
         self.per_prompt = router if per_prompt is None else per_prompt
+        self.ignored = frozenset() if seeds_used else P.SEED_PARAMS  # sampling params the engines ignore
+        self.spread = spread
         self.what = "sglang router" if router else "engine"  # who answered, in errors
         self._http = engine_connections(api_key, ROUTER_IN_FLIGHT if self.per_prompt else POOL_SIZE)
         # urllib3 sends the headers a request names instead of the pool's: the key goes with them
@@ -363,7 +372,9 @@ class EngineClient:
 
         ``per_prompt`` (through the router): a batch goes as one request per prompt, all at once
         (sglang_router refuses a batch with per-prompt sampling params, and they carry each
-        sample's seed; see ``rlhpc.wire.protocol.per_prompt``); the answers come back in prompt order."""
+        sample's seed; see ``rlhpc.wire.protocol.per_prompt``), or, where the engines ignore the
+        seeds and nothing else differs, as ``spread`` batched requests
+        (``rlhpc.wire.protocol.shared_batches``); the answers come back in prompt order."""
         if (input_ids is None) == (text is None):
             raise RlhpcError("generate needs exactly one of input_ids and text", "pass token ids or a prompt string")
         req = P.GenerateReqInput(
@@ -379,6 +390,9 @@ class EngineClient:
         )
         if not self.per_prompt:
             return self._generate(req, timeout_s, _describe(req))
+        shared = P.shared_batches(req, self.spread, self.ignored) if self.ignored else None
+        if shared is not None:
+            return self._generate_shared(shared, timeout_s)
         prompts = P.per_prompt(req)
         about = [_describe(p, i, len(prompts)) for i, p in enumerate(prompts)]
         for p, what in zip(prompts, about):
@@ -392,7 +406,40 @@ class EngineClient:
                 )
         if not P.is_batch(req):
             return self._generate(prompts[0], timeout_s, about[0])
-        bodies = [orjson.dumps(P.generate_body(p)) for p in prompts]
+        return self._send_bodies([orjson.dumps(P.generate_body(p)) for p in prompts], about, timeout_s)
+
+    def _generate_shared(self, chunks: list[P.GenerateReqInput], timeout_s: float | None) -> list[Any]:
+        """A batch as ``shared_batches`` cut it: each chunk one request, all at once; the answers
+        as one list in prompt order."""
+        sizes = [len(c.text if c.text is not None else c.input_ids) for c in chunks]
+        n, starts = sum(sizes), [sum(sizes[:c]) for c in range(len(chunks))]
+        about = [
+            f"prompts {a} to {a + k - 1} of {n} (one request{f', rid {c.rid}' if c.rid is not None else ''})"
+            for c, a, k in zip(chunks, starts, sizes)
+        ]
+        lost = P.lost_through_router(chunks[0].sampling_params)
+        if lost:  # as per prompt: refused on an engine of a routed pool too
+            raise RequestRefused(
+                f"a batch of {n} prompts asks for sampling param(s) {', '.join(lost)}, which sglang_router "
+                f"{P.ROUTER_VERSION} does not pass on to the engines (refused before sending)",
+                "leave them out, or set rollout.sglang.router: false to send requests to the engines directly",
+                status=None,
+            )
+        answers = self._send_bodies([orjson.dumps(P.generate_body(c)) for c in chunks], about, timeout_s)
+        out: list[Any] = []
+        for answer, k, what in zip(answers, sizes, about):
+            if isinstance(answer, dict) and k == 1:  # a batch of one may come back as its one answer
+                answer = [answer]
+            if not isinstance(answer, list) or len(answer) != k:
+                raise RlhpcError(
+                    f"{self.what} {self.base_url}{Route.GENERATE} answered {str(answer)[:200]} to {what}",
+                    f"see the {self.what}'s log: a batch of {k} prompts is answered with {k} outputs",
+                )
+            out += answer
+        return out
+
+    def _send_bodies(self, bodies: list[bytes], about: list[str], timeout_s: float | None) -> list[Any]:
+        """The /generate ``bodies`` sent at once from the sender's loop; their answers in order."""
         try:
             return self._prompt_sender().run(self._send_all(bodies, about, timeout_s or self.timeout_s))
         except SenderClosed as e:  # the job started the router (or engine) again meanwhile

@@ -336,6 +336,51 @@ def per_prompt(req: GenerateReqInput) -> list[GenerateReqInput]:
     ]
 
 
+# Sampling params an engine ignores unless it was started deterministic (SGLang:
+# --enable-deterministic-inference; the CPU engine alike: rlhpc.engine_server.cpu.runner)
+SEED_PARAMS = frozenset({"sampling_seed"})
+
+
+def shared_batches(req: GenerateReqInput, chunks: int, ignored: frozenset[str]) -> list[GenerateReqInput] | None:
+    """A batch whose prompts differ only in the sampling params named in ``ignored`` (those the
+    engines ignore in this run), as ``chunks`` batched requests (fewer for fewer prompts), each
+    with ONE sampling-params dict (``ignored`` left out), return_logprob, logprob_start_len and
+    lora_path, in prompt order; None when anything else differs per prompt, or it carries images.
+    A rid given as a list stays per prompt; a string rid keeps the batch one request, which SGLang
+    expands to ``RID_i`` as ``per_prompt`` does (``GenerateReqInput._normalize_rid``). The form
+    sglang_router passes on unchanged (tests/integration/test_router.py)."""
+    if not is_batch(req) or req.image_data is not None or isinstance(req.rid, list):
+        return None
+    prompts = req.text if req.text is not None else req.input_ids
+    n = len(prompts)
+    shared: dict[str, Any] = {}
+    for name in ("sampling_params", "return_logprob", "logprob_start_len", "lora_path"):
+        value = getattr(req, name)
+        if not isinstance(value, list):
+            shared[name] = value
+            continue
+        if len(value) != n:
+            return None  # per_prompt names the mismatch
+        if name == "sampling_params":
+            value = [{k: v for k, v in (sp or {}).items() if k not in ignored} for sp in value]
+        if any(v != value[0] for v in value):
+            return None
+        shared[name] = value[0]
+    shared["sampling_params"] = {k: v for k, v in (shared["sampling_params"] or {}).items() if k not in ignored}
+    parts = 1 if isinstance(req.rid, str) else max(1, min(chunks, n))
+    bounds = [n * c // parts for c in range(parts + 1)]
+    return [
+        GenerateReqInput(
+            text=prompts[a:b] if req.text is not None else None,
+            input_ids=prompts[a:b] if req.text is None else None,
+            rid=req.rid,
+            return_routed_experts=req.return_routed_experts,
+            **shared,
+        )
+        for a, b in zip(bounds, bounds[1:])
+    ]
+
+
 # ------------------------------------------------------------------ sglang_router
 
 ROUTER_VERSION = "0.3.2"  # the sglang-router release the router's behaviour below is pinned against
@@ -346,9 +391,11 @@ ROUTER_READINESS = "/readiness"
 # sglang_router parses a /generate body into a request type of its own and sends the engine that,
 # serialized again: one sampling-params dict, one rid string, one return_logprob (a batch with a
 # list of either is answered 422), and of the sampling params only those it knows. rlhpc sends
-# it one prompt per request (``per_prompt``): per-sample seeds reach the engine, and the engines
-# batch the requests as they arrive (SGLang's scheduler does; tests/integration/test_router.py
-# compares what an engine receives with what was sent). These sampling params never arrive:
+# it one prompt per request (``per_prompt``) where each carries what the engines use (per-sample
+# seeds on deterministic engines), and the engines batch the requests as they arrive (SGLang's
+# scheduler does); a batch whose prompts differ in nothing the engines use goes as a few batched
+# requests (``shared_batches``). tests/integration/test_router.py compares what an engine
+# receives with what was sent. These sampling params never arrive:
 ROUTER_DROPPED_SAMPLING_PARAMS = frozenset(
     {"stop_regex", "structural_tag", "logit_bias", "spaces_between_special_tokens", "stream_interval", "custom_params"}
 )

@@ -215,7 +215,10 @@ class Recorder(ThreadingHTTPServer):
                 while recorder.silent.is_set():
                     time.sleep(0.05)
                 status = recorder.statuses.pop(0) if recorder.statuses else 200
-                self.answer(status, {"text": "", "output_ids": [], "meta_info": {"id": "x"}, "error": "boom"})
+                out = {"text": "", "output_ids": [], "meta_info": {"id": "x"}, "error": "boom"}
+                ids = (json.loads(body) if body else {}).get("input_ids")
+                batch = isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
+                self.answer(status, [out] * len(ids) if batch else out)  # a batch: one answer a prompt
 
             def log_message(self, *args: object) -> None:
                 pass
@@ -287,6 +290,34 @@ def test_what_an_engine_receives_through_the_router_is_what_was_sent(recorded, t
     assert "prompt 1 of 2" in str(err.value) and "rollout.sglang.router: false" in str(err.value)
     client.generate(input_ids=[5], sampling_params={"logit_bias": {}, "stream_interval": 2})  # harmless
     assert len(recorder.posts()) == 2
+
+    # a batch the seeds do not matter to (engines without deterministic inference) goes as a few
+    # batched requests, one sampling-params dict, return_logprob and logprob_start_len each: the
+    # router passes such a chunk on as sent (a string rid too, which SGLang expands to rid_i)
+    shared = {k: v for k, v in SENT.items() if k not in P.ROUTER_DROPPED_SAMPLING_PARAMS | P.SEED_PARAMS}
+    chunk = P.generate_body(P.GenerateReqInput(input_ids=[[5, 6], [7], [8, 9, 10]], sampling_params=shared,
+                                               return_logprob=True, logprob_start_len=1, rid="abc", lora_path="run-3"))  # fmt: skip
+    assert urllib3.request("POST", client.base_url + Route.GENERATE, json=chunk, headers=headers).status == 200
+    got = recorder.posts()[-1]
+    assert {k: got[k] for k in chunk if k != "sampling_params"} == {
+        k: v for k, v in chunk.items() if k != "sampling_params"
+    }
+    assert set(got["sampling_params"]) == set(shared)
+    for k, v in got["sampling_params"].items():
+        assert (np.float32(v) == np.float32(shared[k])) if isinstance(v, float) else v == shared[k], k
+    # ... as EngineClient sends it: the prompts in `spread` chunks, the answers one a prompt
+    unseeded = EngineClient(client.base_url, timeout_s=30, api_key=client_key, router=True, seeds_used=False, spread=2)
+    try:
+        before = len(recorder.posts())
+        prompts = [[i, 1] for i in range(5)]
+        outs = unseeded.generate(input_ids=prompts, sampling_params=[{"max_new_tokens": 2, "sampling_seed": i}
+                                                                     for i in range(5)], return_logprob=True)  # fmt: skip
+        sent = recorder.posts()[before:]
+        assert len(outs) == 5 and sorted(b["input_ids"] for b in sent) == [prompts[:2], prompts[2:]]
+        assert all(b["sampling_params"]["max_new_tokens"] == 2 and "sampling_seed" not in b["sampling_params"]
+                   for b in sent)  # fmt: skip
+    finally:
+        unseeded.close()
 
     # return_routed_experts is not passed on (algo.routing_replay refuses the router for it)
     routed = P.generate_body(P.GenerateReqInput(input_ids=[5], sampling_params={}, return_routed_experts=True))

@@ -53,14 +53,16 @@ def test_a_batchs_prompts_go_on_connections_that_probe_their_peer_too() -> None:
 
 
 class _Engine(ThreadingHTTPServer):
-    """Answers /generate with the prompt it got (its first token id 0: after ``hold`` is set);
-    token id 999 is refused (HTTP 400), as an engine refuses a token out of range."""
+    """Answers /generate with the body it got (its first token id 0: after ``hold`` is set), a
+    batch (as SGLang) with one answer per prompt, each that prompt's body; a token id 999 is refused
+    (HTTP 400), as an engine refuses a token out of range. ``bodies``: every body received."""
 
     daemon_threads = True
 
     def __init__(self) -> None:
         self.hold = threading.Event()
         self.arrived = threading.Semaphore(0)
+        self.bodies: list[dict] = []
         engine = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -68,11 +70,14 @@ class _Engine(ThreadingHTTPServer):
 
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                engine.bodies.append(body)
                 engine.arrived.release()
                 if body["input_ids"][0] == 0:
                     engine.hold.wait(10)
-                status = 400 if 999 in body["input_ids"] else 200
-                data = json.dumps({"error": {"message": "token id out of range"}} if status == 400 else body).encode()
+                prompts = body["input_ids"] if isinstance(body["input_ids"][0], list) else [body["input_ids"]]
+                status = 400 if any(999 in p for p in prompts) else 200
+                answer = body if prompts is not body["input_ids"] else [{**body, "input_ids": p} for p in prompts]
+                data = json.dumps({"error": {"message": "token id out of range"}} if status == 400 else answer).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
@@ -117,4 +122,53 @@ def test_a_client_closed_while_its_batch_is_in_flight_ends_the_send_with_engine_
             c.generate(input_ids=[[1], [2]])
     finally:
         engine.hold.set()
+        engine.shutdown()
+
+
+def test_a_batch_the_seeds_do_not_matter_to_goes_as_a_few_batched_requests() -> None:
+    # engines that ignore sampling_seed (no deterministic inference): per-prompt requests would
+    # differ in nothing the engine uses, so the batch goes as `spread` requests, one params dict each
+    engine = _Engine()
+    c = EngineClient(f"http://127.0.0.1:{engine.server_address[1]}", timeout_s=10, per_prompt=True,
+                     seeds_used=False, spread=3)  # fmt: skip
+    try:
+        prompts = [[i, 1, 2] for i in range(1, 8)]
+        params = [{"temperature": 1.0, "max_new_tokens": 4, "sampling_seed": i} for i in range(7)]
+        outs = c.generate(input_ids=prompts, sampling_params=params, return_logprob=[True] * 7, logprob_start_len=1)
+        assert [o["input_ids"] for o in outs] == prompts  # in prompt order
+        sent = sorted(engine.bodies, key=lambda b: b["input_ids"][0][0])
+        assert [b["input_ids"] for b in sent] == [prompts[0:2], prompts[2:4], prompts[4:7]]
+        for b in sent:  # one value each, no seed: what sglang_router passes on (test_router.py)
+            assert b["sampling_params"] == {"temperature": 1.0, "max_new_tokens": 4}
+            assert b["return_logprob"] is True and b["logprob_start_len"] == 1 and "rid" not in b
+
+        # a refused chunk names its prompts
+        with pytest.raises(RequestRefused) as err:
+            c.generate(input_ids=[[1], [2, 999], [3]], sampling_params=params[:3])
+        assert "refused prompts 1 to 1 of 3 (one request)" in err.value.problem, err.value.problem
+
+        # anything else per prompt keeps one request per prompt; a string rid one request (RID_i on the engine)
+        for kwargs, requests in (
+            ({"sampling_params": [{**p, "temperature": 0.5 + i} for i, p in enumerate(params)]}, 7),
+            ({"sampling_params": params, "return_logprob": [i % 2 == 0 for i in range(7)]}, 7),
+            ({"sampling_params": params, "rid": [f"r{i}" for i in range(7)]}, 7),
+            ({"sampling_params": params, "image_data": [["img"]] * 7}, 7),
+            ({"sampling_params": params, "rid": "run"}, 1),
+        ):
+            engine.bodies.clear()
+            outs = c.generate(input_ids=prompts, **kwargs)
+            assert [o["input_ids"] for o in outs] == prompts and len(engine.bodies) == requests, kwargs
+        assert engine.bodies[0]["rid"] == "run"
+    finally:
+        c.close()
+        engine.shutdown()
+
+    # engines that honour the seeds get each sample's own
+    engine = _Engine()
+    c = EngineClient(f"http://127.0.0.1:{engine.server_address[1]}", timeout_s=10, per_prompt=True, spread=3)
+    try:
+        c.generate(input_ids=prompts, sampling_params=params)
+        assert sorted(b["sampling_params"]["sampling_seed"] for b in engine.bodies) == list(range(7))
+    finally:
+        c.close()
         engine.shutdown()

@@ -511,3 +511,32 @@ def test_openai_requests_name_their_adapter_as_sglangs() -> None:
     assert L.openai_adapter("x:a", "m", "b") == "a" and L.openai_adapter("m:", "m", "b") == "b"
     listing = sgl.function_code(sgl.HTTP_SERVER, "available_models")
     assert "id=lora_ref.lora_name" in listing and "root=lora_ref.lora_path" in listing and "parent=" in listing
+
+
+def test_a_batchs_rids_and_shared_params_are_what_sglang_gives_each_prompt() -> None:
+    """A batch sent as one request (``P.shared_batches``: one sampling-params dict, return_logprob,
+    logprob_start_len; a string rid) reaches each prompt as ``P.per_prompt`` sends it alone, less
+    the seed: SGLang's own ``GenerateReqInput._normalize_rid`` run here expands the rid."""
+    code = sgl.function_code(sgl.IO_STRUCT, "_normalize_rid")
+    scope: dict = {"uuid": __import__("uuid")}
+    exec(compile(ast.parse("class G:\n" + "\n".join("    " + line for line in code.splitlines())), "io_struct", "exec"),
+         scope)  # fmt: skip
+    seeded = [{"temperature": 0.8, "max_new_tokens": 3, "sampling_seed": i} for i in range(5)]
+    req = P.GenerateReqInput(input_ids=[[i, 2] for i in range(5)], sampling_params=seeded, return_logprob=True,
+                             logprob_start_len=[1] * 5, rid="job", lora_path="a")  # fmt: skip
+    [chunk] = P.shared_batches(req, 3, P.SEED_PARAMS)  # a string rid: one request, as SGLang numbers it
+    assert "sampling_seed" not in chunk.sampling_params
+    normalized = SimpleNamespace(rid=chunk.rid, batch_size=5)
+    scope["G"]._normalize_rid(normalized, 5)
+    alone = P.per_prompt(req)
+    assert normalized.rid == [p.rid for p in alone] == [f"job_{i}" for i in range(5)]
+    for p in alone:
+        assert {**chunk.sampling_params, "sampling_seed": p.sampling_params["sampling_seed"]} == p.sampling_params
+        assert (p.return_logprob, p.logprob_start_len, p.lora_path) == (True, 1, "a")
+    # no rid: cut in `chunks`, in order; a seed the engines use, or any other per-prompt value: per prompt
+    req.rid = None
+    assert [c.input_ids for c in P.shared_batches(req, 3, P.SEED_PARAMS)] == [req.input_ids[:1], req.input_ids[1:3],
+                                                                               req.input_ids[3:]]  # fmt: skip
+    assert P.shared_batches(req, 3, frozenset()) is None
+    req.logprob_start_len = [1, 1, 2, 1, 1]
+    assert P.shared_batches(req, 3, P.SEED_PARAMS) is None

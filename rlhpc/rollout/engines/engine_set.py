@@ -123,9 +123,13 @@ class EngineSet:
         log.info("attached to the shared fleet %s: %s (adapter %s)", self.fleet, ", ".join(fleet.engines), self.adapter)
 
     def client(self, url: str) -> EngineClient:
-        """An engine's client. With the router, batches go to the engine one prompt per request
-        too (as the router takes them), so a sample is computed alike whichever way it goes."""
-        return EngineClient(url, api_key=self.api_key, per_prompt=self.rollout_cfg.sglang.router, adapter=self.adapter)
+        """An engine's client. With the router, batches go to the engine as the router takes them
+        too (one prompt per request where the seeds count, else one batched request), so a sample is
+        computed alike whichever way it goes."""
+        return EngineClient(
+            url, api_key=self.api_key, per_prompt=self.rollout_cfg.sglang.router, adapter=self.adapter,
+            seeds_used=self.deterministic,
+        )  # fmt: skip
 
     @property
     def adapter(self) -> str | None:
@@ -246,9 +250,12 @@ class EngineSet:
         has a new URL, and one lost with its node must not be routed to."""
         if self.router_client is not None:
             self.router_client.close()
+        # a batch the seeds do not matter to goes as one request per engine, which the router's
+        # round robin spreads over them
         self.router_client = EngineClient(
-            self.router.start(urls), api_key=self.api_key, router=True, adapter=self.adapter
-        )
+            self.router.start(urls), api_key=self.api_key, router=True, adapter=self.adapter,
+            seeds_used=self.deterministic, spread=len(urls),
+        )  # fmt: skip
 
     def shutdown(self) -> None:
         if self.fleet is not None:  # the fleet's owner stops its engines (and unloads the run's adapter)
