@@ -713,6 +713,12 @@ class RolloutConfig(Section):
     # multi-turn episodes, one cut by max_turns / max_episode_tokens) gets loss mask 0.
     overlong_filter: bool = False
     update_weight_buffer_mb: int = 512  # bucket size for weight sync
+    # FP8 rollout (verl's and Cosmos-RL's rollout.quantization; docs/guides/moe.md#fp8-rollout):
+    # the trained engines serve the policy with its layer projections in block FP8 (128 x 128
+    # blocks, float32 scales: how SGLang loads FP8 checkpoints), from a copy of the model
+    # quantized at the first start, and every push sends the trainer's weights quantized the
+    # same way (half the bytes of bf16). The trainer keeps its precision; algo.tis turns on.
+    quantization: Literal["fp8"] | None = None
     # Seconds an engine may take to start and answer /health (later is a start-up failure, named).
     # null: 120 s for the CPU engine, 600 s for SGLang (CUDA graph capture, cold JIT caches), plus
     # 30 s per GB of the model's weight files
@@ -734,6 +740,11 @@ class RolloutConfig(Section):
     # Each token records the weight version it was sampled with. Not with `deterministic: true`:
     # where a push lands in a generation depends on timing.
     partial_rollout: bool = False
+    # A shared engine fleet to attach to instead of starting engines (docs/guides/lora.md, "Many
+    # runs, one fleet"): the fleet file (SWEEP_DIR/fleet.json) a `--shared-fleet` sweep writes and
+    # sets for each of its tasks. The run serves its adapter under its run dir's name there
+    # (needs actor.lora.push: adapter). None: the run starts its own engines.
+    fleet: str | None = None
     # Multi-turn episodes (docs/guides/multi-turn.md): "module:Class", an environment with
     # reset(row) -> messages and step(reply) -> (messages, reward, done); None: single-turn (or
     # the data.task's own environment, for a multi-turn task such as guess).
@@ -1136,7 +1147,9 @@ class AlgoConfig(Section):
     # it with (its own logprobs: older weights with rollout.max_staleness >= 1, and a different
     # implementation in any case) and pi_old the trainer's policy before the rollout's steps.
     # Reported: tis_clipfrac (share of tokens truncated) and tis_weight (mean weight).
-    tis: bool = False
+    # null: on with rollout.quantization (FP8 engines sample from weights the trainer does not
+    # hold: the correction verl, slime and NeMo-RL pair with FP8 rollout), off otherwise.
+    tis: bool | None = None
     tis_clip: float = 2.0  # the truncation of the importance weight
     # Rollout routing replay ("R3", MoE models): the engines answer which experts each token
     # went to in every layer (SGLang's --enable-return-routed-experts), the rollout carries them,
@@ -1555,6 +1568,7 @@ def validate(cfg: Config) -> None:
     code a config names (its reward, environment, judge, layout and memory plan). Each error names the
     key and the fix."""
     check_sections(cfg)
+    resolve_defaults(cfg)
     place_groups(cfg)
     check_groups(cfg)
     check_model(cfg)
@@ -1568,6 +1582,13 @@ def validate(cfg: Config) -> None:
 def check_sections(cfg: Config) -> None:
     for section in _sections(cfg):
         section.__post_init__()
+
+
+def resolve_defaults(cfg: Config) -> None:
+    """Defaults that depend on another section, resolved once here (written to the run dir's
+    config.yaml as values, so a resume keeps them)."""
+    if cfg.algo.tis is None:
+        cfg.algo.tis = cfg.rollout.quantization is not None
 
 
 def place_groups(cfg: Config) -> None:
@@ -1701,6 +1722,8 @@ def check_run(cfg: Config) -> None:
             "keep the colocated engines on one node (cluster.rollout_num_gpus <= cluster.gpus_per_node), or drop "
             "cluster.colocate: a disaggregated push broadcasts to engines on every node",
         )
+    if r.quantization is not None:
+        check_quantization(cfg)
     if r.max_staleness > 0 and (c.colocate or c.offload):
         key = "cluster.colocate" if c.colocate else "cluster.offload"
         why = (
@@ -1712,6 +1735,18 @@ def check_run(cfg: Config) -> None:
             f"rollout.max_staleness = {r.max_staleness} (asynchronous generation) with {key} = true: {why}",
             f"set rollout.max_staleness=0 for the synchronous loop, or {key}=false "
             "(a disaggregated layout: separate actor and rollout GPUs)",
+        )
+
+
+def check_quantization(cfg: Config) -> None:
+    """FP8 rollout with what it cannot work with (the model itself is checked in preflight,
+    ``check_fp8``, where it is read)."""
+    lora = cfg.actor.lora
+    if lora is not None and lora.push == "adapter":
+        raise ConfigError(
+            "rollout.quantization: fp8 with actor.lora.push: adapter: the engines would serve an adapter over "
+            "FP8 base weights, which rlhpc does not build (its CPU engine's adapters wrap full-precision layers)",
+            "set actor.lora.push: merged (the merged weights are pushed in FP8), or drop rollout.quantization",
         )
 
 

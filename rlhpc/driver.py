@@ -33,6 +33,7 @@ from rlhpc.metrics import MetricsLogger, read_metrics
 from rlhpc.model import context_length, load_tokenizer
 from rlhpc.rollout.build import Frozen, build_generation
 from rlhpc.rollout.engines import EnginePool
+from rlhpc.rollout.engines.fleet import adapter_name
 from rlhpc.rollout.generation import Generation
 from rlhpc.rollout.journal import ToolJournal
 from rlhpc.rollout.reward_model import start_reward_engines
@@ -45,7 +46,9 @@ from rlhpc.runtime.signals import Stopped, StopRequest
 from rlhpc.runtime.staging import NOT_STAGED, Staged
 from rlhpc.runtime.startup import StartupClock
 from rlhpc.schedule import AbortWhen, AsyncRollouts, BusyClock, Generated, SyncRollouts, load_pending, save_pending
-from rlhpc.wire.lora import LoraServing
+from rlhpc.weights.fp8 import is_fp8_checkpoint
+from rlhpc.weights.fp8 import write_checkpoint as write_fp8_checkpoint
+from rlhpc.wire.lora import POLICY_ADAPTER, LoraServing
 from rlhpc.wire.request import GenerationAborted
 
 log = logging.getLogger(__name__)
@@ -150,12 +153,21 @@ class TrainLoop:
 
         lora = cfg.actor.lora  # with push: adapter, the trained engines serve the run's adapter by name
         serving = LoraServing.for_adapter(lora.rank, lora.target_modules) if lora and lora.push == "adapter" else None
+        # on a shared fleet (rollout.fleet) the run's adapter has the run's own name beside the others'
+        adapter = adapter_name(run.path) if cfg.rollout.fleet is not None else POLICY_ADAPTER
+
+        engine_model = model_path
+        if cfg.rollout.quantization == "fp8":  # the engines start from the model in block FP8
+            engine_model = str(run.fp8_model)
+            if not is_fp8_checkpoint(engine_model):
+                with startup.phase("quantize"):
+                    write_fp8_checkpoint(model_path, run.fp8_model)
 
         def start_engines() -> EnginePool:
             return EnginePool.start(
-                cfg.rollout, cfg.cluster, cfg.seed, model_path, self.placement, layout, run.engine_logs, pool_stop,
+                cfg.rollout, cfg.cluster, cfg.seed, engine_model, self.placement, layout, run.engine_logs, pool_stop,
                 run.engine_key, deterministic=cfg.deterministic, lora=serving,
-                routed_experts=cfg.algo.routing_replay,
+                routed_experts=cfg.algo.routing_replay, fleet=cfg.rollout.fleet, adapter_name=adapter,
             )  # fmt: skip
 
         # The engines start in a thread while the actor ranks start and load here: neither needs the
@@ -165,7 +177,7 @@ class TrainLoop:
         reward_up, teacher_up = self._start_frozen_groups(layout, pool_stop)
         with startup.phase("actor_up"):
             self.actor = ActorGroup(
-                ActorSpec.from_config(cfg, self.num_rollout, str(run.lora_push)),
+                ActorSpec.from_config(cfg, self.num_rollout, str(run.lora_push), adapter),
                 model_path,
                 self.placement,
                 layout.actor_slots,
@@ -183,7 +195,9 @@ class TrainLoop:
         self.teacher_engines = teacher_up.result() if teacher_up is not None else None
         # the one owner of the trained engines' weights: every push and re-sync goes through it
         fuse = cfg.rollout.max_staleness == 0 and not cfg.cluster.offload  # the engines wait idle for the push
-        self.weights = WeightSync(self.actor, self.engines, self.resumed_version, fuse)
+        self.weights = WeightSync(
+            self.actor, self.engines, self.resumed_version, fuse, shared=cfg.rollout.fleet is not None
+        )
         self.schedule = self._make_schedule(pool_stop)
         sandbox.configure(cfg.sandbox)  # the code reward, the python/bash tools and your code use these settings
         if sandbox.used(cfg):

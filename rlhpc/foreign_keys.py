@@ -78,6 +78,7 @@ KEYS: list[ForeignKey] = [
     _verl(f"{ARO}.rollout.response_length", "rollout.max_new_tokens", ""),
     _verl(f"{ARO}.rollout.tensor_model_parallel_size", "cluster.rollout_gpus_per_engine", "GPUs per engine"),
     _verl(f"{ARO}.rollout.gpu_memory_utilization", "rollout.sglang.mem_fraction_static", ""),
+    _verl(f"{ARO}.rollout.quantization", "rollout.quantization", "fp8: 128 x 128 block FP8, algo.tis on"),
     _verl(f"{ARO}.rollout.val_kwargs.n", "eval.n_samples_per_prompt", "pass@k up to n"),
     _verl(f"{ARO}.rollout.val_kwargs.temperature", "eval.temperature", ""),
     _verl(f"{ARO}.rollout.multi_turn.max_assistant_turns", "rollout.max_turns", ""),

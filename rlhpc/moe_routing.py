@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from rlhpc.errors import RlhpcError
+
 UNKNOWN = -1  # a position whose routing was not given (pads, the last token): the router's own top-k
 
 
@@ -60,14 +62,20 @@ def replayed(model: torch.nn.Module, experts: torch.Tensor | None) -> Iterator[N
         return
     mods = routers(model)
     if experts.shape[1] != len(mods):
-        raise ValueError(f"routing of {experts.shape[1]} layers given for a model of {len(mods)} MoE layers")
+        raise RlhpcError(
+            f"the engines returned routing for {experts.shape[1]} MoE layers; the actor's model has {len(mods)}",
+            "serve the actor's model on the engines (rollout routing replay needs the same MoE model on both)",
+        )
 
     def hook_for(k: int) -> Any:
         def hook(module: torch.nn.Module, _inputs: Any, answer: tuple) -> tuple:
             logits, _, own = answer
             given = experts[:, k].to(device=own.device, dtype=own.dtype)
             if given.shape != own.shape:
-                raise ValueError(f"routing of {tuple(given.shape)} given for a forward of {tuple(own.shape)}")
+                raise RlhpcError(
+                    f"routing of shape {tuple(given.shape)} given for a forward routing {tuple(own.shape)}",
+                    "serve the actor's model on the engines (the same top-k and the same tokens)",
+                )
             ids = torch.where((given == UNKNOWN).any(-1, keepdim=True), own, given)
             weights = torch.softmax(logits, dim=-1, dtype=torch.float).gather(-1, ids)
             if module.norm_topk_prob:

@@ -49,6 +49,7 @@ def check(cfg: Config) -> None:
     """The whole config is usable: ``rlhpc.config.validate``'s rules and, among them, the checks that
     import or read what the config names. Resolves an open GPU split in place (``config.place_groups``)."""
     config.check_sections(cfg)
+    config.resolve_defaults(cfg)
     check_task(cfg.data)
     config.place_groups(cfg)
     config.check_groups(cfg)
@@ -63,7 +64,9 @@ def check(cfg: Config) -> None:
     check_vision(cfg)
     check_megatron_model(cfg)
     check_lora(cfg)
+    check_fleet(cfg)
     check_routing_replay(cfg)
+    check_fp8(cfg)
     _check_data(cfg)
     r, env = cfg.rollout, task_env(cfg.data, cfg.rollout)
     if r.generate_fn is not None or r.agent is not None:
@@ -74,6 +77,47 @@ def check(cfg: Config) -> None:
     config.check_run(cfg)
     config.check_parallelism(cfg)
     check_fits(cfg)  # last: the estimate reads the layout and the model's shape checked above
+
+
+def check_fp8(cfg: Config) -> None:
+    """rollout.quantization: fp8 on a model SGLang can serve in block FP8: its projections fit
+    the 128 x 128 blocks at each engine's TP (what SGLang refuses at start), no vision tower,
+    and with the CPU engine no fused MoE experts (not built in FP8 there)."""
+    if cfg.rollout.quantization is None:
+        return
+    from rlhpc.model import weight_bytes  # late, as fp8
+    from rlhpc.weights import fp8  # late: it imports torch
+
+    tiny, tp = cfg.model.tiny, cfg.cluster.rollout_gpus_per_engine
+    where = "model.tiny" if tiny is not None else f"model.path {cfg.model.path}"
+    if (tiny.architecture == "qwen2_5_vl") if tiny is not None else is_vision_model(cfg.model.path):
+        raise ConfigError(
+            f"rollout.quantization: fp8 with {where}, a vision-language model: rlhpc quantizes language models only",
+            "drop rollout.quantization for vision-language models",
+        )
+    if tiny is not None:
+        shapes = fp8.tiny_shapes(tiny)
+    else:
+        shapes = fp8.checkpoint_shapes(cfg.model.path)
+        if not shapes and not weight_bytes(cfg.model.path):  # a config.json alone (a dry run before the download)
+            shapes = fp8.config_shapes(cfg.model.path)
+    problems = fp8.block_problems(shapes, tp if cfg.rollout.backend == "sglang" else 1)
+    if not any(fp8.quantizes(n, s) for n, s in shapes.items()):
+        problems = ["none of its weights is a layer projection SGLang quantizes"]
+    if problems:
+        raise ConfigError(
+            f"rollout.quantization: fp8: SGLang's {fp8.BLOCK[0]}x{fp8.BLOCK[1]} FP8 blocks do not fit {where} "
+            f"at {tp} GPU(s) per engine: {'; '.join(problems[:3])}{' ...' if len(problems) > 3 else ''}",
+            "use a model whose projections are multiples of 128 rows per engine rank (fewer "
+            "cluster.rollout_gpus_per_engine), or drop rollout.quantization",
+        )
+    moe = any(".mlp.experts." in n for n in shapes)
+    if moe and cfg.rollout.backend == "cpu":
+        raise ConfigError(
+            f"rollout.quantization: fp8 with {where}, a MoE model, on the CPU engine: it holds fused experts, "
+            "which it does not build in FP8",
+            "use rollout.backend: sglang for FP8 MoE rollout, or drop rollout.quantization",
+        )
 
 
 def check_vision(cfg: Config) -> None:
@@ -187,6 +231,27 @@ def check_lora(cfg: Config) -> None:
         _check_targets(cfg)
     if lora.push == "adapter":
         _check_adapter_push(cfg)
+
+
+def check_fleet(cfg: Config) -> None:
+    """``rollout.fleet``: a run on a shared fleet pushes its adapter alone, under its own name (a
+    merged push would change every run's base weights), in the synchronous loop (a push unloads
+    the adapter that generation ahead of training would still name)."""
+    if cfg.rollout.fleet is None:
+        return
+    lora = cfg.actor.lora
+    if lora is None or lora.push != "adapter":
+        raise ConfigError(
+            f"rollout.fleet is set, but the run {'trains no LoRA adapter' if lora is None else 'pushes merged weights'}"
+            ": the engines of a shared fleet serve each run's adapter beside the others', on one base model",
+            "set actor.lora (with actor.lora.push: adapter), or unset rollout.fleet to start the run's own engines",
+        )
+    if cfg.rollout.max_staleness:
+        raise ConfigError(
+            f"rollout.fleet with rollout.max_staleness = {cfg.rollout.max_staleness}: a push unloads the "
+            "adapter that generation running ahead of training still names",
+            "set rollout.max_staleness: 0 (the synchronous loop), or unset rollout.fleet",
+        )
 
 
 def _check_targets(cfg: Config) -> None:

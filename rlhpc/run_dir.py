@@ -8,6 +8,8 @@ Every path under a run dir is named here, and only here::
     base_model/            the tiny model built at submit time, when ``model.tiny`` is used
     reward_model/          the tiny classifier (or judge) built at submit time, when ``reward_model.tiny`` is used
     teacher/               the tiny teacher built at submit time, when ``teacher.tiny`` is used
+    engine_model_fp8/      rollout.quantization: fp8: the model quantized to block FP8, the engines' start
+                           (written by the first start, rlhpc/weights/fp8.py)
     checkpoints/           see rlhpc/checkpoint.py
     metrics.jsonl          one JSON object per rollout and per eval (rlhpc/metrics.py)
     metrics.png            tools/plot_metrics.py's default output
@@ -127,6 +129,7 @@ class RunDir:
         self.base_model = self.path / "base_model"
         self.reward_model = self.path / "reward_model"  # the tiny classifier of reward_model.tiny
         self.teacher_model = self.path / "teacher"  # the tiny causal LM of teacher.tiny
+        self.fp8_model = self.path / "engine_model_fp8"  # rollout.quantization: fp8: what the engines start from
         self.finished_file = self.path / "FINISHED"
         self.ended_file = self.path / "ENDED"  # how the last job ended without finishing: failed or held
         self.metrics_file = self.path / "metrics.jsonl"
@@ -303,6 +306,11 @@ class SweepDir:
         self.logs = self.path / "logs"
         self.submitit_dir = self.logs / "submitit"
         self.metrics_plot = self.path / "metrics.png"
+        # --shared-fleet: the engines the tasks share (rlhpc.launch.fleet), while the sweep runs
+        self.fleet_file = self.path / "fleet.json"  # what each task's rollout.fleet names
+        self.fleet_key = self.path / "fleet_engine_key"
+        self.fleet_logs = self.logs / "fleet"
+        self.fleet_model = self.path / "base_model"  # a tiny model's copy the fleet serves
 
     @staticmethod
     def is_sweep(path: str | Path) -> bool:

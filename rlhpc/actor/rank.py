@@ -53,7 +53,7 @@ from rlhpc.errors import RlhpcError
 from rlhpc.model import load_tokenizer
 from rlhpc.util.files import node_tmp_dir
 from rlhpc.weights.expert_names import checkpoint_named
-from rlhpc.wire.lora import POLICY_ADAPTER
+from rlhpc.weights.fp8 import quantized_named
 
 log = logging.getLogger(__name__)
 
@@ -648,7 +648,8 @@ class RankBase:
         self.sender = make_weight_sender(
             clients,
             engine_world_sizes,
-            colocate=colocate,
+            # a shared fleet takes adapters alone, by name: no broadcast group (each run would open one)
+            colocate=colocate or self.spec.shared_engines,
             master_address=self.node_ip(),
             backend=self.backend,
             bucket_bytes=self.spec.weight_bucket_mb * 2**20,
@@ -693,16 +694,20 @@ class RankBase:
             return  # the other replicas hold the same weights
         if self.spec.lora_push_dir is not None:  # actor.lora.push: adapter: the adapter's files alone
             if self.rank == 0:
-                self.sender.send_adapter(POLICY_ADAPTER, self._write_push_adapter(version), version)
+                self.sender.send_adapter(
+                    self.spec.lora_adapter, self._write_push_adapter(version), version, self.spec.shared_engines
+                )
             return
         # gloo sends from host memory; nccl/CUDA IPC from the GPU. Offloaded weights travel to
         # the GPU one tensor at a time, so the peak is one bucket, not the model.
         device = torch.device("cpu") if self.backend == "gloo" else self.device
         # experts in the checkpoint's per-expert names: SGLang ignores HF's fused in-memory ones
         named = ((n, t.to(device).contiguous()) for n, t in checkpoint_named(self._hf_named(grads=False)))
+        # rollout.quantization: fp8: quantized here, one tensor at a time, as the engines hold it
+        sent = quantized_named(named) if self.spec.push_quantization == "fp8" else named
         try:
             if self.rank == 0:
-                self.sender.send(named, version)
+                self.sender.send(sent, version)
         finally:
             for _ in named:  # take part in the TP gathers (rank 0 too, after a failed send)
                 pass

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rlhpc.config import ActorConfig, AlgoConfig, Config
+from rlhpc.wire.lora import POLICY_ADAPTER
 
 
 @dataclass(frozen=True)
@@ -26,9 +27,24 @@ class ActorSpec:
     # actor.lora.push = adapter: where rank 0 writes each push's adapter (RunDir.lora_push; on the
     # run dir's shared file system, so engines on every node read it). None: full weights pushed
     lora_push_dir: str | None = None
+    # rollout.quantization: "fp8": each push sends the weights quantized to block FP8, as the
+    # engines hold them (rlhpc.weights.fp8); None: in the trainer's dtype
+    push_quantization: str | None = None
+    # the name the engines serve the pushed adapter under (rlhpc.wire.lora.POLICY_ADAPTER; on a
+    # shared fleet, the run's own)
+    lora_adapter: str = POLICY_ADAPTER
+    # rollout.fleet: the engines serve other runs' adapters too, so a push neither pauses them
+    # (it would abort the others' requests) nor sets their one weight version (the run keeps its own)
+    shared_engines: bool = False
 
     @classmethod
-    def from_config(cls, cfg: Config, num_rollout: int | None = None, lora_push_dir: str | None = None) -> ActorSpec:
+    def from_config(
+        cls,
+        cfg: Config,
+        num_rollout: int | None = None,
+        lora_push_dir: str | None = None,
+        lora_adapter: str = POLICY_ADAPTER,
+    ) -> ActorSpec:
         """``num_rollout``: the run's rollouts (the driver's count, derived from the data when
         rollout.num_rollout is null): where a decaying learning rate ends by default.
         ``lora_push_dir``: the run's ``RunDir.lora_push``, used when actor.lora pushes adapters."""
@@ -43,7 +59,10 @@ class ActorSpec:
             weight_pause_mode="retract" if cfg.rollout.partial_rollout else "abort",
             max_response_len=cfg.rollout.max_new_tokens,
             lr_decay_steps=cfg.actor.lr_decay_steps or rollouts * cfg.actor.num_steps_per_rollout,
+            push_quantization=cfg.rollout.quantization,
             lora_push_dir=lora_push_dir if cfg.actor.lora is not None and cfg.actor.lora.push == "adapter" else None,
+            lora_adapter=lora_adapter,
+            shared_engines=cfg.rollout.fleet is not None,
         )
 
     @property

@@ -118,6 +118,12 @@ def _add_sweep_and_followup_options(run: argparse._ArgumentGroup) -> None:
     )
     run.add_argument("--max-parallel", type=int, metavar="P", help="sweep tasks running at once (default: all)")
     run.add_argument(
+        "--shared-fleet",
+        action="store_true",
+        help="the sweep's LoRA tasks (actor.lora.push: adapter) run at once on ONE set of engines, each serving "
+        "its adapter under its own name (docs/guides/lora.md); local only so far",
+    )
+    run.add_argument(
         "--then",
         action="append",
         default=[],
@@ -213,6 +219,7 @@ def submission(args: argparse.Namespace) -> Submission:
         follow=args.follow,
         sweeps=tuple(args.sweep),
         max_parallel=args.max_parallel,
+        shared_fleet=args.shared_fleet,
         then=tuple(args.then),
         sbatch=sbatch,
     )

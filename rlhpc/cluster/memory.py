@@ -27,7 +27,8 @@ the output layer and the logits), each stage holding layers / p of the layers:
 
 An SGLang engine takes ``rollout.sglang.mem_fraction_static`` of its GPU for weights + KV cache
 (SGLang sizes its KV cache to fill that fraction), so its row is the weights / engine TP and
-the KV cache it gets from what is left of that fraction.
+the KV cache it gets from what is left of that fraction. With ``rollout.quantization: fp8`` the
+layers' projections count 1 byte each plus a float32 scale per 128 x 128 block.
 """
 
 from __future__ import annotations
@@ -144,11 +145,30 @@ class ModelShape:
         sizes = sum(self.layers * per_layer[n] for n in names if n in per_layer)
         return rank * (sizes + sum(whole[n] for n in names if n in whole))
 
+    def projection_params(self) -> int:
+        """Parameters of the layers' projections (attention, MLP, experts): what FP8 rollout
+        (``rollout.quantization``) holds in FP8 on the engines."""
+        h = self.hidden
+        mlp = self.experts * 3 * h * self.moe_ffn if self.experts else 3 * h * self.ffn
+        return self.layers * (2 * h * self.q_dim + 2 * h * self.kv_dim + mlp)
+
+    def engine_weight_bytes(self, quantization: str | None) -> float:
+        """The weights one engine holds over all its TP ranks, and what a push sends it: bf16,
+        or with FP8 the projections at a byte each plus a float32 scale per 128 x 128 block."""
+        if quantization != "fp8":
+            return 2.0 * self.params()
+        q = self.projection_params()
+        return 2.0 * (self.params() - q) + FP8_BYTES_PER_PARAM * q
+
     def params(self) -> int:
         """All parameters (embedding and, untied, output layer; unpadded vocab), as the HF checkpoint has."""
         split, replicated, expert = self.layer_params()
         vocab_matrices = 1 if self.tied else 2
         return self.layers * (split + replicated + expert) + vocab_matrices * self.vocab * self.hidden + self.hidden
+
+
+# rollout.quantization: fp8: a quantized weight's byte and its share of its block's float32 scale
+FP8_BYTES_PER_PARAM = 1 + 4 / (128 * 128)
 
 
 def padded_vocab(vocab: int, tp: int, divisible_by: int = 128) -> int:
@@ -293,9 +313,10 @@ def layer_activation_bytes(shape: ModelShape, tokens: int, row: int, tp: int, ep
 
 
 def engine_estimate(cfg: Config, shape: ModelShape) -> Estimate:
-    """One SGLang engine GPU: its weights shard (bf16) and the KV cache the fraction leaves."""
+    """One SGLang engine GPU: its weights shard (bf16, or FP8 projections with
+    ``rollout.quantization``) and the KV cache the fraction leaves."""
     tp, frac = cfg.cluster.rollout_gpus_per_engine, cfg.rollout.sglang.mem_fraction_static
-    weights = 2.0 * shape.params() / tp
+    weights = shape.engine_weight_bytes(cfg.rollout.quantization) / tp
     kv_per_token = shape.kv_bytes_per_token(tp)
     gpu = cfg.cluster.gpu_memory_gb
     if gpu is None:

@@ -14,6 +14,10 @@ step); the formulas are in docs/guides/scale.md, "How long will a step take?":
 - the push: the bf16 weights once to every engine, over the GPU's own memory (colocated: CUDA
   IPC), NVLink (one node) or the network (the slowest link of a broadcast across nodes).
 
+With ``rollout.quantization: fp8`` the engines hold (and each decode step reads, and each push
+sends) the layers' projections at a byte each plus their block scales; FP8 GEMMs are counted at
+bf16's speed (an upper bound on the time), the quantization on the trainer as free.
+
 Synchronous (``rollout.max_staleness: 0``) the step is their sum; asynchronous, generation
 overlaps training and the step is the longer of the two plus the push.
 """
@@ -24,7 +28,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from rlhpc.cluster.memory import ASSUMED_PROMPT_TOKENS, GIB, ModelShape, check_fits, read_shape
+from rlhpc.cluster.memory import ASSUMED_PROMPT_TOKENS, FP8_BYTES_PER_PARAM, GIB, ModelShape, check_fits, read_shape
 from rlhpc.config import Config, check_parallelism, check_run
 from rlhpc.errors import ConfigError
 
@@ -96,16 +100,17 @@ def estimate(cfg: Config, gpu: GPU, shape: ModelShape, a: Assumptions = Assumpti
     prompt = cfg.data.max_prompt_tokens or ASSUMED_PROMPT_TOKENS
     samples = r.rollout_batch_size * r.n_samples_per_prompt
     new = r.max_new_tokens
-    active, total = active_params(shape), shape.params()
+    active = active_params(shape)
 
     # generation: each engine's share, in waves of what its KV cache holds
     memory = (c.gpu_memory_gb or gpu.memory_gib) * GIB
     kv_per_token = shape.kv_bytes_per_token(tp)
-    kv_tokens = max(0.0, r.sglang.mem_fraction_static * memory - 2 * total / tp) / kv_per_token
+    held = shape.engine_weight_bytes(r.quantization)  # an engine's weights, and what a push sends it
+    kv_tokens = max(0.0, r.sglang.mem_fraction_static * memory - held / tp) / kv_per_token
     share = math.ceil(samples / engines)
     running = max(1, min(share, a.max_running, int(kv_tokens // (prompt + new))))
     waves = share / running  # continuous batching: a finished sequence's slot is refilled at once
-    weights_read = _weights_read(shape, running) / tp  # bytes a decode step reads of the weights
+    weights_read = _weights_read(shape, running, r.quantization) / tp  # bytes a decode step reads of the weights
     kv_read = running * (prompt + new / 2) * kv_per_token  # the running sequences' cache, on average
     memory_s = (weights_read + kv_read) / (gpu.memory_bytes_s * a.decode_memory_efficiency)
     compute_s = 2 * active * running / tp / (gpu.bf16_flops * a.prefill_mfu)
@@ -129,8 +134,8 @@ def estimate(cfg: Config, gpu: GPU, shape: ModelShape, a: Assumptions = Assumpti
     mfu = a.train_mfu / (2 if shape.experts else 1)
     train = 2 * active * tokens * passes / (max(1, actor_gpus) * flops * mfu)
 
-    # the push: bf16 weights to every engine
-    push_bytes = 2.0 * total
+    # the push: the engines' weights (bf16, or FP8 projections and their scales) to every engine
+    push_bytes = held
     if c.colocate:
         link, over = gpu.memory_bytes_s / 2, "the GPU's own memory (CUDA IPC: a read and a write)"
     elif c.total_nodes == 1:
@@ -147,7 +152,8 @@ def estimate(cfg: Config, gpu: GPU, shape: ModelShape, a: Assumptions = Assumpti
         f"(KV cache for ~{int(kv_tokens)} tokens), {waves:.1f} wave(s) of {new} decode steps of {decode_step * 1e3:.1f} ms",
         f"train: {tokens} tokens x {passes} passes ({'old logprobs, reference, ' if passes == 5 else 'old logprobs, '}"
         f"forward + backward) on {actor_gpus} GPU(s) at {mfu:.0%} of {'bf16' if megatron else 'TF32 (fp32 actor)'}",
-        f"push: {push_bytes / 1e9:.2f} GB of bf16 weights over {over}",
+        f"push: {push_bytes / 1e9:.2f} GB of {'FP8 (projections) and bf16' if r.quantization else 'bf16'} weights "
+        f"over {over}",
         "step: " + ("generation beside training (max_staleness >= 1), then the push" if overlapped else
                     "generate + train + push (synchronous)")
         + (f", {a.offload_s:g} s of offload (engines release and take back their memory)" if c.colocate and c.offload else ""),
@@ -155,13 +161,15 @@ def estimate(cfg: Config, gpu: GPU, shape: ModelShape, a: Assumptions = Assumpti
     return StepTime(generate, train, push, overlapped, notes)
 
 
-def _weights_read(shape: ModelShape, running: int) -> float:
-    """Bytes of bf16 weights a decode step over ``running`` sequences reads: every dense one and
-    the experts its tokens route to (all of them once the batch is large)."""
+def _weights_read(shape: ModelShape, running: int, quantization: str | None = None) -> float:
+    """Bytes of weights a decode step over ``running`` sequences reads: every dense one and
+    the experts its tokens route to (all of them once the batch is large); bf16, or with FP8
+    the projections at a byte and their scales."""
     split, replicated, expert = shape.layer_params()
     touched = min(1.0, running * shape.topk / shape.experts) if shape.experts else 0.0
     vocab = (1 if shape.tied else 2) * shape.vocab * shape.hidden
-    return 2.0 * (shape.layers * (split + replicated + expert * touched) + vocab)
+    per_param = FP8_BYTES_PER_PARAM if quantization == "fp8" else 2.0
+    return per_param * shape.layers * (split + expert * touched) + 2.0 * (shape.layers * replicated + vocab)
 
 
 def candidates(cfg: Config) -> list[Config]:

@@ -43,9 +43,10 @@ from rlhpc.wire.lora import LoraServing
 log = logging.getLogger(__name__)
 
 
-@ray.remote
-class EngineActor:
-    """Start, watch, restart and stop one engine server (``rlhpc.engine_server.cpu`` or SGLang)."""
+class EngineServer:
+    """Start, watch, restart and stop one engine server (``rlhpc.engine_server.cpu`` or SGLang):
+    as a Ray actor (``EngineActor``) in a run, as it is in a shared fleet's owner
+    (``rlhpc.launch.fleet``), which starts its engines outside any run's Ray."""
 
     def __init__(
         self,
@@ -272,3 +273,6 @@ class EngineActor:
     def shutdown(self) -> None:
         self._kill()
         shutil.rmtree(self.tmp_dir, ignore_errors=True)
+
+
+EngineActor = ray.remote(EngineServer)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import logging
 import os
 import re
@@ -45,7 +46,7 @@ from rlhpc.wire import switches
 from rlhpc.wire.client import EngineClient
 from rlhpc.wire.engine_key import read_key
 from rlhpc.wire.lora import LoraServing
-from rlhpc.wire.protocol import ROUTED_EXPERTS_FLAG
+from rlhpc.wire.protocol import FP8_QUANTIZATION, QUANTIZATION_FLAG, ROUTED_EXPERTS_FLAG
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +96,15 @@ def require_module(module: str, what: str, fix: str = "") -> None:
         )
 
 
+def quant_method(model_path: str) -> str | None:
+    """The quantization a checkpoint's config.json names (None: none, or no config.json to read)."""
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return (config.get("quantization_config") or {}).get("quant_method")
+
+
 def launch_server_command(
     python: str,
     model_path: str,
@@ -119,6 +129,10 @@ def launch_server_command(
         "--random-seed", str(spec.seed),
         "--base-gpu-id", "0",  # CUDA_VISIBLE_DEVICES holds exactly this engine's GPUs (server_env)
     ]  # fmt: skip
+    if quant_method(model_path) == FP8_QUANTIZATION:
+        # rollout.quantization: fp8 (the run's block-FP8 copy): SGLang reads the blocks from its
+        # config.json; the flag says so on the command line and refuses a checkpoint that is not
+        cmd += [QUANTIZATION_FLAG, FP8_QUANTIZATION]
     if spec.memory_saver:
         cmd.append("--enable-memory-saver")
     if spec.deterministic:

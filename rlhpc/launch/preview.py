@@ -53,8 +53,12 @@ def engines_preview(cfg: Config, run: RunDir) -> str:
     rollout = SGLangSpec(
         c.rollout_gpus_per_engine, r.sglang.mem_fraction_static, c.colocate or c.offload, cfg.seed,
         extra_args=tuple(r.sglang.extra_args), nnodes=nnodes, deterministic=cfg.deterministic, colocated=c.colocate,
+        routed_experts=cfg.algo.routing_replay,
     )  # fmt: skip
-    out = [_group("engine", r.backend, rollout, cfg.model.path or "<run dir>/base_model", run)]
+    model = cfg.model.path or "<run dir>/base_model"
+    if r.quantization == "fp8":  # the engines start from the copy the first start writes (rlhpc.driver)
+        model = str(run.fp8_model)
+    out = [_group("engine", r.backend, rollout, model, run, fp8=r.quantization == "fp8")]
     rm = cfg.reward_model
     if rm is not None:
         sg = reward_rollout_config(r, rm).sglang
@@ -76,16 +80,21 @@ def _line(cmd: list[str]) -> str:
     return shlex.join(cmd).replace("'", "")  # the <...> placeholders unquoted
 
 
-def _group(name: str, backend: str, spec: Any, model: str, run: RunDir) -> str:
-    """One group's engine 0: an SGLang server (``spec``) or the CPU engine server."""
+def _group(name: str, backend: str, spec: Any, model: str, run: RunDir, fp8: bool = False) -> str:
+    """One group's engine 0: an SGLang server (``spec``) or the CPU engine server. ``fp8``: it
+    serves ``model``, the block-FP8 copy, which the dry run has not written yet."""
     from rlhpc.engine_server.cpu.command import THREAD_DEFAULTS, server_command
     from rlhpc.engine_server.sglang import engine_env, env_changes, launch_server_command, server_env
+    from rlhpc.wire.protocol import FP8_QUANTIZATION, QUANTIZATION_FLAG
 
     if backend == "sglang":
         cmd = launch_server_command(
             "python", model, NODE_IP, 0, 0, spec, f"<node rank 0 ip>:{FREE_PORT}" if spec.nnodes > 1 else None,
             Path(f"{ENGINE_TMP}/sglang_key.yaml"),
         )  # fmt: skip
+        if fp8 and QUANTIZATION_FLAG not in cmd:  # what launch_server_command reads from the copy's config.json
+            at = cmd.index("--base-gpu-id") + 2
+            cmd[at:at] = [QUANTIZATION_FLAG, FP8_QUANTIZATION]
         for flag in ("--port", "--nccl-port"):
             cmd[cmd.index(flag) + 1] = FREE_PORT
         env = server_env(os.environ, spec, [ENGINE_GPUS])

@@ -20,6 +20,7 @@ from rlhpc.cluster.layout import idle_note
 from rlhpc.config import Config
 from rlhpc.errors import ConfigError, RlhpcError
 from rlhpc.launch import run_owner, slurm
+from rlhpc.launch.fleet import run_shared
 from rlhpc.launch.follow import follow
 from rlhpc.launch.followup import run_now, submit_after
 from rlhpc.launch.job import TrainJob
@@ -100,6 +101,7 @@ class Submission:
     follow: bool | None = None  # None: follow a local run, not a Slurm one
     sweeps: tuple[str, ...] = ()  # KEY=V1,V2,...
     max_parallel: int | None = None
+    shared_fleet: bool = False  # the sweep's LoRA tasks share one engine fleet (rlhpc.launch.fleet)
     then: tuple[str, ...] = ()  # follow-up commands
     sbatch: SbatchArgs = field(default_factory=SbatchArgs)
 
@@ -152,6 +154,13 @@ def submit(s: Submission) -> int:
 
 def check_options(s: Submission, sweeps: list) -> None:
     """Options that do not go together, refused before anything is read or written."""
+    if s.shared_fleet and not sweeps:
+        raise ConfigError("--shared-fleet without --sweep", "add --sweep KEY=V1,V2,... or drop --shared-fleet")
+    if s.shared_fleet and s.max_parallel is not None:
+        raise ConfigError(
+            "--shared-fleet with --max-parallel: the tasks of a shared fleet run all at once",
+            "drop --max-parallel, or --shared-fleet",
+        )
     if s.max_parallel is not None and not sweeps:
         raise ConfigError("--max-parallel without --sweep", "add --sweep KEY=V1,V2,... or drop --max-parallel")
     if s.max_parallel is not None and s.max_parallel < 1:
@@ -268,13 +277,19 @@ def submit_sweep(s: Submission, sweeps: list, opts: SlurmOptions) -> int:
             "submit each configuration as a job of its own, or sweep without --rollout-nodes",
         )
     sweep = SweepDir(s.run_dir)
-    tasks = plan_sweep(s.config, list(s.overrides), sweeps, sweep, s.force)
+    tasks = plan_sweep(s.config, list(s.overrides), sweeps, sweep, s.force, s.shared_fleet)
     if s.dry_run:
         print(dry_run(tasks[0].cfg, sweep.path, opts, array=len(tasks), max_parallel=s.max_parallel), end="")
         for t in tasks:
             print(f"  task {t.index}: {t.describe()} -> {t.run}")
         return 0
     if choose_kind(s.kind) == "slurm":
+        if s.shared_fleet:
+            raise RlhpcError(
+                "--shared-fleet on Slurm: a job array gives each task its own allocation, and one allocation "
+                "running every task beside one fleet is not built yet",
+                "run the shared-fleet sweep locally (--cluster local), or drop --shared-fleet",
+            )
         preflight(opts)
         submitted = submit_array(sweep, tasks, opts, s.max_parallel, s.force)
         for t, job in submitted:
@@ -297,7 +312,8 @@ def _sweep_locally(s: Submission, sweep: SweepDir, tasks: list[SweepTask], opts:
         run_now(t.run, list(s.then))
         return code
 
-    failed = run_locally(sweep, tasks, lambda t: _start_local_owned(s, t.cfg, t.run, opts.time_min), follow_then)
+    run = run_shared if s.shared_fleet else run_locally
+    failed = run(sweep, tasks, lambda t: _start_local_owned(s, t.cfg, t.run, opts.time_min), follow_then)
     if failed:
         raise RlhpcError(
             f"{len(failed)} of {len(tasks)} sweep task(s) failed: "

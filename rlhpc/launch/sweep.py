@@ -21,6 +21,7 @@ import submitit
 from rlhpc.config import Config
 from rlhpc.errors import ConfigError, RlhpcError, RunDirError
 from rlhpc.launch import run_owner
+from rlhpc.launch.fleet import fleet_settings
 from rlhpc.launch.job import TrainJob
 from rlhpc.launch.run_owner import Owner
 from rlhpc.launch.slurm import SlurmOptions, slurm_executor
@@ -81,9 +82,16 @@ def parse_sweeps(items: list[str]) -> list[tuple[str, list[str]]]:
 
 
 def plan_sweep(
-    config: Path, overrides: list[str], sweeps: list[tuple[str, list[str]]], sweep: SweepDir, force: bool
+    config: Path,
+    overrides: list[str],
+    sweeps: list[tuple[str, list[str]]],
+    sweep: SweepDir,
+    force: bool,
+    shared_fleet: bool = False,
 ) -> list[SweepTask]:
-    """Every task of the sweep, its config loaded and checked: refusals come before anything is written."""
+    """Every task of the sweep, its config loaded and checked: refusals come before anything is
+    written. ``shared_fleet``: each task attaches to the sweep's fleet (``rollout.fleet``)."""
+    fleet = [f"rollout.fleet={sweep.fleet_file}"] if shared_fleet else []
     if (sweep.path / "config.yaml").is_file() and not SweepDir.is_sweep(sweep.path):
         raise RunDirError(
             f"{sweep.path} holds a single run, not a sweep", "pass --run-dir a new directory for the sweep"
@@ -100,7 +108,7 @@ def plan_sweep(
     tasks = []
     for i, combo in enumerate(combos):
         try:
-            cfg = load_config(config, [*overrides, *combo])
+            cfg = load_config(config, [*overrides, *combo, *fleet])
         except ConfigError as e:
             raise ConfigError(f"sweep task {i} ({', '.join(combo)}): {e.problem}", e.fix) from None
         task = SweepTask(i, combo, cfg, sweep.task(i))
@@ -108,6 +116,8 @@ def plan_sweep(
             task.run.check(cfg, force=force)
             run_owner.check_free(task.run)
         tasks.append(task)
+    if shared_fleet:
+        fleet_settings(tasks)  # the tasks can share engines, or the refusal names the key they differ in
     return tasks
 
 

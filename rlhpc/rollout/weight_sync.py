@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from rlhpc.errors import RlhpcError, WeightPushFailed
+from rlhpc.wire.protocol import MetaInfo
 from rlhpc.wire.request import EnginesDown
 
 if TYPE_CHECKING:
@@ -38,12 +39,15 @@ class WeightSync:
 
     ``version``: the checkpoint's weight version (0 on a fresh run). ``fuse``: push with the
     training call when nothing needs repair first (the synchronous loop, not offloaded: the
-    engines wait idle for the push anyway, and the ranks are spared one trip)."""
+    engines wait idle for the push anyway, and the ranks are spared one trip). ``shared``: the
+    engines are a shared fleet's (``rollout.fleet``), whose one weight version per engine is no
+    run's: each sample is stamped with this run's adapter version instead (exact in the
+    synchronous loop the fleet requires: no push lands during a generation)."""
 
-    def __init__(self, actor: ActorGroup, pool: EnginePool, version: int, fuse: bool = False):
+    def __init__(self, actor: ActorGroup, pool: EnginePool, version: int, fuse: bool = False, shared: bool = False):
         if pool.frozen:
             raise RlhpcError(f"weights pushed to the {pool.role} engines", "the model is frozen: push nothing to it")
-        self.actor, self.pool, self.fuse = actor, pool, fuse
+        self.actor, self.pool, self.fuse, self.shared = actor, pool, fuse, shared
         self.trained = version
         self.version: int | None = None
         self.connected = False
@@ -138,8 +142,25 @@ class WeightSync:
         """The trained pool's ``generate`` (a ``rlhpc.wire.request.Send``); with no engine left,
         ``EnginesDown`` names the version the engines held."""
         try:
+            if self.shared:
+                return self._stamped(self.pool.generate(requests, self._stamp_each(done)))
             return self.pool.generate(requests, done)
         except EnginesDown as e:
             if e.version is not None:
                 raise
             raise EnginesDown(e.dead, self.version) from None
+
+    def _stamped(self, outputs: list[list[dict]]) -> list[list[dict]]:
+        """Each sample's ``meta_info`` with this run's adapter version (see ``shared``)."""
+        v = str(self.version if self.version is not None else 0)
+        for samples in outputs:
+            for out in samples:
+                meta = out.setdefault("meta_info", {})
+                meta[MetaInfo.WEIGHT_VERSION] = v
+                meta.pop(MetaInfo.WEIGHT_VERSIONS, None)  # the engine's spans, of its own versions
+        return outputs
+
+    def _stamp_each(self, done: Callable[[int, list[dict]], None] | None) -> Callable[[int, list[dict]], None] | None:
+        if done is None:
+            return None
+        return lambda i, samples: done(i, self._stamped([samples])[0])

@@ -32,6 +32,7 @@ PHASES = (
     "stage",  # cluster.stage_dir: the model and checkpoint copied to this node (task 0's share)
     "ray_up",
     "placement",
+    "quantize",  # rollout.quantization: fp8: the engines' FP8 copy of the model written (the first start only)
     "engines_up",  # beside actor_up and actor_load
     "actor_up",
     "actor_load",

@@ -195,22 +195,27 @@ class SenderBase:
         self._on_all(lambda c: c.continue_generation())
         log.debug("weights version %s sent to %d engine(s) in %d bucket(s)", v, len(self.clients), n)
 
-    def send_adapter(self, name: str, directory: str, version: int) -> None:
+    def send_adapter(self, name: str, directory: str, version: int, shared: bool = False) -> None:
         """Push a LoRA adapter (its PEFT files in ``directory``, on a file system every engine
         reads) as ``version``: each engine, paused as for a full push, drops the adapter it serves
         under ``name`` and loads this one under it, and records the version. No bucket, no
         weight-update session: the base weights do not change. After a failure the engines are
-        left paused, to be restarted, as after a failed full push."""
+        left paused, to be restarted, as after a failed full push.
+
+        ``shared`` (a shared fleet, serving other runs' adapters too): no pause, which would abort
+        the other runs' requests (this run has none in flight: its loop is synchronous, and an
+        unload waits for the requests naming the adapter), and no engine version, which is one
+        per engine: the run keeps its adapter's version itself (``WeightSync``)."""
         v = str(version)
+
+        if shared:
+            self._on_all(lambda c: self._swap_adapter(c, name, directory))
+            log.debug("LoRA adapter %s version %s sent to %d shared engine(s)", name, v, len(self.clients))
+            return
 
         def swap(c: EngineClient) -> None:
             c.pause_generation(self.pause_mode)
-            try:
-                c.unload_lora_adapter(name)
-            except RlhpcError as e:  # none yet: the first push, or an engine started again since
-                if not_loaded(name) not in e.problem:
-                    raise
-            c.load_lora_adapter(P.LoadLoRAAdapterReqInput(lora_name=name, lora_path=directory))
+            self._swap_adapter(c, name, directory)
             c.update_weight_version(v)
 
         self._last_answers = []  # no bucket answers: each engine is asked its version
@@ -218,6 +223,16 @@ class SenderBase:
         self._check_versions(v)
         self._on_all(lambda c: c.continue_generation())
         log.debug("LoRA adapter version %s sent to %d engine(s)", v, len(self.clients))
+
+    @staticmethod
+    def _swap_adapter(c: EngineClient, name: str, directory: str) -> None:
+        """The adapter ``name`` on engine ``c`` is now the one in ``directory``."""
+        try:
+            c.unload_lora_adapter(name)
+        except RlhpcError as e:  # none yet: the first push, or an engine started again since
+            if not_loaded(name) not in e.problem:
+                raise
+        c.load_lora_adapter(P.LoadLoRAAdapterReqInput(lora_name=name, lora_path=directory))
 
     def _checked(self, flat: torch.Tensor, names: list[str], tensors: list[torch.Tensor]) -> None:
         """Raise, before the bucket leaves, if it holds NaN or an infinity: a diverged trainer's

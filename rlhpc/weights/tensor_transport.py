@@ -253,7 +253,9 @@ def non_finite(
     (a sum of finite values can overflow, e.g. float16's: those tensors pass)."""
     runs: list[tuple[torch.dtype, int, int]] = []  # (dtype, first tensor, end tensor)
     for k, dtype in enumerate(dtypes):
-        if not dtype.is_floating_point:
+        # FP8 values (rollout.quantization: fp8) cannot be summed; their float32 block scales,
+        # sent beside them, carry any NaN or infinity of the weights they were quantized from
+        if not dtype.is_floating_point or dtype.itemsize == 1:
             continue
         if runs and runs[-1][0] == dtype and runs[-1][2] == k:
             runs[-1] = (dtype, runs[-1][1], k + 1)

@@ -7,14 +7,19 @@ that names them (tests check it against SGLang's sources).
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import logging
 import socket
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Coroutine
 from typing import Any
 
+import aiohttp
 import orjson
 import urllib3
+import uvloop
 from urllib3.connection import HTTPConnection
 
 from rlhpc.errors import RlhpcError
@@ -69,7 +74,7 @@ def _socket_options() -> list[tuple[int, int, int]]:
 # Connections kept per engine: the pool's request threads and a push's calls share them.
 POOL_SIZE = 16
 # Prompts a client sends at once, one request each (``EngineClient.generate`` with
-# ``per_prompt``), each on a thread of its own waiting for its answer, with its connection: the
+# ``per_prompt``), each with its connection (``PromptSender``): the
 # engines behind the router batch what arrives together, so this bounds their batches, as
 # rlhpc.rollout.sampler.MAX_SAMPLES_PER_REQUEST bounds a request without the router. Well
 # under the 1024 open files a node often allows a process, and under the connections a CPU
@@ -84,6 +89,92 @@ def engine_connections(api_key: str | None, size: int = POOL_SIZE) -> urllib3.Po
     return urllib3.PoolManager(
         maxsize=size, socket_options=_socket_options(), headers=auth_headers(api_key), retries=False
     )
+
+
+def _keepalive_socket(addr: tuple) -> socket.socket:
+    """A connection's socket for aiohttp (``TCPConnector(socket_factory=...)``), with the options above."""
+    family, kind, proto, _, _ = addr
+    sock = socket.socket(family, kind, proto)
+    for level, name, value in _socket_options():
+        sock.setsockopt(level, name, value)
+    return sock
+
+
+class SenderClosed(RuntimeError):
+    """The client was closed (the job started the router or engine again) while a batch was being sent."""
+
+
+class PromptSender:
+    """A batch's prompts sent at once, one request each, from one event loop on a thread of its
+    own, over ``in_flight`` kept-alive connections. Not a thread per prompt: 256 threads taking
+    turns at the GIL, each through urllib3's pure-Python HTTP, cost the driver ~0.4 ms of CPU a
+    prompt (a rollout of 256: ~100 ms, on the cores the router and the engines need); one loop
+    with aiohttp's C parser ~0.15 ms (tools/bench/loop_overhead.py, docs/benchmarks.md)."""
+
+    def __init__(self, api_key: str | None, in_flight: int):
+        self._loop = uvloop.new_event_loop()
+        self._thread = threading.Thread(target=self._serve, name="prompts", daemon=True)
+        self._thread.start()
+        self._lock = threading.Lock()
+        self._closed = False
+        self.session = self.run(self._open(api_key, in_flight))
+
+    def _serve(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_forever()
+        finally:
+            self._loop.close()
+
+    @staticmethod
+    async def _open(api_key: str | None, in_flight: int) -> aiohttp.ClientSession:
+        connector = aiohttp.TCPConnector(limit=in_flight, socket_factory=_keepalive_socket)
+        return aiohttp.ClientSession(
+            connector=connector,
+            headers={**auth_headers(api_key), "Content-Type": "application/json"},
+            cookie_jar=aiohttp.DummyCookieJar(),  # engines and the router set none: not looked up per request
+        )
+
+    def run(self, coro: Coroutine) -> Any:
+        """``coro``'s result, run on the sender's loop (from any other thread)."""
+        with self._lock:
+            if self._closed:
+                coro.close()
+                raise SenderClosed("closed")
+            future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return future.result()
+        except concurrent.futures.CancelledError as e:  # close() cancelled it
+            raise SenderClosed("closed while sending") from e
+
+    @staticmethod
+    def timeout(read_timeout_s: float) -> aiohttp.ClientTimeout:
+        """A request's: no total (a prompt waits its turn for a connection), the connect and read timeouts."""
+        return aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S, sock_read=read_timeout_s)
+
+    async def post(self, url: str, body: bytes, timeout: aiohttp.ClientTimeout) -> tuple[int, bytes]:
+        """One request: its status and body."""
+        async with self.session.post(url, data=body, timeout=timeout) as r:
+            return r.status, await r.read()
+
+    def close(self) -> None:
+        """Every send in flight ends (``SenderClosed``), the connections close, the thread ends."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+
+        async def shut() -> None:
+            for task in asyncio.all_tasks():
+                if task is not asyncio.current_task():
+                    task.cancel()
+            await self.session.close()
+
+        try:
+            asyncio.run_coroutine_threadsafe(shut(), self._loop).result(timeout=10)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
 
 
 # ------------------------------------------------------------------ client
@@ -119,8 +210,11 @@ class EngineClient:
         self._http = engine_connections(api_key, ROUTER_IN_FLIGHT if self.per_prompt else POOL_SIZE)
         # urllib3 sends the headers a request names instead of the pool's: the key goes with them
         self._json_headers = {**auth_headers(api_key), "Content-Type": "application/json"}
-        # prompts in flight, each waiting for its answer on a thread of its own (made as needed)
-        self._prompts = ThreadPoolExecutor(ROUTER_IN_FLIGHT, thread_name_prefix="prompt") if self.per_prompt else None
+        # a batch's prompts in flight (made at the first batch)
+        self._sender: PromptSender | None = None
+        self._sender_lock = threading.Lock()
+        self._api_key = api_key
+        self._closed = False
 
     def __repr__(self) -> str:
         return f"EngineClient({self.base_url!r}{', router=True' if self.router else ''})"
@@ -148,38 +242,39 @@ class EngineClient:
                 timeout=urllib3.Timeout(connect=CONNECT_TIMEOUT_S, read=timeout_s or self.timeout_s),
             )
         except urllib3.exceptions.HTTPError as e:
-            raise EngineUnavailable(
-                f"{self.what} {self.base_url} unreachable on {route}: {type(e).__name__}: {e}",
-                f"check that the {self.what} is running (its log names the reason it stopped)",
-            ) from e
-        if resp.status >= 500:  # SGLang answers 5xx when its scheduler died or is shutting down
-            raise EngineUnavailable(
-                f"{self.what} {self.base_url}{route} answered HTTP {resp.status}: {_error_text(resp)}",
-                f"see the {self.what}'s log: it may have crashed",
-            )
-        if 400 <= resp.status < 500:
-            raise RequestRefused(
-                f"{self.what} {self.base_url}{route} refused {about or 'the request'} with HTTP {resp.status}: "
-                f"{_error_text(resp)}",
-                "the request itself is wrong (sent again it would be refused again): the message names "
-                f"what, e.g. a sampling param or a prompt longer than the context; see also the {self.what}'s log",
-                resp.status,
-            )
-        if resp.status != 200:
-            raise RlhpcError(
-                f"{self.what} {self.base_url}{route} answered HTTP {resp.status}: {_error_text(resp)}",
-                f"see the message above and the {self.what}'s log",
-            )
+            raise self._unreachable(route, e) from e
+        self._check_status(route, resp.status, resp.data, about)
         return resp
 
+    def _unreachable(self, route: str, e: BaseException) -> EngineUnavailable:
+        return EngineUnavailable(
+            f"{self.what} {self.base_url} unreachable on {route}: {type(e).__name__}: {e}",
+            f"check that the {self.what} is running (its log names the reason it stopped)",
+        )
+
+    def _check_status(self, route: str, status: int, data: bytes, about: str = "") -> None:
+        """Raise unless ``status`` is 200 (``data``: the answer's body, its error text)."""
+        if status >= 500:  # SGLang answers 5xx when its scheduler died or is shutting down
+            raise EngineUnavailable(
+                f"{self.what} {self.base_url}{route} answered HTTP {status}: {_error_text(data)}",
+                f"see the {self.what}'s log: it may have crashed",
+            )
+        if 400 <= status < 500:
+            raise RequestRefused(
+                f"{self.what} {self.base_url}{route} refused {about or 'the request'} with HTTP {status}: "
+                f"{_error_text(data)}",
+                "the request itself is wrong (sent again it would be refused again): the message names "
+                f"what, e.g. a sampling param or a prompt longer than the context; see also the {self.what}'s log",
+                status,
+            )
+        if status != 200:
+            raise RlhpcError(
+                f"{self.what} {self.base_url}{route} answered HTTP {status}: {_error_text(data)}",
+                f"see the message above and the {self.what}'s log",
+            )
+
     def _json(self, method: str, route: str, body: Any = None, timeout_s: float | None = None, about: str = "") -> Any:
-        resp = self._request(method, route, body, timeout_s, about=about)
-        if not resp.data:
-            return None
-        try:
-            return orjson.loads(resp.data)
-        except orjson.JSONDecodeError:
-            return resp.data.decode(errors="replace")
+        return _decode(self._request(method, route, body, timeout_s, about=about).data)
 
     def _checked(self, route: str, body: dict[str, Any], timeout_s: float | None = None) -> dict[str, Any]:
         """POST to a route answering {"success", "message"}; raise on success=false."""
@@ -297,17 +392,46 @@ class EngineClient:
                 )
         if not P.is_batch(req):
             return self._generate(prompts[0], timeout_s, about[0])
+        bodies = [orjson.dumps(P.generate_body(p)) for p in prompts]
         try:
-            answers = [self._prompts.submit(self._generate, p, timeout_s, a) for p, a in zip(prompts, about)]
-        except RuntimeError as e:  # closed: the job started the router (or engine) again meanwhile
+            return self._prompt_sender().run(self._send_all(bodies, about, timeout_s or self.timeout_s))
+        except SenderClosed as e:  # the job started the router (or engine) again meanwhile
             raise EngineUnavailable(
                 f"{self.what} {self.base_url} was replaced while a batch was being sent", "send it again"
             ) from e
+
+    def _prompt_sender(self) -> PromptSender:
+        with self._sender_lock:
+            if self._closed:
+                raise SenderClosed("closed")
+            if self._sender is None:
+                self._sender = PromptSender(self._api_key, ROUTER_IN_FLIGHT)
+            return self._sender
+
+    async def _send_all(self, bodies: list[bytes], about: list[str], timeout_s: float) -> list[Any]:
+        """Every prompt's answer, in order (on the sender's loop). The first to fail ends the send:
+        the prompts not answered yet are not waited for (nor sent, if still waiting for a connection)."""
+        sender, url = self._sender, f"{self.base_url}{Route.GENERATE}"
+        timeout = sender.timeout(timeout_s)
+
+        async def one(body: bytes, what: str) -> Any:
+            try:
+                status, data = await sender.post(url, body, timeout)
+            except (aiohttp.ClientError, TimeoutError) as e:
+                raise self._unreachable(Route.GENERATE, e) from e
+            self._check_status(Route.GENERATE, status, data, what)
+            return _decode(data)
+
+        tasks = [asyncio.ensure_future(one(b, a)) for b, a in zip(bodies, about)]
         try:
-            return [a.result() for a in answers]
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            failed = [t for t in tasks if t.done() and t.exception() is not None]
+            if failed:  # the first in prompt order among those that failed
+                raise failed[0].exception()
+            return [t.result() for t in tasks]
         finally:
-            for a in answers:  # one failed: those not sent yet are not sent
-                a.cancel()
+            for t in tasks:
+                t.cancel()
 
     def _generate(self, req: P.GenerateReqInput, timeout_s: float | None, about: str) -> Any:
         return self._json("POST", Route.GENERATE, P.generate_body(req), timeout_s, about)
@@ -414,8 +538,11 @@ class EngineClient:
         )
 
     def close(self) -> None:
-        if self._prompts is not None:  # prompts queued still go, and find the server gone (EngineUnavailable)
-            self._prompts.shutdown(wait=False)
+        with self._sender_lock:
+            self._closed = True
+            sender, self._sender = self._sender, None
+        if sender is not None:  # a batch being sent ends with EngineUnavailable
+            sender.close()
         self._http.clear()
 
 
@@ -433,12 +560,22 @@ def _describe(req: P.GenerateReqInput, i: int = 0, n: int = 1) -> str:
     return f"{f'prompt {i} of {n}' if n > 1 else 'a prompt'} ({', '.join(details)})"
 
 
-def _error_text(resp: urllib3.BaseHTTPResponse) -> str:
+def _decode(data: bytes) -> Any:
+    """An answer's JSON (None when empty; its text when no JSON)."""
+    if not data:
+        return None
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return data.decode(errors="replace")
+
+
+def _error_text(data: bytes) -> str:
     """SGLang's error bodies: {"error": {"message"}}, {"message"}, {"detail"} or plain text."""
     try:
-        body = resp.json()
-    except ValueError:
-        return resp.data.decode(errors="replace").strip()[:2000]
+        body = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return data.decode(errors="replace").strip()[:2000]
     if isinstance(body, dict):
         err = body.get("error")
         if isinstance(err, dict) and "message" in err:

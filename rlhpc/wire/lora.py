@@ -20,6 +20,7 @@ ENABLE_LORA = "--enable-lora"
 MAX_LORA_RANK = "--max-lora-rank"
 LORA_TARGET_MODULES = "--lora-target-modules"
 MAX_LORAS_PER_BATCH = "--max-loras-per-batch"
+MAX_LOADED_LORAS = "--max-loaded-loras"  # adapters held at once; a load past it unloads the least recently used
 LORA_PATHS = "--lora-paths"
 DEFAULT_MAX_LORAS_PER_BATCH = 8  # SGLang's, counting the base model as one
 
@@ -54,12 +55,15 @@ TENSOR_LORA_PATH = "__tensor__"
 class LoraServing:
     """An engine serving LoRA adapters: the room it keeps (largest rank, modules adapted) and how
     many adapters (the base model counts as one) a batch may mix. ``paths``: adapters loaded at
-    start, ``NAME=PATH`` or ``PATH`` (named by their path), as SGLang's --lora-paths."""
+    start, ``NAME=PATH`` or ``PATH`` (named by their path), as SGLang's --lora-paths.
+    ``max_loaded_loras``: adapters held at once (None: no limit); a load past it unloads the
+    least recently used adapter, as SGLang does."""
 
     max_lora_rank: int
     target_modules: tuple[str, ...]
     max_loras_per_batch: int = DEFAULT_MAX_LORAS_PER_BATCH
     paths: tuple[str, ...] = ()
+    max_loaded_loras: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_lora_rank < 1:
@@ -77,6 +81,17 @@ class LoraServing:
             )
         if self.max_loras_per_batch < 1:
             raise RlhpcError(f"max_loras_per_batch {self.max_loras_per_batch}", "give at least 1 (SGLang's default: 8)")
+        if self.max_loaded_loras is not None:
+            if self.max_loaded_loras < self.max_loras_per_batch:
+                raise RlhpcError(
+                    loaded_below_batch(self.max_loaded_loras, self.max_loras_per_batch),
+                    f"give {MAX_LOADED_LORAS} at least {MAX_LORAS_PER_BATCH} ({self.max_loras_per_batch})",
+                )
+            if len(self.paths) > self.max_loaded_loras:
+                raise RlhpcError(
+                    more_paths_than_loaded(self.max_loaded_loras, len(self.paths)),
+                    f"load at most {self.max_loaded_loras} adapters at start, or raise {MAX_LOADED_LORAS}",
+                )
 
     @classmethod
     def for_adapter(cls, rank: int, target_modules: str | Iterable[str]) -> LoraServing:
@@ -88,6 +103,8 @@ class LoraServing:
         """SGLang's launch flags for this (the CPU engine takes the same ones)."""
         out = [ENABLE_LORA, MAX_LORA_RANK, str(self.max_lora_rank), LORA_TARGET_MODULES, *self.target_modules]
         out += [MAX_LORAS_PER_BATCH, str(self.max_loras_per_batch)]
+        if self.max_loaded_loras is not None:
+            out += [MAX_LOADED_LORAS, str(self.max_loaded_loras)]
         if self.paths:
             out += [LORA_PATHS, *self.paths]
         return out
@@ -170,6 +187,30 @@ def does_not_fit(name: str, rank: int) -> str:
         f"LoRA adapter {name} with rank {rank} is incompatible with the current LoRA memory pool configuration. "
         "Please ensure that the LoRA adapter's rank is within the configured `--max-lora-rank` and that the "
         "target modules are included in `--lora-target-modules`."
+    )
+
+
+def loaded_below_batch(max_loaded: int, per_batch: int) -> str:
+    """--max-loaded-loras below --max-loras-per-batch (SGLang's launch check)."""
+    return (
+        "max_loaded_loras should be greater than or equal to max_loras_per_batch. "
+        f"max_loaded_loras={max_loaded}, max_loras_per_batch={per_batch}"
+    )
+
+
+def more_paths_than_loaded(max_loaded: int, paths: int) -> str:
+    """More --lora-paths than --max-loaded-loras (SGLang's launch check)."""
+    return (
+        "The number of LoRA paths should not exceed max_loaded_loras. "
+        f"max_loaded_loras={max_loaded}, lora_paths={paths}"
+    )
+
+
+def evicting(name: str, loaded: int, max_loaded: int) -> str:
+    """What SGLang logs as a load past --max-loaded-loras unloads the least recently used adapter."""
+    return (
+        f"Unloading least recently used LoRA adapter '{name}' "
+        f"(current number of adapters: {loaded}, max allowed: {max_loaded})"
     )
 
 

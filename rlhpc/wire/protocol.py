@@ -31,6 +31,10 @@ FLATTENED_BUCKET = "flattened_bucket"
 # Rollout routing replay (R3): the launch flag without which SGLang answers no routed experts
 # (it ignores the request's return_routed_experts then, without an error)
 ROUTED_EXPERTS_FLAG = "--enable-return-routed-experts"
+# rollout.quantization: fp8: SGLang's launch flag and the quantization a block-FP8 checkpoint's
+# config.json names (quantization_config.quant_method; Fp8Config.from_config)
+QUANTIZATION_FLAG = "--quantization"
+FP8_QUANTIZATION = "fp8"
 
 
 class Route:

@@ -74,3 +74,22 @@ def pass_at_k_by_hand(samples: list[dict], n: int) -> tuple[dict[str, float], tu
         outcomes = {s["score"] >= 1.0 for s in group if counts[s["response"].strip()] == top}
         low, high = low + min(outcomes), high + max(outcomes)
     return out, (low / len(by_prompt), high / len(by_prompt))
+
+
+_scored = 0  # samples ``parity_then_raise`` scored in this process
+
+
+def parity(prompt: str, response: str, answer: str) -> float:
+    """1.0 for a response whose characters' codes sum to an even number: about half of an
+    untrained model's samples pass, so a rollout's advantages are not all zero and it trains."""
+    return float(sum(map(ord, response)) % 2 == 0)
+
+
+def parity_then_raise(prompt: str, response: str, answer: str) -> float:
+    """``parity`` for the first 32 samples (rollout 0 of a job with 8 prompts x 4 samples), then
+    a user's bug: every later call raises."""
+    global _scored
+    _scored += 1
+    if _scored > 32:
+        raise RuntimeError("a user's reward failing after rollout 0")
+    return parity(prompt, response, answer)

@@ -14,6 +14,7 @@ import yaml
 from rlhpc.cluster.memory import summarize
 from rlhpc.errors import ConfigError
 from rlhpc.preflight import load_config
+from rlhpc.wire.protocol import ROUTED_EXPERTS_FLAG
 
 REPO = Path(__file__).resolve().parents[2]
 MODELS = REPO / "tests" / "support" / "models"
@@ -94,8 +95,12 @@ def test_a_recipe_dry_runs_against_its_models_shape(recipe, tmp_path):
     assert "fastest layout of these" in p.stdout or "no layout of these" in p.stdout
     # the engine launch line and the resolved config it will run
     tp = cfg.cluster.rollout_gpus_per_engine
-    assert f"python -P -m sglang.launch_server --model-path {MODELS / model} " in p.stdout
+    served = tmp_path / "run" / "engine_model_fp8" if cfg.rollout.quantization == "fp8" else MODELS / model
+    assert f"python -P -m sglang.launch_server --model-path {served} " in p.stdout
     assert f"--tp-size {tp} --mem-fraction-static 0.7 --random-seed {cfg.seed}" in p.stdout
+    launch = p.stdout.split("sglang.launch_server", 1)[1].split("\n", 1)[0]
+    assert ("--base-gpu-id 0 --quantization fp8 " in launch) == (cfg.rollout.quantization == "fp8")
+    assert (f"{ROUTED_EXPERTS_FLAG} " in launch) == cfg.algo.routing_replay
     resolved = yaml.safe_load(p.stdout.split("# the resolved config the job runs", 1)[1].split("\n", 1)[1])
     assert resolved["data"]["label_key"] == "reward_model.ground_truth" and resolved["model"]["path"] == str(
         MODELS / model

@@ -3,6 +3,8 @@ from its wheel, the answer decoded as it encodes it, and the configs preflight r
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 from support import sglang_wheel as W
@@ -118,3 +120,39 @@ def test_preflight_refuses_what_cannot_replay() -> None:
     recompute.actor.megatron.pipeline_model_parallel_size = 2
     with pytest.raises(ConfigError, match="recompute"):
         preflight.check_routing_replay(recompute)
+
+
+def test_routing_for_another_model_is_refused_with_the_fix(tmp_path) -> None:
+    """Routing the engines returned for a model other than the actor's (more MoE layers, or
+    another top-k) is one named error, not a shape error deep in the forward."""
+    import torch
+
+    from rlhpc import moe_routing
+    from rlhpc.model import build_tiny_model, load_model, routing_shape
+
+    path = build_tiny_model(tmp_path / "moe", TinyModelConfig(architecture="qwen3_moe", seed=3))
+    model = load_model(str(path))
+    layers, top_k, _ = routing_shape(str(path))
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with pytest.raises(RlhpcError, match="MoE layers") as raised:
+        with moe_routing.replayed(model, torch.zeros(4, layers + 1, top_k, dtype=torch.int32)):
+            model(ids)
+    assert "serve the actor's model" in raised.value.fix
+    with pytest.raises(RlhpcError, match="routing of shape"):
+        with moe_routing.replayed(model, torch.zeros(4, layers, top_k + 1, dtype=torch.int32)):
+            model(ids)
+
+
+def test_sglang_records_the_routing_before_the_experts_whatever_their_quantization() -> None:
+    """R3 with FP8 rollout (docs/guides/moe.md): SGLang captures each token's experts where its
+    top-k picks them (``_post_process_topk_ids``, which every ``select_experts`` runs), before any
+    quantized expert GEMM, and no quantization method reads the flag: the pair is not refused."""
+    import zipfile
+
+    assert "capture_routed_experts_if_allowed" in W.calls_in("sglang/srt/layers/moe/topk.py", "_post_process_topk_ids")
+    assert "_post_process_topk_ids" in W.function_code("sglang/srt/layers/moe/topk.py", "select_experts")
+    with zipfile.ZipFile(W.wheel_path()) as z:
+        quant = [n for n in z.namelist() if n.startswith("sglang/srt/layers/quantization/") and n.endswith(".py")]
+        assert "sglang/srt/layers/quantization/fp8.py" in quant
+        reading = [n for n in quant if re.search(r"return_routed_experts|RETURN_ROUTED_EXPERTS", z.read(n).decode())]
+    assert not reading, reading

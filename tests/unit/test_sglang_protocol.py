@@ -17,6 +17,7 @@ from support import sglang_wheel as sgl
 from rlhpc.engine_server import sglang as sglang_server
 from rlhpc.engine_server.cpu import requests as cpu_requests
 from rlhpc.engine_server.sglang import SGLangSpec
+from rlhpc.errors import RlhpcError
 from rlhpc.wire import anthropic_messages as AM
 from rlhpc.wire import lora as L
 from rlhpc.wire import openai_protocol as OP
@@ -424,6 +425,36 @@ def test_lora_launch_flags_are_sglangs_and_both_engines_take_them() -> None:
     assert L.NEEDS_RANK_AND_TARGETS in _texts(LORA_HOOK, "check_lora_server_args")
     with pytest.raises(SystemExit):
         parse_args(["--model-path", "/m", L.ENABLE_LORA, L.MAX_LORA_RANK, "8"])
+
+
+def test_max_loaded_loras_is_sglangs() -> None:
+    """--max-loaded-loras (a shared fleet's engines hold many adapters): SGLang's flag (default
+    no limit), its launch checks in its words, and its rule past the limit: the load succeeds and
+    the least recently used adapter (loaded, or named by a request) is unloaded."""
+    from rlhpc.engine_server.cpu.server import parse_args
+
+    assert L.MAX_LOADED_LORAS in sgl.server_flags()
+    default = next(
+        s.value
+        for s in sgl._classes(LORA_FIELDS)["Lora"].body
+        if isinstance(s, ast.AnnAssign) and getattr(s.target, "id", "") == "max_loaded_loras"
+    )
+    assert isinstance(default, ast.Constant) and default.value is None
+    launch = _texts(LORA_HOOK, "check_lora_server_args")
+    assert L.loaded_below_batch("{}", "{}") in launch and L.more_paths_than_loaded("{}", "{}") in launch
+    with pytest.raises(RlhpcError, match="max_loaded_loras should be greater than or equal"):
+        L.LoraServing(8, ("all",), max_loras_per_batch=4, max_loaded_loras=3)
+    with pytest.raises(RlhpcError, match="should not exceed max_loaded_loras"):
+        L.LoraServing(8, ("all",), max_loras_per_batch=1, paths=("a=/x", "b=/y"), max_loaded_loras=1)
+    serving = L.LoraServing(8, ("all",), max_loras_per_batch=2, max_loaded_loras=3)
+    assert parse_args(["--model-path", "/m", *serving.flags()]).lora == serving
+    load = sgl.function_code("sglang/srt/managers/tokenizer_control_mixin.py", "load_lora_adapter")
+    assert "while self.lora_registry.num_registered_loras > get_lora().max_loaded_loras:" in load
+    assert "await self.lora_registry.lru_lora_name(exclude_pinned=True)" in load
+    assert L.evicting("{}", "{}", "{}") in _texts("sglang/srt/managers/tokenizer_control_mixin.py", "load_lora_adapter")
+    # the LRU order: the registry is ordered by use, a request's lookup moves its adapter to the end
+    assert "self._registry.move_to_end(name)" in sgl.function_code(LORA_REGISTRY, "get_unregistered_loras")
+    assert "return next(iter(self._registry), None)" in sgl.function_code(LORA_REGISTRY, "lru_lora_name")
 
 
 def test_lora_fit_rules_are_sglangs() -> None:

@@ -102,12 +102,16 @@ def tiny_config(model_mb: float) -> TinyModelConfig:
 # ---------------------------------------------------------------- engines
 
 
-def start_engine(model_path: str, work: Path, name: str, timeout_s: float = 300) -> tuple[subprocess.Popen, str]:
+def start_engine(
+    model_path: str, work: Path, name: str, timeout_s: float = 300, flags: list[str] | None = None
+) -> tuple[subprocess.Popen, str]:
+    """A CPU engine server as the loop starts one; ``flags``: more of its (SGLang's) flags."""
     ready = work / f"{name}.ready.json"
     logf = open(work / f"{name}.log", "wb")  # noqa: SIM115 - lives as long as the server
     proc = subprocess.Popen(
         [sys.executable, "-m", "rlhpc.engine_server.cpu", "--model-path", model_path, "--port", "0"]
-        + ["--ready-file", str(ready), "--parent-pid", str(os.getpid()), "--log-level", "WARNING"],
+        + ["--ready-file", str(ready), "--parent-pid", str(os.getpid()), "--log-level", "WARNING"]
+        + (flags or []),
         stdout=logf,
         stderr=subprocess.STDOUT,
         cwd=REPO,

@@ -67,7 +67,7 @@ class Adapters:
     def __init__(self, model: torch.nn.Module, serving: L.LoraServing | None):
         self.model = model
         self.serving = serving
-        self.loaded: dict[str, Adapter] = {}
+        self.loaded: dict[str, Adapter] = {}  # least recently used first (loaded or named by a request)
         self.paths: dict[str, str] = {}  # every adapter ever loaded, name -> path (SGLang's lora_ref_cache)
         self._lock = threading.Lock()  # loads (control thread) against lookups (event loop)
         self._linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
@@ -113,8 +113,20 @@ class Adapters:
         with self._lock:
             self.loaded[name] = Adapter(name, path, rank, scaling, weights)
             self.paths[name] = path
+            evicted = self._evict()
         log.info("LoRA adapter %s loaded (rank %d, %d modules, from %s)", name, rank, len(weights), path)
+        for old, count in evicted:
+            log.info("%s", L.evicting(old, count, self.serving.max_loaded_loras))
         return self.listing()
+
+    def _evict(self) -> list[tuple[str, int]]:
+        """Past --max-loaded-loras, the least recently used adapters leave (SGLang's LRU; a
+        request naming one later loads it again from its path). Under the lock."""
+        limit, evicted = self.serving.max_loaded_loras, []
+        while limit is not None and len(self.loaded) > limit:
+            evicted.append((next(iter(self.loaded)), len(self.loaded)))
+            del self.loaded[evicted[-1][0]]
+        return evicted
 
     def unload(self, name: str) -> dict[str, str]:
         self.require_enabled()
@@ -214,6 +226,8 @@ class Adapters:
                 if name not in self.loaded:  # a concurrent load of the same name is fine (SGLang's words)
                     raise EngineError(L.reload_failed(name, str(e))) from e
         with self._lock:
+            for name in dict.fromkeys(n for n in names if n):  # recently used: last to be evicted
+                self.loaded[name] = self.loaded.pop(name)
             return [self.loaded[n] if n else None for n in names]
 
     @contextlib.contextmanager

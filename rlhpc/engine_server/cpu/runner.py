@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from rlhpc import moe_routing
 from rlhpc.data.images import decode_uri, load_vision
+from rlhpc.engine_server.cpu.fp8 import load_fp8_model
 from rlhpc.engine_server.cpu.lora import Adapters
 from rlhpc.engine_server.cpu.requests import (
     EngineError,
@@ -40,6 +41,7 @@ from rlhpc.engine_server.cpu.sampling import RECOMPUTE, Multimodal, sample
 from rlhpc.errors import RlhpcError
 from rlhpc.model import is_classifier, load_classifier, load_model, load_tokenizer, mrope_positions, text_config
 from rlhpc.weights.expert_names import checkpoint_named
+from rlhpc.weights.fp8 import is_fp8_checkpoint
 from rlhpc.weights.tensor_transport import (
     FlatBucket,
     TensorPayloadError,
@@ -114,6 +116,8 @@ class Engine:
         # as SGLang serves it as an embedding model
         self.classifier = is_classifier(model_path)
         load = load_classifier if self.classifier else load_model
+        if not self.classifier and is_fp8_checkpoint(model_path):  # rollout.quantization: fp8
+            load = load_fp8_model
         self.model = load(model_path, self.device).eval().requires_grad_(False)
         if self.classifier and not isinstance(getattr(self.model, "score", None), torch.nn.Linear):
             raise EngineError(f"{model_path}: a classifier without a linear `score` head (as Llama's and Qwen2's)")

@@ -100,6 +100,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         L.MAX_LORAS_PER_BATCH, type=int, default=L.DEFAULT_MAX_LORAS_PER_BATCH,
         help="adapters a batch mixes, the base model counting as one; rows of more run in turn",
     )  # fmt: skip
+    lora.add_argument(
+        L.MAX_LOADED_LORAS, type=int,
+        help="adapters held at once (default: no limit); a load past it unloads the least recently used",
+    )  # fmt: skip
     lora.add_argument(L.LORA_PATHS, nargs="*", help="adapters loaded at start: NAME=PATH or PATH (a PEFT directory)")
     p.add_argument("--log-level", default="INFO")
     p.add_argument(
@@ -139,8 +143,9 @@ def _lora_serving(p: argparse.ArgumentParser, args: argparse.Namespace) -> L.Lor
         p.error(L.NEEDS_RANK_AND_TARGETS if not args.lora_paths else f"the CPU engine: {L.NEEDS_RANK_AND_TARGETS}")
     try:
         return L.LoraServing(
-            args.max_lora_rank, tuple(args.lora_target_modules), args.max_loras_per_batch, tuple(args.lora_paths or ())
-        )
+            args.max_lora_rank, tuple(args.lora_target_modules), args.max_loras_per_batch,
+            tuple(args.lora_paths or ()), args.max_loaded_loras,
+        )  # fmt: skip
     except RlhpcError as e:
         p.error(str(e))
 

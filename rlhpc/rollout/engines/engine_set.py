@@ -17,9 +17,10 @@ from rlhpc.engine_server.host import EngineActor
 from rlhpc.engine_server.sglang import Router, engine_parts
 from rlhpc.errors import RlhpcError
 from rlhpc.model import weight_bytes
+from rlhpc.rollout.engines.fleet import FleetFile
 from rlhpc.util.files import tail
 from rlhpc.wire.client import EngineClient
-from rlhpc.wire.engine_key import new_key
+from rlhpc.wire.engine_key import new_key, read_key
 from rlhpc.wire.lora import POLICY_ADAPTER, LoraServing
 
 if TYPE_CHECKING:
@@ -42,7 +43,9 @@ class EngineSet:
     (``RunDir.engine_key``); None: a private temp dir. ``deterministic`` (the run's): every engine
     honours its requests' seeds (SGLang's --enable-deterministic-inference). ``routed_experts``
     (algo.routing_replay): every engine answers each token's experts (--enable-return-routed-experts).
-    Nothing starts before ``start``.
+    Nothing starts before ``start``. ``fleet`` (a run on a shared fleet, ``rollout.fleet``): the
+    fleet file of engines already up, which ``start`` attaches to, serving the run's adapter under
+    ``adapter_name``; the fleet's owner restarts and stops them, this set never does.
     """
 
     def __init__(
@@ -60,8 +63,11 @@ class EngineSet:
         deterministic: bool = False,
         lora: LoraServing | None = None,
         routed_experts: bool = False,
+        fleet: str | None = None,
+        adapter_name: str = POLICY_ADAPTER,
     ):
         self.frozen, self.deterministic = frozen, deterministic
+        self.fleet, self.adapter_name = fleet, adapter_name
         self.routed_experts = routed_experts
         # the trained engines serving the run's adapter (actor.lora.push: adapter): every request names it
         self.lora = lora
@@ -86,6 +92,9 @@ class EngineSet:
 
     def start(self) -> None:
         """A new engine key, every engine's server (and the router), up and answering."""
+        if self.fleet is not None:
+            self._attach(FleetFile.read(self.fleet))
+            return
         self.api_key = new_key(self.key_file)  # a new one at every start of the job
         here = ray.util.get_node_ip_address()
         # Loopback when every engine and actor rank is on the driver's node (the embedded default).
@@ -102,6 +111,17 @@ class EngineSet:
             self.router = Router("127.0.0.1", self.log_dir / "router.log", 60.0, self.key_file)
             self.route_again(urls)
 
+    def _attach(self, fleet: FleetFile) -> None:
+        """The shared fleet's engines, as they are: their key, their clients, no actors of ours.
+        Requests go to the engines directly (the fan-out spreads them), not through a router."""
+        self.key_file = Path(fleet.key_file)
+        self.api_key = read_key(self.key_file)
+        self.engine_world_sizes = [1] * len(fleet.engines)
+        self.clients = [self.client(url) for url in fleet.engines]
+        self.engine_logs = list(fleet.logs)
+        self.restarts = [0] * len(self.clients)
+        log.info("attached to the shared fleet %s: %s (adapter %s)", self.fleet, ", ".join(fleet.engines), self.adapter)
+
     def client(self, url: str) -> EngineClient:
         """An engine's client. With the router, batches go to the engine one prompt per request
         too (as the router takes them), so a sample is computed alike whichever way it goes."""
@@ -109,7 +129,7 @@ class EngineSet:
 
     @property
     def adapter(self) -> str | None:
-        return POLICY_ADAPTER if self.lora is not None else None
+        return self.adapter_name if self.lora is not None else None
 
     @property
     def engines(self) -> list[ray.actor.ActorHandle]:
@@ -173,6 +193,13 @@ class EngineSet:
     def restart(self, e: int) -> None:
         """Restart engine e's server in its actor(s), at most ``rollout.max_engine_restarts`` times."""
         limit, log_file, url = self.rollout_cfg.max_engine_restarts, self.engine_logs[e], self.clients[e].base_url
+        if self.fleet is not None:
+            raise RlhpcError(
+                f"engine {e} ({url}) of the shared fleet {self.fleet} died or stopped answering /health; "
+                f"its log {log_file} ends with:\n{tail(Path(log_file), 15)}",
+                "the fleet's owner (the sweep) holds its engines: read the log, then resubmit the sweep, "
+                "which resumes each unfinished run from its last checkpoint",
+            )
         if self.restarts[e] >= limit:
             raise RlhpcError(
                 f"{self.role} engine {e} ({url}) died or stopped answering /health after "
@@ -224,6 +251,9 @@ class EngineSet:
         )
 
     def shutdown(self) -> None:
+        if self.fleet is not None:  # the fleet's owner stops its engines (and unloads the run's adapter)
+            for c in self.clients:
+                c.close()
         if self.router is not None:
             self.router.stop()
         if self.router_client is not None:

@@ -11,7 +11,7 @@ from rlhpc.rollout.engines.engine_set import EngineSet
 from rlhpc.rollout.engines.fanout import Call, FanOut
 from rlhpc.rollout.engines.health import Health
 from rlhpc.wire.client import EngineClient, EngineUnavailable
-from rlhpc.wire.lora import LoraServing
+from rlhpc.wire.lora import POLICY_ADAPTER, LoraServing
 from rlhpc.wire.request import EnginesDown, Request, StopCheck
 
 if TYPE_CHECKING:
@@ -46,12 +46,14 @@ class EnginePool:
         deterministic: bool = False,
         lora: LoraServing | None = None,
         routed_experts: bool = False,
+        fleet: str | None = None,
+        adapter_name: str = POLICY_ADAPTER,
     ) -> EnginePool:
         """Start the engines (``EngineSet``'s arguments) and watch them; ``stop``: generation in
         flight is aborted when it is set (the job's stop request, or the schedule's ``abort``)."""
         engine_set = EngineSet(
             rollout, cluster, seed, model_path, placement, layout, log_dir, key_file, frozen, role, deterministic, lora,
-            routed_experts,
+            routed_experts, fleet, adapter_name,
         )  # fmt: skip
         engine_set.start()
         health = Health(engine_set)
