@@ -63,7 +63,8 @@ def queued_ids() -> set[str]:
 def beside(minicluster, tmp_path_factory) -> Iterator[dict[str, tuple[Path, Beside]]]:
     """Jobs submitted as the four-node test starts, each run beside it and checked by a test of its
     own (they fit beside it: 2 GPUs a node each): the three-node job and the job whose reward
-    raises. Their submissions and jobs are stopped at the end if still there (a test run with -k)."""
+    raises, both on node0, where the four-node job's head is too (three jobs' Ray on one node).
+    Their submissions and jobs are stopped at the end if still there (a test run with -k)."""
     three = tmp_path_factory.mktemp("three-nodes") / "run dir;$(touch pwned)'\""
     crash_dir = tmp_path_factory.mktemp("crash")
     crash, crash_run = crash_dir / "crash-now", crash_dir / "run"
@@ -73,9 +74,10 @@ def beside(minicluster, tmp_path_factory) -> Iterator[dict[str, tuple[Path, Besi
         # 3 x 2 GPUs: actor ranks on slots 0-2 (node A both GPUs + node B), engines on slots 3-4.
         "three_nodes": (three, Beside(three, "--time", "15", *SMALL, "--nodes", "3", "--gpus-per-node", "2",
                                       "--set", "cluster.actor_num_gpus=3", "--set", "cluster.rollout_num_gpus=2",
-                                      "--follow")),
+                                      "--sbatch", "nodelist=node[0-2]", "--follow")),
         "crash": (crash_run, Beside(crash_run, "--time", "15", *SMALL, "--nodes", "1", "--gpus-per-node", "2",
-                                    "--set", "data.reward=support.crashy_reward:reward", "--follow", env=env)),
+                                    "--set", "data.reward=support.crashy_reward:reward", "--sbatch", "nodelist=node0",
+                                    "--follow", env=env)),
     }  # fmt: skip
     yield started
     for run, submission in started.values():
@@ -142,24 +144,24 @@ def test_three_nodes_uneven_layout_in_a_run_dir_with_any_characters(minicluster,
     assert not (REPO / "pwned").exists() and not list(run.parent.rglob("pwned"))  # the job's cwd is REPO
 
 
-def test_two_jobs_share_a_node(minicluster, tmp_path):
-    runs = [tmp_path / "a", tmp_path / "b"]
-    for run in runs:  # both pinned to node0: Ray ports and temp dirs must not collide
-        p = submit(run, "--nodes", "1", "--gpus-per-node", "2", "--sbatch", "nodelist=node0", follow=False)
-        assert p.returncode == 0, p.stderr
+def test_two_jobs_share_a_node(minicluster, beside):
+    # The three-node job and the job whose reward raises (``beside``), both with their head on node0
+    # at once (the crash comes at the first reward, after Ray, the ranks and the engines started):
+    # Ray ports and temp dirs must not collide. Each ran as its own test says.
+    runs = [beside["three_nodes"][0], beside["crash"][0]]
+    for _, submission in beside.values():
+        submission.result()
     ids = [(run / "slurm_job_id").read_text().strip() for run in runs]
     for job_id in ids:
         wait_gone(job_id)
-    for run in runs:
-        assert (run / "FINISHED").is_file(), job_log(run)[-3000:]
-        assert [r["rollout_id"] for r in read_metrics(run) if r["kind"] == "rollout"] == [0, 1]
     # the ports each head chose (and published for its workers) differ
     heads = [json.loads((run / "ray" / f"job_{j}.0" / "head.json").read_text()) for run, j in zip(runs, ids)]
+    assert [h["address"].split(":")[0] for h in heads] == [minicluster.node_ips["node0"]] * 2
     assert heads[0]["ports"]["gcs"] != heads[1]["ports"]["gcs"]
     assert all(no_ray_left(j) for j in ids)
     # node-local temp dirs removed: the ones these jobs' tasks said they used (node files)
     used = [json.loads(f.read_text())["temp_dir"] for run in runs for f in (run / "ray").glob("job_*/node_*.json")]
-    assert len(used) == 2 and not [d for d in used if Path(d).exists()], used
+    assert len(used) == 3 + 1 and not [d for d in used if Path(d).exists()], used
 
 
 def test_node_whose_ray_cannot_start_fails_clearly(minicluster, tmp_path):
