@@ -152,7 +152,7 @@ class TrainLoop:
         pool_stop = AbortWhen(stop)
 
         lora = cfg.actor.lora  # with push: adapter, the trained engines serve the run's adapter by name
-        serving = LoraServing.for_adapter(lora.rank, lora.target_modules) if lora and lora.push == "adapter" else None
+        serving = LoraServing.for_run(lora)
         # on a shared fleet (rollout.fleet) the run's adapter has the run's own name beside the others'
         adapter = adapter_name(run.path) if cfg.rollout.fleet is not None else POLICY_ADAPTER
 

@@ -47,18 +47,21 @@ def engines_preview(cfg: Config, run: RunDir) -> str:
     from rlhpc.engine_server.sglang import SGLangSpec
     from rlhpc.rollout.reward_model import reward_rollout_config
     from rlhpc.rollout.teacher import teacher_rollout_config
+    from rlhpc.wire.lora import LoraServing
 
     c, r = cfg.cluster, cfg.rollout
     nnodes = max(1, c.rollout_gpus_per_engine // (c.rollout_gpus_per_node or c.gpus_per_node))
     rollout = SGLangSpec(
         c.rollout_gpus_per_engine, r.sglang.mem_fraction_static, c.colocate or c.offload, cfg.seed,
         extra_args=tuple(r.sglang.extra_args), nnodes=nnodes, deterministic=cfg.deterministic, colocated=c.colocate,
-        routed_experts=cfg.algo.routing_replay,
+        routed_experts=cfg.algo.routing_replay, lora=LoraServing.for_run(cfg.actor.lora),
     )  # fmt: skip
     model = cfg.model.path or "<run dir>/base_model"
     if r.quantization == "fp8":  # the engines start from the copy the first start writes (rlhpc.driver)
         model = str(run.fp8_model)
-    out = [_group("engine", r.backend, rollout, model, run, fp8=r.quantization == "fp8")]
+    out = [
+        _group("engine", r.backend, rollout, model, run, fp8=r.quantization == "fp8", routed=cfg.algo.routing_replay)
+    ]
     rm = cfg.reward_model
     if rm is not None:
         sg = reward_rollout_config(r, rm).sglang
@@ -80,7 +83,7 @@ def _line(cmd: list[str]) -> str:
     return shlex.join(cmd).replace("'", "")  # the <...> placeholders unquoted
 
 
-def _group(name: str, backend: str, spec: Any, model: str, run: RunDir, fp8: bool = False) -> str:
+def _group(name: str, backend: str, spec: Any, model: str, run: RunDir, fp8: bool = False, routed: bool = False) -> str:
     """One group's engine 0: an SGLang server (``spec``) or the CPU engine server. ``fp8``: it
     serves ``model``, the block-FP8 copy, which the dry run has not written yet."""
     from rlhpc.engine_server.cpu.command import THREAD_DEFAULTS, server_command
@@ -101,7 +104,7 @@ def _group(name: str, backend: str, spec: Any, model: str, run: RunDir, fp8: boo
     else:
         cmd = server_command(
             "python", model, NODE_IP, f"{ENGINE_TMP}/ready.json", "<its Ray actor pid>", THREAD_DEFAULTS["OMP_NUM_THREADS"],
-            str(run.engine_key), spec.deterministic,
+            str(run.engine_key), spec.deterministic, spec.lora, routed,
         )  # fmt: skip
         env = engine_env({**THREAD_DEFAULTS, **os.environ})
     changes = " ".join(env_changes(os.environ, env))

@@ -99,6 +99,12 @@ class LoraServing:
         targets = (ALL,) if isinstance(target_modules, str) else tuple(target_modules)
         return cls(max_lora_rank=rank, target_modules=targets)
 
+    @classmethod
+    def for_run(cls, lora: Any) -> LoraServing | None:
+        """What a run's trained engines serve: room for its adapter when ``actor.lora`` pushes
+        adapters (``push: adapter``), else None (full weights pushed, nothing served by name)."""
+        return cls.for_adapter(lora.rank, lora.target_modules) if lora is not None and lora.push == "adapter" else None
+
     def flags(self) -> list[str]:
         """SGLang's launch flags for this (the CPU engine takes the same ones)."""
         out = [ENABLE_LORA, MAX_LORA_RANK, str(self.max_lora_rank), LORA_TARGET_MODULES, *self.target_modules]

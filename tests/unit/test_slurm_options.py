@@ -413,3 +413,27 @@ def test_bad_heterogeneous_requests_are_refused_before_anything_is_written(tmp_p
     run = tmp_path / "run"
     assert message in submit_refused(args, run)
     assert not run.exists()
+
+
+@pytest.mark.parametrize("backend", ["cpu", "sglang"])
+def test_the_dry_run_shows_the_lora_flags_the_engines_start_with(tmp_path, backend):
+    """With ``actor.lora.push: adapter`` the trained engines serve the run's adapter: the dry run's
+    launch line carries the flags the job passes (``LoraServing.for_run``, as the driver builds it)."""
+    from rlhpc.config import load_config
+    from rlhpc.launch.preview import engines_preview
+    from rlhpc.run_dir import RunDir
+    from rlhpc.wire.lora import LoraServing
+
+    on = [
+        "model.tiny={}",
+        f"rollout.backend={backend}",
+        "actor.lora.rank=8",
+        "actor.lora.target_modules=[q_proj, v_proj]",
+    ]
+    cfg = load_config(None, on)
+    flags = " ".join(LoraServing.for_run(cfg.actor.lora).flags())
+    assert "--enable-lora --max-lora-rank 8 --lora-target-modules q_proj v_proj" in flags
+    assert flags in engines_preview(cfg, RunDir(tmp_path / "run"))
+    plain = load_config(None, on[:2])
+    assert LoraServing.for_run(plain.actor.lora) is None
+    assert "--enable-lora" not in engines_preview(plain, RunDir(tmp_path / "run"))
