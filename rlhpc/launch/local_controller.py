@@ -50,6 +50,9 @@ class StoppableController(Controller):
 
     def wait(self, freq: int = 24) -> list[int | None]:
         codes = list(super().wait(freq))
+        for k, code in enumerate(codes):
+            if code is not None and code < 0:  # said nowhere else: the task's own log ends before it
+                print(f"rlhpc: local task {k} ended by signal {-code}", file=sys.stderr, flush=True)
         return [0 if self.stopping and c == LOCAL_REQUEUE_RETURN_CODE else c for c in codes]
 
 

@@ -1,5 +1,6 @@
 """Requeue and hold outcomes said plainly (Slurm answers faked), and the local restart cap."""
 
+import os
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -81,6 +82,17 @@ def test_local_restarts_are_not_capped_at_submitits_six(tmp_path):
     job = executor.submit(sys.exit, LOCAL_REQUEUE_EXIT_CODE)
     job._process.wait(timeout=120)
     assert job.paths.stdout.read_text().count("Starting with JobEnvironment") == 9
+
+
+def test_a_local_task_killed_by_a_signal_is_said_in_the_controllers_log(tmp_path, capfd):
+    # A task that dies by a signal (after its own log's last line) is not restarted, and the
+    # controller says so: its own output goes to the submission's stderr.
+    executor = LocalExecutor(tmp_path / "submitit", max_starts=3)
+    executor.update_parameters(timeout_min=5, tasks_per_node=1, nodes=1)
+    job = executor.submit(os.abort)  # SIGABRT
+    job._process.wait(timeout=120)
+    assert job.paths.stdout.read_text().count("Starting with JobEnvironment") == 1
+    assert "rlhpc: local task 0 ended by signal 6" in capfd.readouterr().err
 
 
 def test_local_executor_allows_the_configured_restarts(tmp_path):
